@@ -1,0 +1,3 @@
+from kubetune.cli import main
+
+main()

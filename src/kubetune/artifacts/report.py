@@ -1,0 +1,110 @@
+"""report.html: training loss and eval metrics plots (PNG, also embedded), metrics and the spec."""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+from pathlib import Path
+
+from kubetune.artifacts import write_atomic
+from kubetune.config import JobSpec, dump_spec
+
+
+def _read_history(out: Path) -> list[dict]:
+    path = out / "history.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot(history: list[dict], out: Path) -> list[Path]:
+    """Write plots/train_loss.png and plots/eval_metrics.png; return their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    (out / "plots").mkdir(exist_ok=True)
+    paths = []
+    train = [h for h in history if h["type"] == "train"]
+    evals = [h for h in history if h["type"] == "eval"]
+    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
+    ax.plot([h["step"] for h in train], [h["loss"] for h in train], label="train loss")
+    if evals:
+        ax.plot([h["step"] for h in evals], [h["eval_loss"] for h in evals], "o-", label="eval loss")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy")
+    ax.set_title("Loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out / "plots" / "train_loss.png")
+    fig.savefig(paths[-1])
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
+    for key in ("eval_accuracy", "eval_f1_macro"):
+        ax.plot([h["epoch"] for h in evals], [h[key] for h in evals], "o-", label=key.removeprefix("eval_"))
+    ax.set_xlabel("epoch")
+    ax.set_ylim(0, 1)
+    ax.set_title("Evaluation")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out / "plots" / "eval_metrics.png")
+    fig.savefig(paths[-1])
+    plt.close(fig)
+    return paths
+
+
+def write_report(spec: JobSpec, metrics: dict, out: Path) -> Path:
+    """Write ``report.html`` (self-contained: the PNGs are embedded as data URIs)."""
+    images = plot(_read_history(out), out)
+    rows = [
+        ("eval accuracy", metrics.get("eval_accuracy")),
+        ("eval macro-F1", metrics.get("eval_f1_macro")),
+        ("eval loss", metrics.get("eval_loss")),
+        ("train loss (last 10% of logs)", metrics.get("train_loss")),
+        ("train samples/s", metrics.get("train_samples_per_second")),
+        ("train runtime (s)", metrics.get("train_runtime_s")),
+        ("world size", metrics.get("world_size")),
+        ("optimizer steps", metrics.get("global_step")),
+        ("train / eval rows", f"{metrics.get('train_rows')} / {metrics.get('eval_rows')}"),
+        ("dropped rows", metrics.get("dropped_rows") or "none"),
+    ]
+    table = "".join(f"<tr><th>{html.escape(k)}</th><td>{_fmt(v)}</td></tr>" for k, v in rows)
+    base = metrics.get("baseline")
+    compare = ""
+    if base:
+        verdict = "beats" if metrics["eval_accuracy"] > base["accuracy"] else "does NOT beat"
+        compare = (
+            "<h2>Against a baseline on the same split</h2><table><tr><th></th><th>accuracy</th><th>macro-F1</th></tr>"
+            f"<tr><th>fine-tuned {html.escape(spec.model.uri)}</th><td>{_fmt(metrics['eval_accuracy'])}</td><td>{_fmt(metrics['eval_f1_macro'])}</td></tr>"
+            f"<tr><th>{html.escape(base['method'])}</th><td>{_fmt(base['accuracy'])}</td><td>{_fmt(base['f1_macro'])}</td></tr></table>"
+            f"<p>The fine-tuned model {verdict} the baseline by {100 * (metrics['eval_accuracy'] - base['accuracy']):+.1f} accuracy points.</p>"
+        )
+    labels = metrics.get("labels") or []
+    cm = metrics.get("eval_confusion") or []
+    confusion = ""
+    if cm:
+        head = "".join(f"<th>{html.escape(str(lab))}</th>" for lab in labels)
+        body = "".join(f"<tr><th>{html.escape(str(labels[i]))}</th>" + "".join(f"<td>{v}</td>" for v in row) + "</tr>" for i, row in enumerate(cm))
+        confusion = f"<h2>Confusion matrix (rows: true, columns: predicted)</h2><table><tr><th></th>{head}</tr>{body}</table>"
+    imgs = "".join(f'<img alt="{p.stem}" src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}">' for p in images)
+    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>kubetune report: {html.escape(spec.name)}</title>
+<style>body{{font-family:system-ui,sans-serif;max-width:60rem;margin:2rem auto;padding:0 1rem}}table{{border-collapse:collapse;margin:1rem 0}}
+th,td{{border:1px solid #ccc;padding:.3rem .6rem;text-align:left}}img{{max-width:100%;margin:.5rem 0}}pre{{background:#f5f5f5;padding:1rem;overflow:auto}}</style></head>
+<body><h1>kubetune report: {html.escape(spec.name)}</h1>
+<p>Task {html.escape(spec.task)}, model {html.escape(spec.model.uri)}, {'LoRA r=' + str(spec.lora.r) if spec.lora else 'full fine-tune'}.</p>
+<table>{table}</table>{compare}{confusion}<h2>Curves</h2>{imgs}
+<h2>Job spec</h2><pre>{html.escape(dump_spec(spec))}</pre></body></html>"""
+    path = out / "report.html"
+    write_atomic(path, page)
+    return path
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4f}" if abs(v) < 100 else f"{v:.1f}"
+    return html.escape(str(v))

@@ -1,0 +1,1 @@
+"""Job backends: where a job spec runs (local elastic launch now; Kubernetes next)."""

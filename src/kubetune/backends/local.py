@@ -1,0 +1,84 @@
+"""Local backend: ``nodes × procs_per_node`` workers through torch's elastic launcher (c10d rendezvous)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from kubetune.config import JobSpec, dump_spec
+from kubetune.errors import KubetuneError
+
+log = logging.getLogger(__name__)
+WORKER_MODULE = "kubetune.worker"
+
+
+def launch_config(spec: JobSpec, *, run_id: str, rdzv_port: int | None = None) -> LaunchConfig:
+    """Pure: the elastic launch configuration for this node of ``spec``."""
+    dist = spec.distributed
+    if dist.nodes > 1 and not dist.rdzv_endpoint:
+        raise KubetuneError("multi-node local runs need a rendezvous address", field="distributed.rdzv_endpoint", fix="set it to HOST:PORT of the first node, and run `kubetune run` on every node")
+    endpoint = dist.rdzv_endpoint or f"127.0.0.1:{rdzv_port or _free_port()}"
+    return LaunchConfig(
+        min_nodes=dist.nodes,
+        max_nodes=dist.nodes,
+        nproc_per_node=dist.procs_per_node,
+        run_id=run_id,
+        rdzv_backend="c10d",
+        rdzv_endpoint=endpoint,
+        max_restarts=dist.max_restarts,
+        monitor_interval=0.5,
+        start_method="spawn",
+    )
+
+
+def worker_env(spec: JobSpec) -> dict[str, str]:
+    """Pure: environment additions for workers (threads per process on CPU)."""
+    threads = spec.distributed.threads_per_proc or max(1, (os.cpu_count() or 1) // spec.distributed.procs_per_node)
+    return {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+
+
+def run(spec: JobSpec) -> dict[int, object]:
+    """Run ``spec`` on this machine; blocks until the workers finish.
+
+    Raises:
+        KubetuneError: a worker failed (names the rank and its exit code).
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    run_id = f"{spec.name}-{uuid.uuid4().hex[:8]}"
+    workdir = Path(tempfile.mkdtemp(prefix=f"kubetune-{spec.name}-"))
+    spec_file = workdir / "job.yaml"
+    spec_file.write_text(dump_spec(spec))
+    config = launch_config(spec, run_id=run_id)
+    os.environ.update(worker_env(spec))
+    # The elastic agent logs every restart and shutdown at WARNING; our workers already say why.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    try:
+        return elastic_launch(config, entrypoint=sys.executable)("-u", "-m", WORKER_MODULE, str(spec_file))
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        code = failure.exitcode
+        if code == 2:
+            raise KubetuneError(f"rank {rank} stopped on a user error (its message is above)") from None
+        raise WorkerFailed(rank, code) from None
+
+
+class WorkerFailed(Exception):
+    """A worker crashed (not a user error): exit non-zero with that rank's code."""
+
+    def __init__(self, rank: int, exitcode: int):
+        self.rank, self.exitcode = rank, exitcode
+        super().__init__(f"worker rank {rank} failed with exit code {exitcode} (its error is above)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

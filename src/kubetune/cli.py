@@ -1,0 +1,134 @@
+"""The ``kubetune`` command line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kubetune.errors import USER_ERROR_EXIT, KubetuneError, SpecError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Distributed fine-tuning of transformer models from one YAML job spec.",
+)
+
+SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a spec value: KEY=VALUE with a dotted key (repeatable).", metavar="KEY=VALUE")]
+SpecArg = Annotated[Path, typer.Argument(help="Job spec (YAML).", metavar="SPEC")]
+
+
+def _fail(err: KubetuneError) -> None:
+    lines = err.lines() if isinstance(err, SpecError) else [str(err)]
+    for line in lines:
+        typer.echo(f"error: {line}", err=True)
+    raise typer.Exit(USER_ERROR_EXIT)
+
+
+@app.command()
+def validate(spec: SpecArg, set_: SetOpt = None) -> None:
+    """Check a job spec: prints `ok`, or every problem (one per line) and exits 2."""
+    from kubetune.config import load_spec
+
+    try:
+        load_spec(spec, set_)
+    except KubetuneError as e:
+        _fail(e)
+    typer.echo("ok")
+
+
+@app.command()
+def run(
+    spec: SpecArg,
+    set_: SetOpt = None,
+    preflight: Annotated[bool, typer.Option(help="Check model and data before starting workers.")] = True,
+) -> None:
+    """Run the job on this machine: nodes × procs_per_node workers under torch elastic."""
+    from kubetune.backends import local
+    from kubetune.config import load_spec
+
+    try:
+        job = load_spec(spec, set_)
+        if preflight:
+            _preflight(job)
+        local.run(job)
+    except KubetuneError as e:
+        _fail(e)
+    except local.WorkerFailed as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+
+
+def _preflight(job) -> None:
+    """Fail fast, before any worker starts, on a bad model path or data."""
+    from kubetune import artifacts
+    from kubetune.data import load_frames
+
+    artifacts.resolve_model(job)
+    load_frames(job.data, job.training.seed)
+    artifacts.local_output_dir(job.output.uri)
+
+
+@app.command()
+def worker(spec: SpecArg) -> None:
+    """Run one worker process (what torchrun starts in each pod; reads RANK, WORLD_SIZE, ...)."""
+    from kubetune.worker import main as worker_main
+
+    worker_main([str(spec)])
+
+
+@app.command()
+def predict(
+    model: Annotated[str, typer.Argument(help="Exported model: a job's output directory or its model/ directory.")],
+    texts: Annotated[list[str] | None, typer.Argument(help="Texts to classify.")] = None,
+    file: Annotated[Path | None, typer.Option("--file", "-f", help="Read texts from a file, one per line.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list of {text, label, score}.")] = False,
+) -> None:
+    """Classify texts with an exported model."""
+    from kubetune.predict import predict as run_predict
+
+    items = list(texts or [])
+    try:
+        if file is not None:
+            try:
+                items += [line for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
+            except OSError as e:
+                raise KubetuneError(f"cannot read {file}: {e.strerror}", field="--file", fix="check the path") from None
+        if not items:
+            raise KubetuneError("no texts given", field="TEXTS", fix='pass texts as arguments or --file texts.txt')
+        results = run_predict(model, items)
+    except KubetuneError as e:
+        _fail(e)
+    if as_json:
+        typer.echo(json.dumps(results, ensure_ascii=False, indent=2))
+    else:
+        for r in results:
+            typer.echo(f"{r['label']}\t{r['score']:.4f}\t{r['text']}")
+
+
+@app.command("seed-hf-cache")
+def seed_hf_cache() -> None:
+    """Put the packaged all-MiniLM-L6-v2 into the Hugging Face cache (for offline hf:// use)."""
+    from kubetune.providers.hf import SEED_REPO_ID, seed_cache
+
+    try:
+        path = seed_cache()
+    except KubetuneError as e:
+        _fail(e)
+    typer.echo(f"hf://{SEED_REPO_ID} -> {path}")
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        typer.echo("interrupted", err=True)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""Pydantic schema of the job spec.
+
+The key names are a public contract (docs, tools and the Kubernetes ConfigMap rely on them).
+Unknown keys are errors; every field carries help text in ``description``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class Section(BaseModel):
+    """Base of every spec section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSpec(Section):
+    uri: str = Field(
+        description="Base model: hf://org/name (Hugging Face Hub or its local cache), "
+        "file:///path or a plain local path to a save_pretrained directory.",
+    )
+    revision: str | None = Field(
+        None, description="Hub revision (branch, tag or commit) for hf:// models; default: main."
+    )
+
+
+class DataSpec(Section):
+    train: str = Field(
+        description="Training data: a CSV/TSV/JSONL/Parquet file (plain path or file://), a directory of "
+        "such files, hf://org/dataset (Hugging Face dataset), or pkg://package/path (a file shipped "
+        "inside an installed Python package).",
+    )
+    eval: str | None = Field(
+        None, description="Evaluation data, same forms as data.train. Absent: carve data.eval_fraction out of data.train."
+    )
+    eval_fraction: float = Field(
+        0.1, gt=0, lt=1,
+        description="Fraction of data.train held out (stratified by label, fixed seed) when data.eval is absent.",
+    )
+    train_split: str = Field(
+        "train", description="Split (with optional slice, e.g. 'train[:3000]') for hf:// and directory datasets."
+    )
+    eval_split: str = Field(
+        "validation", description="Split (with optional slice) of data.eval for hf:// and directory datasets."
+    )
+    text_column: str = Field("text", description="Column holding the input text.")
+    text_pair_column: str | None = Field(
+        None, description="Optional second text column (sentence pairs, e.g. NLI); encoded as [CLS] a [SEP] b [SEP]."
+    )
+    label_column: str = Field(
+        "label", description="Column holding the class label: strings or integers; mapped to ids in sorted order."
+    )
+    max_length: int = Field(
+        128, ge=8, le=32768, description="Token limit per example; longer texts are truncated. Batches are padded dynamically."
+    )
+    max_train_samples: int | None = Field(
+        None, ge=1, description="Use at most this many training rows (a seeded random subset), after the eval carve-out."
+    )
+    max_eval_samples: int | None = Field(
+        None, ge=1, description="Use at most this many evaluation rows (a seeded random subset)."
+    )
+    encoding: str = Field(
+        "auto",
+        description="Text encoding of CSV/TSV/JSONL files. 'auto' tries utf-8 and falls back to latin-1 with a warning.",
+    )
+
+
+class LoraSpec(Section):
+    r: int = Field(8, ge=1, le=1024, description="LoRA rank.")
+    alpha: float = Field(16, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA branch.")
+    target_modules: list[str] | Literal["all-linear"] | None = Field(
+        None,
+        description="Module names to adapt (e.g. [query, value]) or 'all-linear'. Absent: peft's default for "
+        "the architecture. The classification head always trains in full.",
+    )
+
+
+class TrainSpec(Section):
+    epochs: int = Field(1, ge=1, description="Passes over the training data.")
+    max_steps: int | None = Field(
+        None, ge=1, description="Stop after this many optimizer steps (overrides epochs when reached first)."
+    )
+    batch_size: int = Field(16, ge=1, description="Examples per micro-batch per process.")
+    grad_accum: int = Field(
+        1, ge=1, description="Micro-batches per optimizer step; global batch = batch_size × grad_accum × world size."
+    )
+    learning_rate: float = Field(5e-5, gt=0, le=1, description="Peak AdamW learning rate.")
+    warmup_ratio: float = Field(0.0, ge=0, lt=1, description="Fraction of optimizer steps with linear warmup.")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay (not applied to biases and LayerNorm).")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient clipping norm; null disables clipping.")
+    seed: int = Field(42, ge=0, description="Seed for data order, initialization and dropout.")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="Compute precision: auto = bf16 autocast on a GPU that supports it, else fp32."
+    )
+    eval_batch_size: int | None = Field(None, ge=1, description="Eval micro-batch per process; default 2 × batch_size.")
+    group_by_length: bool = Field(
+        True, description="Batch examples of similar length together (seeded, distributed-correct) to cut padding."
+    )
+    log_every: int = Field(10, ge=1, description="Optimizer steps between training-loss log lines.")
+    dataloader_workers: int = Field(0, ge=0, le=64, description="DataLoader worker processes per training process.")
+
+
+class DistributedSpec(Section):
+    nodes: int = Field(1, ge=1, description="Number of nodes (Kubernetes pods, or hosts running `kubetune run`).")
+    procs_per_node: int = Field(1, ge=1, description="Worker processes per node (one per GPU on GPU nodes).")
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="torch.distributed backend: auto = nccl when CUDA is available, else gloo."
+    )
+    rdzv_endpoint: str | None = Field(
+        None,
+        description="host:port of the c10d rendezvous for multi-node local runs (the first node's address). "
+        "Single node: a free local port is chosen.",
+    )
+    max_restarts: int = Field(0, ge=0, description="Times the elastic launcher restarts all workers after a failure.")
+    threads_per_proc: int | None = Field(
+        None, ge=1, description="CPU threads per worker process; default: CPU cores / procs_per_node."
+    )
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.procs_per_node
+
+
+class OutputSpec(Section):
+    uri: str = Field(description="Where artifacts go: a local directory (plain path or file://).")
+    report_baseline: bool = Field(
+        True, description="Fit a TF-IDF + logistic-regression baseline on the same split and show it in the report."
+    )
+
+
+class JobSpec(Section):
+    name: str = Field(
+        description="Job name: lowercase letters, digits and '-', at most 52 characters (used for Kubernetes objects).",
+    )
+    task: Literal["sequence-classification"] = Field(
+        "sequence-classification", description="What to fine-tune for: sequence-classification."
+    )
+    model: ModelSpec = Field(description="The base model.")
+    data: DataSpec = Field(description="Training and evaluation data.")
+    lora: LoraSpec | None = Field(None, description="LoRA settings; absent = full fine-tune.")
+    training: TrainSpec = Field(default_factory=TrainSpec, description="The training recipe.")
+    distributed: DistributedSpec = Field(default_factory=DistributedSpec, description="Nodes × processes per node.")
+    output: OutputSpec = Field(description="Where the exported model, metrics and report are written.")
+
+    @field_validator("name")
+    @classmethod
+    def _dns_name(cls, v: str) -> str:
+        import re
+
+        if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,50}[a-z0-9])?", v):
+            raise ValueError(
+                "must be 1-52 lowercase letters, digits or '-', starting and ending with a letter or digit "
+                "(it names Kubernetes objects), e.g. 'sentiment-minilm'"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> JobSpec:
+        if self.data.text_pair_column and self.data.text_pair_column == self.data.text_column:
+            raise ValueError("data.text_pair_column must differ from data.text_column")
+        if self.data.label_column in (self.data.text_column, self.data.text_pair_column):
+            raise ValueError("data.label_column must differ from the text columns")
+        return self

@@ -1,0 +1,70 @@
+"""Deterministic, exactly-once assignment of training examples to ranks, steps and micro-batches.
+
+torch's DistributedSampler pads the last shard by repeating examples so every rank has the same
+count; we want every example exactly once per epoch. The plan below deals each global batch
+(``batch_size × grad_accum × world_size`` examples) round-robin to the ranks, then splits each
+rank's share into ``grad_accum`` micro-batches. In the last, partial global batch a rank may get
+an empty micro-batch: it then runs one example with loss weight 0, so every rank makes the same
+number of forward/backward calls (DDP's collectives stay matched) and no example counts twice.
+
+The plan is a pure function of (n, epoch, seed, world size, batch size, grad_accum), so a resumed
+run can skip to any step and see exactly the batches it would have seen.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Step:
+    """One optimizer step for one rank."""
+
+    micro: list[np.ndarray]  # this rank's example indices per micro-batch (may be empty)
+    global_count: int  # real examples in this step across all ranks (the loss denominator)
+
+
+def steps_per_epoch(n: int, world_size: int, batch_size: int, grad_accum: int) -> int:
+    """Optimizer steps in one epoch of ``n`` examples."""
+    return math.ceil(n / (world_size * batch_size * grad_accum))
+
+
+def epoch_order(n: int, epoch: int, seed: int, lengths: np.ndarray | None = None, batch_size: int = 1) -> np.ndarray:
+    """The global example order of one epoch: a seeded permutation.
+
+    With ``lengths``, examples are grouped by length inside windows of 64 units of ``batch_size``
+    (pass the global micro-batch, ``world_size × batch_size``): sorted within a window, then whole
+    units shuffled, so batches carry little padding and all ranks get similar lengths in a step.
+    """
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(n)
+    if lengths is None:
+        return order
+    window = 64 * batch_size
+    chunks = []
+    for start in range(0, n, window):
+        chunk = order[start : start + window]
+        chunks.append(chunk[np.argsort(-lengths[chunk], kind="stable")])
+    grouped = np.concatenate(chunks) if chunks else order
+    # Shuffle whole batches so long and short batches interleave; the first batch stays in place.
+    n_batches = math.ceil(n / batch_size)
+    batch_perm = rng.permutation(n_batches)
+    return np.concatenate([grouped[b * batch_size : (b + 1) * batch_size] for b in batch_perm]) if n else grouped
+
+
+def rank_plan(order: np.ndarray, *, rank: int, world_size: int, batch_size: int, grad_accum: int) -> list[Step]:
+    """This rank's steps for one epoch, given the epoch's global example ``order``."""
+    global_batch = world_size * batch_size * grad_accum
+    steps = []
+    for start in range(0, len(order), global_batch):
+        chunk = order[start : start + global_batch]
+        # Deal micro-batch by micro-batch so a full step gives every rank exactly batch_size per micro.
+        micro = []
+        for m in range(grad_accum):
+            piece = chunk[m * world_size * batch_size : (m + 1) * world_size * batch_size]
+            micro.append(piece[rank * batch_size : (rank + 1) * batch_size] if len(piece) == world_size * batch_size else piece[rank::world_size])
+        steps.append(Step(micro=micro, global_count=len(chunk)))
+    return steps

@@ -1,0 +1,104 @@
+"""The distributed environment, read once; process-group set-up; rank-0 discipline."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits in the job (from torchrun / the Training Operator's environment)."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    node_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the only process that logs progress and writes artifacts."""
+        return self.rank == 0
+
+    @property
+    def is_local_main(self) -> bool:
+        """Local rank 0: the process that prepares node-local caches."""
+        return self.local_rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def read_env(environ: dict[str, str] | None = None) -> DistEnv:
+    """Read RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE and GROUP_RANK (as torchrun sets them)."""
+    e = os.environ if environ is None else environ
+    world = int(e.get("WORLD_SIZE", 1))
+    return DistEnv(
+        rank=int(e.get("RANK", 0)),
+        local_rank=int(e.get("LOCAL_RANK", 0)),
+        world_size=world,
+        local_world_size=int(e.get("LOCAL_WORLD_SIZE", world)),
+        node_rank=int(e.get("GROUP_RANK", e.get("NODE_RANK", 0))),
+    )
+
+
+def pick_device(env: DistEnv) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", env.local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def setup(env: DistEnv, device: torch.device, backend: str = "auto") -> None:
+    """Join the process group (gloo on CPU, NCCL on GPU unless ``backend`` says otherwise)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not env.distributed or dist.is_initialized():
+        return
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None)
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over all ranks (in place; a no-op when not distributed)."""
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class _RankFilter(logging.Filter):
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = self.rank
+        return True
+
+
+def setup_logging(env: DistEnv, level: int = logging.INFO) -> None:
+    """Every log line says its rank; ranks other than 0 log warnings and errors only."""
+    handler = logging.StreamHandler()
+    handler.addFilter(_RankFilter(env.rank))
+    handler.setFormatter(logging.Formatter("%(asctime)s [rank %(rank)d] %(levelname)s %(message)s", "%H:%M:%S"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level if env.is_main else logging.WARNING)
+    for noisy in ("httpx", "urllib3", "filelock", "datasets", "huggingface_hub", "matplotlib"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -1,0 +1,34 @@
+"""User-facing errors: one line naming the field, the value and the fix; exit code 2."""
+
+from __future__ import annotations
+
+USER_ERROR_EXIT = 2
+
+
+class KubetuneError(Exception):
+    """An error caused by the user's input (spec, data, credentials, cluster).
+
+    The CLI prints ``str(err)`` on one line of stderr and exits with ``USER_ERROR_EXIT``;
+    it never prints a traceback for these.
+    """
+
+    def __init__(self, message: str, *, field: str | None = None, fix: str | None = None):
+        self.field = field
+        self.fix = fix
+        text = f"{field}: {message}" if field else message
+        if fix:
+            text = f"{text} — {fix}"
+        super().__init__(" ".join(text.split("\n")))
+
+
+class SpecError(KubetuneError):
+    """The job spec is invalid; carries every problem found, one per line."""
+
+    def __init__(self, problems: list[str], source: str = "spec"):
+        self.problems = problems
+        self.source = source
+        head = problems[0] if len(problems) == 1 else f"{len(problems)} problems in {source}"
+        Exception.__init__(self, head)
+
+    def lines(self) -> list[str]:
+        return list(self.problems)

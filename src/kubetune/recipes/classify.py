@@ -1,0 +1,245 @@
+"""Sequence classification: one readable training loop (DDP, AdamW, warmup, accumulation, LoRA).
+
+Read top to bottom: set-up, data, model, optimizer, the loop, evaluation, export.
+Everything a checkpoint needs to continue exactly is kept in plain variables
+(epoch, step in epoch, global step, model/optimizer/scheduler state, RNG states).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm.auto import tqdm
+
+from kubetune import artifacts, distributed
+from kubetune.config import JobSpec
+from kubetune.data import Frames, batches, load_frames, tokenized
+from kubetune.data.sharding import epoch_order, rank_plan, steps_per_epoch
+from kubetune.distributed import DistEnv
+from kubetune.recipes.common import (
+    build_optimizer,
+    load_tokenizer,
+    resolve_precision,
+    seed_everything,
+    to_device,
+)
+
+log = logging.getLogger(__name__)
+
+
+def train(spec: JobSpec, env: DistEnv) -> dict:
+    """Fine-tune a sequence classifier as described by ``spec``; rank 0 exports the artifacts.
+
+    Returns:
+        The final metrics (identical on every rank).
+    """
+    t_start = time.perf_counter()
+    cfg = spec.training
+    device = distributed.pick_device(env)
+    distributed.setup(env, device, spec.distributed.backend)
+    dtype = resolve_precision(cfg.precision, device)
+    out = artifacts.local_output_dir(spec.output.uri) if env.is_main else None
+    log.info("job %s: world size %d, device %s, precision %s", spec.name, env.world_size, device, cfg.precision if cfg.precision != "auto" else str(dtype).removeprefix("torch."))
+
+    # ---- data: read and split on every rank (cheap, deterministic); tokenize once per node ----
+    model_dir = artifacts.resolve_model(spec)
+    frames: Frames = load_frames(spec.data, cfg.seed)
+    tokenizer = load_tokenizer(model_dir)
+    if env.is_local_main:
+        train_ds, hit = tokenized(frames.train, tokenizer, spec.data.max_length, build=True)
+        eval_ds, _ = tokenized(frames.eval, tokenizer, spec.data.max_length, build=True)
+        log.info("data: %d train / %d eval rows, %d classes %s; tokenization cache %s", len(frames.train), len(frames.eval), len(frames.labels), frames.labels, "hit" if hit else "miss (tokenized and cached)")
+    distributed.barrier()
+    if not env.is_local_main:
+        train_ds, _ = tokenized(frames.train, tokenizer, spec.data.max_length, build=False)
+        eval_ds, _ = tokenized(frames.eval, tokenizer, spec.data.max_length, build=False)
+    train_lengths = np.asarray(train_ds["length"])
+
+    # ---- model: identical initialization on every rank (same seed), then DDP ----
+    seed_everything(cfg.seed)
+    model = build_model(spec, model_dir, frames.labels).to(device)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if env.distributed else model
+    # Dropout differs per rank; the stream is still a pure function of (seed, rank).
+    seed_everything(cfg.seed + 1000 * (env.rank + 1))
+
+    per_epoch = steps_per_epoch(len(train_ds), env.world_size, cfg.batch_size, cfg.grad_accum)
+    total_steps = min(per_epoch * cfg.epochs, cfg.max_steps or 10**12)
+    optimizer, scheduler = build_optimizer(model, cfg, total_steps, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=(dtype == torch.float16))
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+    history = artifacts.History(out) if out else None
+    tb = artifacts.tensorboard_writer(out) if out else None
+    bar = tqdm(total=total_steps, desc="train", unit="step", disable=not env.is_main, dynamic_ncols=True, mininterval=1.0 if _tty() else 30.0)
+    log.info("training: %d steps (%d per epoch), global batch %d, %d trainable / %d parameters", total_steps, per_epoch, cfg.batch_size * cfg.grad_accum * env.world_size, *_param_counts(model))
+
+    global_step, samples_seen, train_time = 0, 0, 0.0
+    log_loss = torch.zeros(2, device=device)  # [sum of example losses, example count] since last log
+    logged_losses: list[float] = []
+    eval_metrics: dict = {}
+    for epoch in range(cfg.epochs):
+        order = epoch_order(len(train_ds), epoch, cfg.seed, train_lengths if cfg.group_by_length else None, cfg.batch_size * env.world_size)
+        plan = rank_plan(order, rank=env.rank, world_size=env.world_size, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum)
+        ddp.train()
+        t_epoch = time.perf_counter()
+        for step in batches(plan, train_ds, tokenizer, cfg.dataloader_workers):
+            if global_step >= total_steps:
+                break
+            for i, micro in enumerate(step.micro):
+                # Gradients are all-reduced only on the last micro-batch of the step.
+                sync = contextlib.nullcontext() if (i == len(step.micro) - 1 or not env.distributed) else ddp.no_sync()
+                micro = to_device(micro, device)
+                weight = micro.pop("weight")
+                labels = micro.pop("labels")
+                with sync:
+                    with autocast:
+                        logits = ddp(**micro).logits
+                    losses = F.cross_entropy(logits.float(), labels, reduction="none") * weight
+                    # Sum over this rank / examples in the whole global step, times world size
+                    # because DDP averages over ranks: the gradient is the exact global-batch mean.
+                    scaler.scale(losses.sum() * env.world_size / step.global_count).backward()
+                log_loss[0] += losses.detach().sum()
+                log_loss[1] += weight.sum()
+            if cfg.max_grad_norm:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            scaler.step(optimizer)
+            scaler.update()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            global_step += 1
+            samples_seen += step.global_count
+            bar.update(1)
+
+            if global_step % cfg.log_every == 0 or global_step == total_steps:
+                distributed.all_reduce_sum(log_loss)
+                loss = (log_loss[0] / log_loss[1].clamp(min=1)).item()
+                log_loss.zero_()
+                logged_losses.append(loss)
+                lr = scheduler.get_last_lr()[0]
+                bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
+                if history:
+                    history.write({"type": "train", "step": global_step, "epoch": epoch + 1, "loss": loss, "lr": lr, "samples": samples_seen})
+                    tb.add_scalar("train/loss", loss, global_step)
+                    tb.add_scalar("train/lr", lr, global_step)
+        train_time += time.perf_counter() - t_epoch
+
+        eval_metrics = evaluate(model, eval_ds, tokenizer, env, device, autocast, cfg.eval_batch_size or 2 * cfg.batch_size, len(frames.labels))
+        log.info("epoch %d: eval_loss %.4f eval_accuracy %.4f eval_f1_macro %.4f", epoch + 1, eval_metrics["eval_loss"], eval_metrics["eval_accuracy"], eval_metrics["eval_f1_macro"])
+        if history:
+            history.write({"type": "eval", "step": global_step, "epoch": epoch + 1, **eval_metrics})
+            for k, v in eval_metrics.items():
+                if isinstance(v, float):
+                    tb.add_scalar(f"eval/{k.removeprefix('eval_')}", v, global_step)
+        if global_step >= total_steps:
+            break
+    bar.close()
+
+    tail = logged_losses[-max(1, len(logged_losses) // 10):]
+    metrics = {
+        **eval_metrics,
+        "train_loss": float(np.mean(tail)) if tail else None,  # mean of the last 10% of logged losses
+        "train_samples": samples_seen,
+        "train_samples_per_second": samples_seen / train_time if train_time else 0.0,
+        "train_runtime_s": train_time,
+        "total_runtime_s": None,
+        "world_size": env.world_size,
+        "global_step": global_step,
+        "epochs_completed": epoch + 1,
+        "train_rows": len(frames.train),
+        "eval_rows": len(frames.eval),
+        "dropped_rows": frames.dropped,
+        "labels": frames.labels,
+    }
+    if env.is_main:
+        artifacts.export_classifier(spec, model, tokenizer, frames, out)
+        if spec.output.report_baseline:
+            metrics["baseline"] = artifacts.tfidf_baseline(frames)
+            log.info("baseline (TF-IDF + logistic regression, same split): accuracy %.4f f1_macro %.4f", metrics["baseline"]["accuracy"], metrics["baseline"]["f1_macro"])
+        metrics["total_runtime_s"] = time.perf_counter() - t_start
+        artifacts.finish(spec, metrics, out)
+        tb.close()
+        history.close()
+        log.info("done: eval_accuracy %.4f, %.1f samples/s; artifacts in %s", metrics["eval_accuracy"], metrics["train_samples_per_second"], out)
+    distributed.barrier()
+    return metrics
+
+
+def build_model(spec: JobSpec, model_dir, labels: list[str]):
+    """The pretrained encoder with a fresh classification head, wrapped with LoRA when asked."""
+    from transformers import AutoModelForSequenceClassification
+
+    from kubetune.recipes.common import load_pretrained
+
+    model = load_pretrained(
+        AutoModelForSequenceClassification,
+        model_dir,
+        num_labels=len(labels),
+        id2label=dict(enumerate(labels)),
+        label2id={name: i for i, name in enumerate(labels)},
+    )
+    if spec.lora is None:
+        return model
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    config = LoraConfig(
+        task_type=TaskType.SEQ_CLS,  # also makes the classifier head fully trainable (modules_to_save)
+        r=spec.lora.r,
+        lora_alpha=spec.lora.alpha,
+        lora_dropout=spec.lora.dropout,
+        target_modules=spec.lora.target_modules,
+    )
+    return get_peft_model(model, config)
+
+
+@torch.no_grad()
+def evaluate(model, eval_ds, tokenizer, env: DistEnv, device, autocast, batch_size: int, num_labels: int) -> dict:
+    """Loss, accuracy and macro-F1 over the whole eval set, each example counted once across ranks."""
+    from kubetune.data import collate
+
+    model.eval()
+    lengths = np.asarray(eval_ds["length"])
+    order = np.argsort(lengths, kind="stable")[env.rank :: env.world_size]  # length-sorted: little padding
+    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+    confusion = torch.zeros(num_labels * num_labels, device=device, dtype=torch.float64)
+    for start in range(0, len(order), batch_size):
+        batch = to_device(collate(eval_ds, order[start : start + batch_size], tokenizer), device)
+        batch.pop("weight")
+        labels = batch.pop("labels")
+        with autocast:
+            logits = model(**batch).logits
+        loss_sum += F.cross_entropy(logits.float(), labels, reduction="sum").double()
+        confusion += torch.bincount(labels * num_labels + logits.argmax(-1), minlength=num_labels**2).double()
+    totals = distributed.all_reduce_sum(torch.cat([loss_sum.view(1), confusion]))
+    model.train()
+    cm = totals[1:].view(num_labels, num_labels).cpu().numpy()  # rows: true, cols: predicted
+    n = cm.sum()
+    tp = np.diag(cm)
+    precision = np.divide(tp, cm.sum(0), out=np.zeros_like(tp), where=cm.sum(0) > 0)
+    recall = np.divide(tp, cm.sum(1), out=np.zeros_like(tp), where=cm.sum(1) > 0)
+    f1 = np.divide(2 * precision * recall, precision + recall, out=np.zeros_like(tp), where=(precision + recall) > 0)
+    present = cm.sum(1) > 0
+    return {
+        "eval_loss": float(totals[0].item() / max(n, 1)),
+        "eval_accuracy": float(tp.sum() / max(n, 1)),
+        "eval_f1_macro": float(f1[present].mean()) if present.any() else 0.0,
+        "eval_samples": int(n),
+        "eval_confusion": cm.astype(int).tolist(),
+    }
+
+
+def _param_counts(model) -> tuple[int, int]:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable, sum(p.numel() for p in model.parameters())
+
+
+def _tty() -> bool:
+    import sys
+
+    return sys.stderr.isatty()

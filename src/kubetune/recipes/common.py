@@ -1,0 +1,79 @@
+"""Small pieces shared by the recipes: plain functions, no class hierarchy."""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kubetune.config import TrainSpec
+from kubetune.errors import KubetuneError
+
+log = logging.getLogger(__name__)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def resolve_precision(precision: str, device: torch.device) -> torch.dtype:
+    """Map training.precision to an autocast dtype (float32 = no autocast)."""
+    if precision == "auto":
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+    if precision == "fp16" and device.type != "cuda":
+        raise KubetuneError("fp16 needs a CUDA GPU", field="training.precision", fix="use auto, fp32 or bf16 on CPU")
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def _quiet_transformers() -> None:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    _quiet_transformers()
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as e:
+        raise KubetuneError(f"no usable tokenizer in {model_dir}: {str(e).splitlines()[0]}", field="model.uri", fix="point it at a directory saved with save_pretrained (config + tokenizer files)") from None
+
+
+def load_pretrained(auto_cls, model_dir: Path, **kwargs):
+    _quiet_transformers()
+    try:
+        return auto_cls.from_pretrained(model_dir, **kwargs)
+    except (OSError, ValueError) as e:
+        raise KubetuneError(f"cannot load a model from {model_dir}: {str(e).splitlines()[0]}", field="model.uri", fix="point it at a Hugging Face model directory or hf://ORG/NAME") from None
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainSpec, total_steps: int, device: torch.device):
+    """AdamW (no decay on biases and norms) with a linear schedule and warmup."""
+    from transformers import get_linear_schedule_with_warmup
+
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate, fused=device.type == "cuda")
+    warmup = int(round(cfg.warmup_ratio * total_steps))
+    scheduler = get_linear_schedule_with_warmup(optimizer, warmup, total_steps)
+    return optimizer, scheduler
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    if device.type == "cpu":
+        return dict(batch)
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}

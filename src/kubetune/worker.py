@@ -1,0 +1,64 @@
+"""The worker entry point: what each training process runs, locally and in Kubernetes pods.
+
+    torchrun --nnodes N --nproc-per-node P ... -m kubetune.worker job.yaml
+
+Reads the distributed environment once (RANK, WORLD_SIZE, ... as set by torchrun and the
+Training Operator), runs the task's recipe, and exits 0, or 2 on a user error (one line, no
+traceback).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from kubetune import distributed
+from kubetune.config import JobSpec, load_spec
+from kubetune.errors import USER_ERROR_EXIT, KubetuneError
+
+log = logging.getLogger("kubetune.worker")
+
+
+def run_worker(spec: JobSpec) -> dict:
+    """Run ``spec`` in this process as one rank of the job."""
+    from kubetune.recipes import classify
+
+    env = distributed.read_env()
+    distributed.setup_logging(env)
+    _limit_threads(spec, env)
+    try:
+        return classify.train(spec, env)
+    finally:
+        distributed.teardown()
+
+
+def _limit_threads(spec: JobSpec, env: distributed.DistEnv) -> None:
+    import torch
+
+    if spec.distributed.threads_per_proc:
+        torch.set_num_threads(spec.distributed.threads_per_proc)
+    elif "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, env.local_world_size)))
+
+
+@record
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m kubetune.worker SPEC.yaml", file=sys.stderr)
+        sys.exit(USER_ERROR_EXIT)
+    try:
+        run_worker(load_spec(args[0]))
+    except KubetuneError as e:
+        rank = os.environ.get("RANK", "0")
+        lines = e.lines() if hasattr(e, "lines") else [str(e)]
+        for line in lines:
+            print(f"[rank {rank}] error: {line}", file=sys.stderr, flush=True)
+        sys.exit(USER_ERROR_EXIT)
+
+
+if __name__ == "__main__":
+    main()
