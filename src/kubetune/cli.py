@@ -42,6 +42,15 @@ def validate(spec: SpecArg, set_: SetOpt = None) -> None:
 
 
 @app.command()
+def explain() -> None:
+    """Print every spec field with its type, default and help text."""
+    from kubetune.config.load import field_reference
+
+    for key, type_, default, help_ in field_reference():
+        typer.echo(f"{key:<28} {type_:<22} {default:<14} {help_}")
+
+
+@app.command()
 def run(
     spec: SpecArg,
     set_: SetOpt = None,

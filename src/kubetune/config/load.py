@@ -162,3 +162,32 @@ def _describe(loc: list[str]) -> str:
 def _fix_for(loc: list[str]) -> str:
     desc = _describe(loc)
     return f"expected: {desc}" if desc else "see the schema in README.md"
+
+
+def field_reference() -> list[tuple[str, str, str, str]]:
+    """(dotted key, type, default, help) for every spec field, in schema order."""
+    from pydantic_core import PydanticUndefined
+
+    rows: list[tuple[str, str, str, str]] = []
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            sub = _submodel(field.annotation)
+            if field.default is PydanticUndefined and field.default_factory is None:
+                default = "(required)"
+            elif field.default_factory is not None:
+                default = "(section)"
+            else:
+                default = repr(field.default) if field.default is not None else "null"
+            type_ = "section" if sub else _type_name(field.annotation)
+            rows.append((prefix + name, type_, default, field.description or ""))
+            if sub is not None:
+                walk(sub, f"{prefix}{name}.")
+
+    walk(JobSpec, "")
+    return rows
+
+
+def _type_name(annotation: Any) -> str:
+    text = getattr(annotation, "__name__", None) or str(annotation)
+    return text.replace("typing.", "").replace("NoneType", "null")

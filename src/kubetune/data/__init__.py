@@ -31,6 +31,7 @@ def collate(ds, indices: np.ndarray, tokenizer) -> dict[str, torch.Tensor]:
     batch = {k: v for k, v in batch.items()}
     batch["labels"] = torch.as_tensor(rows["label"], dtype=torch.long)
     batch["weight"] = torch.full((len(indices),), weight)
+    batch["index"] = torch.as_tensor(indices, dtype=torch.long)  # dataset row ids, for tracing
     return batch
 
 

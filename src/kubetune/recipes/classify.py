@@ -82,6 +82,7 @@ def train(spec: JobSpec, env: DistEnv) -> dict:
     global_step, samples_seen, train_time = 0, 0, 0.0
     log_loss = torch.zeros(2, device=device)  # [sum of example losses, example count] since last log
     logged_losses: list[float] = []
+    trace = _Trace(env.rank)  # records trained row ids when KUBETUNE_TRACE_DIR is set (tests)
     eval_metrics: dict = {}
     for epoch in range(cfg.epochs):
         order = epoch_order(len(train_ds), epoch, cfg.seed, train_lengths if cfg.group_by_length else None, cfg.batch_size * env.world_size)
@@ -97,6 +98,7 @@ def train(spec: JobSpec, env: DistEnv) -> dict:
                 micro = to_device(micro, device)
                 weight = micro.pop("weight")
                 labels = micro.pop("labels")
+                trace.add(epoch, micro.pop("index"), weight)
                 with sync:
                     with autocast:
                         logits = ddp(**micro).logits
@@ -211,6 +213,7 @@ def evaluate(model, eval_ds, tokenizer, env: DistEnv, device, autocast, batch_si
     for start in range(0, len(order), batch_size):
         batch = to_device(collate(eval_ds, order[start : start + batch_size], tokenizer), device)
         batch.pop("weight")
+        batch.pop("index")
         labels = batch.pop("labels")
         with autocast:
             logits = model(**batch).logits
@@ -232,6 +235,31 @@ def evaluate(model, eval_ds, tokenizer, env: DistEnv, device, autocast, batch_si
         "eval_samples": int(n),
         "eval_confusion": cm.astype(int).tolist(),
     }
+
+
+class _Trace:
+    """Appends ``{"epoch", "rows"}`` lines to ``$KUBETUNE_TRACE_DIR/rank<R>.jsonl``: the proof
+    that every example is trained on exactly once per epoch across ranks."""
+
+    def __init__(self, rank: int):
+        import os
+
+        root = os.environ.get("KUBETUNE_TRACE_DIR")
+        self.path = None
+        if root:
+            from pathlib import Path
+
+            Path(root).mkdir(parents=True, exist_ok=True)
+            self.path = Path(root) / f"rank{rank}.jsonl"
+
+    def add(self, epoch: int, index: torch.Tensor, weight: torch.Tensor) -> None:
+        if self.path is None:
+            return
+        import json
+
+        rows = index[weight.cpu() > 0].tolist()
+        with self.path.open("a") as f:
+            f.write(json.dumps({"epoch": epoch, "rows": rows}) + "\n")
 
 
 def _param_counts(model) -> tuple[int, int]:

@@ -1,0 +1,37 @@
+# Quickstart targets. Each one installs what it needs into .venv first.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# No model hub is reachable from CI or this dev box: use the local Hugging Face cache only.
+export HF_HUB_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: install seed-cache demo test test-all clean
+
+$(BIN)/.installed: pyproject.toml requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first, pinned: on the dev/CI machines this takes the local CPU wheel.
+	$(BIN)/python -m pip install -q "$$(grep '^torch==' requirements.txt)"
+	$(BIN)/python -m pip install -q -r requirements.txt
+	$(BIN)/python -m pip install -q --no-deps -e .
+	touch $@
+
+install: $(BIN)/.installed
+
+seed-cache: install
+	$(BIN)/kubetune seed-hf-cache
+
+demo: seed-cache
+	$(BIN)/kubetune run examples/sentiment-minilm.yaml
+	$(BIN)/kubetune predict runs/sentiment-minilm "I love how smooth this ride is" "Driverless cars terrify me" "The car has four wheels"
+	$(BIN)/python -m kubetune.artifacts.summary runs/sentiment-minilm
+
+test: install
+	$(BIN)/python -m pytest -q
+
+test-all: install
+	$(BIN)/python -m pytest -q -m ""
+
+clean:
+	rm -rf runs .pytest_cache

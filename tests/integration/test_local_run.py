@@ -1,0 +1,123 @@
+"""Real 2-process gloo jobs with the real MiniLM, launched by `kubetune run` as a user would."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import kubetune, tiny_spec, write_spec
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory, small_csv):
+    """One 2-epoch, 2-process full fine-tune; several tests read its artifacts."""
+    tmp = tmp_path_factory.mktemp("full")
+    out, trace = tmp / "out", tmp / "trace"
+    spec = write_spec(tmp / "job.yaml", tiny_spec(small_csv, out, training__epochs=2, training__grad_accum=2))
+    proc = kubetune("run", str(spec), env={"KUBETUNE_TRACE_DIR": str(trace)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, trace, proc
+
+
+def test_every_example_trained_exactly_once_per_epoch_across_ranks(full_run):
+    out, trace, _ = full_run
+    metrics = json.loads((out / "metrics.json").read_text())
+    n = metrics["train_rows"]
+    assert n == 120  # 160 rows, 25% held out; 120 = 3.75 global batches of 32: the last step is partial
+    per_rank = {}
+    for path in sorted(trace.glob("rank*.jsonl")):
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        per_rank[path.stem] = records
+    assert set(per_rank) == {"rank0", "rank1"}
+    for epoch in (0, 1):
+        rows = [r for recs in per_rank.values() for rec in recs if rec["epoch"] == epoch for r in rec["rows"]]
+        assert len(rows) == n and sorted(rows) == list(range(n))
+        # Each rank trained on about half, not on everything.
+        for recs in per_rank.values():
+            mine = [r for rec in recs if rec["epoch"] == epoch for r in rec["rows"]]
+            assert abs(len(mine) - n / 2) <= 8
+
+
+def test_artifacts(full_run):
+    out, _, proc = full_run
+    metrics = json.loads((out / "metrics.json").read_text())
+    for key in ("eval_accuracy", "eval_f1_macro", "eval_loss", "train_loss", "train_samples_per_second", "train_runtime_s", "world_size", "global_step"):
+        assert metrics[key] is not None, key
+    assert metrics["world_size"] == 2
+    assert metrics["global_step"] == 2 * 4  # 2 epochs × ceil(120 / (batch 8 × accum 2 × world 2))
+    assert metrics["eval_samples"] == metrics["eval_rows"] == 40  # every eval row counted once across ranks
+    assert 0 <= metrics["eval_accuracy"] <= 1 and metrics["baseline"]["accuracy"] > 0
+    history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
+    assert [h["epoch"] for h in history if h["type"] == "eval"] == [1, 2]
+    assert any(h["type"] == "train" and h["loss"] > 0 for h in history)
+    from kubetune.config import parse_spec
+
+    assert parse_spec(yaml.safe_load((out / "job.yaml").read_text())).name == "tiny"
+    report = (out / "report.html").read_text()
+    assert report.count("data:image/png;base64,") == 2 and "TF-IDF" in report
+    assert (out / "plots" / "train_loss.png").stat().st_size > 1000
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    config = json.loads((out / "model" / "config.json").read_text())
+    assert config["id2label"] == {"0": "negative", "1": "neutral", "2": "positive"}
+    assert config["label2id"] == {"negative": 0, "neutral": 1, "positive": 2}
+    # Every worker log line says its rank; only rank 0 logs progress.
+    worker_lines = [line for line in proc.stderr.splitlines() if re.match(r"\d\d:\d\d:\d\d \[", line)]
+    assert worker_lines and all(re.match(r"\d\d:\d\d:\d\d \[rank \d\] ", line) for line in worker_lines)
+    assert any("[rank 0] INFO epoch 2" in line for line in worker_lines)
+    assert not any("[rank 1] INFO" in line for line in worker_lines)
+
+
+def test_exported_model_works_with_pipeline_and_predict(full_run):
+    out, _, _ = full_run
+    from transformers import pipeline
+
+    clf = pipeline("text-classification", model=str(out / "model"))
+    assert clf("I hate this")[0]["label"] in {"negative", "neutral", "positive"}
+    proc = kubetune("predict", str(out), "I love it", "terrible idea", "--json")
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads(proc.stdout)
+    assert [r["text"] for r in results] == ["I love it", "terrible idea"]
+    assert all(r["label"] in {"negative", "neutral", "positive"} and 0 < r["score"] <= 1 for r in results)
+    plain = kubetune("predict", str(out / "model"), "I love it")
+    assert plain.returncode == 0 and plain.stdout.split("\t")[0] == results[0]["label"]
+
+
+def test_second_run_hits_tokenization_cache_and_lora_exports_adapter(full_run, tmp_path, small_csv):
+    out = tmp_path / "lora"
+    spec = write_spec(tmp_path / "job.yaml", tiny_spec(small_csv, out, lora={"r": 4, "alpha": 8, "target_modules": ["query", "value"]},
+                                                     training={"max_steps": 3, "batch_size": 8, "learning_rate": 1e-3, "log_every": 1, "seed": 7}))
+    proc = kubetune("run", str(spec), "--set", "output.report_baseline=false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tokenization cache hit" in proc.stderr  # same data, tokenizer and max_length as full_run
+    m = re.search(r"(\d+) trainable / (\d+) parameters", proc.stderr)
+    assert m and int(m.group(1)) < 0.05 * int(m.group(2))
+    assert json.loads((out / "metrics.json").read_text())["global_step"] == 3
+    assert (out / "adapter" / "adapter_config.json").exists()
+
+    # The merged export gives the same logits as base model + adapter.
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(out / "model")
+    batch = tok(["what a lovely day", "never again"], return_tensors="pt", padding=True)
+    merged = AutoModelForSequenceClassification.from_pretrained(out / "model").eval()
+    base_dir = Path(json.loads((out / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"])
+    base = AutoModelForSequenceClassification.from_pretrained(base_dir, num_labels=3)
+    adapted = PeftModel.from_pretrained(base, out / "adapter").eval()
+    with torch.no_grad():
+        diff = (merged(**batch).logits - adapted(**batch).logits).abs().max().item()
+    assert diff < 1e-4
+
+
+def test_worker_side_user_error_is_one_line(tmp_path, small_csv):
+    spec = write_spec(tmp_path / "job.yaml", tiny_spec(small_csv, tmp_path / "out", data={"train": str(small_csv), "label_column": "stars"}))
+    proc = kubetune("run", str(spec), "--no-preflight")
+    assert proc.returncode == 2
+    assert "[rank 0] error: data.label_column: column 'stars' not found" in proc.stderr
+    assert "Traceback" not in proc.stderr

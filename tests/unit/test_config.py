@@ -1,0 +1,146 @@
+"""The job spec: every shipped example validates; every bad input gives a precise message."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kubetune.config import JobSpec, dump_spec, load_spec, parse_spec
+from kubetune.errors import SpecError
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = {
+    "name": "t",
+    "model": {"uri": "hf://org/model"},
+    "data": {"train": "train.csv"},
+    "output": {"uri": "out"},
+}
+
+
+def _with(**changes):
+    spec = yaml.safe_load(yaml.safe_dump(BASE))
+    for dotted, value in changes.items():
+        node = spec
+        *parents, last = dotted.split("__")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+    return spec
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_example_validates(path):
+    spec = load_spec(path)
+    assert isinstance(spec, JobSpec)
+
+
+def test_defaults_and_public_keys():
+    spec = parse_spec(BASE)
+    assert spec.task == "sequence-classification"
+    assert spec.lora is None  # absent = full fine-tune
+    assert (spec.training.batch_size, spec.training.grad_accum, spec.training.precision) == (16, 1, "auto")
+    assert spec.distributed.world_size == 1
+    # The public contract names exist.
+    for section, key in [("model", "uri"), ("data", "eval_fraction"), ("data", "text_pair_column"), ("data", "max_length"),
+                         ("training", "warmup_ratio"), ("training", "max_steps"), ("distributed", "procs_per_node"), ("output", "uri")]:
+        assert key in type(getattr(spec, section)).model_fields
+
+
+def test_every_field_has_help_text():
+    from kubetune.config.load import _submodel
+
+    seen = []
+
+    def walk(model, prefix=""):
+        for name, field in model.model_fields.items():
+            seen.append(prefix + name)
+            assert field.description, f"{prefix}{name} has no help text"
+            sub = _submodel(field.annotation)
+            if sub is not None:
+                walk(sub, f"{prefix}{name}.")
+
+    walk(JobSpec)
+    assert {"lora.r", "data.text_pair_column", "training.precision", "distributed.nodes"} <= set(seen)
+
+
+@pytest.mark.parametrize(
+    "raw, expected",
+    [
+        (_with(training__learnign_rate=1e-4), "training.learnign_rate: unknown key — did you mean 'training.learning_rate'?"),
+        (_with(modle={"uri": "x"}), "modle: unknown key — did you mean 'model'?"),
+        (_with(training__epochs="two"), "training.epochs: Input should be a valid integer"),
+        (_with(training__precision="fp8"), "training.precision: Input should be 'auto', 'fp32', 'bf16' or 'fp16' (got 'fp8')"),
+        (_with(data__eval_fraction=1.5), "data.eval_fraction: Input should be less than 1 (got 1.5)"),
+        (_with(distributed__procs_per_node=0), "distributed.procs_per_node: Input should be greater than or equal to 1 (got 0)"),
+        (_with(name="My_Job"), "name: must be 1-52 lowercase letters"),
+        ({k: v for k, v in BASE.items() if k != "output"}, "output: required but missing — add it"),
+        (_with(data__label_column="text"), "data.label_column must differ from the text columns"),
+        (_with(lora={"r": 0}), "lora.r: Input should be greater than or equal to 1 (got 0)"),
+    ],
+)
+def test_bad_spec_messages(raw, expected):
+    with pytest.raises(SpecError) as e:
+        parse_spec(raw)
+    assert any(expected in line for line in e.value.lines()), e.value.lines()
+    assert all("\n" not in line for line in e.value.lines())
+
+
+def test_all_errors_reported_together():
+    raw = _with(training__learnign_rate=1, training__epochs=-1, data__max_length="long")
+    del raw["output"]
+    with pytest.raises(SpecError) as e:
+        parse_spec(raw)
+    fields = sorted(line.split(":")[0] for line in e.value.lines())
+    assert fields == ["data.max_length", "output", "training.epochs", "training.learnign_rate"]
+
+
+@pytest.mark.parametrize(
+    "overrides, check",
+    [
+        (["training.epochs=3"], lambda s: s.training.epochs == 3),
+        (["training.learning_rate=2e-5"], lambda s: s.training.learning_rate == 2e-5),
+        (["distributed.procs_per_node=1", "training.seed=1"], lambda s: (s.distributed.procs_per_node, s.training.seed) == (1, 1)),
+        (["lora.r=4"], lambda s: s.lora is not None and s.lora.r == 4),
+        (["data.text_pair_column=hypothesis"], lambda s: s.data.text_pair_column == "hypothesis"),
+        (["data.train=a=b.csv"], lambda s: s.data.train == "a=b.csv"),
+        (["output.report_baseline=false"], lambda s: s.output.report_baseline is False),
+    ],
+)
+def test_overrides(overrides, check):
+    assert check(parse_spec(BASE, overrides))
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("training.epochs", "expected KEY=VALUE"),
+        ("name.first=x", "'name' is a value, not a section"),
+        ("training.epoch=2", "training.epoch: unknown key — did you mean 'training.epochs'?"),
+    ],
+)
+def test_bad_overrides(override, expected):
+    with pytest.raises(SpecError) as e:
+        parse_spec(BASE, [override])
+    assert any(expected in line for line in e.value.lines()), e.value.lines()
+
+
+def test_broken_yaml_names_line(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("name: t\nmodel:\n  uri: [unclosed\n")
+    with pytest.raises(SpecError) as e:
+        load_spec(path)
+    assert "line 4" in str(e.value) or "line 3" in str(e.value)
+    assert "fix the YAML syntax" in str(e.value)
+
+
+def test_missing_spec_file(tmp_path):
+    with pytest.raises(SpecError, match="not found"):
+        load_spec(tmp_path / "nope.yaml")
+
+
+def test_dump_roundtrip():
+    spec = parse_spec(_with(lora={"r": 4, "target_modules": ["query", "value"]}))
+    again = parse_spec(yaml.safe_load(dump_spec(spec)))
+    assert again == spec

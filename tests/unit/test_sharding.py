@@ -1,0 +1,77 @@
+"""The sharding plan: every example exactly once per epoch, the same number of steps and
+micro-batches on every rank, and determinism from the seed."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from kubetune.data.sharding import epoch_order, rank_plan, steps_per_epoch
+
+CASES = [
+    # n, world, batch, accum
+    (53, 2, 4, 2),
+    (64, 2, 4, 2),
+    (1, 2, 4, 1),
+    (3, 4, 2, 3),
+    (1000, 3, 16, 1),
+    (999, 8, 5, 4),
+    (17, 1, 4, 3),
+]
+
+
+@pytest.mark.parametrize("n, world, batch, accum", CASES)
+@pytest.mark.parametrize("grouped", [False, True])
+def test_every_example_exactly_once(n, world, batch, accum, grouped):
+    lengths = np.random.default_rng(0).integers(3, 60, size=n) if grouped else None
+    for epoch in range(2):
+        order = epoch_order(n, epoch, seed=11, lengths=lengths, batch_size=batch * world)
+        assert sorted(order.tolist()) == list(range(n))
+        plans = [rank_plan(order, rank=r, world_size=world, batch_size=batch, grad_accum=accum) for r in range(world)]
+        seen = [int(i) for plan in plans for step in plan for m in step.micro for i in m]
+        assert sorted(seen) == list(range(n)), "an example was dropped or repeated"
+        # Collectives stay matched: same step count and micro-batch count on every rank.
+        assert {len(p) for p in plans} == {steps_per_epoch(n, world, batch, accum)}
+        assert all(len(step.micro) == accum for p in plans for step in p)
+        for steps in zip(*plans):
+            assert len({s.global_count for s in steps}) == 1
+            assert steps[0].global_count == sum(len(m) for s in steps for m in s.micro)
+            assert all(len(m) <= batch for s in steps for m in s.micro)
+
+
+def test_full_steps_give_each_rank_full_batches():
+    order = epoch_order(64, 0, seed=1)
+    for r in range(2):
+        for step in rank_plan(order, rank=r, world_size=2, batch_size=4, grad_accum=2):
+            assert [len(m) for m in step.micro] == [4, 4]
+
+
+def test_order_is_seeded_and_changes_per_epoch():
+    a, b = epoch_order(100, 0, seed=5), epoch_order(100, 0, seed=5)
+    assert np.array_equal(a, b)
+    assert not np.array_equal(a, epoch_order(100, 1, seed=5))
+    assert not np.array_equal(a, epoch_order(100, 0, seed=6))
+
+
+def test_length_grouping_cuts_padding():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(5, 120, size=4096)
+
+    def padded(order, b=32):
+        return sum(lengths[order[i : i + b]].max() * len(order[i : i + b]) for i in range(0, len(order), b))
+
+    plain = padded(epoch_order(4096, 0, seed=1))
+    grouped = padded(epoch_order(4096, 0, seed=1, lengths=lengths, batch_size=32))
+    assert grouped < 0.7 * plain
+    assert grouped >= lengths.sum()
+
+
+def test_grouped_batches_are_shuffled_not_sorted():
+    lengths = np.arange(2048)
+    order = epoch_order(2048, 0, seed=3, lengths=lengths, batch_size=16)
+    batch_max = [lengths[order[i : i + 16]].max() for i in range(0, 2048, 16)]
+    assert batch_max != sorted(batch_max) and batch_max != sorted(batch_max, reverse=True)
+    pairs = list(itertools.pairwise(batch_max))
+    assert sum(a > b for a, b in pairs) > len(pairs) // 4
