@@ -82,20 +82,19 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
-class _RankFilter(logging.Filter):
-    def __init__(self, rank: int):
-        super().__init__()
-        self.rank = rank
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.rank = self.rank
-        return True
-
-
 def setup_logging(env: DistEnv, level: int = logging.INFO) -> None:
     """Every log line says its rank; ranks other than 0 log warnings and errors only."""
+    # Stamp the rank on every record (not on a handler), so handlers swapped in later
+    # (e.g. tqdm's logging redirect) keep it.
+    factory = logging.getLogRecordFactory()
+
+    def with_rank(*args, **kwargs):
+        record = factory(*args, **kwargs)
+        record.rank = env.rank
+        return record
+
+    logging.setLogRecordFactory(with_rank)
     handler = logging.StreamHandler()
-    handler.addFilter(_RankFilter(env.rank))
     handler.setFormatter(logging.Formatter("%(asctime)s [rank %(rank)d] %(levelname)s %(message)s", "%H:%M:%S"))
     root = logging.getLogger()
     root.handlers[:] = [handler]

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from kubetune import artifacts, distributed
 from kubetune.config import JobSpec
@@ -39,6 +40,12 @@ def train(spec: JobSpec, env: DistEnv) -> dict:
     Returns:
         The final metrics (identical on every rank).
     """
+    # Log lines go through tqdm.write so they never land in the middle of the progress bar.
+    with logging_redirect_tqdm():
+        return _train(spec, env)
+
+
+def _train(spec: JobSpec, env: DistEnv) -> dict:
     t_start = time.perf_counter()
     cfg = spec.training
     device = distributed.pick_device(env)
