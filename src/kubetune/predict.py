@@ -20,12 +20,13 @@ def model_path(uri: str) -> Path:
 
 def predict(uri: str, texts: list[str], batch_size: int = 32) -> list[dict]:
     """Classify ``texts``; returns ``[{text, label, score}]`` in input order."""
+    import torch
     import transformers
     from transformers import pipeline
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     path = model_path(uri)
-    clf = pipeline("text-classification", model=str(path), tokenizer=str(path), device=-1)
+    clf = pipeline("text-classification", model=str(path), tokenizer=str(path), device=0 if torch.cuda.is_available() else -1)
     results = clf(texts, batch_size=batch_size, truncation=True)
     return [{"text": t, "label": r["label"], "score": float(r["score"])} for t, r in zip(texts, results)]

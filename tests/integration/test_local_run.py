@@ -121,3 +121,70 @@ def test_worker_side_user_error_is_one_line(tmp_path, small_csv):
     assert proc.returncode == 2
     assert "[rank 0] error: data.label_column: column 'stars' not found" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def _model_weights(out: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(out / "model" / "model.safetensors")
+
+
+def test_same_seed_same_weights(tmp_path, small_csv):
+    """Determinism from training.seed: two 2-process runs end with bit-identical weights."""
+    outs = []
+    for i in range(2):
+        out = tmp_path / f"run{i}"
+        spec = write_spec(tmp_path / f"job{i}.yaml", tiny_spec(small_csv, out, training={"max_steps": 4, "batch_size": 8, "learning_rate": 1e-4, "log_every": 1, "seed": 3}))
+        proc = kubetune("run", str(spec), "--set", "output.report_baseline=false")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        outs.append(out)
+    a, b = (_model_weights(o) for o in outs)
+    assert a.keys() == b.keys()
+    assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
+    base = _model_weights(outs[0])["classifier.weight"]
+    assert base.abs().sum() > 0
+
+
+def test_killed_worker_fails_the_run_naming_the_rank(tmp_path, small_csv):
+    """SIGKILL one worker mid-run (as the OOM killer would): the run exits non-zero naming that rank."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT
+
+    trace = tmp_path / "trace"
+    spec = write_spec(tmp_path / "job.yaml", tiny_spec(small_csv, tmp_path / "out", training={"epochs": 50, "batch_size": 4, "log_every": 1}))
+    proc = subprocess.Popen([sys.executable, "-m", "kubetune", "run", str(spec)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "KUBETUNE_TRACE_DIR": str(trace)})
+    try:
+        deadline = time.time() + 120
+        while not (trace / "rank1.jsonl").exists():  # training has started on rank 1
+            assert time.time() < deadline and proc.poll() is None, "training never started"
+            time.sleep(0.2)
+        victim = next(pid for pid in _children(proc.pid) if _env_of(pid).get("RANK") == "1")
+        os.kill(victim, signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, stderr[-2000:]
+    assert "error: worker rank 1 failed with exit code -9" in stderr
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            out += [int(child), *_children(int(child))]
+    return out
+
+
+def _env_of(pid: int) -> dict:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+
+import pandas as pd
 import pytest
 
 from kubetune import providers
@@ -23,6 +26,7 @@ def test_hf_model_resolves_offline_from_seeded_cache():
     path = providers.resolve("hf://sentence-transformers/all-MiniLM-L6-v2", kind="model", field="model.uri")
     assert (path / "config.json").exists() and (path / "model.safetensors").exists()
     assert "models--sentence-transformers--all-MiniLM-L6-v2/snapshots/" in str(path)
+    assert str(path).startswith(os.environ["HF_HUB_CACHE"])  # the test's own cache, not ~/.cache
 
 
 @pytest.mark.parametrize(
@@ -48,3 +52,22 @@ def test_seed_cache_is_idempotent(tmp_path):
     b = seed_cache(cache_dir=tmp_path)
     assert a == b
     assert len(list((tmp_path / "models--sentence-transformers--all-MiniLM-L6-v2" / "blobs").iterdir())) == len([p for p in a.rglob("*") if p.is_file()])
+
+
+def test_hf_dataset_by_name_with_split_slice(tmp_path):
+    """A Hub dataset repo (parquet under data/) in the local cache, read through the hub code path."""
+    from huggingface_hub import constants
+
+    from kubetune.data import read_table
+    from kubetune.providers.hf import seed_cache
+
+    repo = tmp_path / "repo" / "data"
+    repo.mkdir(parents=True)
+    pd.DataFrame({"text": [f"t{i}" for i in range(100)], "label": [i % 5 for i in range(100)]}).to_parquet(repo / "train-00000-of-00001.parquet")
+    pd.DataFrame({"text": ["v"] * 7, "label": [0] * 7}).to_parquet(repo / "validation-00000-of-00001.parquet")
+    seed_cache(repo.parent, repo_id="acme/reviews", cache_dir=constants.HF_HUB_CACHE, repo_type="dataset")
+    train = read_table("hf://acme/reviews", field="data.train", split="train[:30]")
+    assert len(train) == 30 and train["text"].tolist()[:2] == ["t0", "t1"]
+    assert len(read_table("hf://acme/reviews", field="data.eval", split="validation")) == 7
+    with pytest.raises(KubetuneError, match="data.train_split: cannot load split 'test'"):
+        read_table("hf://acme/reviews", field="data.train", split="test")

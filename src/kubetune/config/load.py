@@ -189,5 +189,15 @@ def field_reference() -> list[tuple[str, str, str, str]]:
 
 
 def _type_name(annotation: Any) -> str:
-    text = getattr(annotation, "__name__", None) or str(annotation)
-    return text.replace("typing.", "").replace("NoneType", "null")
+    import typing
+
+    if typing.get_origin(annotation) is typing.Literal:
+        return "|".join(str(a) for a in typing.get_args(annotation))
+    args = typing.get_args(annotation)
+    if args and typing.get_origin(annotation) in (typing.Union, __import__("types").UnionType):
+        return " | ".join(_type_name(a) for a in args)
+    if typing.get_origin(annotation) is list:
+        return f"list[{_type_name(args[0])}]"
+    if annotation is type(None):
+        return "null"
+    return getattr(annotation, "__name__", None) or str(annotation)

