@@ -24,7 +24,7 @@ seed-cache: install
 
 demo: seed-cache
 	$(BIN)/kubetune run examples/sentiment-minilm.yaml
-	$(BIN)/kubetune predict runs/sentiment-minilm "I love how smooth this ride is" "Driverless cars terrify me" "The car has four wheels"
+	$(BIN)/kubetune predict runs/sentiment-minilm "I love how smooth this ride is" "I would never trust a self-driving car with my kids" "The car has four wheels"
 	$(BIN)/python -m kubetune.artifacts.summary runs/sentiment-minilm
 
 test: install

@@ -18,7 +18,7 @@ def _read_history(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def plot(history: list[dict], out: Path) -> list[Path]:
+def plot(history: list[dict], out: Path, baseline: dict | None = None) -> list[Path]:
     """Write plots/train_loss.png and plots/eval_metrics.png; return their paths."""
     import matplotlib
 
@@ -46,6 +46,8 @@ def plot(history: list[dict], out: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
     for key in ("eval_accuracy", "eval_f1_macro"):
         ax.plot([h["epoch"] for h in evals], [h[key] for h in evals], "o-", label=key.removeprefix("eval_"))
+    if baseline:
+        ax.axhline(baseline["accuracy"], color="grey", linestyle="--", label="baseline accuracy (TF-IDF + LR)")
     ax.set_xlabel("epoch")
     ax.set_ylim(0, 1)
     ax.set_title("Evaluation")
@@ -60,7 +62,7 @@ def plot(history: list[dict], out: Path) -> list[Path]:
 
 def write_report(spec: JobSpec, metrics: dict, out: Path) -> Path:
     """Write ``report.html`` (self-contained: the PNGs are embedded as data URIs)."""
-    images = plot(_read_history(out), out)
+    images = plot(_read_history(out), out, metrics.get("baseline"))
     rows = [
         ("eval accuracy", metrics.get("eval_accuracy")),
         ("eval macro-F1", metrics.get("eval_f1_macro")),
