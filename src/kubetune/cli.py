@@ -119,6 +119,56 @@ def predict(
             typer.echo(f"{r['label']}\t{r['score']:.4f}\t{r['text']}")
 
 
+@app.command()
+def fetch(
+    spec: SpecArg,
+    dest: Annotated[Path, typer.Option("--dest", help="Directory to stage into (a pod's workspace).")],
+    set_: SetOpt = None,
+) -> None:
+    """Stage a job's model and data into DEST (the init container's command); idempotent."""
+    import logging
+
+    from kubetune.config import load_spec
+    from kubetune.stage import stage
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    try:
+        staged = stage(load_spec(spec, set_), dest)
+    except KubetuneError as e:
+        _fail(e)
+    typer.echo(str(staged))
+
+
+@app.command()
+def render(
+    spec: SpecArg,
+    set_: SetOpt = None,
+    target: Annotated[str, typer.Option(help="pytorchjob (Kubeflow Training Operator v1) or trainjob (Kubeflow Trainer v2).")] = "pytorchjob",
+    namespace: Annotated[str | None, typer.Option("--namespace", "-n", help="Namespace; default: kubernetes.namespace, else 'default'.")] = None,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write the YAML here instead of stdout.")] = None,
+) -> None:
+    """Print the Kubernetes objects for a job spec (multi-document YAML); touches no cluster."""
+    from kubetune.backends import manifests
+    from kubetune.config import load_spec
+
+    try:
+        if target not in ("pytorchjob", "trainjob"):
+            raise KubetuneError(f"unknown target {target!r}", field="--target", fix="use pytorchjob or trainjob")
+        job = load_spec(spec, set_)
+        rendered = manifests.render(job, namespace or job.kubernetes.namespace or "default", target)
+    except KubetuneError as e:
+        _fail(e)
+    for warning in manifests.warnings_for(job):
+        typer.echo(f"warning: {warning}", err=True)
+    text = rendered.to_yaml()
+    if output:
+        from kubetune.artifacts import write_atomic
+
+        write_atomic(output, text)
+    else:
+        typer.echo(text, nl=False)
+
+
 @app.command("seed-hf-cache")
 def seed_hf_cache() -> None:
     """Put the packaged all-MiniLM-L6-v2 into the Hugging Face cache (for offline hf:// use)."""

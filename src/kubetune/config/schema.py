@@ -132,6 +132,9 @@ class OutputSpec(Section):
     )
 
 
+from kubetune.config.cluster import KubernetesSpec, ResourcesSpec  # noqa: E402  (cluster imports Section)
+
+
 class JobSpec(Section):
     name: str = Field(
         description="Job name: lowercase letters, digits and '-', at most 52 characters (used for Kubernetes objects).",
@@ -145,6 +148,8 @@ class JobSpec(Section):
     training: TrainSpec = Field(default_factory=TrainSpec, description="The training recipe.")
     distributed: DistributedSpec = Field(default_factory=DistributedSpec, description="Nodes × processes per node.")
     output: OutputSpec = Field(description="Where the exported model, metrics and report are written.")
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="Per-node (pod) resources on Kubernetes.")
+    kubernetes: KubernetesSpec = Field(default_factory=KubernetesSpec, description="How the job runs on Kubernetes.")
 
     @field_validator("name")
     @classmethod
@@ -164,4 +169,7 @@ class JobSpec(Section):
             raise ValueError("data.text_pair_column must differ from data.text_column")
         if self.data.label_column in (self.data.text_column, self.data.text_pair_column):
             raise ValueError("data.label_column must differ from the text columns")
+        elastic = self.kubernetes.elastic
+        if elastic and not elastic.min_nodes <= self.distributed.nodes <= elastic.max_nodes:
+            raise ValueError("distributed.nodes must lie between kubernetes.elastic.min_nodes and max_nodes")
         return self

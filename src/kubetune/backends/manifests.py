@@ -1,0 +1,356 @@
+"""Pure builders: a JobSpec → the Kubernetes objects that run it (no cluster access here).
+
+Objects are built with the official typed models (``kubernetes.client`` models, the
+``kubeflow-training`` PyTorchJob models, the ``kubeflow-trainer-api`` TrainJob models) and
+serialized from them. The resolved job spec travels in a ConfigMap mounted into the pods; secrets
+are only ever referenced (secretKeyRef / envFrom.secretRef), never copied.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import yaml
+from kubernetes import client as k8s
+
+from kubetune.config import JobSpec, dump_spec
+from kubetune.config.cluster import default_image
+
+SPEC_DIR = "/etc/kubetune"
+WORKSPACE = "/workspace"
+STAGE_DIR = f"{WORKSPACE}/stage"
+STAGED_SPEC = f"{STAGE_DIR}/job.yaml"
+CONTAINER = "pytorch"  # the Training Operator requires this container name
+PYTORCHJOB_API = ("kubeflow.org", "v1", "pytorchjobs")
+TRAINJOB_API = ("trainer.kubeflow.org", "v1alpha1", "trainjobs")
+JOB_LABEL = "kubetune.io/job"
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """Everything one job needs, in creation order; ``job`` is the PyTorchJob or TrainJob."""
+
+    config_map: dict
+    pvc: dict | None
+    job: dict
+    tensorboard: list[dict]
+
+    def objects(self) -> list[dict]:
+        return [self.config_map, *([self.pvc] if self.pvc else []), self.job, *self.tensorboard]
+
+    def to_yaml(self) -> str:
+        return yaml.dump_all(self.objects(), Dumper=_BlockDumper, sort_keys=False)
+
+
+class _BlockDumper(yaml.SafeDumper):
+    """Multi-line strings (the spec in the ConfigMap) as readable ``|`` blocks."""
+
+
+_BlockDumper.add_representer(
+    str, lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None)
+)
+
+
+def _ser(obj) -> dict:
+    """Serialize a typed model the way the kubernetes client sends it (camelCase, no nulls)."""
+    return k8s.ApiClient().sanitize_for_serialization(obj)
+
+
+def labels(spec: JobSpec) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "kubetune", "app.kubernetes.io/instance": spec.name, JOB_LABEL: spec.name, **spec.kubernetes.labels}
+
+
+def _meta(spec: JobSpec, name: str, namespace: str, **extra_annotations) -> k8s.V1ObjectMeta:
+    annotations = {**spec.kubernetes.annotations, **extra_annotations}
+    return k8s.V1ObjectMeta(name=name, namespace=namespace, labels=labels(spec), annotations=annotations or None)
+
+
+def config_map_name(spec: JobSpec) -> str:
+    return f"{spec.name}-spec"
+
+
+def pvc_name(spec: JobSpec) -> str:
+    return spec.kubernetes.storage.existing_claim or f"{spec.name}-workspace"
+
+
+def build_config_map(spec: JobSpec, namespace: str) -> dict:
+    """The resolved spec, mounted read-only at /etc/kubetune/job.yaml."""
+    return _ser(k8s.V1ConfigMap(api_version="v1", kind="ConfigMap", metadata=_meta(spec, config_map_name(spec), namespace), data={"job.yaml": dump_spec(spec)}))
+
+
+def build_pvc(spec: JobSpec, namespace: str) -> dict | None:
+    st = spec.kubernetes.storage
+    if st.mode != "pvc" or st.existing_claim:
+        return None
+    return _ser(k8s.V1PersistentVolumeClaim(
+        api_version="v1",
+        kind="PersistentVolumeClaim",
+        metadata=_meta(spec, pvc_name(spec), namespace),
+        spec=k8s.V1PersistentVolumeClaimSpec(
+            access_modes=list(st.access_modes),
+            storage_class_name=st.storage_class,
+            resources=k8s.V1VolumeResourceRequirements(requests={"storage": st.size}),
+        ),
+    ))
+
+
+def secret_env(spec: JobSpec) -> tuple[list[k8s.V1EnvVar], list[k8s.V1EnvFromSource]]:
+    """Secrets only by reference: HF_TOKEN via secretKeyRef, S3 credentials via envFrom.secretRef."""
+    s = spec.kubernetes.secrets
+    env = []
+    if s.hf_token:
+        env.append(k8s.V1EnvVar(name="HF_TOKEN", value_from=k8s.V1EnvVarSource(secret_key_ref=k8s.V1SecretKeySelector(name=s.hf_token.name, key=s.hf_token.key))))
+    env_from = [k8s.V1EnvFromSource(secret_ref=k8s.V1SecretEnvSource(name=s.s3))] if s.s3 else []
+    return env, env_from
+
+
+def _common_env() -> list[k8s.V1EnvVar]:
+    return [
+        k8s.V1EnvVar(name="HF_HOME", value=f"{WORKSPACE}/cache/hf"),
+        k8s.V1EnvVar(name="KUBETUNE_CACHE", value=f"{WORKSPACE}/cache/kubetune"),
+        k8s.V1EnvVar(name="PYTHONUNBUFFERED", value="1"),
+        k8s.V1EnvVar(name="TOKENIZERS_PARALLELISM", value="false"),
+    ]
+
+
+def _resources(spec: JobSpec) -> k8s.V1ResourceRequirements:
+    r = spec.resources
+    amounts = {k: v for k, v in {"cpu": r.cpu, "memory": r.memory}.items() if v}
+    limits = dict(amounts)
+    if r.gpu:
+        limits[r.gpu_resource] = str(r.gpu)
+    return k8s.V1ResourceRequirements(requests=amounts or None, limits=limits or None)
+
+
+def _volumes(spec: JobSpec) -> list[k8s.V1Volume]:
+    st = spec.kubernetes.storage
+    workspace = (
+        k8s.V1Volume(name="workspace", persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(claim_name=pvc_name(spec)))
+        if st.mode == "pvc"
+        else k8s.V1Volume(name="workspace", empty_dir=k8s.V1EmptyDirVolumeSource(size_limit=st.size))
+    )
+    return [
+        k8s.V1Volume(name="job-spec", config_map=k8s.V1ConfigMapVolumeSource(name=config_map_name(spec))),
+        workspace,
+        # /dev/shm defaults to 64Mi in containers: too small for NCCL and DataLoader workers.
+        k8s.V1Volume(name="dshm", empty_dir=k8s.V1EmptyDirVolumeSource(medium="Memory", size_limit=spec.resources.shm_size)),
+    ]
+
+
+def _mounts(with_shm: bool = True) -> list[k8s.V1VolumeMount]:
+    mounts = [k8s.V1VolumeMount(name="job-spec", mount_path=SPEC_DIR, read_only=True), k8s.V1VolumeMount(name="workspace", mount_path=WORKSPACE)]
+    if with_shm:
+        mounts.append(k8s.V1VolumeMount(name="dshm", mount_path="/dev/shm"))
+    return mounts
+
+
+def image(spec: JobSpec) -> str:
+    return spec.kubernetes.image or default_image(spec.resources.gpu)
+
+
+def worker_command() -> list[str]:
+    """torchrun reads nnodes, nproc-per-node, node rank and the master address from the
+    Training Operator's PET_* environment; the worker reads the staged spec."""
+    return ["torchrun", "-m", "kubetune.worker", STAGED_SPEC]
+
+
+def fetch_command() -> list[str]:
+    return ["kubetune", "fetch", f"{SPEC_DIR}/job.yaml", "--dest", STAGE_DIR]
+
+
+def build_pod_template(spec: JobSpec) -> k8s.V1PodTemplateSpec:
+    kube = spec.kubernetes
+    env, env_from = secret_env(spec)
+    stage = k8s.V1Container(
+        name="stage",
+        image=image(spec),
+        image_pull_policy=kube.image_pull_policy,
+        command=fetch_command(),
+        env=_common_env() + env,
+        env_from=env_from or None,
+        volume_mounts=_mounts(with_shm=False),
+        resources=k8s.V1ResourceRequirements(requests={k: v for k, v in {"cpu": "1", "memory": "2Gi"}.items()}),
+    )
+    main = k8s.V1Container(
+        name=CONTAINER,
+        image=image(spec),
+        image_pull_policy=kube.image_pull_policy,
+        command=worker_command(),
+        working_dir=WORKSPACE,
+        # The init container staged everything: the workers never reach for the Hub themselves.
+        env=_common_env() + [k8s.V1EnvVar(name="HF_HUB_OFFLINE", value="1")] + env,
+        env_from=env_from or None,
+        ports=[k8s.V1ContainerPort(name="pytorchjob-port", container_port=kube.master_port, protocol="TCP")],
+        resources=_resources(spec),
+        volume_mounts=_mounts(),
+    )
+    return k8s.V1PodTemplateSpec(
+        metadata=k8s.V1ObjectMeta(labels=labels(spec), annotations={"sidecar.istio.io/inject": "false", **kube.annotations}),
+        spec=k8s.V1PodSpec(
+            init_containers=[stage],
+            containers=[main],
+            volumes=_volumes(spec),
+            service_account_name=kube.service_account,
+            node_selector=kube.node_selector or None,
+            tolerations=[k8s.V1Toleration(key=t.key, operator=t.operator, value=t.value, effect=t.effect, toleration_seconds=t.toleration_seconds) for t in kube.tolerations] or None,
+            image_pull_secrets=[k8s.V1LocalObjectReference(name=n) for n in kube.image_pull_secrets] or None,
+            termination_grace_period_seconds=kube.termination_grace_period_seconds,
+            # The image's user is 1000; fsGroup makes the PVC writable for it.
+            security_context=k8s.V1PodSecurityContext(run_as_non_root=True, run_as_user=1000, fs_group=1000),
+        ),
+    )
+
+
+def build_pytorchjob(spec: JobSpec, namespace: str) -> dict:
+    """The kubeflow.org/v1 PyTorchJob: Master 1 + Worker nodes-1 (elastic: Worker × nodes)."""
+    from kubeflow.training import models as kf
+
+    kube, dist = spec.kubernetes, spec.distributed
+    template = build_pod_template(spec)
+
+    def replica(n: int) -> kf.KubeflowOrgV1ReplicaSpec:
+        return kf.KubeflowOrgV1ReplicaSpec(replicas=n, restart_policy=kube.restart_policy, template=template)
+
+    if kube.elastic:
+        # Elastic jobs have no Master: the operator points the c10d rendezvous at worker 0.
+        replicas = {"Worker": replica(dist.nodes)}
+        elastic = kf.KubeflowOrgV1ElasticPolicy(
+            min_replicas=kube.elastic.min_nodes, max_replicas=kube.elastic.max_nodes, max_restarts=kube.elastic.max_restarts,
+            rdzv_backend="c10d", n_proc_per_node=dist.procs_per_node,
+        )
+    else:
+        replicas = {"Master": replica(1), **({"Worker": replica(dist.nodes - 1)} if dist.nodes > 1 else {})}
+        elastic = None
+    job = kf.KubeflowOrgV1PyTorchJob(
+        api_version="kubeflow.org/v1",
+        kind="PyTorchJob",
+        metadata=_meta(spec, spec.name, namespace),
+        spec=kf.KubeflowOrgV1PyTorchJobSpec(
+            nproc_per_node=str(dist.procs_per_node),
+            elastic_policy=elastic,
+            pytorch_replica_specs=replicas,
+            run_policy=kf.KubeflowOrgV1RunPolicy(
+                clean_pod_policy=kube.clean_pod_policy,
+                ttl_seconds_after_finished=kube.ttl_seconds_after_finished,
+                backoff_limit=kube.backoff_limit,
+                active_deadline_seconds=kube.active_deadline_seconds,
+            ),
+        ),
+    )
+    return _ser(job)
+
+
+def build_trainjob(spec: JobSpec, namespace: str, runtime: str = "torch-distributed") -> dict:
+    """The Kubeflow Trainer v2 TrainJob equivalent (runtime ``torch-distributed``).
+
+    Trainer v2 runtimes own the pod template, so staging runs in the trainer container before
+    torchrun (idempotent per node) and the spec ConfigMap and workspace come in as runtime patches.
+    """
+    from kubeflow_trainer_api import models as tr
+
+    kube, dist = spec.kubernetes, spec.distributed
+    env, env_from = secret_env(spec)
+    if env_from:
+        # TrainJob's container patch has no envFrom: reference each S3 key explicitly.
+        env += [k8s.V1EnvVar(name=key, value_from=k8s.V1EnvVarSource(secret_key_ref=k8s.V1SecretKeySelector(name=kube.secrets.s3, key=key, optional=optional)))
+                for key, optional in (("AWS_ACCESS_KEY_ID", False), ("AWS_SECRET_ACCESS_KEY", False), ("AWS_ENDPOINT_URL", True))]
+    volumes = [_ser(v) for v in _volumes(spec)]
+    node_patch = {
+        "name": "node",
+        "template": {"spec": {"template": {
+            "metadata": {"labels": labels(spec), "annotations": {"sidecar.istio.io/inject": "false"}},
+            "spec": {
+                "volumes": volumes,
+                "containers": [{"name": "node", "volumeMounts": [_ser(m) for m in _mounts()]}],
+                "serviceAccountName": kube.service_account,
+                "nodeSelector": kube.node_selector or None,
+                "tolerations": [_ser(k8s.V1Toleration(key=t.key, operator=t.operator, value=t.value, effect=t.effect, toleration_seconds=t.toleration_seconds)) for t in kube.tolerations] or None,
+                "terminationGracePeriodSeconds": kube.termination_grace_period_seconds,
+                "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000},
+            },
+        }}},
+    }
+    body = {
+        "apiVersion": "trainer.kubeflow.org/v1alpha1",
+        "kind": "TrainJob",
+        "metadata": _ser(_meta(spec, spec.name, namespace)),
+        "spec": {
+            "runtimeRef": {"name": runtime, "kind": "ClusterTrainingRuntime", "apiGroup": "trainer.kubeflow.org"},
+            "activeDeadlineSeconds": kube.active_deadline_seconds,
+            "trainer": {
+                "image": image(spec),
+                "command": ["sh", "-c", " ".join(fetch_command()) + " && exec " + " ".join(worker_command())],
+                "numNodes": dist.nodes,
+                "numProcPerNode": dist.procs_per_node,
+                "resourcesPerNode": _ser(_resources(spec)),
+                "env": [_ser(e) for e in _common_env() + env],
+            },
+            "runtimePatches": [{"manager": "kubetune.io/render", "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [node_patch]}}}}],
+        },
+    }
+    return tr.TrainerV1alpha1TrainJob.from_dict(_drop_none(body)).to_dict()
+
+
+def build_tensorboard(spec: JobSpec, namespace: str) -> list[dict]:
+    """A TensorBoard Deployment + Service reading the job's event files from the shared PVC."""
+    if not spec.kubernetes.tensorboard:
+        return []
+    name = f"{spec.name}-tensorboard"
+    tb_labels = {**labels(spec), "app.kubernetes.io/component": "tensorboard"}
+    logdir = f"{WORKSPACE}/{spec.output.uri.removeprefix('file://').lstrip('/')}/tensorboard" if not spec.output.uri.startswith(("/", "file:///")) else f"{spec.output.uri.removeprefix('file://')}/tensorboard"
+    pod = k8s.V1PodTemplateSpec(
+        metadata=k8s.V1ObjectMeta(labels=tb_labels, annotations={"sidecar.istio.io/inject": "false"}),
+        spec=k8s.V1PodSpec(
+            containers=[k8s.V1Container(
+                name="tensorboard",
+                image=spec.kubernetes.tensorboard_image,
+                command=["tensorboard", f"--logdir={logdir}", "--host=0.0.0.0", "--port=6006"],
+                ports=[k8s.V1ContainerPort(container_port=6006, name="http")],
+                volume_mounts=[k8s.V1VolumeMount(name="workspace", mount_path=WORKSPACE, read_only=True)],
+                resources=k8s.V1ResourceRequirements(requests={"cpu": "100m", "memory": "512Mi"}, limits={"memory": "2Gi"}),
+            )],
+            volumes=[k8s.V1Volume(name="workspace", persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(claim_name=pvc_name(spec), read_only=True))],
+            service_account_name=spec.kubernetes.service_account,
+        ),
+    )
+    deployment = k8s.V1Deployment(
+        api_version="apps/v1", kind="Deployment",
+        metadata=k8s.V1ObjectMeta(name=name, namespace=namespace, labels=tb_labels),
+        spec=k8s.V1DeploymentSpec(replicas=1, selector=k8s.V1LabelSelector(match_labels={JOB_LABEL: spec.name, "app.kubernetes.io/component": "tensorboard"}), template=pod),
+    )
+    service = k8s.V1Service(
+        api_version="v1", kind="Service",
+        metadata=k8s.V1ObjectMeta(name=name, namespace=namespace, labels=tb_labels),
+        spec=k8s.V1ServiceSpec(selector={JOB_LABEL: spec.name, "app.kubernetes.io/component": "tensorboard"}, ports=[k8s.V1ServicePort(name="http", port=6006, target_port=6006)]),
+    )
+    return [_ser(deployment), _ser(service)]
+
+
+def render(spec: JobSpec, namespace: str, target: str = "pytorchjob") -> Rendered:
+    """All objects for ``spec`` in ``namespace``; ``target`` is pytorchjob or trainjob."""
+    job = build_pytorchjob(spec, namespace) if target == "pytorchjob" else build_trainjob(spec, namespace)
+    return Rendered(build_config_map(spec, namespace), build_pvc(spec, namespace), job, build_tensorboard(spec, namespace))
+
+
+def warnings_for(spec: JobSpec) -> list[str]:
+    """Problems that do not stop a render but that a user must hear about."""
+    out = []
+    scheme = spec.output.uri.partition("://")[0] if "://" in spec.output.uri else "file"
+    if scheme == "file" and spec.kubernetes.storage.mode == "node-local":
+        out.append(f"output.uri: {spec.output.uri!r} is inside the pod's node-local storage and is lost when the pod ends — "
+                   "set kubernetes.storage.mode: pvc (or use an s3:// output once storage support lands)")
+    if spec.kubernetes.tensorboard and spec.kubernetes.storage.mode != "pvc":
+        out.append("kubernetes.tensorboard: TensorBoard reads the event files from the shared PVC — set kubernetes.storage.mode: pvc")
+    if spec.resources.gpu and spec.resources.gpu != spec.distributed.procs_per_node:
+        out.append(f"resources.gpu is {spec.resources.gpu} but distributed.procs_per_node is {spec.distributed.procs_per_node} — use one process per GPU")
+    if spec.kubernetes.storage.mode == "pvc" and spec.distributed.nodes > 1 and spec.kubernetes.storage.access_modes == ["ReadWriteOnce"]:
+        out.append("kubernetes.storage.access_modes: ReadWriteOnce cannot be mounted by pods on different nodes — use ReadWriteMany or node-local mode")
+    return out
+
+
+def _drop_none(obj):
+    if isinstance(obj, dict):
+        return {k: _drop_none(v) for k, v in obj.items() if v is not None}
+    if isinstance(obj, list):
+        return [_drop_none(v) for v in obj]
+    return obj

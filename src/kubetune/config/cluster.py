@@ -1,0 +1,140 @@
+"""Spec sections used only when the job runs on Kubernetes: ``resources`` and ``kubernetes``."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from kubetune import __version__
+from kubetune.config.schema import Section
+
+# Built by docker/Dockerfile (`make image`); the tag pins the kubetune version and the variant.
+DEFAULT_IMAGE_REPO = "ghcr.io/kubetune/trainer"
+_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+def default_image(gpu: int) -> str:
+    """The trainer image tag that `make image` builds for this kubetune version."""
+    return f"{DEFAULT_IMAGE_REPO}:{__version__}-{'cuda' if gpu else 'cpu'}"
+
+
+def _quantity(v: str | int | float | None, what: str) -> str | None:
+    if v is None:
+        return None
+    text = str(v)
+    if not _QUANTITY.match(text):
+        raise ValueError(f"{text!r} is not a Kubernetes quantity; write e.g. {what}")
+    return text
+
+
+class ResourcesSpec(Section):
+    cpu: str | None = Field("4", description="CPU per node (pod), a Kubernetes quantity such as '4' or '3500m'; requests = limits.")
+    memory: str | None = Field("16Gi", description="Memory per node (pod), e.g. '16Gi'; requests = limits.")
+    gpu: int = Field(0, ge=0, le=64, description="GPUs per node (pod); rendered as the nvidia.com/gpu limit. Set procs_per_node to match.")
+    gpu_resource: str = Field("nvidia.com/gpu", description="Extended resource name for GPUs.")
+    shm_size: str = Field("2Gi", description="Size of /dev/shm (a memory-backed emptyDir); DataLoader workers and NCCL need more than Docker's 64Mi.")
+
+    @field_validator("cpu")
+    @classmethod
+    def _cpu(cls, v):
+        return _quantity(v, "'4' or '3500m'")
+
+    @field_validator("memory", "shm_size")
+    @classmethod
+    def _mem(cls, v):
+        return _quantity(v, "'16Gi'")
+
+
+class StorageSpec(Section):
+    mode: Literal["node-local", "pvc"] = Field(
+        "node-local",
+        description="node-local: every pod stages its own copy of model and data into an emptyDir (no shared storage "
+        "class needed). pvc: one PersistentVolumeClaim shared by all pods (needs ReadWriteMany for more than one node).",
+    )
+    size: str = Field("50Gi", description="Size of the PVC (pvc mode) or the emptyDir limit (node-local mode).")
+    storage_class: str | None = Field(None, description="StorageClass of the PVC; default: the cluster's default class.")
+    access_modes: list[Literal["ReadWriteOnce", "ReadWriteMany", "ReadOnlyMany", "ReadWriteOncePod"]] = Field(
+        default_factory=lambda: ["ReadWriteMany"], description="Access modes of the PVC."
+    )
+    existing_claim: str | None = Field(None, description="Use this existing PVC instead of creating one (pvc mode).")
+
+    @field_validator("size")
+    @classmethod
+    def _size(cls, v):
+        return _quantity(v, "'50Gi'")
+
+
+class SecretKeyRef(Section):
+    name: str = Field(description="Name of the Kubernetes Secret.")
+    key: str = Field(description="Key inside the Secret.")
+
+
+class SecretsSpec(Section):
+    hf_token: SecretKeyRef | None = Field(
+        None, description="Secret key holding the Hugging Face token; exposed to the pods as HF_TOKEN via secretKeyRef."
+    )
+    s3: str | None = Field(
+        None,
+        description="Name of a Secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and optionally AWS_ENDPOINT_URL); "
+        "exposed through envFrom.secretRef.",
+    )
+
+
+class Toleration(Section):
+    key: str | None = Field(None, description="Taint key to tolerate.")
+    operator: Literal["Exists", "Equal"] = Field("Equal", description="Exists or Equal.")
+    value: str | None = Field(None, description="Taint value (with operator Equal).")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(None, description="Taint effect to tolerate; absent = all.")
+    toleration_seconds: int | None = Field(None, ge=0, description="For NoExecute: how long the pod stays bound after the taint appears.")
+
+
+class ElasticSpec(Section):
+    min_nodes: int = Field(ge=1, description="Fewest nodes the job runs with (elasticPolicy.minReplicas).")
+    max_nodes: int = Field(ge=1, description="Most nodes the job runs with (elasticPolicy.maxReplicas).")
+    max_restarts: int = Field(3, ge=0, description="Restarts of the whole worker group that torchrun allows (elasticPolicy.maxRestarts).")
+
+    @model_validator(mode="after")
+    def _order(self):
+        if self.min_nodes > self.max_nodes:
+            raise ValueError("kubernetes.elastic.min_nodes must be <= max_nodes")
+        return self
+
+
+class KubernetesSpec(Section):
+    namespace: str | None = Field(None, description="Namespace; default: the kubeconfig context's namespace (in a pod: its own).")
+    image: str | None = Field(None, description="Trainer image; default: the pinned tag that docker/Dockerfile builds (CPU or CUDA by resources.gpu).")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent", description="Image pull policy.")
+    image_pull_secrets: list[str] = Field(default_factory=list, description="Names of Secrets for pulling from a private registry.")
+    service_account: str | None = Field(None, description="ServiceAccount the pods run as.")
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels the pods must match.")
+    tolerations: list[Toleration] = Field(default_factory=list, description="Taints the pods tolerate (e.g. GPU nodes).")
+    labels: dict[str, str] = Field(default_factory=dict, description="Extra labels on every object and pod.")
+    annotations: dict[str, str] = Field(default_factory=dict, description="Extra annotations on every object and pod.")
+    storage: StorageSpec = Field(default_factory=StorageSpec, description="Where model and data are staged.")
+    secrets: SecretsSpec = Field(default_factory=SecretsSpec, description="Secret references (never values).")
+    ttl_seconds_after_finished: int | None = Field(86400, ge=0, description="Delete the finished job (and its pods) after this many seconds; null keeps it.")
+    backoff_limit: int = Field(3, ge=0, description="Pod restarts before the job is marked Failed (runPolicy.backoffLimit).")
+    active_deadline_seconds: int | None = Field(None, ge=1, description="Kill the job after this many seconds of running.")
+    clean_pod_policy: Literal["None", "Running", "All"] = Field(
+        "None", description="Which pods to delete when the job ends: None keeps them (logs stay readable)."
+    )
+    restart_policy: Literal["OnFailure", "Never", "ExitCode"] = Field(
+        "OnFailure", description="Replica restart policy; OnFailure restarts a failed pod, which then resumes."
+    )
+    termination_grace_period_seconds: int = Field(
+        120, ge=10, description="Time a pod gets after SIGTERM (eviction, preemption) to finish the step and write a checkpoint."
+    )
+    elastic: ElasticSpec | None = Field(None, description="Elastic training: a node range and torchrun restarts (elasticPolicy).")
+    tensorboard: bool = Field(False, description="Also render a TensorBoard Deployment + Service reading the job's event files (pvc mode).")
+    tensorboard_image: str = Field("tensorflow/tensorflow:2.17.0", description="Image for the TensorBoard Deployment.")
+    master_port: int = Field(23456, ge=1024, le=65535, description="Rendezvous port on the master pod.")
+
+    @field_validator("namespace")
+    @classmethod
+    def _ns(cls, v):
+        if v is not None and not _DNS_LABEL.match(v):
+            raise ValueError("must be a DNS label: lowercase letters, digits and '-', at most 63 characters")
+        return v
