@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install seed-cache demo test test-all clean
+.PHONY: install seed-cache demo test test-all image clean
 
 $(BIN)/.installed: pyproject.toml requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,13 @@ test: install
 
 test-all: install
 	$(BIN)/python -m pytest -q -m ""
+
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+IMAGE   ?= ghcr.io/kubetune/trainer
+# The tags rendered manifests use by default (kubetune.config.cluster.default_image).
+image:
+	docker build -f docker/Dockerfile --build-arg VARIANT=cpu -t $(IMAGE):$(VERSION)-cpu .
+	docker build -f docker/Dockerfile --build-arg VARIANT=cuda -t $(IMAGE):$(VERSION)-cuda .
 
 clean:
 	rm -rf runs .pytest_cache

@@ -1,3 +1,12 @@
 """kubetune: distributed fine-tuning of transformer models from one YAML job spec."""
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # Lazy: `import kubetune` stays cheap; `kubetune.Client` imports the client on first use.
+    if name == "Client":
+        from kubetune.client import Client
+
+        return Client
+    raise AttributeError(name)

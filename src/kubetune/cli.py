@@ -169,6 +169,130 @@ def render(
         typer.echo(text, nl=False)
 
 
+NameArg = Annotated[str, typer.Argument(help="Job name.")]
+NsOpt = Annotated[str | None, typer.Option("--namespace", "-n", help="Namespace; default: the kubeconfig context's (in a pod: its own).")]
+CtxOpt = Annotated[str | None, typer.Option("--context", help="kubeconfig context.")]
+KcOpt = Annotated[str | None, typer.Option("--kubeconfig", help="kubeconfig file; default $KUBECONFIG or ~/.kube/config.")]
+TargetOpt = Annotated[str, typer.Option("--target", help="pytorchjob (Training Operator v1) or trainjob (Trainer v2).")]
+
+
+def _backend(namespace, context, kubeconfig, target="pytorchjob"):
+    from kubetune.backends.kubeflow import KubeflowBackend
+
+    return KubeflowBackend(namespace=namespace, kubeconfig=kubeconfig, context=context, target=target)
+
+
+@app.command()
+def submit(
+    spec: SpecArg,
+    set_: SetOpt = None,
+    replace: Annotated[bool, typer.Option(help="Delete an existing job of the same name first.")] = False,
+    namespace: NsOpt = None,
+    context: CtxOpt = None,
+    kubeconfig: KcOpt = None,
+    target: TargetOpt = "pytorchjob",
+) -> None:
+    """Create the job on Kubernetes (a PyTorchJob, or a TrainJob) and print its name."""
+    from kubetune.backends import manifests
+    from kubetune.config import load_spec
+
+    try:
+        job = load_spec(spec, set_)
+        backend = _backend(namespace or job.kubernetes.namespace, context, kubeconfig, target)
+        for warning in manifests.warnings_for(job):
+            typer.echo(f"warning: {warning}", err=True)
+        name = backend.submit(job, replace=replace)
+    except KubetuneError as e:
+        _fail(e)
+    typer.echo(name)
+
+
+@app.command()
+def status(name: NameArg, namespace: NsOpt = None, context: CtxOpt = None, kubeconfig: KcOpt = None, target: TargetOpt = "pytorchjob",
+           as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
+    """Phase, replicas, restarts, and why the job failed (with the failed container's last log lines)."""
+    import dataclasses
+
+    try:
+        st = _backend(namespace, context, kubeconfig, target).status(name)
+    except KubetuneError as e:
+        _fail(e)
+    if as_json:
+        typer.echo(json.dumps(dataclasses.asdict(st), indent=2))
+        return
+    typer.echo(f"{st.kind} {st.name} in {st.namespace}: {st.phase}")
+    for rtype, counts in st.replicas.items():
+        typer.echo(f"  {rtype}: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+    typer.echo(f"  pods: {len(st.pods)}, restarts: {st.restarts}")
+    if st.reason:
+        typer.echo(f"  reason: {st.reason}" + (f" on {st.failed_pod}" if st.failed_pod else "") + (f": {st.message}" if st.message else ""))
+    if st.log_tail:
+        typer.echo("  last log lines:")
+        for line in st.log_tail:
+            typer.echo(f"    {line}")
+
+
+@app.command()
+def logs(
+    name: NameArg,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Stream new lines until the pods finish.")] = False,
+    rank: Annotated[int | None, typer.Option("--rank", help="Node rank of the pod to read (0 = master).")] = None,
+    all_: Annotated[bool, typer.Option("--all", help="All pods, merged, each line prefixed with its node.")] = False,
+    tail: Annotated[int | None, typer.Option("--tail", help="Only the last N lines of each pod.")] = None,
+    namespace: NsOpt = None, context: CtxOpt = None, kubeconfig: KcOpt = None, target: TargetOpt = "pytorchjob",
+) -> None:
+    """Print the job's logs, prefixed with the node rank of each pod."""
+    try:
+        for line in _backend(namespace, context, kubeconfig, target).logs(name, follow=follow, rank=rank, all_ranks=all_, tail=tail):
+            typer.echo(line)
+    except KubetuneError as e:
+        _fail(e)
+
+
+@app.command()
+def wait(name: NameArg, timeout: Annotated[float | None, typer.Option(help="Give up after this many seconds (exit 3).")] = None,
+         namespace: NsOpt = None, context: CtxOpt = None, kubeconfig: KcOpt = None, target: TargetOpt = "pytorchjob") -> None:
+    """Wait for the job to finish: exit 0 on Succeeded, 1 on Failed (with the reason), 3 on timeout."""
+    from kubetune.backends.kubeflow import WaitTimeout
+
+    try:
+        st = _backend(namespace, context, kubeconfig, target).wait(name, timeout)
+    except WaitTimeout as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(3) from None
+    except KubetuneError as e:
+        _fail(e)
+    if st.phase == "Succeeded":
+        typer.echo(f"{st.name}: Succeeded")
+        return
+    reason = st.reason or "unknown reason"
+    typer.echo(f"error: {st.kind} {st.name} failed: {reason}" + (f" on {st.failed_pod}" if st.failed_pod else "") + (f": {st.message}" if st.message else ""), err=True)
+    for line in st.log_tail:
+        typer.echo(f"  {line}", err=True)
+    raise typer.Exit(1)
+
+
+@app.command()
+def delete(name: NameArg, namespace: NsOpt = None, context: CtxOpt = None, kubeconfig: KcOpt = None, target: TargetOpt = "pytorchjob") -> None:
+    """Delete the job (its ConfigMap, PVC and TensorBoard go with it)."""
+    try:
+        _backend(namespace, context, kubeconfig, target).delete(name)
+    except KubetuneError as e:
+        _fail(e)
+    typer.echo(f"deleted {name}")
+
+
+@app.command("list")
+def list_jobs(namespace: NsOpt = None, context: CtxOpt = None, kubeconfig: KcOpt = None, target: TargetOpt = "pytorchjob") -> None:
+    """List kubetune jobs in the namespace."""
+    try:
+        jobs = _backend(namespace, context, kubeconfig, target).list()
+    except KubetuneError as e:
+        _fail(e)
+    for j in jobs:
+        typer.echo(f"{j['name']:<40} {j['phase']:<12} {j['created']}")
+
+
 @app.command("seed-hf-cache")
 def seed_hf_cache() -> None:
     """Put the packaged all-MiniLM-L6-v2 into the Hugging Face cache (for offline hf:// use)."""

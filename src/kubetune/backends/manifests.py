@@ -184,8 +184,10 @@ def build_pod_template(spec: JobSpec) -> k8s.V1PodTemplateSpec:
         resources=_resources(spec),
         volume_mounts=_mounts(),
     )
+    # Elastic jobs have only Worker replicas, so a worker's index is its node rank (see kubeflow.pod_info).
+    pod_labels = {**labels(spec), **({"kubetune.io/elastic": "true"} if kube.elastic else {})}
     return k8s.V1PodTemplateSpec(
-        metadata=k8s.V1ObjectMeta(labels=labels(spec), annotations={"sidecar.istio.io/inject": "false", **kube.annotations}),
+        metadata=k8s.V1ObjectMeta(labels=pod_labels, annotations={"sidecar.istio.io/inject": "false", **kube.annotations}),
         spec=k8s.V1PodSpec(
             init_containers=[stage],
             containers=[main],

@@ -1,0 +1,386 @@
+"""Kubeflow backend: submit / status / logs / wait / delete / list of PyTorchJobs (and TrainJobs)
+through the official ``kubernetes`` client. API errors are translated here, at the boundary,
+into one-line ``KubetuneError`` messages naming the verb, the resource and the namespace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kubernetes import client as k8s
+
+from kubetune.backends import manifests
+from kubetune.config import JobSpec
+from kubetune.errors import KubetuneError
+
+TARGETS = {"pytorchjob": (*manifests.PYTORCHJOB_API, "PyTorchJob"), "trainjob": (*manifests.TRAINJOB_API, "TrainJob")}
+TERMINAL = ("Succeeded", "Failed")
+POD_FAILURES = ("OOMKilled", "ImagePullBackOff", "ErrImagePull", "CrashLoopBackOff", "CreateContainerConfigError", "InvalidImageName", "Error")
+IN_CLUSTER_NS = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+
+
+@dataclass
+class PodInfo:
+    name: str
+    node_rank: int
+    phase: str
+    restarts: int
+    reason: str | None = None
+    message: str | None = None
+
+
+@dataclass
+class JobStatus:
+    """What `kubetune status` prints: phase, replicas, restarts and why a job failed."""
+
+    name: str
+    namespace: str
+    kind: str
+    phase: str
+    replicas: dict[str, dict[str, int]] = field(default_factory=dict)
+    restarts: int = 0
+    reason: str | None = None
+    message: str | None = None
+    failed_pod: str | None = None
+    log_tail: list[str] = field(default_factory=list)
+    pods: list[PodInfo] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return self.phase in TERMINAL
+
+
+def connect(kubeconfig: str | None = None, context: str | None = None) -> tuple[k8s.ApiClient, str]:
+    """An API client and the default namespace: kubeconfig (file, $KUBECONFIG, ~/.kube/config,
+    optional context), else the in-cluster service account."""
+    from kubernetes import config
+
+    path = kubeconfig or os.environ.get("KUBECONFIG", "").split(os.pathsep)[0] or str(Path("~/.kube/config").expanduser())
+    try:
+        if Path(path).exists():
+            api = config.new_client_from_config(config_file=path, context=context)
+            contexts, active = config.list_kube_config_contexts(config_file=path)
+            chosen = next((c for c in contexts if c["name"] == context), active) if context else active
+            return api, (chosen or {}).get("context", {}).get("namespace") or "default"
+        cfg = k8s.Configuration()
+        config.load_incluster_config(client_configuration=cfg)
+        return k8s.ApiClient(cfg), IN_CLUSTER_NS.read_text().strip() if IN_CLUSTER_NS.exists() else "default"
+    except config.ConfigException as e:
+        raise KubetuneError(f"no usable Kubernetes configuration ({str(e).splitlines()[0]})", field="kubeconfig", fix="set KUBECONFIG or --kubeconfig, pick a --context, or run inside a cluster") from None
+
+
+class KubeflowBackend:
+    """Runs job specs on a cluster with the Kubeflow Training Operator (or Trainer v2)."""
+
+    def __init__(self, namespace: str | None = None, kubeconfig: str | None = None, context: str | None = None, target: str = "pytorchjob"):
+        if target not in TARGETS:
+            raise KubetuneError(f"unknown target {target!r}", field="--target", fix="use pytorchjob or trainjob")
+        self.api, default_ns = connect(kubeconfig, context)
+        self.namespace = namespace or default_ns
+        self.target = target
+        self.group, self.version, self.plural, self.kind = TARGETS[target]
+        self.core = k8s.CoreV1Api(self.api)
+        self.custom = k8s.CustomObjectsApi(self.api)
+        self.apps = k8s.AppsV1Api(self.api)
+
+    # ---- errors at the boundary ----
+    @contextlib.contextmanager
+    def _errors(self, verb: str, resource: str, name: str | None = None):
+        import urllib3
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            yield
+        except ApiException as e:
+            raise self._translate(e, verb, resource, name) from None
+        except (urllib3.exceptions.HTTPError, OSError) as e:
+            host = self.api.configuration.host
+            raise KubetuneError(f"cannot reach the Kubernetes API server at {host} ({type(e).__name__})", fix="check the kubeconfig context and the network (kubectl cluster-info)") from None
+
+    def _translate(self, e, verb: str, resource: str, name: str | None) -> KubetuneError:
+        import json
+
+        try:
+            body = json.loads(e.body or "{}")
+        except ValueError:
+            body = {}
+        message = body.get("message") or e.reason or ""
+        what = f"{resource} '{name}'" if name else resource
+        if e.status == 403:
+            return KubetuneError(f"forbidden: cannot {verb} {resource} in namespace '{self.namespace}' ({message})", fix="ask for the RBAC in deploy/rbac, or set kubernetes.namespace / --namespace")
+        if e.status == 401:
+            return KubetuneError(f"the API server at {self.api.configuration.host} rejected the credentials (401)", fix="refresh the kubeconfig credentials")
+        if e.status == 404 and name is None or (e.status == 404 and "could not find the requested resource" in message):
+            return KubetuneError(f"{resource} are not served by this cluster ({message})", fix=f"install the Kubeflow {'Training Operator' if self.target == 'pytorchjob' else 'Trainer'} (deploy/install.sh)")
+        if e.status == 404:
+            return KubetuneError(f"{what} not found in namespace '{self.namespace}'", fix="check the name with `kubetune list` and --namespace")
+        if e.status == 409:
+            return KubetuneError(f"{what} already exists in namespace '{self.namespace}'", fix=f"pass --replace, or `kubetune delete {name}` first")
+        if e.status == 422:
+            return KubetuneError(f"the API server rejected {what}: {message}", fix="check the spec's kubernetes section")
+        return KubetuneError(f"Kubernetes API error {e.status} {e.reason} on {verb} {what}: {message}")
+
+    # ---- submit ----
+    def submit(self, spec: JobSpec, replace: bool = False) -> str:
+        """Create the job, then its ConfigMap / PVC / TensorBoard owned by it (deleting the job
+        deletes them). Returns the job name."""
+        rendered = manifests.render(spec, self.namespace, self.target)
+        name = spec.name
+        if replace:
+            self._delete_and_wait(name)
+        with self._errors("create", f"{self.plural}.{self.group}", name):
+            job = self.custom.create_namespaced_custom_object(self.group, self.version, self.namespace, self.plural, rendered.job)
+        owner = {"apiVersion": f"{self.group}/{self.version}", "kind": self.kind, "name": name, "uid": job["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}
+        try:
+            for obj in [rendered.config_map, *([rendered.pvc] if rendered.pvc else []), *rendered.tensorboard]:
+                obj = {**obj, "metadata": {**obj["metadata"], "ownerReferences": [owner]}}
+                self._create_owned(obj, replace)
+        except KubetuneError:
+            # Never leave a job whose ConfigMap is missing: roll the job back.
+            with contextlib.suppress(Exception):
+                self.custom.delete_namespaced_custom_object(self.group, self.version, self.namespace, self.plural, name)
+            raise
+        return name
+
+    def _create_owned(self, obj: dict, replace: bool) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        kind, name = obj["kind"], obj["metadata"]["name"]
+        create, delete = {
+            "ConfigMap": (self.core.create_namespaced_config_map, self.core.delete_namespaced_config_map),
+            "PersistentVolumeClaim": (self.core.create_namespaced_persistent_volume_claim, self.core.delete_namespaced_persistent_volume_claim),
+            "Service": (self.core.create_namespaced_service, self.core.delete_namespaced_service),
+            "Deployment": (self.apps.create_namespaced_deployment, self.apps.delete_namespaced_deployment),
+        }[kind]
+        resource = kind.lower() + "s"
+        with self._errors("create", resource, name):
+            try:
+                create(self.namespace, obj)
+            except ApiException as e:
+                if e.status != 409:
+                    raise
+                # Left over from a job deleted without its garbage collector having finished.
+                delete(name, self.namespace)
+                create(self.namespace, obj)
+
+    def _delete_and_wait(self, name: str, timeout: float = 60) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        with self._errors("delete", f"{self.plural}.{self.group}", name):
+            try:
+                self.custom.delete_namespaced_custom_object(self.group, self.version, self.namespace, self.plural, name, propagation_policy="Foreground")
+            except ApiException as e:
+                if e.status == 404:
+                    return
+                raise
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                try:
+                    self.custom.get_namespaced_custom_object(self.group, self.version, self.namespace, self.plural, name)
+                except ApiException as e:
+                    if e.status == 404:
+                        return
+                    raise
+                time.sleep(1)
+        raise KubetuneError(f"{self.kind} '{name}' is still being deleted after {timeout:.0f} s", fix="wait, then submit again")
+
+    # ---- status ----
+    def get(self, name: str) -> dict:
+        with self._errors("get", f"{self.plural}.{self.group}", name):
+            return self.custom.get_namespaced_custom_object(self.group, self.version, self.namespace, self.plural, name)
+
+    def status(self, name: str, log_lines: int = 20) -> JobStatus:
+        job = self.get(name)
+        st = job.get("status") or {}
+        result = JobStatus(name=name, namespace=self.namespace, kind=self.kind, phase=phase_of(job), replicas={k: {kk: int(vv) for kk, vv in v.items() if isinstance(vv, int)} for k, v in (st.get("replicaStatuses") or {}).items()})
+        result.pods = self._pods(name)
+        result.restarts = sum(p.restarts for p in result.pods)
+        failing = next((p for p in result.pods if p.reason), None)
+        if failing:
+            result.reason, result.message, result.failed_pod = failing.reason, failing.message, failing.name
+            if failing.reason not in ("ImagePullBackOff", "ErrImagePull", "Unschedulable", "InvalidImageName"):
+                result.log_tail = self._tail(failing.name, log_lines)
+        elif result.phase == "Failed":
+            cond = next((c for c in reversed(st.get("conditions") or []) if c.get("type") == "Failed"), {})
+            result.reason, result.message = cond.get("reason"), cond.get("message")
+        return result
+
+    def _pods(self, name: str) -> list[PodInfo]:
+        with self._errors("list", "pods"):
+            pods = self.core.list_namespaced_pod(self.namespace, label_selector=f"{manifests.JOB_LABEL}={name}").items
+        out = [pod_info(p) for p in pods if (p.metadata.labels or {}).get("app.kubernetes.io/component") != "tensorboard"]
+        return sorted(out, key=lambda p: p.node_rank)
+
+    def _tail(self, pod: str, lines: int) -> list[str]:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            text = self.core.read_namespaced_pod_log(pod, self.namespace, container=manifests.CONTAINER if self.target == "pytorchjob" else None, tail_lines=lines)
+        except ApiException:
+            return []
+        return text.splitlines()[-lines:]
+
+    # ---- logs ----
+    def logs(self, name: str, follow: bool = False, rank: int | None = None, all_ranks: bool = False, tail: int | None = None) -> Iterator[str]:
+        """Lines of the job's pods, each prefixed ``[node N]``; streamed (bounded memory)."""
+        self.get(name)  # a clear error when the job does not exist
+        pods = self._pods(name)
+        if not pods:
+            raise KubetuneError(f"{self.kind} '{name}' has no pods yet", fix="try again in a moment, or see `kubetune status`")
+        if not all_ranks:
+            want = rank or 0
+            pods = [p for p in pods if p.node_rank == want]
+            if not pods:
+                raise KubetuneError(f"no pod with node rank {want} in '{name}'", field="--rank", fix=f"use 0..{len(self._pods(name)) - 1} or --all")
+        if len(pods) == 1:
+            yield from self._stream(pods[0], follow, tail)
+            return
+        # Several pods: one reader thread each, merged through a bounded queue.
+        lines: queue.Queue = queue.Queue(maxsize=1000)
+        done = object()
+
+        def pump(pod: PodInfo) -> None:
+            try:
+                for line in self._stream(pod, follow, tail):
+                    lines.put(line)
+            except KubetuneError as e:
+                lines.put(f"[node {pod.node_rank}] error: {e}")
+            finally:
+                lines.put(done)
+
+        for p in pods:
+            threading.Thread(target=pump, args=(p,), daemon=True).start()
+        remaining = len(pods)
+        while remaining:
+            item = lines.get()
+            if item is done:
+                remaining -= 1
+            else:
+                yield item
+
+    def _stream(self, pod: PodInfo, follow: bool, tail: int | None) -> Iterator[str]:
+        with self._errors("get", "pods/log", pod.name):
+            resp = self.core.read_namespaced_pod_log(
+                pod.name, self.namespace, container=manifests.CONTAINER if self.target == "pytorchjob" else None,
+                follow=follow, tail_lines=tail, _preload_content=False,
+            )
+        prefix = f"[node {pod.node_rank}] "
+        try:
+            yield from (prefix + line for line in iter_lines(resp))
+        finally:
+            resp.release_conn()
+
+    # ---- wait ----
+    def wait(self, name: str, timeout: float | None = None) -> JobStatus:
+        """Block until the job succeeds or fails, following a watch (no polling loop).
+
+        Raises:
+            KubetuneError: the job disappeared, or ``timeout`` passed (``WaitTimeout``).
+        """
+        from kubernetes import watch
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        job = self.get(name)
+        version = job["metadata"].get("resourceVersion")
+        while phase_of(job) not in TERMINAL:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise WaitTimeout(f"{self.kind} '{name}' is still {phase_of(job)} after {timeout:.0f} s", fix="wait longer (--timeout) or see `kubetune status`")
+            w = watch.Watch()
+            kwargs = {"field_selector": f"metadata.name={name}", "timeout_seconds": max(1, int(remaining)) if remaining is not None else 300}
+            if version:
+                kwargs["resource_version"] = version
+            with self._errors("watch", f"{self.plural}.{self.group}", name):
+                for event in w.stream(self.custom.list_namespaced_custom_object, self.group, self.version, self.namespace, self.plural, **kwargs):
+                    obj = event["object"]
+                    if event["type"] == "DELETED":
+                        w.stop()
+                        raise KubetuneError(f"{self.kind} '{name}' was deleted while waiting")
+                    if event["type"] == "ERROR":  # e.g. 410 Gone: re-read and watch again
+                        version = None
+                        break
+                    job, version = obj, obj["metadata"].get("resourceVersion", version)
+                    if phase_of(job) in TERMINAL:
+                        w.stop()
+                        break
+            if version is None:
+                job = self.get(name)
+                version = job["metadata"].get("resourceVersion")
+        return self.status(name)
+
+    # ---- delete / list ----
+    def delete(self, name: str) -> None:
+        with self._errors("delete", f"{self.plural}.{self.group}", name):
+            self.custom.delete_namespaced_custom_object(self.group, self.version, self.namespace, self.plural, name, propagation_policy="Background")
+
+    def list(self) -> list[dict]:
+        with self._errors("list", f"{self.plural}.{self.group}"):
+            items = self.custom.list_namespaced_custom_object(self.group, self.version, self.namespace, self.plural, label_selector="app.kubernetes.io/name=kubetune")["items"]
+        return [{"name": j["metadata"]["name"], "phase": phase_of(j), "created": j["metadata"].get("creationTimestamp", "")} for j in items]
+
+
+class WaitTimeout(KubetuneError):
+    """`kubetune wait` ran out of time (exit code 3)."""
+
+
+def phase_of(job: dict) -> str:
+    """The job's phase: the last condition whose status is True (Created, Running, Restarting,
+    Succeeded, Failed, Suspended), or Pending before the operator has written any."""
+    conditions = (job.get("status") or {}).get("conditions") or []
+    true = [c for c in conditions if str(c.get("status")) == "True"]
+    if any(c.get("type") in ("Failed", "Succeeded") for c in true):
+        return next(c["type"] for c in reversed(true) if c.get("type") in ("Failed", "Succeeded"))
+    if any(c.get("type") == "Complete" for c in true):  # TrainJob
+        return "Succeeded"
+    return true[-1]["type"] if true else "Pending"
+
+
+def pod_info(pod) -> PodInfo:
+    """Node rank and the reason a pod is failing (OOMKilled, ImagePullBackOff, Unschedulable, ...)."""
+    labels = pod.metadata.labels or {}
+    index = int(labels.get("training.kubeflow.org/replica-index") or labels.get("batch.kubernetes.io/job-completion-index") or 0)
+    rank = index + 1 if labels.get("training.kubeflow.org/replica-type", "").lower() == "worker" and not labels.get("kubetune.io/elastic") else index
+    status = pod.status
+    statuses = (status.container_statuses or []) + (status.init_container_statuses or []) if status else []
+    restarts = sum(s.restart_count or 0 for s in statuses)
+    reason = message = None
+    for s in statuses:
+        state, last = s.state, s.last_state
+        if state and state.waiting and state.waiting.reason in POD_FAILURES:
+            reason, message = state.waiting.reason, state.waiting.message
+        elif state and state.terminated and state.terminated.exit_code:
+            reason, message = state.terminated.reason or "Error", f"container {s.name} exited with code {state.terminated.exit_code}"
+        elif last and last.terminated and last.terminated.reason == "OOMKilled":
+            reason, message = "OOMKilled", f"container {s.name} was killed for exceeding its memory limit (restarts: {s.restart_count})"
+        if reason:
+            break
+    if not reason and status:
+        for c in status.conditions or []:
+            if c.type == "PodScheduled" and c.status == "False" and c.reason == "Unschedulable":
+                reason, message = "Unschedulable", c.message
+    return PodInfo(name=pod.metadata.name, node_rank=rank, phase=(status.phase if status else None) or "Unknown", restarts=restarts, reason=reason, message=message)
+
+
+def iter_lines(resp, chunk: int = 8192, max_line: int = 1 << 20) -> Iterator[str]:
+    """Split a streamed HTTP body into lines, holding at most one partial line (≤ max_line)."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    buf = ""
+    for data in resp.stream(chunk):
+        buf += decoder.decode(data)
+        *complete, buf = buf.split("\n")
+        yield from complete
+        if len(buf) > max_line:  # a runaway line: emit it in pieces instead of growing without bound
+            yield buf
+            buf = ""
+    buf += decoder.decode(b"", final=True)
+    if buf:
+        yield buf
