@@ -1,0 +1,226 @@
+"""Job lifecycle against a FAKE Kubernetes API server (tests/fakes/kube_api.py) over real HTTP
+with the real `kubernetes` client: no real apiserver can run on this machine. The fake stands in
+for the Training Operator too: tests set job conditions, pods and container logs themselves."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from conftest import MINILM, kubetune
+from fakes.kube_api import FakeKubeAPI
+from typer.testing import CliRunner
+
+from kubetune.cli import app
+
+pytestmark = pytest.mark.integration
+NS = "team-a"
+JOBS = ("kubeflow.org/v1", "pytorchjobs")
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    with FakeKubeAPI() as server:
+        server.kubeconfig = str(server.write_kubeconfig(tmp_path / "kubeconfig", namespace=NS))
+        yield server
+
+
+@pytest.fixture
+def spec_file(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text(f"""
+name: demo
+model: {{uri: "{MINILM}"}}
+data: {{train: hf://acme/reviews, text_column: text, label_column: label}}
+distributed: {{nodes: 2, procs_per_node: 1}}
+kubernetes:
+  storage: {{mode: pvc}}
+  secrets: {{hf_token: {{name: hf-secrets, key: HF_TOKEN}}}}
+output: {{uri: runs/demo}}
+""")
+    return path
+
+
+def cli(cluster, *args):
+    result = CliRunner().invoke(app, [*args, "--kubeconfig", cluster.kubeconfig])
+    return result.exit_code, result.stdout, result.stderr
+
+
+def _conditions(*types_, failed_reason=None):
+    out = [{"type": t, "status": "True", "reason": f"PyTorchJob{t}", "message": f"job is {t.lower()}"} for t in types_]
+    if failed_reason:
+        out[-1]["message"] = failed_reason
+    return {"conditions": out}
+
+
+def _pod(name, job, rtype, index, phase="Running", container_state=None, last_state=None, conditions=None):
+    status = {"phase": phase, "containerStatuses": [{"name": "pytorch", "restartCount": 1 if last_state else 0, "ready": phase == "Running",
+                                                        "image": "x", "imageID": "", "state": container_state or {"running": {}}, **({"lastState": last_state} if last_state else {})}]}
+    if conditions:
+        status["conditions"] = conditions
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": NS, "labels": {
+        "kubetune.io/job": job, "training.kubeflow.org/replica-type": rtype, "training.kubeflow.org/replica-index": str(index)}},
+        "spec": {"containers": [{"name": "pytorch", "image": "x"}]}, "status": status}
+
+
+def test_submit_creates_owned_objects_in_the_context_namespace(cluster, spec_file):
+    proc = kubetune("submit", str(spec_file), "--kubeconfig", cluster.kubeconfig)  # the real CLI, as a user runs it
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "demo"
+    job = cluster.get_obj(*JOBS, NS, "demo")
+    assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
+    for gv, plural, name in [("v1", "configmaps", "demo-spec"), ("v1", "persistentvolumeclaims", "demo-workspace")]:
+        obj = cluster.get_obj(gv, plural, NS, name)
+        assert obj["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
+    # Deleting the job takes its ConfigMap and PVC with it.
+    code, out, _ = cli(cluster, "delete", "demo")
+    assert (code, out.strip()) == (0, "deleted demo")
+    assert cluster.objects("v1", "configmaps", NS) == [] and cluster.objects(*JOBS, NS) == []
+
+
+def test_existing_job_409_and_replace(cluster, spec_file):
+    assert cli(cluster, "submit", str(spec_file))[0] == 0
+    uid = cluster.get_obj(*JOBS, NS, "demo")["metadata"]["uid"]
+    code, _, err = cli(cluster, "submit", str(spec_file))
+    assert code == 2
+    assert err.strip() == f"error: pytorchjobs.kubeflow.org 'demo' already exists in namespace '{NS}' — pass --replace, or `kubetune delete demo` first"
+    code, out, err = cli(cluster, "submit", str(spec_file), "--replace")
+    assert code == 0, err
+    assert cluster.get_obj(*JOBS, NS, "demo")["metadata"]["uid"] != uid
+    assert len(cluster.objects("v1", "configmaps", NS)) == 1
+
+
+def test_forbidden_is_one_line_naming_verb_resource_namespace(cluster, spec_file):
+    cluster.deny("create", "pytorchjobs", NS)
+    code, _, err = cli(cluster, "submit", str(spec_file))
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith(f"error: forbidden: cannot create pytorchjobs.kubeflow.org in namespace '{NS}' (")
+    assert "deploy/rbac" in lines[0]
+    assert cluster.objects("v1", "configmaps", NS) == []  # nothing half-created
+
+
+def test_configmap_failure_rolls_the_job_back(cluster, spec_file):
+    cluster.deny("create", "configmaps", NS)
+    code, _, err = cli(cluster, "submit", str(spec_file))
+    assert code == 2 and "cannot create configmaps" in err
+    assert cluster.objects(*JOBS, NS) == []
+
+
+def test_missing_job_404(cluster):
+    for cmd in (["status", "nope"], ["wait", "nope"], ["logs", "nope"], ["delete", "nope"]):
+        code, _, err = cli(cluster, *cmd)
+        assert code == 2, cmd
+        assert err.strip() == f"error: pytorchjobs.kubeflow.org 'nope' not found in namespace '{NS}' — check the name with `kubetune list` and --namespace"
+
+
+def test_unreachable_api_server(tmp_path, spec_file):
+    with FakeKubeAPI() as server:
+        kubeconfig = str(server.write_kubeconfig(tmp_path / "kc"))
+        url = server.url
+    # The server is gone now: nothing listens on that port.
+    result = CliRunner().invoke(app, ["status", "demo", "--kubeconfig", kubeconfig])
+    assert result.exit_code == 2
+    assert result.stderr.strip().startswith(f"error: cannot reach the Kubernetes API server at {url}")
+
+
+def test_wait_succeeded_uses_a_watch_not_polling(cluster, spec_file):
+    assert cli(cluster, "submit", str(spec_file))[0] == 0
+    cluster.set_status(*JOBS, NS, "demo", _conditions("Created", "Running"))
+
+    def finish():
+        time.sleep(1.0)
+        cluster.set_status(*JOBS, NS, "demo", _conditions("Created", "Running", "Succeeded"))
+
+    threading.Thread(target=finish).start()
+    before = len(cluster.requests)
+    code, out, err = cli(cluster, "wait", "demo", "--timeout", "30")
+    assert code == 0, err
+    assert out.strip() == "demo: Succeeded"
+    seen = cluster.requests[before:]
+    watches = [r for r in seen if r[2].get("watch") in ("true", "1", "True")]
+    assert len(watches) == 1 and watches[0][2].get("fieldSelector") == "metadata.name=demo"
+    assert len(seen) < 10  # one get, one watch, the final status reads: no polling loop
+
+
+def test_wait_timeout_exit_3(cluster, spec_file):
+    assert cli(cluster, "submit", str(spec_file))[0] == 0
+    cluster.set_status(*JOBS, NS, "demo", _conditions("Created", "Running"))
+    code, _, err = cli(cluster, "wait", "demo", "--timeout", "1")
+    assert code == 3 and "still Running after 1 s" in err
+
+
+def test_failed_with_oomkilled_reason_and_log_tail(cluster, spec_file):
+    assert cli(cluster, "submit", str(spec_file))[0] == 0
+    cluster.put("v1", "pods", NS, _pod("demo-master-0", "demo", "master", 0))
+    cluster.put("v1", "pods", NS, _pod("demo-worker-0", "demo", "worker", 0, phase="Failed",
+                                       container_state={"terminated": {"exitCode": 137, "reason": "OOMKilled"}}))
+    cluster.append_log(NS, "demo-worker-0", "pytorch", *[f"step {i}" for i in range(30)], "allocating 9 GiB")
+    cluster.set_status(*JOBS, NS, "demo", _conditions("Created", "Running", "Failed", failed_reason="PyTorchJob demo is failed because 1 Worker replica(s) failed."))
+    code, _, err = cli(cluster, "wait", "demo", "--timeout", "10")
+    assert code == 1
+    first = err.splitlines()[0]
+    assert first.startswith("error: PyTorchJob demo failed: OOMKilled on demo-worker-0")
+    assert "  allocating 9 GiB" in err and "step 0" not in err  # only the last lines
+    code, out, _ = cli(cluster, "status", "demo")
+    assert code == 0
+    assert "PyTorchJob demo in team-a: Failed" in out and "reason: OOMKilled on demo-worker-0" in out
+
+
+@pytest.mark.parametrize(
+    "pod, reason",
+    [
+        (_pod("demo-master-0", "demo", "master", 0, phase="Pending", container_state={"waiting": {"reason": "ImagePullBackOff", "message": "Back-off pulling image \"ghcr.io/x:1\""}}), "ImagePullBackOff"),
+        (_pod("demo-master-0", "demo", "master", 0, phase="Pending", container_state={"waiting": {"reason": "ErrImagePull", "message": "not found"}}), "ErrImagePull"),
+        (_pod("demo-master-0", "demo", "master", 0, container_state={"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 5m0s"}}), "CrashLoopBackOff"),
+        (_pod("demo-master-0", "demo", "master", 0, phase="Pending", container_state={"waiting": {"reason": "ContainerCreating"}},
+              conditions=[{"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."}]), "Unschedulable"),
+    ],
+    ids=["ImagePullBackOff", "ErrImagePull", "CrashLoopBackOff", "Unschedulable"],
+)
+def test_status_reads_failure_reasons_from_pods(cluster, spec_file, pod, reason):
+    assert cli(cluster, "submit", str(spec_file))[0] == 0
+    cluster.set_status(*JOBS, NS, "demo", _conditions("Created"))
+    cluster.put("v1", "pods", NS, pod)
+    code, out, _ = cli(cluster, "status", "demo")
+    assert code == 0
+    assert f"reason: {reason} on demo-master-0" in out
+
+
+def test_logs_follow_all_ranks_streams_until_pods_finish(cluster, spec_file):
+    assert cli(cluster, "submit", str(spec_file))[0] == 0
+    for name, rtype in (("demo-master-0", "master"), ("demo-worker-0", "worker")):
+        cluster.put("v1", "pods", NS, _pod(name, "demo", rtype, 0))
+    cluster.append_log(NS, "demo-master-0", "pytorch", "[rank 0] INFO epoch 1")
+
+    def progress():
+        time.sleep(0.5)
+        cluster.append_log(NS, "demo-worker-0", "pytorch", "[rank 1] WARNING slow step")
+        cluster.append_log(NS, "demo-master-0", "pytorch", "[rank 0] INFO done")
+        time.sleep(0.5)
+        for name, rtype in (("demo-master-0", "master"), ("demo-worker-0", "worker")):
+            cluster.put("v1", "pods", NS, _pod(name, "demo", rtype, 0, phase="Succeeded", container_state={"terminated": {"exitCode": 0, "reason": "Completed"}}))
+
+    threading.Thread(target=progress).start()
+    code, out, err = cli(cluster, "logs", "demo", "-f", "--all")
+    assert code == 0, err
+    lines = out.strip().splitlines()
+    assert sorted(lines) == sorted(["[node 0] [rank 0] INFO epoch 1", "[node 1] [rank 1] WARNING slow step", "[node 0] [rank 0] INFO done"])
+    assert lines.index("[node 0] [rank 0] INFO epoch 1") < lines.index("[node 0] [rank 0] INFO done")
+    code, out, _ = cli(cluster, "logs", "demo", "--rank", "1", "--tail", "1")
+    assert (code, out.strip()) == (0, "[node 1] [rank 1] WARNING slow step")
+
+
+def test_list_and_python_client(cluster, spec_file):
+    from kubetune import Client
+
+    job = Client(backend="kubeflow", kubeconfig=cluster.kubeconfig).train(spec_file)
+    assert job.name == "demo"
+    cluster.set_status(*JOBS, NS, "demo", _conditions("Created", "Running", "Succeeded"))
+    assert job.wait(timeout=10).phase == "Succeeded"
+    code, out, _ = cli(cluster, "list")
+    assert code == 0 and out.split()[:2] == ["demo", "Succeeded"]
+    job.delete()
+    assert cluster.objects(*JOBS, NS) == []
