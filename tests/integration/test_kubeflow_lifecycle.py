@@ -224,3 +224,17 @@ def test_list_and_python_client(cluster, spec_file):
     assert code == 0 and out.split()[:2] == ["demo", "Succeeded"]
     job.delete()
     assert cluster.objects(*JOBS, NS) == []
+
+
+def test_context_selects_namespace_and_namespace_flag_wins(cluster, spec_file):
+    import json as _json
+
+    config = _json.loads(open(cluster.kubeconfig).read())
+    other = {**config["contexts"][0], "name": "other"}
+    other["context"] = {**other["context"], "namespace": "team-b"}
+    config["contexts"].append(other)
+    open(cluster.kubeconfig, "w").write(_json.dumps(config))
+    assert cli(cluster, "submit", str(spec_file), "--context", "other")[0] == 0
+    assert cluster.get_obj(*JOBS, "team-b", "demo") is not None and cluster.get_obj(*JOBS, NS, "demo") is None
+    assert cli(cluster, "submit", str(spec_file), "--namespace", "team-c")[0] == 0
+    assert cluster.get_obj(*JOBS, "team-c", "demo") is not None
