@@ -74,12 +74,13 @@ def run(
 
 def _preflight(job) -> None:
     """Fail fast, before any worker starts, on a bad model path or data."""
-    from kubetune import artifacts
+    from kubetune import artifacts, providers
     from kubetune.data import load_frames
 
+    providers.configure(job)
     artifacts.resolve_model(job)
     load_frames(job.data, job.training.seed)
-    artifacts.local_output_dir(job.output.uri)
+    artifacts.check_output(job)
 
 
 @app.command()
@@ -92,14 +93,17 @@ def worker(spec: SpecArg) -> None:
 
 @app.command()
 def predict(
-    model: Annotated[str, typer.Argument(help="Exported model: a job's output directory or its model/ directory.")],
+    model: Annotated[str, typer.Argument(help="Exported model: a job's output (directory, s3://, hf://) or its model/ directory.")],
     texts: Annotated[list[str] | None, typer.Argument(help="Texts to classify.")] = None,
     file: Annotated[Path | None, typer.Option("--file", "-f", help="Read texts from a file, one per line.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list of {text, label, score}.")] = False,
+    endpoint_url: Annotated[str | None, typer.Option("--endpoint-url", help="S3 endpoint for s3:// models (MinIO).")] = None,
 ) -> None:
-    """Classify texts with an exported model."""
+    """Classify texts with an exported model (a directory, s3:// artifact or hf:// repo)."""
     from kubetune.predict import predict as run_predict
+    from kubetune.providers import s3
 
+    s3.configure(endpoint_url)
     items = list(texts or [])
     try:
         if file is not None:
@@ -291,6 +295,24 @@ def list_jobs(namespace: NsOpt = None, context: CtxOpt = None, kubeconfig: KcOpt
         _fail(e)
     for j in jobs:
         typer.echo(f"{j['name']:<40} {j['phase']:<12} {j['created']}")
+
+
+@app.command()
+def pull(
+    uri: Annotated[str, typer.Argument(help="Artifact: s3://BUCKET/PREFIX (a job's output.uri) or hf://ORG/REPO.")],
+    dest: Annotated[Path, typer.Argument(help="Local directory.")],
+    endpoint_url: Annotated[str | None, typer.Option("--endpoint-url", help="S3 endpoint (MinIO); default $S3_ENDPOINT_URL / $AWS_ENDPOINT_URL.")] = None,
+) -> None:
+    """Download an exported artifact and verify it against its manifest (sizes and sha256)."""
+    from kubetune.predict import pull as do_pull
+    from kubetune.providers import s3
+
+    s3.configure(endpoint_url)
+    try:
+        path = do_pull(uri, dest)
+    except KubetuneError as e:
+        _fail(e)
+    typer.echo(str(path))
 
 
 @app.command("seed-hf-cache")

@@ -8,9 +8,33 @@ from kubetune import providers
 from kubetune.errors import KubetuneError
 
 
+def pull(uri: str, dest: Path | None = None) -> Path:
+    """Download and verify an exported artifact (s3:// needs its complete manifest; hf:// a repo).
+
+    Returns:
+        The local directory.
+    """
+    scheme = providers.parse_uri(uri).scheme
+    if scheme == "s3":
+        from kubetune.data.tokenize import cache_root
+        from kubetune.providers import s3
+
+        loc = s3.Location.parse(uri, "MODEL")
+        dest = dest or cache_root() / "pulled" / loc.bucket / loc.key.strip("/")
+        return s3.download(uri.rstrip("/") + "/", dest, field="MODEL", require_manifest=True)
+    if scheme == "hf" and dest is not None:
+        from kubetune.artifacts import hub
+
+        return hub.pull(uri, dest)
+    if dest is not None:
+        raise KubetuneError(f"{uri!r} is already local", field="URI", fix="pull takes s3:// or hf:// URIs")
+    return providers.resolve(uri, kind="model", field="MODEL")
+
+
 def model_path(uri: str) -> Path:
-    """Accept a job's output directory (uses its ``model/``) or a model directory itself."""
-    path = providers.resolve(uri, kind="model", field="MODEL")
+    """Accept a job's output (uses its ``model/``) or a model directory itself; s3:// and hf://
+    artifacts are downloaded (and verified) first."""
+    path = pull(uri)
     if (path / "model" / "config.json").exists():
         return path / "model"
     if (path / "config.json").exists():

@@ -37,6 +37,7 @@ def stage(spec: JobSpec, dest: Path) -> Path:
     Raises:
         KubetuneError: an input cannot be fetched (names the field, the URI and the fix).
     """
+    providers.configure(spec)
     dest.mkdir(parents=True, exist_ok=True)
     staged, marker = dest / "job.yaml", dest / MARKER
     key = stage_key(spec)

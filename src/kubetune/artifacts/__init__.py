@@ -14,16 +14,27 @@ from kubetune.artifacts.baseline import tfidf_baseline
 from kubetune.config import JobSpec, dump_spec
 from kubetune.errors import KubetuneError
 
-__all__ = ["History", "export_classifier", "finish", "local_output_dir", "resolve_model", "tensorboard_writer", "tfidf_baseline", "write_atomic"]
+__all__ = ["History", "check_output", "export_classifier", "finish", "local_output_dir", "publish", "resolve_model", "tensorboard_writer", "tfidf_baseline", "write_atomic"]
 log = logging.getLogger(__name__)
 
 
+REMOTE_OUTPUTS = ("s3", "hf")
+
+
 def local_output_dir(uri: str) -> Path:
-    """The local directory for ``output.uri`` (created)."""
+    """The local directory artifacts are written to (created): ``output.uri`` itself, or for a
+    remote output (s3://, hf://) a staging directory that ``publish`` uploads at the end."""
     parsed = providers.parse_uri(uri)
-    if parsed.scheme != "file":
-        raise KubetuneError(f"output scheme '{parsed.scheme}://' is not supported", field="output.uri", fix="use a local directory or file:///path")
-    path = Path(parsed.body).expanduser()
+    if parsed.scheme in REMOTE_OUTPUTS:
+        from kubetune.data.tokenize import cache_root
+
+        import hashlib
+
+        path = cache_root() / "outputs" / hashlib.sha256(uri.encode()).hexdigest()[:16]
+    elif parsed.scheme != "file":
+        raise KubetuneError(f"output scheme '{parsed.scheme}://' is not supported", field="output.uri", fix="use a local directory, s3://BUCKET/PREFIX or hf://ORG/REPO")
+    else:
+        path = Path(parsed.body).expanduser()
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -93,6 +104,34 @@ def export_classifier(spec: JobSpec, model, tokenizer, frames, out: Path) -> Non
 
     _replace_dir(save, out / "model")
     log.info("exported model to %s", out / "model")
+
+
+def check_output(spec: JobSpec) -> None:
+    """Fail before training when the output cannot be written (missing bucket, bad credentials)."""
+    scheme = providers.parse_uri(spec.output.uri).scheme
+    if scheme == "s3":
+        from kubetune.providers import s3
+
+        s3.check_bucket(spec.output.uri, field="output.uri")
+    elif scheme == "hf":
+        from kubetune.artifacts import hub
+
+        hub.check_can_push(spec)
+    else:
+        local_output_dir(spec.output.uri)
+
+
+def publish(spec: JobSpec, out: Path, metrics: dict) -> None:
+    """Upload the finished artifacts when ``output.uri`` is remote (rank 0, after ``finish``)."""
+    scheme = providers.parse_uri(spec.output.uri).scheme
+    if scheme == "s3":
+        from kubetune.providers import s3
+
+        s3.upload_dir(out, spec.output.uri)
+    elif scheme == "hf":
+        from kubetune.artifacts import hub
+
+        hub.push(spec, out, metrics)
 
 
 def finish(spec: JobSpec, metrics: dict, out: Path) -> None:

@@ -177,8 +177,8 @@ def build_pod_template(spec: JobSpec) -> k8s.V1PodTemplateSpec:
         image_pull_policy=kube.image_pull_policy,
         command=worker_command(),
         working_dir=WORKSPACE,
-        # The init container staged everything: the workers never reach for the Hub themselves.
-        env=_common_env() + [k8s.V1EnvVar(name="HF_HUB_OFFLINE", value="1")] + env,
+        # The init container staged everything: workers reach for the Hub only to push an hf:// output.
+        env=_common_env() + ([] if spec.output.uri.startswith("hf://") else [k8s.V1EnvVar(name="HF_HUB_OFFLINE", value="1")]) + env,
         env_from=env_from or None,
         ports=[k8s.V1ContainerPort(name="pytorchjob-port", container_port=kube.master_port, protocol="TCP")],
         resources=_resources(spec),
@@ -340,7 +340,7 @@ def warnings_for(spec: JobSpec) -> list[str]:
     scheme = spec.output.uri.partition("://")[0] if "://" in spec.output.uri else "file"
     if scheme == "file" and spec.kubernetes.storage.mode == "node-local":
         out.append(f"output.uri: {spec.output.uri!r} is inside the pod's node-local storage and is lost when the pod ends — "
-                   "set kubernetes.storage.mode: pvc (or use an s3:// output once storage support lands)")
+                   "use an s3:// or hf:// output, or kubernetes.storage.mode: pvc")
     if spec.kubernetes.tensorboard and spec.kubernetes.storage.mode != "pvc":
         out.append("kubernetes.tensorboard: TensorBoard reads the event files from the shared PVC — set kubernetes.storage.mode: pvc")
     if spec.resources.gpu and spec.resources.gpu != spec.distributed.procs_per_node:

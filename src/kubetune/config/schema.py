@@ -19,7 +19,7 @@ class Section(BaseModel):
 
 class ModelSpec(Section):
     uri: str = Field(
-        description="Base model: hf://org/name (Hugging Face Hub or its local cache), "
+        description="Base model: hf://org/name (Hugging Face Hub or its local cache), s3://bucket/prefix, "
         "file:///path or a plain local path to a save_pretrained directory.",
     )
     revision: str | None = Field(
@@ -125,8 +125,23 @@ class DistributedSpec(Section):
         return self.nodes * self.procs_per_node
 
 
+class S3Spec(Section):
+    endpoint_url: str | None = Field(
+        None, description="S3 endpoint, e.g. http://minio.minio.svc:9000 for MinIO; default: $S3_ENDPOINT_URL, then $AWS_ENDPOINT_URL, then AWS."
+    )
+    region: str | None = Field(None, description="S3 region; default: $AWS_REGION, then us-east-1.")
+    addressing_style: Literal["auto", "path", "virtual"] = Field(
+        "auto", description="Bucket addressing: auto = path-style when an endpoint is set (MinIO), else virtual-hosted."
+    )
+
+
 class OutputSpec(Section):
-    uri: str = Field(description="Where artifacts go: a local directory (plain path or file://).")
+    uri: str = Field(
+        description="Where artifacts go: a local directory (plain path or file://), s3://bucket/prefix (uploaded with a "
+        "completion manifest), or hf://org/repo (model, tokenizer and model card pushed to the Hub)."
+    )
+    hf_private: bool = Field(True, description="Create the hf:// output repo as private.")
+    commit_message: str | None = Field(None, description="Commit message for an hf:// push; default names the job and its accuracy.")
     report_baseline: bool = Field(
         True, description="Fit a TF-IDF + logistic-regression baseline on the same split and show it in the report."
     )
@@ -148,6 +163,7 @@ class JobSpec(Section):
     training: TrainSpec = Field(default_factory=TrainSpec, description="The training recipe.")
     distributed: DistributedSpec = Field(default_factory=DistributedSpec, description="Nodes × processes per node.")
     output: OutputSpec = Field(description="Where the exported model, metrics and report are written.")
+    s3: S3Spec = Field(default_factory=S3Spec, description="S3 / MinIO connection settings (credentials come from the environment, never the spec).")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="Per-node (pod) resources on Kubernetes.")
     kubernetes: KubernetesSpec = Field(default_factory=KubernetesSpec, description="How the job runs on Kubernetes.")
 

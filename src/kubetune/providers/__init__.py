@@ -74,6 +74,14 @@ def schemes() -> list[str]:
     return sorted(_RESOLVERS)
 
 
+def configure(spec) -> None:
+    """Apply the spec's provider settings (S3 endpoint, region, addressing) for this process."""
+    from kubetune.providers import s3
+
+    s3.configure(spec.s3.endpoint_url, spec.s3.region, spec.s3.addressing_style)
+
+
 # Register the built-in schemes (import for side effect).
 from kubetune.providers import hf as _hf  # noqa: E402,F401
 from kubetune.providers import local as _local  # noqa: E402,F401
+from kubetune.providers import s3 as _s3  # noqa: E402,F401

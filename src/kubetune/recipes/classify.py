@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from kubetune import artifacts, distributed
+from kubetune import artifacts, distributed, providers
 from kubetune.config import JobSpec
 from kubetune.data import Frames, batches, load_frames, tokenized
 from kubetune.data.sharding import epoch_order, rank_plan, steps_per_epoch
@@ -51,6 +51,7 @@ def _train(spec: JobSpec, env: DistEnv) -> dict:
     device = distributed.pick_device(env)
     distributed.setup(env, device, spec.distributed.backend)
     dtype = resolve_precision(cfg.precision, device)
+    providers.configure(spec)
     out = artifacts.local_output_dir(spec.output.uri) if env.is_main else None
     log.info("job %s: world size %d, device %s, precision %s", spec.name, env.world_size, device, cfg.precision if cfg.precision != "auto" else str(dtype).removeprefix("torch."))
 
@@ -173,9 +174,10 @@ def _train(spec: JobSpec, env: DistEnv) -> dict:
             log.info("baseline (TF-IDF + logistic regression, same split): accuracy %.4f f1_macro %.4f", metrics["baseline"]["accuracy"], metrics["baseline"]["f1_macro"])
         metrics["total_runtime_s"] = time.perf_counter() - t_start
         artifacts.finish(spec, metrics, out)
+        artifacts.publish(spec, out, metrics)
         tb.close()
         history.close()
-        log.info("done: eval_accuracy %.4f, %.1f samples/s; artifacts in %s", metrics["eval_accuracy"], metrics["train_samples_per_second"], out)
+        log.info("done: eval_accuracy %.4f, %.1f samples/s; artifacts in %s", metrics["eval_accuracy"], metrics["train_samples_per_second"], spec.output.uri)
     distributed.barrier()
     return metrics
 

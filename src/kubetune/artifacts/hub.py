@@ -1,0 +1,131 @@
+"""hf://org/repo as an output: push the model, tokenizer and a generated model card to the Hub.
+
+The token comes from HF_TOKEN (or huggingface_hub's login cache, or a Kubernetes Secret exposed
+as HF_TOKEN); it is passed to huggingface_hub and never logged or written anywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from kubetune.config import JobSpec, dump_spec
+from kubetune.errors import KubetuneError
+
+log = logging.getLogger(__name__)
+
+
+def repo_id(spec: JobSpec) -> str:
+    rid = spec.output.uri.split("://", 1)[1].strip("/")
+    if rid.count("/") != 1:
+        raise KubetuneError(f"{spec.output.uri!r} is not a Hub repo", field="output.uri", fix="write hf://ORG/REPO")
+    return rid
+
+
+def check_can_push(spec: JobSpec) -> None:
+    """Fail before training when a push cannot work: no token, or offline mode."""
+    from huggingface_hub import constants, get_token
+
+    repo_id(spec)
+    if constants.HF_HUB_OFFLINE:
+        raise KubetuneError("HF_HUB_OFFLINE=1 is set, so nothing can be pushed to the Hub", field="output.uri", fix="unset HF_HUB_OFFLINE for a job with an hf:// output")
+    if not get_token():
+        raise KubetuneError(f"pushing to {spec.output.uri} needs a Hugging Face token", field="output.uri", fix="set HF_TOKEN (or kubernetes.secrets.hf_token)")
+
+
+def model_card(spec: JobSpec, metrics: dict) -> str:
+    base = metrics.get("baseline") or {}
+    lines = [
+        "---",
+        "library_name: transformers",
+        "pipeline_tag: text-classification",
+        f"base_model: {spec.model.uri.removeprefix('hf://')}" if spec.model.uri.startswith("hf://") else f"# base model: {spec.model.uri}",
+        "tags: [kubetune, text-classification]",
+        "---",
+        "",
+        f"# {spec.name}",
+        "",
+        f"Fine-tuned from `{spec.model.uri}` on `{spec.data.train}` ({metrics.get('train_rows')} training rows, "
+        f"{metrics.get('eval_rows')} evaluation rows) with kubetune, {'LoRA r=' + str(spec.lora.r) + ' (merged)' if spec.lora else 'full fine-tune'}, "
+        f"world size {metrics.get('world_size')}.",
+        "",
+        "| metric | value |",
+        "| --- | --- |",
+        *[f"| {k} | {metrics[k]:.4f} |" for k in ("eval_accuracy", "eval_f1_macro", "eval_loss", "train_loss") if isinstance(metrics.get(k), float)],
+        *([f"| baseline accuracy ({base['method']}) | {base['accuracy']:.4f} |"] if base else []),
+        "",
+        f"Labels: {', '.join(map(str, metrics.get('labels') or []))}.",
+        "",
+        "```python",
+        "from transformers import pipeline",
+        f'clf = pipeline("text-classification", model="{repo_id(spec)}")',
+        "```",
+        "",
+        "## Job spec",
+        "",
+        "```yaml",
+        dump_spec(spec).rstrip(),
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def push(spec: JobSpec, out: Path, metrics: dict) -> str:
+    """Create the repo (private unless output.hf_private is false) and upload one commit.
+
+    Returns:
+        The commit URL.
+    """
+    from huggingface_hub import HfApi
+    from huggingface_hub import errors as hf_errors
+
+    rid = repo_id(spec)
+    api = HfApi()
+    folder = Path(tempfile.mkdtemp(prefix="kubetune-hub-"))
+    try:
+        for path in (out / "model").iterdir():
+            _link(path, folder / path.name)
+        if (out / "adapter").exists():
+            shutil.copytree(out / "adapter", folder / "adapter")
+        (folder / "kubetune").mkdir()
+        for name in ("metrics.json", "job.yaml", "report.html", "history.jsonl"):
+            if (out / name).exists():
+                _link(out / name, folder / "kubetune" / name)
+        (folder / "README.md").write_text(model_card(spec, metrics))
+        message = spec.output.commit_message or f"kubetune {spec.name}: eval accuracy {metrics.get('eval_accuracy', float('nan')):.4f}"
+        api.create_repo(rid, private=spec.output.hf_private, exist_ok=True, repo_type="model")
+        info = api.upload_folder(folder_path=str(folder), repo_id=rid, repo_type="model", commit_message=message)
+    except hf_errors.HfHubHTTPError as e:
+        status = getattr(e.response, "status_code", None)
+        if status == 401:
+            raise KubetuneError(f"the Hub rejected the token while pushing to {spec.output.uri} (401)", field="output.uri", fix="check HF_TOKEN") from None
+        if status == 403:
+            raise KubetuneError(f"the token may not write to {spec.output.uri} (403)", field="output.uri", fix="use a token with write access to that org") from None
+        raise KubetuneError(f"Hub push to {spec.output.uri} failed ({status})", field="output.uri", fix="check HF_ENDPOINT and the network; the local artifacts are kept") from None
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    url = getattr(info, "commit_url", None) or str(info)
+    log.info("pushed to %s (%s)", spec.output.uri, url)
+    return url
+
+
+def _link(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)  # no copy of multi-GB weights when the filesystem allows it
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def pull(uri: str, dest: Path) -> Path:
+    """Download an hf:// model repo into ``dest``."""
+    from huggingface_hub import snapshot_download
+
+    rid = uri.split("://", 1)[1].strip("/")
+    return Path(snapshot_download(rid, local_dir=str(dest)))
+
+
+__all__ = ["check_can_push", "model_card", "pull", "push", "repo_id"]

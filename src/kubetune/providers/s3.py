@@ -1,0 +1,275 @@
+"""s3://bucket/key-or-prefix for models, datasets, artifacts and checkpoints (AWS S3 or MinIO).
+
+Transfers go through boto3's transfer manager (multipart, parallel, streamed to disk, bounded
+memory); sizes are verified after every download. An uploaded directory counts as complete only
+when its manifest (every file with size and sha256) exists: the manifest is deleted first and
+written last, so a partial or interrupted upload never looks complete, and readers of artifacts
+refuse a prefix without one. Errors are translated here into one line naming the bucket and the
+endpoint, never a credential.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from kubetune.errors import KubetuneError
+from kubetune.providers import Kind, Uri, register
+
+log = logging.getLogger(__name__)
+MANIFEST = "_kubetune_manifest.json"
+_settings: dict[str, str | None] = {"endpoint_url": None, "region": None, "addressing_style": "auto"}
+
+
+def configure(endpoint_url: str | None = None, region: str | None = None, addressing_style: str = "auto") -> None:
+    """Set the endpoint/region from the job spec (``s3:`` section); the environment fills gaps."""
+    _settings.update(endpoint_url=endpoint_url, region=region, addressing_style=addressing_style)
+
+
+def endpoint() -> str | None:
+    """Spec, then S3_ENDPOINT_URL, then AWS_ENDPOINT_URL (None: AWS's own endpoint)."""
+    return _settings["endpoint_url"] or os.environ.get("S3_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL")
+
+
+def client():
+    import boto3
+    from botocore.config import Config
+
+    url = endpoint()
+    style = _settings["addressing_style"]
+    if style == "auto" and url:
+        style = "path"  # MinIO and most S3-compatible servers want path-style addressing
+    config = Config(
+        s3={"addressing_style": style},
+        retries={"max_attempts": int(os.environ.get("KUBETUNE_S3_MAX_ATTEMPTS", "5")), "mode": "standard"},
+        connect_timeout=10,
+        read_timeout=60,
+        signature_version="s3v4",
+    )
+    region = _settings["region"] or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+    return boto3.client("s3", endpoint_url=url, region_name=region, config=config)
+
+
+def transfer_config():
+    from boto3.s3.transfer import TransferConfig
+
+    # 16 MiB parts, 8 in flight: memory stays ~128 MiB whatever the object size.
+    return TransferConfig(multipart_threshold=16 << 20, multipart_chunksize=16 << 20, max_concurrency=8, use_threads=True)
+
+
+@dataclass(frozen=True)
+class Location:
+    bucket: str
+    key: str
+
+    @classmethod
+    def parse(cls, uri: str, field: str) -> Location:
+        body = uri.split("://", 1)[1] if "://" in uri else uri
+        bucket, _, key = body.partition("/")
+        if not bucket:
+            raise KubetuneError(f"{uri!r} names no bucket", field=field, fix="write s3://BUCKET/PREFIX")
+        return cls(bucket, key)
+
+    def join(self, rel: str) -> str:
+        return f"{self.key.rstrip('/')}/{rel}" if self.key else rel
+
+
+def translate(e: Exception, loc: Location, field: str, action: str) -> KubetuneError:
+    """One line naming the bucket and endpoint; never a key or secret."""
+    from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError
+
+    where = f"bucket '{loc.bucket}' at {endpoint() or 'AWS S3'}"
+    if isinstance(e, NoCredentialsError):
+        return KubetuneError(f"no S3 credentials found to {action} {where}", field=field, fix="set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or a profile, or the Kubernetes Secret)")
+    if isinstance(e, ClientError):
+        code = e.response.get("Error", {}).get("Code", "")
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if code == "NoSuchBucket":
+            return KubetuneError(f"{where} does not exist", field=field, fix=f"create it (e.g. `mc mb local/{loc.bucket}`) or fix the URI")
+        if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403", "Forbidden", "InvalidToken", "ExpiredToken") or status == 403:
+            return KubetuneError(f"S3 refused to {action} {where} ({code or status})", field=field, fix="check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY and the bucket policy")
+        if code in ("NoSuchKey", "404", "NotFound"):
+            return KubetuneError(f"s3://{loc.bucket}/{loc.key} not found at {endpoint() or 'AWS S3'}", field=field, fix="check the key or prefix")
+        return KubetuneError(f"S3 error while trying to {action} {where}: {code or status}", field=field)
+    if isinstance(e, EndpointConnectionError) or isinstance(e, OSError):
+        return KubetuneError(f"cannot reach the S3 endpoint to {action} {where} (after retries)", field=field, fix="check the endpoint (s3.endpoint_url / AWS_ENDPOINT_URL) and that the server is up")
+    from botocore.exceptions import BotoCoreError
+
+    if isinstance(e, BotoCoreError):
+        return KubetuneError(f"S3 transfer failed while trying to {action} {where}: {type(e).__name__}", field=field, fix="check the endpoint and retry")
+    raise e
+
+
+def _list(s3, loc: Location) -> list[dict]:
+    prefix = loc.key.rstrip("/") + "/" if loc.key else ""
+    objects = []
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=loc.bucket, Prefix=prefix):
+        objects += [o for o in page.get("Contents", []) if not o["Key"].endswith("/")]
+    return objects
+
+
+def _download(s3, bucket: str, key: str, dest: Path, size: int) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}-", dir=dest.parent)
+    os.close(fd)
+    try:
+        s3.download_file(bucket, key, tmp, Config=transfer_config())
+        got = os.path.getsize(tmp)
+        if got != size:
+            raise KubetuneError(f"s3://{bucket}/{key}: downloaded {got} bytes, expected {size}", fix="retry; the object may have changed during the download")
+        os.replace(tmp, dest)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def download(uri: str, dest: Path, *, field: str, require_manifest: bool = False) -> Path:
+    """Download an object (to ``dest``) or every object under a prefix (into ``dest/``).
+
+    Unchanged objects already in ``dest`` (same size and ETag) are not fetched again. With
+    ``require_manifest``, the prefix must hold a complete kubetune artifact and every file is
+    checked against the manifest's sha256.
+
+    Returns:
+        The local file or directory.
+    """
+    loc = Location.parse(uri, field)
+    s3 = client()
+    try:
+        objects = _list(s3, loc) if loc.key == "" or loc.key.endswith("/") else None
+        if objects is None:
+            try:
+                head = s3.head_object(Bucket=loc.bucket, Key=loc.key)
+                if require_manifest:
+                    raise KubetuneError(f"{uri} is a single object, not a kubetune artifact", field=field, fix="pass the artifact's prefix")
+                target = dest if dest.suffix else dest / Path(loc.key).name
+                if not (target.exists() and target.stat().st_size == head["ContentLength"] and _etag_ok(target, head["ETag"])):
+                    _download(s3, loc.bucket, loc.key, target, head["ContentLength"])
+                    _remember_etag(target, head["ETag"])
+                return target
+            except KubetuneError:
+                raise
+            except Exception as e:  # a 404 on head means: maybe a prefix
+                from botocore.exceptions import ClientError
+
+                if not (isinstance(e, ClientError) and e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound")):
+                    raise
+            objects = _list(s3, loc)
+        if not objects:
+            raise KubetuneError(f"nothing at {uri} ({endpoint() or 'AWS S3'})", field=field, fix="check the bucket and prefix")
+        prefix = loc.key.rstrip("/") + "/" if loc.key else ""
+        names = {o["Key"][len(prefix):]: o for o in objects}
+        manifest = None
+        if MANIFEST in names:
+            body = s3.get_object(Bucket=loc.bucket, Key=names[MANIFEST]["Key"])["Body"].read()
+            manifest = json.loads(body)
+        elif require_manifest:
+            raise KubetuneError(f"{uri} has no {MANIFEST}: the artifact is incomplete (an upload was interrupted) or not a kubetune artifact", field=field, fix="re-run the export, or point at a complete artifact")
+        if manifest is not None:
+            missing = sorted(set(manifest["files"]) - set(names))
+            if missing:
+                raise KubetuneError(f"{uri}: manifest lists {len(missing)} file(s) that are missing, e.g. {missing[0]}", field=field, fix="re-run the export")
+            names = {rel: names[rel] for rel in manifest["files"]}  # only what the artifact contains
+
+        def fetch(item):
+            rel, obj = item
+            target = dest / rel
+            if target.exists() and target.stat().st_size == obj["Size"] and _etag_ok(target, obj["ETag"]):
+                return
+            _download(s3, loc.bucket, obj["Key"], target, obj["Size"])
+            _remember_etag(target, obj["ETag"])
+
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            list(pool.map(fetch, [(r, o) for r, o in names.items() if r != MANIFEST]))
+        if manifest is not None:
+            for rel, meta in manifest["files"].items():
+                if sha256_file(dest / rel) != meta["sha256"]:
+                    raise KubetuneError(f"{uri}/{rel}: sha256 does not match the manifest", field=field, fix="the artifact was modified after export; re-run the export")
+            (dest / MANIFEST).write_text(json.dumps(manifest))
+        return dest
+    except KubetuneError:
+        raise
+    except Exception as e:
+        raise translate(e, loc, field, "read from") from None
+
+
+def upload_dir(local: Path, uri: str, *, field: str = "output.uri") -> dict:
+    """Upload every file under ``local`` to the prefix ``uri``, then the manifest (last).
+
+    Returns:
+        The manifest written.
+
+    Raises:
+        KubetuneError: after retries; the destination then has no manifest.
+    """
+    loc = Location.parse(uri, field)
+    s3 = client()
+    files = sorted(p for p in local.rglob("*") if p.is_file() and p.name != MANIFEST and not p.name.startswith(".kubetune-etag"))
+    manifest = {"format": "kubetune-artifact/1", "files": {}}
+    try:
+        # An older complete artifact at the same place must stop looking complete first.
+        s3.delete_object(Bucket=loc.bucket, Key=loc.join(MANIFEST))
+
+        def put(path: Path) -> tuple[str, dict]:
+            rel = path.relative_to(local).as_posix()
+            s3.upload_file(str(path), loc.bucket, loc.join(rel), Config=transfer_config())
+            return rel, {"size": path.stat().st_size, "sha256": sha256_file(path)}
+
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            manifest["files"] = dict(pool.map(put, files))
+        s3.put_object(Bucket=loc.bucket, Key=loc.join(MANIFEST), Body=json.dumps(manifest, indent=1, sort_keys=True).encode())
+    except KubetuneError:
+        raise
+    except Exception as e:
+        raise translate(e, loc, field, "upload to") from None
+    log.info("uploaded %d files to %s", len(files), uri)
+    return manifest
+
+
+def check_bucket(uri: str, *, field: str) -> None:
+    """Raise the one-line error now if the bucket is missing or the credentials are refused."""
+    loc = Location.parse(uri, field)
+    try:
+        client().head_bucket(Bucket=loc.bucket)
+    except Exception as e:
+        from botocore.exceptions import ClientError
+
+        if isinstance(e, ClientError) and e.response.get("Error", {}).get("Code") in ("404", "NoSuchBucket", "NotFound"):
+            e.response["Error"]["Code"] = "NoSuchBucket"  # head_bucket reports a bare 404
+        raise translate(e, loc, field, "write to") from None
+
+
+@register("s3")
+def resolve_s3(uri: Uri, kind: Kind, field: str, revision: str | None) -> Path:
+    """Download to the local cache (``$KUBETUNE_CACHE/s3/BUCKET/KEY``), reusing unchanged files."""
+    from kubetune.data.tokenize import cache_root
+
+    loc = Location.parse(uri.raw, field)
+    return download(uri.raw, cache_root() / "s3" / loc.bucket / loc.key.rstrip("/"), field=field)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _etag_file(path: Path) -> Path:
+    return path.with_name(f".kubetune-etag-{path.name}")
+
+
+def _etag_ok(path: Path, etag: str) -> bool:
+    marker = _etag_file(path)
+    return marker.exists() and marker.read_text() == etag
+
+
+def _remember_etag(path: Path, etag: str) -> None:
+    _etag_file(path).write_text(etag)

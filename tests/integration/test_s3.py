@@ -1,0 +1,234 @@
+"""S3 / MinIO storage against moto's standalone server on 127.0.0.1: real HTTP, real boto3.
+(No MinIO binary is reachable here; the code path is the same: endpoint_url + path-style.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import boto3
+import pytest
+from conftest import MINILM, ROOT, kubetune, tiny_spec, write_spec
+
+from kubetune.errors import KubetuneError
+from kubetune.providers import s3 as s3p
+
+pytestmark = pytest.mark.integration
+BUCKET = "kubeflow-examples"
+FAKE_SECRET = "moto-secret-value-0123456789"  # a credential value that must never be printed
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Moto:
+    """A ThreadedMotoServer that can be stopped and started again on the same port (its data
+    lives in this process, so it survives a restart, like a MinIO server restarting)."""
+
+    def __init__(self):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = None
+
+    def start(self):
+        from moto.server import ThreadedMotoServer
+
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self.server.start()
+
+    def stop(self):
+        self.server.stop()
+
+    def set_auth(self, enabled: bool):
+        """moto's own admin endpoint: authenticate every request from now on (or stop doing so)."""
+        req = urllib.request.Request(f"{self.url}/moto-api/reset-auth", data=b"0" if enabled else b"inf", method="POST",
+                                     headers={"Content-Type": "text/plain"})  # a form content type would hide the body
+        urllib.request.urlopen(req).read()
+
+
+@pytest.fixture(scope="module")
+def moto():
+    env = {"AWS_ACCESS_KEY_ID": "AKIAKUBETUNETEST", "AWS_SECRET_ACCESS_KEY": FAKE_SECRET, "AWS_DEFAULT_REGION": "us-east-1"}
+    saved = {k: os.environ.get(k) for k in [*env, "S3_ENDPOINT_URL", "KUBETUNE_S3_MAX_ATTEMPTS"]}
+    server = Moto()
+    server.start()
+    os.environ.update(env, S3_ENDPOINT_URL=server.url)
+    s3p.configure()
+    boto3.client("s3", endpoint_url=server.url).create_bucket(Bucket=BUCKET)
+    yield server
+    server.stop()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture
+def s3(moto):
+    return boto3.client("s3", endpoint_url=moto.url)
+
+
+def _minilm_dir() -> Path:
+    from kubetune import providers
+
+    return providers.resolve(MINILM, kind="model", field="model.uri")
+
+
+def test_model_directory_round_trip_and_no_second_download(moto, s3, tmp_path, monkeypatch):
+    src = _minilm_dir()
+    manifest = s3p.upload_dir(src, f"s3://{BUCKET}/models/minilm")
+    keys = {o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix="models/minilm/")["Contents"]}
+    assert f"models/minilm/{s3p.MANIFEST}" in keys and "models/minilm/model.safetensors" in keys
+    assert manifest["files"]["model.safetensors"]["size"] == (src / "model.safetensors").stat().st_size
+    from kubetune import providers
+
+    local = providers.resolve(f"s3://{BUCKET}/models/minilm", kind="model", field="model.uri")
+    for rel, meta in manifest["files"].items():
+        assert s3p.sha256_file(local / rel) == meta["sha256"]
+    monkeypatch.setattr(s3p, "_download", lambda *a, **k: (_ for _ in ()).throw(AssertionError("downloaded again")))
+    assert providers.resolve(f"s3://{BUCKET}/models/minilm", kind="model", field="model.uri") == local
+
+
+def test_dataset_prefix_and_single_object(moto, s3, small_csv):
+    import pandas as pd
+
+    from kubetune.config import DataSpec
+    from kubetune.data import load_frames
+
+    df = pd.read_csv(small_csv)
+    for i, part in enumerate((df.iloc[:80], df.iloc[80:])):
+        s3.put_object(Bucket=BUCKET, Key=f"datasets/sentiment/part-{i}.csv", Body=part.to_csv(index=False).encode())
+    f = load_frames(DataSpec(train=f"s3://{BUCKET}/datasets/sentiment/", label_column="sentiment", eval_fraction=0.25), seed=0)
+    assert len(f.train) + len(f.eval) == 160
+    f = load_frames(DataSpec(train=f"s3://{BUCKET}/datasets/sentiment/part-1.csv", label_column="sentiment", eval_fraction=0.25), seed=0)
+    assert len(f.train) + len(f.eval) == 80
+
+
+def test_end_to_end_s3_in_s3_out_then_predict_and_pull(moto, s3, tmp_path, small_csv):
+    s3p.upload_dir(_minilm_dir(), f"s3://{BUCKET}/models/minilm-e2e")
+    s3.upload_file(str(small_csv), BUCKET, "datasets/small.csv")
+    spec = tiny_spec(f"s3://{BUCKET}/datasets/small.csv", f"s3://{BUCKET}/runs/tiny", model={"uri": f"s3://{BUCKET}/models/minilm-e2e"},
+                     training={"max_steps": 3, "batch_size": 8, "log_every": 1})
+    spec["s3"] = {"endpoint_url": moto.url}
+    proc = kubetune("run", str(write_spec(tmp_path / "job.yaml", spec)), env={"S3_ENDPOINT_URL": ""})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert FAKE_SECRET not in proc.stdout + proc.stderr
+    keys = {o["Key"].removeprefix("runs/tiny/") for o in s3.list_objects_v2(Bucket=BUCKET, Prefix="runs/tiny/")["Contents"]}
+    assert {s3p.MANIFEST, "metrics.json", "report.html", "model/config.json", "model/model.safetensors"} <= keys
+    pred = kubetune("predict", f"s3://{BUCKET}/runs/tiny", "what a great idea", "--json", "--endpoint-url", moto.url)
+    assert pred.returncode == 0, pred.stderr
+    assert json.loads(pred.stdout)[0]["label"] in {"negative", "neutral", "positive"}
+    pulled = kubetune("pull", f"s3://{BUCKET}/runs/tiny", str(tmp_path / "pulled"), "--endpoint-url", moto.url)
+    assert pulled.returncode == 0, pulled.stderr
+    assert json.loads((tmp_path / "pulled" / "metrics.json").read_text())["global_step"] == 3
+
+
+def test_reader_refuses_an_artifact_without_manifest(moto, s3, tmp_path):
+    s3.put_object(Bucket=BUCKET, Key="runs/partial/model/config.json", Body=b"{}")
+    with pytest.raises(KubetuneError, match="has no _kubetune_manifest.json: the artifact is incomplete"):
+        s3p.download(f"s3://{BUCKET}/runs/partial/", tmp_path / "p", field="MODEL", require_manifest=True)
+
+
+def test_server_stopped_mid_upload_errors_after_retries_and_leaves_no_manifest(moto, s3, tmp_path, monkeypatch):
+    src = tmp_path / "artifact"
+    src.mkdir()
+    for i in range(40):
+        (src / f"shard-{i:02d}.bin").write_bytes(os.urandom(256 * 1024))
+    # A complete older artifact at the same place: it must stop looking complete.
+    s3.put_object(Bucket=BUCKET, Key=f"runs/crash/{s3p.MANIFEST}", Body=b'{"files": {}}')
+    monkeypatch.setenv("KUBETUNE_S3_MAX_ATTEMPTS", "3")
+    stopped = threading.Event()
+
+    def stop_after_first_objects():
+        probe = boto3.client("s3", endpoint_url=moto.url)
+        while probe.list_objects_v2(Bucket=BUCKET, Prefix="runs/crash/shard").get("KeyCount", 0) < 3:
+            time.sleep(0.01)
+        moto.stop()
+        stopped.set()
+
+    threading.Thread(target=stop_after_first_objects, daemon=True).start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(KubetuneError) as e:
+            s3p.upload_dir(src, f"s3://{BUCKET}/runs/crash")
+    finally:
+        stopped.wait(10)
+        moto.start()  # same port, same in-process data: as if the server came back
+    assert f"output.uri: cannot reach the S3 endpoint to upload to bucket '{BUCKET}' at {moto.url} (after retries)" in str(e.value)
+    assert time.monotonic() - t0 < 120
+    keys = {o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix="runs/crash/").get("Contents", [])}
+    assert f"runs/crash/{s3p.MANIFEST}" not in keys
+    assert 0 < len(keys) < 40  # a partial upload, which readers refuse:
+    with pytest.raises(KubetuneError, match="incomplete"):
+        s3p.download(f"s3://{BUCKET}/runs/crash/", tmp_path / "r", field="MODEL", require_manifest=True)
+
+
+def test_wrong_credentials_one_line(moto, tmp_path, small_csv):
+    spec = write_spec(tmp_path / "job.yaml", tiny_spec(small_csv, f"s3://{BUCKET}/runs/denied"))
+    moto.set_auth(True)
+    try:
+        proc = kubetune("run", str(spec), env={"AWS_ACCESS_KEY_ID": "AKIAWRONGWRONGWRONG", "AWS_SECRET_ACCESS_KEY": "wrong-secret-value"})
+    finally:
+        moto.set_auth(False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"error: output.uri: S3 refused to write to bucket '{BUCKET}' at {moto.url} (403) — check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY and the bucket policy"]
+    assert "wrong-secret-value" not in proc.stderr and "AKIAWRONG" not in proc.stderr
+
+
+def test_missing_bucket_one_line(moto, tmp_path, small_csv):
+    spec = write_spec(tmp_path / "job.yaml", tiny_spec(small_csv, "s3://no-such-bucket/runs/x"))
+    proc = kubetune("run", str(spec))
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"error: output.uri: bucket 'no-such-bucket' at {moto.url} does not exist — create it (e.g. `mc mb local/no-such-bucket`) or fix the URI"
+    proc = kubetune("predict", "s3://no-such-bucket/runs/x", "hi")
+    assert proc.returncode == 2 and f"bucket 'no-such-bucket' at {moto.url} does not exist" in proc.stderr
+
+
+def _large_download_peak_rss(moto, s3, tmp_path, size_mb: int) -> tuple[int, int]:
+    """Upload a generated object of ``size_mb`` and download it in a child process; returns
+    (object bytes, the child's peak RSS in bytes)."""
+    key = f"big/object-{size_mb}.bin"
+    blob = tmp_path / "src.bin"
+    with blob.open("wb") as f:
+        chunk = os.urandom(1 << 20)
+        for _ in range(size_mb):
+            f.write(chunk)
+    s3.upload_file(str(blob), BUCKET, key, Config=s3p.transfer_config())
+    blob.unlink()
+    # Peak memory from the child's own VmHWM: getrusage's ru_maxrss survives exec on Linux and
+    # would report this (large, moto-holding) parent's peak instead.
+    script = (
+        "import re, sys; from pathlib import Path; from kubetune.providers import s3\n"
+        f"p = s3.download('s3://{BUCKET}/{key}', Path(sys.argv[1]), field='data.train')\n"
+        "hwm = int(re.search(r'VmHWM:\\s+(\\d+) kB', Path('/proc/self/status').read_text()).group(1)) * 1024\n"
+        "print(p.stat().st_size, hwm)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "dl" / "object.bin")], capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    size, rss = map(int, out.split())
+    return size, rss
+
+
+def test_large_download_memory_is_bounded(moto, s3, tmp_path):
+    """Peak memory is a constant (~50 MiB interpreter + in-flight parts), not a share of the object."""
+    size, rss = _large_download_peak_rss(moto, s3, tmp_path, 384)
+    assert size == 384 << 20
+    assert rss < 0.6 * size, f"peak RSS {rss >> 20} MiB for a {size >> 20} MiB object"
+
+
+@pytest.mark.slow
+def test_one_gigabyte_download_memory(moto, s3, tmp_path):
+    size, rss = _large_download_peak_rss(moto, s3, tmp_path, 1024)
+    print(f"\n1 GiB object: peak RSS of the downloading process {rss / 2**20:.0f} MiB ({rss / size:.1%} of the object)")
+    assert size == 1 << 30
+    assert rss < 0.25 * size
