@@ -34,6 +34,16 @@ def check_can_push(spec: JobSpec) -> None:
         raise KubetuneError("HF_HUB_OFFLINE=1 is set, so nothing can be pushed to the Hub", field="output.uri", fix="unset HF_HUB_OFFLINE for a job with an hf:// output")
     if not get_token():
         raise KubetuneError(f"pushing to {spec.output.uri} needs a Hugging Face token", field="output.uri", fix="set HF_TOKEN (or kubernetes.secrets.hf_token)")
+    from huggingface_hub import HfApi
+    from huggingface_hub import errors as hf_errors
+
+    try:
+        HfApi().whoami()  # a rejected token fails now, not after training
+    except hf_errors.HfHubHTTPError as e:
+        status = getattr(e.response, "status_code", None)
+        raise KubetuneError(f"the Hub at {constants.ENDPOINT} rejected the token ({status})", field="output.uri", fix="check HF_TOKEN") from None
+    except OSError as e:
+        raise KubetuneError(f"cannot reach the Hub at {constants.ENDPOINT} ({type(e).__name__})", field="output.uri", fix="check HF_ENDPOINT and the network") from None
 
 
 def model_card(spec: JobSpec, metrics: dict) -> str:
