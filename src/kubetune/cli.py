@@ -55,21 +55,29 @@ def run(
     spec: SpecArg,
     set_: SetOpt = None,
     preflight: Annotated[bool, typer.Option(help="Check model and data before starting workers.")] = True,
+    resume: Annotated[bool, typer.Option(help="Continue from the newest complete checkpoint under output.uri.")] = True,
+    local_addr: Annotated[str | None, typer.Option("--local-addr", help="Multi-node: this node's address as the other nodes reach it.")] = None,
 ) -> None:
-    """Run the job on this machine: nodes × procs_per_node workers under torch elastic."""
+    """Run the job on this machine: nodes × procs_per_node workers under torch elastic.
+
+    Exit codes: 0 done; 1 a worker crashed; 2 bad input; 143 stopped by SIGTERM/SIGINT after a
+    checkpoint (run the same command again to resume)."""
     from kubetune.backends import local
     from kubetune.config import load_spec
 
     try:
-        job = load_spec(spec, set_)
+        job = load_spec(spec, [*(set_ or []), *([] if resume else ["training.resume=never"])])
         if preflight:
             _preflight(job)
-        local.run(job)
+        local.run(job, local_addr=local_addr)
     except KubetuneError as e:
         _fail(e)
     except local.WorkerFailed as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None
+    except local.Stopped as e:
+        typer.echo(f"stopped: {e} — run the same command again to resume", err=True)
+        raise typer.Exit(143) from None
 
 
 def _preflight(job) -> None:

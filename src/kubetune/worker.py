@@ -3,8 +3,8 @@
     torchrun --nnodes N --nproc-per-node P ... -m kubetune.worker job.yaml
 
 Reads the distributed environment once (RANK, WORLD_SIZE, ... as set by torchrun and the
-Training Operator), runs the task's recipe, and exits 0, or 2 on a user error (one line, no
-traceback).
+Training Operator), runs the task's recipe, and exits 0; 2 on a user error (one line, no
+traceback); 143 when SIGTERM/SIGINT stopped it after writing a checkpoint.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ def run_worker(spec: JobSpec) -> dict:
 
     env = distributed.read_env()
     distributed.setup_logging(env)
+    distributed.install_signal_handlers()
     _limit_threads(spec, env)
     try:
         return classify.train(spec, env)
@@ -50,8 +51,12 @@ def main(argv: list[str] | None = None) -> None:
     if len(args) != 1:
         print("usage: python -m kubetune.worker SPEC.yaml", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT)
+    from kubetune.recipes.classify import Preempted
+
     try:
         run_worker(load_spec(args[0]))
+    except Preempted:
+        sys.exit(distributed.EXIT_PREEMPTED)
     except KubetuneError as e:
         rank = os.environ.get("RANK", "0")
         lines = e.lines() if hasattr(e, "lines") else [str(e)]

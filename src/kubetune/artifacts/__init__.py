@@ -72,11 +72,22 @@ def _replace_dir(build, dest: Path) -> None:
 
 
 class History:
-    """history.jsonl: one JSON object per logged step and per evaluation, flushed as written."""
+    """history.jsonl: one JSON object per logged step and per evaluation, flushed as written.
 
-    def __init__(self, out: Path):
+    On resume from step S, records the interrupted run wrote after its checkpoint (training logs
+    after S, and the evaluation at S, which runs after the checkpoint) are dropped first.
+    """
+
+    def __init__(self, out: Path, resume_step: int | None = None):
         self.path = out / "history.jsonl"
-        self._f = self.path.open("w", encoding="utf-8")
+        kept = []
+        if resume_step is not None and self.path.exists():
+            for line in self.path.read_text(encoding="utf-8").splitlines():
+                rec = json.loads(line)
+                if rec["step"] < resume_step or (rec["type"] == "train" and rec["step"] == resume_step):
+                    kept.append(line + "\n")
+        write_atomic(self.path, "".join(kept))
+        self._f = self.path.open("a", encoding="utf-8")
 
     def write(self, record: dict) -> None:
         self._f.write(json.dumps(record) + "\n")
@@ -86,10 +97,11 @@ class History:
         self._f.close()
 
 
-def tensorboard_writer(out: Path):
+def tensorboard_writer(out: Path, purge_step: int | None = None):
     from torch.utils.tensorboard import SummaryWriter
 
-    return SummaryWriter(log_dir=str(out / "tensorboard"))
+    # purge_step hides events an interrupted run logged after the checkpoint we resume from.
+    return SummaryWriter(log_dir=str(out / "tensorboard"), purge_step=purge_step)
 
 
 def export_classifier(spec: JobSpec, model, tokenizer, frames, out: Path) -> None:

@@ -19,12 +19,17 @@ log = logging.getLogger(__name__)
 WORKER_MODULE = "kubetune.worker"
 
 
-def launch_config(spec: JobSpec, *, run_id: str, rdzv_port: int | None = None) -> LaunchConfig:
+def launch_config(spec: JobSpec, *, run_id: str, rdzv_port: int | None = None, local_addr: str | None = None) -> LaunchConfig:
     """Pure: the elastic launch configuration for this node of ``spec``."""
     dist = spec.distributed
     if dist.nodes > 1 and not dist.rdzv_endpoint:
         raise KubetuneError("multi-node local runs need a rendezvous address", field="distributed.rdzv_endpoint", fix="set it to HOST:PORT of the first node, and run `kubetune run` on every node")
     endpoint = dist.rdzv_endpoint or f"127.0.0.1:{rdzv_port or _free_port()}"
+    rdzv_configs = {}
+    if dist.nodes > 1 and local_addr:
+        # torch guesses which node hosts the rendezvous store from the machine's hostname
+        # addresses; an explicit local address that is the endpoint's host settles it.
+        rdzv_configs["is_host"] = endpoint.rsplit(":", 1)[0] == local_addr
     return LaunchConfig(
         min_nodes=dist.nodes,
         max_nodes=dist.nodes,
@@ -32,42 +37,67 @@ def launch_config(spec: JobSpec, *, run_id: str, rdzv_port: int | None = None) -
         run_id=run_id,
         rdzv_backend="c10d",
         rdzv_endpoint=endpoint,
+        rdzv_configs=rdzv_configs,
         max_restarts=dist.max_restarts,
         monitor_interval=0.5,
+        # The address other nodes reach this one at (MASTER_ADDR when it holds rank 0).
+        local_addr=local_addr or ("127.0.0.1" if dist.nodes == 1 else None),
         start_method="spawn",
     )
 
 
 def worker_env(spec: JobSpec) -> dict[str, str]:
-    """Pure: environment additions for workers (threads per process on CPU)."""
+    """Pure: environment additions for the launcher and its workers."""
     threads = spec.distributed.threads_per_proc or max(1, (os.cpu_count() or 1) // spec.distributed.procs_per_node)
-    return {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    return {
+        "OMP_NUM_THREADS": str(threads),
+        "TOKENIZERS_PARALLELISM": "false",
+        # A fresh rendezvous TCPStore every round: the shared one outlives restarts, and restarted
+        # workers then read the addresses their dead predecessors published (gloo connects to a
+        # port nobody listens on). The per-agent restart count cannot namespace it either: after
+        # one node is replaced, the nodes' counts differ.
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    }
 
 
-def run(spec: JobSpec) -> dict[int, object]:
+def run(spec: JobSpec, local_addr: str | None = None) -> dict[int, object]:
     """Run ``spec`` on this machine; blocks until the workers finish.
 
     Raises:
         KubetuneError: a worker failed (names the rank and its exit code).
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    run_id = f"{spec.name}-{uuid.uuid4().hex[:8]}"
+    from kubetune.distributed import EXIT_PREEMPTED
+
+    # Every node of a multi-node job must use the same run id; a single node gets a fresh one.
+    run_id = spec.name if spec.distributed.nodes > 1 else f"{spec.name}-{uuid.uuid4().hex[:8]}"
     workdir = Path(tempfile.mkdtemp(prefix=f"kubetune-{spec.name}-"))
     spec_file = workdir / "job.yaml"
     spec_file.write_text(dump_spec(spec))
-    config = launch_config(spec, run_id=run_id)
+    config = launch_config(spec, run_id=run_id, local_addr=local_addr)
     os.environ.update(worker_env(spec))
     # The elastic agent logs every restart and shutdown at WARNING; our workers already say why.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
     try:
         return elastic_launch(config, entrypoint=sys.executable)("-u", "-m", WORKER_MODULE, str(spec_file))
+    except SignalException as e:
+        # This launcher got SIGTERM/SIGINT; torch elastic has passed it on to the workers, which
+        # finished their step and wrote a checkpoint before exiting.
+        raise Stopped(f"stopped by {e.sigval.name}; a checkpoint was written if training had started") from None
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         code = failure.exitcode
         if code == 2:
             raise KubetuneError(f"rank {rank} stopped on a user error (its message is above)") from None
+        if code == EXIT_PREEMPTED:
+            raise Stopped(f"rank {rank} was stopped by a signal after writing a checkpoint") from None
         raise WorkerFailed(rank, code) from None
+
+
+class Stopped(Exception):
+    """The run was stopped by SIGTERM/SIGINT after a checkpoint: exit 143, resume by running again."""
 
 
 class WorkerFailed(Exception):

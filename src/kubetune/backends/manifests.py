@@ -106,6 +106,8 @@ def secret_env(spec: JobSpec) -> tuple[list[k8s.V1EnvVar], list[k8s.V1EnvFromSou
 
 def _common_env() -> list[k8s.V1EnvVar]:
     return [
+        # torchrun: a fresh rendezvous store per round, so restarted workers never read stale peers.
+        k8s.V1EnvVar(name="TORCH_DISABLE_SHARE_RDZV_TCP_STORE", value="1"),
         k8s.V1EnvVar(name="HF_HOME", value=f"{WORKSPACE}/cache/hf"),
         k8s.V1EnvVar(name="KUBETUNE_CACHE", value=f"{WORKSPACE}/cache/kubetune"),
         k8s.V1EnvVar(name="PYTHONUNBUFFERED", value="1"),

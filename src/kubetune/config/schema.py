@@ -101,6 +101,14 @@ class TrainSpec(Section):
         True, description="Batch examples of similar length together (seeded, distributed-correct) to cut padding."
     )
     log_every: int = Field(10, ge=1, description="Optimizer steps between training-loss log lines.")
+    checkpoint_every: int | None = Field(
+        None, ge=1, description="Write a checkpoint every N optimizer steps (under <output>/checkpoints/); one is always written on SIGTERM/SIGINT."
+    )
+    checkpoint_minutes: float | None = Field(None, gt=0, description="Also write a checkpoint every N minutes of training.")
+    keep_checkpoints: int = Field(2, ge=1, description="How many of the newest complete checkpoints to keep.")
+    resume: Literal["auto", "never"] = Field(
+        "auto", description="auto: continue from the newest complete checkpoint under output.uri; never: start over (`kubetune run --no-resume`)."
+    )
     dataloader_workers: int = Field(0, ge=0, le=64, description="DataLoader worker processes per training process.")
 
 

@@ -66,5 +66,8 @@ def batches(plan: list[Step], ds, tokenizer, workers: int = 0, start: int = 0):
         num_workers=workers,
         collate_fn=_identity,
         persistent_workers=False,
+        # Its own generator: each new iterator draws a seed from it, and drawing from the global
+        # one would shift the dropout stream of a resumed run (exact resume needs it untouched).
+        generator=torch.Generator().manual_seed(0),
     )
     return iter(loader)

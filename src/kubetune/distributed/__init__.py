@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -75,6 +77,48 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
+
+
+def all_gather_object(obj) -> list:
+    """Every rank's ``obj``, indexed by rank (``[obj]`` when not distributed)."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj):
+    """Rank 0's ``obj`` on every rank."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def any_rank(*flags: bool, device: torch.device) -> tuple[bool, ...]:
+    """For each flag: is it set on any rank? One small all-reduce."""
+    t = torch.tensor([float(f) for f in flags], device=device)
+    all_reduce_sum(t)
+    return tuple(bool(v > 0) for v in t.tolist())
+
+
+# Set by SIGTERM/SIGINT; the training loop checks it at every step boundary.
+STOP = threading.Event()
+EXIT_PREEMPTED = 143  # 128 + SIGTERM: "stopped after a checkpoint"; retryable by Kubeflow's ExitCode policy
+
+
+def install_signal_handlers() -> None:
+    """SIGTERM (eviction, preemption) and SIGINT (Ctrl-C) ask for a checkpoint and a clean stop."""
+
+    def handler(signum, frame):
+        if not STOP.is_set():
+            logging.getLogger(__name__).warning("received %s: finishing the current step, then writing a checkpoint", signal.Signals(signum).name)
+        STOP.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
 
 
 def teardown() -> None:

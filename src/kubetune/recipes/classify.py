@@ -18,8 +18,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from kubetune import artifacts, distributed, providers
+from kubetune import artifacts, checkpoint, distributed, providers
 from kubetune.config import JobSpec
+from kubetune.errors import KubetuneError
 from kubetune.data import Frames, batches, load_frames, tokenized
 from kubetune.data.sharding import epoch_order, rank_plan, steps_per_epoch
 from kubetune.distributed import DistEnv
@@ -52,7 +53,7 @@ def _train(spec: JobSpec, env: DistEnv) -> dict:
     distributed.setup(env, device, spec.distributed.backend)
     dtype = resolve_precision(cfg.precision, device)
     providers.configure(spec)
-    out = artifacts.local_output_dir(spec.output.uri) if env.is_main else None
+    out = artifacts.local_output_dir(spec.output.uri)  # every rank: checkpoints are read from here
     log.info("job %s: world size %d, device %s, precision %s", spec.name, env.world_size, device, cfg.precision if cfg.precision != "auto" else str(dtype).removeprefix("torch."))
 
     # ---- data: read and split on every rank (cheap, deterministic); tokenize once per node ----
@@ -82,22 +83,61 @@ def _train(spec: JobSpec, env: DistEnv) -> dict:
     scaler = torch.amp.GradScaler(device.type, enabled=(dtype == torch.float16))
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
-    history = artifacts.History(out) if out else None
-    tb = artifacts.tensorboard_writer(out) if out else None
-    bar = tqdm(total=total_steps, desc="train", unit="step", disable=not env.is_main, dynamic_ncols=True, mininterval=1.0 if _tty() else 30.0)
+    # ---- resume: the newest complete checkpoint restores weights, optimizer, schedule, position and RNG ----
+    fingerprint = checkpoint.fingerprint(spec, frames.labels, env.world_size)
+    progress = {"epoch": 0, "step_in_epoch": 0, "global_step": 0, "samples_seen": 0, "train_time": 0.0, "logged_losses": [], "log_loss": [0.0, 0.0]}
+    found = _find_checkpoint(spec, out, env) if cfg.resume == "auto" else None
+    if found:
+        state = checkpoint.load(found)
+        checkpoint.check_compatible(state["fingerprint"], fingerprint, str(found.path))
+        missing = set(checkpoint.trainable_state(model)) - set(state["model"])
+        if missing:
+            raise KubetuneError(f"checkpoint {found.path} lacks {len(missing)} trainable tensors, e.g. {sorted(missing)[0]}", field="output.uri", fix="pass --no-resume")
+        model.load_state_dict(state["model"], strict=False)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        scaler.load_state_dict(state["scaler"])
+        progress = state["progress"]
+        checkpoint.set_rng_state(state["rng"][env.rank])
+        log.info("resumed from checkpoint step %d (epoch %d, step %d of %d in the epoch): %s", progress["global_step"], progress["epoch"] + 1, progress["step_in_epoch"], per_epoch, found.path)
+
+    global_step, samples_seen, train_time = progress["global_step"], progress["samples_seen"], progress["train_time"]
+    logged_losses: list[float] = list(progress["logged_losses"])
+    log_loss = torch.tensor(progress["log_loss"], device=device)  # [sum of example losses, example count] since last log
+    history = artifacts.History(out, resume_step=global_step if found else None) if env.is_main else None
+    tb = artifacts.tensorboard_writer(out, purge_step=global_step if found else None) if env.is_main else None
+    bar = tqdm(total=total_steps, initial=global_step, desc="train", unit="step", disable=not env.is_main, dynamic_ncols=True, mininterval=1.0 if _tty() else 30.0)
     log.info("training: %d steps (%d per epoch), global batch %d, %d trainable / %d parameters", total_steps, per_epoch, cfg.batch_size * cfg.grad_accum * env.world_size, *_param_counts(model))
 
-    global_step, samples_seen, train_time = 0, 0, 0.0
-    log_loss = torch.zeros(2, device=device)  # [sum of example losses, example count] since last log
-    logged_losses: list[float] = []
+    def save_checkpoint(epoch: int, step_in_epoch: int) -> None:
+        """All ranks: gather every rank's RNG state; rank 0 writes the checkpoint."""
+        rngs = distributed.all_gather_object(checkpoint.rng_state())
+        if env.is_main:
+            state = {
+                "model": checkpoint.trainable_state(model),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "scaler": scaler.state_dict(),
+                "progress": {"epoch": epoch, "step_in_epoch": step_in_epoch, "global_step": global_step, "samples_seen": samples_seen,
+                             "train_time": train_time + (time.perf_counter() - t_epoch), "logged_losses": logged_losses, "log_loss": log_loss.tolist()},
+                "rng": rngs,
+                "fingerprint": fingerprint,
+            }
+            path = checkpoint.save(state, spec, spec.output.uri, out, global_step, cfg.keep_checkpoints)
+            log.info("checkpoint at step %d: %s", global_step, path)
+        distributed.barrier()
+
     trace = _Trace(env.rank)  # records trained row ids when KUBETUNE_TRACE_DIR is set (tests)
     eval_metrics: dict = {}
-    for epoch in range(cfg.epochs):
+    last_checkpoint = time.monotonic()
+    epoch = progress["epoch"]
+    for epoch in range(progress["epoch"], cfg.epochs):
         order = epoch_order(len(train_ds), epoch, cfg.seed, train_lengths if cfg.group_by_length else None, cfg.batch_size * env.world_size)
         plan = rank_plan(order, rank=env.rank, world_size=env.world_size, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum)
+        step_in_epoch = progress["step_in_epoch"] if epoch == progress["epoch"] else 0
         ddp.train()
         t_epoch = time.perf_counter()
-        for step in batches(plan, train_ds, tokenizer, cfg.dataloader_workers):
+        for step in batches(plan, train_ds, tokenizer, cfg.dataloader_workers, start=step_in_epoch):
             if global_step >= total_steps:
                 break
             for i, micro in enumerate(step.micro):
@@ -124,6 +164,7 @@ def _train(spec: JobSpec, env: DistEnv) -> dict:
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             global_step += 1
+            step_in_epoch += 1
             samples_seen += step.global_count
             bar.update(1)
 
@@ -138,6 +179,17 @@ def _train(spec: JobSpec, env: DistEnv) -> dict:
                     history.write({"type": "train", "step": global_step, "epoch": epoch + 1, "loss": loss, "lr": lr, "samples": samples_seen})
                     tb.add_scalar("train/loss", loss, global_step)
                     tb.add_scalar("train/lr", lr, global_step)
+
+            # Every rank must agree, at the same step, on stopping and on checkpointing.
+            timed = bool(cfg.checkpoint_minutes) and env.is_main and time.monotonic() - last_checkpoint >= 60 * cfg.checkpoint_minutes
+            stop, timed = distributed.any_rank(distributed.STOP.is_set(), timed, device=device)
+            if stop or timed or (cfg.checkpoint_every and global_step % cfg.checkpoint_every == 0):
+                save_checkpoint(epoch, step_in_epoch)
+                last_checkpoint = time.monotonic()
+            if stop:
+                bar.close()
+                log.warning("stopped on signal after step %d; checkpoint written — run the same job again to resume", global_step)
+                raise Preempted(global_step)
         train_time += time.perf_counter() - t_epoch
 
         eval_metrics = evaluate(model, eval_ds, tokenizer, env, device, autocast, cfg.eval_batch_size or 2 * cfg.batch_size, len(frames.labels))
@@ -180,6 +232,28 @@ def _train(spec: JobSpec, env: DistEnv) -> dict:
         log.info("done: eval_accuracy %.4f, %.1f samples/s; artifacts in %s", metrics["eval_accuracy"], metrics["train_samples_per_second"], spec.output.uri)
     distributed.barrier()
     return metrics
+
+
+class Preempted(Exception):
+    """Training stopped on SIGTERM/SIGINT after writing a checkpoint (exit code 143)."""
+
+    def __init__(self, step: int):
+        super().__init__(f"stopped after step {step}; checkpoint written")
+        self.step = step
+
+
+def _find_checkpoint(spec: JobSpec, out, env: DistEnv) -> checkpoint.Found | None:
+    """Rank 0 picks the newest complete checkpoint; every rank then reads that same step."""
+    found = checkpoint.latest(spec.output.uri, out) if env.is_main else None
+    step = distributed.broadcast_object(found.step if found else None)
+    if step is None:
+        return None
+    if found is None or found.step != step:
+        found = checkpoint.latest(spec.output.uri, out)
+        if found is None or found.step != step:
+            raise KubetuneError(f"rank {env.rank} cannot see checkpoint step {step} under {spec.output.uri}", field="output.uri",
+                                fix="put the output on storage every node can read (a shared PVC or s3://)")
+    return found
 
 
 def build_model(spec: JobSpec, model_dir, labels: list[str]):

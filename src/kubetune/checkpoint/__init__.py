@@ -1,0 +1,174 @@
+"""Checkpoints: everything needed to continue a run exactly, written atomically.
+
+A checkpoint is ``<output>/checkpoints/step-NNNNNNNN/`` holding ``state.pt`` (trainable weights,
+optimizer, scheduler, grad scaler, progress, the RNG states of every rank) and ``job.yaml``. It is
+built under a temporary name and renamed into place after its ``COMPLETE`` marker is written, so a
+crash mid-save leaves nothing that looks like a checkpoint. For an s3:// output the same directory
+is uploaded with the storage layer's manifest, which is written last and plays the same role.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kubetune import providers
+from kubetune.config import JobSpec, dump_spec
+from kubetune.errors import KubetuneError
+
+log = logging.getLogger(__name__)
+MARKER = "COMPLETE"
+_NAME = re.compile(r"^step-(\d{8})$")
+
+
+@dataclass(frozen=True)
+class Found:
+    """A complete checkpoint: its step and a local directory holding it."""
+
+    step: int
+    path: Path
+
+
+def rng_state() -> dict:
+    """This process's random states (torch CPU and CUDA, numpy, python)."""
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+
+
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Only what training changes: all weights for a full fine-tune, adapter + head for LoRA."""
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items() if k in trainable}
+
+
+def fingerprint(spec: JobSpec, labels: list[str], world_size: int) -> dict:
+    """What must match for a checkpoint to be resumable by this run."""
+    return {"model": spec.model.uri, "task": spec.task, "labels": list(labels), "lora": spec.lora.model_dump() if spec.lora else None,
+            "world_size": world_size, "batch_size": spec.training.batch_size, "grad_accum": spec.training.grad_accum}
+
+
+def check_compatible(saved: dict, current: dict, where: str) -> None:
+    """Raise a one-line error when the checkpoint came from an incompatible job."""
+    fields = {"model": "model.uri", "task": "task", "labels": "data.label_column", "lora": "lora",
+              "world_size": "distributed", "batch_size": "training.batch_size", "grad_accum": "training.grad_accum"}
+    for key, field in fields.items():
+        if saved.get(key) != current.get(key):
+            if key == "world_size":
+                msg = (f"the checkpoint in {where} was written by {saved[key]} processes, this run has {current[key]}; "
+                       "the data order and global batch depend on the world size, so resuming would not continue the same run")
+            else:
+                msg = f"the checkpoint in {where} was written with {key} {saved.get(key)!r}, this run has {current.get(key)!r}"
+            raise KubetuneError(msg, field=field, fix="restore the original setting, use another output.uri, or pass --no-resume (training.resume: never)")
+
+
+def _root(output_uri: str, local_out: Path) -> tuple[Path, str | None]:
+    """Local checkpoints directory, and the remote prefix when output.uri is s3://."""
+    scheme = providers.parse_uri(output_uri).scheme
+    remote = f"{output_uri.rstrip('/')}/checkpoints" if scheme == "s3" else None
+    return local_out / "checkpoints", remote
+
+
+def save(state: dict, spec: JobSpec, output_uri: str, local_out: Path, step: int, keep: int) -> Path:
+    """Write checkpoint ``step`` (rank 0 only) and prune to the newest ``keep``."""
+    root, remote = _root(output_uri, local_out)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:08d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".step-{step:08d}-", dir=root))
+    try:
+        torch.save(state, tmp / "state.pt")
+        (tmp / "job.yaml").write_text(dump_spec(spec))
+        (tmp / MARKER).write_text(json.dumps({"step": step, "fingerprint": state["fingerprint"]}) + "\n")
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if remote:
+        from kubetune.providers import s3
+
+        s3.upload_dir(final, f"{remote}/{final.name}", field="output.uri")
+    for old in complete_steps(root)[:-keep]:
+        shutil.rmtree(root / f"step-{old:08d}", ignore_errors=True)
+        if remote:
+            _delete_remote(f"{remote}/step-{old:08d}")
+    return final
+
+
+def complete_steps(root: Path) -> list[int]:
+    if not root.exists():
+        return []
+    return sorted(int(m.group(1)) for p in root.iterdir() if (m := _NAME.match(p.name)) and (p / MARKER).exists())
+
+
+def latest(output_uri: str, local_out: Path) -> Found | None:
+    """The newest complete checkpoint (downloaded first when output.uri is s3://)."""
+    root, remote = _root(output_uri, local_out)
+    if remote:
+        step = _latest_remote(remote)
+        if step is None:
+            return None
+        from kubetune.providers import s3
+
+        path = root / f"step-{step:08d}"
+        s3.download(f"{remote}/step-{step:08d}/", path, field="output.uri", require_manifest=True)
+        return Found(step, path)
+    steps = complete_steps(root)
+    return Found(steps[-1], root / f"step-{steps[-1]:08d}") if steps else None
+
+
+def load(found: Found) -> dict:
+    # Our own file (written by save above), so full unpickling is safe: it carries numpy and
+    # python RNG states that weights_only loading rejects.
+    return torch.load(found.path / "state.pt", map_location="cpu", weights_only=False)
+
+
+def _latest_remote(prefix: str) -> int | None:
+    from kubetune.providers import s3
+
+    loc = s3.Location.parse(prefix, "output.uri")
+    client = s3.client()
+    steps = []
+    try:
+        pages = client.get_paginator("list_objects_v2").paginate(Bucket=loc.bucket, Prefix=loc.key.rstrip("/") + "/")
+        for page in pages:
+            for obj in page.get("Contents", []):
+                parts = obj["Key"][len(loc.key.rstrip("/")) + 1 :].split("/")
+                if len(parts) == 2 and parts[1] == s3.MANIFEST and (m := _NAME.match(parts[0])):
+                    steps.append(int(m.group(1)))
+    except Exception as e:
+        raise s3.translate(e, loc, "output.uri", "list checkpoints in") from None
+    return max(steps) if steps else None
+
+
+def _delete_remote(prefix: str) -> None:
+    from kubetune.providers import s3
+
+    loc = s3.Location.parse(prefix, "output.uri")
+    client = s3.client()
+    # Manifest first: a half-deleted checkpoint must not look complete.
+    client.delete_object(Bucket=loc.bucket, Key=f"{loc.key}/{s3.MANIFEST}")
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=loc.bucket, Prefix=loc.key + "/"):
+        for obj in page.get("Contents", []):
+            client.delete_object(Bucket=loc.bucket, Key=obj["Key"])

@@ -1,0 +1,160 @@
+"""Checkpoints, graceful stop, automatic and exact resume, elastic restarts: real 2-process
+gloo runs with the real MiniLM, interrupted by real signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, kubetune, tiny_spec, write_spec
+
+pytestmark = pytest.mark.integration
+
+
+def _spec(small_csv, out: Path, **training) -> dict:
+    spec = tiny_spec(small_csv, out, training={"epochs": 2, "batch_size": 8, "log_every": 1, "checkpoint_every": 3, "seed": 5, **training})
+    spec["output"]["report_baseline"] = False
+    return spec
+
+
+def _weights(out: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(out / "model" / "model.safetensors")
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def _eval(out: Path) -> dict:
+    m = json.loads((out / "metrics.json").read_text())
+    return {k: m[k] for k in ("eval_loss", "eval_accuracy", "eval_f1_macro", "eval_confusion", "global_step")}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, small_csv):
+    """The uninterrupted run every interrupted one must match exactly."""
+    tmp = tmp_path_factory.mktemp("ref")
+    proc = kubetune("run", str(write_spec(tmp / "job.yaml", _spec(small_csv, tmp / "out"))))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp / "out"
+
+
+def _start(spec_path: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "kubetune", "run", str(spec_path)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def _wait_for_checkpoint(out: Path, step: int, proc: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.time() + timeout
+    while not (out / "checkpoints" / f"step-{step:08d}" / "COMPLETE").exists():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.time() < deadline, "no checkpoint in time"
+        time.sleep(0.05)
+
+
+def _worker_pids(launcher: int) -> dict[int, int]:
+    """rank -> pid of the worker processes under a `kubetune run`."""
+    ranks = {}
+    for pid in _descendants(launcher):
+        try:
+            env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0") if "=" in kv)
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"kubetune.worker" in cmd and "RANK" in env:
+            ranks[int(env["RANK"])] = pid
+    return ranks
+
+
+def _descendants(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            out += [int(child), *_descendants(int(child))]
+    return out
+
+
+def test_sigkilled_worker_then_rerun_resumes_exactly(reference, tmp_path, small_csv):
+    out = tmp_path / "out"
+    spec = write_spec(tmp_path / "job.yaml", _spec(small_csv, out))
+    proc = _start(spec)
+    _wait_for_checkpoint(out, 6, proc)
+    os.kill(_worker_pids(proc.pid)[1], signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "worker rank 1 failed with exit code -9" in err
+    steps = sorted(int(p.name[5:]) for p in (out / "checkpoints").glob("step-*") if (p / "COMPLETE").exists())
+    again = kubetune("run", str(spec))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from checkpoint step {steps[-1]} " in again.stderr
+    assert _max_diff(_weights(out), _weights(reference)) == 0.0
+    assert _eval(out) == _eval(reference)
+    history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
+    train_steps = [h["step"] for h in history if h["type"] == "train"]
+    assert train_steps == list(range(1, 17))  # nothing lost, nothing twice
+    ref_history = [json.loads(line) for line in (reference / "history.jsonl").read_text().splitlines()]
+    assert [h["loss"] for h in history if h["type"] == "train"] == [h["loss"] for h in ref_history if h["type"] == "train"]
+
+
+def test_sigterm_to_kubetune_run_checkpoints_exits_143_and_resumes_exactly(reference, tmp_path, small_csv):
+    out = tmp_path / "out"
+    spec = write_spec(tmp_path / "job.yaml", _spec(small_csv, out, checkpoint_every=100))
+    proc = _start(spec)
+    deadline = time.time() + 180
+    while not list((out / "history.jsonl").parent.glob("history.jsonl")) or len((out / "history.jsonl").read_text().splitlines()) < 4:
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    assert "stopped:" in err and "run the same command again to resume" in err
+    saved = [p for p in (out / "checkpoints").glob("step-*") if (p / "COMPLETE").exists()]
+    assert len(saved) == 1 and 4 <= int(saved[0].name[5:]) < 16  # the signal's step, not a periodic one
+    again = kubetune("run", str(spec))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from checkpoint step {int(saved[0].name[5:])} " in again.stderr
+    assert _max_diff(_weights(out), _weights(reference)) == 0.0
+    assert _eval(out) == _eval(reference)
+
+
+def test_elastic_restart_after_sigkill_completes_in_one_run(reference, tmp_path, small_csv):
+    out = tmp_path / "out"
+    spec = _spec(small_csv, out)
+    spec["distributed"]["max_restarts"] = 2
+    proc = _start(write_spec(tmp_path / "job.yaml", spec))
+    _wait_for_checkpoint(out, 9, proc)
+    os.kill(_worker_pids(proc.pid)[0], signal.SIGKILL)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    assert "resumed from checkpoint step" in err
+    assert _max_diff(_weights(out), _weights(reference)) == 0.0
+    assert _eval(out) == _eval(reference)
+
+
+def test_incompatible_checkpoints_are_one_line_errors(reference, tmp_path, small_csv):
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(reference / "checkpoints", out / "checkpoints")
+    cases = [
+        (["--set", "distributed.procs_per_node=1"], "error: distributed: the checkpoint in"),
+        (["--set", "training.batch_size=4"], "error: training.batch_size: the checkpoint in"),
+        (["--set", "lora.r=4"], "error: lora: the checkpoint in"),
+    ]
+    spec = write_spec(tmp_path / "job.yaml", _spec(small_csv, out))
+    for args, expected in cases:
+        proc = kubetune("run", str(spec), *args)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        line = next(line for line in proc.stderr.splitlines() if "error:" in line)
+        assert expected in line and "--no-resume" in line
+        assert "Traceback" not in proc.stderr
+    fresh = kubetune("run", str(spec), "--no-resume", "--set", "training.max_steps=1")
+    assert fresh.returncode == 0 and "resumed" not in fresh.stderr
