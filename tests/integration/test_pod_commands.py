@@ -35,7 +35,7 @@ def test_rendered_init_and_worker_commands_train_across_two_pods(tmp_path, small
     etc, stage_dir = tmp_path / "etc", tmp_path / "stage"
     etc.mkdir()
     (etc / "job.yaml").write_text(manifests.build_config_map(spec, "ns")["data"]["job.yaml"])
-    remap = {manifests.SPEC_DIR: str(etc), manifests.STAGE_DIR: str(stage_dir)}
+    remap = {manifests.SPEC_DIR: str(etc), manifests.stage_dir(spec): str(stage_dir)}
 
     def local(cmd):
         return [next((arg.replace(k, v) for k, v in remap.items() if arg.startswith(k)), arg) for arg in cmd]

@@ -79,12 +79,14 @@ def test_two_nodes_two_gpus_structure():
     pod = replicas["Worker"]["template"]
     assert pod["metadata"]["annotations"]["sidecar.istio.io/inject"] == "false"
     main = pod["spec"]["containers"][0]
-    assert main["name"] == "pytorch" and main["command"] == ["torchrun", "-m", "kubetune.worker", "/workspace/stage/job.yaml"]
+    assert main["name"] == "pytorch" and main["command"] == ["torchrun", "-m", "kubetune.worker", "/workspace/stage/j/job.yaml"]
+    env = {e["name"]: e.get("value") for e in main["env"]}
+    assert env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == str(pod["spec"]["terminationGracePeriodSeconds"] - 10)  # time to checkpoint
     assert main["resources"]["limits"]["nvidia.com/gpu"] == "2"
     assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}} in main["env"]
     assert main["envFrom"] == [{"secretRef": {"name": "minio"}}]
     init = pod["spec"]["initContainers"][0]
-    assert init["command"] == ["kubetune", "fetch", "/etc/kubetune/job.yaml", "--dest", "/workspace/stage"]
+    assert init["command"] == ["kubetune", "fetch", "/etc/kubetune/job.yaml", "--dest", "/workspace/stage/j"]
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
     assert volumes["job-spec"]["configMap"]["name"] == "j-spec"
@@ -130,5 +132,5 @@ def test_trainjob_structure():
     assert (job["apiVersion"], job["kind"]) == ("trainer.kubeflow.org/v1alpha1", "TrainJob")
     trainer = job["spec"]["trainer"]
     assert (trainer["numNodes"], trainer["numProcPerNode"]) == (2, 4)
-    assert trainer["command"][-1].endswith("kubetune fetch /etc/kubetune/job.yaml --dest /workspace/stage && exec torchrun -m kubetune.worker /workspace/stage/job.yaml")
+    assert trainer["command"][-1].endswith("kubetune fetch /etc/kubetune/job.yaml --dest /workspace/stage/j && exec torchrun -m kubetune.worker /workspace/stage/j/job.yaml")
     assert job["spec"]["runtimeRef"]["name"] == "torch-distributed"

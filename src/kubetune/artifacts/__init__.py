@@ -59,7 +59,7 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _replace_dir(build, dest: Path) -> None:
+def replace_dir(build, dest: Path) -> None:
     """Build a directory under a temporary name and swap it into place."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
     try:
@@ -107,14 +107,14 @@ def tensorboard_writer(out: Path, purge_step: int | None = None):
 def export_classifier(spec: JobSpec, model, tokenizer, frames, out: Path) -> None:
     """Save ``model/`` (merged for LoRA; loadable by transformers.pipeline) and ``adapter/`` for LoRA."""
     if spec.lora is not None:
-        _replace_dir(lambda d: model.save_pretrained(d), out / "adapter")
+        replace_dir(lambda d: model.save_pretrained(d), out / "adapter")
         model = model.merge_and_unload()
 
     def save(d: Path) -> None:
         model.save_pretrained(d, safe_serialization=True)
         tokenizer.save_pretrained(d)
 
-    _replace_dir(save, out / "model")
+    replace_dir(save, out / "model")
     log.info("exported model to %s", out / "model")
 
 

@@ -17,6 +17,7 @@ from kubetune.errors import KubetuneError
 
 log = logging.getLogger(__name__)
 WORKER_MODULE = "kubetune.worker"
+SHUTDOWN_GRACE_S = 110
 
 
 def launch_config(spec: JobSpec, *, run_id: str, rdzv_port: int | None = None, local_addr: str | None = None) -> LaunchConfig:
@@ -40,6 +41,9 @@ def launch_config(spec: JobSpec, *, run_id: str, rdzv_port: int | None = None, l
         rdzv_configs=rdzv_configs,
         max_restarts=dist.max_restarts,
         monitor_interval=0.5,
+        # After SIGTERM the workers get this long to finish the step and write a checkpoint
+        # before the launcher kills them (torch's default is 30 s).
+        shutdown_timeout=SHUTDOWN_GRACE_S,
         # The address other nodes reach this one at (MASTER_ADDR when it holds rank 0).
         local_addr=local_addr or ("127.0.0.1" if dist.nodes == 1 else None),
         start_method="spawn",

@@ -18,8 +18,7 @@ from kubetune.config.cluster import default_image
 
 SPEC_DIR = "/etc/kubetune"
 WORKSPACE = "/workspace"
-STAGE_DIR = f"{WORKSPACE}/stage"
-STAGED_SPEC = f"{STAGE_DIR}/job.yaml"
+STAGE_ROOT = f"{WORKSPACE}/stage"
 CONTAINER = "pytorch"  # the Training Operator requires this container name
 PYTORCHJOB_API = ("kubeflow.org", "v1", "pytorchjobs")
 TRAINJOB_API = ("trainer.kubeflow.org", "v1alpha1", "trainjobs")
@@ -104,8 +103,11 @@ def secret_env(spec: JobSpec) -> tuple[list[k8s.V1EnvVar], list[k8s.V1EnvFromSou
     return env, env_from
 
 
-def _common_env() -> list[k8s.V1EnvVar]:
+def _common_env(spec: JobSpec) -> list[k8s.V1EnvVar]:
     return [
+        # torchrun kills workers this long after forwarding SIGTERM (default 30 s): leave them the
+        # pod's grace period, less a margin, to finish the step and write the checkpoint.
+        k8s.V1EnvVar(name="TORCH_ELASTIC_SHUTDOWN_TIMEOUT", value=str(max(5, spec.kubernetes.termination_grace_period_seconds - 10))),
         # torchrun: a fresh rendezvous store per round, so restarted workers never read stale peers.
         k8s.V1EnvVar(name="TORCH_DISABLE_SHARE_RDZV_TCP_STORE", value="1"),
         k8s.V1EnvVar(name="HF_HOME", value=f"{WORKSPACE}/cache/hf"),
@@ -150,14 +152,19 @@ def image(spec: JobSpec) -> str:
     return spec.kubernetes.image or default_image(spec.resources.gpu)
 
 
-def worker_command() -> list[str]:
+def stage_dir(spec: JobSpec) -> str:
+    """Per job, so jobs sharing one claim never read each other's staged spec."""
+    return f"{STAGE_ROOT}/{spec.name}"
+
+
+def worker_command(spec: JobSpec) -> list[str]:
     """torchrun reads nnodes, nproc-per-node, node rank and the master address from the
     Training Operator's PET_* environment; the worker reads the staged spec."""
-    return ["torchrun", "-m", "kubetune.worker", STAGED_SPEC]
+    return ["torchrun", "-m", "kubetune.worker", f"{stage_dir(spec)}/job.yaml"]
 
 
-def fetch_command() -> list[str]:
-    return ["kubetune", "fetch", f"{SPEC_DIR}/job.yaml", "--dest", STAGE_DIR]
+def fetch_command(spec: JobSpec) -> list[str]:
+    return ["kubetune", "fetch", f"{SPEC_DIR}/job.yaml", "--dest", stage_dir(spec)]
 
 
 def build_pod_template(spec: JobSpec) -> k8s.V1PodTemplateSpec:
@@ -167,8 +174,8 @@ def build_pod_template(spec: JobSpec) -> k8s.V1PodTemplateSpec:
         name="stage",
         image=image(spec),
         image_pull_policy=kube.image_pull_policy,
-        command=fetch_command(),
-        env=_common_env() + env,
+        command=fetch_command(spec),
+        env=_common_env(spec) + env,
         env_from=env_from or None,
         volume_mounts=_mounts(with_shm=False),
         resources=k8s.V1ResourceRequirements(requests={k: v for k, v in {"cpu": "1", "memory": "2Gi"}.items()}),
@@ -177,10 +184,10 @@ def build_pod_template(spec: JobSpec) -> k8s.V1PodTemplateSpec:
         name=CONTAINER,
         image=image(spec),
         image_pull_policy=kube.image_pull_policy,
-        command=worker_command(),
+        command=worker_command(spec),
         working_dir=WORKSPACE,
         # The init container staged everything: workers reach for the Hub only to push an hf:// output.
-        env=_common_env() + ([] if spec.output.uri.startswith("hf://") else [k8s.V1EnvVar(name="HF_HUB_OFFLINE", value="1")]) + env,
+        env=_common_env(spec) + ([] if spec.output.uri.startswith("hf://") else [k8s.V1EnvVar(name="HF_HUB_OFFLINE", value="1")]) + env,
         env_from=env_from or None,
         ports=[k8s.V1ContainerPort(name="pytorchjob-port", container_port=kube.master_port, protocol="TCP")],
         resources=_resources(spec),
@@ -283,11 +290,11 @@ def build_trainjob(spec: JobSpec, namespace: str, runtime: str = "torch-distribu
             "activeDeadlineSeconds": kube.active_deadline_seconds,
             "trainer": {
                 "image": image(spec),
-                "command": ["sh", "-c", " ".join(fetch_command()) + " && exec " + " ".join(worker_command())],
+                "command": ["sh", "-c", " ".join(fetch_command(spec)) + " && exec " + " ".join(worker_command(spec))],
                 "numNodes": dist.nodes,
                 "numProcPerNode": dist.procs_per_node,
                 "resourcesPerNode": _ser(_resources(spec)),
-                "env": [_ser(e) for e in _common_env() + env],
+                "env": [_ser(e) for e in _common_env(spec) + env],
             },
             "runtimePatches": [{"manager": "kubetune.io/render", "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [node_patch]}}}}],
         },

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +21,7 @@ import numpy as np
 import torch
 
 from kubetune import providers
+from kubetune.artifacts import replace_dir
 from kubetune.config import JobSpec, dump_spec
 from kubetune.errors import KubetuneError
 
@@ -40,12 +39,15 @@ class Found:
 
 
 def rng_state() -> dict:
-    """This process's random states (torch CPU and CUDA, numpy, python)."""
+    """This process's random states (torch CPU and CUDA, numpy, python), as tensors and plain
+    lists so that checkpoints load with ``weights_only=True`` (no arbitrary unpickling)."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, py_state, py_gauss = random.getstate()
     return {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-        "numpy": np.random.get_state(),
-        "python": random.getstate(),
+        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
+        "python": [version, list(py_state), py_gauss],
     }
 
 
@@ -53,8 +55,10 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    version, py_state, py_gauss = state["python"]
+    random.setstate((version, tuple(py_state), py_gauss))
 
 
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -63,16 +67,30 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items() if k in trainable}
 
 
-def fingerprint(spec: JobSpec, labels: list[str], world_size: int) -> dict:
-    """What must match for a checkpoint to be resumable by this run."""
+_TRAJECTORY = ("seed", "learning_rate", "warmup_ratio", "weight_decay", "max_grad_norm", "epochs", "max_steps", "group_by_length", "precision")
+_DATA = ("train", "eval", "train_split", "eval_split", "text_column", "text_pair_column", "label_column", "max_length",
+         "eval_fraction", "max_train_samples", "max_eval_samples")
+
+
+def fingerprint(spec: JobSpec, labels: list[str], world_size: int, train_rows: int = 0) -> dict:
+    """What must match for a checkpoint to continue *this* run: anything that changes the
+    data order, the schedule or the model would make the result a different run."""
     return {"model": spec.model.uri, "task": spec.task, "labels": list(labels), "lora": spec.lora.model_dump() if spec.lora else None,
-            "world_size": world_size, "batch_size": spec.training.batch_size, "grad_accum": spec.training.grad_accum}
+            "world_size": world_size, "batch_size": spec.training.batch_size, "grad_accum": spec.training.grad_accum,
+            "training": {k: getattr(spec.training, k) for k in _TRAJECTORY},
+            "data": {**{k: getattr(spec.data, k) for k in _DATA}, "train_rows": train_rows}}
 
 
 def check_compatible(saved: dict, current: dict, where: str) -> None:
     """Raise a one-line error when the checkpoint came from an incompatible job."""
     fields = {"model": "model.uri", "task": "task", "labels": "data.label_column", "lora": "lora",
               "world_size": "distributed", "batch_size": "training.batch_size", "grad_accum": "training.grad_accum"}
+    for section in ("training", "data"):
+        for key, value in (current.get(section) or {}).items():
+            if (saved.get(section) or {}).get(key) != value:
+                raise KubetuneError(f"the checkpoint in {where} was written with {section}.{key} {(saved.get(section) or {}).get(key)!r}, this run has {value!r}",
+                                    field=f"{section}.{key}" if key != "train_rows" else "data.train",
+                                    fix="restore the original setting, use another output.uri, or pass --no-resume (training.resume: never)")
     for key, field in fields.items():
         if saved.get(key) != current.get(key):
             if key == "world_size":
@@ -95,25 +113,36 @@ def save(state: dict, spec: JobSpec, output_uri: str, local_out: Path, step: int
     root, remote = _root(output_uri, local_out)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:08d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".step-{step:08d}-", dir=root))
-    try:
+
+    def build(tmp: Path) -> None:
         torch.save(state, tmp / "state.pt")
         (tmp / "job.yaml").write_text(dump_spec(spec))
         (tmp / MARKER).write_text(json.dumps({"step": step, "fingerprint": state["fingerprint"]}) + "\n")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    # Steps above this one belong to an older run at the same output (e.g. after --no-resume);
+    # they must not outrank, or prune away, the checkpoints of this run.
+    for newer in [st for st in complete_steps(root) if st > step]:
+        shutil.rmtree(root / f"step-{newer:08d}", ignore_errors=True)
+    replace_dir(build, final)
     if remote:
         from kubetune.providers import s3
 
         s3.upload_dir(final, f"{remote}/{final.name}", field="output.uri")
     for old in complete_steps(root)[:-keep]:
         shutil.rmtree(root / f"step-{old:08d}", ignore_errors=True)
-        if remote:
+    if remote:  # prune by the remote listing: a re-created pod's local copy holds only what it downloaded
+        for old in [st for st in _remote_steps(remote) if st > step] + [st for st in _remote_steps(remote) if st <= step][:-keep]:
             _delete_remote(f"{remote}/step-{old:08d}")
     return final
+
+
+def clear(output_uri: str, local_out: Path) -> None:
+    """Remove every checkpoint of this output (local and remote): a finished run, or --no-resume."""
+    root, remote = _root(output_uri, local_out)
+    shutil.rmtree(root, ignore_errors=True)
+    if remote:
+        for step in _remote_steps(remote):
+            _delete_remote(f"{remote}/step-{step:08d}")
 
 
 def complete_steps(root: Path) -> list[int]:
@@ -139,12 +168,16 @@ def latest(output_uri: str, local_out: Path) -> Found | None:
 
 
 def load(found: Found) -> dict:
-    # Our own file (written by save above), so full unpickling is safe: it carries numpy and
-    # python RNG states that weights_only loading rejects.
-    return torch.load(found.path / "state.pt", map_location="cpu", weights_only=False)
+    # weights_only: a checkpoint may come from a bucket others can write to; never unpickle code.
+    return torch.load(found.path / "state.pt", map_location="cpu", weights_only=True)
 
 
 def _latest_remote(prefix: str) -> int | None:
+    steps = _remote_steps(prefix)
+    return max(steps) if steps else None
+
+
+def _remote_steps(prefix: str) -> list[int]:
     from kubetune.providers import s3
 
     loc = s3.Location.parse(prefix, "output.uri")
@@ -159,7 +192,7 @@ def _latest_remote(prefix: str) -> int | None:
                     steps.append(int(m.group(1)))
     except Exception as e:
         raise s3.translate(e, loc, "output.uri", "list checkpoints in") from None
-    return max(steps) if steps else None
+    return sorted(steps)
 
 
 def _delete_remote(prefix: str) -> None:

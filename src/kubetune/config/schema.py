@@ -124,6 +124,9 @@ class DistributedSpec(Section):
         "Single node: a free local port is chosen.",
     )
     max_restarts: int = Field(0, ge=0, description="Times the elastic launcher restarts all workers after a failure.")
+    timeout_minutes: int = Field(
+        60, ge=1, description="How long ranks wait for each other in a collective (rank 0 alone tokenizes, saves and uploads meanwhile)."
+    )
     threads_per_proc: int | None = Field(
         None, ge=1, description="CPU threads per worker process; default: CPU cores / procs_per_node."
     )

@@ -49,10 +49,13 @@ def epoch_order(n: int, epoch: int, seed: int, lengths: np.ndarray | None = None
         chunk = order[start : start + window]
         chunks.append(chunk[np.argsort(-lengths[chunk], kind="stable")])
     grouped = np.concatenate(chunks) if chunks else order
-    # Shuffle whole batches so long and short batches interleave; the first batch stays in place.
-    n_batches = math.ceil(n / batch_size)
-    batch_perm = rng.permutation(n_batches)
-    return np.concatenate([grouped[b * batch_size : (b + 1) * batch_size] for b in batch_perm]) if n else grouped
+    # Shuffle whole units so long and short batches interleave; a partial unit stays last so that
+    # every other unit keeps one length group.
+    full = n // batch_size
+    units = [grouped[b * batch_size : (b + 1) * batch_size] for b in rng.permutation(full)]
+    if n % batch_size:
+        units.append(grouped[full * batch_size :])
+    return np.concatenate(units) if units else grouped
 
 
 def rank_plan(order: np.ndarray, *, rank: int, world_size: int, batch_size: int, grad_accum: int) -> list[Step]:

@@ -56,7 +56,7 @@ def pick_device(env: DistEnv) -> torch.device:
     return torch.device("cpu")
 
 
-def setup(env: DistEnv, device: torch.device, backend: str = "auto") -> None:
+def setup(env: DistEnv, device: torch.device, backend: str = "auto", timeout_minutes: int = 60) -> None:
     """Join the process group (gloo on CPU, NCCL on GPU unless ``backend`` says otherwise)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -64,7 +64,9 @@ def setup(env: DistEnv, device: torch.device, backend: str = "auto") -> None:
         return
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None)
+    from datetime import timedelta
+
+    dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes), device_id=device if backend == "nccl" else None)
 
 
 def barrier() -> None:
@@ -106,7 +108,7 @@ def any_rank(*flags: bool, device: torch.device) -> tuple[bool, ...]:
 
 # Set by SIGTERM/SIGINT; the training loop checks it at every step boundary.
 STOP = threading.Event()
-EXIT_PREEMPTED = 143  # 128 + SIGTERM: "stopped after a checkpoint"; retryable by Kubeflow's ExitCode policy
+EXIT_PREEMPTED = 143  # a worker's "stopped after a checkpoint" (128 + SIGTERM)
 
 
 def install_signal_handlers() -> None:

@@ -70,6 +70,17 @@ def resolve(uri: str, *, kind: Kind, field: str, revision: str | None = None) ->
     return resolver(parsed, kind, field, revision)
 
 
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB blocks."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def schemes() -> list[str]:
     return sorted(_RESOLVERS)
 

