@@ -55,3 +55,20 @@ def test_incompatible_fingerprints(change, field):
         checkpoint.check_compatible(saved, {**saved, **change}, "out/checkpoints/step-00000003")
     assert str(e.value).startswith(f"{field}: the checkpoint in out/checkpoints/step-00000003")
     assert "--no-resume" in str(e.value)
+
+
+def test_history_travels_with_the_checkpoint(tmp_path):
+    import json
+
+    from kubetune.artifacts import History
+
+    out = tmp_path / "run"
+    out.mkdir()
+    h = History(out)
+    for step in (1, 2, 3, 4):
+        h.write({"type": "train", "step": step, "loss": 1.0 / step})
+    h.close()
+    found = checkpoint.Found(3, checkpoint.save(_state(3), SPEC, str(out), out, 3, keep=2))
+    (out / "history.jsonl").unlink()  # a new machine: only the checkpoint's copy is left
+    History(out, resume_step=3, saved=found.path / "history.jsonl").close()
+    assert [json.loads(line)["step"] for line in (out / "history.jsonl").read_text().splitlines()] == [1, 2, 3]

@@ -78,11 +78,13 @@ class History:
     after S, and the evaluation at S, which runs after the checkpoint) are dropped first.
     """
 
-    def __init__(self, out: Path, resume_step: int | None = None):
+    def __init__(self, out: Path, resume_step: int | None = None, saved: Path | None = None):
         self.path = out / "history.jsonl"
         kept = []
-        if resume_step is not None and self.path.exists():
-            for line in self.path.read_text(encoding="utf-8").splitlines():
+        # On a new machine (a re-created pod) only the checkpoint's copy exists.
+        source = self.path if self.path.exists() else saved
+        if resume_step is not None and source is not None and source.exists():
+            for line in source.read_text(encoding="utf-8").splitlines():
                 rec = json.loads(line)
                 if rec["step"] < resume_step or (rec["type"] == "train" and rec["step"] == resume_step):
                     kept.append(line + "\n")

@@ -109,13 +109,16 @@ def _root(output_uri: str, local_out: Path) -> tuple[Path, str | None]:
 
 
 def save(state: dict, spec: JobSpec, output_uri: str, local_out: Path, step: int, keep: int) -> Path:
-    """Write checkpoint ``step`` (rank 0 only) and prune to the newest ``keep``."""
+    """Write checkpoint ``step`` (rank 0 only) and prune to the newest ``keep``. A copy of
+    ``history.jsonl`` goes along, so a resumed run on a new machine keeps its curves."""
     root, remote = _root(output_uri, local_out)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:08d}"
 
     def build(tmp: Path) -> None:
         torch.save(state, tmp / "state.pt")
+        if (local_out / "history.jsonl").exists():
+            shutil.copyfile(local_out / "history.jsonl", tmp / "history.jsonl")
         (tmp / "job.yaml").write_text(dump_spec(spec))
         (tmp / MARKER).write_text(json.dumps({"step": step, "fingerprint": state["fingerprint"]}) + "\n")
 

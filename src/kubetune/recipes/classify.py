@@ -108,7 +108,7 @@ def _train(spec: JobSpec, env: DistEnv) -> dict:
     global_step, samples_seen, train_time = progress["global_step"], progress["samples_seen"], progress["train_time"]
     logged_losses: list[float] = list(progress["logged_losses"])
     log_loss = torch.tensor(progress["log_loss"][env.rank], device=device)  # this rank's [loss sum, example count] since last log
-    history = artifacts.History(out, resume_step=global_step if found else None) if env.is_main else None
+    history = artifacts.History(out, resume_step=global_step if found else None, saved=found.path / "history.jsonl" if found else None) if env.is_main else None
     tb = artifacts.tensorboard_writer(out, purge_step=global_step if found else None) if env.is_main else None
     bar = tqdm(total=total_steps, initial=global_step, desc="train", unit="step", disable=not env.is_main, dynamic_ncols=True, mininterval=1.0 if _tty() else 30.0)
     log.info("training: %d steps (%d per epoch), global batch %d, %d trainable / %d parameters", total_steps, per_epoch, cfg.batch_size * cfg.grad_accum * env.world_size, *_param_counts(model))
