@@ -139,17 +139,21 @@ def test_elastic_restart_after_sigkill_completes_in_one_run(reference, tmp_path,
     assert _eval(out) == _eval(reference)
 
 
-def test_incompatible_checkpoints_are_one_line_errors(reference, tmp_path, small_csv):
-    import shutil
-
+def test_incompatible_checkpoints_are_one_line_errors(tmp_path, small_csv):
     out = tmp_path / "out"
-    shutil.copytree(reference / "checkpoints", out / "checkpoints")
+    spec = write_spec(tmp_path / "job.yaml", _spec(small_csv, out))
+    proc = _start(spec)  # interrupted (SIGTERM) so that its checkpoints stay; a finished run clears them
+    _wait_for_checkpoint(out, 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=120)
+    assert proc.returncode == 143
     cases = [
         (["--set", "distributed.procs_per_node=1"], "error: distributed: the checkpoint in"),
         (["--set", "training.batch_size=4"], "error: training.batch_size: the checkpoint in"),
+        (["--set", "training.learning_rate=0.001"], "error: training.learning_rate: the checkpoint in"),
+        (["--set", "data.max_length=16"], "error: data.max_length: the checkpoint in"),
         (["--set", "lora.r=4"], "error: lora: the checkpoint in"),
     ]
-    spec = write_spec(tmp_path / "job.yaml", _spec(small_csv, out))
     for args, expected in cases:
         proc = kubetune("run", str(spec), *args)
         assert proc.returncode == 2, proc.stderr[-2000:]
@@ -158,3 +162,4 @@ def test_incompatible_checkpoints_are_one_line_errors(reference, tmp_path, small
         assert "Traceback" not in proc.stderr
     fresh = kubetune("run", str(spec), "--no-resume", "--set", "training.max_steps=1")
     assert fresh.returncode == 0 and "resumed" not in fresh.stderr
+    assert not (out / "checkpoints").exists()  # cleared: no old run can be resumed by mistake later
