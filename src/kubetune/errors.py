@@ -25,7 +25,8 @@ class SpecError(KubetuneError):
     """The job spec is invalid; carries every problem found, one per line."""
 
     def __init__(self, problems: list[str], source: str = "spec"):
-        self.problems = problems
+        # one line per problem, whatever the input held
+        self.problems = [" ".join(str(p).splitlines()) for p in problems]
         self.source = source
         head = problems[0] if len(problems) == 1 else f"{len(problems)} problems in {source}"
         Exception.__init__(self, head)

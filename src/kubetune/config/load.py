@@ -101,7 +101,9 @@ def _apply_override(raw: dict, item: str) -> None:
 
 def _format_error(err: dict) -> str:
     loc = [str(p) for p in err["loc"]]
-    field = ".".join(loc) or "spec"
+    # A key typed by the user may hold anything (newlines, spaces): quote it so the
+    # problem stays one readable line.
+    field = ".".join(p if p.isidentifier() or p.isdigit() else repr(p) for p in loc) or "spec"
     kind = err["type"]
     got = err.get("input")
     if kind == "extra_forbidden":
