@@ -84,10 +84,17 @@ def _preflight(job) -> None:
     """Fail fast, before any worker starts, on a bad model path or data."""
     from kubetune import artifacts, providers
     from kubetune.data import load_frames
+    from kubetune.data.causal import load_lm_frames
 
+    if job.lora and job.lora.quantization:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise KubetuneError(f"{job.lora.quantization} quantization (QLoRA) needs a CUDA GPU and this machine has none", field="lora.quantization",
+                                fix="remove lora.quantization to train LoRA unquantized, or run on a GPU machine / GPU nodes (resources.gpu)")
     providers.configure(job)
     artifacts.resolve_model(job)
-    load_frames(job.data, job.training.seed)
+    (load_lm_frames if job.task == "causal-lm" else load_frames)(job.data, job.training.seed)
     artifacts.check_output(job)
 
 
@@ -102,12 +109,17 @@ def worker(spec: SpecArg) -> None:
 @app.command()
 def predict(
     model: Annotated[str, typer.Argument(help="Exported model: a job's output (directory, s3://, hf://) or its model/ directory.")],
-    texts: Annotated[list[str] | None, typer.Argument(help="Texts to classify.")] = None,
+    texts: Annotated[list[str] | None, typer.Argument(help="Texts to classify, or prompts for a causal LM.")] = None,
     file: Annotated[Path | None, typer.Option("--file", "-f", help="Read texts from a file, one per line.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list of {text, label, score}.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list of {text, label, score} (classifiers) or {prompt, completion} (causal LMs).")] = False,
     endpoint_url: Annotated[str | None, typer.Option("--endpoint-url", help="S3 endpoint for s3:// models (MinIO).")] = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Causal LMs: tokens to generate per prompt.")] = 64,
+    temperature: Annotated[float, typer.Option("--temperature", min=0.0, help="Causal LMs: sampling temperature; 0 = greedy.")] = 0.0,
+    chat: Annotated[bool | None, typer.Option("--chat/--no-chat", help="Causal LMs: wrap each prompt as a user turn in the model's chat template (default: when it has one).")] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Causal LMs: seed for sampling.")] = 0,
 ) -> None:
-    """Classify texts with an exported model (a directory, s3:// artifact or hf:// repo)."""
+    """Classify texts, or generate text for prompts, with an exported model (a directory, s3:// artifact or hf:// repo)."""
+    from kubetune.predict import generate, is_causal_lm, model_path
     from kubetune.predict import predict as run_predict
     from kubetune.providers import s3
 
@@ -121,9 +133,21 @@ def predict(
                 raise KubetuneError(f"cannot read {file}: {e.strerror}", field="--file", fix="check the path") from None
         if not items:
             raise KubetuneError("no texts given", field="TEXTS", fix='pass texts as arguments or --file texts.txt')
-        results = run_predict(model, items)
+        local = str(model_path(model))  # s3:// and hf:// artifacts are downloaded (and verified) once
+        causal = is_causal_lm(Path(local))
+        if causal:
+            results = generate(local, items, max_new_tokens=max_new_tokens, temperature=temperature, chat=chat, seed=seed)
+        else:
+            results = run_predict(local, items)
     except KubetuneError as e:
         _fail(e)
+    if causal:
+        if as_json:
+            typer.echo(json.dumps(results, ensure_ascii=False, indent=2))
+        else:
+            for r in results:
+                typer.echo(f">>> {r['prompt']}\n{r['completion']}\n")
+        return
     if as_json:
         typer.echo(json.dumps(results, ensure_ascii=False, indent=2))
     else:

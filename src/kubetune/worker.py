@@ -24,14 +24,15 @@ log = logging.getLogger("kubetune.worker")
 
 def run_worker(spec: JobSpec) -> dict:
     """Run ``spec`` in this process as one rank of the job."""
-    from kubetune.recipes import classify
+    from kubetune.recipes import causal_lm, classify, loop
 
+    task = {"sequence-classification": classify.TASK, "causal-lm": causal_lm.TASK}[spec.task]
     env = distributed.read_env()
     distributed.setup_logging(env)
     distributed.install_signal_handlers()
     _limit_threads(spec, env)
     try:
-        return classify.train(spec, env)
+        return loop.train(spec, env, task)
     finally:
         distributed.teardown()
 
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     if len(args) != 1:
         print("usage: python -m kubetune.worker SPEC.yaml", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT)
-    from kubetune.recipes.classify import Preempted
+    from kubetune.recipes.loop import Preempted
 
     try:
         run_worker(load_spec(args[0]))

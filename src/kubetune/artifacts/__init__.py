@@ -113,7 +113,7 @@ def export_classifier(spec: JobSpec, model, tokenizer, frames, out: Path) -> Non
         model = model.merge_and_unload()
 
     def save(d: Path) -> None:
-        model.save_pretrained(d, safe_serialization=True)
+        model.save_pretrained(d)  # safetensors
         tokenizer.save_pretrained(d)
 
     replace_dir(save, out / "model")

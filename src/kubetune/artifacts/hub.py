@@ -48,12 +48,20 @@ def check_can_push(spec: JobSpec) -> None:
 
 def model_card(spec: JobSpec, metrics: dict) -> str:
     base = metrics.get("baseline") or {}
+    causal = spec.task == "causal-lm"
+    pipeline_tag = "text-generation" if causal else "text-classification"
+    if causal:
+        usage = [f'gen = pipeline("text-generation", model="{repo_id(spec)}")', 'print(gen([{"role": "user", "content": "Hello"}], max_new_tokens=64))']
+        about = [f"Data format: {metrics.get('data_format')}; chat template: {metrics.get('chat_template') or 'none'}."]
+    else:
+        usage = [f'clf = pipeline("text-classification", model="{repo_id(spec)}")']
+        about = [f"Labels: {', '.join(map(str, metrics.get('labels') or []))}."]
     lines = [
         "---",
         "library_name: transformers",
-        "pipeline_tag: text-classification",
+        f"pipeline_tag: {pipeline_tag}",
         f"base_model: {spec.model.uri.removeprefix('hf://')}" if spec.model.uri.startswith("hf://") else f"# base model: {spec.model.uri}",
-        "tags: [kubetune, text-classification]",
+        f"tags: [kubetune, {pipeline_tag}]",
         "---",
         "",
         f"# {spec.name}",
@@ -64,14 +72,14 @@ def model_card(spec: JobSpec, metrics: dict) -> str:
         "",
         "| metric | value |",
         "| --- | --- |",
-        *[f"| {k} | {metrics[k]:.4f} |" for k in ("eval_accuracy", "eval_f1_macro", "eval_loss", "train_loss") if isinstance(metrics.get(k), float)],
+        *[f"| {k} | {metrics[k]:.4f} |" for k in ("eval_accuracy", "eval_f1_macro", "eval_perplexity", "eval_token_accuracy", "eval_loss", "train_loss") if isinstance(metrics.get(k), float)],
         *([f"| baseline accuracy ({base['method']}) | {base['accuracy']:.4f} |"] if base else []),
         "",
-        f"Labels: {', '.join(map(str, metrics.get('labels') or []))}.",
+        *about,
         "",
         "```python",
         "from transformers import pipeline",
-        f'clf = pipeline("text-classification", model="{repo_id(spec)}")',
+        *usage,
         "```",
         "",
         "## Job spec",
@@ -106,7 +114,9 @@ def push(spec: JobSpec, out: Path, metrics: dict) -> str:
             if (out / name).exists():
                 _link(out / name, folder / "kubetune" / name)
         (folder / "README.md").write_text(model_card(spec, metrics))
-        message = spec.output.commit_message or f"kubetune {spec.name}: eval accuracy {metrics.get('eval_accuracy', float('nan')):.4f}"
+        headline = (f"eval perplexity {metrics.get('eval_perplexity', float('nan')):.2f}" if spec.task == "causal-lm"
+                    else f"eval accuracy {metrics.get('eval_accuracy', float('nan')):.4f}")
+        message = spec.output.commit_message or f"kubetune {spec.name}: {headline}"
         api.create_repo(rid, private=spec.output.hf_private, exist_ok=True, repo_type="model")
         info = api.upload_folder(folder_path=str(folder), repo_id=rid, repo_type="model", commit_message=message)
     except hf_errors.HfHubHTTPError as e:

@@ -18,7 +18,7 @@ def _read_history(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def plot(history: list[dict], out: Path, baseline: dict | None = None) -> list[Path]:
+def plot(history: list[dict], out: Path, baseline: dict | None = None, task: str = "sequence-classification") -> list[Path]:
     """Write plots/train_loss.png and plots/eval_metrics.png; return their paths."""
     import matplotlib
 
@@ -44,12 +44,16 @@ def plot(history: list[dict], out: Path, baseline: dict | None = None) -> list[P
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
-    for key in ("eval_accuracy", "eval_f1_macro"):
-        ax.plot([h["epoch"] for h in evals], [h[key] for h in evals], "o-", label=key.removeprefix("eval_"))
+    if task == "causal-lm":
+        ax.plot([h["epoch"] for h in evals], [h["eval_perplexity"] for h in evals], "o-", label="perplexity")
+        ax.set_yscale("log")
+    else:
+        for key in ("eval_accuracy", "eval_f1_macro"):
+            ax.plot([h["epoch"] for h in evals], [h[key] for h in evals], "o-", label=key.removeprefix("eval_"))
+        ax.set_ylim(0, 1)
     if baseline:
         ax.axhline(baseline["accuracy"], color="grey", linestyle="--", label="baseline accuracy (TF-IDF + LR)")
     ax.set_xlabel("epoch")
-    ax.set_ylim(0, 1)
     ax.set_title("Evaluation")
     ax.grid(alpha=0.3)
     ax.legend()
@@ -62,10 +66,16 @@ def plot(history: list[dict], out: Path, baseline: dict | None = None) -> list[P
 
 def write_report(spec: JobSpec, metrics: dict, out: Path) -> Path:
     """Write ``report.html`` (self-contained: the PNGs are embedded as data URIs)."""
-    images = plot(_read_history(out), out, metrics.get("baseline"))
+    images = plot(_read_history(out), out, metrics.get("baseline"), spec.task)
+    if spec.task == "causal-lm":
+        head = [("eval perplexity", metrics.get("eval_perplexity")), ("eval next-token accuracy (target tokens)", metrics.get("eval_token_accuracy")),
+                ("eval target tokens", metrics.get("eval_tokens")), ("data format", metrics.get("data_format")),
+                ("chat template", metrics.get("chat_template") or "none (plain text)"), ("packing", metrics.get("packing")),
+                ("train tokens / with loss", f"{metrics.get('train_tokens')} / {metrics.get('train_target_tokens')}")]
+    else:
+        head = [("eval accuracy", metrics.get("eval_accuracy")), ("eval macro-F1", metrics.get("eval_f1_macro"))]
     rows = [
-        ("eval accuracy", metrics.get("eval_accuracy")),
-        ("eval macro-F1", metrics.get("eval_f1_macro")),
+        *head,
         ("eval loss", metrics.get("eval_loss")),
         ("train loss (last 10% of logs)", metrics.get("train_loss")),
         ("train samples/s", metrics.get("train_samples_per_second")),

@@ -69,7 +69,8 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 _TRAJECTORY = ("seed", "learning_rate", "warmup_ratio", "weight_decay", "max_grad_norm", "epochs", "max_steps", "group_by_length", "precision")
 _DATA = ("train", "eval", "train_split", "eval_split", "text_column", "text_pair_column", "label_column", "max_length",
-         "eval_fraction", "max_train_samples", "max_eval_samples")
+         "eval_fraction", "max_train_samples", "max_eval_samples", "format", "instruction_column", "input_column", "output_column",
+         "messages_column", "system_prompt", "train_on_prompt", "packing")
 
 
 def fingerprint(spec: JobSpec, labels: list[str], world_size: int, train_rows: int = 0) -> dict:

@@ -66,6 +66,33 @@ class DataSpec(Section):
         "auto",
         description="Text encoding of CSV/TSV/JSONL files. 'auto' tries utf-8 and falls back to latin-1 with a warning.",
     )
+    # ---- causal-lm only ----
+    format: Literal["auto", "text", "instruction", "chat"] = Field(
+        "auto",
+        description="causal-lm data layout: text = one document per row (data.text_column); instruction = alpaca-style "
+        "records (data.instruction_column, data.input_column, data.output_column); chat = a list of {role, content} "
+        "messages per row (data.messages_column). auto: chat if the messages column exists, else instruction if the "
+        "instruction and output columns exist, else text.",
+    )
+    instruction_column: str = Field("instruction", description="causal-lm instruction format: the instruction column.")
+    input_column: str | None = Field(
+        "input", description="causal-lm instruction format: optional extra input appended to the instruction (absent or empty = none)."
+    )
+    output_column: str = Field("output", description="causal-lm instruction format: the response the model learns to produce.")
+    messages_column: str = Field("messages", description="causal-lm chat format: column holding the list of {role, content} messages.")
+    system_prompt: str | None = Field(
+        None, description="causal-lm instruction/chat formats: a system message put first in every conversation that has none."
+    )
+    train_on_prompt: bool = Field(
+        False,
+        description="causal-lm: also compute the loss on prompt tokens (instruction, user and system turns). Default: "
+        "loss on response (assistant) tokens only; text-format rows are all response.",
+    )
+    packing: bool = Field(
+        False,
+        description="causal-lm: padding-free packing: each micro-batch is one row of concatenated examples with "
+        "per-example position ids, so examples cannot attend to each other and no compute goes to padding.",
+    )
 
 
 class LoraSpec(Section):
@@ -76,6 +103,11 @@ class LoraSpec(Section):
         None,
         description="Module names to adapt (e.g. [query, value]) or 'all-linear'. Absent: peft's default for "
         "the architecture. The classification head always trains in full.",
+    )
+    quantization: Literal["4bit", "8bit"] | None = Field(
+        None,
+        description="QLoRA: load the frozen base model quantized with bitsandbytes, 4bit (NF4, double quantization) "
+        "or 8bit (LLM.int8); needs CUDA GPUs. Absent: the base model keeps its precision.",
     )
 
 
@@ -110,6 +142,9 @@ class TrainSpec(Section):
         "auto", description="auto: continue from the newest complete checkpoint under output.uri; never: start over (`kubetune run --no-resume`)."
     )
     dataloader_workers: int = Field(0, ge=0, le=64, description="DataLoader worker processes per training process.")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in the backward pass: less memory for long sequences, about 30% more compute."
+    )
 
 
 class DistributedSpec(Section):
@@ -165,8 +200,10 @@ class JobSpec(Section):
     name: str = Field(
         description="Job name: lowercase letters, digits and '-', at most 52 characters (used for Kubernetes objects).",
     )
-    task: Literal["sequence-classification"] = Field(
-        "sequence-classification", description="What to fine-tune for: sequence-classification."
+    task: Literal["sequence-classification", "causal-lm"] = Field(
+        "sequence-classification",
+        description="What to fine-tune for: sequence-classification (a label per text; BERT-class encoders) or "
+        "causal-lm (next-token prediction on text, instruction or chat data; Llama-class decoders).",
     )
     model: ModelSpec = Field(description="The base model.")
     data: DataSpec = Field(description="Training and evaluation data.")
@@ -192,10 +229,15 @@ class JobSpec(Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> JobSpec:
-        if self.data.text_pair_column and self.data.text_pair_column == self.data.text_column:
-            raise ValueError("data.text_pair_column must differ from data.text_column")
-        if self.data.label_column in (self.data.text_column, self.data.text_pair_column):
-            raise ValueError("data.label_column must differ from the text columns")
+        if self.task == "sequence-classification":
+            if self.data.text_pair_column and self.data.text_pair_column == self.data.text_column:
+                raise ValueError("data.text_pair_column must differ from data.text_column")
+            if self.data.label_column in (self.data.text_column, self.data.text_pair_column):
+                raise ValueError("data.label_column must differ from the text columns")
+            if self.data.format != "auto" or self.data.packing:
+                raise ValueError("data.format and data.packing apply to task: causal-lm — remove them or set task: causal-lm")
+        elif self.data.text_pair_column:
+            raise ValueError("data.text_pair_column applies to sequence-classification — remove it for task: causal-lm")
         elastic = self.kubernetes.elastic
         if elastic and not elastic.min_nodes <= self.distributed.nodes <= elastic.max_nodes:
             raise ValueError("distributed.nodes must lie between kubernetes.elastic.min_nodes and max_nodes")

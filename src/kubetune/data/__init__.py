@@ -11,7 +11,7 @@ from kubetune.data.sharding import Step
 from kubetune.data.tables import Frames, load_frames, read_table
 from kubetune.data.tokenize import tokenized
 
-__all__ = ["Frames", "StepBatch", "batches", "collate", "load_frames", "read_table", "tokenized"]
+__all__ = ["Frames", "StepBatch", "batches", "collate", "collate_lm", "load_frames", "read_table", "tokenized"]
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
@@ -35,32 +35,67 @@ def collate(ds, indices: np.ndarray, tokenizer) -> dict[str, torch.Tensor]:
     return batch
 
 
+def collate_lm(ds, indices: np.ndarray, pad_id: int, packing: bool = False) -> dict[str, torch.Tensor]:
+    """Causal-LM micro-batch: right-padded rows, or with ``packing`` one row of the examples
+    concatenated, with position ids restarting at 0 for each (transformers then builds a
+    block-diagonal causal mask, so packed examples cannot attend to each other; it does so only
+    when no attention mask and no KV cache are passed, hence ``use_cache=False`` in training).
+
+    Labels are -100 on padding, on prompt tokens (set at tokenization) and, when packed, on each
+    example's first token, which would otherwise be predicted from the previous example.
+    An empty ``indices`` yields example 0 with ``weight`` 0, as in ``collate``.
+    """
+    weight = 1.0
+    if len(indices) == 0:
+        indices, weight = np.zeros(1, dtype=np.int64), 0.0
+    rows = ds[[int(i) for i in indices]]
+    ids, labels = rows["input_ids"], rows["labels"]
+    if packing:
+        batch = {
+            "input_ids": torch.tensor([t for seq in ids for t in seq]).unsqueeze(0),
+            "position_ids": torch.cat([torch.arange(len(seq)) for seq in ids]).unsqueeze(0),
+            "labels": torch.tensor([-100 if j == 0 else t for seq in labels for j, t in enumerate(seq)]).unsqueeze(0),
+        }
+    else:
+        width = max(len(seq) for seq in ids)
+        batch = {
+            "input_ids": torch.tensor([seq + [pad_id] * (width - len(seq)) for seq in ids]),
+            "attention_mask": torch.tensor([[1] * len(seq) + [0] * (width - len(seq)) for seq in ids]),
+            "labels": torch.tensor([seq + [-100] * (width - len(seq)) for seq in labels]),
+        }
+    batch["weight"] = torch.full((len(indices),), weight)
+    batch["index"] = torch.as_tensor(indices, dtype=torch.long)
+    return batch
+
+
 @dataclass
 class StepBatch:
     micro: list[dict[str, torch.Tensor]]
     global_count: int
+    indices: np.ndarray
 
 
 class _StepDataset(torch.utils.data.Dataset):
-    def __init__(self, plan: list[Step], ds, tokenizer):
-        self.plan, self.ds, self.tokenizer = plan, ds, tokenizer
+    def __init__(self, plan: list[Step], collate_fn):
+        self.plan, self.collate_fn = plan, collate_fn
 
     def __len__(self) -> int:
         return len(self.plan)
 
     def __getitem__(self, k: int) -> StepBatch:
         step = self.plan[k]
-        return StepBatch([collate(self.ds, m, self.tokenizer) for m in step.micro], step.global_count)
+        return StepBatch([self.collate_fn(m) for m in step.micro], step.global_count, step.indices)
 
 
 def _identity(x):
     return x
 
 
-def batches(plan: list[Step], ds, tokenizer, workers: int = 0, start: int = 0):
-    """Iterate this rank's collated steps from step ``start`` (workers > 0 prefetch in background)."""
+def batches(plan: list[Step], collate_fn, workers: int = 0, start: int = 0):
+    """Iterate this rank's steps from step ``start``, each micro-batch made by ``collate_fn(indices)``
+    (workers > 0 prefetch in background)."""
     loader = torch.utils.data.DataLoader(
-        _StepDataset(plan[start:], ds, tokenizer),
+        _StepDataset(plan[start:], collate_fn),
         batch_size=None,
         shuffle=False,
         num_workers=workers,

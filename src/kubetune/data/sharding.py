@@ -25,6 +25,7 @@ class Step:
 
     micro: list[np.ndarray]  # this rank's example indices per micro-batch (may be empty)
     global_count: int  # real examples in this step across all ranks (the loss denominator)
+    indices: np.ndarray  # every rank's examples in this step (token-level loss denominators)
 
 
 def steps_per_epoch(n: int, world_size: int, batch_size: int, grad_accum: int) -> int:
@@ -69,5 +70,5 @@ def rank_plan(order: np.ndarray, *, rank: int, world_size: int, batch_size: int,
         for m in range(grad_accum):
             piece = chunk[m * world_size * batch_size : (m + 1) * world_size * batch_size]
             micro.append(piece[rank * batch_size : (rank + 1) * batch_size] if len(piece) == world_size * batch_size else piece[rank::world_size])
-        steps.append(Step(micro=micro, global_count=len(chunk)))
+        steps.append(Step(micro=micro, global_count=len(chunk), indices=chunk))
     return steps

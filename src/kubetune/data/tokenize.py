@@ -39,23 +39,27 @@ def tokenizer_fingerprint(tokenizer) -> str:
     else:
         h.update(repr(sorted(tokenizer.get_vocab().items())).encode())
     h.update(json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str).encode())
+    h.update(str(getattr(tokenizer, "chat_template", None)).encode())  # renders causal-LM conversations
     h.update(type(tokenizer).__name__.encode())
     return h.hexdigest()
 
 
-def cache_key(frame: pd.DataFrame, tokenizer_fp: str, max_length: int) -> str:
+def cache_key(frame: pd.DataFrame, tokenizer_fp: str, max_length: int, mode: str = "classify") -> str:
     h = hashlib.sha256()
-    h.update(f"v{CACHE_VERSION}:{max_length}:{tokenizer_fp}:{list(frame.columns)}".encode())
+    h.update(f"v{CACHE_VERSION}:{mode}:{max_length}:{tokenizer_fp}:{list(frame.columns)}".encode())
     h.update(pd.util.hash_pandas_object(frame, index=False).to_numpy().tobytes())
     return h.hexdigest()[:32]
 
 
-def tokenized(frame: pd.DataFrame, tokenizer, max_length: int, *, build: bool):
-    """Return the tokenized ``frame`` as a ``datasets.Dataset`` (input ids, mask, label, length).
+def tokenized(frame: pd.DataFrame, tokenizer, max_length: int, *, build: bool, mode: str = "classify"):
+    """Return the tokenized ``frame`` as a ``datasets.Dataset``.
 
     Args:
-        frame: normalized frame with ``text`` (optional ``text_pair``) and ``label``.
+        frame: for classification, normalized ``text`` (optional ``text_pair``) and ``label``
+            columns (→ input ids, mask, label, length); for causal-LM, a ``record`` column
+            (→ input_ids, labels, length, n_targets; see ``kubetune.data.causal``).
         build: when True, tokenize on a cache miss (local rank 0); when False, the cache must exist.
+        mode: "classify", or "causal-lm" / "causal-lm+prompt" (loss on prompt tokens too).
 
     Returns:
         (dataset, hit): hit is True when the cache already held this exact input.
@@ -63,7 +67,7 @@ def tokenized(frame: pd.DataFrame, tokenizer, max_length: int, *, build: bool):
     import datasets
 
     datasets.disable_progress_bars()
-    key = cache_key(frame, tokenizer_fingerprint(tokenizer), max_length)
+    key = cache_key(frame, tokenizer_fingerprint(tokenizer), max_length, mode)
     path = cache_root() / "tokenized" / key
     if (path / "dataset_info.json").exists():
         return datasets.load_from_disk(str(path)), True
@@ -73,6 +77,10 @@ def tokenized(frame: pd.DataFrame, tokenizer, max_length: int, *, build: bool):
     pair = "text_pair" in frame.columns
 
     def encode(batch):
+        if mode.startswith("causal-lm"):
+            from kubetune.data.causal import tokenize_frame
+
+            return tokenize_frame(pd.DataFrame({"record": batch["record"]}), tokenizer, max_length, train_on_prompt=mode.endswith("+prompt"))
         enc = tokenizer(batch["text"], batch["text_pair"] if pair else None, truncation=True, max_length=max_length)
         enc["length"] = [len(ids) for ids in enc["input_ids"]]
         return enc

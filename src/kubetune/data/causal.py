@@ -1,0 +1,233 @@
+"""Causal-LM data: text, instruction (alpaca) and chat rows → token ids with response-only labels.
+
+Every row becomes a conversation (``messages``) or a plain document (``text``). Conversations are
+rendered with the tokenizer's chat template (``FALLBACK_CHAT_TEMPLATE`` when it has none); the
+characters of each assistant turn are located by rendering the conversation up to that turn, and
+tokens whose first character falls inside an assistant turn get labels, every other token -100
+(unless ``data.train_on_prompt``). Plain documents are all response.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from kubetune.config import DataSpec
+from kubetune.data.tables import read_table
+from kubetune.errors import KubetuneError
+
+log = logging.getLogger(__name__)
+
+IGNORE = -100
+
+# Used when the tokenizer brings no chat template (documented in the README). It is saved with the
+# exported tokenizer, so `kubetune predict` renders prompts exactly as training did.
+FALLBACK_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% else %}{{ '\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass
+class LMFrames:
+    """Normalized causal-LM data: a ``record`` column (JSON text of the row: a document or messages)."""
+
+    train: pd.DataFrame
+    eval: pd.DataFrame
+    format: str
+    dropped: dict[str, int] = field(default_factory=dict)
+
+
+def load_lm_frames(spec: DataSpec, seed: int) -> LMFrames:
+    """Read, normalize and split causal-LM data.
+
+    Raises:
+        KubetuneError: missing columns, malformed messages, no usable rows.
+    """
+    dropped: dict[str, int] = {}
+    train_raw = read_table(spec.train, field="data.train", split=spec.train_split, encoding=spec.encoding)
+    fmt = detect_format(train_raw, spec)
+    train = _normalize(train_raw, spec, fmt, "data.train", dropped, "train")
+    if spec.eval:
+        eval_raw = read_table(spec.eval, field="data.eval", split=spec.eval_split, encoding=spec.encoding)
+        evald = _normalize(eval_raw, spec, fmt, "data.eval", dropped, "eval")
+    else:
+        n_eval = max(1, round(len(train) * spec.eval_fraction))
+        if n_eval >= len(train):
+            raise KubetuneError(f"{len(train)} rows are too few to hold out {spec.eval_fraction:.0%} for evaluation",
+                                field="data.eval_fraction", fix="add data, lower data.eval_fraction, or give data.eval")
+        perm = np.random.default_rng(seed).permutation(len(train))
+        evald, train = train.iloc[np.sort(perm[:n_eval])], train.iloc[np.sort(perm[n_eval:])]
+    if spec.max_train_samples and len(train) > spec.max_train_samples:
+        train = train.sample(n=spec.max_train_samples, random_state=seed).sort_index()
+    if spec.max_eval_samples and len(evald) > spec.max_eval_samples:
+        evald = evald.sample(n=spec.max_eval_samples, random_state=seed).sort_index()
+    return LMFrames(train.reset_index(drop=True), evald.reset_index(drop=True), fmt, dropped)
+
+
+def detect_format(df: pd.DataFrame, spec: DataSpec) -> str:
+    if spec.format != "auto":
+        return spec.format
+    if spec.messages_column in df.columns:
+        return "chat"
+    if spec.instruction_column in df.columns and spec.output_column in df.columns:
+        return "instruction"
+    return "text"
+
+
+def _normalize(df: pd.DataFrame, spec: DataSpec, fmt: str, field_name: str, dropped: dict[str, int], which: str) -> pd.DataFrame:
+    source = getattr(spec, field_name.split(".")[1])
+    needed = {"text": {"text_column": spec.text_column},
+              "instruction": {"instruction_column": spec.instruction_column, "output_column": spec.output_column},
+              "chat": {"messages_column": spec.messages_column}}[fmt]
+    for key, col in needed.items():
+        if col not in df.columns:
+            hint = "" if spec.format != "auto" else f" (data.format auto-detected as {fmt})"
+            raise KubetuneError(f"column '{col}' not found in {source}{hint}; columns are {[str(c) for c in df.columns][:20]}",
+                                field=f"data.{key}", fix=f"set data.{key}" + (" or data.format" if spec.format == "auto" else ""))
+    if len(df) == 0:
+        raise KubetuneError(f"{source} has no rows", field=field_name, fix="point it at data with at least one row")
+    records = [_record(row, spec, fmt, source, i) for i, row in enumerate(df.to_dict("records"))]
+    keep = np.array([r is not None for r in records], dtype=bool)
+    n_drop = int((~keep).sum())
+    if n_drop:
+        dropped[which] = n_drop
+        log.warning("%s: dropped %d of %d rows with a missing/empty text, instruction, output or assistant turn", field_name, n_drop, len(df))
+    if not keep.any():
+        raise KubetuneError(f"no usable rows in {source} (format {fmt})", field=field_name, fix="check the data and the data.*_column settings")
+    return pd.DataFrame({"record": [r for r in records if r is not None]})
+
+
+def _text(value) -> str | None:
+    if isinstance(value, str) and value.strip():
+        return value
+    return None
+
+
+def _record(row: dict, spec: DataSpec, fmt: str, source: str, i: int) -> str | None:
+    """One row as JSON: ``{"text": ...}`` or ``{"messages": [...]}``; None when the row is unusable."""
+    if fmt == "text":
+        text = _text(row[spec.text_column])
+        return json.dumps({"text": text}) if text else None
+    if fmt == "instruction":
+        instruction, output = _text(row[spec.instruction_column]), _text(row[spec.output_column])
+        if not instruction or not output:
+            return None
+        extra = _text(row.get(spec.input_column)) if spec.input_column else None
+        messages = [{"role": "user", "content": instruction + (f"\n\n{extra}" if extra else "")}, {"role": "assistant", "content": output}]
+    else:
+        messages = _messages(row[spec.messages_column], spec, source, i)
+        if messages is None:
+            return None
+    if spec.system_prompt and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": spec.system_prompt}, *messages]
+    return json.dumps({"messages": messages})
+
+
+def _messages(value, spec: DataSpec, source: str, i: int) -> list[dict] | None:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise KubetuneError(f"row {i} of {source}: column '{spec.messages_column}' holds text that is not a JSON list of messages",
+                                field="data.messages_column", fix="store a list of {role, content} objects per row") from None
+    if value is None or (isinstance(value, float) and np.isnan(value)):
+        return None
+    if isinstance(value, np.ndarray):  # Parquet / Arrow lists
+        value = value.tolist()
+    if not isinstance(value, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
+        raise KubetuneError(f"row {i} of {source}: '{spec.messages_column}' must be a list of {{role, content}} objects, got {str(value)[:60]!r}",
+                            field="data.messages_column", fix="store a list like [{\"role\": \"user\", \"content\": \"...\"}, {\"role\": \"assistant\", ...}]")
+    messages = []
+    for m in value:
+        role, content = str(m["role"]), m["content"]
+        if role not in ROLES:
+            raise KubetuneError(f"row {i} of {source}: unknown message role {role!r}", field="data.messages_column", fix=f"use one of {list(ROLES)}")
+        if not isinstance(content, str):
+            return None
+        messages.append({"role": role, "content": content})
+    if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+        return None  # nothing to learn from
+    return messages
+
+
+# ---------------------------------------------------------------- tokenization
+
+
+def ensure_chat_template(tokenizer) -> bool:
+    """Give the tokenizer ``FALLBACK_CHAT_TEMPLATE`` when it has none; True when it did."""
+    if getattr(tokenizer, "chat_template", None):
+        return False
+    tokenizer.chat_template = FALLBACK_CHAT_TEMPLATE
+    return True
+
+
+def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character spans of its assistant turns.
+
+    A turn's span runs from the end of the conversation rendered up to it with the generation
+    prompt, to the end of the conversation rendered through it (its end-of-turn token included,
+    so the model learns to stop).
+    """
+    full = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans = []
+    for k, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        start = len(tokenizer.apply_chat_template(messages[:k], tokenize=False, add_generation_prompt=True)) if k else 0
+        through = tokenizer.apply_chat_template(messages[: k + 1], tokenize=False)
+        if not full.startswith(through):
+            # Some templates render the last turn specially; fall back to locating the content.
+            pos = full.find(m["content"], spans[-1][1] if spans else 0)
+            if pos < 0:
+                raise KubetuneError("the chat template does not reproduce assistant turns verbatim", field="model.uri",
+                                    fix="use a tokenizer whose chat template keeps message text, or data.format: text")
+            spans.append((pos, pos + len(m["content"])))
+        else:
+            spans.append((start, len(through)))
+    return full, spans
+
+
+def encode_record(record: dict, tokenizer, max_length: int, train_on_prompt: bool) -> tuple[list[int], list[int]]:
+    """Token ids and labels (-100 where no loss) of one normalized record, truncated to ``max_length``."""
+    if "text" in record:
+        ids = tokenizer(record["text"], add_special_tokens=True)["input_ids"]
+        if tokenizer.eos_token_id is not None:
+            ids = ids + [tokenizer.eos_token_id]  # documents end: the model learns where to stop
+        ids = ids[:max_length]
+        return ids, list(ids)
+    text, spans = assistant_spans(tokenizer, record["messages"])
+    # The template already holds BOS and the turn markers.
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = enc["input_ids"][:max_length]
+    offsets = enc["offset_mapping"][:max_length]
+    labels = []
+    for tok, (start, end) in zip(ids, offsets):
+        inside = any(a <= start < b for a, b in spans)
+        labels.append(tok if inside or train_on_prompt else IGNORE)
+    return ids, labels
+
+
+def tokenize_frame(frame: pd.DataFrame, tokenizer, max_length: int, train_on_prompt: bool) -> dict[str, list]:
+    """Columns input_ids, labels, length, n_targets (tokens that carry loss: label set, position > 0)."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise KubetuneError("causal-lm needs a fast (Rust) tokenizer to locate response tokens", field="model.uri",
+                            fix="use a model directory with tokenizer.json")
+    cols: dict[str, list] = {"input_ids": [], "labels": [], "length": [], "n_targets": []}
+    for rec in frame["record"]:
+        ids, labels = encode_record(json.loads(rec), tokenizer, max_length, train_on_prompt)
+        cols["input_ids"].append(ids)
+        cols["labels"].append(labels)
+        cols["length"].append(len(ids))
+        cols["n_targets"].append(sum(1 for x in labels[1:] if x != IGNORE))
+    return cols

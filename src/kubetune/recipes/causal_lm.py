@@ -1,0 +1,228 @@
+"""Causal-LM fine-tuning (Llama-class decoders): the task's pieces for the shared loop.
+
+Data: text, instruction or chat rows → token ids with response-only labels (``data/causal.py``),
+optionally packed padding-free; model: ``AutoModelForCausalLM``, full fine-tune, LoRA, or QLoRA
+(bitsandbytes 4-bit NF4 / 8-bit, GPU only, each rank loading its quantized copy on its own
+device); loss: next-token cross-entropy summed over target tokens (the loop divides by the
+target tokens of the whole global step, so long and short examples weigh per token, as in
+Hugging Face Trainer); eval: loss and perplexity; export: ``adapter/`` and ``model/`` (the
+adapter merged into the base reloaded in full precision).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kubetune import artifacts, distributed
+from kubetune.config import JobSpec
+from kubetune.data import collate_lm, tokenized
+from kubetune.data.causal import IGNORE, ensure_chat_template, load_lm_frames
+from kubetune.distributed import DistEnv
+from kubetune.errors import KubetuneError
+from kubetune.recipes import loop
+from kubetune.recipes.common import load_pretrained, to_device
+
+log = logging.getLogger(__name__)
+
+
+def train(spec: JobSpec, env: DistEnv) -> dict:
+    """Fine-tune a causal LM as described by ``spec``; rank 0 exports the artifacts."""
+    return loop.train(spec, env, TASK)
+
+
+def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> loop.Prepared:
+    frames = load_lm_frames(spec.data, spec.training.seed)
+    fallback = frames.format != "text" and ensure_chat_template(tokenizer)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token  # padding is masked out; any id will do
+    mode = "causal-lm+prompt" if spec.data.train_on_prompt else "causal-lm"
+
+    def build(create: bool):
+        train_ds, hit = tokenized(frames.train, tokenizer, spec.data.max_length, build=create, mode=mode)
+        eval_ds, _ = tokenized(frames.eval, tokenizer, spec.data.max_length, build=create, mode=mode)
+        return train_ds, eval_ds, hit
+
+    train_ds, eval_ds, hit = loop.tokenize_on_node(env, build)
+    dropped = dict(frames.dropped)
+    # Rows whose response lies wholly beyond data.max_length teach nothing: drop them (counted).
+    train_ds = _with_targets(train_ds, dropped, "train_truncated", spec.data.max_length)
+    eval_ds = _with_targets(eval_ds, dropped, "eval_truncated", spec.data.max_length)
+    units = np.asarray(train_ds["n_targets"], dtype=np.int64)
+    lengths = np.asarray(train_ds["length"])
+    info = {"data_format": frames.format, "chat_template": ("fallback" if fallback else "tokenizer") if frames.format != "text" else None,
+            "train_tokens": int(lengths.sum()), "train_target_tokens": int(units.sum()), "packing": spec.data.packing}
+    if env.is_local_main:
+        log.info("data: %d train / %d eval rows (%s format%s); %d tokens, %d with loss (%.0f%%), mean length %.0f, max %d; tokenization cache %s",
+                 len(train_ds), len(eval_ds), frames.format, ", fallback chat template" if fallback else "", lengths.sum(), units.sum(),
+                 100 * units.sum() / max(lengths.sum(), 1), lengths.mean(), lengths.max(), "hit" if hit else "miss (tokenized and cached)")
+    return loop.Prepared(
+        train_ds=train_ds, eval_ds=eval_ds,
+        collate=functools.partial(collate_lm, train_ds, pad_id=tokenizer.pad_token_id, packing=spec.data.packing),
+        train_rows=len(train_ds), eval_rows=len(eval_ds), units=units, dropped=dropped, info=info, raw=tokenizer,
+    )
+
+
+def _with_targets(ds, dropped: dict, key: str, max_length: int):
+    n_targets = np.asarray(ds["n_targets"])
+    keep = np.flatnonzero(n_targets > 0)
+    if len(keep) == len(ds):
+        return ds
+    dropped[key] = len(ds) - len(keep)
+    log.warning("%d rows have no response tokens within data.max_length %d; they are skipped", len(ds) - len(keep), max_length)
+    if len(keep) == 0:
+        raise KubetuneError(f"no row has response tokens within the first {max_length} tokens", field="data.max_length",
+                            fix="raise data.max_length, or check data.format and the column settings")
+    return ds.select(keep)
+
+
+def build_model(spec: JobSpec, model_dir, data: loop.Prepared, device: torch.device, dtype: torch.dtype):
+    """The pretrained decoder: full fine-tune, LoRA, or QLoRA (quantized frozen base + LoRA)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg, lora = spec.training, spec.lora
+    quant = lora.quantization if lora else None
+    kwargs: dict = {}
+    if quant:
+        kwargs = _quantized_load(quant, device, dtype)
+    elif lora is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        # The frozen base in half precision halves its memory; the adapters peft adds stay fp32.
+        kwargs = {"dtype": dtype}
+    else:
+        kwargs = {"dtype": torch.float32}  # full fine-tune: fp32 master weights under autocast
+    model = load_pretrained(AutoModelForCausalLM, model_dir, **kwargs)
+    model.config.use_cache = False  # no KV cache while training
+    # Non-reentrant checkpointing works under DDP and with frozen inputs (LoRA).
+    ckpt_kwargs = {"use_reentrant": False}
+    if quant:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing, gradient_checkpointing_kwargs=ckpt_kwargs)
+    elif cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt_kwargs)
+    if lora is not None:
+        from peft import LoraConfig, TaskType, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(task_type=TaskType.CAUSAL_LM, r=lora.r, lora_alpha=lora.alpha,
+                                                 lora_dropout=lora.dropout, target_modules=lora.target_modules))
+    return model if quant else model.to(device)  # a quantized model is already on its device
+
+
+def _quantized_load(quant: str, device: torch.device, dtype: torch.dtype) -> dict:
+    if device.type != "cuda":
+        raise KubetuneError(f"{quant} quantization (QLoRA) needs a CUDA GPU and this worker runs on {device.type}", field="lora.quantization",
+                            fix="remove lora.quantization to train LoRA unquantized on CPU, or run on GPU nodes (resources.gpus)")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise KubetuneError("bitsandbytes is not installed", field="lora.quantization", fix="pip install bitsandbytes (the CUDA trainer image has it)") from None
+    from transformers import BitsAndBytesConfig
+
+    compute = dtype if dtype != torch.float32 else torch.float32
+    if quant == "4bit":
+        config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute)
+    else:
+        config = BitsAndBytesConfig(load_in_8bit=True)
+    # Each rank loads its own quantized copy onto its own GPU (device_map pins every module there).
+    return {"quantization_config": config, "device_map": {"": device.index or 0}, "dtype": compute}
+
+
+def loss(model, micro: dict, autocast) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed next-token cross-entropy over the target tokens of a micro-batch, and their count."""
+    labels = micro.pop("labels")
+    with autocast:
+        logits = model(**micro).logits
+    targets = labels[:, 1:]
+    mask = targets != IGNORE
+    # Only positions that carry loss go through the (vocabulary-wide) softmax.
+    picked = logits[:, :-1][mask].float()
+    return F.cross_entropy(picked, targets[mask], reduction="sum"), mask.sum()
+
+
+@torch.no_grad()
+def evaluate(model, data: loop.Prepared, env: DistEnv, device, autocast, batch_size: int) -> dict:
+    """Token-level loss and perplexity over the whole eval set, each example counted once across ranks."""
+    tokenizer = data.raw
+    model.eval()
+    lengths = np.asarray(data.eval_ds["length"])
+    order = np.argsort(lengths, kind="stable")[env.rank :: env.world_size]  # length-sorted: little padding
+    totals = torch.zeros(3, device=device, dtype=torch.float64)  # loss sum, target tokens, correct next-token guesses
+    for start in range(0, len(order), batch_size):
+        batch = to_device(collate_lm(data.eval_ds, order[start : start + batch_size], tokenizer.pad_token_id), device)
+        batch.pop("weight")
+        batch.pop("index")
+        labels = batch.pop("labels")
+        with autocast:
+            logits = model(**batch).logits
+        targets = labels[:, 1:]
+        mask = targets != IGNORE
+        picked = logits[:, :-1][mask].float()
+        totals[0] += F.cross_entropy(picked, targets[mask], reduction="sum").double()
+        totals[1] += mask.sum()
+        totals[2] += (picked.argmax(-1) == targets[mask]).sum()
+    totals = distributed.all_reduce_sum(totals)
+    model.train()
+    n = max(totals[1].item(), 1.0)
+    eval_loss = totals[0].item() / n
+    return {
+        "eval_loss": eval_loss,
+        "eval_perplexity": math.exp(min(eval_loss, 50.0)),
+        "eval_token_accuracy": totals[2].item() / n,  # greedy next-token matches on target tokens
+        "eval_tokens": int(totals[1].item()),
+        "eval_samples": data.eval_rows,
+    }
+
+
+def export(spec: JobSpec, model, tokenizer, data: loop.Prepared, out, metrics: dict) -> None:
+    """``adapter/`` for LoRA; ``model/``: the full model (LoRA merged in fp32), with the tokenizer
+    and the chat template it was trained with."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = artifacts.resolve_model(spec)
+    if spec.lora is not None:
+        artifacts.replace_dir(lambda d: (model.save_pretrained(d), tokenizer.save_pretrained(d)), out / "adapter")
+        # Merge into the base reloaded unquantized in fp32 on the CPU, not into the training copy
+        # (which may be 4-bit or bf16): the merged weights are rounded once, to the base's dtype.
+        from peft import PeftModel
+
+        base = load_pretrained(AutoModelForCausalLM, model_dir, dtype=torch.float32)
+        saved_dtype = _config_dtype(base.config)
+        merged = PeftModel.from_pretrained(base, out / "adapter").merge_and_unload()
+        merged = merged.to(saved_dtype)
+    else:
+        merged = model
+        saved_dtype = next(model.parameters()).dtype
+    merged.config.use_cache = True
+    if merged.generation_config is not None and merged.generation_config.pad_token_id is None:
+        merged.generation_config.pad_token_id = tokenizer.pad_token_id
+
+    def save(d) -> None:
+        merged.save_pretrained(d)  # safetensors
+        tokenizer.save_pretrained(d)
+
+    artifacts.replace_dir(save, out / "model")
+    metrics["exported_dtype"] = str(saved_dtype).removeprefix("torch.")
+    log.info("exported %s to %s", "adapter and merged model" if spec.lora else "model", out)
+
+
+def _config_dtype(config) -> torch.dtype:
+    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(value, str):
+        value = getattr(torch, value, None)
+    return value if isinstance(value, torch.dtype) else torch.float32
+
+
+TASK = loop.Task(
+    name="causal-lm",
+    prepare=prepare,
+    build_model=build_model,
+    loss=loss,
+    evaluate=evaluate,
+    export=export,
+    headline=("eval_perplexity",),
+)
