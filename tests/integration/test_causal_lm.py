@@ -23,9 +23,12 @@ def _history(out: Path) -> list[dict]:
 
 def test_tiny_chat_example_lora_two_processes(tmp_path):
     out = tmp_path / "run"
+    canary = "hf_canaryTOKEN0123456789"  # a gated model's token: read from HF_TOKEN, never written anywhere
     r = kubetune("run", str(EXAMPLE), "--set", f"output.uri={out}", "--set", "training.epochs=2", "--set", "data.max_train_samples=1200",
-                 timeout=600)
+                 env={"HF_TOKEN": canary}, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert canary not in r.stdout + r.stderr
+    assert not [p for p in out.rglob("*") if p.is_file() and canary.encode() in p.read_bytes()]
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["task"] == "causal-lm" and metrics["world_size"] == 2
     assert metrics["data_format"] == "chat" and metrics["chat_template"] == "fallback" and metrics["packing"] is True
