@@ -1,0 +1,224 @@
+"""deploy/install.sh and deploy/secrets.sh against FAKE kubectl / helm / git (deploy_support):
+no cluster can run here. The fakes log every call, so these tests check the order of the steps,
+that a re-run repeats the same idempotent commands (apply, helm upgrade --install), the one-line
+prerequisite failures, and that no secret from .env reaches a command line or the output."""
+
+from __future__ import annotations
+
+import pytest
+from deploy_support import make_bin, run_script
+
+CANARIES = {
+    "MINIO_ROOT_USER": "rootcanary7",
+    "MINIO_ROOT_PASSWORD": "pwcanary-5f1e0c2b9a",
+    "AWS_ACCESS_KEY_ID": "keycanary8",
+    "AWS_SECRET_ACCESS_KEY": "secretcanary-77a3d1e0",
+    "HF_TOKEN": "hf_tokencanary9c4b",
+    "JUPYTERHUB_PASSWORD": "hubcanary-3e9f",
+}
+# The user names are not secret, but they are credentials too: they must not be printed either.
+SECRET_VALUES = list(CANARIES.values())
+
+
+@pytest.fixture
+def env_file(tmp_path):
+    path = tmp_path / "test.env"
+    lines = ["# a test .env: every value is a canary that must never be shown"]
+    lines += [f'{k}="{v}"' if k == "MINIO_ROOT_PASSWORD" else f"{k}={v}" for k, v in CANARIES.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def install(tmp_path, *args, env=None, path=None):
+    return run_script("install.sh", *args, tmp=tmp_path, env=env, path=path)
+
+
+def _index(calls, predicate, what):
+    for i, argv in enumerate(calls):
+        if predicate(argv):
+            return i
+    raise AssertionError(f"no {what} call in {calls}")
+
+
+STEPS = {
+    "openebs": lambda a: a[:3] == ["helm", "upgrade", "--install"] and "openebs-localpv/localpv-provisioner" in a,
+    "minio": lambda a: a[:2] == ["kubectl", "apply"] and "kubetune.io/component=minio" in a,
+    "training-operator": lambda a: a[:3] == ["kubectl", "apply", "--server-side"] and any("training-operator.git" in x for x in a),
+    "jupyterhub": lambda a: a[:3] == ["helm", "upgrade", "--install"] and "jupyterhub/jupyterhub" in a,
+    "tensorboard": lambda a: a[:2] == ["kubectl", "apply"] and "kubetune.io/component=tensorboard" in a,
+}
+
+
+def _assert_no_secret(text, where):
+    for value in SECRET_VALUES:
+        assert value not in text, f"a secret from .env appears in {where}"
+
+
+def test_installs_in_order_idempotently_and_never_shows_a_secret(tmp_path, env_file):
+    runs = []
+    for _ in range(2):
+        proc, calls, delivered = install(tmp_path, env={"KUBETUNE_ENV_FILE": str(env_file)})
+        assert proc.returncode == 0, proc.stderr
+        runs.append((proc, calls, delivered))
+    (first, calls, delivered), (second, calls2, _) = runs
+
+    order = [_index(calls, STEPS[s], s) for s in ("openebs", "minio", "training-operator", "jupyterhub", "tensorboard")]
+    assert order == sorted(order), order
+    # namespaces and Secrets before anything that needs them
+    assert _index(calls, lambda a: "kubetune.io/component=namespaces" in a, "namespaces") < _index(calls, lambda a: "create" in a, "secret") < order[0]
+    # RBAC (the user servers' ServiceAccount) before the JupyterHub release that uses it
+    assert _index(calls, lambda a: "kubetune.io/component=rbac" in a, "rbac") < order[3]
+    # the Training Operator is a pinned release, applied server-side
+    to = calls[order[2]]
+    assert any(x.endswith("overlays/standalone?ref=v1.8.1") for x in to)
+
+    # idempotent: the second run makes exactly the same calls, all of them re-runnable. (The two
+    # ends of a `create --dry-run | apply -f -` pipe start together and log in either order.)
+    piped = ["kubectl", "apply", "-f", "-"]
+    assert [a for a in calls2 if a != piped] == [a for a in calls if a != piped]
+    assert calls2.count(piped) == calls.count(piped) == 5
+    for argv in calls:
+        tool, verb = argv[0], [a for a in argv[1:] if not a.startswith("-")][:1]
+        if tool == "kubectl" and "create" in argv:
+            assert "--dry-run=client" in argv, argv  # only to render a Secret for `apply -f -`
+        if tool == "kubectl" and "delete" in argv:
+            assert "--ignore-not-found" in argv, argv
+        if tool == "helm":
+            assert verb in (["version"], ["repo"], ["upgrade"]), argv
+            if "upgrade" in argv:
+                assert "--install" in argv
+            if "repo" in argv:
+                assert "--force-update" in argv
+
+    # secrets: delivered through files and pipes, never on a command line, never printed
+    for value in SECRET_VALUES:
+        assert value in delivered, "a .env value did not reach the cluster"
+    _assert_no_secret("\n".join(" ".join(a) for a in calls), "a command line")
+    _assert_no_secret(first.stdout + first.stderr + second.stdout + second.stderr, "the output")
+    assert "secret kubetune/hf-secrets HF_TOKEN=" in delivered
+    assert "secret jupyterhub/minio-credentials AWS_ENDPOINT_URL=http://minio.minio.svc.cluster.local:9000" in delivered
+
+    # how to reach each service
+    for forward in ("-n minio port-forward svc/minio 9000:9000", "-n minio port-forward svc/minio 9001:9001",
+                    "-n jupyterhub port-forward svc/proxy-public 8080:80", "-n kubetune port-forward svc/tensorboard 6006:6006"):
+        assert f"kubectl {forward}" in first.stdout
+
+
+def test_dry_run_changes_nothing_and_prints_the_plan_in_order(tmp_path, env_file):
+    proc, calls, delivered = install(tmp_path, "--dry-run", "--overlay", "nebius", env={"KUBETUNE_ENV_FILE": str(env_file)})
+    assert proc.returncode == 0, proc.stderr
+    # only read-only calls reached the tools
+    for argv in calls:
+        assert argv[1:3] in (["version", "--client"], ["version", "--short"], ["config", "current-context"]) or "--raw=/version" in argv, argv
+    assert delivered == ""
+    plan = [line for line in proc.stdout.splitlines() if line.startswith("[dry-run] ")]
+    positions = [next(i for i, line in enumerate(plan) if needle in line) for needle in (
+        "localpv-provisioner", "kubetune.io/component=minio", "training-operator.git", "jupyterhub/jupyterhub", "kubetune.io/component=tensorboard")]
+    assert positions == sorted(positions)
+    assert any("overlays/nebius" in line for line in plan)
+    assert "[dry-run] apply Secret minio/minio-root (keys: MINIO_ROOT_USER MINIO_ROOT_PASSWORD)" in plan
+    _assert_no_secret(proc.stdout + proc.stderr, "the dry-run output")
+
+
+def test_skip_leaves_a_step_out(tmp_path, env_file):
+    proc, calls, _ = install(tmp_path, "--skip", "openebs", "--skip", "training-operator", env={"KUBETUNE_ENV_FILE": str(env_file)})
+    assert proc.returncode == 0, proc.stderr
+    assert not any(STEPS["openebs"](a) or STEPS["training-operator"](a) for a in calls)
+    assert any(STEPS["jupyterhub"](a) for a in calls)
+
+
+def _one_error_line(proc):
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: ") and " — " in lines[0]  # what is wrong — the fix
+    return lines[0]
+
+
+def _nothing_changed(calls):
+    assert not [a for a in calls if any(v in a for v in ("apply", "upgrade", "create", "delete"))]
+
+
+@pytest.mark.parametrize("missing", ["kubectl", "helm", "git"])
+def test_missing_tool_is_one_line_and_nothing_runs(tmp_path, env_file, missing):
+    path = make_bin(tmp_path, **{missing: False})
+    proc, calls, _ = install(tmp_path, env={"KUBETUNE_ENV_FILE": str(env_file)}, path=path)
+    line = _one_error_line(proc)
+    assert line.startswith(f"error: {missing} not found on PATH — install ")
+    _nothing_changed(calls)
+
+
+def test_unreachable_cluster_is_one_line_naming_the_context(tmp_path, env_file):
+    proc, calls, _ = install(tmp_path, env={"KUBETUNE_ENV_FILE": str(env_file), "FAKE_UNREACHABLE": "1", "FAKE_CONTEXT": "lab-cluster"})
+    line = _one_error_line(proc)
+    assert line == ("error: cannot reach the Kubernetes API server of context 'lab-cluster' (Unable to connect to the server: "
+                    "dial tcp 10.9.8.7:6443: i/o timeout) — check the cluster is running and 'kubectl cluster-info' works, "
+                    "or pick another with --context")
+    _nothing_changed(calls)
+
+
+def test_no_current_context_and_unknown_context(tmp_path, env_file):
+    proc, calls, _ = install(tmp_path, env={"KUBETUNE_ENV_FILE": str(env_file), "FAKE_CONTEXT": ""})
+    assert "kubectl has no current context" in _one_error_line(proc)
+    _nothing_changed(calls)
+    proc, calls, _ = install(tmp_path, "--context", "typo-ctx", env={"KUBETUNE_ENV_FILE": str(env_file)})
+    assert _one_error_line(proc).startswith("error: kubectl context 'typo-ctx' is not in the kubeconfig")
+    _nothing_changed(calls)
+
+
+def test_old_kubectl_and_bad_arguments(tmp_path, env_file):
+    proc, _, _ = install(tmp_path, env={"KUBETUNE_ENV_FILE": str(env_file), "FAKE_KUBECTL_MINOR": "24"})
+    assert _one_error_line(proc).startswith("error: kubectl is 1.24, older than 1.28 — upgrade kubectl")
+    proc, _, _ = install(tmp_path, "--overlay", "gke")
+    assert _one_error_line(proc).startswith("error: overlay 'gke' not found")
+    proc, _, _ = install(tmp_path, "--skip", "minIO")
+    assert _one_error_line(proc).startswith("error: --skip 'minIO' is not a step")
+
+
+def test_without_env_file_uses_existing_secrets_or_says_how_to_make_them(tmp_path):
+    absent = str(tmp_path / "absent.env")
+    proc, calls, _ = install(tmp_path, env={"KUBETUNE_ENV_FILE": absent})
+    line = _one_error_line(proc)
+    assert line.startswith(f"error: env file {absent} not found and Secrets minio/minio-root, ")
+    assert line.endswith("copy deploy/.env.example to deploy/.env, fill it in, and run again")
+    assert not any(STEPS["openebs"](a) for a in calls)
+    proc, calls, _ = install(tmp_path, env={"KUBETUNE_ENV_FILE": absent, "FAKE_SECRETS_EXIST": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert not any("create" in a for a in calls)
+    assert "JupyterHub accepts any password" in proc.stderr
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("MINIO_ROOT_PASSWORD", "short1", "MINIO_ROOT_PASSWORD in {env} is 6 characters, fewer than 8"),
+    ("MINIO_ROOT_PASSWORD", "has space$1x", "MINIO_ROOT_PASSWORD in {env} (12 characters) holds characters other than"),
+    ("AWS_SECRET_ACCESS_KEY", "", "AWS_SECRET_ACCESS_KEY is empty or missing in {env}"),
+    ("AWS_ACCESS_KEY_ID", CANARIES["MINIO_ROOT_USER"], "AWS_ACCESS_KEY_ID in {env} equals MINIO_ROOT_USER"),
+    ("HF_TOKEN", "hf_bad/token", "HF_TOKEN in {env} (12 characters) is not a Hugging Face token"),
+])
+def test_secrets_sh_rejects_bad_values_without_showing_them(tmp_path, env_file, key, value, message):
+    text = env_file.read_text().replace(f"{key}={CANARIES[key]}", f"{key}={value}").replace(f'{key}="{CANARIES[key]}"', f'{key}="{value}"')
+    env_file.write_text(text)
+    proc, calls, delivered = run_script("secrets.sh", "--env-file", str(env_file), tmp=tmp_path)
+    line = _one_error_line(proc)
+    assert line.startswith("error: " + message.format(env=env_file))
+    if value:
+        assert value not in line
+    _assert_no_secret(proc.stderr + proc.stdout, "the error")
+    assert delivered == ""
+
+
+def test_env_file_syntax_error_names_the_line_not_its_content(tmp_path, env_file):
+    env_file.write_text(env_file.read_text() + "oops-not-a-pair pwcanary-5f1e0c2b9a\n")
+    proc, _, _ = run_script("secrets.sh", "--env-file", str(env_file), tmp=tmp_path)
+    line = _one_error_line(proc)
+    assert line == f"error: {env_file} line 8 is not KEY=VALUE — fix or comment out that line (see deploy/.env.example)"
+
+
+def test_secrets_sh_needs_the_namespaces(tmp_path, env_file):
+    # A fake where `get namespace` fails: secrets.sh run on its own before install.sh.
+    path = make_bin(tmp_path)
+    kubectl = tmp_path / "fakebin" / "kubectl"
+    kubectl.write_text(kubectl.read_text() + '\nif args[:2] == ["get", "namespace"]:\n    sys.exit(1)\n')
+    proc, calls, _ = run_script("secrets.sh", "--env-file", str(env_file), tmp=tmp_path, path=path)
+    assert _one_error_line(proc).startswith("error: namespace 'minio' does not exist — run deploy/install.sh")
+    assert not any("create" in a for a in calls)
