@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install seed-cache demo test test-all image clean
+.PHONY: install seed-cache demo test test-all bench image clean
 
 $(BIN)/.installed: pyproject.toml requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ test: install
 
 test-all: install
 	$(BIN)/python -m pytest -q -m ""
+
+# kubetune against the seed loop and HF Trainer (about 12 minutes on 2 cores; results in benchmarks/results/)
+bench: seed-cache
+	$(BIN)/python benchmarks/run.py $(BENCH_ARGS)
 
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 IMAGE   ?= ghcr.io/kubetune/trainer
