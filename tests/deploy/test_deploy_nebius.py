@@ -1,7 +1,8 @@
 """deploy/cloud/nebius against a FAKE `nebius` CLI (no Nebius account is reachable from CI):
 every name and ID comes from the environment, a missing one is a one-line error, a dry run
 prints the create commands with the filesystem attached and mounted by cloud-init, and teardown
-deletes nothing without --yes."""
+deletes nothing without --yes. The scripts read the CLI's output through its own
+`--format jsonpath=...`; jq is not on the tests' PATH, so a jq call would fail here."""
 
 from __future__ import annotations
 
@@ -18,24 +19,43 @@ import yaml
 from deploy_support import DEPLOY, make_bin
 
 NEBIUS = DEPLOY / "cloud" / "nebius"
-pytestmark = pytest.mark.skipif(shutil.which("jq") is None, reason="the Nebius scripts read JSON with jq, which is not installed")
-
 _FAKE_NEBIUS = r'''
-import json, os, sys
+import json, os, re, sys
 argv = sys.argv[1:]
 with open(os.environ["FAKE_LOG"], "a") as log:
     log.write(json.dumps(["nebius", *argv]) + "\n")
 existing = set(filter(None, os.environ.get("FAKE_NEBIUS_EXISTING", "").split(",")))
+
+def emit(obj):
+    # --format json, or the CLI's kubectl-style --format jsonpath={.a.b[0].c} (the subset the
+    # scripts use: fields and list indexes; a missing one is an error, as in kubectl)
+    fmt = argv[argv.index("--format") + 1] if "--format" in argv else "yaml"
+    if fmt == "json":
+        print(json.dumps(obj))
+        return
+    m = re.fullmatch(r"jsonpath=\{((?:\.\w+(?:\[\d+\])?)+)\}", fmt)
+    if not m:
+        print(f"Error: fake nebius does not know --format {fmt}", file=sys.stderr)
+        sys.exit(2)
+    for name, index in re.findall(r"\.(\w+)(?:\[(\d+)\])?", m.group(1)):
+        try:
+            obj = obj[name] if not index else obj[name][int(index)]
+        except (KeyError, IndexError, TypeError):
+            print(f"Error: {fmt}: {name} is not found", file=sys.stderr)
+            sys.exit(1)
+    print(obj)
+
 if argv[:2] == ["iam", "whoami"]:
-    print('{"user_profile": {"id": "useraccount-fake"}}')
+    emit({"user_profile": {"id": "useraccount-fake"}})
 elif "get-by-name" in argv:
     kind = argv[1]  # cluster, node-group, filesystem, service-account
     if kind not in existing:
         print(f"Error: {kind} not found", file=sys.stderr)
         sys.exit(1)
-    print(json.dumps({"metadata": {"id": f"{kind}-fakeid"}}))
+    emit({"metadata": {"id": os.environ.get("FAKE_NEBIUS_ID", f"{kind}-fakeid")}})
 elif argv[:3] == ["vpc", "subnet", "list"]:
-    print(json.dumps({"items": [{"metadata": {"id": "vpcsubnet-fakeid"}}]}))
+    subnets = [] if os.environ.get("FAKE_NEBIUS_NO_SUBNET") else [{"metadata": {"id": "vpcsubnet-fakeid"}}]
+    emit({"items": subnets})
 '''
 
 ENV = {
@@ -53,7 +73,7 @@ def run(tmp_path, script, *args, env=None):
     fake.write_text(f"#!{sys.executable}\n{_FAKE_NEBIUS}")
     fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
     tools = tmp_path / "tools"
-    for tool in ("jq", "awk", "wc"):
+    for tool in ("awk", "wc"):
         if not (tools / tool).exists():
             (tools / tool).symlink_to(shutil.which(tool))
     log = tmp_path / "fake.log"
@@ -139,4 +159,22 @@ def test_no_account_specific_ids_or_names_in_deploy():
     pattern = re.compile(r"\b(project|tenant|mk8scluster|mk8snodegroup|computefilesystem|vpcsubnet|serviceaccount)-[a-z0-9]{12,}\b|reza")
     offenders = [f"{p.relative_to(DEPLOY)}: {m.group(0)}" for p in DEPLOY.rglob("*") if p.is_file() and p.name != ".env"
                  for m in [pattern.search(p.read_text(errors="replace"))] if m]
+    assert offenders == []
+
+
+def test_no_subnet_and_a_malformed_id_are_one_line(tmp_path):
+    env = {**ENV, "FAKE_NEBIUS_EXISTING": "service-account"}
+    proc, _ = run(tmp_path, "01-cluster.sh", "--dry-run", env={**env, "FAKE_NEBIUS_NO_SUBNET": "1"})
+    assert _one_error_line(proc) == "error: project project-fake0000 has no VPC subnet — create one in the console, or set NB_SUBNET_ID"
+    # An ID goes into the --template-filesystems JSON: anything not shaped like one stops the script.
+    proc, calls = run(tmp_path, "01-cluster.sh", "--dry-run", env={**env, "FAKE_NEBIUS_ID": 'x", "evil": "1'})
+    assert _one_error_line(proc).startswith("error: nebius iam service-account get-by-name")
+    assert "not a resource ID" in proc.stderr and not [c for c in calls if "create" in c]
+
+
+def test_scripts_need_no_jq():
+    # CI machines and laptops may lack jq; the CLI's --format jsonpath does the same job.
+    offenders = [f"{p.relative_to(DEPLOY)}:{n}" for p in DEPLOY.rglob("*.sh")
+                 for n, line in enumerate(p.read_text().splitlines(), 1)
+                 if re.search(r"(^|[|;&(`$\s])jq(\s|$)", line.split("#", 1)[0])]
     assert offenders == []

@@ -129,6 +129,9 @@ def test_role_covers_the_whole_lifecycle_and_nothing_more(tmp_path):
         _finish_soon(server, "kubeflow.org/v1", "pytorchjobs", "demo", "Succeeded")
         assert job.wait(timeout=10).phase == "Succeeded"  # a watch sees it finish
         assert [j["name"] for j in job.backend.list()] == ["demo"]
+        # the client's own list/get (namespace from the kubeconfig context) need nothing more
+        assert [(j["name"], j["phase"]) for j in client.list()] == [("demo", "Succeeded")]
+        assert client.get("demo").status().phase == "Succeeded"
         job = client.train(_spec("demo"), replace=True)
         job.delete()
 

@@ -31,7 +31,7 @@ fi
 
 subnet_id=${NB_SUBNET_ID:-}
 if [[ -z $subnet_id ]]; then
-  subnet_id=$(nebius vpc subnet list --parent-id "$NB_PROJECT_ID" --format json | jq -r '.items[0].metadata.id // empty') || subnet_id=""
+  subnet_id=$(nebius_field '{.items[0].metadata.id}' vpc subnet list --parent-id "$NB_PROJECT_ID")
   [[ -n $subnet_id ]] || die "project $NB_PROJECT_ID has no VPC subnet — create one in the console, or set NB_SUBNET_ID"
   info "subnet $subnet_id (the project's first; set NB_SUBNET_ID to choose)"
 fi
@@ -74,8 +74,9 @@ cloud_init="runcmd:
   - mount -t virtiofs $NB_MOUNT_TAG $NB_MOUNT_POINT
   - grep -qs '^$NB_MOUNT_TAG ' /etc/fstab || echo '$NB_MOUNT_TAG $NB_MOUNT_POINT virtiofs defaults,nofail 0 2' >> /etc/fstab
 "
-filesystems=$(jq -cn --arg id "$fs_id" --arg tag "$NB_MOUNT_TAG" \
-  '[{attach_mode: "READ_WRITE", mount_tag: $tag, existing_filesystem: {id: $id}}]')
+# Plain printf is safe JSON here: the tag is checked above, and the ID by nebius_field (or the
+# dry run's placeholder).
+filesystems=$(printf '[{"attach_mode":"READ_WRITE","mount_tag":"%s","existing_filesystem":{"id":"%s"}}]' "$NB_MOUNT_TAG" "$fs_id")
 group_id=$(id_by_name mk8s node-group get-by-name --parent-id "$cluster_id" --name "$NB_NODE_GROUP_NAME")
 if [[ -n $group_id ]]; then
   info "node group $NB_NODE_GROUP_NAME exists ($group_id); change it in the console or delete it with 99-teardown.sh"

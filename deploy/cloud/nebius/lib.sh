@@ -44,15 +44,25 @@ need_int() {  # need_int NAME
 
 nebius_preflight() {
   need_cmd nebius "install the Nebius CLI (curl -sSL https://storage.eu-north1.nebius.cloud/cli/install.sh | bash), then: nebius profile create"
-  need_cmd jq "install jq (apt-get install jq / brew install jq): the scripts read the CLI's JSON with it"
   need_var NB_PROJECT_ID "export NB_PROJECT_ID=<your project ID, Project settings in the Nebius console>"
   nebius iam whoami --format json >/dev/null 2>&1 \
     || die "the Nebius CLI is not signed in (nebius iam whoami failed) — run: nebius profile create"
 }
 
+# The CLI's own jsonpath output picks one field, so reading it needs no jq (one tool fewer).
+# nebius_field JSONPATH <nebius words...>: the field, or nothing when the call fails (not found).
+nebius_field() {
+  local path=$1 out
+  shift
+  out=$(nebius "$@" --format "jsonpath=$path" 2>/dev/null) || return 0
+  out=${out//[[:space:]]/}
+  # An ID goes into a JSON argument and into messages: refuse anything not shaped like one.
+  [[ -z $out || $out =~ ^[A-Za-z0-9][A-Za-z0-9._-]*$ ]] \
+    || die "nebius $* returned '${out:0:80}' for $path, not a resource ID — check the CLI version (nebius version) and the name"
+  printf '%s' "$out"
+}
+
 # The ID of a named resource, or nothing. Read-only: runs under --dry-run too.
-id_by_name() {  # id_by_name <nebius words...> (e.g. mk8s cluster --parent-id X --name Y)
-  local out
-  out=$(nebius "$@" --format json 2>/dev/null) || return 0
-  printf '%s' "$out" | jq -r '.metadata.id // empty'
+id_by_name() {  # id_by_name <nebius words...> (e.g. mk8s cluster get-by-name --parent-id X --name Y)
+  nebius_field '{.metadata.id}' "$@"
 }

@@ -1,0 +1,44 @@
+"""What goes into the trainer image: requirements.txt (runtime pins) and nothing test-only.
+Test pins live in requirements-test.txt, which `make install` adds for development and CI."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+
+from deploy_support import ROOT
+
+
+def _name(requirement: str) -> str:
+    # PEP 503 normalized project name, extras and version dropped: "moto[server]==5" -> "moto"
+    return re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9_.-]+", requirement.strip()).group(0)).lower()
+
+
+def _pins(path: str) -> dict[str, str]:
+    lines = [line.strip() for line in (ROOT / path).read_text().splitlines()]
+    return {_name(line): line for line in lines if line and not line.startswith(("#", "-r "))}
+
+
+def _pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def test_runtime_pins_hold_no_test_package_and_cover_every_dependency():
+    runtime, test_only = _pins("requirements.txt"), _pins("requirements-test.txt")
+    test_extra = {_name(r) for r in _pyproject()["optional-dependencies"]["test"]}
+    assert not test_extra & set(runtime), "test-only packages belong in requirements-test.txt, not in the image's requirements.txt"
+    assert set(test_only) == test_extra
+    assert all("==" in line for line in [*runtime.values(), *test_only.values()]), "pins, not ranges"
+    assert {_name(r) for r in _pyproject()["dependencies"]} <= set(runtime)
+
+
+def test_make_install_takes_both_and_the_image_only_the_runtime_pins():
+    assert "-r requirements.txt" in (ROOT / "requirements-test.txt").read_text().splitlines()
+    makefile = (ROOT / "Makefile").read_text()
+    assert "pip install -q -r requirements-test.txt" in makefile
+    assert re.search(r"^\$\(BIN\)/\.installed: .*requirements\.txt requirements-test\.txt$", makefile, re.M)
+    dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
+    instructions = [line for line in dockerfile.splitlines() if not line.lstrip().startswith("#")]
+    assert not [line for line in instructions if "requirements-test" in line]
+    assert "COPY requirements.txt pyproject.toml README.md ./" in instructions
+    assert "grep -v '^torch==' requirements.txt > /tmp/requirements.txt" in dockerfile
