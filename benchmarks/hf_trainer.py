@@ -27,7 +27,10 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--eval-every", type=int, default=15)
+    ap.add_argument("--eval-every", type=int, default=15, help="0: evaluate at the end only")
+    ap.add_argument("--model", help="model directory (default: the packaged all-MiniLM-L6-v2)")
+    ap.add_argument("--bf16", action="store_true", help="bf16 autocast (on a GPU)")
+    ap.add_argument("--max-length", type=int, default=128)
     args = ap.parse_args()
 
     import datasets
@@ -36,23 +39,28 @@ def main() -> None:
                               TrainerCallback, TrainingArguments)
 
     datasets.disable_progress_bars()
-    path = model_path()
+    path = args.model or model_path()
     tok = AutoTokenizer.from_pretrained(path)
 
     def load(p):
         ds = datasets.Dataset.from_pandas(pd.read_csv(p))
-        return ds.map(lambda b: tok(b["text"], truncation=True, max_length=128), batched=True, remove_columns=["text"])
+        return ds.map(lambda b: tok(b["text"], truncation=True, max_length=args.max_length), batched=True, remove_columns=["text"])
 
     train_ds, eval_ds = load(args.train), load(args.eval)
-    res = Result(system="HF Trainer (dynamic padding, fp32)", world_size=1, threads=torch.get_num_threads())
-    base = DataCollatorWithPadding(tok)
+    gpu = torch.cuda.is_available()
+    res = Result(system=f"HF Trainer (dynamic padding, {'bf16' if args.bf16 else 'fp32'})", world_size=1, threads=torch.get_num_threads())
+    collate = DataCollatorWithPadding(tok)
 
-    def collate(features):
-        batch = base(features)
-        res.real_tokens += int(batch["attention_mask"].sum())
-        res.padded_tokens += batch["attention_mask"].numel()
-        res.token_lengths += batch["attention_mask"].sum(1).tolist()
-        return batch
+    class CountingTrainer(Trainer):
+        """Counts the tokens of training batches only (the collator also serves evaluation)."""
+
+        def compute_loss(self, model, inputs, *a, **kw):
+            if model.training:
+                mask = inputs["attention_mask"]
+                res.real_tokens += int(mask.sum())
+                res.padded_tokens += mask.numel()
+                res.token_lengths += mask.sum(1).tolist()
+            return super().compute_loss(model, inputs, *a, **kw)
 
     clock = {"eval": 0.0, "start": None}
 
@@ -71,10 +79,11 @@ def main() -> None:
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=3)
     targs = TrainingArguments(
         output_dir=tempfile.mkdtemp(prefix="hf-bench-"), per_device_train_batch_size=args.batch, per_device_eval_batch_size=64,
-        learning_rate=args.lr, weight_decay=0.01, warmup_ratio=0.06, num_train_epochs=1, eval_strategy="steps", eval_steps=args.eval_every,
-        save_strategy="no", logging_strategy="no", report_to=[], seed=42, dataloader_num_workers=0, use_cpu=True, disable_tqdm=True,
+        learning_rate=args.lr, weight_decay=0.01, warmup_steps=0.06, num_train_epochs=1,
+        eval_strategy="steps" if args.eval_every else "no", eval_steps=args.eval_every or None, bf16=args.bf16,
+        save_strategy="no", logging_strategy="no", report_to=[], seed=42, dataloader_num_workers=0, use_cpu=not gpu, disable_tqdm=True,
     )
-    trainer = Trainer(model=model, args=targs, train_dataset=train_ds, eval_dataset=eval_ds, data_collator=collate, compute_metrics=accuracy)
+    trainer = CountingTrainer(model=model, args=targs, train_dataset=train_ds, eval_dataset=eval_ds, data_collator=collate, compute_metrics=accuracy)
     out = trainer.train()
     # Eval runtime includes a little Trainer overhead outside the forward passes; the rest is training.
     end_train = out.metrics["train_runtime"] - clock["eval"]
@@ -83,6 +92,8 @@ def main() -> None:
         res.evals.append({"train_s": end_train, "samples": len(train_ds), "accuracy": m["eval_accuracy"]})
     res.samples, res.train_s = len(train_ds), end_train
     res.final_accuracy = res.evals[-1]["accuracy"]
+    if gpu:
+        res.peak_gpu_mib = torch.cuda.max_memory_allocated() / 2**20
     res.save(Path(args.out))
 
 

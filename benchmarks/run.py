@@ -38,7 +38,7 @@ def kubetune_spec(train: Path, evald: Path, out: Path, procs: int, overrides: di
         "model": {"uri": "hf://sentence-transformers/all-MiniLM-L6-v2"},
         "data": {"train": str(train), "eval": str(evald), "text_column": "text", "label_column": "label", "max_length": 128},
         "training": {"epochs": 1, "batch_size": 32 // procs, "learning_rate": 1e-4, "warmup_ratio": 0.06, "weight_decay": 0.01, "seed": 42,
-                     "eval_every": eval_every, "log_every": 5, "resume": "never"},
+                     "eval_every": eval_every or None, "log_every": 5, "resume": "never"},
         "distributed": {"nodes": 1, "procs_per_node": procs},
         "output": {"uri": str(out), "report_baseline": False},
     }
@@ -63,13 +63,15 @@ def run_kubetune(name: str, train: Path, evald: Path, work: Path, procs: int, th
     res.real_tokens, res.padded_tokens = metrics["train_tokens"], metrics["train_padded_tokens"]
     res.evals = [{"train_s": h["train_s"], "samples": h["samples"], "accuracy": h["eval_accuracy"]} for h in history if h["type"] == "eval"]
     res.final_accuracy = metrics["eval_accuracy"]
+    if "peak_gpu_memory_gib" in metrics:
+        res.peak_gpu_mib = metrics["peak_gpu_memory_gib"] * 1024
     res.notes = json.dumps(overrides) if overrides else ""
     return res, rss
 
 
-def run_script(script: str, train: Path, evald: Path, work: Path, procs: int, threads: int, eval_every: int) -> tuple[Result, int]:
+def run_script(script: str, train: Path, evald: Path, work: Path, procs: int, threads: int, eval_every: int, extra: tuple[str, ...] = ()) -> tuple[Result, int]:
     out = work / f"{script}.json"
-    args = [f"benchmarks/{script}.py", "--train", str(train), "--eval", str(evald), "--out", str(out), "--eval-every", str(eval_every)]
+    args = [f"benchmarks/{script}.py", "--train", str(train), "--eval", str(evald), "--out", str(out), "--eval-every", str(eval_every), *extra]
     cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs), *args] if procs > 1 else [PY, *args]
     rss = _run(cmd, env={"OMP_NUM_THREADS": str(threads)})
     return Result(**json.loads(out.read_text())), rss

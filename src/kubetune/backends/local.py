@@ -41,13 +41,20 @@ def launch_config(spec: JobSpec, *, run_id: str, rdzv_port: int | None = None, l
         rdzv_configs=rdzv_configs,
         max_restarts=dist.max_restarts,
         monitor_interval=0.5,
-        # After SIGTERM the workers get this long to finish the step and write a checkpoint
-        # before the launcher kills them (torch's default is 30 s).
-        shutdown_timeout=SHUTDOWN_GRACE_S,
+        **_shutdown_grace(),
         # The address other nodes reach this one at (MASTER_ADDR when it holds rank 0).
         local_addr=local_addr or ("127.0.0.1" if dist.nodes == 1 else None),
         start_method="spawn",
     )
+
+
+def _shutdown_grace() -> dict:
+    """After SIGTERM the workers get this long to finish the step and write a checkpoint before
+    the launcher kills them (torch's default is 30 s). LaunchConfig has the field from torch 2.13;
+    older releases keep their 30 s."""
+    import dataclasses
+
+    return {"shutdown_timeout": SHUTDOWN_GRACE_S} if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)} else {}
 
 
 def worker_env(spec: JobSpec) -> dict[str, str]:

@@ -133,6 +133,9 @@ class TrainSpec(Section):
         True, description="Batch examples of similar length together (seeded, distributed-correct) to cut padding."
     )
     log_every: int = Field(10, ge=1, description="Optimizer steps between training-loss log lines.")
+    eval_every: int | None = Field(
+        None, ge=1, description="Also evaluate every N optimizer steps (the eval set is always evaluated at the end of each epoch)."
+    )
     checkpoint_every: int | None = Field(
         None, ge=1, description="Write a checkpoint every N optimizer steps (under <output>/checkpoints/); one is always written on SIGTERM/SIGINT."
     )
@@ -141,9 +144,15 @@ class TrainSpec(Section):
     resume: Literal["auto", "never"] = Field(
         "auto", description="auto: continue from the newest complete checkpoint under output.uri; never: start over (`kubetune run --no-resume`)."
     )
-    dataloader_workers: int = Field(0, ge=0, le=64, description="DataLoader worker processes per training process.")
+    dataloader_workers: int | None = Field(
+        None, ge=0, le=64,
+        description="DataLoader worker processes per training process (they build and pin batches ahead); default: 2 on a GPU, 0 on CPU, as measured in benchmarks/README.md.",
+    )
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in the backward pass: less memory for long sequences, about 30% more compute."
+    )
+    compile: bool = Field(
+        False, description="torch.compile the model (dynamic shapes). Pays a compile time up front; see benchmarks/README.md for when it helps."
     )
 
 

@@ -74,6 +74,10 @@ class StepBatch:
     global_count: int
     indices: np.ndarray
 
+    def pin_memory(self) -> StepBatch:
+        """Called by the DataLoader's pinning thread (pin_memory=True): page-locked tensors copy to the GPU asynchronously."""
+        return StepBatch([{k: v.pin_memory() for k, v in m.items()} for m in self.micro], self.global_count, self.indices)
+
 
 class _StepDataset(torch.utils.data.Dataset):
     def __init__(self, plan: list[Step], collate_fn):
@@ -91,9 +95,9 @@ def _identity(x):
     return x
 
 
-def batches(plan: list[Step], collate_fn, workers: int = 0, start: int = 0):
+def batches(plan: list[Step], collate_fn, workers: int = 0, start: int = 0, pin_memory: bool = False):
     """Iterate this rank's steps from step ``start``, each micro-batch made by ``collate_fn(indices)``
-    (workers > 0 prefetch in background)."""
+    (workers > 0 prefetch in background; ``pin_memory`` for a CUDA device)."""
     loader = torch.utils.data.DataLoader(
         _StepDataset(plan[start:], collate_fn),
         batch_size=None,
@@ -101,6 +105,7 @@ def batches(plan: list[Step], collate_fn, workers: int = 0, start: int = 0):
         num_workers=workers,
         collate_fn=_identity,
         persistent_workers=False,
+        pin_memory=pin_memory,
         # Its own generator: each new iterator draws a seed from it, and drawing from the global
         # one would shift the dropout stream of a resumed run (exact resume needs it untouched).
         generator=torch.Generator().manual_seed(0),

@@ -67,6 +67,13 @@ def setup(env: DistEnv, device: torch.device, backend: str = "auto", timeout_min
     from datetime import timedelta
 
     dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes), device_id=device if backend == "nccl" else None)
+    global _CONTROL
+    # Per-step agreement (stop? checkpoint?) goes over gloo on the CPU: over NCCL it would need a
+    # GPU tensor and a device sync every step, stalling the queue of GPU work the CPU runs ahead of.
+    _CONTROL = dist.new_group(backend="gloo") if backend == "nccl" else None
+
+
+_CONTROL = None  # the CPU (gloo) group for small control messages when training runs over NCCL
 
 
 def barrier() -> None:
@@ -101,8 +108,11 @@ def broadcast_object(obj):
 
 def any_rank(*flags: bool, device: torch.device) -> tuple[bool, ...]:
     """For each flag: is it set on any rank? One small all-reduce."""
-    t = torch.tensor([float(f) for f in flags], device=device)
-    all_reduce_sum(t)
+    if not dist.is_initialized():
+        return tuple(bool(f) for f in flags)
+    on_cpu = _CONTROL is not None or dist.get_backend() == "gloo"
+    t = torch.tensor([float(f) for f in flags], device="cpu" if on_cpu else device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=_CONTROL)
     return tuple(bool(v > 0) for v in t.tolist())
 
 

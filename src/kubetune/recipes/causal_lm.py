@@ -99,10 +99,19 @@ def build_model(spec: JobSpec, model_dir, data: loop.Prepared, device: torch.dev
     model.config.use_cache = False  # no KV cache while training
     # Non-reentrant checkpointing works under DDP and with frozen inputs (LoRA).
     ckpt_kwargs = {"use_reentrant": False}
-    if quant:
+    if quant and dtype == torch.float16:
         from peft import prepare_model_for_kbit_training
 
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing, gradient_checkpointing_kwargs=ckpt_kwargs)
+    elif quant:
+        # What peft's prepare_model_for_kbit_training does, less its cast of every unquantized weight
+        # to fp32 (meant for fp16 training): under bf16 autocast the frozen embeddings and norms need
+        # no upcast, and at Llama-3.2-1B size that cast alone costs 0.5 GiB (benchmarks/README.md).
+        for p in model.parameters():
+            p.requires_grad_(False)
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt_kwargs)
+            model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks still need an input that requires grad
     elif cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt_kwargs)
     if lora is not None:
