@@ -26,7 +26,7 @@ from kubetune.data.causal import IGNORE, ensure_chat_template, load_lm_frames
 from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
 from kubetune.recipes import loop
-from kubetune.recipes.common import load_pretrained, to_device
+from kubetune.recipes.common import attention_kwargs, load_pretrained, to_device
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def build_model(spec: JobSpec, model_dir, data: loop.Prepared, device: torch.dev
         kwargs = {"dtype": dtype}
     else:
         kwargs = {"dtype": torch.float32}  # full fine-tune: fp32 master weights under autocast
-    model = load_pretrained(AutoModelForCausalLM, model_dir, **kwargs)
+    model = load_pretrained(AutoModelForCausalLM, model_dir, **kwargs, **attention_kwargs(device, dtype))
     model.config.use_cache = False  # no KV cache while training
     # Non-reentrant checkpointing works under DDP and with frozen inputs (LoRA).
     ckpt_kwargs = {"use_reentrant": False}

@@ -70,11 +70,12 @@ def build_model(spec: JobSpec, model_dir, data: loop.Prepared, device: torch.dev
     """The pretrained encoder with a fresh classification head, wrapped with LoRA when asked."""
     from transformers import AutoModelForSequenceClassification
 
-    from kubetune.recipes.common import load_pretrained
+    from kubetune.recipes.common import attention_kwargs, load_pretrained
 
     model = load_pretrained(
         AutoModelForSequenceClassification,
         model_dir,
+        **attention_kwargs(device, dtype),
         num_labels=len(data.labels),
         id2label=dict(enumerate(data.labels)),
         label2id={name: i for i, name in enumerate(data.labels)},

@@ -26,10 +26,32 @@ def resolve_precision(precision: str, device: torch.device) -> torch.dtype:
     if precision == "auto":
         if device.type == "cuda" and torch.cuda.is_bf16_supported():
             return torch.bfloat16
+        if device.type == "cpu" and cpu_has_bf16():
+            return torch.bfloat16  # AMX / AVX512-BF16: a MiniLM training step 2.2× faster than fp32 (benchmarks/README.md)
         return torch.float32
     if precision == "fp16" and device.type != "cuda":
         raise KubetuneError("fp16 needs a CUDA GPU", field="training.precision", fix="use auto, fp32 or bf16 on CPU")
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def cpu_has_bf16() -> bool:
+    """Does this CPU compute bf16 natively (AMX or AVX512-BF16)? Elsewhere bf16 is emulated and slower than fp32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"amx_bf16", "avx512_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def attention_kwargs(device: torch.device, dtype: torch.dtype) -> dict:
+    """from_pretrained arguments for the attention kernel. bf16 on a CPU: eager attention, whose
+    backward is plain matmuls on the bf16 units; a MiniLM training step (dropout on) is 9% faster
+    than with SDPA's CPU kernels (benchmarks/README.md). Everywhere else: the default (SDPA)."""
+    return {"attn_implementation": "eager"} if device.type == "cpu" and dtype == torch.bfloat16 else {}
 
 
 def _quiet_transformers() -> None:
@@ -67,7 +89,8 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainSpec, total_steps: int, de
             continue
         (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate, fused=device.type == "cuda")
+    # Fused: one kernel over all parameters, on the CPU too (5× faster than the per-tensor loop there).
+    optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate, fused=True)
     warmup = int(round(cfg.warmup_ratio * total_steps))
     scheduler = get_linear_schedule_with_warmup(optimizer, warmup, total_steps)
     return optimizer, scheduler

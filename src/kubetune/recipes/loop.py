@@ -98,7 +98,9 @@ def _train(spec: JobSpec, env: DistEnv, task: Task) -> dict:
         # In place (nn.Module.compile): parameter names and the exported state dict stay unchanged.
         # dynamic=True: length-grouped batches change the sequence length every step.
         model.compile(dynamic=True)
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if env.distributed else model
+    embedding_sync = distributed.row_sparse_embedding_sync(model, env)  # before DDP: it takes the embedding out of DDP's buckets
+    # gradient_as_bucket_view: gradients live in DDP's all-reduce buckets, saving a copy of every gradient each step.
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True) if env.distributed else model
     # Dropout differs per rank; the stream is still a pure function of (seed, rank).
     seed_everything(cfg.seed + 1000 * (env.rank + 1))
 
@@ -187,6 +189,7 @@ def _train(spec: JobSpec, env: DistEnv, task: Task) -> dict:
                 break
             # The loss denominator: loss units (examples, or target tokens) in the whole global step.
             step_units = float(data.units[step.indices].sum()) if data.units is not None else float(step.global_count)
+            step_ids = [m["input_ids"] for m in step.micro]
             for i, micro in enumerate(step.micro):
                 # Gradients are all-reduced only on the last micro-batch of the step.
                 sync = contextlib.nullcontext() if (i == len(step.micro) - 1 or not env.distributed) else ddp.no_sync()
@@ -205,6 +208,8 @@ def _train(spec: JobSpec, env: DistEnv, task: Task) -> dict:
                     scaler.scale(loss_sum * env.world_size / max(step_units, 1.0)).backward()
                 log_loss[0] += loss_sum.detach().double()
                 log_loss[1] += units.double()
+            if embedding_sync:
+                embedding_sync(step_ids)
             if cfg.max_grad_norm:
                 scaler.unscale_(optimizer)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
