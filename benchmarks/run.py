@@ -188,7 +188,7 @@ def main() -> None:
     ap.add_argument("--train-rows", type=int, default=2400)
     ap.add_argument("--eval-rows", type=int, default=600)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--target", type=float, default=0.70, help="eval accuracy for time-to-accuracy")
+    ap.add_argument("--target", type=float, default=0.65, help="eval accuracy for time-to-accuracy")
     ap.add_argument("--eval-every", type=int, default=15)
     ap.add_argument("--ablations", action="store_true", help="also one kubetune run per optimization toggled")
     ap.add_argument("--only", nargs="*", help="run only these systems (names as in the table)")

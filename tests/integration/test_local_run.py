@@ -18,7 +18,7 @@ def full_run(tmp_path_factory, small_csv):
     """One 2-epoch, 2-process full fine-tune; several tests read its artifacts."""
     tmp = tmp_path_factory.mktemp("full")
     out, trace = tmp / "out", tmp / "trace"
-    spec = write_spec(tmp / "job.yaml", tiny_spec(small_csv, out, training__epochs=2, training__grad_accum=2))
+    spec = write_spec(tmp / "job.yaml", tiny_spec(small_csv, out, training__epochs=2, training__grad_accum=2, training__eval_every=3))
     proc = kubetune("run", str(spec), env={"KUBETUNE_TRACE_DIR": str(trace)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, trace, proc
@@ -53,7 +53,14 @@ def test_artifacts(full_run):
     assert metrics["eval_samples"] == metrics["eval_rows"] == 40  # every eval row counted once across ranks
     assert 0 <= metrics["eval_accuracy"] <= 1 and metrics["baseline"]["accuracy"] > 0
     history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
-    assert [h["epoch"] for h in history if h["type"] == "eval"] == [1, 2]
+    # eval_every 3: mid-epoch at steps 3 and 6, and at the end of each epoch (steps 4 and 8), each with the
+    # training time (evaluations excluded) and the samples seen so far.
+    evals = [h for h in history if h["type"] == "eval"]
+    assert [(h["step"], h["epoch"]) for h in evals] == [(3, 1), (4, 1), (6, 2), (8, 2)]
+    assert [h["samples"] for h in evals] == [96, 120, 184, 240]
+    assert all(0 < a["train_s"] < b["train_s"] for a, b in zip(evals, evals[1:]))
+    assert evals[-1]["train_s"] == pytest.approx(metrics["train_runtime_s"], abs=0.01)
+    assert evals[-1]["eval_accuracy"] == metrics["eval_accuracy"]
     assert any(h["type"] == "train" and h["loss"] > 0 for h in history)
     from kubetune.config import parse_spec
 
@@ -70,6 +77,24 @@ def test_artifacts(full_run):
     assert worker_lines and all(re.match(r"\d\d:\d\d:\d\d \[rank \d\] ", line) for line in worker_lines)
     assert any("[rank 0] INFO epoch 2" in line for line in worker_lines)
     assert not any("[rank 1] INFO" in line for line in worker_lines)
+
+
+def test_token_counts(full_run, small_csv):
+    """Real (non-pad) tokens of the trained rows, counted once per epoch; padding is what the batches added."""
+    out, _, _ = full_run
+    metrics = json.loads((out / "metrics.json").read_text())
+    import pandas as pd
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(out / "model")
+    lengths = sorted(len(ids) for ids in tok(pd.read_csv(small_csv)["text"].tolist(), truncation=True, max_length=32)["input_ids"])
+    n = metrics["train_rows"]
+    real = metrics["train_tokens"]
+    assert real % 2 == 0 and 2 * sum(lengths[:n]) <= real <= 2 * sum(lengths[-n:])  # 2 epochs of the same 120 rows
+    assert metrics["train_padded_tokens"] >= real
+    assert metrics["padding_fraction"] == pytest.approx(1 - real / metrics["train_padded_tokens"])
+    assert metrics["padding_fraction"] < 0.25  # length-grouped batches pad little
+    assert metrics["train_tokens_per_second"] == pytest.approx(real / metrics["train_runtime_s"])
 
 
 def test_exported_model_works_with_pipeline_and_predict(full_run):

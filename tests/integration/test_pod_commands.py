@@ -88,7 +88,7 @@ def test_local_client_api(tmp_path, small_csv):
     spec = tiny_spec(small_csv, tmp_path / "out", distributed={"nodes": 1, "procs_per_node": 1}, training={"max_steps": 2, "batch_size": 8, "log_every": 1})
     spec["output"]["report_baseline"] = False
     job = Client(backend="local").train(spec)
-    assert job.wait(timeout=300) == "Succeeded", "\n".join(job.logs())
+    assert job.wait(timeout=300).phase == "Succeeded", "\n".join(job.logs())
     assert any("[rank 0] INFO done" in line for line in job.logs())
     assert json.loads((job.output / "metrics.json").read_text())["global_step"] == 2
 
