@@ -155,13 +155,13 @@ def markdown(table: dict, meta: dict) -> str:
     ref = table.get("kubetune", {}).get("median")
     lines = [f"Machine: {meta['machine']}; matmul peak {meta['peak_gflops']:.0f} GFLOP/s fp32 (2048², all cores); "
              f"{meta['train_rows']} training rows, {meta['eval_rows']} eval rows, global batch 32, {meta['rounds']} rounds (median).", "",
-             f"| system | procs × threads | samples/s | non-pad tokens/s | padding | peak RSS (MiB) | time to {meta['target']:.2f} acc (s) | final acc | useful-token MFU | kubetune is × faster |",
+             f"| system | procs × threads | samples/s | non-pad tokens/s | padding | peak RSS (MiB) | time to {meta['target']:.2f} acc (s) | final acc | useful FLOP/s ÷ fp32 matmul peak | kubetune is × faster |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, entry in table.items():
         m = entry["median"]
         ratio = f"{ref['samples_per_s'] / m['samples_per_s']:.2f}×" if ref and name != "kubetune" else "—"
         tta = f"{m['time_to_accuracy_s']:.0f}" if m["time_to_accuracy_s"] is not None else "not reached"
-        lines.append(f"| {name} | {m['world_size']} × {m['threads']} | {m['samples_per_s']:.1f} | {m['tokens_per_s']:.0f} | {100 * m['padding_fraction']:.0f}% | "
+        lines.append(f"| {name} | {m['world_size']:.0f} × {m['threads']:.0f} | {m['samples_per_s']:.1f} | {m['tokens_per_s']:.0f} | {100 * m['padding_fraction']:.0f}% | "
                      f"{m['peak_rss_mib']:.0f} | {tta} | {m['final_accuracy']:.4f} | {100 * m['mfu']:.1f}% | {ratio} |")
     return "\n".join(lines) + "\n"
 
@@ -193,7 +193,14 @@ def main() -> None:
     ap.add_argument("--ablations", action="store_true", help="also one kubetune run per optimization toggled")
     ap.add_argument("--only", nargs="*", help="run only these systems (names as in the table)")
     ap.add_argument("--name", default="latest")
+    ap.add_argument("--render", action="store_true", help="only rewrite <name>.md and .png from <name>.json")
     args = ap.parse_args()
+    results = ROOT / "benchmarks" / "results"
+    if args.render:
+        saved = json.loads((results / f"{args.name}.json").read_text())
+        (results / f"{args.name}.md").write_text(markdown(saved["systems"], saved["meta"]))
+        plot(saved["systems"], results / f"{args.name}.png")
+        return
 
     cores = os.cpu_count() or 1
     work = Path(tempfile.mkdtemp(prefix="kubetune-bench-"))
