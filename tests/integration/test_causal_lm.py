@@ -24,7 +24,7 @@ def _history(out: Path) -> list[dict]:
 def test_tiny_chat_example_lora_two_processes(tmp_path):
     out = tmp_path / "run"
     canary = "hf_canaryTOKEN0123456789"  # a gated model's token: read from HF_TOKEN, never written anywhere
-    r = kubetune("run", str(EXAMPLE), "--set", f"output.uri={out}", "--set", "training.epochs=2", "--set", "data.max_train_samples=1200",
+    r = kubetune("run", str(EXAMPLE), "--set", f"output.uri={out}", "--set", "training.epochs=2", "--set", "data.max_train_samples=600",
                  env={"HF_TOKEN": canary}, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert canary not in r.stdout + r.stderr
@@ -32,7 +32,7 @@ def test_tiny_chat_example_lora_two_processes(tmp_path):
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["task"] == "causal-lm" and metrics["world_size"] == 2
     assert metrics["data_format"] == "chat" and metrics["chat_template"] == "fallback" and metrics["packing"] is True
-    assert metrics["train_rows"] == 1200 and metrics["epochs_completed"] == 2
+    assert metrics["train_rows"] == 600 and metrics["epochs_completed"] == 2
     losses = [h["loss"] for h in _history(out) if h["type"] == "train"]
     # Random init: about ln(2048) = 7.6 at first; answering with one of three words is learnable.
     assert losses[0] > 5.0 and losses[-1] < 0.5 * losses[0], losses

@@ -60,9 +60,21 @@ def _agent(host: dict, spec: Path, log: Path) -> subprocess.Popen:
 
 def _spec(small_csv, out: Path, hosts, **training) -> dict:
     spec = tiny_spec(small_csv, out, training={"epochs": 2, "batch_size": 8, "log_every": 1, "checkpoint_every": 3, "seed": 9, **training})
-    spec["distributed"] = {"nodes": 2, "procs_per_node": 1, "rdzv_endpoint": f"{hosts[0]['addr']}:29512", "max_restarts": 3}
+    spec["distributed"] = {"nodes": 2, "procs_per_node": 1, "rdzv_endpoint": f"{hosts[0]['addr']}:29512", "max_restarts": 3,
+                           "threads_per_proc": 1}  # two "hosts" share this machine's cores: don't oversubscribe them
     spec["output"]["report_baseline"] = False
     return spec
+
+
+def _descendants(pid: int) -> list[int]:
+    out = []
+    try:
+        children = [c for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+    except OSError:  # exited meanwhile
+        return out
+    for child in children:
+        out += [int(child), *_descendants(int(child))]
+    return out
 
 
 def _wait(procs, timeout=300):
@@ -109,7 +121,12 @@ def test_killed_host_agent_recovers_and_completes(hosts, two_node_run, tmp_path,
         while not (out / "checkpoints" / "step-00000006" / "COMPLETE").exists():
             assert a.poll() is None and b.poll() is None and time.time() < deadline, logs[0].read_text()[-2000:]
             time.sleep(0.1)
-        os.killpg(b.pid, signal.SIGKILL)  # the whole second host's agent and worker, at once
+        # The whole second host's agent and worker, at once. torch elastic starts each worker in a
+        # session of its own, so killing the agent's process group would leave the worker running.
+        victims = [b.pid, *_descendants(b.pid)]
+        assert len(victims) >= 2, "no worker under the second host's agent"
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
         b.wait()
         time.sleep(2)
         b2 = _agent(hosts[1], spec, logs[2])  # the host comes back (as Kubernetes restarts a pod)

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, kubetune, tiny_spec, write_spec
 
+from kubetune.errors import KubetuneError
+
 pytestmark = pytest.mark.integration
 
 
@@ -147,12 +149,10 @@ def test_incompatible_checkpoints_are_one_line_errors(tmp_path, small_csv):
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=120)
     assert proc.returncode == 143
+    # Through the real CLI: the world-size branch (one worker) and a training/data field (two workers).
     cases = [
         (["--set", "distributed.procs_per_node=1"], "error: distributed: the checkpoint in"),
-        (["--set", "training.batch_size=4"], "error: training.batch_size: the checkpoint in"),
         (["--set", "training.learning_rate=0.001"], "error: training.learning_rate: the checkpoint in"),
-        (["--set", "data.max_length=16"], "error: data.max_length: the checkpoint in"),
-        (["--set", "lora.r=4"], "error: lora: the checkpoint in"),
     ]
     for args, expected in cases:
         proc = kubetune("run", str(spec), *args)
@@ -160,6 +160,30 @@ def test_incompatible_checkpoints_are_one_line_errors(tmp_path, small_csv):
         line = next(line for line in proc.stderr.splitlines() if "error:" in line)
         assert expected in line and "--no-resume" in line
         assert "Traceback" not in proc.stderr
+    # Every guarded setting, against the fingerprint the interrupted run saved (the same check the
+    # worker makes; a CLI run per setting would cost a worker start-up each).
+    from kubetune import checkpoint
+    from kubetune.config import load_spec
+
+    step = checkpoint.complete_steps(out / "checkpoints")[-1]  # the one a resume would load
+    found = checkpoint.Found(step, out / "checkpoints" / f"step-{step:08d}")
+    saved = checkpoint.load(found)["fingerprint"]
+    same = load_spec(spec)
+    checkpoint.check_compatible(saved, checkpoint.fingerprint(same, saved["labels"], same.distributed.world_size, saved["data"]["train_rows"]), str(found.path))
+    cases = [
+        ("distributed.procs_per_node=1", "error: distributed: the checkpoint in"),
+        ("training.batch_size=4", "error: training.batch_size: the checkpoint in"),
+        ("training.learning_rate=0.001", "error: training.learning_rate: the checkpoint in"),
+        ("data.max_length=16", "error: data.max_length: the checkpoint in"),
+        ("lora.r=4", "error: lora: the checkpoint in"),
+    ]
+    for override, expected in cases:
+        changed = load_spec(spec, [override])
+        current = checkpoint.fingerprint(changed, saved["labels"], changed.distributed.world_size, saved["data"]["train_rows"])
+        with pytest.raises(KubetuneError) as e:
+            checkpoint.check_compatible(saved, current, str(found.path))
+        line = f"error: {e.value}"
+        assert line.startswith(expected) and "--no-resume" in line and "\n" not in line, line
     fresh = kubetune("run", str(spec), "--no-resume", "--set", "training.max_steps=1")
     assert fresh.returncode == 0 and "resumed" not in fresh.stderr
     assert not (out / "checkpoints").exists()  # cleared: no old run can be resumed by mistake later
