@@ -34,7 +34,11 @@ def fake_run(monkeypatch, tmp_path):
 
 
 def _train(script, body: str, name: str = "demo", **kwargs) -> LocalJob:
-    script.write_text("import os, signal, sys, time\n" + body)
+    # Replaced, not rewritten in place: a run started just before may still be starting up, and
+    # would read a truncated script (and exit 0) if the file were rewritten under it.
+    staged = script.with_suffix(".new")
+    staged.write_text("import os, signal, sys, time\n" + body)
+    os.replace(staged, script)
     return Client("local").train({**SPEC, "name": name}, **kwargs)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -98,13 +99,32 @@ def run(spec: JobSpec, local_addr: str | None = None) -> dict[int, object]:
         # finished their step and wrote a checkpoint before exiting.
         raise Stopped(f"stopped by {e.sigval.name}; a checkpoint was written if training had started") from None
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
+        rank, failure = root_failure(e.failures)
         code = failure.exitcode
         if code == 2:
             raise KubetuneError(f"rank {rank} stopped on a user error (its message is above)") from None
         if code == EXIT_PREEMPTED:
             raise Stopped(f"rank {rank} was stopped by a signal after writing a checkpoint") from None
         raise WorkerFailed(rank, code) from None
+
+
+def root_failure(failures: dict[int, object]) -> tuple[int, object]:
+    """Pure: the failure that most likely caused the others, as ``(rank, ProcessFailure)``.
+
+    torch's ``get_first_failure`` orders by timestamp, but a worker killed by a signal (the OOM
+    killer's SIGKILL, a segfault) leaves no error file, so its timestamp is only when the agent
+    noticed it, after its peers had already recorded their own collective errors; and the agent's
+    teardown then SIGTERMs the survivors. So: a rank killed by a signal other than that teardown
+    SIGTERM comes first (lowest rank among them), then the earliest timestamp among ranks not
+    SIGTERMed, then the earliest of all.
+    """
+    killed = {r: f for r, f in failures.items() if f.exitcode < 0 and f.exitcode != -signal.SIGTERM}
+    if killed:
+        rank = min(killed)
+        return rank, killed[rank]
+    own = {r: f for r, f in failures.items() if f.exitcode != -signal.SIGTERM} or failures
+    rank = min(own, key=lambda r: (own[r].timestamp, r))
+    return rank, own[rank]
 
 
 class Stopped(Exception):
