@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -31,6 +32,9 @@ def run_worker(spec: JobSpec) -> dict:
     distributed.setup_logging(env)
     distributed.install_signal_handlers()
     _limit_threads(spec, env)
+    # peft reads transformers' deprecated `is_gradient_checkpointing` alias inside
+    # get_peft_model; the FutureWarning is about peft's code, not the user's job.
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     try:
         return loop.train(spec, env, task)
     finally:
