@@ -33,6 +33,9 @@ def test_tiny_chat_example_lora_two_processes(tmp_path):
     assert metrics["task"] == "causal-lm" and metrics["world_size"] == 2
     assert metrics["data_format"] == "chat" and metrics["chat_template"] == "fallback" and metrics["packing"] is True
     assert metrics["train_rows"] == 600 and metrics["epochs_completed"] == 2
+    # The data's own token count is per epoch; train_tokens counts every epoch trained (packed: no padding).
+    assert metrics["train_tokens"] == metrics["train_padded_tokens"] == 2 * metrics["train_data_tokens"]
+    assert metrics["padding_fraction"] == 0.0 and 0 < metrics["train_data_target_tokens"] < metrics["train_data_tokens"]
     losses = [h["loss"] for h in _history(out) if h["type"] == "train"]
     # Random init: about ln(2048) = 7.6 at first; answering with one of three words is learnable.
     assert losses[0] > 5.0 and losses[-1] < 0.5 * losses[0], losses

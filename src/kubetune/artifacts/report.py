@@ -71,7 +71,7 @@ def write_report(spec: JobSpec, metrics: dict, out: Path) -> Path:
         head = [("eval perplexity", metrics.get("eval_perplexity")), ("eval next-token accuracy (target tokens)", metrics.get("eval_token_accuracy")),
                 ("eval target tokens", metrics.get("eval_tokens")), ("data format", metrics.get("data_format")),
                 ("chat template", metrics.get("chat_template") or "none (plain text)"), ("packing", metrics.get("packing")),
-                ("train tokens / with loss", f"{metrics.get('train_tokens')} / {metrics.get('train_target_tokens')}")]
+                ("training data tokens / with loss (one epoch)", f"{metrics.get('train_data_tokens')} / {metrics.get('train_data_target_tokens')}")]
     else:
         head = [("eval accuracy", metrics.get("eval_accuracy")), ("eval macro-F1", metrics.get("eval_f1_macro"))]
     rows = [

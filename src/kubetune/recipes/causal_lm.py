@@ -56,7 +56,8 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> loop.Prepared:
     units = np.asarray(train_ds["n_targets"], dtype=np.int64)
     lengths = np.asarray(train_ds["length"])
     info = {"data_format": frames.format, "chat_template": ("fallback" if fallback else "tokenizer") if frames.format != "text" else None,
-            "train_tokens": int(lengths.sum()), "train_target_tokens": int(units.sum()), "packing": spec.data.packing}
+            # Per epoch, of the training data; the loop reports train_tokens over every epoch trained.
+            "train_data_tokens": int(lengths.sum()), "train_data_target_tokens": int(units.sum()), "packing": spec.data.packing}
     if env.is_local_main:
         log.info("data: %d train / %d eval rows (%s format%s); %d tokens, %d with loss (%.0f%%), mean length %.0f, max %d; tokenization cache %s",
                  len(train_ds), len(eval_ds), frames.format, ", fallback chat template" if fallback else "", lengths.sum(), units.sum(),

@@ -1,0 +1,118 @@
+"""How kubetune's DDP scales across the cores of one CPU machine, against the ceiling this machine allows.
+
+    python benchmarks/scaling.py [--train-rows 1200] [--rounds 2] [--name scaling]
+
+Every run is kubetune on the packaged MiniLM (full fine-tune, one epoch, the same rows, 1 thread
+per process, `precision: auto`). Per round, in turn:
+
+- **solo**: 1 process, per-process batch 16, alone on the machine;
+- **2 independent**: two such 1-process runs started together, sharing nothing; their summed
+  samples/s is what two processes get from this machine when they never communicate: the ceiling
+  for any data-parallel method;
+- **DDP 2 × 1**: kubetune with 2 processes, per-process batch 16 (global 32), gloo all-reduce;
+- **solo, batch 32**: 1 process with DDP's global batch (the same optimizer steps as DDP 2 × 1).
+
+Reported: DDP samples/s ÷ (2 × solo) (weak scaling: same work per process, as DDP scaling is
+usually quoted), ÷ the 2-independent ceiling, and ÷ (2 × solo at batch 32) (strong scaling: the
+same job). Medians of the rounds. Writes benchmarks/results/<name>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, write_split  # noqa: E402
+
+PY = sys.executable
+
+
+def spec(train: Path, evald: Path, out: Path, name: str, procs: int, batch: int) -> dict:
+    return {
+        "name": name,
+        "task": "sequence-classification",
+        "model": {"uri": "hf://sentence-transformers/all-MiniLM-L6-v2"},
+        "data": {"train": str(train), "eval": str(evald), "text_column": "text", "label_column": "label", "max_length": 128},
+        "training": {"epochs": 1, "batch_size": batch, "learning_rate": 1e-4, "warmup_ratio": 0.06, "seed": 42, "log_every": 10, "resume": "never"},
+        "distributed": {"nodes": 1, "procs_per_node": procs, "threads_per_proc": 1},
+        "output": {"uri": str(out), "report_baseline": False},
+    }
+
+
+def start(work: Path, train: Path, evald: Path, name: str, procs: int, batch: int) -> tuple[subprocess.Popen, Path]:
+    out = work / f"{name}-{time.time_ns()}"
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec(train, evald, out, name, procs, batch)))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([PY, "-m", "kubetune", "run", str(path)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return proc, out
+
+
+def finish(proc: subprocess.Popen, out: Path) -> dict:
+    output, _ = proc.communicate()
+    if proc.returncode != 0:
+        raise SystemExit(f"kubetune run failed ({proc.returncode}):\n{output[-3000:]}")
+    return json.loads((out / "metrics.json").read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--train-rows", type=int, default=1200)
+    ap.add_argument("--eval-rows", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--name", default="scaling")
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="kubetune-scaling-"))
+    train, evald = write_split(work / "data", args.train_rows, args.eval_rows)
+    finish(*start(work, train, evald, "warmup", 1, 16))  # tokenization cache and page cache, not timed
+
+    rates: dict[str, list[float]] = {"solo": [], "independent": [], "ddp": [], "solo32": []}
+    for rnd in range(args.rounds):
+        rates["solo"].append(finish(*start(work, train, evald, "solo", 1, 16))["train_samples_per_second"])
+        pair = [start(work, train, evald, f"independent{i}", 1, 16) for i in range(2)]
+        rates["independent"].append(sum(finish(*p)["train_samples_per_second"] for p in pair))
+        rates["ddp"].append(finish(*start(work, train, evald, "ddp", 2, 16))["train_samples_per_second"])
+        rates["solo32"].append(finish(*start(work, train, evald, "solo32", 1, 32))["train_samples_per_second"])
+        print(f"round {rnd + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rates.items()), flush=True)
+
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), "unknown")
+    result = {"meta": {"cpu_model": cpu, "cores": os.cpu_count(), "torch": __import__("torch").__version__, "train_rows": args.train_rows,
+                       "rounds": args.rounds, "date": time.strftime("%Y-%m-%d %H:%M")},
+              "samples_per_s": rates, "median": med,
+              "ddp_vs_2x_solo": med["ddp"] / (2 * med["solo"]), "independent_vs_2x_solo": med["independent"] / (2 * med["solo"]),
+              "ddp_vs_independent": med["ddp"] / med["independent"], "ddp_vs_2x_solo32": med["ddp"] / (2 * med["solo32"])}
+    results = ROOT / "benchmarks" / "results"
+    results.mkdir(exist_ok=True)
+    (results / f"{args.name}.json").write_text(json.dumps(result, indent=2))
+    md = "\n".join([
+        f"{cpu}, {os.cpu_count()} cores, torch {result['meta']['torch']}, {args.train_rows} rows, {args.rounds} rounds (medians), {result['meta']['date']}",
+        "",
+        "| run | processes × threads | per-process batch | samples/s (median) | ÷ 2 × solo |",
+        "| --- | --- | --- | --- | --- |",
+        f"| solo | 1 × 1 | 16 | {med['solo']:.1f} | {med['solo'] / (2 * med['solo']):.1%} |",
+        f"| 2 independent runs (no communication: the ceiling) | 2 × (1 × 1) | 16 | {med['independent']:.1f} | {result['independent_vs_2x_solo']:.1%} |",
+        f"| kubetune DDP | 2 × 1 | 16 | {med['ddp']:.1f} | **{result['ddp_vs_2x_solo']:.1%}** |",
+        f"| solo, DDP's global batch | 1 × 1 | 32 | {med['solo32']:.1f} | — |",
+        "",
+        f"- Weak scaling (same per-process work): DDP 2 × 1 reaches {result['ddp_vs_2x_solo']:.1%} of twice the solo rate.",
+        f"- Against the ceiling (two processes that never communicate): {result['ddp_vs_independent']:.1%}.",
+        f"- Strong scaling (the same job, global batch 32): {result['ddp_vs_2x_solo32']:.1%} of twice the 1-process rate at batch 32.",
+        "",
+    ])
+    (results / f"{args.name}.md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
