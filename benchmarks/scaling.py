@@ -33,26 +33,14 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, write_split  # noqa: E402
-
-PY = sys.executable
-
-
-def spec(train: Path, evald: Path, out: Path, name: str, procs: int, batch: int) -> dict:
-    return {
-        "name": name,
-        "task": "sequence-classification",
-        "model": {"uri": "hf://sentence-transformers/all-MiniLM-L6-v2"},
-        "data": {"train": str(train), "eval": str(evald), "text_column": "text", "label_column": "label", "max_length": 128},
-        "training": {"epochs": 1, "batch_size": batch, "learning_rate": 1e-4, "warmup_ratio": 0.06, "seed": 42, "log_every": 10, "resume": "never"},
-        "distributed": {"nodes": 1, "procs_per_node": procs, "threads_per_proc": 1},
-        "output": {"uri": str(out), "report_baseline": False},
-    }
+from run import PY, _cpu_model, kubetune_spec  # noqa: E402  (the spec every kubetune benchmark run uses)
 
 
 def start(work: Path, train: Path, evald: Path, name: str, procs: int, batch: int) -> tuple[subprocess.Popen, Path]:
     out = work / f"{name}-{time.time_ns()}"
     path = work / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(spec(train, evald, out, name, procs, batch)))
+    overrides = {"name": name, "training.batch_size": batch, "training.log_every": 10, "distributed.threads_per_proc": 1}
+    path.write_text(yaml.safe_dump(kubetune_spec(train, evald, out, procs, overrides, eval_every=0)))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([PY, "-m", "kubetune", "run", str(path)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return proc, out
@@ -86,7 +74,7 @@ def main() -> None:
         print(f"round {rnd + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rates.items()), flush=True)
 
     med = {k: statistics.median(v) for k, v in rates.items()}
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), "unknown")
+    cpu = _cpu_model()
     result = {"meta": {"cpu_model": cpu, "cores": os.cpu_count(), "torch": __import__("torch").__version__, "train_rows": args.train_rows,
                        "rounds": args.rounds, "date": time.strftime("%Y-%m-%d %H:%M")},
               "samples_per_s": rates, "median": med,

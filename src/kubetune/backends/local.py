@@ -115,16 +115,17 @@ def root_failure(failures: dict[int, object]) -> tuple[int, object]:
     killer's SIGKILL, a segfault) leaves no error file, so its timestamp is only when the agent
     noticed it, after its peers had already recorded their own collective errors; and the agent's
     teardown then SIGTERMs the survivors. So: a rank killed by a signal other than that teardown
-    SIGTERM comes first (lowest rank among them), then the earliest timestamp among ranks not
-    SIGTERMed, then the earliest of all.
+    SIGTERM comes first (lowest rank), then ranks that exited on their own (earliest timestamp),
+    then the teardown's SIGTERMs (earliest timestamp).
     """
-    killed = {r: f for r, f in failures.items() if f.exitcode < 0 and f.exitcode != -signal.SIGTERM}
-    if killed:
-        rank = min(killed)
-        return rank, killed[rank]
-    own = {r: f for r, f in failures.items() if f.exitcode != -signal.SIGTERM} or failures
-    rank = min(own, key=lambda r: (own[r].timestamp, r))
-    return rank, own[rank]
+    def cause_order(rank: int) -> tuple:
+        code = failures[rank].exitcode
+        teardown = code == -signal.SIGTERM
+        killed = code < 0 and not teardown
+        return (not killed, teardown, 0 if killed else failures[rank].timestamp, rank)
+
+    rank = min(failures, key=cause_order)
+    return rank, failures[rank]
 
 
 class Stopped(Exception):
