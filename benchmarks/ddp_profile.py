@@ -1,0 +1,118 @@
+"""Where a 2-process CPU DDP step spends its time (the figures behind the scaling section).
+
+    OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/ddp_profile.py
+
+The packaged MiniLM, fp32, 16 × 40 random tokens per rank, 1 thread per process. Prints, from rank 0:
+- the median forward + backward (+ gradient all-reduce) time of 20 steps for: no DDP (two
+  processes side by side), DDP under ``no_sync``, plain DDP, and DDP with every bucket's
+  all-reduce deferred to after the backward pass (a comm hook that returns the bucket unreduced);
+- a 45 MB all-reduce on its own: gloo, and a shared-memory version (each rank copies its tensor
+  into a /dev/shm slot, sums its half of the slots, and copies the result back) written here only
+  to measure whether gloo's TCP loopback is the cost; kubetune does not use it.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import model_path  # noqa: E402
+
+STEPS = 20
+
+
+def step_times(mode: str) -> float:
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(model_path(), num_labels=3)
+    net = model if mode == "no DDP" else DDP(model, gradient_as_bucket_view=True)
+    pending: list[tuple[int, torch.Tensor]] = []
+    if mode == "DDP, all-reduce after backward":
+        def deferred(_, bucket):
+            pending.append((bucket.index(), bucket.buffer()))
+            fut = torch.futures.Future()
+            fut.set_result(bucket.buffer())
+            return fut
+        net.register_comm_hook(None, deferred)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    ids, labels = torch.randint(1000, 20000, (16, 40)), torch.randint(0, 3, (16,))
+    times = []
+    for i in range(STEPS + 3):
+        t0 = time.perf_counter()
+        if mode == "DDP, no_sync":
+            with net.no_sync():
+                net(input_ids=ids, labels=labels).loss.backward()
+        else:
+            net(input_ids=ids, labels=labels).loss.backward()
+        for _, buf in sorted(pending, key=lambda p: p[0]):  # as DDP's default hook: divide, then sum
+            buf.div_(dist.get_world_size())
+            dist.all_reduce(buf)
+        pending.clear()
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return statistics.median(times)
+
+
+def allreduce_times(numel: int = 45_000_000 // 4) -> tuple[float, float]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x = torch.randn(numel)
+
+    def timed(fn) -> float:
+        for _ in range(3):
+            fn()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            fn()
+        return (time.perf_counter() - t0) / 10
+
+    path = f"/dev/shm/kubetune-ddp-profile-{os.environ.get('TORCHELASTIC_RUN_ID', 'x')}"
+    if rank == 0:
+        with open(path, "wb") as f:
+            f.truncate((world + 1) * numel * 4)
+    dist.barrier()
+    shared = torch.from_file(path, shared=True, size=(world + 1) * numel, dtype=torch.float32)
+    slots, result = shared[: world * numel].view(world, numel), shared[world * numel :]
+    lo, hi = rank * numel // world, (rank + 1) * numel // world
+
+    def shm_all_reduce() -> None:
+        slots[rank].copy_(x)
+        dist.barrier()
+        torch.sum(slots[:, lo:hi], dim=0, out=result[lo:hi])
+        dist.barrier()
+        x.copy_(result)
+        dist.barrier()  # nobody overwrites a slot before everyone has read the result
+
+    try:
+        return timed(lambda: dist.all_reduce(x)), timed(shm_all_reduce)
+    finally:
+        dist.barrier()
+        if rank == 0:
+            os.unlink(path)
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    for mode in ("no DDP", "DDP, no_sync", "DDP", "DDP, all-reduce after backward"):
+        t = step_times(mode)
+        if dist.get_rank() == 0:
+            print(f"{mode:32s} forward + backward (+ all-reduce): {t * 1e3:6.0f} ms", flush=True)
+    gloo, shm = allreduce_times()
+    if dist.get_rank() == 0:
+        print(f"45 MB all-reduce alone: gloo {gloo * 1e3:.1f} ms, shared memory {shm * 1e3:.1f} ms")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
