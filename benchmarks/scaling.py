@@ -10,7 +10,9 @@ per process, `precision: auto`). Per round, in turn:
   samples/s is what two processes get from this machine when they never communicate: the ceiling
   for any data-parallel method;
 - **DDP 2 × 1**: kubetune with 2 processes, per-process batch 16 (global 32), gloo all-reduce;
-- **solo, batch 32**: 1 process with DDP's global batch (the same optimizer steps as DDP 2 × 1).
+- **solo, batch 32**: 1 process with DDP's global batch (the same optimizer steps as DDP 2 × 1);
+- **solo / DDP 2 × 1 with grad_accum 2**: the same two runs with 2 micro-batches of 16 per
+  optimizer step, so DDP all-reduces once per 2 micro-batches (``no_sync`` on the first).
 
 Reported: DDP samples/s ÷ (2 × solo) (weak scaling: same work per process, as DDP scaling is
 usually quoted), ÷ the 2-independent ceiling, and ÷ (2 × solo at batch 32) (strong scaling: the
@@ -36,10 +38,10 @@ from common import ROOT, write_split  # noqa: E402
 from run import PY, _cpu_model, kubetune_spec  # noqa: E402  (the spec every kubetune benchmark run uses)
 
 
-def start(work: Path, train: Path, evald: Path, name: str, procs: int, batch: int) -> tuple[subprocess.Popen, Path]:
+def start(work: Path, train: Path, evald: Path, name: str, procs: int, batch: int, accum: int = 1) -> tuple[subprocess.Popen, Path]:
     out = work / f"{name}-{time.time_ns()}"
     path = work / f"{name}.yaml"
-    overrides = {"name": name, "training.batch_size": batch, "training.log_every": 10, "distributed.threads_per_proc": 1}
+    overrides = {"name": name, "training.batch_size": batch, "training.grad_accum": accum, "training.log_every": 10, "distributed.threads_per_proc": 1}
     path.write_text(yaml.safe_dump(kubetune_spec(train, evald, out, procs, overrides, eval_every=0)))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([PY, "-m", "kubetune", "run", str(path)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -64,13 +66,15 @@ def main() -> None:
     train, evald = write_split(work / "data", args.train_rows, args.eval_rows)
     finish(*start(work, train, evald, "warmup", 1, 16))  # tokenization cache and page cache, not timed
 
-    rates: dict[str, list[float]] = {"solo": [], "independent": [], "ddp": [], "solo32": []}
+    rates: dict[str, list[float]] = {"solo": [], "independent": [], "ddp": [], "solo32": [], "solo_accum2": [], "ddp_accum2": []}
     for rnd in range(args.rounds):
         rates["solo"].append(finish(*start(work, train, evald, "solo", 1, 16))["train_samples_per_second"])
         pair = [start(work, train, evald, f"independent{i}", 1, 16) for i in range(2)]
         rates["independent"].append(sum(finish(*p)["train_samples_per_second"] for p in pair))
         rates["ddp"].append(finish(*start(work, train, evald, "ddp", 2, 16))["train_samples_per_second"])
         rates["solo32"].append(finish(*start(work, train, evald, "solo32", 1, 32))["train_samples_per_second"])
+        rates["solo_accum2"].append(finish(*start(work, train, evald, "solo-accum2", 1, 16, accum=2))["train_samples_per_second"])
+        rates["ddp_accum2"].append(finish(*start(work, train, evald, "ddp-accum2", 2, 16, accum=2))["train_samples_per_second"])
         print(f"round {rnd + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rates.items()), flush=True)
 
     med = {k: statistics.median(v) for k, v in rates.items()}
@@ -79,7 +83,8 @@ def main() -> None:
                        "rounds": args.rounds, "date": time.strftime("%Y-%m-%d %H:%M")},
               "samples_per_s": rates, "median": med,
               "ddp_vs_2x_solo": med["ddp"] / (2 * med["solo"]), "independent_vs_2x_solo": med["independent"] / (2 * med["solo"]),
-              "ddp_vs_independent": med["ddp"] / med["independent"], "ddp_vs_2x_solo32": med["ddp"] / (2 * med["solo32"])}
+              "ddp_vs_independent": med["ddp"] / med["independent"], "ddp_vs_2x_solo32": med["ddp"] / (2 * med["solo32"]),
+              "ddp_accum2_vs_2x_solo_accum2": med["ddp_accum2"] / (2 * med["solo_accum2"])}
     results = ROOT / "benchmarks" / "results"
     results.mkdir(exist_ok=True)
     (results / f"{args.name}.json").write_text(json.dumps(result, indent=2))
@@ -92,10 +97,13 @@ def main() -> None:
         f"| 2 independent runs (no communication: the ceiling) | 2 × (1 × 1) | 16 | {med['independent']:.1f} | {result['independent_vs_2x_solo']:.1%} |",
         f"| kubetune DDP | 2 × 1 | 16 | {med['ddp']:.1f} | **{result['ddp_vs_2x_solo']:.1%}** |",
         f"| solo, DDP's global batch | 1 × 1 | 32 | {med['solo32']:.1f} | — |",
+        f"| solo, grad_accum 2 | 1 × 1 | 16 × 2 | {med['solo_accum2']:.1f} | 50.0% |",
+        f"| kubetune DDP, grad_accum 2 | 2 × 1 | 16 × 2 | {med['ddp_accum2']:.1f} | **{result['ddp_accum2_vs_2x_solo_accum2']:.1%}** (÷ 2 × solo, grad_accum 2) |",
         "",
         f"- Weak scaling (same per-process work): DDP 2 × 1 reaches {result['ddp_vs_2x_solo']:.1%} of twice the solo rate.",
         f"- Against the ceiling (two processes that never communicate): {result['ddp_vs_independent']:.1%}.",
         f"- Strong scaling (the same job, global batch 32): {result['ddp_vs_2x_solo32']:.1%} of twice the 1-process rate at batch 32.",
+        f"- With 2 micro-batches per all-reduce: {result['ddp_accum2_vs_2x_solo_accum2']:.1%} of twice the solo rate with the same accumulation.",
         "",
     ])
     (results / f"{args.name}.md").write_text(md)
