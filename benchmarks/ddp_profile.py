@@ -4,13 +4,17 @@
 
 The packaged MiniLM in training mode, fp32, 16 × 40 random tokens per rank, 1 thread per process.
 Prints, from rank 0, the median wall time and CPU time (the process's, gloo's threads included)
-of 20 forward + backward (+ gradient all-reduce) steps for:
+of 20 forward + backward (+ gradient all-reduce) steps for each of these (taking turns, 4 steps
+at a time, so the VM's drift affects them alike):
 
 - no DDP (two processes side by side, never communicating);
 - DDP under ``no_sync`` (DDP's bookkeeping without communication);
 - plain DDP (all 91 MB of gradients all-reduced, overlapped with backward);
 - DDP as kubetune runs it: the input embedding's gradient left out of DDP and only its touched
   rows all-reduced after backward (``kubetune.distributed.row_sparse_embedding_sync``), 45 MB;
+- the same with ``broadcast_buffers=False`` (no buffer broadcast before each forward), and with
+  one 100 MB bucket instead of DDP's 25 MB ones (fewer all-reduces, less overlap): two DDP
+  settings tried and not kept;
 - plain DDP with every bucket's all-reduce deferred to after the backward pass (a comm hook
   that returns the bucket unreduced);
 
@@ -24,6 +28,7 @@ core it cannot hide behind the backward pass, because there is no idle core to r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import sys
@@ -40,17 +45,21 @@ from common import model_path  # noqa: E402
 from kubetune.distributed import read_env, row_sparse_embedding_sync  # noqa: E402
 
 STEPS = 20
+KUBETUNE = "DDP, embedding rows apart (kubetune)"
+MODES = ("no DDP", "DDP, no_sync", "DDP", KUBETUNE, f"{KUBETUNE}, broadcast_buffers=False", f"{KUBETUNE}, one 100 MB bucket",
+         "DDP, all-reduce after backward")
 
 
-def step_times(mode: str) -> tuple[float, float]:
+def stepper(mode: str):
+    """A function running one forward + backward (+ all-reduce) + AdamW step of ``mode``; it
+    returns the wall and CPU seconds of everything but the optimizer step."""
     from transformers import AutoModelForSequenceClassification
 
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_pretrained(model_path(), num_labels=3).train()
-    sync = None
-    if mode == "DDP, embedding rows apart (kubetune)":
-        sync = row_sparse_embedding_sync(model, read_env())
-    net = model if mode == "no DDP" else DDP(model, gradient_as_bucket_view=True)
+    sync = row_sparse_embedding_sync(model, read_env()) if mode.startswith(KUBETUNE) else None
+    options = {"broadcast_buffers": "broadcast_buffers=False" not in mode, "bucket_cap_mb": 100 if "100 MB" in mode else 25}
+    net = model if mode == "no DDP" else DDP(model, gradient_as_bucket_view=True, **options)
     pending: list[tuple[int, torch.Tensor]] = []
     if mode == "DDP, all-reduce after backward":
         def deferred(_, bucket):
@@ -61,14 +70,11 @@ def step_times(mode: str) -> tuple[float, float]:
         net.register_comm_hook(None, deferred)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     ids, labels = torch.randint(1000, 20000, (16, 40)), torch.randint(0, 3, (16,))
-    times, cpu = [], []
-    for i in range(STEPS + 3):
+
+    def step() -> tuple[float, float]:
         dist.barrier()
         t0, c0 = time.perf_counter(), time.process_time()
-        if mode == "DDP, no_sync":
-            with net.no_sync():
-                net(input_ids=ids, labels=labels).loss.backward()
-        else:
+        with net.no_sync() if mode == "DDP, no_sync" else contextlib.nullcontext():
             net(input_ids=ids, labels=labels).loss.backward()
         for _, buf in sorted(pending, key=lambda p: p[0]):  # as DDP's default hook: divide, then sum
             buf.div_(dist.get_world_size())
@@ -76,12 +82,12 @@ def step_times(mode: str) -> tuple[float, float]:
         pending.clear()
         if sync:
             sync([ids])
-        if i >= 3:
-            times.append(time.perf_counter() - t0)
-            cpu.append(time.process_time() - c0)
+        took = time.perf_counter() - t0, time.process_time() - c0
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return statistics.median(times), statistics.median(cpu)
+        return took
+
+    return step
 
 
 def allreduce_times(numel: int = 45_000_000 // 4) -> tuple[float, float]:
@@ -124,10 +130,19 @@ def allreduce_times(numel: int = 45_000_000 // 4) -> tuple[float, float]:
 def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    for mode in ("no DDP", "DDP, no_sync", "DDP", "DDP, embedding rows apart (kubetune)", "DDP, all-reduce after backward"):
-        t, c = step_times(mode)
+    # Modes take turns, a few steps each, so this VM's drift over minutes affects them alike.
+    steppers = {mode: stepper(mode) for mode in MODES}
+    times: dict[str, list[tuple[float, float]]] = {mode: [] for mode in MODES}
+    for turn in range(STEPS // 4 + 1):
+        for mode, step in steppers.items():
+            for _ in range(4):
+                took = step()
+                if turn:  # the first turn warms up
+                    times[mode].append(took)
+    for mode, took in times.items():
+        t, c = statistics.median(w for w, _ in took), statistics.median(c for _, c in took)
         if dist.get_rank() == 0:
-            print(f"{mode:38s} forward + backward (+ all-reduce): {t * 1e3:6.0f} ms wall, {c * 1e3:6.0f} ms CPU", flush=True)
+            print(f"{mode:62s} forward + backward (+ all-reduce): {t * 1e3:6.0f} ms wall, {c * 1e3:6.0f} ms CPU", flush=True)
     gloo, shm = allreduce_times()
     if dist.get_rank() == 0:
         print(f"45 MB all-reduce alone: gloo {gloo * 1e3:.1f} ms, shared memory {shm * 1e3:.1f} ms")
