@@ -56,28 +56,56 @@ def run(
     set_: SetOpt = None,
     preflight: Annotated[bool, typer.Option(help="Check model and data before starting workers.")] = True,
     resume: Annotated[bool, typer.Option(help="Continue from the newest complete checkpoint under output.uri.")] = True,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Write into a non-empty output that kubetune did not create, or replace a finished run there once this one finishes (only kubetune's own files are replaced).")] = False,
     local_addr: Annotated[str | None, typer.Option("--local-addr", help="Multi-node: this node's address as the other nodes reach it.")] = None,
 ) -> None:
     """Run the job on this machine: nodes × procs_per_node workers under torch elastic.
 
     Exit codes: 0 done; 1 a worker crashed; 2 bad input; 143 stopped by SIGTERM/SIGINT after a
     checkpoint (run the same command again to resume)."""
-    from kubetune.backends import local
+    import time
+
     from kubetune.config import load_spec
 
+    started = time.time()
+    job = None
     try:
-        job = load_spec(spec, [*(set_ or []), *([] if resume else ["training.resume=never"])])
+        from kubetune.backends import local
+
+        job = load_spec(spec, [*(set_ or []), *([] if resume else ["training.resume=never"]), *(["output.overwrite=true"] if overwrite else [])])
         if preflight:
             _preflight(job)
         local.run(job, local_addr=local_addr)
     except KubetuneError as e:
         _fail(e)
+    except Interrupted:  # first: `local` may not be imported yet
+        # Ctrl-C before the workers started (reading the spec, checking model and data); once they
+        # run, the elastic launcher takes the signal and the workers stop at a step boundary.
+        typer.echo(f"interrupted before training started; nothing was written{_where(job)} — run the same command again to start", err=True)
+        raise typer.Exit(130) from None
     except local.WorkerFailed as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None
     except local.Stopped as e:
-        typer.echo(f"stopped: {e} — run the same command again to resume", err=True)
+        typer.echo(f"stopped: {e} — {_after_stop(job, started)}", err=True)
         raise typer.Exit(143) from None
+
+
+def _where(job) -> str:
+    return f" to {job.output.uri}" if job is not None else ""
+
+
+def _after_stop(job, started: float) -> str:
+    """What a user can do after a stop signal, from the state the output is in now."""
+    from kubetune.artifacts import output
+
+    try:
+        state = output.state_after_stop(job, started)
+    except Exception:  # the stop message must not fail on a broken output
+        return "run the same command again to resume"
+    return {"finished": f"the run had already finished: its artifacts in {job.output.uri} are complete",
+            "checkpoint": "run the same command again to resume from the last checkpoint",
+            "nothing": "no checkpoint was written yet, so running the same command again starts over"}[state]
 
 
 def _preflight(job) -> None:
@@ -190,6 +218,7 @@ def render(
     try:
         if target not in ("pytorchjob", "trainjob"):
             raise KubetuneError(f"unknown target {target!r}", field="--target", fix="use pytorchjob or trainjob")
+        _check_namespace(namespace)
         job = load_spec(spec, set_)
         rendered = manifests.render(job, namespace or job.kubernetes.namespace or "default", target)
     except KubetuneError as e:
@@ -212,8 +241,18 @@ KcOpt = Annotated[str | None, typer.Option("--kubeconfig", help="kubeconfig file
 TargetOpt = Annotated[str, typer.Option("--target", help="pytorchjob (Training Operator v1) or trainjob (Trainer v2).")]
 
 
+def _check_namespace(namespace: str | None) -> None:
+    from kubetune.config.cluster import namespace_problem
+
+    problem = namespace_problem(namespace) if namespace is not None else None
+    if problem:
+        raise KubetuneError(problem, field="--namespace", fix="pass a valid namespace, e.g. -n kubeflow")
+
+
 def _backend(namespace, context, kubeconfig, target="pytorchjob"):
     from kubetune.backends.kubeflow import KubeflowBackend
+
+    _check_namespace(namespace)
 
     return KubeflowBackend(namespace=namespace, kubeconfig=kubeconfig, context=context, target=target)
 
@@ -332,18 +371,24 @@ def list_jobs(namespace: NsOpt = None, context: CtxOpt = None, kubeconfig: KcOpt
 @app.command()
 def pull(
     uri: Annotated[str, typer.Argument(help="Artifact: s3://BUCKET/PREFIX (a job's output.uri) or hf://ORG/REPO.")],
-    dest: Annotated[Path, typer.Argument(help="Local directory.")],
+    dest: Annotated[Path, typer.Argument(help="Local directory: new, empty, or an earlier pull's.")],
     endpoint_url: Annotated[str | None, typer.Option("--endpoint-url", help="S3 endpoint (MinIO); default $S3_ENDPOINT_URL / $AWS_ENDPOINT_URL.")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Pull into a non-empty directory that kubetune did not write (files of the artifact replace same-named ones).")] = False,
 ) -> None:
     """Download an exported artifact and verify it against its manifest (sizes and sha256)."""
+    from kubetune.artifacts import output
     from kubetune.predict import pull as do_pull
     from kubetune.providers import s3
 
     s3.configure(endpoint_url)
     try:
+        output.check_pull_dest(dest, overwrite)
         path = do_pull(uri, dest)
+        output.mark_pulled(dest, uri)
     except KubetuneError as e:
         _fail(e)
+    except OSError as e:
+        _fail(KubetuneError(f"cannot write to {dest}: {e.strerror or e}", field="DEST", fix="choose a writable directory"))
     typer.echo(str(path))
 
 
@@ -359,11 +404,23 @@ def seed_hf_cache() -> None:
     typer.echo(f"hf://{SEED_REPO_ID} -> {path}")
 
 
+class Interrupted(BaseException):
+    """Ctrl-C (SIGINT) in the command line process. Not a KeyboardInterrupt: click swallows those
+    and exits 130 without a word."""
+
+
+def _interrupt(signum, frame):
+    raise Interrupted()
+
+
 def main() -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, _interrupt)
     try:
         app()
-    except KeyboardInterrupt:
-        typer.echo("interrupted", err=True)
+    except (Interrupted, KeyboardInterrupt):
+        typer.echo("error: interrupted (Ctrl-C)", err=True)
         sys.exit(130)
 
 

@@ -24,9 +24,15 @@ class KubetuneError(Exception):
 class SpecError(KubetuneError):
     """The job spec is invalid; carries every problem found, one per line."""
 
+    MAX_SHOWN = 20
+
     def __init__(self, problems: list[str], source: str = "spec"):
-        # one line per problem, whatever the input held
-        self.problems = [" ".join(str(p).splitlines()) for p in problems]
+        # one line per problem, whatever the input held; a spec with thousands of bad keys shows
+        # the first MAX_SHOWN and a count
+        lines = [" ".join(str(p).splitlines()) for p in problems]
+        if len(lines) > self.MAX_SHOWN:
+            lines = lines[: self.MAX_SHOWN] + [f"spec: ... and {len(lines) - self.MAX_SHOWN} more problems — fix the ones above first"]
+        self.problems = lines
         self.source = source
         head = problems[0] if len(problems) == 1 else f"{len(problems)} problems in {source}"
         Exception.__init__(self, head)

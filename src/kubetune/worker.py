@@ -9,16 +9,30 @@ traceback); 143 when SIGTERM/SIGINT stopped it after writing a checkpoint.
 
 from __future__ import annotations
 
-import logging
-import os
+import signal
 import sys
-import warnings
 
-from torch.distributed.elastic.multiprocessing.errors import record
 
-from kubetune import distributed
-from kubetune.config import JobSpec, load_spec
-from kubetune.errors import USER_ERROR_EXIT, KubetuneError
+def _stop_before_training(signum, frame):
+    # SIGINT/SIGTERM while the worker is still starting (importing torch takes seconds): there is
+    # nothing to save yet, so exit at once with the "stopped" code, without a KeyboardInterrupt
+    # traceback. install_signal_handlers() replaces this once training can stop gracefully.
+    raise SystemExit(143)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, _stop_before_training)
+    signal.signal(signal.SIGTERM, _stop_before_training)
+
+import logging  # noqa: E402
+import os  # noqa: E402
+import warnings  # noqa: E402
+
+from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
+
+from kubetune import distributed  # noqa: E402
+from kubetune.config import JobSpec, load_spec  # noqa: E402
+from kubetune.errors import USER_ERROR_EXIT, KubetuneError  # noqa: E402
 
 log = logging.getLogger("kubetune.worker")
 
@@ -65,8 +79,10 @@ def main(argv: list[str] | None = None) -> None:
     except KubetuneError as e:
         rank = os.environ.get("RANK", "0")
         lines = e.lines() if hasattr(e, "lines") else [str(e)]
-        for line in lines:
-            print(f"[rank {rank}] error: {line}", file=sys.stderr, flush=True)
+        # An error every rank reached together (they agreed on it) is said once, by rank 0.
+        if rank == "0" or not getattr(e, "agreed", False):
+            for line in lines:
+                print(f"[rank {rank}] error: {line}", file=sys.stderr, flush=True)
         sys.exit(USER_ERROR_EXIT)
 
 

@@ -232,3 +232,119 @@ def test_one_gigabyte_download_memory(moto, s3, tmp_path):
     print(f"\n1 GiB object: peak RSS of the downloading process {rss / 2**20:.0f} MiB ({rss / size:.1%} of the object)")
     assert size == 1 << 30
     assert rss < 0.25 * size
+
+
+# ---- hostile listings and manifests: nothing is written outside the destination ----------------
+
+ESCAPES = ["../../../../{tmp}/escaped", "/{tmp}/escaped", "./escaped", "a/../../escaped"]
+
+
+@pytest.mark.parametrize("suffix", ESCAPES, ids=["dotdot", "double-slash", "dot", "inner-dotdot"])
+def test_hostile_keys_under_a_downloaded_prefix_are_refused(moto, s3, tmp_path, suffix):
+    """Someone with write access to the bucket adds a key under the prefix a job downloads."""
+    from kubetune import providers
+
+    prefix = f"hostile/{tmp_path.name}/data"
+    s3.put_object(Bucket=BUCKET, Key=f"{prefix}/part-0.csv", Body=b"text,label\nhi,a\n")
+    key = f"{prefix}/" + suffix.format(tmp=str(tmp_path).strip("/"))
+    s3.put_object(Bucket=BUCKET, Key=key, Body=b"pwned")
+    assert key in {o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix=prefix)["Contents"]}  # the server kept it verbatim
+    with pytest.raises(KubetuneError) as e:
+        providers.resolve(f"s3://{BUCKET}/{prefix}/", kind="dataset", field="data.train")
+    line = str(e.value)
+    assert line.startswith(f"data.train: bucket '{BUCKET}', key '{key}'") and "would write outside its destination" in line
+    assert not list(tmp_path.rglob("escaped")) and not (tmp_path / "escaped").exists()
+
+
+def _artifact_with_manifest(s3, prefix: str, files: dict[str, bytes], listed: dict[str, bytes] | None = None) -> None:
+    import hashlib
+
+    for rel, body in files.items():
+        s3.put_object(Bucket=BUCKET, Key=f"{prefix}/{rel}", Body=body)
+    listed = files if listed is None else listed
+    manifest = {"format": "kubetune-artifact/1", "files": {rel: {"size": len(b), "sha256": hashlib.sha256(b).hexdigest()} for rel, b in listed.items()}}
+    s3.put_object(Bucket=BUCKET, Key=f"{prefix}/{s3p.MANIFEST}", Body=json.dumps(manifest).encode())
+
+
+def test_a_manifest_listing_a_path_outside_is_refused_by_pull_and_predict(moto, s3, tmp_path):
+    rel = "../" * 12 + str(tmp_path).strip("/") + "/escaped"
+    prefix = f"hostile/{tmp_path.name}/run"
+    _artifact_with_manifest(s3, prefix, {"model/config.json": b"{}", rel: b"pwned"})
+    for args in (["pull", f"s3://{BUCKET}/{prefix}", str(tmp_path / "pulled")], ["predict", f"s3://{BUCKET}/{prefix}", "hi"]):
+        proc = kubetune(*args, "--endpoint-url", moto.url)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert f"bucket '{BUCKET}'" in proc.stderr and "'../../" in proc.stderr and "would write outside its destination" in proc.stderr
+    # A manifest entry alone (no such key in the listing) is refused the same way, before any download.
+    _artifact_with_manifest(s3, prefix + "-2", {"model/config.json": b"{}"}, listed={"model/config.json": b"{}", rel: b"pwned"})
+    with pytest.raises(KubetuneError, match=f"_kubetune_manifest.json of bucket '{BUCKET}' lists: the name '../../"):
+        s3p.download(f"s3://{BUCKET}/{prefix}-2/", tmp_path / "pulled2", field="MODEL", require_manifest=True)
+    assert not (tmp_path / "escaped").exists() and not (tmp_path / "pulled").exists() and not (tmp_path / "pulled2").exists()
+
+
+def test_a_tampered_file_never_takes_its_name(moto, s3, tmp_path):
+    prefix = f"hostile/{tmp_path.name}/tampered"
+    _artifact_with_manifest(s3, prefix, {"model/config.json": b"{}"}, listed={"model/config.json": b'{"x": 1}'})
+    s3.put_object(Bucket=BUCKET, Key=f"{prefix}/model/config.json", Body=b'{"y": 2}')  # same size, other content
+    with pytest.raises(KubetuneError, match="sha256 does not match the artifact's manifest"):
+        s3p.download(f"s3://{BUCKET}/{prefix}/", tmp_path / "dl", field="MODEL", require_manifest=True)
+    assert not (tmp_path / "dl" / "model" / "config.json").exists()
+
+
+def test_the_model_directory_inside_an_artifact_is_accepted(moto, s3, tmp_path):
+    prefix = f"runs/{tmp_path.name}"
+    _artifact_with_manifest(s3, prefix, {"model/config.json": b'{"a": 1}', "model/tokenizer.json": b"{}", "metrics.json": b"{}"})
+    got = s3p.download(f"s3://{BUCKET}/{prefix}/model/", tmp_path / "m", field="MODEL", require_manifest=True)
+    assert sorted(p.name for p in got.iterdir() if not p.name.startswith(".")) == ["_kubetune_manifest.json", "config.json", "tokenizer.json"]
+    assert (got / "config.json").read_bytes() == b'{"a": 1}'
+
+
+def test_remote_checkpoint_clearing_deletes_only_what_its_manifest_lists(moto, s3, tmp_path):
+    from kubetune import checkpoint
+
+    out = f"s3://{BUCKET}/ckpt/{tmp_path.name}"
+    step = f"ckpt/{tmp_path.name}/checkpoints/step-00000003"
+    _artifact_with_manifest(s3, step, {"state.pt": b"state", "COMPLETE": b"{}"})
+    s3.put_object(Bucket=BUCKET, Key=f"{step}/notes-of-a-colleague.txt", Body=b"keep me")
+    assert checkpoint.remote_steps(f"{out}/checkpoints") == [3]
+    checkpoint.clear(out, tmp_path / "local")
+    left = {o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix=f"ckpt/{tmp_path.name}/").get("Contents", [])}
+    assert left == {f"{step}/notes-of-a-colleague.txt"}
+
+
+def test_a_checkpoint_manifest_listing_a_path_outside_is_refused(moto, s3, tmp_path):
+    from kubetune import checkpoint
+
+    out = f"s3://{BUCKET}/ckpt-evil/{tmp_path.name}"
+    step = f"ckpt-evil/{tmp_path.name}/checkpoints/step-00000005"
+    _artifact_with_manifest(s3, step, {"COMPLETE": b"{}", "../../../escaped": b"x"})
+    with pytest.raises(KubetuneError, match="would write outside its destination"):
+        checkpoint.latest(out, tmp_path / "local")
+    assert not list(tmp_path.rglob("escaped"))
+
+
+@pytest.mark.parametrize("setup, overwrite, expected", [
+    ("foreign", False, "holds 1 objects that kubetune did not write (no .kubetune-output), e.g. 'thesis.tex' — pick a new output.uri, or pass --overwrite"),
+    ("foreign", True, "adopt"),
+    ("finished", False, "holds a finished run (metrics.json, model/) — pick a new output.uri, or pass --overwrite"),
+    ("finished", True, "replace"),
+    ("empty", False, "new"),
+])
+def test_s3_output_prefix_ownership(moto, s3, tmp_path, setup, overwrite, expected):
+    from kubetune.artifacts import output
+    from kubetune.config import parse_spec
+
+    prefix = f"owned/{tmp_path.name}"
+    if setup == "foreign":
+        s3.put_object(Bucket=BUCKET, Key=f"{prefix}/thesis.tex", Body=b"mine")
+    elif setup == "finished":
+        _artifact_with_manifest(s3, prefix, {"model/config.json": b"{}", "metrics.json": b"{}"})
+        s3.put_object(Bucket=BUCKET, Key=f"{prefix}/{output.MARKER}", Body=b"{}")
+    spec = parse_spec({"name": "t", "model": {"uri": "hf://o/m"}, "data": {"train": "t.csv"}, "output": {"uri": f"s3://{BUCKET}/{prefix}", "overwrite": overwrite}})
+    if " " in expected:
+        with pytest.raises(KubetuneError) as e:
+            output.inspect(spec)
+        assert expected in str(e.value) and str(e.value).startswith("output.uri: ")
+    else:
+        assert output.inspect(spec).action == expected
+    if setup == "foreign":
+        assert s3.get_object(Bucket=BUCKET, Key=f"{prefix}/thesis.tex")["Body"].read() == b"mine"

@@ -111,3 +111,72 @@ def test_malformed_datasets_load_or_fail_in_one_line(tmp_path_factory, rows, col
     assert frames.train["text"].str.strip().ne("").all() and frames.eval["text"].str.strip().ne("").all()
     assert set(frames.train["label"]) <= set(range(len(frames.labels)))
     assert len(frames.train) + len(frames.eval) + sum(frames.dropped.values()) >= 1
+
+
+NUMERIC = [("training", "learning_rate"), ("training", "weight_decay"), ("training", "warmup_ratio"), ("training", "epochs"), ("training", "max_grad_norm"),
+           ("data", "eval_fraction"), ("data", "max_length"), ("lora", "alpha"), ("lora", "dropout"), ("training", "checkpoint_minutes")]
+NUMBER_TEXT = st.sampled_from([".inf", "-.inf", "+.inf", ".nan", ".NaN", ".Inf", "1e9", "1e-4", "1.0e+9", "0x10", "1_000", "-0.0", "3"])
+
+
+def _yaml_text(spec: dict, numbers, duplicates, bomb) -> str:
+    """Spec YAML text with non-finite / odd numbers in numeric fields, repeated keys and aliases."""
+    lines = []
+    for section, value in spec.items():
+        if not isinstance(value, dict):
+            lines.append(f"{section}: {value}")
+            continue
+        lines.append(f"{section}:")
+        fields = dict(value)
+        for (sec, key), text in numbers:
+            if sec == section:
+                fields[key] = text
+        for key, v in fields.items():
+            lines.append(f"  {key}: {v}")
+        for sec, key in duplicates:
+            if sec == section:
+                lines.append(f"  {key}: {fields.get(key, 1)}")
+    for sec, _ in duplicates:
+        if sec not in spec:
+            lines += [f"{sec}: {{}}", f"{sec}: {{}}"]
+    if bomb:
+        levels, width, where = bomb
+        lines.append(f"a0: &a0 [{', '.join(['x'] * width)}]")
+        for i in range(1, levels):
+            lines.append(f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * width)}]")
+        if where:
+            lines.append(f"kubernetes: {{annotations: {{bomb: *a{levels - 1}}}}}")
+    return "\n".join(lines) + "\n"
+
+
+@SETTINGS
+@example(numbers=[(("training", "weight_decay"), ".inf")], duplicates=[], bomb=None)
+@example(numbers=[], duplicates=[("training", "epochs")], bomb=None)
+@example(numbers=[], duplicates=[], bomb=(9, 9, True))
+@given(numbers=st.lists(st.tuples(st.sampled_from(NUMERIC), NUMBER_TEXT), max_size=3),
+       duplicates=st.lists(st.tuples(st.sampled_from(["training", "data", "output", "lora"]), st.sampled_from(["epochs", "uri", "r", "train", "seed"])), max_size=2),
+       bomb=st.one_of(st.none(), st.tuples(st.integers(1, 12), st.integers(1, 12), st.booleans())))
+def test_yaml_aliases_duplicates_and_non_finite_numbers(tmp_path_factory, numbers, duplicates, bomb):
+    import math
+    import time
+
+    from kubetune.config import load_spec
+
+    spec = copy.deepcopy(VALID)
+    spec["lora"] = {"r": 4}
+    path = tmp_path_factory.mktemp("yaml") / "job.yaml"
+    path.write_text(_yaml_text(spec, numbers, duplicates, bomb))
+    t0 = time.monotonic()
+    try:
+        loaded = load_spec(path)
+    except KubetuneError as e:
+        _one_line_error(e)
+        assert all(len(line) < 400 for line in e.lines())
+        event(f"error: {e.lines()[0].split(':')[0]}")
+        loaded = None
+    assert time.monotonic() - t0 < 5
+    if duplicates:
+        assert loaded is None  # a repeated key is never silently last-wins
+    if loaded is not None:  # whatever loaded is finite
+        for section, key in NUMERIC:
+            value = getattr(getattr(loaded, section, None), key, None)
+            assert value is None or math.isfinite(value)

@@ -4,42 +4,23 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from kubetune import providers
 from kubetune.artifacts.baseline import tfidf_baseline
 from kubetune.config import JobSpec, dump_spec
 from kubetune.errors import KubetuneError
+from kubetune.paths import replace_dir, write_atomic
 
-__all__ = ["History", "check_output", "export_classifier", "finish", "local_output_dir", "publish", "resolve_model", "tensorboard_writer", "tfidf_baseline", "write_atomic"]
+__all__ = ["History", "check_model_weights", "check_output", "export_classifier", "finish", "local_output_dir", "publish", "replace_dir", "resolve_model", "tensorboard_writer", "tfidf_baseline", "write_atomic"]
 log = logging.getLogger(__name__)
 
 
-REMOTE_OUTPUTS = ("s3", "hf")
-
-
 def local_output_dir(uri: str) -> Path:
-    """The local directory artifacts are written to (created): ``output.uri`` itself, or for a
-    remote output (s3://, hf://) a staging directory that ``publish`` uploads at the end."""
-    parsed = providers.parse_uri(uri)
-    if parsed.scheme in REMOTE_OUTPUTS:
-        from kubetune.data.tokenize import cache_root
+    """The local directory artifacts are written to (see ``artifacts.output.local_dir``)."""
+    from kubetune.artifacts.output import local_dir
 
-        import hashlib
-
-        path = cache_root() / "outputs" / hashlib.sha256(uri.encode()).hexdigest()[:16]
-    elif parsed.scheme != "file":
-        raise KubetuneError(f"output scheme '{parsed.scheme}://' is not supported", field="output.uri", fix="use a local directory, s3://BUCKET/PREFIX or hf://ORG/REPO")
-    else:
-        path = Path(parsed.body).expanduser()
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise KubetuneError(f"cannot create output directory {path}: {e.strerror}", field="output.uri", fix="choose a writable directory") from None
-    return path
+    return local_dir(uri)
 
 
 def resolve_model(spec: JobSpec) -> Path:
@@ -47,28 +28,33 @@ def resolve_model(spec: JobSpec) -> Path:
     path = providers.resolve(spec.model.uri, kind="model", field="model.uri", revision=spec.model.revision)
     if not (path / "config.json").exists():
         raise KubetuneError(f"{spec.model.uri!r} has no config.json", field="model.uri", fix="point it at a directory saved with save_pretrained, or hf://ORG/NAME")
+    check_model_weights(path, spec.model.uri, field="model.uri")
     return path
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write a file through a temporary sibling and a rename: readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
+PICKLE_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
 
-def replace_dir(build, dest: Path) -> None:
-    """Build a directory under a temporary name and swap it into place."""
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
-    try:
-        build(tmp)
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+def check_model_weights(path: Path, shown: str, *, field: str) -> None:
+    """Refuse a model directory whose weights exist only as pickles (``pytorch_model.bin``...).
+
+    Loading a pickle runs whatever code it holds, and a model may come from a bucket or a Hub
+    repo that others can write to; kubetune loads safetensors only. A directory with no weight
+    file at all is left to the loader, whose error names what is missing.
+
+    Raises:
+        KubetuneError: only pickled weights are present (names the file; the fix converts them).
+    """
+    names = [p.name for p in path.iterdir() if p.is_file()] if path.is_dir() else []
+    if any(n.endswith(".safetensors") or n.endswith(".safetensors.index.json") for n in names):
+        return
+    pickles = sorted(n for n in names if n.endswith(PICKLE_WEIGHTS))
+    if pickles:
+        raise KubetuneError(
+            f"{shown!r} holds its weights only as a pickle ({pickles[0]}); kubetune loads safetensors only, because unpickling runs code from the file",
+            field=field,
+            fix="convert it where you trust the file: AutoModel.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)",
+        )
 
 
 class History:
@@ -117,11 +103,14 @@ def export_classifier(spec: JobSpec, model, tokenizer, frames, out: Path) -> Non
         tokenizer.save_pretrained(d)
 
     replace_dir(save, out / "model")
-    log.info("exported model to %s", out / "model")
+    log.info("exported the model%s", " and the adapter" if spec.lora is not None else "")
 
 
 def check_output(spec: JobSpec) -> None:
-    """Fail before training when the output cannot be written (missing bucket, bad credentials)."""
+    """Fail before training when the output cannot or may not be written: someone else's
+    non-empty directory, a finished run without --overwrite, a missing bucket, bad credentials."""
+    from kubetune.artifacts import output
+
     scheme = providers.parse_uri(spec.output.uri).scheme
     if scheme == "s3":
         from kubetune.providers import s3
@@ -131,27 +120,28 @@ def check_output(spec: JobSpec) -> None:
         from kubetune.artifacts import hub
 
         hub.check_can_push(spec)
-    else:
-        local_output_dir(spec.output.uri)
+    output.inspect(spec)
 
 
 def publish(spec: JobSpec, out: Path, metrics: dict) -> None:
-    """Upload the finished artifacts when ``output.uri`` is remote (rank 0, after ``finish``)."""
+    """Upload the finished artifacts when ``output.uri`` is remote (rank 0, after ``finish``).
+    Checkpoints are not part of the artifact: they travel under their own manifests."""
     scheme = providers.parse_uri(spec.output.uri).scheme
     if scheme == "s3":
         from kubetune.providers import s3
 
-        s3.upload_dir(out, spec.output.uri)
+        s3.upload_dir(out, spec.output.uri, exclude=("checkpoints",))
     elif scheme == "hf":
         from kubetune.artifacts import hub
 
         hub.push(spec, out, metrics)
 
 
-def finish(spec: JobSpec, metrics: dict, out: Path) -> None:
-    """Write metrics.json, job.yaml and report.html (after the model, so they mark completion)."""
+def finish(spec: JobSpec, metrics: dict, dest: Path, history: Path) -> None:
+    """Write metrics.json, job.yaml and report.html into ``dest`` (the run's staging directory),
+    reading the curves from ``history``."""
     from kubetune.artifacts.report import write_report
 
-    write_atomic(out / "job.yaml", dump_spec(spec))
-    write_report(spec, metrics, out)
-    write_atomic(out / "metrics.json", json.dumps(metrics, indent=2) + "\n")
+    write_atomic(dest / "job.yaml", dump_spec(spec))
+    write_report(spec, metrics, dest, history)
+    write_atomic(dest / "metrics.json", json.dumps(metrics, indent=2) + "\n")

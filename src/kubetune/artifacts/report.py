@@ -11,8 +11,7 @@ from kubetune.artifacts import write_atomic
 from kubetune.config import JobSpec, dump_spec
 
 
-def _read_history(out: Path) -> list[dict]:
-    path = out / "history.jsonl"
+def _read_history(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -64,9 +63,9 @@ def plot(history: list[dict], out: Path, baseline: dict | None = None, task: str
     return paths
 
 
-def write_report(spec: JobSpec, metrics: dict, out: Path) -> Path:
+def write_report(spec: JobSpec, metrics: dict, out: Path, history: Path | None = None) -> Path:
     """Write ``report.html`` (self-contained: the PNGs are embedded as data URIs)."""
-    images = plot(_read_history(out), out, metrics.get("baseline"), spec.task)
+    images = plot(_read_history(history or out / "history.jsonl"), out, metrics.get("baseline"), spec.task)
     if spec.task == "causal-lm":
         head = [("eval perplexity", metrics.get("eval_perplexity")), ("eval next-token accuracy (target tokens)", metrics.get("eval_token_accuracy")),
                 ("eval target tokens", metrics.get("eval_tokens")), ("data format", metrics.get("data_format")),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -21,8 +22,11 @@ WORKER_MODULE = "kubetune.worker"
 SHUTDOWN_GRACE_S = 110
 
 
-def launch_config(spec: JobSpec, *, run_id: str, rdzv_port: int | None = None, local_addr: str | None = None) -> LaunchConfig:
-    """Pure: the elastic launch configuration for this node of ``spec``."""
+def launch_config(spec: JobSpec, *, run_id: str, rdzv_port: int | None = None, local_addr: str | None = None, log_dir: Path | None = None) -> LaunchConfig:
+    """Pure: the elastic launch configuration for this node of ``spec`` (torch elastic keeps its
+    per-run files in ``log_dir``; by default a ``/tmp/torchelastic_*`` directory it never removes)."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+
     dist = spec.distributed
     if dist.nodes > 1 and not dist.rdzv_endpoint:
         raise KubetuneError("multi-node local runs need a rendezvous address", field="distributed.rdzv_endpoint", fix="set it to HOST:PORT of the first node, and run `kubetune run` on every node")
@@ -46,6 +50,7 @@ def launch_config(spec: JobSpec, *, run_id: str, rdzv_port: int | None = None, l
         # The address other nodes reach this one at (MASTER_ADDR when it holds rank 0).
         local_addr=local_addr or ("127.0.0.1" if dist.nodes == 1 else None),
         start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=str(log_dir)) if log_dir else None,
     )
 
 
@@ -85,19 +90,20 @@ def run(spec: JobSpec, local_addr: str | None = None) -> dict[int, object]:
 
     # Every node of a multi-node job must use the same run id; a single node gets a fresh one.
     run_id = spec.name if spec.distributed.nodes > 1 else f"{spec.name}-{uuid.uuid4().hex[:8]}"
-    workdir = Path(tempfile.mkdtemp(prefix=f"kubetune-{spec.name}-"))
-    spec_file = workdir / "job.yaml"
-    spec_file.write_text(dump_spec(spec))
-    config = launch_config(spec, run_id=run_id, local_addr=local_addr)
     os.environ.update(worker_env(spec))
     # The elastic agent logs every restart and shutdown at WARNING; our workers already say why.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")] + ["torch.distributed.elastic"]:
+        logging.getLogger(name).setLevel(logging.ERROR)  # torch sets levels on its child loggers too
+    workdir = Path(tempfile.mkdtemp(prefix=f"kubetune-{spec.name}-"))  # removed when the run ends, however it ends
+    spec_file = workdir / "job.yaml"
     try:
+        config = launch_config(spec, run_id=run_id, local_addr=local_addr, log_dir=workdir / "elastic")
+        spec_file.write_text(dump_spec(spec))
         return elastic_launch(config, entrypoint=sys.executable)("-u", "-m", WORKER_MODULE, str(spec_file))
     except SignalException as e:
         # This launcher got SIGTERM/SIGINT; torch elastic has passed it on to the workers, which
         # finished their step and wrote a checkpoint before exiting.
-        raise Stopped(f"stopped by {e.sigval.name}; a checkpoint was written if training had started") from None
+        raise Stopped(f"stopped by {e.sigval.name}") from None
     except ChildFailedError as e:
         rank, failure = root_failure(e.failures)
         code = failure.exitcode
@@ -106,6 +112,8 @@ def run(spec: JobSpec, local_addr: str | None = None) -> dict[int, object]:
         if code == EXIT_PREEMPTED:
             raise Stopped(f"rank {rank} was stopped by a signal after writing a checkpoint") from None
         raise WorkerFailed(rank, code) from None
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def root_failure(failures: dict[int, object]) -> tuple[int, object]:

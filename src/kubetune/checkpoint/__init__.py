@@ -9,6 +9,7 @@ is uploaded with the storage layer's manifest, which is written last and plays t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import random
@@ -21,13 +22,14 @@ import numpy as np
 import torch
 
 from kubetune import providers
-from kubetune.artifacts import replace_dir
 from kubetune.config import JobSpec, dump_spec
 from kubetune.errors import KubetuneError
+from kubetune.paths import replace_dir
 
 log = logging.getLogger(__name__)
 MARKER = "COMPLETE"
 _NAME = re.compile(r"^step-(\d{8})$")
+_TMP = re.compile(r"^\.step-\d{8}-")  # replace_dir's temporary name for a checkpoint being written
 
 
 @dataclass(frozen=True)
@@ -135,17 +137,24 @@ def save(state: dict, spec: JobSpec, output_uri: str, local_out: Path, step: int
     for old in complete_steps(root)[:-keep]:
         shutil.rmtree(root / f"step-{old:08d}", ignore_errors=True)
     if remote:  # prune by the remote listing: a re-created pod's local copy holds only what it downloaded
-        for old in [st for st in _remote_steps(remote) if st > step] + [st for st in _remote_steps(remote) if st <= step][:-keep]:
+        for old in [st for st in remote_steps(remote) if st > step] + [st for st in remote_steps(remote) if st <= step][:-keep]:
             _delete_remote(f"{remote}/step-{old:08d}")
     return final
 
 
 def clear(output_uri: str, local_out: Path) -> None:
-    """Remove every checkpoint of this output (local and remote): a finished run, or --no-resume."""
+    """Remove every checkpoint of this output (local and remote): a finished run, or --no-resume.
+    Only what kubetune wrote goes: ``step-NNNNNNNN`` directories and its own temporary ones
+    locally, and remotely exactly the objects each checkpoint's manifest lists."""
     root, remote = _root(output_uri, local_out)
-    shutil.rmtree(root, ignore_errors=True)
+    if root.is_dir():
+        for entry in root.iterdir():
+            if _NAME.match(entry.name) or (_TMP.match(entry.name) and entry.is_dir()):
+                shutil.rmtree(entry, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            root.rmdir()  # only when nothing else is left in it
     if remote:
-        for step in _remote_steps(remote):
+        for step in remote_steps(remote):
             _delete_remote(f"{remote}/step-{step:08d}")
 
 
@@ -177,11 +186,12 @@ def load(found: Found) -> dict:
 
 
 def _latest_remote(prefix: str) -> int | None:
-    steps = _remote_steps(prefix)
+    steps = remote_steps(prefix)
     return max(steps) if steps else None
 
 
-def _remote_steps(prefix: str) -> list[int]:
+def remote_steps(prefix: str) -> list[int]:
+    """Steps of the complete checkpoints under an s3:// prefix (those with a manifest)."""
     from kubetune.providers import s3
 
     loc = s3.Location.parse(prefix, "output.uri")
@@ -202,10 +212,6 @@ def _remote_steps(prefix: str) -> list[int]:
 def _delete_remote(prefix: str) -> None:
     from kubetune.providers import s3
 
-    loc = s3.Location.parse(prefix, "output.uri")
-    client = s3.client()
-    # Manifest first: a half-deleted checkpoint must not look complete.
-    client.delete_object(Bucket=loc.bucket, Key=f"{loc.key}/{s3.MANIFEST}")
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=loc.bucket, Prefix=loc.key + "/"):
-        for obj in page.get("Contents", []):
-            client.delete_object(Bucket=loc.bucket, Key=obj["Key"])
+    # Manifest first (a half-deleted checkpoint must not look complete), then exactly the keys it
+    # lists: never whatever else a listing of the prefix shows.
+    s3.delete_artifact(prefix, field="output.uri")

@@ -14,6 +14,40 @@ from kubetune.config.schema import Section
 DEFAULT_IMAGE_REPO = "ghcr.io/kubetune/trainer"
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_NAME_PART = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+_SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]{1,253}$")
+
+
+def _show(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def qualified_name_problem(key: str) -> str | None:
+    """Why ``key`` is not a Kubernetes label/annotation key ([prefix/]name), or None."""
+    prefix, sep, name = key.rpartition("/")
+    if sep and not _DNS_SUBDOMAIN.match(prefix):
+        return f"key {_show(key)}: its prefix must be a DNS subdomain (lowercase letters, digits, '-', '.')"
+    if not _NAME_PART.match(name):
+        return f"key {_show(key)} is not a valid Kubernetes key: at most 63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit (optionally after a DNS prefix and '/')"
+    return None
+
+
+def _labels(v: dict[str, str], what: str, values: bool) -> dict[str, str]:
+    for key, value in v.items():
+        problem = qualified_name_problem(key)
+        if problem:
+            raise ValueError(problem)
+        if values and value and not _NAME_PART.match(value):
+            raise ValueError(f"{what} value {_show(value)} (key {_show(key)}) must be at most 63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit")
+    return v
+
+
+def _dns_subdomain(v: str | None, what: str) -> str | None:
+    if v is not None and not _DNS_SUBDOMAIN.match(v):
+        raise ValueError(f"{_show(v)} is not a valid {what} name: lowercase letters, digits, '-' and '.', at most 253 characters")
+    return v
 
 
 def default_image(gpu: int) -> str:
@@ -61,6 +95,11 @@ class StorageSpec(Section):
     )
     existing_claim: str | None = Field(None, description="Use this existing PVC instead of creating one (pvc mode).")
 
+    @field_validator("existing_claim", "storage_class")
+    @classmethod
+    def _names(cls, v):
+        return _dns_subdomain(v, "PersistentVolumeClaim / StorageClass")
+
     @field_validator("size")
     @classmethod
     def _size(cls, v):
@@ -70,6 +109,18 @@ class StorageSpec(Section):
 class SecretKeyRef(Section):
     name: str = Field(description="Name of the Kubernetes Secret.")
     key: str = Field(description="Key inside the Secret.")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v):
+        return _dns_subdomain(v, "Secret")
+
+    @field_validator("key")
+    @classmethod
+    def _key(cls, v):
+        if not _SECRET_KEY.match(v):
+            raise ValueError(f"{_show(v)} is not a valid Secret key: letters, digits, '-', '_' and '.'")
+        return v
 
 
 class SecretsSpec(Section):
@@ -81,6 +132,11 @@ class SecretsSpec(Section):
         description="Name of a Secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and optionally AWS_ENDPOINT_URL); "
         "exposed through envFrom.secretRef.",
     )
+
+    @field_validator("s3")
+    @classmethod
+    def _s3(cls, v):
+        return _dns_subdomain(v, "Secret")
 
 
 class Toleration(Section):
@@ -138,3 +194,32 @@ class KubernetesSpec(Section):
         if v is not None and not _DNS_LABEL.match(v):
             raise ValueError("must be a DNS label: lowercase letters, digits and '-', at most 63 characters")
         return v
+
+    @field_validator("labels", "node_selector")
+    @classmethod
+    def _label_map(cls, v):
+        return _labels(v, "label", values=True)
+
+    @field_validator("annotations")
+    @classmethod
+    def _annotation_map(cls, v):
+        return _labels(v, "annotation", values=False)
+
+    @field_validator("service_account")
+    @classmethod
+    def _sa(cls, v):
+        return _dns_subdomain(v, "ServiceAccount")
+
+    @field_validator("image_pull_secrets")
+    @classmethod
+    def _pull_secrets(cls, v):
+        for name in v:
+            _dns_subdomain(name, "Secret")
+        return v
+
+
+def namespace_problem(namespace: str) -> str | None:
+    """Why ``namespace`` (e.g. from --namespace) is not a valid Kubernetes namespace, or None."""
+    if _DNS_LABEL.match(namespace):
+        return None
+    return f"{_show(namespace)} is not a valid namespace: a DNS label of lowercase letters, digits and '-', at most 63 characters"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import reprlib
 from pathlib import Path
 from typing import Any
 
@@ -29,19 +30,101 @@ def load_spec(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
     """
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        if not path.is_file() and path.exists():
+            raise SpecError([f"spec: '{path}' is not a regular file — pass a YAML file"], str(path))
+        with path.open("rb") as f:
+            data = f.read(MAX_SPEC_BYTES + 1)
+        if len(data) > MAX_SPEC_BYTES:
+            raise SpecError([f"spec: '{path}' is larger than {MAX_SPEC_BYTES // 1024} KiB; a job spec is a few hundred lines — pass the spec, not data"], str(path))
+        text = data.decode("utf-8")
     except FileNotFoundError:
         raise SpecError([f"spec: file '{path}' not found — check the path"], str(path)) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise SpecError([f"spec: cannot read '{path}': {e} — pass a UTF-8 YAML file"], str(path)) from None
+    except UnicodeDecodeError as e:
+        raise SpecError([f"spec: '{path}' is not UTF-8 (byte {e.start}) — pass a UTF-8 YAML file"], str(path)) from None
+    except OSError as e:
+        raise SpecError([f"spec: cannot read '{path}': {e.strerror or e} — check the path and its permissions"], str(path)) from None
+    raw = load_yaml(text, str(path))
+    return parse_spec(raw if raw is not None else {}, overrides, source=str(path))
+
+
+MAX_SPEC_BYTES = 1 << 20
+# The most values a spec may hold once its aliases are expanded. A real spec has a few hundred; a
+# YAML "billion laughs" of nine aliases nested nine deep has 9⁹ (and hung `validate` at 2.7 GB).
+MAX_SPEC_NODES = 100_000
+
+
+class _SpecLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, plus two refusals: a key repeated in one mapping (YAML says keys are
+    unique; PyYAML silently keeps the last), and aliases that expand past ``MAX_SPEC_NODES``."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key; the base class reports it
+                break
+            if first is not None:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {_short(key)} (first on line {first.line + 1}); YAML keys must be unique", key_node.start_mark)
+            seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
+def _expanded_size(node, memo: dict, active: set) -> int:
+    """Values in the node once aliases are expanded; shared nodes are counted once per use, each
+    computed once (so a bomb is measured in microseconds)."""
+    key = id(node)
+    if key in memo:
+        return memo[key]
+    if key in active:
+        raise _Recursive()
+    active.add(key)
+    if isinstance(node, yaml.SequenceNode):
+        size = 1 + sum(_expanded_size(v, memo, active) for v in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        size = 1 + sum(_expanded_size(k, memo, active) + _expanded_size(v, memo, active) for k, v in node.value)
+    else:
+        size = 1
+    active.discard(key)
+    memo[key] = min(size, MAX_SPEC_NODES + 1)
+    return memo[key]
+
+
+class _Recursive(Exception):
+    pass
+
+
+def load_yaml(text: str, source: str) -> Any:
+    """Parse one YAML document of a spec (or a --set value) with the refusals of ``_SpecLoader``.
+
+    Raises:
+        SpecError: a YAML syntax error, a duplicate key, or aliases that expand too far.
+    """
+    loader = _SpecLoader(text)
     try:
-        raw = yaml.safe_load(text)
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        try:
+            size = _expanded_size(node, {}, set())
+        except _Recursive:
+            raise SpecError([f"spec: {source}: an alias refers to a node that contains it (a recursive structure) — write the values out"], source) from None
+        if size > MAX_SPEC_NODES:
+            raise SpecError([f"spec: {source}: its aliases expand to more than {MAX_SPEC_NODES:,} values — write the values out, or use fewer aliases"], source)
+        return loader.construct_document(node)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1} column {mark.column + 1}" if mark else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise SpecError([f"spec: {path}{where}: {problem} — fix the YAML syntax"], str(path)) from None
-    return parse_spec(raw if raw is not None else {}, overrides, source=str(path))
+        raise SpecError([f"spec: {source}{where}: {_clip(problem, 200)} — fix the YAML syntax"], source) from None
+    except (ValueError, OverflowError) as e:  # e.g. an integer of more than 4,300 digits
+        raise SpecError([f"spec: {source}: a value cannot be read: {_clip(str(e).splitlines()[0], 120)} — fix the value"], source) from None
+    finally:
+        loader.dispose()
 
 
 def parse_spec(raw: Any, overrides: list[str] | None = None, source: str = "spec") -> JobSpec:
@@ -84,8 +167,10 @@ def _apply_override(raw: dict, item: str) -> None:
         raise ValueError(f"--set {item!r}: expected KEY=VALUE with a dotted key, e.g. --set training.epochs=2")
     parts = key.strip().split(".")
     try:
-        parsed = yaml.safe_load(value) if value.strip() else ""
-    except yaml.YAMLError:
+        parsed = load_yaml(value, f"--set {key.strip()}") if value.strip() else ""
+    except SpecError as e:
+        if "aliases" in e.problems[0] or "recursive" in e.problems[0]:
+            raise ValueError(e.problems[0]) from None
         parsed = value
     node = raw
     for i, part in enumerate(parts[:-1]):
@@ -103,7 +188,7 @@ def _format_error(err: dict) -> str:
     loc = [str(p) for p in err["loc"]]
     # A key typed by the user may hold anything (newlines, spaces): quote it so the
     # problem stays one readable line.
-    field = ".".join(p if p.isidentifier() or p.isdigit() else repr(p) for p in loc) or "spec"
+    field = ".".join(_clip(p, 60) if p.isidentifier() or p.isdigit() else _short(p) for p in loc) or "spec"
     kind = err["type"]
     got = err.get("input")
     if kind == "extra_forbidden":
@@ -118,12 +203,33 @@ def _format_error(err: dict) -> str:
         return f"spec: {msg}"
     if kind == "value_error":  # our own validators already say what to do
         return f"{field}: {msg} (got {_short(got)})"
-    return f"{field}: {msg} (got {_short(got)}) — {_fix_for(loc)}"
+    hint = _yaml_number_hint(got) if kind in ("int_parsing", "float_parsing") else ""
+    return f"{field}: {msg} (got {_short(got)}){hint} — {_fix_for(loc)}"
+
+
+def _yaml_number_hint(value: Any) -> str:
+    """YAML 1.1 (PyYAML) reads ``1e9`` and ``1e-4`` as strings: a float needs a dot and a signed
+    exponent (``1.0e+9``). Say so, since the value looks like a number to the user."""
+    import re
+
+    if isinstance(value, str) and re.fullmatch(r"[-+]?[0-9][0-9_]*(\.[0-9_]*)?[eE][-+]?[0-9]+", value.strip()):
+        return "; YAML reads this as a string (write 1000000000, or 1.0e+9 with a dot and a signed exponent)"
+    return ""
+
+
+_REPR = reprlib.Repr()  # keyword arguments only from Python 3.12
+_REPR.maxlevel, _REPR.maxdict, _REPR.maxlist, _REPR.maxtuple, _REPR.maxset = 2, 4, 4, 4, 4
+_REPR.maxstring, _REPR.maxother, _REPR.maxlong = 50, 50, 40
 
 
 def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    # reprlib stops at a few items per level: a huge value (or one with many shared parts) is never
+    # rendered in full just to be cut to 60 characters.
+    return _clip(_REPR.repr(value), 60)
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _model_at(loc: list[str]) -> type[BaseModel] | None:

@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 class Section(BaseModel):
     """Base of every spec section: unknown keys are errors, assignments are validated."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan: `.inf` / `.nan` are valid YAML floats; `weight_decay: .inf` trained and exported an all-NaN model.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelSpec(Section):
@@ -65,6 +66,15 @@ class DataSpec(Section):
     encoding: str = Field(
         "auto",
         description="Text encoding of CSV/TSV/JSONL files. 'auto' tries utf-8 and falls back to latin-1 with a warning.",
+    )
+    max_classes: int = Field(
+        1000, ge=2, le=100_000,
+        description="Most distinct labels a classification dataset may have; more is almost always the wrong label column.",
+    )
+    max_input_mb: int = Field(
+        1024, ge=1,
+        description="Largest data file (or directory, or dataset) read into memory, in MiB; pandas holds several times "
+        "the file size. Raise it for bigger data.",
     )
     # ---- causal-lm only ----
     format: Literal["auto", "text", "instruction", "chat"] = Field(
@@ -200,6 +210,39 @@ class OutputSpec(Section):
     report_baseline: bool = Field(
         True, description="Fit a TF-IDF + logistic-regression baseline on the same split and show it in the report."
     )
+    overwrite: bool = Field(
+        False,
+        description="Allow writing into a non-empty directory (or s3:// prefix) that kubetune did not create, and replacing "
+        "a finished run there once this run finishes (`kubetune run --overwrite`). kubetune still replaces only its own "
+        "entries (model/, metrics.json, ...), never other files.",
+    )
+
+    @field_validator("uri")
+    @classmethod
+    def _not_special(cls, v: str) -> str:
+        problem = output_uri_problem(v)
+        if problem:
+            raise ValueError(problem)
+        return v
+
+
+def output_uri_problem(uri: str) -> str | None:
+    """Why ``uri`` can only be a mistake as an output (the empty string, the filesystem root, a
+    home directory itself, a bucket's root), or None. Textual: paths are resolved at run time."""
+    import re
+
+    body = uri.strip()
+    scheme, sep, rest = body.partition("://")
+    if not sep:
+        scheme, rest = "file", body
+    if not body:
+        return "is empty, which would write into the current directory; name a directory of its own, e.g. runs/NAME"
+    if scheme == "file" and (rest.strip("/") == "" or re.fullmatch(r"~[^/]*/*", rest)):
+        return (f"{uri!r} is the filesystem root or a home directory itself; kubetune writes model/, checkpoints/ and more "
+                "into its output — name a directory of its own, e.g. runs/NAME")
+    if scheme == "s3" and not rest.partition("/")[2].strip("/"):
+        return f"{uri!r} is a whole bucket — name a prefix inside it, e.g. s3://{rest.partition('/')[0] or 'BUCKET'}/runs/NAME"
+    return None
 
 
 from kubetune.config.cluster import KubernetesSpec, ResourcesSpec  # noqa: E402  (cluster imports Section)

@@ -16,13 +16,10 @@ from pathlib import Path
 
 import pandas as pd
 
+from kubetune.paths import cache_root, set_default_modes
+
 log = logging.getLogger(__name__)
 CACHE_VERSION = "1"
-
-
-def cache_root() -> Path:
-    """``$KUBETUNE_CACHE`` or ``~/.cache/kubetune``."""
-    return Path(os.environ.get("KUBETUNE_CACHE") or Path.home() / ".cache" / "kubetune")
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -91,6 +88,7 @@ def tokenized(frame: pd.DataFrame, tokenizer, max_length: int, *, build: bool, m
     # Write to a temporary sibling and rename, so a crash never leaves a half-written cache entry.
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=path.parent))
     ds.save_to_disk(str(tmp))
+    set_default_modes(tmp)
     try:
         os.replace(tmp, path)
     except OSError:  # another process won the race; use its copy

@@ -88,6 +88,13 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+    """Maximum of a tensor over all ranks (in place; a no-op when not distributed)."""
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t
+
+
 def all_gather_object(obj) -> list:
     """Every rank's ``obj``, indexed by rank (``[obj]`` when not distributed)."""
     if not dist.is_initialized():

@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 from kubetune.errors import KubetuneError
+from kubetune.paths import check_tree_inside
 from kubetune.providers import Kind, Uri, register, sha256_file
 
 SEED_REPO_ID = "sentence-transformers/all-MiniLM-L6-v2"
@@ -47,7 +48,16 @@ def resolve_hf(uri: Uri, kind: Kind, field: str, revision: str | None) -> Path:
         raise KubetuneError(f"Hub request for {uri.raw} failed: {str(e).splitlines()[0]}", field=field, fix="check HF_ENDPOINT, the network and HF_TOKEN") from None
     except OSError as e:  # connection errors surface as OSError subclasses
         raise KubetuneError(f"cannot reach the Hub for {uri.raw}: {e}", field=field, fix="check the network, or set HF_HUB_OFFLINE=1 with a seeded cache") from None
-    return Path(path)
+    except ValueError as e:  # huggingface_hub refuses a repo file name that would escape the cache
+        raise KubetuneError(f"{uri.raw}: {str(e).splitlines()[0][:200]}", field=field, fix="refusing the repo; ask its owner to rename the file") from None
+    except Exception as e:  # httpx errors (huggingface_hub 2.x) are not OSError
+        if type(e).__module__.split(".")[0] in ("httpx", "httpcore", "requests", "urllib3"):
+            raise KubetuneError(f"cannot reach the Hub for {uri.raw} ({type(e).__name__})", field=field, fix="check HF_ENDPOINT and the network, or set HF_HUB_OFFLINE=1 with a seeded cache") from None
+        raise
+    path = Path(path)
+    # A snapshot is links into the repo folder's blob store; none may lead elsewhere.
+    check_tree_inside(path.parent.parent if path.parent.name == "snapshots" else path, what=f"{field}: {uri.raw}")
+    return path
 
 
 def seed_cache(source: Path | None = None, repo_id: str = SEED_REPO_ID, cache_dir: Path | None = None, repo_type: str = "model") -> Path:

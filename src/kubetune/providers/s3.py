@@ -16,9 +16,10 @@ import os
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from kubetune.errors import KubetuneError
+from kubetune.paths import cache_root, check_relative, safe_join, set_default_mode, write_atomic
 from kubetune.providers import Kind, Uri, register, sha256_file
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,9 @@ def _list(s3, loc: Location) -> list[dict]:
     return objects
 
 
-def _download(s3, bucket: str, key: str, dest: Path, size: int) -> None:
+def _download(s3, bucket: str, key: str, dest: Path, size: int, sha256: str | None = None) -> None:
+    """Fetch one object to ``dest`` through a temporary sibling; the size (and the sha256 when the
+    artifact's manifest gives one) is checked before the file takes its name."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}-", dir=dest.parent)
     os.close(fd)
@@ -136,23 +139,73 @@ def _download(s3, bucket: str, key: str, dest: Path, size: int) -> None:
         got = os.path.getsize(tmp)
         if got != size:
             raise KubetuneError(f"s3://{bucket}/{key}: downloaded {got} bytes, expected {size}", fix="retry; the object may have changed during the download")
+        if sha256 is not None and sha256_file(Path(tmp)) != sha256:
+            raise KubetuneError(f"s3://{bucket}/{key}: sha256 does not match the artifact's manifest", fix="the artifact was modified after export; re-run the export")
+        set_default_mode(Path(tmp))
         os.replace(tmp, dest)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
+def read_manifest(s3, bucket: str, key: str, shown: str) -> dict:
+    """A kubetune artifact manifest, checked: every listed name must stay inside the artifact.
+
+    Raises:
+        KubetuneError: malformed, or a listed name would write outside the destination.
+    """
+    try:
+        manifest = json.loads(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+        files = manifest["files"]
+        ok = isinstance(files, dict) and all(isinstance(m, dict) and isinstance(m.get("size"), int) and isinstance(m.get("sha256"), str) for m in files.values())
+    except (ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise KubetuneError(f"s3://{bucket}/{key} is not a valid kubetune manifest", fix="re-run the export, or point at a complete artifact")
+    for rel in files:
+        check_relative(rel, what=f"{shown}: {MANIFEST} of bucket '{bucket}' lists")
+    return manifest
+
+
+def _artifact_above(s3, loc: Location) -> tuple[str, dict] | None:
+    """For ``s3://b/run/model/``: the artifact at an enclosing prefix (up to 3 levels up) whose
+    manifest lists files under ``model/``, as (the enclosing prefix, a manifest of just those files
+    relative to the sub-prefix). Lets ``predict`` take the model directory inside an artifact."""
+    parts = [p for p in loc.key.split("/") if p]
+    for up in range(1, min(3, len(parts)) + 1):
+        root = "/".join(parts[:-up])
+        sub = "/".join(parts[-up:]) + "/"
+        key = f"{root}/{MANIFEST}" if root else MANIFEST
+        try:
+            manifest = read_manifest(s3, loc.bucket, key, f"s3://{loc.bucket}/{loc.key}")
+        except KubetuneError:
+            raise
+        except Exception as e:
+            from botocore.exceptions import ClientError
+
+            if isinstance(e, ClientError) and e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                continue
+            raise
+        files = {rel[len(sub):]: meta for rel, meta in manifest["files"].items() if rel.startswith(sub)}
+        if files:
+            return (f"{root}/" if root else ""), {**manifest, "files": files, "subdir": sub.rstrip("/")}
+    return None
+
+
 def download(uri: str, dest: Path, *, field: str, require_manifest: bool = False) -> Path:
     """Download an object (to ``dest``) or every object under a prefix (into ``dest/``).
 
-    Unchanged objects already in ``dest`` (same size and ETag) are not fetched again. With
-    ``require_manifest``, the prefix must hold a complete kubetune artifact and every file is
-    checked against the manifest's sha256.
+    Every object key and manifest entry must name a file inside ``dest`` (no ``..``, no absolute
+    or empty segments), or nothing is downloaded. Unchanged objects already in ``dest`` (same size
+    and ETag) are not fetched again. With ``require_manifest``, the prefix must hold a complete
+    kubetune artifact, or be a directory inside one (``s3://b/run/model``), and every file is
+    checked against the manifest's sha256 before it takes its name.
 
     Returns:
         The local file or directory.
     """
     loc = Location.parse(uri, field)
+    shown = f"bucket '{loc.bucket}'"
     s3 = client()
     try:
         objects = _list(s3, loc) if loc.key == "" or loc.key.endswith("/") else None
@@ -161,7 +214,9 @@ def download(uri: str, dest: Path, *, field: str, require_manifest: bool = False
                 head = s3.head_object(Bucket=loc.bucket, Key=loc.key)
                 if require_manifest:
                     raise KubetuneError(f"{uri} is a single object, not a kubetune artifact", field=field, fix="pass the artifact's prefix")
-                target = dest if dest.suffix else dest / Path(loc.key).name
+                name = PurePosixPath(loc.key).name
+                check_relative(name, what=f"{shown}, key {loc.key!r}")
+                target = dest if dest.suffix else safe_join(dest, name, what=f"{shown}, key {loc.key!r}")
                 if not (target.exists() and target.stat().st_size == head["ContentLength"] and _etag_ok(target, head["ETag"])):
                     _download(s3, loc.bucket, loc.key, target, head["ContentLength"])
                     _remember_etag(target, head["ETag"])
@@ -174,46 +229,58 @@ def download(uri: str, dest: Path, *, field: str, require_manifest: bool = False
                 if not (isinstance(e, ClientError) and e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound")):
                     raise
             objects = _list(s3, loc)
-        if not objects:
-            raise KubetuneError(f"nothing at {uri} ({endpoint() or 'AWS S3'})", field=field, fix="check the bucket and prefix")
         prefix = loc.key.rstrip("/") + "/" if loc.key else ""
-        names = {o["Key"][len(prefix):]: o for o in objects}
+        names = {}
+        for o in objects:
+            rel = o["Key"][len(prefix):]
+            check_relative(rel, what=f"{shown}, key {o['Key']!r} under s3://{loc.bucket}/{prefix}")
+            names[rel] = o
         manifest = None
         if MANIFEST in names:
-            body = s3.get_object(Bucket=loc.bucket, Key=names[MANIFEST]["Key"])["Body"].read()
-            manifest = json.loads(body)
+            manifest = read_manifest(s3, loc.bucket, names[MANIFEST]["Key"], uri)
         elif require_manifest:
-            raise KubetuneError(f"{uri} has no {MANIFEST}: the artifact is incomplete (an upload was interrupted) or not a kubetune artifact", field=field, fix="re-run the export, or point at a complete artifact")
+            above = _artifact_above(s3, loc)
+            if above is None:
+                raise KubetuneError(f"{uri} has no {MANIFEST}: the artifact is incomplete (an upload was interrupted) or not a kubetune artifact", field=field, fix="re-run the export, or point at a complete artifact")
+            root, manifest = above
+            sub = manifest["subdir"] + "/"
+            listing = {o["Key"]: o for o in _list(s3, Location(loc.bucket, root + sub))}
+            names = {rel: listing[root + sub + rel] for rel in manifest["files"] if root + sub + rel in listing}
+        if not names and manifest is None:
+            raise KubetuneError(f"nothing at {uri} ({endpoint() or 'AWS S3'})", field=field, fix="check the bucket and prefix")
         if manifest is not None:
             missing = sorted(set(manifest["files"]) - set(names))
             if missing:
                 raise KubetuneError(f"{uri}: manifest lists {len(missing)} file(s) that are missing, e.g. {missing[0]}", field=field, fix="re-run the export")
             names = {rel: names[rel] for rel in manifest["files"]}  # only what the artifact contains
+        targets = {rel: safe_join(dest, rel, what=f"{shown}, key {obj['Key']!r}") for rel, obj in names.items() if rel != MANIFEST}
 
-        def fetch(item):
-            rel, obj = item
-            target = dest / rel
-            if target.exists() and target.stat().st_size == obj["Size"] and _etag_ok(target, obj["ETag"]):
+        def fetch(rel: str) -> None:
+            obj, target = names[rel], targets[rel]
+            sha = manifest["files"][rel]["sha256"] if manifest is not None else None
+            if target.exists() and target.stat().st_size == obj["Size"] and _etag_ok(target, obj["ETag"]) and (sha is None or sha256_file(target) == sha):
                 return
-            _download(s3, loc.bucket, obj["Key"], target, obj["Size"])
+            _download(s3, loc.bucket, obj["Key"], target, obj["Size"], sha)
             _remember_etag(target, obj["ETag"])
 
         with ThreadPoolExecutor(max_workers=4) as pool:
-            list(pool.map(fetch, [(r, o) for r, o in names.items() if r != MANIFEST]))
+            list(pool.map(fetch, targets))
         if manifest is not None:
-            for rel, meta in manifest["files"].items():
-                if sha256_file(dest / rel) != meta["sha256"]:
-                    raise KubetuneError(f"{uri}/{rel}: sha256 does not match the manifest", field=field, fix="the artifact was modified after export; re-run the export")
-            (dest / MANIFEST).write_text(json.dumps(manifest))
+            write_atomic(dest / MANIFEST, json.dumps(manifest))
         return dest
-    except KubetuneError:
+    except KubetuneError as e:
+        if e.field is None and field:
+            raise KubetuneError(str(e), field=field) from None
         raise
     except Exception as e:
         raise translate(e, loc, field, "read from") from None
 
 
-def upload_dir(local: Path, uri: str, *, field: str = "output.uri") -> dict:
-    """Upload every file under ``local`` to the prefix ``uri``, then the manifest (last).
+def upload_dir(local: Path, uri: str, *, field: str = "output.uri", exclude: tuple[str, ...] = ()) -> dict:
+    """Upload every file under ``local`` (less the top-level names in ``exclude``) to the prefix
+    ``uri``, then the manifest (last). Files that the artifact's previous manifest listed and this
+    one does not are deleted afterwards: only keys that kubetune's own manifest names, never
+    anything else under the prefix.
 
     Returns:
         The manifest written.
@@ -223,9 +290,11 @@ def upload_dir(local: Path, uri: str, *, field: str = "output.uri") -> dict:
     """
     loc = Location.parse(uri, field)
     s3 = client()
-    files = sorted(p for p in local.rglob("*") if p.is_file() and p.name != MANIFEST and not p.name.startswith(".kubetune-etag"))
+    files = sorted(p for p in local.rglob("*") if p.is_file() and p.name != MANIFEST and not p.name.startswith(".kubetune-")
+                   and p.relative_to(local).parts[0] not in exclude)
     manifest = {"format": "kubetune-artifact/1", "files": {}}
     try:
+        previous = _manifest_or_none(s3, loc, uri)
         # An older complete artifact at the same place must stop looking complete first.
         s3.delete_object(Bucket=loc.bucket, Key=loc.join(MANIFEST))
 
@@ -237,12 +306,87 @@ def upload_dir(local: Path, uri: str, *, field: str = "output.uri") -> dict:
         with ThreadPoolExecutor(max_workers=4) as pool:
             manifest["files"] = dict(pool.map(put, files))
         s3.put_object(Bucket=loc.bucket, Key=loc.join(MANIFEST), Body=json.dumps(manifest, indent=1, sort_keys=True).encode())
+        for rel in sorted(set(previous["files"]) - set(manifest["files"])) if previous else []:
+            s3.delete_object(Bucket=loc.bucket, Key=loc.join(rel))
     except KubetuneError:
         raise
     except Exception as e:
         raise translate(e, loc, field, "upload to") from None
     log.info("uploaded %d files to %s", len(files), uri)
     return manifest
+
+
+def _manifest_or_none(s3, loc: Location, uri: str) -> dict | None:
+    from botocore.exceptions import ClientError
+
+    try:
+        return read_manifest(s3, loc.bucket, loc.join(MANIFEST), uri)
+    except KubetuneError as e:  # not a manifest kubetune wrote: nothing it lists is ours to delete
+        log.warning("ignoring %s: %s", loc.join(MANIFEST), e)
+        return None
+    except ClientError as e:
+        if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+            return None
+        raise
+
+
+def delete_artifact(uri: str, *, field: str = "output.uri") -> int:
+    """Delete a kubetune artifact: its manifest first (it stops looking complete), then exactly
+    the keys that manifest lists. Other objects under the prefix are not kubetune's and stay.
+
+    Returns:
+        The number of objects deleted (0 when there is no manifest).
+    """
+    loc = Location.parse(uri, field)
+    s3 = client()
+    try:
+        manifest = _manifest_or_none(s3, loc, uri)
+        if manifest is None:
+            return 0
+        s3.delete_object(Bucket=loc.bucket, Key=loc.join(MANIFEST))
+        for rel in manifest["files"]:
+            s3.delete_object(Bucket=loc.bucket, Key=loc.join(rel))
+        return len(manifest["files"]) + 1
+    except KubetuneError:
+        raise
+    except Exception as e:
+        raise translate(e, loc, field, "delete from") from None
+
+
+def list_keys(uri: str, *, field: str, limit: int = 1000) -> list[str]:
+    """Up to ``limit`` keys under the prefix ``uri``, relative to it."""
+    loc = Location.parse(uri, field)
+    prefix = loc.key.rstrip("/") + "/" if loc.key else ""
+    try:
+        out: list[str] = []
+        for page in client().get_paginator("list_objects_v2").paginate(Bucket=loc.bucket, Prefix=prefix, PaginationConfig={"MaxItems": limit}):
+            out += [o["Key"][len(prefix):] for o in page.get("Contents", [])]
+        return out
+    except Exception as e:
+        raise translate(e, loc, field, "list") from None
+
+
+def read_text(uri: str, *, field: str) -> str | None:
+    """A small object's text, or None when it does not exist."""
+    from botocore.exceptions import ClientError
+
+    loc = Location.parse(uri, field)
+    try:
+        return client().get_object(Bucket=loc.bucket, Key=loc.key)["Body"].read(1 << 20).decode("utf-8", "replace")
+    except ClientError as e:
+        if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+            return None
+        raise translate(e, loc, field, "read from") from None
+    except Exception as e:
+        raise translate(e, loc, field, "read from") from None
+
+
+def write_text(uri: str, text: str, *, field: str) -> None:
+    loc = Location.parse(uri, field)
+    try:
+        client().put_object(Bucket=loc.bucket, Key=loc.key, Body=text.encode())
+    except Exception as e:
+        raise translate(e, loc, field, "write to") from None
 
 
 def check_bucket(uri: str, *, field: str) -> None:
@@ -261,10 +405,9 @@ def check_bucket(uri: str, *, field: str) -> None:
 @register("s3")
 def resolve_s3(uri: Uri, kind: Kind, field: str, revision: str | None) -> Path:
     """Download to the local cache (``$KUBETUNE_CACHE/s3/BUCKET/KEY``), reusing unchanged files."""
-    from kubetune.data.tokenize import cache_root
-
     loc = Location.parse(uri.raw, field)
-    return download(uri.raw, cache_root() / "s3" / loc.bucket / loc.key.rstrip("/"), field=field)
+    dest = safe_join(cache_root() / "s3", f"{loc.bucket}/{loc.key.rstrip('/')}".rstrip("/"), what=f"{field}: {uri.raw!r}")
+    return download(uri.raw, dest, field=field)
 
 
 def _etag_file(path: Path) -> Path:

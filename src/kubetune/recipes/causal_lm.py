@@ -217,7 +217,7 @@ def export(spec: JobSpec, model, tokenizer, data: loop.Prepared, out, metrics: d
 
     artifacts.replace_dir(save, out / "model")
     metrics["exported_dtype"] = str(saved_dtype).removeprefix("torch.")
-    log.info("exported %s to %s", "adapter and merged model" if spec.lora else "model", out)
+    log.info("exported %s", "the adapter and the merged model" if spec.lora else "the model")
 
 
 def _config_dtype(config) -> torch.dtype:

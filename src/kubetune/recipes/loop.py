@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,10 +23,12 @@ from typing import Any
 import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
+from safetensors import SafetensorError
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from kubetune import artifacts, checkpoint, distributed, providers
+from kubetune.artifacts import output
 from kubetune.config import JobSpec
 from kubetune.data import batches
 from kubetune.data.sharding import epoch_order, rank_plan, steps_per_epoch
@@ -71,18 +75,22 @@ def train(spec: JobSpec, env: DistEnv, task: Task) -> dict:
         The final metrics (identical on every rank).
     """
     # Log lines go through tqdm.write so they never land in the middle of the progress bar.
-    with logging_redirect_tqdm():
-        return _train(spec, env, task)
+    with logging_redirect_tqdm(), contextlib.ExitStack() as cleanup:
+        return _train(spec, env, task, cleanup)
 
 
-def _train(spec: JobSpec, env: DistEnv, task: Task) -> dict:
+def _train(spec: JobSpec, env: DistEnv, task: Task, cleanup: contextlib.ExitStack) -> dict:
     t_start = time.perf_counter()
     cfg = spec.training
     device = distributed.pick_device(env)
     distributed.setup(env, device, spec.distributed.backend, spec.distributed.timeout_minutes)
     dtype = resolve_precision(cfg.precision, device)
     providers.configure(spec)
-    out = artifacts.local_output_dir(spec.output.uri)  # every rank: checkpoints are read from here
+    # Rank 0 checks the destination (refusing someone else's directory or a finished run), marks
+    # it as kubetune's, and logs whether this run resumes or starts over; every rank then reads
+    # checkpoints from the same place.
+    out = output.claim(spec)[0] if env.is_main else output.local_dir(spec.output.uri)
+    distributed.barrier()
     log.info("job %s (%s): world size %d, device %s, precision %s", spec.name, spec.task, env.world_size, device, cfg.precision if cfg.precision != "auto" else str(dtype).removeprefix("torch."))
 
     # ---- data: read and split on every rank (cheap, deterministic); tokenize once per node ----
@@ -108,13 +116,11 @@ def _train(spec: JobSpec, env: DistEnv, task: Task) -> dict:
     total_steps = min(per_epoch * cfg.epochs, cfg.max_steps or 10**12)
     optimizer, scheduler = build_optimizer(model, cfg, total_steps, device)
     scaler = torch.amp.GradScaler(device.type, enabled=(dtype == torch.float16))
+    guard = _FiniteGuard(optimizer, device, enabled=not scaler.is_enabled())  # fp16: the grad scaler skips overflowing steps itself
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
     # ---- resume: the newest complete checkpoint restores weights, optimizer, schedule, position and RNG ----
     fingerprint = checkpoint.fingerprint(spec, data.labels, env.world_size, data.train_rows)
-    if cfg.resume == "never" and env.is_main:
-        checkpoint.clear(spec.output.uri, out)  # an old run's checkpoints must not be resumed later
-    distributed.barrier()
     progress = {"epoch": 0, "step_in_epoch": 0, "global_step": 0, "samples_seen": 0, "train_time": 0.0, "logged_losses": [],
                 "log_loss": [[0.0, 0.0]] * env.world_size, "tokens": [[0.0, 0.0]] * env.world_size}
     found = _find_checkpoint(spec, out, env) if cfg.resume == "auto" else None
@@ -139,6 +145,7 @@ def _train(spec: JobSpec, env: DistEnv, task: Task) -> dict:
     history = artifacts.History(out, resume_step=global_step if found else None, saved=found.path / "history.jsonl" if found else None) if env.is_main else None
     tb = artifacts.tensorboard_writer(out, purge_step=global_step if found else None) if env.is_main else None
     bar = tqdm(total=total_steps, initial=global_step, desc="train", unit="step", disable=not env.is_main, dynamic_ncols=True, mininterval=1.0 if _tty() else 30.0)
+    cleanup.callback(bar.close)  # however training ends, the bar's line ends before an error is printed
     log.info("training: %d steps (%d per epoch), global batch %d, %d trainable / %d parameters", total_steps, per_epoch, cfg.batch_size * cfg.grad_accum * env.world_size, *_param_counts(model))
 
     def save_checkpoint(epoch: int, step_in_epoch: int) -> None:
@@ -165,7 +172,9 @@ def _train(spec: JobSpec, env: DistEnv, task: Task) -> dict:
         metrics = task.evaluate(model, data, env, device, autocast, cfg.eval_batch_size or 2 * cfg.batch_size)
         log.info("epoch %d, step %d: %s", epoch + 1, global_step, " ".join(f"{k} {metrics[k]:.4f}" for k in ("eval_loss", *task.headline)))
         if history:
-            history.write({"type": "eval", "step": global_step, "epoch": epoch + 1, "samples": samples_seen, "train_s": round(train_s, 3), **metrics})
+            # Scalars only: a per-class matrix at every evaluation would grow the file with the classes squared.
+            scalars = {k: v for k, v in metrics.items() if not isinstance(v, (list, dict))}
+            history.write({"type": "eval", "step": global_step, "epoch": epoch + 1, "samples": samples_seen, "train_s": round(train_s, 3), **scalars})
             for k, v in metrics.items():
                 if isinstance(v, float):
                     tb.add_scalar(f"eval/{k.removeprefix('eval_')}", v, global_step)
@@ -212,7 +221,10 @@ def _train(spec: JobSpec, env: DistEnv, task: Task) -> dict:
                 embedding_sync(step_ids)
             if cfg.max_grad_norm:
                 scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            else:
+                norm = None
+            guard.after_backward(model, norm, global_step + 1)
             scaler.step(optimizer)
             scaler.update()
             scheduler.step()
@@ -226,6 +238,7 @@ def _train(spec: JobSpec, env: DistEnv, task: Task) -> dict:
                 distributed.all_reduce_sum(log_loss)
                 loss = (log_loss[0] / log_loss[1].clamp(min=1)).item()
                 log_loss.zero_()
+                guard.check(global_step, out, spec, loss)
                 logged_losses.append(loss)
                 lr = scheduler.get_last_lr()[0]
                 bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
@@ -245,14 +258,17 @@ def _train(spec: JobSpec, env: DistEnv, task: Task) -> dict:
             timed = bool(cfg.checkpoint_minutes) and env.is_main and time.monotonic() - last_checkpoint >= 60 * cfg.checkpoint_minutes
             stop, timed = distributed.any_rank(distributed.STOP.is_set(), timed, device=device)
             if stop or timed or (cfg.checkpoint_every and global_step % cfg.checkpoint_every == 0):
+                guard.check(global_step, out, spec)  # a checkpoint holds only weights trained on finite gradients
                 save_checkpoint(epoch, step_in_epoch)
                 last_checkpoint = time.monotonic()
             if stop:
                 bar.close()
-                log.warning("stopped on signal after step %d; checkpoint written — run the same job again to resume", global_step)
+                if env.is_main:
+                    log.warning("stopped on signal after step %d; checkpoint written — run the same job again to resume", global_step)
                 raise Preempted(global_step)
         train_time += time.perf_counter() - t_epoch
 
+        guard.check(global_step, out, spec)
         eval_metrics = evaluate(epoch, train_time)
         if global_step >= total_steps:
             break
@@ -283,16 +299,81 @@ def _train(spec: JobSpec, env: DistEnv, task: Task) -> dict:
     if device.type == "cuda":
         metrics["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30  # rank 0's device
     if env.is_main:
-        task.export(spec, model, tokenizer, data, out, metrics)
-        metrics["total_runtime_s"] = time.perf_counter() - t_start
-        artifacts.finish(spec, metrics, out)
-        checkpoint.clear(spec.output.uri, out)  # finished: a rerun starts a new run, and predict/pull never fetch optimizer state
-        artifacts.publish(spec, out, metrics)
-        tb.close()
+        _check_weights_finite(model, global_step, out, spec)
         history.close()
+        tb.close()
+        # Everything final is built aside and swapped in at the end: a failure here (export, the
+        # baseline, the report) leaves the previous state of the output, never half of this run's.
+        staged = output.staging(out)
+        try:
+            task.export(spec, model, tokenizer, data, staged, metrics)
+            metrics["total_runtime_s"] = time.perf_counter() - t_start
+            artifacts.finish(spec, metrics, staged, out / "history.jsonl")
+            output.commit(out, staged)
+        except (OSError, SafetensorError) as e:  # a full disk, a quota: the output keeps its previous state
+            reason = getattr(e, "strerror", None) or str(e).rsplit(": ", 1)[-1].split(" (os error")[0]
+            raise KubetuneError(f"cannot write the artifacts to {out}: {reason}", field="output.uri",
+                                fix="free space or choose another output.uri; nothing there was changed, and the checkpoints are kept") from None
+        finally:
+            shutil.rmtree(staged, ignore_errors=True)
+        artifacts.publish(spec, out, metrics)
+        # Only now that the artifact is safely in place: a failed upload can still resume. A rerun
+        # then starts a new run, and predict/pull never fetch optimizer state.
+        checkpoint.clear(spec.output.uri, out)
         log.info("done: %s, %.1f samples/s; artifacts in %s", ", ".join(f"{k} {metrics[k]:.4f}" for k in task.headline), metrics["train_samples_per_second"], spec.output.uri)
     distributed.barrier()
     return metrics
+
+
+class _FiniteGuard:
+    """Stops a diverged run: a non-finite gradient norm (or logged loss) ends training on every
+    rank at the same step, with the checkpoints written before it kept and nothing exported.
+
+    Without a host sync per step: the fused AdamW takes a ``found_inf`` flag on the device (the
+    mechanism GradScaler uses) and skips a non-finite update there, and the first such step is
+    remembered on the device; the ranks compare it where they synchronize anyway (a log step,
+    before a checkpoint, at the end of an epoch).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, enabled: bool):
+        self.optimizer, self.enabled = optimizer, enabled
+        self.first_bad = torch.full((), -1, dtype=torch.long, device=device)
+
+    def after_backward(self, model: torch.nn.Module, norm: torch.Tensor | None, step: int) -> None:
+        if not self.enabled:
+            return
+        if norm is None:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+        nonfinite = ~torch.isfinite(norm)
+        self.optimizer.found_inf = nonfinite.float()
+        self.first_bad = torch.where(nonfinite & (self.first_bad < 0), step, self.first_bad)
+
+    def check(self, step: int, out: Path, spec: JobSpec, loss: float | None = None) -> None:
+        """All ranks, at the same step."""
+        if not self.enabled:
+            return
+        bad = int(distributed.all_reduce_max(self.first_bad.clone()).item())
+        if bad >= 0 or (loss is not None and not math.isfinite(loss)):
+            at = f"step {bad}" if bad >= 0 else f"the steps up to {step} (mean loss {loss})"
+            raise Diverged(at, out, spec)
+
+
+class Diverged(KubetuneError):
+    """The loss or gradients became non-finite; the run stops without exporting."""
+
+    agreed = True  # every rank raises it at the same step
+
+    def __init__(self, at: str, out: Path, spec: JobSpec):
+        steps = checkpoint.complete_steps(out / "checkpoints")
+        kept = f"the checkpoint of step {steps[-1]} is kept" if steps else "no checkpoint had been written"
+        super().__init__(f"the loss or the gradient norm became non-finite (nan/inf) at {at}; training stopped on every rank and nothing was exported ({kept})",
+                         field="training", fix="lower training.learning_rate or training.weight_decay, keep training.max_grad_norm set, or try precision: fp32")
+
+
+def _check_weights_finite(model: torch.nn.Module, step: int, out: Path, spec: JobSpec) -> None:
+    bad = next((n for n, p in model.named_parameters() if p.requires_grad and not torch.isfinite(p).all()), None)
+    if bad is not None:
+        raise Diverged(f"or before step {step} (weight {bad} is not finite)", out, spec)
 
 
 class Preempted(Exception):

@@ -1,0 +1,242 @@
+"""The output destination: what a run may write, replace and delete there.
+
+kubetune deletes or overwrites only what it wrote. A run marks the directory (or ``s3://`` prefix)
+it creates with ``.kubetune-output``; a non-empty destination without that marker belongs to
+someone else and is refused unless the user passes ``--overwrite`` (``output.overwrite``). Inside
+a marked destination kubetune touches only its own names (``OWNED``), never a file the user put
+beside them. A finished run (its ``metrics.json``) is never replaced without ``--overwrite``, and
+then only when the new run has finished: the final artifacts are built in a staging directory and
+swapped in at the end (``commit``), so a run that fails leaves the previous state, never half.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kubetune import checkpoint, providers
+from kubetune.config import JobSpec
+from kubetune.config.schema import output_uri_problem
+from kubetune.errors import KubetuneError
+from kubetune.paths import cache_root, set_default_mode, write_atomic
+
+log = logging.getLogger(__name__)
+
+MARKER = ".kubetune-output"
+# Swapped in together when a run finishes; metrics.json last, since it marks a finished run.
+FINAL = ("model", "adapter", "plots", "report.html", "job.yaml", "metrics.json")
+LIVE = ("history.jsonl", "tensorboard", "checkpoints")  # written while the run goes
+OWNED = FINAL + LIVE + (MARKER,)
+STAGING_PREFIX = ".kubetune-staging-"
+REMOTE_OUTPUTS = ("s3", "hf")
+_FIX = "pick a new output.uri, or pass --overwrite (output.overwrite: true)"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a run will do with its destination, decided before anything is written."""
+
+    action: str  # new | resume | restart | replace | adopt
+    detail: str  # the log line
+    steps: tuple[int, ...] = ()  # complete checkpoints found
+
+
+def refuse_special(uri: str, field: str = "output.uri") -> None:
+    """Refuse destinations that can only be mistakes: empty, the filesystem root, a home directory
+    itself, an S3 bucket's root (also when a relative path resolves to one of them).
+
+    Raises:
+        KubetuneError: naming the value and the fix.
+    """
+    problem = output_uri_problem(uri)
+    parsed = providers.parse_uri(uri)
+    if problem is None and parsed.scheme == "file":
+        resolved = Path(parsed.body).expanduser().resolve()
+        if resolved == Path("/") or resolved == Path.home().resolve():
+            problem = f"{uri!r} is {resolved}, the filesystem root or your home directory itself — name a directory of its own, e.g. runs/NAME"
+    if problem:
+        message, _, fix = problem.partition(" — ")
+        if "; name" in message:
+            message, _, fix = message.partition("; ")
+        raise KubetuneError(message, field=field, fix=fix or None)
+
+
+def local_dir(uri: str) -> Path:
+    """The local directory artifacts are written to (not created): ``output.uri`` itself, or for
+    a remote output (s3://, hf://) a staging directory in the cache that ``publish`` uploads."""
+    parsed = providers.parse_uri(uri)
+    if parsed.scheme in REMOTE_OUTPUTS:
+        return cache_root() / "outputs" / hashlib.sha256(uri.encode()).hexdigest()[:16]
+    if parsed.scheme != "file":
+        raise KubetuneError(f"output scheme '{parsed.scheme}://' is not supported", field="output.uri", fix="use a local directory, s3://BUCKET/PREFIX or hf://ORG/REPO")
+    return Path(parsed.body).expanduser()
+
+
+def inspect(spec: JobSpec) -> Plan:
+    """Decide, without writing anything, whether and how this run may use its destination.
+
+    Raises:
+        KubetuneError: the destination belongs to someone else, holds a finished run (without
+            ``output.overwrite``), or cannot be written.
+    """
+    uri = spec.output.uri
+    refuse_special(uri)
+    scheme = providers.parse_uri(uri).scheme
+    if scheme == "hf":  # a push is one new commit on top of the repo's history: nothing is lost
+        return Plan("new", f"pushing to {uri} when the run finishes")
+    if scheme == "s3":
+        return _inspect_s3(spec)
+    path = local_dir(uri)
+    if not path.exists():
+        parent = next((p for p in path.parents if p.exists()), None)
+        if parent is not None and not os.access(parent, os.W_OK | os.X_OK):
+            raise KubetuneError(f"cannot create {path}: {parent} is not writable", field="output.uri", fix="choose a writable directory")
+        return Plan("new", f"new output directory {path}")
+    if not path.is_dir():
+        raise KubetuneError(f"{path} exists and is not a directory", field="output.uri", fix="pick a new output.uri")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise KubetuneError(f"{path} is not writable (a read-only mount, or another user's directory)", field="output.uri", fix="choose a writable directory")
+    entries = sorted(e for e in os.listdir(path) if not e.startswith(STAGING_PREFIX))
+    if not entries:
+        return Plan("new", f"output directory {path} (empty)")
+    if not (path / MARKER).exists():
+        if spec.output.overwrite:
+            return Plan("adopt", f"--overwrite: writing into {path}, which kubetune did not create; only kubetune's own entries there are replaced")
+        raise KubetuneError(f"{path} is not empty and was not created by kubetune ({_entries(entries)})", field="output.uri", fix=_FIX)
+    steps = tuple(checkpoint.complete_steps(path / "checkpoints"))
+    return _decide(spec, path, steps, finished=(path / "metrics.json").exists())
+
+
+def _inspect_s3(spec: JobSpec) -> Plan:
+    from kubetune.providers import s3
+
+    uri = spec.output.uri.rstrip("/")
+    keys = s3.list_keys(uri, field="output.uri", limit=1000)
+    if not keys:
+        return Plan("new", f"new output prefix {uri}/")
+    if MARKER not in keys:
+        if spec.output.overwrite:
+            return Plan("adopt", f"--overwrite: writing under {uri}/, which kubetune did not create; only objects kubetune's manifests list are replaced")
+        raise KubetuneError(f"{uri}/ holds {len(keys)}{'+' if len(keys) >= 1000 else ''} objects that kubetune did not write (no {MARKER}), e.g. {sorted(keys)[0]!r}",
+                            field="output.uri", fix=_FIX)
+    steps = tuple(checkpoint.remote_steps(f"{uri}/checkpoints"))
+    return _decide(spec, uri, steps, finished=s3.MANIFEST in keys)
+
+
+def _decide(spec: JobSpec, where, steps: tuple[int, ...], finished: bool) -> Plan:
+    if steps and spec.training.resume == "auto":
+        return Plan("resume", f"resuming from checkpoint step {steps[-1]} in {where}", steps)
+    if finished and not spec.output.overwrite:
+        raise KubetuneError(f"{where} holds a finished run (metrics.json, model/)", field="output.uri",
+                            fix="pick a new output.uri, or pass --overwrite to replace it once this run finishes")
+    if steps:
+        return Plan("restart", f"starting over (--no-resume): removing the earlier run's {len(steps)} checkpoint(s) in {where}", steps)
+    if finished:
+        return Plan("replace", f"starting over (--overwrite): the finished run in {where} is replaced when this run finishes")
+    return Plan("restart", f"starting over in {where}: no checkpoint to resume from")
+
+
+def claim(spec: JobSpec) -> tuple[Path, Plan]:
+    """Rank 0, before anything else is written: check the destination (``inspect``), create and
+    mark it, clear what a restart replaces, and log the decision.
+
+    Returns:
+        The local output directory and the plan.
+    """
+    plan = inspect(spec)
+    out = local_dir(spec.output.uri)
+    uri = spec.output.uri.rstrip("/")
+    marker = json.dumps({"format": "kubetune-output/1", "job": spec.name, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        if not (out / MARKER).exists():
+            write_atomic(out / MARKER, marker)
+        for stale in out.glob(f"{STAGING_PREFIX}*"):  # a crashed run's unfinished staging
+            shutil.rmtree(stale, ignore_errors=True)
+    except OSError as e:
+        raise KubetuneError(f"cannot write to {out}: {e.strerror or e}", field="output.uri", fix="choose a writable directory") from None
+    if providers.parse_uri(uri).scheme == "s3":
+        from kubetune.providers import s3
+
+        if plan.action in ("new", "adopt"):
+            s3.write_text(f"{uri}/{MARKER}", marker, field="output.uri")
+    if plan.action == "restart" and plan.steps:
+        checkpoint.clear(spec.output.uri, out)
+    log.info("output %s: %s", spec.output.uri, plan.detail)
+    return out, plan
+
+
+def staging(out: Path) -> Path:
+    """A fresh directory inside ``out`` where the final artifacts are built."""
+    path = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=out))
+    set_default_mode(path)
+    return path
+
+
+def commit(out: Path, staged: Path) -> None:
+    """Swap the final artifacts built in ``staged`` into ``out``: the old ``metrics.json`` goes
+    first (the directory stops looking finished), the new one comes last. Final entries of an
+    earlier run that this run did not produce (e.g. ``adapter/`` after a LoRA run) are removed."""
+    (out / "metrics.json").unlink(missing_ok=True)
+    for name in FINAL:
+        src, dst = staged / name, out / name
+        if dst.is_symlink() or dst.is_file():
+            dst.unlink()
+        elif dst.exists():
+            shutil.rmtree(dst)
+        if src.exists():
+            os.replace(src, dst)
+    shutil.rmtree(staged, ignore_errors=True)
+
+
+def state_after_stop(spec: JobSpec, since: float) -> str:
+    """After a stop signal reached the launcher: ``finished`` (this run's artifacts are complete),
+    ``checkpoint`` (a run again resumes) or ``nothing`` (a run again starts over)."""
+    out = local_dir(spec.output.uri)
+    metrics = out / "metrics.json"
+    if metrics.exists() and metrics.stat().st_mtime >= since:
+        return "finished"
+    if checkpoint.complete_steps(out / "checkpoints"):
+        return "checkpoint"
+    if providers.parse_uri(spec.output.uri).scheme == "s3":
+        try:
+            if checkpoint.remote_steps(f"{spec.output.uri.rstrip('/')}/checkpoints"):
+                return "checkpoint"
+        except KubetuneError:
+            pass
+    return "nothing"
+
+
+def check_pull_dest(dest: Path, overwrite: bool) -> None:
+    """``kubetune pull DEST`` writes only into an empty or new directory, or one an earlier pull
+    or run made, unless ``--overwrite``.
+
+    Raises:
+        KubetuneError: DEST is someone else's non-empty directory, or a file.
+    """
+    refuse_special(str(dest), field="DEST")
+    if not dest.exists() or overwrite:
+        return
+    if not dest.is_dir():
+        raise KubetuneError(f"{dest} exists and is not a directory", field="DEST", fix="pick a new directory")
+    entries = sorted(os.listdir(dest))
+    if entries and not (dest / MARKER).exists():
+        raise KubetuneError(f"{dest} is not empty and was not written by kubetune ({_entries(entries)})",
+                            field="DEST", fix="pick a new directory, or pass --overwrite")
+
+
+def _entries(names: list[str]) -> str:
+    shown = ", ".join(repr(n if len(n) <= 40 else n[:37] + "...") for n in names[:3])
+    return f"{len(names)} {'entry' if len(names) == 1 else 'entries'}: {shown}{', ...' if len(names) > 3 else ''}"
+
+
+def mark_pulled(dest: Path, uri: str) -> None:
+    if not (dest / MARKER).exists():
+        write_atomic(dest / MARKER, json.dumps({"format": "kubetune-output/1", "pulled_from": uri}) + "\n")

@@ -1,0 +1,139 @@
+"""Where kubetune writes, and how: cache roots, atomic files and directories, names checked
+against their destination.
+
+Every name that comes from elsewhere (an S3 key, a manifest entry, a Hub file name, a checkpoint
+listing) goes through ``safe_join`` before anything is written, so that no remote listing can
+make kubetune write outside the directory it was given. Files and directories are created with
+the permissions the user's umask gives (a serving pod or a teammate reads a model under another
+uid), not the 0600/0700 of ``mkstemp``/``mkdtemp``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path, PurePosixPath
+
+from kubetune.errors import KubetuneError
+
+_umask_lock = threading.Lock()
+_umask: int | None = None
+
+
+def cache_root() -> Path:
+    """``$KUBETUNE_CACHE`` or ``~/.cache/kubetune``."""
+    return Path(os.environ.get("KUBETUNE_CACHE") or Path.home() / ".cache" / "kubetune")
+
+
+def umask() -> int:
+    """The process umask (read once: reading it means setting it, which is not thread-safe)."""
+    global _umask
+    with _umask_lock:
+        if _umask is None:
+            _umask = os.umask(0o022)
+            os.umask(_umask)
+        return _umask
+
+
+def set_default_mode(path: Path) -> None:
+    """Give a file made by mkstemp (0600) or a directory made by mkdtemp (0700) the mode a plain
+    ``open``/``mkdir`` would have given it."""
+    base = 0o777 if path.is_dir() else 0o666
+    os.chmod(path, base & ~umask())
+
+
+def set_default_modes(root: Path) -> None:
+    """``set_default_mode`` for ``root`` and everything below it (some writers, safetensors among
+    them, create their files 0600)."""
+    set_default_mode(root)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            if not p.is_symlink():
+                set_default_mode(p)
+
+
+def write_atomic(path: Path, text: str | bytes) -> None:
+    """Write a file through a temporary sibling and a rename: readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w", **({} if isinstance(text, bytes) else {"encoding": "utf-8"})) as f:
+            f.write(text)
+        set_default_mode(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def replace_dir(build: Callable[[Path], object], dest: Path) -> None:
+    """Build a directory under a temporary name and swap it into place (``dest`` must be ours)."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+    try:
+        build(tmp)
+        set_default_modes(tmp)
+        if dest.is_symlink() or dest.is_file():
+            dest.unlink()
+        elif dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_relative(name: str, *, what: str, fix: str = "refusing to write it; the listing or manifest was tampered with") -> PurePosixPath:
+    """A remote relative name as a safe POSIX path: no absolute path, no ``..``, no empty or ``.``
+    segment (``a//b``), no NUL, no backslash.
+
+    Raises:
+        KubetuneError: naming ``what`` (e.g. the bucket and key) and the offending name.
+    """
+    shown = name if len(name) <= 120 else name[:117] + "..."
+    parts = name.split("/")
+    if (not name or name.startswith("/") or "\x00" in name or "\\" in name
+            or any(p in ("", ".", "..") for p in parts)):
+        raise KubetuneError(f"{what}: the name {shown!r} would write outside its destination", fix=fix)
+    return PurePosixPath(name)
+
+
+def safe_join(root: Path, name: str, *, what: str) -> Path:
+    """``root / name`` for a name that came from elsewhere, refused unless it stays inside ``root``
+    (also when a directory on the way is a symlink that points out of it).
+
+    Raises:
+        KubetuneError: the name escapes ``root``.
+    """
+    rel = check_relative(name, what=what)
+    target = root / Path(*rel.parts)
+    base = root.resolve()
+    # Resolve the deepest existing ancestor: a symlinked directory inside root must not lead out.
+    probe = target.parent
+    while probe != root and not probe.exists():
+        probe = probe.parent
+    resolved = probe.resolve()
+    if resolved != base and base not in resolved.parents:
+        raise KubetuneError(f"{what}: {name!r} leads through a symbolic link outside {root}", fix="refusing to write it; remove the link")
+    if target.is_symlink():
+        raise KubetuneError(f"{what}: {target} is a symbolic link; refusing to write through it", fix="remove the link")
+    return target
+
+
+def check_tree_inside(root: Path, *, what: str) -> None:
+    """Refuse a downloaded directory holding a symlink that resolves outside ``root`` (a Hub
+    snapshot is made of links into the cache's own blob store, which is inside its repo folder).
+
+    Raises:
+        KubetuneError: names the link.
+    """
+    base = root.resolve()
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            if p.is_symlink():
+                target = p.resolve()
+                if target != base and base not in target.parents:
+                    raise KubetuneError(f"{what}: {p.relative_to(root)} is a link to {target}, outside the download", fix="refusing to use it; the source was tampered with")

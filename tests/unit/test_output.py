@@ -1,0 +1,148 @@
+"""The output destination: kubetune refuses someone else's directory, never removes a finished run
+without --overwrite, and deletes or replaces only its own entries."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kubetune.artifacts import output
+from kubetune.config import parse_spec
+from kubetune.errors import KubetuneError
+
+
+def _spec(out: Path, overwrite: bool = False, resume: str = "auto"):
+    return parse_spec({"name": "t", "model": {"uri": "hf://o/m"}, "data": {"train": "t.csv"},
+                       "training": {"resume": resume}, "output": {"uri": str(out), "overwrite": overwrite}})
+
+
+def _finished(out: Path) -> None:
+    """A directory as a finished kubetune run leaves it."""
+    (out / "model").mkdir(parents=True)
+    (out / "model" / "model.safetensors").write_text("old weights")
+    for name in ("metrics.json", "job.yaml", "history.jsonl", "report.html"):
+        (out / name).write_text("{}")
+    (out / output.MARKER).write_text("{}")
+
+
+def _checkpoints(out: Path, *steps: int) -> None:
+    for step in steps:
+        d = out / "checkpoints" / f"step-{step:08d}"
+        d.mkdir(parents=True)
+        (d / "COMPLETE").write_text("{}")
+    (out / output.MARKER).write_text("{}")
+
+
+def _foreign(out: Path) -> None:
+    (out / "model").mkdir(parents=True)
+    (out / "model" / "thesis.tex").write_text("three years of work")
+
+
+# (case, set-up, overwrite, resume, expected action or the error fragment)
+CASES = [
+    ("new directory", lambda out: None, False, "auto", "new"),
+    ("empty directory", lambda out: out.mkdir(), False, "auto", "new"),
+    ("someone else's directory", _foreign, False, "auto", "is not empty and was not created by kubetune (1 entry: 'model') — pick a new output.uri, or pass --overwrite"),
+    ("someone else's directory, --overwrite", _foreign, True, "auto", "adopt"),
+    ("a finished run", _finished, False, "auto", "holds a finished run (metrics.json, model/) — pick a new output.uri, or pass --overwrite"),
+    ("a finished run, --overwrite", _finished, True, "auto", "replace"),
+    ("an interrupted run", lambda out: _checkpoints(out, 3, 6), False, "auto", "resume"),
+    ("an interrupted run, --no-resume", lambda out: _checkpoints(out, 3, 6), False, "never", "restart"),
+    ("a failed run without checkpoints", lambda out: (out.mkdir(), (out / output.MARKER).write_text("{}"), (out / "history.jsonl").write_text("")), False, "auto", "restart"),
+    ("a file", lambda out: out.write_text("x"), False, "auto", "exists and is not a directory"),
+]
+
+
+@pytest.mark.parametrize("case, setup, overwrite, resume, expected", CASES, ids=[c[0] for c in CASES])
+def test_what_a_run_may_do_with_its_output(tmp_path, case, setup, overwrite, resume, expected):
+    out = tmp_path / "out"
+    setup(out)
+    before = _snapshot(tmp_path)
+    spec = _spec(out, overwrite, resume)
+    if " " in expected:
+        with pytest.raises(KubetuneError) as e:
+            output.inspect(spec)
+        assert str(e.value).startswith("output.uri: ") and expected in str(e.value) and "\n" not in str(e.value)
+        assert _snapshot(tmp_path) == before  # refused: nothing touched
+        return
+    assert output.inspect(spec).action == expected
+    assert _snapshot(tmp_path) == before  # inspecting writes nothing
+    got, plan = output.claim(spec)
+    assert got == out and plan.action == expected and (out / output.MARKER).exists()
+    if expected == "restart" and resume == "never":
+        assert not (out / "checkpoints").exists()  # the earlier run's checkpoints, and only those
+    if expected in ("replace", "adopt"):
+        assert (out / "model").exists()  # the old model stays until the new run has finished
+
+
+def _snapshot(root: Path) -> dict:
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
+
+
+def test_commit_replaces_only_kubetunes_entries_and_keeps_the_users(tmp_path):
+    out = tmp_path / "out"
+    _finished(out)
+    (out / "adapter").mkdir()  # from an earlier LoRA run: stale after a full fine-tune
+    (out / "notes.txt").write_text("mine")
+    (out / "plots-of-mine").mkdir()
+    staged = output.staging(out)
+    (staged / "model").mkdir()
+    (staged / "model" / "model.safetensors").write_text("new weights")
+    (staged / "metrics.json").write_text(json.dumps({"eval_accuracy": 1.0}))
+    output.commit(out, staged)
+    assert (out / "model" / "model.safetensors").read_text() == "new weights"
+    assert json.loads((out / "metrics.json").read_text()) == {"eval_accuracy": 1.0}
+    assert not (out / "adapter").exists() and not staged.exists()
+    assert (out / "notes.txt").read_text() == "mine" and (out / "plots-of-mine").is_dir()
+
+
+def test_clearing_checkpoints_removes_only_checkpoints(tmp_path):
+    from kubetune import checkpoint
+
+    out = tmp_path / "out"
+    _checkpoints(out, 3, 6)
+    (out / "checkpoints" / ".step-00000009-abc").mkdir()  # a checkpoint being written when the run died
+    (out / "checkpoints" / "README.txt").write_text("the user's")
+    checkpoint.clear(str(out), out)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["README.txt"]
+
+
+@pytest.mark.parametrize("dest_setup, overwrite, expected", [
+    (lambda d: None, False, None),
+    (lambda d: d.mkdir(), False, None),
+    (lambda d: (d.mkdir(), (d / "thesis.tex").write_text("x")), False, "DEST: {d} is not empty and was not written by kubetune (1 entry: 'thesis.tex') — pick a new directory, or pass --overwrite"),
+    (lambda d: (d.mkdir(), (d / "thesis.tex").write_text("x")), True, None),
+    (lambda d: (d.mkdir(), (d / output.MARKER).write_text("{}"), (d / "config.json").write_text("{}")), False, None),  # an earlier pull
+])
+def test_pull_destination(tmp_path, dest_setup, overwrite, expected):
+    dest = tmp_path / "pulled"
+    dest_setup(dest)
+    if expected is None:
+        output.check_pull_dest(dest, overwrite)
+    else:
+        with pytest.raises(KubetuneError) as e:
+            output.check_pull_dest(dest, overwrite)
+        assert str(e.value) == expected.format(d=dest)
+
+
+def test_a_read_only_mount_is_one_line(tmp_path):
+    """A real read-only tmpfs mount (needs root, as the multi-node tests' namespaces do)."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("needs root and mount(8) to mount a read-only tmpfs")
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    probe = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {probe.stderr.strip()}")
+    try:
+        for uri in (mnt, mnt / "run"):
+            with pytest.raises(KubetuneError) as e:
+                output.inspect(_spec(uri))
+            assert "not writable" in str(e.value) and str(e.value).startswith("output.uri: ")
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
