@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
 
-def tfidf_baseline(frames) -> dict:
-    """Fit on ``frames.train``, score on ``frames.eval``; returns accuracy and macro-F1."""
+log = logging.getLogger(__name__)
+
+METHOD = "TF-IDF (1-2 grams, sublinear tf) + logistic regression (C=10)"
+
+
+def tfidf_baseline(frames) -> dict | None:
+    """Fit on ``frames.train``, score on ``frames.eval``.
+
+    Returns:
+        accuracy, macro-F1 and the method; None (with one warning line saying why) when the fit
+        cannot fit in memory: estimated from the vocabulary and the classes before fitting, or a
+        MemoryError while fitting.
+    """
     from sklearn.feature_extraction.text import TfidfVectorizer
     from sklearn.linear_model import LogisticRegression
     from sklearn.metrics import accuracy_score, f1_score
@@ -12,12 +25,57 @@ def tfidf_baseline(frames) -> dict:
     def texts(df):
         return (df["text"] + " [SEP] " + df["text_pair"]) if "text_pair" in df else df["text"]
 
-    vec = TfidfVectorizer(ngram_range=(1, 2), sublinear_tf=True, min_df=1)
-    x_train = vec.fit_transform(texts(frames.train))
-    clf = LogisticRegression(max_iter=1000, C=10.0).fit(x_train, frames.train["label"])
-    pred = clf.predict(vec.transform(texts(frames.eval)))
+    n_classes = int(frames.train["label"].nunique())
+    try:
+        vec = TfidfVectorizer(ngram_range=(1, 2), sublinear_tf=True, min_df=1)
+        x_train = vec.fit_transform(texts(frames.train))
+        need = fit_bytes(x_train.shape[0], x_train.shape[1], n_classes)
+        available = available_memory()
+        # Half of what is free: the estimate is rough, and the fine-tuned model is still in memory.
+        if available is not None and need > available / 2:
+            log.warning("baseline skipped: logistic regression over %d classes x %d TF-IDF features needs about %.1f GiB, "
+                        "and %.1f GiB of memory is available", n_classes, x_train.shape[1], need / 2**30, available / 2**30)
+            return None
+        clf = LogisticRegression(max_iter=1000, C=10.0).fit(x_train, frames.train["label"])
+        pred = clf.predict(vec.transform(texts(frames.eval)))
+    except MemoryError:
+        log.warning("baseline skipped: out of memory fitting TF-IDF + logistic regression over %d classes", n_classes)
+        return None
     return {
         "accuracy": float(accuracy_score(frames.eval["label"], pred)),
         "f1_macro": float(f1_score(frames.eval["label"], pred, average="macro")),
-        "method": "TF-IDF (1-2 grams, sublinear tf) + logistic regression (C=10)",
+        "method": METHOD,
     }
+
+
+def fit_bytes(n_samples: int, n_features: int, n_classes: int) -> int:
+    """Estimated peak memory of the lbfgs logistic-regression fit, in bytes.
+
+    The coefficients are classes x (features + 1) float64 (one row for two classes); L-BFGS keeps
+    10 pairs of correction vectors of that size plus a few gradients and copies (about 30 in all),
+    and each iteration holds the scores and probabilities of every training row for every class.
+    """
+    rows = n_classes if n_classes > 2 else 1
+    return 8 * (30 * rows * (n_features + 1) + 3 * n_samples * n_classes)
+
+
+def available_memory() -> int | None:
+    """Bytes this process can still allocate: MemAvailable, or less under a cgroup memory limit
+    (a Kubernetes pod); None where neither can be read."""
+    found = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            cap = Path(limit).read_text().strip()
+            if cap != "max" and int(cap) < 2**60:
+                found.append(max(0, int(cap) - int(Path(usage).read_text().strip())))
+            break
+        except (OSError, ValueError):
+            continue
+    return min(found) if found else None

@@ -95,13 +95,7 @@ def write_report(spec: JobSpec, metrics: dict, out: Path, history: Path | None =
             f"<tr><th>{html.escape(base['method'])}</th><td>{_fmt(base['accuracy'])}</td><td>{_fmt(base['f1_macro'])}</td></tr></table>"
             f"<p>The fine-tuned model {verdict} the baseline by {100 * (metrics['eval_accuracy'] - base['accuracy']):+.1f} accuracy points.</p>"
         )
-    labels = metrics.get("labels") or []
-    cm = metrics.get("eval_confusion") or []
-    confusion = ""
-    if cm:
-        head = "".join(f"<th>{html.escape(str(lab))}</th>" for lab in labels)
-        body = "".join(f"<tr><th>{html.escape(str(labels[i]))}</th>" + "".join(f"<td>{v}</td>" for v in row) + "</tr>" for i, row in enumerate(cm))
-        confusion = f"<h2>Confusion matrix (rows: true, columns: predicted)</h2><table><tr><th></th>{head}</tr>{body}</table>"
+    confusion = _confusion_html(metrics.get("labels") or [], metrics.get("eval_confusion") or [])
     imgs = "".join(f'<img alt="{p.stem}" src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}">' for p in images)
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>kubetune report: {html.escape(spec.name)}</title>
 <style>body{{font-family:system-ui,sans-serif;max-width:60rem;margin:2rem auto;padding:0 1rem}}table{{border-collapse:collapse;margin:1rem 0}}
@@ -113,6 +107,23 @@ th,td{{border:1px solid #ccc;padding:.3rem .6rem;text-align:left}}img{{max-width
     path = out / "report.html"
     write_atomic(path, page)
     return path
+
+
+# More classes than this make a table nobody reads (metrics.json keeps the matrix up to 100 classes).
+MAX_CONFUSION_TABLE = 30
+
+
+def _confusion_html(labels: list, cm: list[list[int]]) -> str:
+    """The confusion matrix as a table; a one-line note instead when it is absent or too big to read."""
+    if not cm:
+        return f"<p>{len(labels)} classes: no confusion matrix (kept up to 100 classes).</p>" if len(labels) > 100 else ""
+    if len(cm) > MAX_CONFUSION_TABLE:
+        return f"<p>{len(cm)} classes: the confusion matrix is in metrics.json (eval_confusion), too big for a table here.</p>"
+    if len(labels) != len(cm):
+        labels = list(range(len(cm)))
+    head = "".join(f"<th>{html.escape(str(lab))}</th>" for lab in labels)
+    body = "".join(f"<tr><th>{html.escape(str(labels[i]))}</th>" + "".join(f"<td>{v}</td>" for v in row) + "</tr>" for i, row in enumerate(cm))
+    return f"<h2>Confusion matrix (rows: true, columns: predicted)</h2><table><tr><th></th>{head}</tr>{body}</table>"
 
 
 def _fmt(v) -> str:

@@ -52,7 +52,8 @@ class DataSpec(Section):
         None, description="Optional second text column (sentence pairs, e.g. NLI); encoded as [CLS] a [SEP] b [SEP]."
     )
     label_column: str = Field(
-        "label", description="Column holding the class label: strings or integers; mapped to ids in sorted order."
+        "label", description="Column holding the class label: strings or numbers; mapped to ids in sorted order (numerically "
+        "when every label is a number). None/NA/null are labels, not missing."
     )
     max_length: int = Field(
         128, ge=8, le=32768, description="Token limit per example; longer texts are truncated. Batches are padded dynamically."
@@ -65,7 +66,9 @@ class DataSpec(Section):
     )
     encoding: str = Field(
         "auto",
-        description="Text encoding of CSV/TSV/JSONL files. 'auto' tries utf-8 and falls back to latin-1 with a warning.",
+        description="Text encoding of CSV/TSV/JSON(L) files. 'auto': UTF-8; a byte-order mark selects UTF-8/16/32; bytes that "
+        "are not valid UTF-8 are decoded as cp1252 with a warning (valid UTF-8 around them stays UTF-8). Any other value "
+        "(latin-1, cp1252, utf-16, ...) is used as given.",
     )
     max_classes: int = Field(
         1000, ge=2, le=100_000,

@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from kubetune.config import DataSpec
-from kubetune.data.tables import read_table
+from kubetune.data.tables import describe_non_text, read_table, short
 from kubetune.errors import KubetuneError
 
 log = logging.getLogger(__name__)
@@ -49,17 +49,17 @@ class LMFrames:
 
 
 def load_lm_frames(spec: DataSpec, seed: int) -> LMFrames:
-    """Read, normalize and split causal-LM data.
+    """Read, normalize and split causal-LM data (read as ``read_table`` reads: "None" or "NA" is text).
 
     Raises:
-        KubetuneError: missing columns, malformed messages, no usable rows.
+        KubetuneError: missing columns, a text column that holds no text, malformed messages, no usable rows.
     """
     dropped: dict[str, int] = {}
-    train_raw = read_table(spec.train, field="data.train", split=spec.train_split, encoding=spec.encoding)
+    train_raw = read_table(spec.train, field="data.train", split=spec.train_split, encoding=spec.encoding, max_input_mb=spec.max_input_mb)
     fmt = detect_format(train_raw, spec)
     train = _normalize(train_raw, spec, fmt, "data.train", dropped, "train")
     if spec.eval:
-        eval_raw = read_table(spec.eval, field="data.eval", split=spec.eval_split, encoding=spec.encoding)
+        eval_raw = read_table(spec.eval, field="data.eval", split=spec.eval_split, encoding=spec.encoding, max_input_mb=spec.max_input_mb)
         evald = _normalize(eval_raw, spec, fmt, "data.eval", dropped, "eval")
     else:
         n_eval = max(1, round(len(train) * spec.eval_fraction))
@@ -93,10 +93,14 @@ def _normalize(df: pd.DataFrame, spec: DataSpec, fmt: str, field_name: str, drop
     for key, col in needed.items():
         if col not in df.columns:
             hint = "" if spec.format != "auto" else f" (data.format auto-detected as {fmt})"
-            raise KubetuneError(f"column '{col}' not found in {source}{hint}; columns are {[str(c) for c in df.columns][:20]}",
+            raise KubetuneError(f"column '{short(col, 40)}' not found in {short(source)}{hint}; columns are {[short(c, 40) for c in df.columns[:20]]}",
                                 field=f"data.{key}", fix=f"set data.{key}" + (" or data.format" if spec.format == "auto" else ""))
     if len(df) == 0:
         raise KubetuneError(f"{source} has no rows", field=field_name, fix="point it at data with at least one row")
+    for key, col in needed.items():
+        what = describe_non_text(df[col]) if key != "messages_column" else None
+        if what:
+            raise KubetuneError(f"column '{short(col, 40)}' of {short(source)} holds {what}, not text", field=f"data.{key}", fix=f"set data.{key} to the text column")
     records = [_record(row, spec, fmt, source, i) for i, row in enumerate(df.to_dict("records"))]
     keep = np.array([r is not None for r in records], dtype=bool)
     n_drop = int((~keep).sum())

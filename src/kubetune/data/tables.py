@@ -3,11 +3,21 @@
 Produces ``Frames``: train and eval pandas frames with normalized columns ``text`` (and
 ``text_pair``) and integer ``label``, plus the sorted label names. Every user error names the
 field, the value and the fix.
+
+Before anything is parsed, the input is checked where a careless or hostile file would otherwise
+cost memory or produce garbage: only regular files, a size limit (``data.max_input_mb``), one kind
+of data file per directory, and a look at the first bytes of text tables (binary data, ZIP/Excel
+and Parquet files under a text name, byte-order marks, a first line with no end).
 """
 
 from __future__ import annotations
 
+import codecs
 import logging
+import math
+import os
+import stat
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +31,40 @@ from kubetune.errors import KubetuneError
 log = logging.getLogger(__name__)
 
 FILE_SUFFIXES = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
+# Data files the `datasets` library reads from a directory, by the reader it picks (json and jsonl
+# share one). It silently reads only the most common kind, so a mix is an error here.
+DIR_KINDS = {".csv": "csv", ".tsv": "tsv", ".json": "json", ".jsonl": "json", ".ndjson": "json", ".parquet": "parquet", ".arrow": "arrow"}
+BUILDERS = {"csv": ("csv", {}), "tsv": ("csv", {"sep": "\t"}), "json": ("json", {}), "parquet": ("parquet", {}), "arrow": ("arrow", {})}
+# What the s3:// provider writes next to downloaded files; not data (and `datasets` would read it as such).
+KUBETUNE_MANIFEST = "_kubetune_manifest.json"
+TEXT_FORMATS = ("csv", "tsv", "json", "jsonl")
+SNIFF_BYTES = 64 * 1024  # NUL bytes in here: binary data, not text
+MAX_FIRST_LINE = 1 << 20  # a CSV header longer than this is not a header
+# (magic, what it is, what to do): files that are not text tables, whatever their name says.
+MAGIC = [
+    (b"PK\x03\x04", "an Excel workbook or ZIP archive", "export it as CSV (or unzip it)"),
+    (b"PAR1", "a Parquet file", "rename it to .parquet"),
+    (b"\xd0\xcf\x11\xe0\xa1\xb1\x1a\xe1", "an old Excel (.xls) or other OLE2 document", "export it as CSV"),
+    (b"\x1f\x8b", "gzip-compressed", "decompress it (gunzip)"),
+]
+# Longest first: the UTF-32 LE mark starts with the UTF-16 LE one.
+BOMS = [(codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"), (codecs.BOM_UTF8, "utf-8-sig"),
+        (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16")]
+# With data.encoding auto, bytes that are not valid UTF-8 are decoded as cp1252 (latin-1 for the
+# five bytes cp1252 leaves undefined), byte by byte, and the valid UTF-8 around them stays UTF-8.
+FALLBACK_ERRORS = "kubetune-cp1252-fallback"
+_fallback_used = [0]
+
+
+def _cp1252_fallback(err: UnicodeError) -> tuple[str, int]:
+    if not isinstance(err, UnicodeDecodeError):
+        raise err
+    _fallback_used[0] += 1
+    bad = err.object[err.start : err.end]
+    return "".join(bytes([b]).decode("cp1252", errors="ignore") or chr(b) for b in bad), err.end
+
+
+codecs.register_error(FALLBACK_ERRORS, _cp1252_fallback)
 
 
 @dataclass
@@ -41,16 +85,18 @@ def load_frames(spec: DataSpec, seed: int) -> Frames:
     """Load, validate and split the data described by ``spec``.
 
     Raises:
-        KubetuneError: missing files or columns, empty data, a single class, eval labels unseen
-            in training.
+        KubetuneError: missing, oversized or non-tabular files or columns, a text column that holds
+            no text, empty data, a single class or more than ``data.max_classes``, eval labels
+            unseen in training.
     """
     dropped: dict[str, int] = {}
-    train_raw = read_table(spec.train, field="data.train", split=spec.train_split, encoding=spec.encoding)
+    train_raw = read_table(spec.train, field="data.train", split=spec.train_split, encoding=spec.encoding, max_input_mb=spec.max_input_mb)
     train = _normalize(train_raw, spec, "data.train", dropped, "train")
+    _check_labels(train[spec.label_column], spec)
     labels = _label_names(train[spec.label_column], spec)
     if len(labels) < 2:
         raise KubetuneError(
-            f"only one class ({labels[0]!r}) in column '{spec.label_column}' of {spec.train}",
+            f"only one class ({short(labels[0])!r}) in column '{short(spec.label_column)}' of {short(spec.train)}",
             field="data.label_column",
             fix="classification needs at least two classes; check the label column or the data",
         )
@@ -58,12 +104,12 @@ def load_frames(spec: DataSpec, seed: int) -> Frames:
     train = _with_ids(train, spec, label2id)
 
     if spec.eval:
-        eval_raw = read_table(spec.eval, field="data.eval", split=spec.eval_split, encoding=spec.encoding)
+        eval_raw = read_table(spec.eval, field="data.eval", split=spec.eval_split, encoding=spec.encoding, max_input_mb=spec.max_input_mb)
         evald = _normalize(eval_raw, spec, "data.eval", dropped, "eval")
         unseen = sorted(set(map(_label_key, evald[spec.label_column])) - set(labels))
         if unseen:
             raise KubetuneError(
-                f"labels {unseen[:5]} occur in {spec.eval} but never in {spec.train}",
+                f"labels {[short(u, 40) for u in unseen[:5]]} occur in {short(spec.eval)} but never in {short(spec.train)}",
                 field="data.eval",
                 fix="train on data that covers every eval label, or filter those rows out",
             )
@@ -78,88 +124,304 @@ def load_frames(spec: DataSpec, seed: int) -> Frames:
     return Frames(train.reset_index(drop=True), evald.reset_index(drop=True), labels, dropped)
 
 
-def read_table(uri: str, *, field: str, split: str | None = None, encoding: str = "auto") -> pd.DataFrame:
-    """Read one table from a file, a directory of files or an hf:// dataset."""
+def read_table(uri: str, *, field: str, split: str | None = None, encoding: str = "auto", max_input_mb: int = 1024) -> pd.DataFrame:
+    """Read one table from a file, a directory of files or an hf:// dataset.
+
+    Cells are read without NA inference: ``None``, ``NA``, ``null``, ``n/a`` ... are text; only an
+    empty cell (or a JSON null) is missing.
+
+    Args:
+        uri: a path, file://, pkg://, s3:// or hf:// URI.
+        field: the spec field it came from, named in errors.
+        split: the split (and slice) of a directory or hf:// dataset.
+        encoding: the text encoding of CSV/TSV/JSON files, or ``auto`` (UTF-8; a byte-order mark
+            is honoured, bytes that are not valid UTF-8 are decoded as cp1252 with a warning).
+        max_input_mb: the largest file (or directory's data files together) read, in MiB.
+
+    Raises:
+        KubetuneError: not a regular file, too large, of an unknown or mixed format, binary, or
+            unparseable; the message is one short line.
+    """
     path = providers.resolve(uri, kind="dataset", field=field)
     if path.is_dir():
-        return _read_dataset_dir(path, uri, field, split)
+        kind, files = _dir_data_files(path, uri, field)
+        _check_size(sum(size for _, size in files), uri, field, max_input_mb, what="the data files in ")
+        if kind in TEXT_FORMATS:
+            for file, size in files:
+                _sniff(file, size, kind, encoding, f"{short(uri)}/{file.relative_to(path)}", field, in_dir=True)
+        return _read_dataset_dir(path, uri, field, split, kind, encoding)
     fmt = FILE_SUFFIXES.get(path.suffix.lower())
     if fmt is None:
         raise KubetuneError(
-            f"cannot tell the format of {uri!r} from its suffix '{path.suffix}'",
+            f"cannot tell the format of {short(uri)!r} from its suffix {short(path.suffix, 20)!r}",
             field=field,
             fix=f"use one of {', '.join(FILE_SUFFIXES)} or a dataset directory",
         )
-    if path.stat().st_size == 0:
-        raise KubetuneError(f"{uri!r} is empty", field=field, fix="point it at a file with a header and rows")
+    size = _regular_size(path, uri, field)
+    if size == 0:
+        raise KubetuneError(f"{short(uri)!r} is empty", field=field, fix="point it at a file with a header and rows")
+    _check_size(size, uri, field, max_input_mb)
     try:
         if fmt == "parquet":
             return pd.read_parquet(path)
-        return _read_text_table(path, fmt, encoding, uri, field)
+        enc = _sniff(path, size, fmt, encoding, uri, field)
+        return _read_text_table(path, fmt, enc, encoding == "auto", uri, field)
     except KubetuneError:
         raise
     except (pd.errors.ParserError, pd.errors.EmptyDataError, ValueError, OSError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise KubetuneError(f"cannot parse {uri!r} as {fmt}: {first}", field=field, fix=f"check that the file is valid {fmt}") from None
+        raise KubetuneError(f"cannot parse {short(uri)!r} as {fmt}: {short(first, 160)}", field=field, fix=f"check that the file is valid {fmt}") from None
 
 
-def _read_text_table(path: Path, fmt: str, encoding: str, uri: str, field: str) -> pd.DataFrame:
-    encodings = ["utf-8", "latin-1"] if encoding == "auto" else [encoding]
-    for i, enc in enumerate(encodings):
-        try:
-            if fmt == "csv":
-                df = pd.read_csv(path, encoding=enc)
-            elif fmt == "tsv":
-                df = pd.read_csv(path, sep="\t", encoding=enc)
-            else:
-                df = pd.read_json(path, lines=(fmt == "jsonl" or _looks_like_jsonl(path)), encoding=enc)
-        except UnicodeDecodeError as e:
-            if i + 1 < len(encodings):
+def short(value, limit: int = 100) -> str:
+    """``str(value)`` cut to ``limit`` characters, so that a message stays one short line whatever the input."""
+    text = " ".join(str(value).split("\n"))
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _regular_size(path: Path, uri: str, field: str) -> int:
+    st = path.stat()  # follows symlinks: a link to a FIFO is a FIFO
+    if not stat.S_ISREG(st.st_mode):
+        what = "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode) else "a special file"
+        raise KubetuneError(f"{short(uri)!r} is not a regular file ({what})", field=field, fix="point it at a data file (write the stream to a file first)")
+    return st.st_size
+
+
+def _check_size(size: int, uri: str, field: str, max_input_mb: int, what: str = "") -> None:
+    if size > max_input_mb * 2**20:
+        shown = f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+        if float(shown.split()[0]) * (1024 if "GiB" in shown else 1) <= max_input_mb:  # rounded down to the limit itself
+            shown = f"{size:,} bytes"
+        raise KubetuneError(
+            f"{what}{short(uri)!r} {'are' if what else 'is'} {shown}, over the {max_input_mb} MiB limit",
+            field=field,
+            fix="raise data.max_input_mb (pandas holds several times the file size in memory) or use a smaller sample",
+        )
+
+
+def _dir_data_files(path: Path, uri: str, field: str) -> tuple[str | None, list[tuple[Path, int]]]:
+    """The data files in a directory (as `datasets` finds them: hidden ones skipped) and their kind."""
+    files, suffixes = [], Counter()
+    for root, dirs, names in os.walk(path):
+        dirs[:] = sorted(d for d in dirs if not d.startswith((".", "__")))
+        for name in sorted(names):
+            suffix = Path(name).suffix.lower()
+            if name.startswith((".", "__")) or suffix not in DIR_KINDS or (name == KUBETUNE_MANIFEST and root == str(path)):
                 continue
-            raise KubetuneError(
-                f"{uri!r} is not valid {enc} (byte {e.start})", field="data.encoding", fix="set data.encoding to the file's encoding, e.g. latin-1"
-            ) from None
-        except LookupError:
-            raise KubetuneError(f"unknown encoding {enc!r}", field="data.encoding", fix="use auto, utf-8, latin-1, cp1252, ...") from None
-        if enc != encodings[0]:
-            log.warning("%s: not valid utf-8; decoded as %s (set data.encoding to silence this)", uri, enc)
-        return df
-    raise AssertionError("unreachable")
+            file = Path(root) / name
+            try:
+                size = _regular_size(file, f"{uri}/{file.relative_to(path)}", field)
+            except FileNotFoundError:  # a dangling link
+                raise KubetuneError(f"{short(uri)}/{short(file.relative_to(path), 60)} is a broken link", field=field, fix="remove it or restore its target") from None
+            files.append((file, size))
+            suffixes[suffix] += 1
+    kinds = {DIR_KINDS[s] for s in suffixes}
+    if len(kinds) > 1:
+        listed = ", ".join(f"{n} {s}" for s, n in suffixes.most_common())
+        raise KubetuneError(
+            f"{short(uri)!r} mixes data file kinds ({listed}); only one kind would be read",
+            field=field,
+            fix="keep one kind of data file per directory (convert or move the others), or point it at one file",
+        )
+    return (next(iter(kinds)) if kinds else None), files
 
 
-def _looks_like_jsonl(path: Path) -> bool:
+def _codec(name: str) -> str:
+    try:
+        return codecs.lookup(name).name
+    except LookupError:
+        raise KubetuneError(f"unknown encoding {short(name, 40)!r}", field="data.encoding", fix="use auto, utf-8, latin-1, cp1252, utf-16, ...") from None
+
+
+def _sniff(path: Path, size: int, fmt: str, encoding: str, uri: str, field: str, in_dir: bool = False) -> str:
+    """Look at the first bytes of a text table; return the encoding to read it with.
+
+    Raises KubetuneError for binary data, a ZIP/Excel/Parquet/gzip file under a text name, and a
+    CSV/TSV first line with no end; with ``encoding: auto`` a UTF-16/UTF-32 byte-order mark
+    selects that encoding (with a warning), a UTF-8 one is dropped.
+    """
+    explicit = encoding != "auto"
+    codec = _codec(encoding) if explicit else "utf-8"
     with path.open("rb") as f:
-        return not f.read(64).lstrip().startswith(b"[")
+        head = f.read(MAX_FIRST_LINE + 1 if fmt in ("csv", "tsv") else SNIFF_BYTES)
+    for magic, what, fix in MAGIC:
+        if head.startswith(magic):
+            raise KubetuneError(f"{short(uri)!r} is {what}, not {fmt}", field=field, fix=fix)
+    bom = next((name for mark, name in BOMS if head.startswith(mark)), None)
+    if bom in ("utf-16", "utf-32") and not explicit:
+        if in_dir:
+            raise KubetuneError(f"{short(uri)!r} is {bom.upper()} (byte-order mark)", field="data.encoding", fix=f"set data.encoding: {bom}, or convert the files to UTF-8")
+        log.warning("%s: %s byte-order mark; decoded as %s (set data.encoding: %s to silence this)", short(uri), bom.upper(), bom, bom)
+        return bom
+    if b"\x00" in head[:SNIFF_BYTES] and not codec.startswith(("utf-16", "utf-32")):
+        fix = (f"set data.encoding: {bom} (or auto): the file starts with a {bom.upper()} byte-order mark" if bom in ("utf-16", "utf-32")
+               else "point it at a text table (or set data.encoding: utf-16-le / utf-16-be for UTF-16 without a byte-order mark)")
+        raise KubetuneError(f"{short(uri)!r} holds NUL bytes in its first 64 KiB: binary data, not {fmt} text", field=field, fix=fix)
+    if fmt in ("csv", "tsv") and size > MAX_FIRST_LINE and b"\n" not in head[:MAX_FIRST_LINE] and b"\r" not in head[:MAX_FIRST_LINE]:
+        raise KubetuneError(f"{short(uri)!r} has no line break in its first 1 MiB: not a {fmt} table", field=field,
+                            fix=f"check that the file is {fmt} (a header line, then one row per line)")
+    if bom == "utf-8-sig" and codec == "utf-8":  # the mark must not become part of the first column name
+        return "utf-8-sig"
+    return codec if explicit else "utf-8"
 
 
-def _read_dataset_dir(path: Path, uri: str, field: str, split: str | None) -> pd.DataFrame:
+def _read_text_table(path: Path, fmt: str, enc: str, auto: bool, uri: str, field: str) -> pd.DataFrame:
+    # With auto, only UTF-8 falls back byte by byte; a file with a UTF-16/32 mark is decoded strictly.
+    errors = FALLBACK_ERRORS if auto and enc.startswith("utf-8") else "strict"
+    _fallback_used[0] = 0
+    # No NA inference: "None", "NA", "null", "n/a" are labels and texts; only an empty cell is missing.
+    csv = {"keep_default_na": False, "na_values": [""], "encoding": enc, "encoding_errors": errors}
+    try:
+        if fmt == "csv":
+            df = pd.read_csv(path, **csv)
+        elif fmt == "tsv":
+            df = pd.read_csv(path, sep="\t", **csv)
+        else:
+            # dtype=False keeps JSON's own types: the string "123" stays text, "null" stays a string.
+            df = pd.read_json(path, lines=(fmt == "jsonl" or _looks_like_jsonl(path, enc)), encoding=enc, encoding_errors=errors, dtype=False)
+    except UnicodeError:
+        raise KubetuneError(f"{short(uri)!r} is not valid {enc}{_where_invalid(path, enc)}", field="data.encoding",
+                            fix="set data.encoding to the file's encoding, e.g. latin-1, cp1252 or utf-16 (or auto)") from None
+    if _fallback_used[0]:
+        n_bytes, n_lines = _invalid_utf8(path)
+        log.warning("%s: %d bytes on %d lines are not valid UTF-8; decoded those bytes as cp1252 and the rest as UTF-8 "
+                    "(set data.encoding to the file's encoding to silence this)", short(uri), n_bytes, n_lines)
+    if len(df.columns) and isinstance(df.columns[0], str) and df.columns[0].startswith("\ufeff"):
+        df = df.rename(columns={df.columns[0]: df.columns[0].lstrip("\ufeff")})
+    return df
+
+
+def _where_invalid(path: Path, enc: str) -> str:
+    """' (byte 0xe9 at offset 1234, line 5)' for the first byte that does not decode; '' if none is found."""
+    decoder = codecs.getincrementaldecoder(enc)()
+    offset, line = 0, 1
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as e:
+                at = max(offset, offset + e.start - (len(e.object) - len(chunk)))
+                line += chunk[: at - offset].count(b"\n")
+                return f" (byte 0x{chunk[at - offset]:02x} at offset {at}, line {line})"
+            line += chunk.count(b"\n")
+            offset += len(chunk)
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        return f" (truncated at the end, offset {offset})"
+    return ""
+
+
+def _invalid_utf8(path: Path) -> tuple[int, int]:
+    """(bytes, lines) of a file that are not valid UTF-8."""
+    n_bytes, n_lines = 0, 0
+    with path.open("rb") as f:
+        for raw in f:
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError:
+                n_lines += 1
+                n_bytes += len(raw) - len(raw.decode("utf-8", errors="ignore").encode("utf-8"))
+    return n_bytes, n_lines
+
+
+def _looks_like_jsonl(path: Path, enc: str) -> bool:
+    with path.open("rb") as f:
+        head = f.read(256).decode(enc, errors="ignore")
+    return not head.lstrip("\ufeff \t\r\n").startswith("[")
+
+
+def _read_dataset_dir(path: Path, uri: str, field: str, split: str | None, kind: str | None, encoding: str) -> pd.DataFrame:
     import datasets
 
     datasets.disable_progress_bars()
+    options = {}
+    if kind in ("csv", "tsv"):  # the same reading rules as a single file: no NA inference, the encoding
+        options = {"keep_default_na": False, "na_values": [""], "encoding": _codec(encoding) if encoding != "auto" else "utf-8",
+                   "encoding_errors": "strict" if encoding != "auto" else FALLBACK_ERRORS}
+    _fallback_used[0] = 0
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its readers log each failed file; the error below says it in one line
     try:
-        ds = datasets.load_dataset(str(path), split=split or "train")
+        if (path / KUBETUNE_MANIFEST).is_file() and kind in BUILDERS:
+            ds = _load_without_manifest(datasets, path, split, kind, options)
+        else:
+            ds = datasets.load_dataset(str(path), split=split or "train", **options)
+    except (datasets.exceptions.DatasetGenerationError, datasets.table.CastError) as e:  # before ValueError: CastError is one
+        cause = e.__cause__ or e.__context__ or e  # DatasetGenerationError wraps the reader's error
+        reason = f"{type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}"
+        fix = "set data.encoding to the files' encoding" if isinstance(cause, UnicodeError) else f"check that every file is valid {kind} with the same columns"
+        raise KubetuneError(f"cannot read {short(uri)}: {short(reason, 160)}", field="data.encoding" if isinstance(cause, UnicodeError) else field, fix=fix) from None
     except ValueError as e:
-        msg = str(e).splitlines()[0]
-        raise KubetuneError(f"cannot load split {split!r} of {uri}: {msg}", field=field.replace("data.train", "data.train_split").replace("data.eval", "data.eval_split"), fix="set data.train_split / data.eval_split, e.g. 'train[:3000]'") from None
+        msg = short(str(e).splitlines()[0], 200)
+        raise KubetuneError(f"cannot load split {split!r} of {short(uri)}: {msg}", field=field.replace("data.train", "data.train_split").replace("data.eval", "data.eval_split"), fix="set data.train_split / data.eval_split, e.g. 'train[:3000]'") from None
     except (FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as e:
-        raise KubetuneError(f"no data files found in {uri} ({e})", field=field, fix="point it at a dataset with CSV/JSONL/Parquet files") from None
+        raise KubetuneError(f"no data files found in {short(uri)} ({short(e, 160)})", field=field, fix="point it at a dataset with CSV/JSONL/Parquet files") from None
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+    if _fallback_used[0]:
+        log.warning("%s: some bytes are not valid UTF-8; decoded them as cp1252 (set data.encoding to the files' encoding to silence this)", short(uri))
     return ds.to_pandas()
 
 
+def _load_without_manifest(datasets, path: Path, split: str | None, kind: str, options: dict):
+    """``load_dataset`` on a directory that holds a kubetune manifest: the splits found as `datasets`
+    finds them, but only the data files of ``kind`` (left alone, `datasets` reads the manifest as data)."""
+    from datasets.data_files import DataFilesDict, get_data_patterns
+
+    found = DataFilesDict.from_patterns(get_data_patterns(str(path)), base_path=str(path))
+    suffixes = {s for s, k in DIR_KINDS.items() if k == kind}
+    files = {name: [f for f in fs if Path(f).name != KUBETUNE_MANIFEST and Path(f).suffix.lower() in suffixes] for name, fs in found.items()}
+    builder, extra = BUILDERS[kind]
+    return datasets.load_dataset(builder, data_files={k: v for k, v in files.items() if v}, split=split or "train", **extra, **options)
+
+
+def describe_non_text(series: pd.Series) -> str | None:
+    """What a column holds when none of its values is text (numbers, booleans, nested values); None
+    when some value is text or every value is missing."""
+    if isinstance(series.dtype, pd.StringDtype):
+        return None
+    values = series[series.notna()]
+    if values.empty:
+        return None
+    if pd.api.types.is_bool_dtype(series):
+        return f"booleans ({series.dtype})"
+    if pd.api.types.is_numeric_dtype(series):
+        return f"numbers ({series.dtype})"
+    if any(isinstance(v, str) for v in values):
+        return None
+    if any(_is_nested(v) for v in values):
+        return "nested values (lists/structs)"
+    return f"{type(values.iloc[0]).__name__} values"
+
+
+def _is_nested(value) -> bool:
+    return isinstance(value, (list, tuple, dict, np.ndarray))
+
+
 def _normalize(df: pd.DataFrame, spec: DataSpec, field: str, dropped: dict[str, int], which: str) -> pd.DataFrame:
+    source = short(getattr(spec, field.split(".")[1]))
     columns = [spec.text_column] + ([spec.text_pair_column] if spec.text_pair_column else []) + [spec.label_column]
     names = {"text_column": spec.text_column, "text_pair_column": spec.text_pair_column, "label_column": spec.label_column}
-    available = [str(c) for c in df.columns]
+    available = [short(c, 40) for c in df.columns[:20]]
     for key, col in names.items():
         if col is not None and col not in df.columns:
             raise KubetuneError(
-                f"column '{col}' not found in {getattr(spec, field.split('.')[1])}; columns are {available[:20]}",
+                f"column '{short(col, 40)}' not found in {source}; columns are {available}{' ...' if len(df.columns) > 20 else ''}",
                 field=f"data.{key}",
                 fix=f"set data.{key}",
             )
     if len(df) == 0:
-        raise KubetuneError(f"{getattr(spec, field.split('.')[1])} has no rows", field=field, fix="point it at data with at least one labeled row")
+        raise KubetuneError(f"{source} has no rows", field=field, fix="point it at data with at least one labeled row")
     df = df[columns].copy()
+    for key in ("text_column", "text_pair_column"):
+        col = names[key]
+        what = describe_non_text(df[col]) if col else None
+        if what:
+            raise KubetuneError(f"column '{short(col, 40)}' of {source} holds {what}, not text", field=f"data.{key}", fix=f"set data.{key} to the text column")
+    if df[spec.label_column].dtype == object and df[spec.label_column].map(_is_nested).any():
+        raise KubetuneError(f"column '{short(spec.label_column, 40)}' of {source} holds nested values (lists/structs), not class labels",
+                            field="data.label_column", fix="set data.label_column to the column that holds one class per row")
     keep = np.ones(len(df), dtype=bool)
     for col in columns[:-1]:
         text = df[col]
@@ -172,8 +434,25 @@ def _normalize(df: pd.DataFrame, spec: DataSpec, field: str, dropped: dict[str, 
         log.warning("%s: dropped %d of %d rows with a missing/empty text or label", field, n_drop, len(df))
     df = df[keep]
     if len(df) == 0:
-        raise KubetuneError(f"no usable rows in {getattr(spec, field.split('.')[1])}: every row lacks a text or label", field=field, fix="check data.text_column and data.label_column")
+        raise KubetuneError(f"no usable rows in {source}: every row lacks a text or label", field=field, fix="check data.text_column and data.label_column")
     return df
+
+
+def _check_labels(series: pd.Series, spec: DataSpec) -> None:
+    """Refuse more classes than data.max_classes; warn on fractional numbers (a regression target)."""
+    keys = series.map(_label_key)
+    n = keys.nunique()
+    if n > spec.max_classes:
+        raise KubetuneError(
+            f"column '{short(spec.label_column, 40)}' of {short(spec.train)} has {n} distinct labels, more than data.max_classes ({spec.max_classes})",
+            field="data.label_column",
+            fix="check that data.label_column is the class column (not an id or a free-text column), or raise data.max_classes",
+        )
+    fractional = [v for v in series.unique() if isinstance(v, (float, np.floating)) and math.isfinite(v) and not float(v).is_integer()]
+    if fractional:
+        log.warning("data.label_column: column '%s' holds fractional numbers (e.g. %s): this looks like a regression target; "
+                    "kubetune classifies, so each of the %d distinct values becomes a class", short(spec.label_column, 40),
+                    ", ".join(f"{v:g}" for v in sorted(fractional)[:3]), n)
 
 
 def _label_key(value) -> str:
@@ -182,14 +461,21 @@ def _label_key(value) -> str:
     return str(value)
 
 
+def _number(key: str) -> float:
+    value = float(key)
+    if not math.isfinite(value):
+        raise ValueError(key)
+    return value
+
+
 def _label_names(series: pd.Series, spec: DataSpec) -> list[str]:
+    """Distinct labels in sorted order: numerically when every label is a number (2 before 10),
+    whether the column was read as numbers or as strings, else as strings."""
     values = series.map(_label_key).unique().tolist()
-    if pd.api.types.is_numeric_dtype(series):
-        try:
-            return sorted(values, key=lambda v: float(v))
-        except ValueError:
-            pass
-    return sorted(values)
+    try:
+        return sorted(values, key=lambda v: (_number(v), v))
+    except ValueError:
+        return sorted(values)
 
 
 def _with_ids(df: pd.DataFrame, spec: DataSpec, label2id: dict[str, int]) -> pd.DataFrame:

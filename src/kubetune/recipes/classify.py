@@ -62,8 +62,10 @@ def export(spec: JobSpec, model, tokenizer, data: loop.Prepared, out, metrics: d
     frames = data.raw[0]
     artifacts.export_classifier(spec, model, tokenizer, frames, out)
     if spec.output.report_baseline:
-        metrics["baseline"] = artifacts.tfidf_baseline(frames)
-        log.info("baseline (TF-IDF + logistic regression, same split): accuracy %.4f f1_macro %.4f", metrics["baseline"]["accuracy"], metrics["baseline"]["f1_macro"])
+        baseline = artifacts.tfidf_baseline(frames)  # None where it cannot fit in memory (it logs why)
+        if baseline is not None:
+            metrics["baseline"] = baseline
+            log.info("baseline (TF-IDF + logistic regression, same split): accuracy %.4f f1_macro %.4f", baseline["accuracy"], baseline["f1_macro"])
 
 
 def build_model(spec: JobSpec, model_dir, data: loop.Prepared, device: torch.device, dtype: torch.dtype):
@@ -94,16 +96,27 @@ def build_model(spec: JobSpec, model_dir, data: loop.Prepared, device: torch.dev
     return get_peft_model(model, config).to(device)
 
 
+# A confusion matrix is returned (metrics.json, the report) only up to this many classes: it grows with
+# the classes squared, and a bigger one is unreadable.
+MAX_CONFUSION_CLASSES = 100
+
+
 @torch.no_grad()
 def evaluate(model, data: loop.Prepared, env: DistEnv, device, autocast, batch_size: int) -> dict:
-    """Loss, accuracy and macro-F1 over the whole eval set, each example counted once across ranks."""
+    """Loss, accuracy and macro-F1 over the whole eval set, each example counted once across ranks.
+
+    Labels and predictions are kept per batch and counted once at the end: per class the true
+    positives, the true and the predicted counts (all the metrics need), all-reduced across ranks.
+    The full confusion matrix (``eval_confusion``, rows true, columns predicted) is built only for
+    at most ``MAX_CONFUSION_CLASSES`` classes.
+    """
     eval_ds, tokenizer = data.eval_ds, data.raw[1]
     num_labels = len(data.labels)
     model.eval()
     lengths = np.asarray(eval_ds["length"])
     order = np.argsort(lengths, kind="stable")[env.rank :: env.world_size]  # length-sorted: little padding
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
-    confusion = torch.zeros(num_labels * num_labels, device=device, dtype=torch.float64)
+    trues, preds = [torch.zeros(0, dtype=torch.long, device=device)], [torch.zeros(0, dtype=torch.long, device=device)]
     for start in range(0, len(order), batch_size):
         batch = to_device(collate(eval_ds, order[start : start + batch_size], tokenizer), device)
         batch.pop("weight")
@@ -112,23 +125,31 @@ def evaluate(model, data: loop.Prepared, env: DistEnv, device, autocast, batch_s
         with autocast:
             logits = model(**batch).logits
         loss_sum += F.cross_entropy(logits.float(), labels, reduction="sum").double()
-        confusion += torch.bincount(labels * num_labels + logits.argmax(-1), minlength=num_labels**2).double()
-    totals = distributed.all_reduce_sum(torch.cat([loss_sum.view(1), confusion]))
+        trues.append(labels)
+        preds.append(logits.argmax(-1))
+    y, p = torch.cat(trues), torch.cat(preds)
+    counts = [loss_sum.view(1), torch.bincount(y[y == p], minlength=num_labels).double(),
+              torch.bincount(y, minlength=num_labels).double(), torch.bincount(p, minlength=num_labels).double()]
+    with_confusion = num_labels <= MAX_CONFUSION_CLASSES  # the same on every rank: the same tensor size
+    if with_confusion:
+        counts.append(torch.bincount(y * num_labels + p, minlength=num_labels**2).double())
+    totals = distributed.all_reduce_sum(torch.cat(counts)).cpu().numpy()
     model.train()
-    cm = totals[1:].view(num_labels, num_labels).cpu().numpy()  # rows: true, cols: predicted
-    n = cm.sum()
-    tp = np.diag(cm)
-    precision = np.divide(tp, cm.sum(0), out=np.zeros_like(tp), where=cm.sum(0) > 0)
-    recall = np.divide(tp, cm.sum(1), out=np.zeros_like(tp), where=cm.sum(1) > 0)
+    tp, true, pred = (totals[1 + k * num_labels : 1 + (k + 1) * num_labels] for k in range(3))
+    n = true.sum()
+    precision = np.divide(tp, pred, out=np.zeros_like(tp), where=pred > 0)
+    recall = np.divide(tp, true, out=np.zeros_like(tp), where=true > 0)
     f1 = np.divide(2 * precision * recall, precision + recall, out=np.zeros_like(tp), where=(precision + recall) > 0)
-    present = (cm.sum(0) + cm.sum(1)) > 0  # sklearn's macro average: classes that are true or predicted
-    return {
-        "eval_loss": float(totals[0].item() / max(n, 1)),
+    present = (pred + true) > 0  # sklearn's macro average: classes that are true or predicted
+    metrics = {
+        "eval_loss": float(totals[0] / max(n, 1)),
         "eval_accuracy": float(tp.sum() / max(n, 1)),
         "eval_f1_macro": float(f1[present].mean()) if present.any() else 0.0,
         "eval_samples": int(n),
-        "eval_confusion": cm.astype(int).tolist(),
     }
+    if with_confusion:
+        metrics["eval_confusion"] = totals[1 + 3 * num_labels :].reshape(num_labels, num_labels).astype(int).tolist()
+    return metrics
 
 
 TASK = loop.Task(
