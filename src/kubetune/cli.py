@@ -141,32 +141,45 @@ def predict(
     file: Annotated[Path | None, typer.Option("--file", "-f", help="Read texts from a file, one per line.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list of {text, label, score} (classifiers) or {prompt, completion} (causal LMs).")] = False,
     endpoint_url: Annotated[str | None, typer.Option("--endpoint-url", help="S3 endpoint for s3:// models (MinIO).")] = None,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Causal LMs: tokens to generate per prompt.")] = 64,
-    temperature: Annotated[float, typer.Option("--temperature", min=0.0, help="Causal LMs: sampling temperature; 0 = greedy.")] = 0.0,
+    # None = not given: a classifier refuses these options rather than ignoring them
+    max_new_tokens: Annotated[int | None, typer.Option("--max-new-tokens", min=1, help="Causal LMs: tokens to generate per prompt (default 64).")] = None,
+    temperature: Annotated[float | None, typer.Option("--temperature", min=0.0, help="Causal LMs: sampling temperature; 0 = greedy (the default).")] = None,
     chat: Annotated[bool | None, typer.Option("--chat/--no-chat", help="Causal LMs: wrap each prompt as a user turn in the model's chat template (default: when it has one).")] = None,
-    seed: Annotated[int, typer.Option("--seed", help="Causal LMs: seed for sampling.")] = 0,
+    seed: Annotated[int | None, typer.Option("--seed", help="Causal LMs: seed for sampling (default 0).")] = None,
 ) -> None:
     """Classify texts, or generate text for prompts, with an exported model (a directory, s3:// artifact or hf:// repo)."""
-    from kubetune.predict import generate, is_causal_lm, model_path
+    from kubetune.predict import CAUSAL_LM, generate, model_kind, model_path, read_texts
     from kubetune.predict import predict as run_predict
     from kubetune.providers import s3
 
     s3.configure(endpoint_url)
     items = list(texts or [])
     try:
-        if file is not None:
+        for number, text in enumerate(items, 1):
+            which = "the text argument" if len(items) == 1 else f"text argument {number} of {len(items)}"
+            if not text.strip():
+                raise KubetuneError(f"{which} is empty", field="TEXTS", fix="pass the text itself, or drop the empty argument")
             try:
-                items += [line for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
-            except OSError as e:
-                raise KubetuneError(f"cannot read {file}: {e.strerror}", field="--file", fix="check the path") from None
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:  # bytes the shell passed that are not UTF-8 arrive as lone surrogates
+                raise KubetuneError(f"{which} is not UTF-8 (byte 0x{ord(text[e.start]) & 0xFF:02x} at character {e.start})", field="TEXTS",
+                                    fix="pass UTF-8 text (check the terminal's encoding)") from None
+        if file is not None:
+            items += read_texts(file)
         if not items:
             raise KubetuneError("no texts given", field="TEXTS", fix='pass texts as arguments or --file texts.txt')
-        local = str(model_path(model))  # s3:// and hf:// artifacts are downloaded (and verified) once
-        causal = is_causal_lm(Path(local))
+        local = model_path(model)  # s3:// and hf:// artifacts are downloaded and checked once
+        causal = model_kind(local) == CAUSAL_LM
         if causal:
-            results = generate(local, items, max_new_tokens=max_new_tokens, temperature=temperature, chat=chat, seed=seed)
+            results = generate(str(local), items, max_new_tokens=64 if max_new_tokens is None else max_new_tokens, temperature=temperature or 0.0,
+                               chat=chat, seed=seed or 0, warn=lambda line: typer.echo(f"warning: {line}", err=True))
         else:
-            results = run_predict(local, items)
+            given = [name for name, value in (("--max-new-tokens", max_new_tokens), ("--temperature", temperature),
+                                              ("--chat" if chat else "--no-chat", chat), ("--seed", seed)) if value is not None]
+            if given:
+                raise KubetuneError(f"{'applies' if len(given) == 1 else 'apply'} to causal LMs only, and {model} is a text classifier",
+                                    field=", ".join(given), fix=f"drop {' and '.join(given)}")
+            results = run_predict(str(local), items)
     except KubetuneError as e:
         _fail(e)
     if causal:
@@ -416,12 +429,38 @@ def _interrupt(signum, frame):
 def main() -> None:
     import signal
 
+    ex = _click_exceptions()
     signal.signal(signal.SIGINT, _interrupt)
     try:
-        app()
+        # Not standalone: click would print a usage error as a multi-line box; here it is one line.
+        code = app(standalone_mode=False, prog_name="kubetune")
     except (Interrupted, KeyboardInterrupt):
         typer.echo("error: interrupted (Ctrl-C)", err=True)
         sys.exit(130)
+    except ex.NoArgsIsHelpError as e:
+        typer.echo(e.ctx.get_help())
+        sys.exit(USER_ERROR_EXIT)
+    except ex.UsageError as e:
+        where = e.ctx.command_path if e.ctx is not None else "kubetune"
+        typer.echo(f"error: {' '.join(e.format_message().split())} — see `{where} --help`", err=True)
+        sys.exit(USER_ERROR_EXIT)
+    except ex.ClickException as e:  # e.g. a file argument that cannot be opened
+        typer.echo(f"error: {' '.join(e.format_message().split())}", err=True)
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        typer.echo("error: aborted", err=True)
+        sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def _click_exceptions():
+    """Where the running typer keeps click's exception classes: recent releases vendor click as
+    ``typer._click``; older ones use click itself."""
+    try:
+        from typer._click import exceptions
+    except ImportError:
+        from click import exceptions
+    return exceptions
 
 
 if __name__ == "__main__":

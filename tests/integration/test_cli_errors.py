@@ -89,3 +89,16 @@ def test_validate_ok_and_all_errors(tmp_path, small_csv):
     assert len(errors) == 2  # both problems, reported together
     assert any(e.startswith("error: distributed.nodes: Input should be greater than or equal to 1 (got 0)") for e in errors)
     assert "error: training.learnig_rate: unknown key — did you mean 'training.learning_rate'?" in errors
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["predict", "x", "--temperature", "-1", "hi"], "error: Invalid value for '--temperature': Input should be greater than or equal to 0 — see `kubetune predict --help`"),
+    (["run"], "error: Missing argument 'SPEC'. — see `kubetune run --help`"),
+    (["runn", "x"], "error: No such command 'runn'. Did you mean 'run'? — see `kubetune --help`"),
+    (["run", "job.yaml", "--bogus"], "error: No such option: --bogus — see `kubetune run --help`"),
+])
+def test_usage_errors_are_one_line(args, expected):
+    """click would draw a multi-line box around these; kubetune says them in one line (exit 2)."""
+    proc = kubetune(*args)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines() == [expected]

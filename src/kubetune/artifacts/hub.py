@@ -14,19 +14,38 @@ from pathlib import Path
 
 from kubetune.config import JobSpec, dump_spec
 from kubetune.errors import KubetuneError
+from kubetune.paths import check_tree_inside
 
 log = logging.getLogger(__name__)
 
 
 def repo_id(spec: JobSpec) -> str:
+    """``ORG/REPO`` from an hf:// output URI.
+
+    Raises:
+        KubetuneError: not ORG/REPO, or a name the Hub refuses (checked here, before training).
+    """
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
     rid = spec.output.uri.split("://", 1)[1].strip("/")
     if rid.count("/") != 1:
-        raise KubetuneError(f"{spec.output.uri!r} is not a Hub repo", field="output.uri", fix="write hf://ORG/REPO")
+        raise KubetuneError(f"{_short(spec.output.uri)!r} is not a Hub repo", field="output.uri", fix="write hf://ORG/REPO")
+    try:
+        validate_repo_id(rid)
+    except HFValidationError:
+        raise KubetuneError(f"{_short(spec.output.uri)!r} is not a valid Hub repo name", field="output.uri",
+                            fix="use letters, digits, '-', '_' and '.' (no '--' or '..', not first or last), at most 96 characters") from None
     return rid
 
 
 def check_can_push(spec: JobSpec) -> None:
-    """Fail before training when a push cannot work: no token, or offline mode."""
+    """Fail before training when a push cannot work: a bad repo name, offline mode, no token, a
+    token the Hub rejects, or a Hub that cannot be reached.
+
+    Raises:
+        KubetuneError: one line naming the endpoint (never the token) and the fix.
+    """
     from huggingface_hub import constants, get_token
 
     repo_id(spec)
@@ -41,9 +60,11 @@ def check_can_push(spec: JobSpec) -> None:
         HfApi().whoami()  # a rejected token fails now, not after training
     except hf_errors.HfHubHTTPError as e:
         status = getattr(e.response, "status_code", None)
-        raise KubetuneError(f"the Hub at {constants.ENDPOINT} rejected the token ({status})", field="output.uri", fix="check HF_TOKEN") from None
-    except OSError as e:
-        raise KubetuneError(f"cannot reach the Hub at {constants.ENDPOINT} ({type(e).__name__})", field="output.uri", fix="check HF_ENDPOINT and the network") from None
+        if status in (401, 403):
+            raise KubetuneError(f"the Hub at {_endpoint()} rejected the token ({status})", field="output.uri", fix="check HF_TOKEN") from None
+        raise KubetuneError(f"the Hub at {_endpoint()} answered {status} to a token check", field="output.uri", fix="check HF_ENDPOINT, or try again later") from None
+    except (OSError, *_network_errors()) as e:  # no local file is written here
+        raise KubetuneError(f"cannot reach the Hub at {_endpoint()} ({type(e).__name__})", field="output.uri", fix="check HF_ENDPOINT and the network") from None
 
 
 def model_card(spec: JobSpec, metrics: dict) -> str:
@@ -126,6 +147,10 @@ def push(spec: JobSpec, out: Path, metrics: dict) -> str:
         if status == 403:
             raise KubetuneError(f"the token may not write to {spec.output.uri} (403)", field="output.uri", fix="use a token with write access to that org") from None
         raise KubetuneError(f"Hub push to {spec.output.uri} failed ({status})", field="output.uri", fix="check HF_ENDPOINT and the network; the local artifacts are kept") from None
+    except _network_errors() as e:
+        # httpx errors (huggingface_hub >= 1) are not OSErrors; requests' (older versions) are
+        raise KubetuneError(f"cannot reach the Hub at {_endpoint()} to push {spec.output.uri} ({type(e).__name__})", field="output.uri",
+                            fix="check HF_ENDPOINT and the network; the local artifacts are kept") from None
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     url = getattr(info, "commit_url", None) or str(info)
@@ -141,11 +166,66 @@ def _link(src: Path, dst: Path) -> None:
 
 
 def pull(uri: str, dest: Path) -> Path:
-    """Download an hf:// model repo into ``dest``."""
-    from huggingface_hub import snapshot_download
+    """Download an hf:// model repo into ``dest``.
+
+    Raises:
+        KubetuneError: no such repo (or the token may not read it), offline mode without the repo
+            in the cache, or a Hub that cannot be reached. An OSError writing ``dest`` propagates.
+    """
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub import errors as hf_errors
 
     rid = uri.split("://", 1)[1].strip("/")
-    return Path(snapshot_download(rid, local_dir=str(dest)))
+    shown = _short(uri)
+    try:
+        path = Path(snapshot_download(rid, local_dir=str(dest)))
+    except hf_errors.HFValidationError:
+        raise KubetuneError(f"{shown!r} is not a valid Hub repo name", field="URI", fix="write hf://ORG/REPO") from None
+    except ValueError as e:  # huggingface_hub refuses a repo file name that would write outside dest
+        raise KubetuneError(f"{shown}: {_short(str(e).splitlines()[0])}", field="URI", fix="refusing the repo; nothing outside DEST was written") from None
+    except hf_errors.RepositoryNotFoundError:
+        raise KubetuneError(f"the Hub at {_endpoint()} has no model repo {shown}, or the token may not read it", field="URI", fix="check the name and HF_TOKEN") from None
+    except hf_errors.HfHubHTTPError as e:
+        status = getattr(e.response, "status_code", None)
+        raise KubetuneError(f"the Hub at {_endpoint()} answered {status} for {shown}", field="URI", fix="check HF_TOKEN and HF_ENDPOINT, or try again later") from None
+    except (hf_errors.LocalEntryNotFoundError, hf_errors.OfflineModeIsEnabled):
+        if constants.HF_HUB_OFFLINE:
+            raise KubetuneError(f"HF_HUB_OFFLINE=1 is set and {shown} is not in the local cache", field="URI", fix="unset HF_HUB_OFFLINE to download it") from None
+        raise KubetuneError(f"cannot reach the Hub at {_endpoint()} to download {shown}", field="URI", fix="check HF_ENDPOINT and the network") from None
+    except _network_errors() as e:
+        raise KubetuneError(f"cannot reach the Hub at {_endpoint()} to download {shown} ({type(e).__name__})", field="URI", fix="check HF_ENDPOINT and the network") from None
+    check_tree_inside(path, what=f"URI: {shown}")
+    return path
+
+
+def _network_errors() -> tuple[type[BaseException], ...]:
+    """What huggingface_hub raises when the Hub cannot be reached: httpx's HTTPError (transport
+    errors included, and not OSErrors) from huggingface_hub 1.0 on, requests' errors before that.
+    Not every OSError: one from writing a local file must not read as a network problem."""
+    from huggingface_hub import errors as hf_errors
+
+    found: list[type[BaseException]] = [ConnectionError, TimeoutError]
+    http = getattr(hf_errors, "HTTPError", None)
+    if isinstance(http, type):
+        found.append(http)
+    try:
+        from requests.exceptions import RequestException
+    except ImportError:
+        pass
+    else:
+        found.append(RequestException)
+    return tuple(found)
+
+
+def _endpoint() -> str:
+    from huggingface_hub import constants
+
+    return _short(constants.ENDPOINT, 120)
+
+
+def _short(text: str, limit: int = 160) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 __all__ = ["check_can_push", "model_card", "pull", "push", "repo_id"]

@@ -43,11 +43,13 @@ def resolve_hf(uri: Uri, kind: Kind, field: str, revision: str | None) -> Path:
             fix = ("run `kubetune seed-hf-cache` (or `make seed-cache`)" if repo_id == SEED_REPO_ID
                    else "download it once online, or unset HF_HUB_OFFLINE")
             raise KubetuneError(f"{uri.raw} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE=1", field=field, fix=fix) from None
-        raise KubetuneError(f"cannot download {uri.raw}: {type(e).__name__}: {e}", field=field, fix="check the network or set HF_HUB_OFFLINE=1 with a seeded cache") from None
+        first = str(e).strip().split(". ")[0].splitlines()[0] if str(e).strip() else ""
+        shown = first if len(first) <= 120 else first[:117] + "..."
+        raise KubetuneError(f"cannot download {uri.raw}: {type(e).__name__}{': ' + shown if shown else ''}", field=field, fix="check HF_ENDPOINT and the network, or set HF_HUB_OFFLINE=1 with a seeded cache") from None
     except hf_errors.HfHubHTTPError as e:
         raise KubetuneError(f"Hub request for {uri.raw} failed: {str(e).splitlines()[0]}", field=field, fix="check HF_ENDPOINT, the network and HF_TOKEN") from None
     except OSError as e:  # connection errors surface as OSError subclasses
-        raise KubetuneError(f"cannot reach the Hub for {uri.raw}: {e}", field=field, fix="check the network, or set HF_HUB_OFFLINE=1 with a seeded cache") from None
+        raise KubetuneError(f"cannot reach the Hub for {uri.raw}: {type(e).__name__}", field=field, fix="check the network, or set HF_HUB_OFFLINE=1 with a seeded cache") from None
     except ValueError as e:  # huggingface_hub refuses a repo file name that would escape the cache
         raise KubetuneError(f"{uri.raw}: {str(e).splitlines()[0][:200]}", field=field, fix="refusing the repo; ask its owner to rename the file") from None
     except Exception as e:  # httpx errors (huggingface_hub 2.x) are not OSError
