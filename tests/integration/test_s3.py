@@ -129,6 +129,9 @@ def test_end_to_end_s3_in_s3_out_then_predict_and_pull(moto, s3, tmp_path, small
     pred = kubetune("predict", f"s3://{BUCKET}/runs/tiny", "what a great idea", "--json", "--endpoint-url", moto.url)
     assert pred.returncode == 0, pred.stderr
     assert json.loads(pred.stdout)[0]["label"] in {"negative", "neutral", "positive"}
+    inner = kubetune("predict", f"s3://{BUCKET}/runs/tiny/model", "what a great idea", "--json", "--endpoint-url", moto.url)  # the model/ inside
+    assert inner.returncode == 0, inner.stderr
+    assert json.loads(inner.stdout) == json.loads(pred.stdout)
     pulled = kubetune("pull", f"s3://{BUCKET}/runs/tiny", str(tmp_path / "pulled"), "--endpoint-url", moto.url)
     assert pulled.returncode == 0, pulled.stderr
     assert json.loads((tmp_path / "pulled" / "metrics.json").read_text())["global_step"] == 3

@@ -146,3 +146,18 @@ def test_a_read_only_mount_is_one_line(tmp_path):
             assert "not writable" in str(e.value) and str(e.value).startswith("output.uri: ")
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_an_output_of_a_kubetune_without_markers_is_recognised(tmp_path):
+    """Earlier kubetune versions wrote no marker: their finished run is still protected, their
+    checkpoints still resume."""
+    out = tmp_path / "out"
+    _finished(out)
+    (out / output.MARKER).unlink()
+    (out / "model" / "config.json").write_text("{}")
+    with pytest.raises(KubetuneError, match="holds a finished run"):
+        output.inspect(_spec(out))
+    other = tmp_path / "other"
+    _checkpoints(other, 5)
+    (other / output.MARKER).unlink()
+    assert output.inspect(_spec(other)).action == "resume"

@@ -106,12 +106,18 @@ def inspect(spec: JobSpec) -> Plan:
     entries = sorted(e for e in os.listdir(path) if not e.startswith(STAGING_PREFIX))
     if not entries:
         return Plan("new", f"output directory {path} (empty)")
-    if not (path / MARKER).exists():
+    if not (path / MARKER).exists() and not _made_by_kubetune(path):
         if spec.output.overwrite:
             return Plan("adopt", f"--overwrite: writing into {path}, which kubetune did not create; only kubetune's own entries there are replaced")
         raise KubetuneError(f"{path} is not empty and was not created by kubetune ({_entries(entries)})", field="output.uri", fix=_FIX)
     steps = tuple(checkpoint.complete_steps(path / "checkpoints"))
     return _decide(spec, path, steps, finished=(path / "metrics.json").exists())
+
+
+def _made_by_kubetune(path: Path) -> bool:
+    """A run of a kubetune version that wrote no marker: its finished artifacts, or a checkpoint."""
+    finished = (path / "metrics.json").is_file() and (path / "job.yaml").is_file() and (path / "model" / "config.json").is_file()
+    return finished or bool(checkpoint.complete_steps(path / "checkpoints"))
 
 
 def _inspect_s3(spec: JobSpec) -> Plan:
@@ -121,12 +127,14 @@ def _inspect_s3(spec: JobSpec) -> Plan:
     keys = s3.list_keys(uri, field="output.uri", limit=1000)
     if not keys:
         return Plan("new", f"new output prefix {uri}/")
-    if MARKER not in keys:
+    steps = tuple(checkpoint.remote_steps(f"{uri}/checkpoints"))
+    # An artifact or a checkpoint under kubetune's manifest is kubetune's, also from a version
+    # that wrote no marker.
+    if MARKER not in keys and s3.MANIFEST not in keys and not steps:
         if spec.output.overwrite:
             return Plan("adopt", f"--overwrite: writing under {uri}/, which kubetune did not create; only objects kubetune's manifests list are replaced")
         raise KubetuneError(f"{uri}/ holds {len(keys)}{'+' if len(keys) >= 1000 else ''} objects that kubetune did not write (no {MARKER}), e.g. {sorted(keys)[0]!r}",
                             field="output.uri", fix=_FIX)
-    steps = tuple(checkpoint.remote_steps(f"{uri}/checkpoints"))
     return _decide(spec, uri, steps, finished=s3.MANIFEST in keys)
 
 
