@@ -6,7 +6,7 @@ The model has the shape of meta-llama/Llama-3.2-1B (16 layers, hidden 2048, 32 h
 MLP 8192, vocab 128256, tied embeddings: 1.24B parameters), random-init and saved in bf16, because
 no model hub is reachable from the benchmark machines; memory and speed depend on the shape, not
 on the weights. The tokenizer is kubetune's tiny-llama one (its ids are a subset of the vocabulary).
-Each variant is one `kubetune run` of the same causal-LM chat job (examples/data/sentiment-chat.jsonl,
+Each variant is one `kubetune run` of the same causal-LM chat job (pkg://kubetune/assets/sentiment/sentiment-chat.jsonl,
 LoRA r16 on all linear layers, 1 GPU); peak memory is torch.cuda.max_memory_allocated on the rank.
 Writes qlora.json and qlora.md under --out.
 """
@@ -48,7 +48,7 @@ def make_model(dest: Path, smoke: bool) -> Path:
 def spec(model: Path, out: Path, steps: int, batch: int, overrides: dict) -> dict:
     s = {
         "name": "qlora-bench", "task": "causal-lm", "model": {"uri": str(model)},
-        "data": {"train": str(ROOT / "examples/data/sentiment-chat.jsonl"), "format": "chat", "eval_fraction": 0.05, "max_length": 256},
+        "data": {"train": "pkg://kubetune/assets/sentiment/sentiment-chat.jsonl", "format": "chat", "eval_fraction": 0.05, "max_length": 256},
         "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear"},
         "training": {"max_steps": steps, "batch_size": batch, "learning_rate": 1e-3, "warmup_ratio": 0.05, "weight_decay": 0.0,
                      "precision": "bf16", "log_every": 5, "resume": "never"},

@@ -3,18 +3,22 @@
 #   1. OpenEBS Local PV hostpath (StorageClass openebs-hostpath)          helm
 #   2. MinIO, the artifact bucket and a bucket-scoped account              kustomize + a Job
 #   3. Kubeflow Training Operator (PyTorchJob CRD), a pinned release       kubectl -k (remote)
+#   +  only with --with trainer: Kubeflow Trainer v2 (TrainJob CRD) and    kubectl -k (remote)
+#      the JobSet it ships, then its ClusterTrainingRuntimes
 #   4. RBAC for notebooks, then JupyterHub                                 kustomize + helm
 #   5. TensorBoard over the shared workspace claim                         kustomize
 # Namespaces and Secrets (from deploy/.env, through deploy/secrets.sh) come first.
 # Every step is idempotent (apply, helm upgrade --install): run it again after a change.
 #
 # Usage: deploy/install.sh [--overlay dev|nebius] [--context NAME] [--env-file FILE]
-#                          [--skip STEP]... [--dry-run]
+#                          [--with trainer] [--skip STEP]... [--dry-run]
 #   --overlay   deploy/overlays/NAME: storage classes and sizes (default: dev)
+#   --with      trainer: also install Kubeflow Trainer v2 and JobSet, for kubetune's
+#               --target trainjob (needs Kubernetes and kubectl >= 1.31)
 #   --skip      openebs | minio | training-operator | jupyterhub | tensorboard
 #   --dry-run   check the prerequisites, then print every change instead of making it
-# Versions (environment): TRAINING_OPERATOR_REF (v1.8.1), OPENEBS_CHART_VERSION (4.1.1),
-#   JUPYTERHUB_CHART_VERSION (4.2.0).
+# Versions (environment): TRAINING_OPERATOR_REF (v1.8.1), TRAINER_REF (v2.3.0, which ships
+#   JobSet v0.12.0), OPENEBS_CHART_VERSION (4.1.1), JUPYTERHUB_CHART_VERSION (4.2.0).
 # shellcheck source-path=SCRIPTDIR
 set -euo pipefail
 
@@ -34,12 +38,24 @@ JUPYTERHUB_REPO=https://hub.jupyter.org/helm-chart/
 JUPYTERHUB_CHART_VERSION=${JUPYTERHUB_CHART_VERSION:-4.2.0}
 # The Training Operator docs ask for kubectl >= 1.28 (server-side apply of its CRDs).
 MIN_KUBECTL_MINOR=28
+# Kubeflow Trainer v2 (--with trainer), upstream's kustomize install (kubeflow/trainer
+# docs/operator-guides/installation.md): overlays/manager holds the CRDs, the controller, its
+# webhooks and JobSet (third-party/jobset: v0.12.0 at v2.3.0), all in namespace kubeflow-system;
+# overlays/runtimes the ClusterTrainingRuntimes (torch-distributed, ...), applied once the manager
+# runs. kubetune's TrainJob target needs v2.3 or later (older ones drop fields it sends).
+TRAINER_REF=${TRAINER_REF:-v2.3.0}
+TRAINER_MANAGER_KUSTOMIZE="https://github.com/kubeflow/trainer.git/manifests/overlays/manager?ref=${TRAINER_REF}"
+TRAINER_RUNTIMES_KUSTOMIZE="https://github.com/kubeflow/trainer.git/manifests/overlays/runtimes?ref=${TRAINER_REF}"
+TRAINER_NAMESPACE=kubeflow-system
+# Trainer's docs: Kubernetes >= 1.31 and kubectl >= 1.31.
+TRAINER_MIN_MINOR=31
 
 OVERLAY=dev
 SKIP=" "
+WITH=" "
 
 usage() {
-  sed -n '2,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+  sed -n '2,21p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
 }
 
 parse_args() {
@@ -56,6 +72,14 @@ parse_args() {
         esac
         shift 2
         ;;
+      --with)
+        [[ $# -ge 2 ]] || die "--with needs a COMPONENT (trainer)"
+        case $2 in
+          trainer) WITH+="$2 " ;;
+          *) die "--with '$2' is not an optional component — use trainer" ;;
+        esac
+        shift 2
+        ;;
       --dry-run) DRY_RUN=1; shift ;;
       -h | --help) usage; exit 0 ;;
       *) die "unknown option '$1' — see deploy/install.sh --help" ;;
@@ -64,24 +88,63 @@ parse_args() {
   OVERLAY_DIR=$DEPLOY_DIR/overlays/$OVERLAY
   [[ -f $OVERLAY_DIR/kustomization.yaml ]] \
     || die "overlay '$OVERLAY' not found ($OVERLAY_DIR/kustomization.yaml) — use one of: $(cd "$DEPLOY_DIR/overlays" && echo */ | tr -d /)"
+  PLAN="openebs minio training-operator"
+  if wanted trainer; then
+    PLAN+=" trainer"
+  fi
+  PLAN+=" jupyterhub tensorboard"
 }
 
 skipped() {
   [[ $SKIP == *" $1 "* ]]
 }
 
+wanted() {
+  [[ $WITH == *" $1 "* ]]
+}
+
+# "==> i/n TEXT": the step's place in this run's plan, which has one more step with --with
+# trainer (a skipped step keeps its number).
+step_title() {  # step_title STEP TEXT
+  local step n=0 at=0
+  for step in $PLAN; do
+    n=$((n + 1))
+    [[ $step != "$1" ]] || at=$n
+  done
+  info "$at/$n $2"
+}
+
+# kubetune's TrainJob target needs Trainer v2.3 or later: v2.0/v2.1 drop runtimePatches, v2.2
+# drops terminationGracePeriodSeconds (the SIGTERM checkpoint).
+check_trainer_ref() {
+  if [[ $TRAINER_REF =~ ^v([0-9]+)\.([0-9]+)\.[0-9]+ ]]; then
+    local major=${BASH_REMATCH[1]} minor=${BASH_REMATCH[2]}
+    ((major > 2 || (major == 2 && minor >= 3))) \
+      || die "TRAINER_REF=$TRAINER_REF is older than v2.3.0, the first Kubeflow Trainer kubetune's TrainJob target works with — unset TRAINER_REF (default v2.3.0) or set v2.3.0 or later"
+  else
+    warn "TRAINER_REF=$TRAINER_REF is not a release tag (vX.Y.Z): kubetune's TrainJob target needs Trainer v2.3 or later, which install.sh cannot check for this ref"
+  fi
+}
+
 # Everything before the first change: tools, versions, a context, a reachable API server.
 preflight() {
   need_cmd kubectl "install kubectl >= 1.$MIN_KUBECTL_MINOR: https://kubernetes.io/docs/tasks/tools/"
   need_cmd helm "install helm 3: https://helm.sh/docs/intro/install/"
-  # kubectl fetches the Training Operator's remote kustomization with git.
+  # kubectl fetches the Training Operator's and the Trainer's remote kustomizations with git.
   skipped training-operator || need_cmd git "install git (kubectl -k fetches the Training Operator manifests with it), or --skip training-operator"
+  if wanted trainer; then
+    need_cmd git "install git (kubectl -k fetches the Kubeflow Trainer manifests with it), or leave out --with trainer"
+  fi
 
   local minor
   minor=$(kubectl version --client -o json 2>/dev/null | sed -n 's/.*"minor": *"\([0-9]*\).*/\1/p' | head -n 1) || minor=""
   [[ -n $minor ]] || die "cannot read kubectl's version (kubectl version --client -o json) — install kubectl >= 1.$MIN_KUBECTL_MINOR"
   ((minor >= MIN_KUBECTL_MINOR)) \
     || die "kubectl is 1.$minor, older than 1.$MIN_KUBECTL_MINOR — upgrade kubectl: https://kubernetes.io/docs/tasks/tools/"
+  if wanted trainer; then
+    ((minor >= TRAINER_MIN_MINOR)) \
+      || die "kubectl is 1.$minor, older than the 1.$TRAINER_MIN_MINOR that Kubeflow Trainer $TRAINER_REF asks for — upgrade kubectl (https://kubernetes.io/docs/tasks/tools/), or leave out --with trainer"
+  fi
   local helm_version
   helm_version=$(helm version --short 2>/dev/null | head -n 1) || helm_version=""
   [[ $helm_version =~ ^v([3-9])\. ]] \
@@ -89,7 +152,40 @@ preflight() {
 
   CONTEXT=$(current_context)
   check_reachable "$CONTEXT"
+  if wanted trainer; then
+    preflight_trainer
+  fi
   info "context $CONTEXT, overlay $OVERLAY$([[ $DRY_RUN == 1 ]] && printf ' (dry run: nothing is changed)')"
+}
+
+# --with trainer, before any change: the cluster's Kubernetes version, and no Trainer or JobSet
+# installed some other way (a second controller would reconcile the same TrainJobs or JobSets,
+# and the apply would re-point the existing webhook configurations at ours).
+preflight_trainer() {
+  local minor
+  minor=$(kc get --raw=/version --request-timeout=10s 2>/dev/null | sed -n 's/.*"minor": *"\([0-9]*\).*/\1/p' | head -n 1) || minor=""
+  [[ -n $minor ]] || die "cannot read the Kubernetes version of context '$CONTEXT' (kubectl get --raw=/version) — check that 'kubectl version' works, or leave out --with trainer"
+  ((minor >= TRAINER_MIN_MINOR)) \
+    || die "context '$CONTEXT' runs Kubernetes 1.$minor, older than the 1.$TRAINER_MIN_MINOR that Kubeflow Trainer $TRAINER_REF needs — upgrade the cluster, or leave out --with trainer (and submit with --target pytorchjob)"
+
+  local configs name managed namespaces groups ns
+  # One line per ValidatingWebhookConfiguration: name|managed-by label|service namespaces|API groups
+  # ('|', not a tab: read would merge the empty fields between IFS whitespace).
+  configs=$(kc get validatingwebhookconfigurations -o jsonpath='{range .items[*]}{.metadata.name}{"|"}{.metadata.labels.app\.kubernetes\.io/managed-by}{"|"}{.webhooks[*].clientConfig.service.namespace}{"|"}{.webhooks[*].rules[*].apiGroups[*]}{"\n"}{end}' 2>/dev/null) \
+    || die "cannot list the ValidatingWebhookConfigurations of context '$CONTEXT' — --with trainer installs CRDs and webhooks: run it with cluster-admin rights"
+  while IFS='|' read -r name managed namespaces groups; do
+    [[ -n $name ]] || continue
+    ns=${namespaces%% *}
+    if [[ " $groups " == *" trainer.kubeflow.org "* ]]; then
+      [[ $ns == "$TRAINER_NAMESPACE" ]] \
+        || die "Kubeflow Trainer is already installed, served from namespace '$ns' (ValidatingWebhookConfiguration $name) — leave out --with trainer and use it if it is v2.3 or later (a second Trainer would fight it over the same TrainJobs), or remove it first"
+      [[ $managed != Helm ]] \
+        || die "Kubeflow Trainer is installed by Helm in namespace '$ns' (ValidatingWebhookConfiguration $name) — upgrade that release (chart kubeflow-trainer 2.3.0 or later) and leave out --with trainer; install.sh's kustomize manifests would conflict with it"
+    elif [[ " $groups " == *" jobset.x-k8s.io "* ]]; then
+      [[ $ns == "$TRAINER_NAMESPACE" && $managed != Helm ]] \
+        || die "JobSet is already installed, served from namespace '$ns' (ValidatingWebhookConfiguration $name), and Kubeflow Trainer's manifests bring their own into $TRAINER_NAMESPACE (two JobSet controllers would fight) — remove that JobSet first, or install Trainer without JobSet (Helm chart kubeflow-trainer, --set jobset.install=false) and leave out --with trainer"
+    fi
+  done <<<"$configs"
 }
 
 # Applies the overlay's objects of one component (label kubetune.io/component).
@@ -119,7 +215,7 @@ step_secrets() {
 }
 
 step_openebs() {
-  info "1/5 OpenEBS Local PV hostpath (chart localpv-provisioner $OPENEBS_CHART_VERSION)"
+  step_title openebs "OpenEBS Local PV hostpath (chart localpv-provisioner $OPENEBS_CHART_VERSION)"
   run hc repo add openebs-localpv "$OPENEBS_REPO" --force-update
   run hc upgrade --install openebs-localpv openebs-localpv/localpv-provisioner \
     --version "$OPENEBS_CHART_VERSION" --namespace openebs --create-namespace \
@@ -127,7 +223,7 @@ step_openebs() {
 }
 
 step_minio() {
-  info "2/5 MinIO and the artifact bucket"
+  step_title minio "MinIO and the artifact bucket"
   # A Job's pod template cannot change in place, and a finished Job does not run again:
   # replace it so every run re-checks the bucket and the account (it waits for MinIO itself).
   run kc -n minio delete job minio-setup --ignore-not-found
@@ -137,15 +233,30 @@ step_minio() {
 }
 
 step_training_operator() {
-  info "3/5 Kubeflow Training Operator $TRAINING_OPERATOR_REF"
+  step_title training-operator "Kubeflow Training Operator $TRAINING_OPERATOR_REF"
   # Server-side apply: the CRDs are too large for the last-applied annotation of client-side apply.
   run kc apply --server-side -k "$TRAINING_OPERATOR_KUSTOMIZE"
   run kc -n kubeflow rollout status deployment/training-operator --timeout=5m
   run kc wait --for=condition=established crd/pytorchjobs.kubeflow.org --timeout=2m
 }
 
+step_trainer() {
+  step_title trainer "Kubeflow Trainer $TRAINER_REF with the JobSet it ships, then its ClusterTrainingRuntimes"
+  # One server-side apply (the CRDs are too large for client-side apply): the Trainer's CRDs,
+  # controller and webhooks, and JobSet's, in namespace kubeflow-system.
+  run kc apply --server-side -k "$TRAINER_MANAGER_KUSTOMIZE"
+  run kc wait --for=condition=established crd/jobsets.jobset.x-k8s.io crd/trainjobs.trainer.kubeflow.org \
+    crd/trainingruntimes.trainer.kubeflow.org crd/clustertrainingruntimes.trainer.kubeflow.org --timeout=2m
+  # Both controllers report ready only once their webhook certificates exist and the webhook
+  # server listens. JobSet first: every TrainJob becomes a JobSet, admitted by JobSet's webhook.
+  run kc -n "$TRAINER_NAMESPACE" rollout status deployment/jobset-controller-manager --timeout=5m
+  run kc -n "$TRAINER_NAMESPACE" rollout status deployment/kubeflow-trainer-controller-manager --timeout=5m
+  # The runtimes are objects of the CRDs above; upstream applies them once the manager runs.
+  run kc apply --server-side -k "$TRAINER_RUNTIMES_KUSTOMIZE"
+}
+
 step_jupyterhub() {
-  info "4/5 RBAC for notebooks, then JupyterHub (chart jupyterhub $JUPYTERHUB_CHART_VERSION)"
+  step_title jupyterhub "RBAC for notebooks, then JupyterHub (chart jupyterhub $JUPYTERHUB_CHART_VERSION)"
   apply_component rbac
   run hc repo add jupyterhub "$JUPYTERHUB_REPO" --force-update
   local args=(upgrade --install jupyterhub jupyterhub/jupyterhub --version "$JUPYTERHUB_CHART_VERSION"
@@ -168,7 +279,7 @@ step_jupyterhub() {
 }
 
 step_tensorboard() {
-  info "5/5 TensorBoard"
+  step_title tensorboard "TensorBoard"
   apply_component tensorboard
   run kc -n kubetune rollout status deployment/tensorboard --timeout=5m
 }
@@ -188,16 +299,28 @@ Credentials stay in the cluster; read one when you need it, e.g.:
 Jobs: kubetune submit job.yaml --namespace kubetune (set kubernetes.secrets.s3: minio-credentials,
   kubernetes.service_account: kubetune-runner); in JupyterHub open examples/notebooks/finetune.ipynb.
 EOF
+  if wanted trainer; then
+    cat <<EOF
+TrainJobs (Kubeflow Trainer $TRAINER_REF): the same with --target trainjob; kubetune runtimes lists
+  the ClusterTrainingRuntimes kubernetes.runtime can name (default torch-distributed).
+EOF
+  fi
 }
 
 main() {
   parse_args "$@"
+  if wanted trainer; then
+    check_trainer_ref
+  fi
   preflight
   step_namespaces
   step_secrets
   skipped openebs || step_openebs
   skipped minio || step_minio
   skipped training-operator || step_training_operator
+  if wanted trainer; then
+    step_trainer
+  fi
   skipped jupyterhub || step_jupyterhub
   skipped tensorboard || step_tensorboard
   print_access

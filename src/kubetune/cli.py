@@ -73,8 +73,8 @@ def run(
         from kubetune.backends import local
 
         job = load_spec(spec, [*(set_ or []), *([] if resume else ["training.resume=never"]), *(["output.overwrite=true"] if overwrite else [])])
-        if preflight:
-            _preflight(job)
+        if preflight and _preflight(job) == "done":
+            return
         local.run(job, local_addr=local_addr)
     except KubetuneError as e:
         _fail(e)
@@ -108,8 +108,9 @@ def _after_stop(job, started: float) -> str:
             "nothing": "no checkpoint was written yet, so running the same command again starts over"}[state]
 
 
-def _preflight(job) -> None:
-    """Fail fast, before any worker starts, on a bad model path or data."""
+def _preflight(job) -> str:
+    """Fail fast, before any worker starts, on a bad model path, data or output; returns what the
+    run will do with its output (``done``: this job already finished there)."""
     from kubetune import artifacts, providers
     from kubetune.data import load_frames
     from kubetune.data.causal import load_lm_frames
@@ -123,7 +124,24 @@ def _preflight(job) -> None:
     providers.configure(job)
     artifacts.resolve_model(job)
     (load_lm_frames if job.task == "causal-lm" else load_frames)(job.data, job.training.seed)
-    artifacts.check_output(job)
+    plan = artifacts.check_output(job)
+    if plan.action == "done":
+        typer.echo(f"output {job.output.uri}: {plan.detail}", err=True)
+    return plan.action
+
+
+@app.command()
+def launch(spec: SpecArg) -> None:
+    """Run this pod's workers as torchrun would, from the operator's PET_* environment.
+
+    What a Kubernetes pod's main container runs. Exit codes, for restartPolicy
+    ExitCode: 0 done; 143 stopped by SIGTERM after a checkpoint; 128+N a worker
+    killed by signal N (137: the OOM killer); 200 an infrastructure failure (a
+    lost peer, a timeout): the operator restarts the pod, which resumes from
+    the last checkpoint. 1: a user error or a crash, and the job fails."""
+    from kubetune.launch import main as launch_main
+
+    raise typer.Exit(launch_main([str(spec)]))
 
 
 @app.command()
@@ -318,6 +336,8 @@ def status(name: NameArg, namespace: NsOpt = None, context: CtxOpt = None, kubec
         typer.echo("  last log lines:")
         for line in st.log_tail:
             typer.echo(f"    {line}")
+    if st.output:
+        typer.echo(f"  output: {st.output}")
 
 
 @app.command()
@@ -351,7 +371,7 @@ def wait(name: NameArg, timeout: Annotated[float | None, typer.Option(help="Give
     except KubetuneError as e:
         _fail(e)
     if st.phase == "Succeeded":
-        typer.echo(f"{st.name}: Succeeded")
+        typer.echo(f"{st.name}: Succeeded" + (f"; output: {st.output}" if st.output else ""))
         return
     reason = st.reason or "unknown reason"
     typer.echo(f"error: {st.kind} {st.name} failed: {reason}" + (f" on {st.failed_pod}" if st.failed_pod else "") + (f": {st.message}" if st.message else ""), err=True)
@@ -361,13 +381,27 @@ def wait(name: NameArg, timeout: Annotated[float | None, typer.Option(help="Give
 
 
 @app.command()
-def delete(name: NameArg, namespace: NsOpt = None, context: CtxOpt = None, kubeconfig: KcOpt = None, target: TargetOpt = "pytorchjob") -> None:
-    """Delete the job (its ConfigMap, PVC and TensorBoard go with it)."""
+def delete(name: NameArg, namespace: NsOpt = None, context: CtxOpt = None, kubeconfig: KcOpt = None, target: TargetOpt = "pytorchjob",
+           delete_storage: Annotated[bool, typer.Option("--delete-storage", help="Also delete the workspace claim kubetune created for the job (its output and checkpoints).")] = False) -> None:
+    """Delete the job (its ConfigMap and TensorBoard go with it; its workspace claim, which holds the output, only with --delete-storage)."""
     try:
-        _backend(namespace, context, kubeconfig, target).delete(name)
+        notes = _backend(namespace, context, kubeconfig, target).delete(name, storage=delete_storage)
     except KubetuneError as e:
         _fail(e)
     typer.echo(f"deleted {name}")
+    for note in notes:
+        typer.echo(note)
+
+
+@app.command()
+def runtimes(namespace: NsOpt = None, context: CtxOpt = None, kubeconfig: KcOpt = None) -> None:
+    """List the cluster's Trainer v2 ClusterTrainingRuntimes (for kubernetes.runtime, --target trainjob)."""
+    try:
+        items = _backend(namespace, context, kubeconfig, "trainjob").runtimes()
+    except KubetuneError as e:
+        _fail(e)
+    for r in items:
+        typer.echo(f"{r['name']:<40} {r['framework']}")
 
 
 @app.command("list")

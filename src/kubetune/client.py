@@ -282,8 +282,9 @@ class KubeflowJob:
         each prefixed ``[node N]``; ``tail``: only the last N lines of each pod."""
         return self.backend.logs(self.name, follow=follow, rank=rank, all_ranks=all_ranks, tail=tail)
 
-    def delete(self) -> None:
-        self.backend.delete(self.name)
+    def delete(self, storage: bool = False) -> list[str]:
+        """Delete the job; its workspace claim (the output) only with ``storage``. Returns notes on what was kept or removed."""
+        return self.backend.delete(self.name, storage=storage)
 
 
 def _decode(line: bytes) -> str:

@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 
 # Every kustomization we ship. Each renders from local files only: CI has no network, so
-# upstream pieces (the Training Operator's remote kustomization, the OpenEBS and JupyterHub
-# charts) are applied by install.sh from pinned refs and are not rendered here.
+# upstream pieces (the Training Operator's and Kubeflow Trainer's remote kustomizations, the
+# OpenEBS and JupyterHub charts) are applied by install.sh from pinned refs and are not rendered here.
 KUSTOMIZATIONS = sorted(p.parent.relative_to(DEPLOY).as_posix() for p in DEPLOY.rglob("kustomization.yaml"))
 OVERLAYS = sorted(p.name for p in (DEPLOY / "overlays").iterdir() if (p / "kustomization.yaml").exists())
 
@@ -112,7 +112,11 @@ elif args[:1] == ["get"] and any(a.startswith("--raw") for a in args):
         print("E0101 00:00:00.000000 memcache.go:265] couldn't get current server API group list", file=sys.stderr)
         print("Unable to connect to the server: dial tcp 10.9.8.7:6443: i/o timeout", file=sys.stderr)
         sys.exit(1)
-    print('{"major": "1", "minor": "31", "gitVersion": "v1.31.0-fake"}')
+    minor = os.environ.get("FAKE_SERVER_MINOR", "31")
+    print(f'{{"major": "1", "minor": "{minor}", "gitVersion": "v1.{minor.rstrip("+")}.0-fake"}}')
+elif args[:2] == ["get", "validatingwebhookconfigurations"]:
+    # install.sh --with trainer asks which webhooks exist (jsonpath: one tab-separated line each)
+    print(os.environ.get("FAKE_WEBHOOKS", ""), end="")
 elif args[:2] == ["get", "secret"]:
     if not os.environ.get("FAKE_SECRETS_EXIST"):
         print(f'Error from server (NotFound): secrets "{args[2]}" not found', file=sys.stderr)

@@ -1,7 +1,9 @@
 """deploy/install.sh and deploy/secrets.sh against FAKE kubectl / helm / git (deploy_support):
 no cluster can run here. The fakes log every call, so these tests check the order of the steps,
 that a re-run repeats the same idempotent commands (apply, helm upgrade --install), the one-line
-prerequisite failures, and that no secret from .env reaches a command line or the output."""
+prerequisite failures, and that no secret from .env reaches a command line or the output; and the
+opt-in Kubeflow Trainer step (--with trainer): its commands, their order (JobSet and the Trainer
+ready before the runtimes), idempotence, and the refusals before any change."""
 
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ STEPS = {
     "openebs": lambda a: a[:3] == ["helm", "upgrade", "--install"] and "openebs-localpv/localpv-provisioner" in a,
     "minio": lambda a: a[:2] == ["kubectl", "apply"] and "kubetune.io/component=minio" in a,
     "training-operator": lambda a: a[:3] == ["kubectl", "apply", "--server-side"] and any("training-operator.git" in x for x in a),
+    "trainer": lambda a: a[:3] == ["kubectl", "apply", "--server-side"] and any("kubeflow/trainer.git/manifests/overlays/manager" in x for x in a),
     "jupyterhub": lambda a: a[:3] == ["helm", "upgrade", "--install"] and "jupyterhub/jupyterhub" in a,
     "tensorboard": lambda a: a[:2] == ["kubectl", "apply"] and "kubetune.io/component=tensorboard" in a,
 }
@@ -71,6 +74,9 @@ def test_installs_in_order_idempotently_and_never_shows_a_secret(tmp_path, env_f
     # the Training Operator is a pinned release, applied server-side
     to = calls[order[2]]
     assert any(x.endswith("overlays/standalone?ref=v1.8.1") for x in to)
+    # Kubeflow Trainer (and JobSet) only when asked for: --with trainer
+    assert not [a for a in calls if any("kubeflow/trainer.git" in x or "jobset" in x for x in a)]
+    assert "==> 4/5 RBAC for notebooks, then JupyterHub" in first.stdout and "--target trainjob" not in first.stdout
 
     # idempotent: the second run makes exactly the same calls, all of them re-runnable. (The two
     # ends of a `create --dry-run | apply -f -` pipe start together and log in either order.)
@@ -222,3 +228,155 @@ def test_secrets_sh_needs_the_namespaces(tmp_path, env_file):
     proc, calls, _ = run_script("secrets.sh", "--env-file", str(env_file), tmp=tmp_path, path=path)
     assert _one_error_line(proc).startswith("error: namespace 'minio' does not exist — run deploy/install.sh")
     assert not any("create" in a for a in calls)
+
+
+# ---------------------------------------------------------------- --with trainer (Kubeflow Trainer v2)
+
+TRAINER_MANAGER = "https://github.com/kubeflow/trainer.git/manifests/overlays/manager?ref=v2.3.0"
+TRAINER_RUNTIMES = "https://github.com/kubeflow/trainer.git/manifests/overlays/runtimes?ref=v2.3.0"
+# The trainer step, in order: upstream's manager overlay (CRDs, controller, webhooks, JobSet v0.12.0),
+# its CRDs established, JobSet's then the Trainer's controller ready (readyz: webhook certificates
+# issued and the webhook server listening), and only then the runtimes, objects of those CRDs.
+TRAINER_STEP = [
+    ["kubectl", "apply", "--server-side", "-k", TRAINER_MANAGER],
+    ["kubectl", "wait", "--for=condition=established", "crd/jobsets.jobset.x-k8s.io", "crd/trainjobs.trainer.kubeflow.org",
+     "crd/trainingruntimes.trainer.kubeflow.org", "crd/clustertrainingruntimes.trainer.kubeflow.org", "--timeout=2m"],
+    ["kubectl", "-n", "kubeflow-system", "rollout", "status", "deployment/jobset-controller-manager", "--timeout=5m"],
+    ["kubectl", "-n", "kubeflow-system", "rollout", "status", "deployment/kubeflow-trainer-controller-manager", "--timeout=5m"],
+    ["kubectl", "apply", "--server-side", "-k", TRAINER_RUNTIMES],
+]
+# What `kubectl get validatingwebhookconfigurations -o jsonpath=...` prints (name|managed-by|service
+# namespaces|API groups), as checked against real kubectl output for Trainer v2.3.0's and Training
+# Operator v1.8.1's rendered manifests: a cluster where install.sh already installed both.
+OWN_WEBHOOKS = (
+    "jobset-validating-webhook-configuration|kustomize|kubeflow-system kubeflow-system|jobset.x-k8s.io \n"
+    "validator.trainer.kubeflow.org||kubeflow-system kubeflow-system kubeflow-system|trainer.kubeflow.org trainer.kubeflow.org trainer.kubeflow.org\n"
+    "validator.training-operator.kubeflow.org||kubeflow kubeflow kubeflow kubeflow kubeflow|kubeflow.org kubeflow.org kubeflow.org kubeflow.org kubeflow.org\n"
+)
+
+
+def _trainer_calls(calls):
+    """The trainer step's calls, in order: from the manager apply to the runtimes apply."""
+    start = _index(calls, STEPS["trainer"], "trainer manager apply")
+    end = _index(calls, lambda a: any("kubeflow/trainer.git/manifests/overlays/runtimes" in x for x in a), "trainer runtimes apply")
+    return calls[start:end + 1]
+
+
+def test_with_trainer_installs_jobset_trainer_then_runtimes_in_order_idempotently(tmp_path, env_file):
+    runs = []
+    for webhooks in ("", OWN_WEBHOOKS):  # a fresh cluster, then the re-run on what the first run installed
+        proc, calls, _ = install(tmp_path, "--with", "trainer", env={"KUBETUNE_ENV_FILE": str(env_file), "FAKE_WEBHOOKS": webhooks})
+        assert proc.returncode == 0, proc.stderr
+        runs.append((proc, calls))
+    (first, calls), (second, calls2) = runs
+
+    assert _trainer_calls(calls) == TRAINER_STEP
+    # after the Training Operator, before the notebooks' RBAC and JupyterHub
+    order = [_index(calls, STEPS[s], s) for s in ("openebs", "minio", "training-operator", "trainer", "jupyterhub", "tensorboard")]
+    assert order == sorted(order), order
+    assert _index(calls, lambda a: "crd/pytorchjobs.kubeflow.org" in a, "TO crd wait") < order[3]
+    # before any change: the cluster's version, and which Trainer / JobSet webhooks exist already
+    first_change = _index(calls, lambda a: "apply" in a, "first apply")
+    reads = [a for a in calls[:first_change] if "validatingwebhookconfigurations" in a or "--raw=/version" in a]
+    assert len(reads) == 3, reads  # check_reachable's /version, the Trainer's version check, the webhooks
+    # the steps are numbered for this run's plan; the end says how to submit a TrainJob
+    titles = [line for line in first.stdout.splitlines() if line.startswith("==> ") and "/6 " in line]
+    assert [t.split(" ", 2)[1] for t in titles] == ["1/6", "2/6", "3/6", "4/6", "5/6", "6/6"]
+    assert "==> 4/6 Kubeflow Trainer v2.3.0 with the JobSet it ships, then its ClusterTrainingRuntimes" in titles
+    assert "--target trainjob" in first.stdout and "kubetune runtimes" in first.stdout
+
+    # idempotent: the re-run, on a cluster holding what the first run installed, makes the same calls
+    piped = ["kubectl", "apply", "-f", "-"]
+    assert [a for a in calls2 if a != piped] == [a for a in calls if a != piped]
+    assert second.stderr == first.stderr == ""
+
+
+def test_with_trainer_is_independent_of_the_training_operator(tmp_path, env_file):
+    proc, calls, _ = install(tmp_path, "--with", "trainer", "--skip", "training-operator", env={"KUBETUNE_ENV_FILE": str(env_file)})
+    assert proc.returncode == 0, proc.stderr
+    assert not any(STEPS["training-operator"](a) for a in calls)
+    assert _trainer_calls(calls) == TRAINER_STEP
+    assert "==> 3/6 Kubeflow Training Operator" not in proc.stdout  # skipped: no title, but it keeps its number
+    assert "==> 4/6 Kubeflow Trainer v2.3.0" in proc.stdout
+
+
+def test_with_trainer_dry_run_prints_the_step_and_changes_nothing(tmp_path, env_file):
+    proc, calls, delivered = install(tmp_path, "--dry-run", "--with", "trainer", env={"KUBETUNE_ENV_FILE": str(env_file)})
+    assert proc.returncode == 0, proc.stderr
+    for argv in calls:  # only questions: versions, the context, the webhooks that exist
+        assert argv[1:3] in (["version", "--client"], ["version", "--short"], ["config", "current-context"],
+                             ["get", "validatingwebhookconfigurations"]) or "--raw=/version" in argv, argv
+    assert delivered == ""
+    plan = [line for line in proc.stdout.splitlines() if line.startswith("[dry-run] kubectl")]
+    shown = ["[dry-run] " + " ".join(f"'{x}'" if "?" in x else x for x in argv) for argv in TRAINER_STEP]
+    start = plan.index(shown[0])
+    assert plan[start:start + len(shown)] == shown
+    assert plan.index(next(line for line in plan if "training-operator.git" in line)) < start
+    assert plan.index(next(line for line in plan if "kubetune.io/component=rbac" in line)) > start + len(shown) - 1
+
+
+def test_trainer_ref_picks_the_release_and_refuses_one_kubetune_cannot_use(tmp_path, env_file):
+    proc, calls, _ = install(tmp_path, "--with", "trainer", env={"KUBETUNE_ENV_FILE": str(env_file), "TRAINER_REF": "v2.4.1"})
+    assert proc.returncode == 0, proc.stderr
+    step = _trainer_calls(calls)
+    assert step[0][-1].endswith("overlays/manager?ref=v2.4.1") and step[-1][-1].endswith("overlays/runtimes?ref=v2.4.1")
+
+    proc, calls, _ = install(tmp_path, "--with", "trainer", env={"KUBETUNE_ENV_FILE": str(env_file), "TRAINER_REF": "v2.2.1"})
+    assert _one_error_line(proc) == ("error: TRAINER_REF=v2.2.1 is older than v2.3.0, the first Kubeflow Trainer kubetune's TrainJob "
+                                     "target works with — unset TRAINER_REF (default v2.3.0) or set v2.3.0 or later")
+    assert calls == []  # refused before any tool runs
+
+    # a branch or commit cannot be checked: said once, then installed as asked
+    proc, calls, _ = install(tmp_path, "--with", "trainer", env={"KUBETUNE_ENV_FILE": str(env_file), "TRAINER_REF": "master"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.startswith("warning: TRAINER_REF=master is not a release tag (vX.Y.Z)")
+    assert _trainer_calls(calls)[0][-1].endswith("overlays/manager?ref=master")
+
+
+@pytest.mark.parametrize("env,args,message", [
+    # Trainer's docs ask for kubectl >= 1.31 and Kubernetes >= 1.31; without --with trainer, 1.28 is enough
+    ({"FAKE_KUBECTL_MINOR": "30"}, (), "error: kubectl is 1.30, older than the 1.31 that Kubeflow Trainer v2.3.0 asks for — upgrade kubectl"),
+    ({"FAKE_SERVER_MINOR": "30+"}, (), "error: context 'fake-ctx' runs Kubernetes 1.30, older than the 1.31 that Kubeflow Trainer v2.3.0 needs"),
+    ({"FAKE_SERVER_MINOR": ""}, (), "error: cannot read the Kubernetes version of context 'fake-ctx'"),
+    # JobSet from its own release (namespace jobset-system): Trainer's manifests would add a second controller
+    ({"FAKE_WEBHOOKS": "jobset-validating-webhook-configuration|kustomize|jobset-system jobset-system|jobset.x-k8s.io \n"}, (),
+     "error: JobSet is already installed, served from namespace 'jobset-system' (ValidatingWebhookConfiguration "
+     "jobset-validating-webhook-configuration), and Kubeflow Trainer's manifests bring their own into kubeflow-system"),
+    # the Kubeflow platform's Trainer (namespace kubeflow): use it, do not install a second one
+    ({"FAKE_WEBHOOKS": "validator.trainer.kubeflow.org||kubeflow kubeflow kubeflow|trainer.kubeflow.org trainer.kubeflow.org trainer.kubeflow.org\n"}, (),
+     "error: Kubeflow Trainer is already installed, served from namespace 'kubeflow' (ValidatingWebhookConfiguration "
+     "validator.trainer.kubeflow.org) — leave out --with trainer and use it if it is v2.3 or later"),
+    # Trainer from its Helm chart in the same namespace: kustomize's apply would fight the release
+    ({"FAKE_WEBHOOKS": "kubeflow-trainer-validating-webhook|Helm|kubeflow-system|trainer.kubeflow.org\n"}, (),
+     "error: Kubeflow Trainer is installed by Helm in namespace 'kubeflow-system' (ValidatingWebhookConfiguration "
+     "kubeflow-trainer-validating-webhook) — upgrade that release"),
+])
+def test_with_trainer_refuses_before_any_change(tmp_path, env_file, env, args, message):
+    proc, calls, _ = install(tmp_path, "--with", "trainer", *args, env={"KUBETUNE_ENV_FILE": str(env_file), **env})
+    line = _one_error_line(proc)
+    assert line.startswith(message), line
+    assert "--with trainer" in line.split(" — ", 1)[1]  # the fix says how to go on without it
+    _nothing_changed(calls)
+    # the same cluster without --with trainer installs the rest
+    proc, calls, _ = install(tmp_path, *args, env={"KUBETUNE_ENV_FILE": str(env_file), **env})
+    assert proc.returncode == 0, proc.stderr
+    assert not any(STEPS["trainer"](a) for a in calls)
+
+
+def test_with_trainer_needs_git_even_when_the_training_operator_is_skipped(tmp_path, env_file):
+    path = make_bin(tmp_path, git=False)
+    proc, calls, _ = install(tmp_path, "--with", "trainer", "--skip", "training-operator", env={"KUBETUNE_ENV_FILE": str(env_file)}, path=path)
+    assert _one_error_line(proc) == ("error: git not found on PATH — install git (kubectl -k fetches the Kubeflow Trainer manifests "
+                                     "with it), or leave out --with trainer")
+    _nothing_changed(calls)
+
+
+def test_with_takes_only_known_components_and_help_shows_it(tmp_path):
+    proc, _, _ = install(tmp_path, "--with", "kueue")
+    assert _one_error_line(proc) == "error: --with 'kueue' is not an optional component — use trainer"
+    proc, _, _ = install(tmp_path, "--with")
+    assert proc.returncode != 0 and proc.stderr.startswith("error: --with needs a COMPONENT (trainer)")
+    proc, calls, _ = install(tmp_path, "--help")
+    assert proc.returncode == 0 and calls == []
+    assert "[--with trainer]" in proc.stdout and "TRAINER_REF (v2.3.0, which ships" in proc.stdout
+    assert proc.stdout.rstrip().endswith("JUPYTERHUB_CHART_VERSION (4.2.0).")  # the whole header, nothing after it

@@ -2,9 +2,10 @@
 validation of every rendered object, and the cross-references between them (labels install.sh
 selects on, Secrets secrets.sh creates, claims, selectors, the RBAC subject JupyterHub uses).
 
-Only local files are rendered: CI has no network. The Training Operator (a remote kustomization
-at a pinned ref) and the OpenEBS / JupyterHub charts are applied by deploy/install.sh and are
-not rendered here; their values files are checked for the keys we rely on instead."""
+Only local files are rendered: CI has no network. The Training Operator and Kubeflow Trainer
+(remote kustomizations at pinned refs) and the OpenEBS / JupyterHub charts are applied by
+deploy/install.sh and are not rendered here; the charts' values files are checked for the keys we
+rely on instead."""
 
 from __future__ import annotations
 

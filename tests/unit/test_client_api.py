@@ -158,8 +158,9 @@ def test_local_client_takes_no_backend_options():
 @pytest.mark.parametrize("method", ["status", "wait", "logs", "delete"])
 def test_both_handles_have_the_same_calls(method):
     local, kubeflow = inspect.signature(getattr(LocalJob, method)), inspect.signature(getattr(KubeflowJob, method))
-    if method == "delete":  # the local one may also be given how long to wait before killing
-        assert list(kubeflow.parameters) == ["self"] and list(local.parameters) == ["self", "timeout"]
+    if method == "delete":  # the local one may be given how long to wait before killing; the cluster one whether to delete the workspace claim
+        assert list(kubeflow.parameters) == ["self", "storage"] and list(local.parameters) == ["self", "timeout"]
+        assert kubeflow.parameters["storage"].default is False  # the output outlives the job unless asked
         return
     assert local.parameters.keys() == kubeflow.parameters.keys()
     assert [p.default for p in local.parameters.values()] == [p.default for p in kubeflow.parameters.values()]

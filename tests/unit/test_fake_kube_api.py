@@ -55,8 +55,10 @@ def custom(api_client: ApiClient) -> client.CustomObjectsApi:
 
 
 def _job(name: str) -> dict[str, Any]:
+    """The smallest PyTorchJob the v1.8.1 CRD and webhook admit."""
+    pod = {"spec": {"containers": [{"name": "pytorch", "image": "busybox"}]}}
     return {"apiVersion": JOBS, "kind": "PyTorchJob", "metadata": {"name": name},
-            "spec": {"pytorchReplicaSpecs": {"Worker": {"replicas": 2}}}}
+            "spec": {"pytorchReplicaSpecs": {"Worker": {"replicas": 2, "template": pod}}}}
 
 
 def _pod(name: str, labels: dict[str, str] | None = None, containers: tuple[str, ...] = ("main",)) -> dict[str, Any]:

@@ -11,10 +11,14 @@ import yaml
 
 from kubetune.backends import manifests, strict
 from kubetune.config import load_spec, parse_spec
+from kubetune.errors import SpecError
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "golden"
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+# The example/target pairs that cannot render, and the one line that says why.
+REFUSED = {("sentiment-minilm-2x2-gpu", "trainjob"): "kubernetes.elastic: a TrainJob has no elastic policy — remove it for --target trainjob, or use --target pytorchjob"}
+PAIRS = [pytest.param(p, t, id=f"{p.stem}-{t}") for p in EXAMPLES for t in ("pytorchjob", "trainjob") if (p.stem, t) not in REFUSED]
 
 
 def _render(path: Path, target: str) -> str:
@@ -22,8 +26,7 @@ def _render(path: Path, target: str) -> str:
     return manifests.render(spec, spec.kubernetes.namespace or "default", target).to_yaml()
 
 
-@pytest.mark.parametrize("target", ["pytorchjob", "trainjob"])
-@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path, target", PAIRS)
 def test_examples_match_golden_files(path, target):
     """Set UPDATE_GOLDEN=1 to rewrite them after an intended change (and review the diff)."""
     golden = GOLDEN / f"{path.stem}.{target}.yaml"
@@ -34,8 +37,7 @@ def test_examples_match_golden_files(path, target):
     assert text == golden.read_text()
 
 
-@pytest.mark.parametrize("target", ["pytorchjob", "trainjob"])
-@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path, target", PAIRS)
 def test_every_rendered_object_is_strictly_valid(path, target):
     for obj in yaml.safe_load_all(_render(path, target)):
         assert strict.validate(obj) == [], obj["kind"]
@@ -79,7 +81,7 @@ def test_two_nodes_two_gpus_structure():
     pod = replicas["Worker"]["template"]
     assert pod["metadata"]["annotations"]["sidecar.istio.io/inject"] == "false"
     main = pod["spec"]["containers"][0]
-    assert main["name"] == "pytorch" and main["command"] == ["torchrun", "-m", "kubetune.worker", "/workspace/stage/j/job.yaml"]
+    assert main["name"] == "pytorch" and main["command"] == ["kubetune", "launch", "/workspace/stage/j/job.yaml"]
     env = {e["name"]: e.get("value") for e in main["env"]}
     assert env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == str(pod["spec"]["terminationGracePeriodSeconds"] - 10)  # time to checkpoint
     assert main["resources"]["limits"]["nvidia.com/gpu"] == "2"
@@ -111,12 +113,13 @@ def test_single_node_has_no_worker_and_node_local_uses_empty_dir():
 def test_elastic_policy():
     spec = _spec(distributed__nodes=3, kubernetes__elastic={"min_nodes": 2, "max_nodes": 4, "max_restarts": 5})
     job = manifests.render(spec, "ns").job
-    assert job["spec"]["elasticPolicy"] == {"maxReplicas": 4, "maxRestarts": 5, "minReplicas": 2, "nProcPerNode": 1, "rdzvBackend": "c10d"}
+    # nProcPerNode only in spec.nprocPerNode: the v1.8+ webhook refuses it in both places.
+    assert job["spec"]["elasticPolicy"] == {"maxReplicas": 4, "maxRestarts": 5, "minReplicas": 2, "rdzvBackend": "c10d"}
+    assert job["spec"]["nprocPerNode"] == "1"
     assert {k: v["replicas"] for k, v in job["spec"]["pytorchReplicaSpecs"].items()} == {"Worker": 3}
 
 
-@pytest.mark.parametrize("target", ["pytorchjob", "trainjob"])
-@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path, target", PAIRS)
 def test_no_secret_value_in_any_rendered_output(path, target, monkeypatch):
     secrets = {"HF_TOKEN": "hf_SECRETtoken123456", "AWS_ACCESS_KEY_ID": "AKIASECRETKEYID0001", "AWS_SECRET_ACCESS_KEY": "s3cr3t/Key+Value/0123456789"}
     for k, v in secrets.items():
@@ -132,5 +135,73 @@ def test_trainjob_structure():
     assert (job["apiVersion"], job["kind"]) == ("trainer.kubeflow.org/v1alpha1", "TrainJob")
     trainer = job["spec"]["trainer"]
     assert (trainer["numNodes"], trainer["numProcPerNode"]) == (2, 4)
-    assert trainer["command"][-1].endswith("kubetune fetch /etc/kubetune/job.yaml --dest /workspace/stage/j && exec torchrun -m kubetune.worker /workspace/stage/j/job.yaml")
+    assert trainer["command"][-1].endswith("kubetune fetch /etc/kubetune/job.yaml --dest /workspace/stage/j && exec kubetune launch /workspace/stage/j/job.yaml")
     assert job["spec"]["runtimeRef"]["name"] == "torch-distributed"
+
+
+@pytest.mark.parametrize("stem, target", sorted(REFUSED))
+def test_example_refused_for_a_target_says_why(stem, target):
+    with pytest.raises(SpecError) as e:
+        manifests.render(load_spec(ROOT / "examples" / f"{stem}.yaml"), "ns", target)
+    assert e.value.lines() == [REFUSED[(stem, target)]]
+
+
+@pytest.mark.parametrize("kw, expected", [
+    ({"data__train": "examples/data/x.jsonl"}, "data.train: 'examples/data/x.jsonl' is a path on this machine, which the pods cannot read"),
+    ({"model__uri": "/home/me/models/bert"}, "model.uri: '/home/me/models/bert' is a path on this machine"),
+    ({"data__eval": "file:///data/eval.csv"}, "data.eval: 'file:///data/eval.csv' is a path on this machine"),
+    ({"s3__endpoint_url": "http://localhost:9000"}, "s3.endpoint_url: 'http://localhost:9000' is this machine, not reachable from the pods"),
+    ({"s3__endpoint_url": "http://127.0.0.1:9000"}, "s3.endpoint_url: 'http://127.0.0.1:9000' is this machine"),
+    ({"kubernetes__affinity": {"nodeAffinity": {"requiredDuringScheduling": {}}}}, "kubernetes.affinity.nodeAffinity.requiredDuringScheduling: unknown field for V1NodeAffinity"),
+])
+def test_specs_that_cannot_work_in_a_pod_are_refused_at_render(kw, expected):
+    for target in ("pytorchjob", "trainjob"):
+        with pytest.raises(SpecError) as e:
+            manifests.render(_spec(**kw), "ns", target)
+        assert any(line.startswith(expected) for line in e.value.lines()), e.value.lines()
+
+
+def test_local_paths_on_a_named_claim_and_pkg_uris_render():
+    on_claim = _spec(data__train="data/train.csv", model__uri="/workspace/models/bert", kubernetes__storage={"mode": "pvc", "existing_claim": "datasets"})
+    manifests.render(on_claim, "ns")
+    manifests.render(_spec(data__train="pkg://kubetune/assets/sentiment/sentiment-chat.jsonl"), "ns")
+
+
+@pytest.mark.parametrize("field, value", [("restart_policy", "ExitCode"), ("backoff_limit", 5), ("ttl_seconds_after_finished", 60), ("image_pull_policy", "Always"),
+                                          ("clean_pod_policy", "All"), ("priority_class", "high"), ("master_port", 29500)])
+def test_trainjob_refuses_what_it_cannot_carry_by_name(field, value):
+    spec = _spec(**{f"kubernetes__{field}": value})
+    with pytest.raises(SpecError) as e:
+        manifests.render(spec, "ns", "trainjob")
+    assert e.value.lines()[0].startswith(f"kubernetes.{field}: ") and "--target pytorchjob" in e.value.lines()[0]
+    manifests.render(spec, "ns", "pytorchjob")  # the PyTorchJob carries it
+
+
+def test_trainjob_carries_what_v2_3_can():
+    spec = _spec(kubernetes__image_pull_secrets=["regcred"], kubernetes__annotations={"team": "nlp"}, kubernetes__node_selector={"gpu": "h100"},
+                 kubernetes__affinity={"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 1, "preference": {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}}]}},
+                 kubernetes__queue="team-queue", kubernetes__runtime="torch-distributed-gpu")
+    job = manifests.render(spec, "ns", "trainjob").job
+    pod = job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+    assert pod["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+    assert pod["metadata"]["annotations"]["team"] == "nlp" and job["metadata"]["annotations"] == {"team": "nlp"}
+    assert pod["spec"]["nodeSelector"] == {"gpu": "h100"} and pod["spec"]["affinity"] == spec.kubernetes.affinity
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-queue" and job["spec"]["suspend"] is True
+    assert job["spec"]["runtimeRef"]["name"] == "torch-distributed-gpu"
+
+
+def test_queue_and_priority_on_a_pytorchjob():
+    job = manifests.render(_spec(kubernetes__queue="team-queue", kubernetes__priority_class="high-priority"), "ns").job
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-queue"
+    assert job["spec"]["runPolicy"]["suspend"] is True  # Kueue admits it by unsuspending
+    assert job["spec"]["runPolicy"]["schedulingPolicy"] == {"priorityClass": "high-priority"}
+    assert job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["priorityClassName"] == "high-priority"
+    plain = manifests.render(_spec(), "ns").job
+    assert "suspend" not in plain["spec"]["runPolicy"] and "kueue.x-k8s.io/queue-name" not in plain["metadata"]["labels"]
+
+
+@pytest.mark.parametrize("name", ["1job", "9-lives"])
+def test_job_name_must_start_with_a_letter(name):
+    """DNS-1035, as the PyTorchJob webhook and the TrainJob CRD require."""
+    with pytest.raises(SpecError, match="starting with a letter"):
+        parse_spec({**BASE, "name": name})

@@ -161,3 +161,18 @@ def test_an_output_of_a_kubetune_without_markers_is_recognised(tmp_path):
     _checkpoints(other, 5)
     (other / output.MARKER).unlink()
     assert output.inspect(_spec(other)).action == "resume"
+
+
+def test_the_same_job_finished_is_done_and_another_is_refused(tmp_path):
+    """A pod restarted after its run had exported finds nothing to do; another job is refused."""
+    from kubetune.config import dump_spec
+
+    out = tmp_path / "out"
+    _finished(out)
+    (out / "job.yaml").write_text(dump_spec(_spec(out)))
+    plan = output.inspect(_spec(out))
+    assert plan.action == "done" and "nothing to train (pass --overwrite to train it again)" in plan.detail
+    other = _spec(out, resume="never")
+    with pytest.raises(KubetuneError, match="holds a finished run"):
+        output.inspect(other)
+    assert output.inspect(_spec(out, overwrite=True)).action == "replace"

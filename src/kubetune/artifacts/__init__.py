@@ -106,9 +106,13 @@ def export_classifier(spec: JobSpec, model, tokenizer, frames, out: Path) -> Non
     log.info("exported the model%s", " and the adapter" if spec.lora is not None else "")
 
 
-def check_output(spec: JobSpec) -> None:
+def check_output(spec: JobSpec):
     """Fail before training when the output cannot or may not be written: someone else's
-    non-empty directory, a finished run without --overwrite, a missing bucket, bad credentials."""
+    non-empty directory, a finished run without --overwrite, a missing bucket, bad credentials.
+
+    Returns:
+        The ``artifacts.output.Plan`` the run will follow.
+    """
     from kubetune.artifacts import output
 
     scheme = providers.parse_uri(spec.output.uri).scheme
@@ -120,7 +124,7 @@ def check_output(spec: JobSpec) -> None:
         from kubetune.artifacts import hub
 
         hub.check_can_push(spec)
-    output.inspect(spec)
+    return output.inspect(spec)
 
 
 def publish(spec: JobSpec, out: Path, metrics: dict) -> None:

@@ -111,7 +111,9 @@ def inspect(spec: JobSpec) -> Plan:
             return Plan("adopt", f"--overwrite: writing into {path}, which kubetune did not create; only kubetune's own entries there are replaced")
         raise KubetuneError(f"{path} is not empty and was not created by kubetune ({_entries(entries)})", field="output.uri", fix=_FIX)
     steps = tuple(checkpoint.complete_steps(path / "checkpoints"))
-    return _decide(spec, path, steps, finished=(path / "metrics.json").exists())
+    finished = (path / "metrics.json").exists()
+    saved = (path / "job.yaml").read_text(encoding="utf-8", errors="replace") if finished and (path / "job.yaml").is_file() else None
+    return _decide(spec, path, steps, finished=finished, saved_job=saved)
 
 
 def _made_by_kubetune(path: Path) -> bool:
@@ -135,12 +137,18 @@ def _inspect_s3(spec: JobSpec) -> Plan:
             return Plan("adopt", f"--overwrite: writing under {uri}/, which kubetune did not create; only objects kubetune's manifests list are replaced")
         raise KubetuneError(f"{uri}/ holds {len(keys)}{'+' if len(keys) >= 1000 else ''} objects that kubetune did not write (no {MARKER}), e.g. {sorted(keys)[0]!r}",
                             field="output.uri", fix=_FIX)
-    return _decide(spec, uri, steps, finished=s3.MANIFEST in keys)
+    finished = s3.MANIFEST in keys
+    saved = s3.read_text(f"{uri}/job.yaml", field="output.uri") if finished and "job.yaml" in keys else None
+    return _decide(spec, uri, steps, finished=finished, saved_job=saved)
 
 
-def _decide(spec: JobSpec, where, steps: tuple[int, ...], finished: bool) -> Plan:
+def _decide(spec: JobSpec, where, steps: tuple[int, ...], finished: bool, saved_job: str | None = None) -> Plan:
     if steps and spec.training.resume == "auto":
         return Plan("resume", f"resuming from checkpoint step {steps[-1]} in {where}", steps)
+    if finished and not spec.output.overwrite and saved_job is not None and same_job(saved_job, spec):
+        # This very job finished here already (e.g. a pod restarted after the run had exported):
+        # there is nothing to do, and nothing is replaced.
+        return Plan("done", f"{where} already holds this job's finished run: nothing to train (pass --overwrite to train it again)")
     if finished and not spec.output.overwrite:
         raise KubetuneError(f"{where} holds a finished run (metrics.json, model/)", field="output.uri",
                             fix="pick a new output.uri, or pass --overwrite to replace it once this run finishes")
@@ -149,6 +157,23 @@ def _decide(spec: JobSpec, where, steps: tuple[int, ...], finished: bool) -> Pla
     if finished:
         return Plan("replace", f"starting over (--overwrite): the finished run in {where} is replaced when this run finishes")
     return Plan("restart", f"starting over in {where}: no checkpoint to resume from")
+
+
+def same_job(saved_yaml: str, spec: JobSpec) -> bool:
+    """Is the finished run's job.yaml this spec (``output.overwrite`` aside)?"""
+    import yaml
+
+    from kubetune.config import parse_spec
+
+    try:
+        saved = parse_spec(yaml.safe_load(saved_yaml) or {})
+    except (KubetuneError, yaml.YAMLError):
+        return False
+    mine = spec.model_dump(mode="json")
+    theirs = saved.model_dump(mode="json")
+    for d in (mine, theirs):
+        d["output"]["overwrite"] = False
+    return mine == theirs
 
 
 def claim(spec: JobSpec) -> tuple[Path, Plan]:
@@ -179,6 +204,20 @@ def claim(spec: JobSpec) -> tuple[Path, Plan]:
         checkpoint.clear(spec.output.uri, out)
     log.info("output %s: %s", spec.output.uri, plan.detail)
     return out, plan
+
+
+def finished_metrics(spec: JobSpec, out: Path) -> dict:
+    """The metrics of the finished run a "done" plan found (local, or the remote artifact's)."""
+    try:
+        if (out / "metrics.json").is_file():
+            return json.loads((out / "metrics.json").read_text(encoding="utf-8"))
+        if providers.parse_uri(spec.output.uri).scheme == "s3":
+            from kubetune.providers import s3
+
+            return json.loads(s3.read_text(f"{spec.output.uri.rstrip('/')}/metrics.json", field="output.uri") or "{}")
+    except (OSError, ValueError, KubetuneError):
+        pass
+    return {}
 
 
 def staging(out: Path) -> Path:

@@ -51,6 +51,7 @@ class JobStatus:
     failed_pod: str | None = None
     log_tail: list[str] = field(default_factory=list)
     pods: list[PodInfo] = field(default_factory=list)
+    output: str | None = None  # where the job's artifacts are (or will be)
 
     @property
     def done(self) -> bool:
@@ -113,12 +114,17 @@ class KubeflowBackend:
             body = {}
         message = body.get("message") or e.reason or ""
         what = f"{resource} '{name}'" if name else resource
+        if e.status == 403 and "admission webhook" in message:
+            # the operator's validating webhook refused the object (controller-runtime answers 403)
+            return KubetuneError(f"the cluster refused {what}: {message}", fix="change the spec's kubernetes/distributed settings the message names, or use the other --target")
         if e.status == 403:
             return KubetuneError(f"forbidden: cannot {verb} {resource} in namespace '{self.namespace}' ({message})", fix="ask for the RBAC in deploy/rbac, or set kubernetes.namespace / --namespace")
         if e.status == 401:
             return KubetuneError(f"the API server at {self.api.configuration.host} rejected the credentials (401)", fix="refresh the kubeconfig credentials")
         if e.status == 404 and name is None or (e.status == 404 and "could not find the requested resource" in message):
-            return KubetuneError(f"{resource} are not served by this cluster ({message})", fix=f"install the Kubeflow {'Training Operator' if self.target == 'pytorchjob' else 'Trainer'} (deploy/install.sh)")
+            fix = ("install the Kubeflow Training Operator: deploy/install.sh" if self.target == "pytorchjob"
+                   else "install Kubeflow Trainer v2.3 or later with JobSet: deploy/install.sh --with trainer (or submit with --target pytorchjob)")
+            return KubetuneError(f"{resource} are not served by this cluster ({message})", fix=fix)
         if e.status == 404:
             return KubetuneError(f"{what} not found in namespace '{self.namespace}'", fix="check the name with `kubetune list` and --namespace")
         if e.status == 409:
@@ -129,19 +135,34 @@ class KubeflowBackend:
 
     # ---- submit ----
     def submit(self, spec: JobSpec, replace: bool = False) -> str:
-        """Create the job, then its ConfigMap / PVC / TensorBoard owned by it (deleting the job
-        deletes them). Returns the job name."""
+        """Create the job, its ConfigMap and TensorBoard owned by it (deleting the job deletes
+        them), and its workspace PVC, which is not owned: the output and checkpoints on it outlive
+        the job (``delete(..., storage=True)`` removes it). Returns the job name.
+
+        Before anything is created, a server-side dry run shows what the cluster would store: a
+        field it would drop (an older operator or Trainer) is refused in one line, as is a
+        TrainJob runtime the cluster does not have.
+        """
         rendered = manifests.render(spec, self.namespace, self.target)
         name = spec.name
+        if self.target == "trainjob":
+            self._check_runtime(spec.kubernetes.runtime)
+        # A dry run of a job that exists answers 409 like the create would; with --replace the
+        # old job goes first and the dry run is repeated before the real create.
+        checked = self._check_served(rendered.job, exists_ok=replace)
         if replace:
             self._delete_and_wait(name)
+            if not checked:
+                self._check_served(rendered.job)
         with self._errors("create", f"{self.plural}.{self.group}", name):
             job = self.custom.create_namespaced_custom_object(self.group, self.version, self.namespace, self.plural, rendered.job)
         owner = {"apiVersion": f"{self.group}/{self.version}", "kind": self.kind, "name": name, "uid": job["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}
         try:
-            for obj in [rendered.config_map, *([rendered.pvc] if rendered.pvc else []), *rendered.tensorboard]:
+            for obj in [rendered.config_map, *rendered.tensorboard]:
                 obj = {**obj, "metadata": {**obj["metadata"], "ownerReferences": [owner]}}
                 self._create_owned(obj, replace)
+            if rendered.pvc:
+                self._ensure_claim(rendered.pvc, name)
         except KubetuneError:
             # Never leave a job whose ConfigMap is missing: roll the job back.
             with contextlib.suppress(Exception):
@@ -149,13 +170,85 @@ class KubeflowBackend:
             raise
         return name
 
+    def _check_served(self, job: dict, exists_ok: bool = False) -> bool:
+        """Server-side dry run of the job: every field sent must come back (a CRD schema prunes
+        what it does not know, silently). Trainer v2.0/v2.1 drop spec.runtimePatches (no volume
+        for the spec: `kubetune fetch` fails), v2.2 drops the pod's terminationGracePeriodSeconds
+        (the SIGTERM checkpoint is killed at 30 s). Returns False, checking nothing, when a job
+        of that name exists and `exists_ok`."""
+        from kubernetes.client.exceptions import ApiException
+
+        with self._errors("create", f"{self.plural}.{self.group}", job["metadata"]["name"]):
+            try:
+                stored = self.custom.create_namespaced_custom_object(self.group, self.version, self.namespace, self.plural, job, dry_run="All")
+            except ApiException as e:
+                if e.status == 409 and exists_ok:
+                    return False
+                raise
+        dropped = missing_paths(job.get("spec") or {}, (stored or {}).get("spec") or {}, "spec")
+        if not dropped:
+            return True
+        if self.target == "trainjob":
+            if any(p == "spec.runtimePatches" for p in dropped):
+                hint = "the cluster runs Trainer older than v2.3 (v2.0/v2.1 have no runtimePatches)"
+            elif any(p.endswith("terminationGracePeriodSeconds") for p in dropped):
+                hint = "the cluster runs Trainer v2.2 (no terminationGracePeriodSeconds in runtime patches)"
+            else:
+                hint = "the cluster's TrainJob CRD is older than v2.3"
+            fix = "install Trainer v2.3 or later (deploy/install.sh --with trainer), or use --target pytorchjob"
+        else:
+            hint = "the cluster's Training Operator is older than the one kubetune renders for (v1.8.1+)"
+            fix = "upgrade the Training Operator (deploy/install.sh), or remove the settings that need those fields"
+        raise KubetuneError(f"the cluster would drop {', '.join(dropped[:3])}{' ...' if len(dropped) > 3 else ''} from the {self.kind}: {hint}", fix=fix)
+
+    def _check_runtime(self, runtime: str) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            self.custom.get_cluster_custom_object("trainer.kubeflow.org", "v1alpha1", "clustertrainingruntimes", runtime)
+        except ApiException as e:
+            if e.status == 404 and "could not find the requested resource" in (e.body or ""):
+                # no runtime CRD at all: Trainer is not installed
+                raise self._translate(e, "get", f"{self.plural}.{self.group}", None) from None
+            if e.status != 404:
+                raise self._translate(e, "get", "clustertrainingruntimes.trainer.kubeflow.org", runtime) from None
+            names = [r["name"] for r in self.runtimes()]
+            raise KubetuneError(f"the cluster has no ClusterTrainingRuntime '{runtime}'" + (f" (it has: {', '.join(names)})" if names else ""),
+                                field="kubernetes.runtime", fix="pick one that `kubetune runtimes` lists, or install Trainer's runtimes (deploy/install.sh --with trainer)") from None
+        except (OSError,) as e:
+            raise KubetuneError(f"cannot reach the Kubernetes API server at {self.api.configuration.host} ({type(e).__name__})", fix="check the kubeconfig context and the network (kubectl cluster-info)") from None
+
+    def runtimes(self) -> list[dict]:
+        """The cluster's ClusterTrainingRuntimes: name and framework."""
+        with self._errors("list", "clustertrainingruntimes.trainer.kubeflow.org"):
+            items = self.custom.list_cluster_custom_object("trainer.kubeflow.org", "v1alpha1", "clustertrainingruntimes")["items"]
+        return [{"name": r["metadata"]["name"], "framework": (r["metadata"].get("labels") or {}).get("trainer.kubeflow.org/framework", "")} for r in items]
+
+    def _ensure_claim(self, pvc: dict, job: str) -> None:
+        """Create the workspace claim, or keep the one an earlier run of this job left (it holds
+        that run's output and checkpoints, which a resubmitted job resumes from). A claim of that
+        name that kubetune did not make for this job is never touched."""
+        from kubernetes.client.exceptions import ApiException
+
+        name = pvc["metadata"]["name"]
+        with self._errors("create", "persistentvolumeclaims", name):
+            try:
+                self.core.create_namespaced_persistent_volume_claim(self.namespace, pvc)
+                return
+            except ApiException as e:
+                if e.status != 409:
+                    raise
+            existing = self.core.read_namespaced_persistent_volume_claim(name, self.namespace)
+        if (existing.metadata.labels or {}).get(manifests.JOB_LABEL) != job:
+            raise KubetuneError(f"persistentvolumeclaim '{name}' already exists in namespace '{self.namespace}' and is not job '{job}''s workspace",
+                                field="kubernetes.storage", fix="set kubernetes.storage.existing_claim to use it, or rename the job")
+
     def _create_owned(self, obj: dict, replace: bool) -> None:
         from kubernetes.client.exceptions import ApiException
 
         kind, name = obj["kind"], obj["metadata"]["name"]
         create, delete = {
             "ConfigMap": (self.core.create_namespaced_config_map, self.core.delete_namespaced_config_map),
-            "PersistentVolumeClaim": (self.core.create_namespaced_persistent_volume_claim, self.core.delete_namespaced_persistent_volume_claim),
             "Service": (self.core.create_namespaced_service, self.core.delete_namespaced_service),
             "Deployment": (self.apps.create_namespaced_deployment, self.apps.delete_namespaced_deployment),
         }[kind]
@@ -210,7 +303,24 @@ class KubeflowBackend:
         elif result.phase == "Failed":
             cond = next((c for c in reversed(st.get("conditions") or []) if c.get("type") == "Failed"), {})
             result.reason, result.message = cond.get("reason"), cond.get("message")
+        result.output = self._output_of(name)
         return result
+
+    def _output_of(self, name: str) -> str | None:
+        """Where the job writes its artifacts, read from its spec ConfigMap (None once the job,
+        and with it the ConfigMap, is gone)."""
+        from kubernetes.client.exceptions import ApiException
+
+        from kubetune.config import parse_spec
+
+        try:
+            cm = self.core.read_namespaced_config_map(f"{name}-spec", self.namespace)
+            import yaml
+
+            spec = parse_spec(yaml.safe_load((cm.data or {}).get("job.yaml", "")) or {})
+        except (ApiException, KubetuneError, ValueError, TypeError):
+            return None
+        return output_location(spec)
 
     def _pods(self, name: str) -> list[PodInfo]:
         with self._errors("list", "pods"):
@@ -316,14 +426,71 @@ class KubeflowBackend:
         return self.status(name)
 
     # ---- delete / list ----
-    def delete(self, name: str) -> None:
+    def delete(self, name: str, storage: bool = False) -> list[str]:
+        """Delete the job (its ConfigMap and TensorBoard go with it). The workspace claim kubetune
+        created for it, which holds the output, stays unless ``storage`` (a claim named by
+        ``existing_claim`` is never deleted).
+
+        Returns:
+            What was kept or removed, one line each (for the CLI to print).
+        """
+        from kubernetes.client.exceptions import ApiException
+
         with self._errors("delete", f"{self.plural}.{self.group}", name):
             self.custom.delete_namespaced_custom_object(self.group, self.version, self.namespace, self.plural, name, propagation_policy="Background")
+        claim = f"{name}-workspace"
+        with self._errors("get", "persistentvolumeclaims", claim):
+            try:
+                pvc = self.core.read_namespaced_persistent_volume_claim(claim, self.namespace)
+            except ApiException as e:
+                if e.status == 404:
+                    return []
+                raise
+        if (pvc.metadata.labels or {}).get(manifests.JOB_LABEL) != name:
+            return []
+        if not storage:
+            return [f"kept persistentvolumeclaim '{claim}' (the job's output and checkpoints); `kubetune delete {name} --delete-storage` removes it"]
+        with self._errors("delete", "persistentvolumeclaims", claim):
+            self.core.delete_namespaced_persistent_volume_claim(claim, self.namespace)
+        return [f"deleted persistentvolumeclaim '{claim}'"]
 
     def list(self) -> list[dict]:
         with self._errors("list", f"{self.plural}.{self.group}"):
             items = self.custom.list_namespaced_custom_object(self.group, self.version, self.namespace, self.plural, label_selector="app.kubernetes.io/name=kubetune")["items"]
         return [{"name": j["metadata"]["name"], "phase": phase_of(j), "created": j["metadata"].get("creationTimestamp", "")} for j in items]
+
+
+def missing_paths(sent, stored, path: str) -> list[str]:
+    """Dotted paths present in ``sent`` and absent from ``stored`` (what a server pruned).
+    Lists are compared item by item; values the server changed (defaults, mutating webhooks)
+    are not reported, only keys that disappeared."""
+    if isinstance(sent, dict):
+        if not isinstance(stored, dict):
+            return [path]
+        out = []
+        for k, v in sent.items():
+            if k not in stored:
+                out.append(f"{path}.{k}")
+            else:
+                out += missing_paths(v, stored[k], f"{path}.{k}")
+        return out
+    if isinstance(sent, list) and isinstance(stored, list):
+        return [p for i, (a, b) in enumerate(zip(sent, stored)) for p in missing_paths(a, b, f"{path}[{i}]")]
+    return []
+
+
+def output_location(spec: JobSpec) -> str:
+    """Where a cluster job's artifacts are: the remote URI, a path on its claim, or a warning."""
+    uri = spec.output.uri
+    if "://" in uri and not uri.startswith("file://"):
+        return uri
+    path = uri.removeprefix("file://")
+    st = spec.kubernetes.storage
+    if st.mode == "pvc":
+        claim = st.existing_claim or f"{spec.name}-workspace"
+        full = path if path.startswith("/") else f"{manifests.WORKSPACE}/{path}"
+        return f"persistentvolumeclaim/{claim} at {full} (mounted at {manifests.WORKSPACE})"
+    return f"{path} inside the pods' node-local storage (lost with the pods; use s3://, hf:// or kubernetes.storage.mode: pvc)"
 
 
 class WaitTimeout(KubetuneError):

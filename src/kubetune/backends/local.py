@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import signal
 import socket
 import sys
 import tempfile
@@ -16,9 +15,10 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from kubetune.config import JobSpec, dump_spec
 from kubetune.errors import KubetuneError
+from kubetune.launch import WORKER_MODULE, Stopped, WorkerFailed, root_failure, translated_failures
 
+__all__ = ["SHUTDOWN_GRACE_S", "Stopped", "WorkerFailed", "launch_config", "root_failure", "run", "worker_env"]
 log = logging.getLogger(__name__)
-WORKER_MODULE = "kubetune.worker"
 SHUTDOWN_GRACE_S = 110
 
 
@@ -81,13 +81,10 @@ def run(spec: JobSpec, local_addr: str | None = None) -> dict[int, object]:
     """Run ``spec`` on this machine; blocks until the workers finish.
 
     Raises:
-        KubetuneError: a worker failed (names the rank and its exit code).
+        KubetuneError: a worker stopped on a user error.
+        Stopped: SIGTERM/SIGINT stopped the run after a checkpoint.
+        WorkerFailed: a worker crashed or was killed (names the rank and its exit code).
     """
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    from kubetune.distributed import EXIT_PREEMPTED
-
     # Every node of a multi-node job must use the same run id; a single node gets a fresh one.
     run_id = spec.name if spec.distributed.nodes > 1 else f"{spec.name}-{uuid.uuid4().hex[:8]}"
     os.environ.update(worker_env(spec))
@@ -99,53 +96,10 @@ def run(spec: JobSpec, local_addr: str | None = None) -> dict[int, object]:
     try:
         config = launch_config(spec, run_id=run_id, local_addr=local_addr, log_dir=workdir / "elastic")
         spec_file.write_text(dump_spec(spec))
-        return elastic_launch(config, entrypoint=sys.executable)("-u", "-m", WORKER_MODULE, str(spec_file))
-    except SignalException as e:
-        # This launcher got SIGTERM/SIGINT; torch elastic has passed it on to the workers, which
-        # finished their step and wrote a checkpoint before exiting.
-        raise Stopped(f"stopped by {e.sigval.name}") from None
-    except ChildFailedError as e:
-        rank, failure = root_failure(e.failures)
-        code = failure.exitcode
-        if code == 2:
-            raise KubetuneError(f"rank {rank} stopped on a user error (its message is above)") from None
-        if code == EXIT_PREEMPTED:
-            raise Stopped(f"rank {rank} was stopped by a signal after writing a checkpoint") from None
-        raise WorkerFailed(rank, code) from None
+        with translated_failures():
+            return elastic_launch(config, entrypoint=sys.executable)("-u", "-m", WORKER_MODULE, str(spec_file))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-
-
-def root_failure(failures: dict[int, object]) -> tuple[int, object]:
-    """Pure: the failure that most likely caused the others, as ``(rank, ProcessFailure)``.
-
-    torch's ``get_first_failure`` orders by timestamp, but a worker killed by a signal (the OOM
-    killer's SIGKILL, a segfault) leaves no error file, so its timestamp is only when the agent
-    noticed it, after its peers had already recorded their own collective errors; and the agent's
-    teardown then SIGTERMs the survivors. So: a rank killed by a signal other than that teardown
-    SIGTERM comes first (lowest rank), then ranks that exited on their own (earliest timestamp),
-    then the teardown's SIGTERMs (earliest timestamp).
-    """
-    def cause_order(rank: int) -> tuple:
-        code = failures[rank].exitcode
-        teardown = code == -signal.SIGTERM
-        killed = code < 0 and not teardown
-        return (not killed, teardown, 0 if killed else failures[rank].timestamp, rank)
-
-    rank = min(failures, key=cause_order)
-    return rank, failures[rank]
-
-
-class Stopped(Exception):
-    """The run was stopped by SIGTERM/SIGINT after a checkpoint: exit 143, resume by running again."""
-
-
-class WorkerFailed(Exception):
-    """A worker crashed (not a user error): exit non-zero with that rank's code."""
-
-    def __init__(self, rank: int, exitcode: int):
-        self.rank, self.exitcode = rank, exitcode
-        super().__init__(f"worker rank {rank} failed with exit code {exitcode} (its error is above)")
 
 
 def _free_port() -> int:

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 import yaml
 from kubernetes import client as k8s
 
+from kubetune import providers
 from kubetune.config import JobSpec, dump_spec
 from kubetune.config.cluster import default_image
+from kubetune.errors import KubetuneError, SpecError
 
 SPEC_DIR = "/etc/kubetune"
 WORKSPACE = "/workspace"
@@ -23,6 +25,7 @@ CONTAINER = "pytorch"  # the Training Operator requires this container name
 PYTORCHJOB_API = ("kubeflow.org", "v1", "pytorchjobs")
 TRAINJOB_API = ("trainer.kubeflow.org", "v1alpha1", "trainjobs")
 JOB_LABEL = "kubetune.io/job"
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,11 @@ def _ser(obj) -> dict:
 
 def labels(spec: JobSpec) -> dict[str, str]:
     return {"app.kubernetes.io/name": "kubetune", "app.kubernetes.io/instance": spec.name, JOB_LABEL: spec.name, **spec.kubernetes.labels}
+
+
+def job_labels(spec: JobSpec) -> dict[str, str]:
+    """The job object's labels: Kueue reads its queue from the job itself."""
+    return {**labels(spec), **({QUEUE_LABEL: spec.kubernetes.queue} if spec.kubernetes.queue else {})}
 
 
 def _meta(spec: JobSpec, name: str, namespace: str, **extra_annotations) -> k8s.V1ObjectMeta:
@@ -158,9 +166,12 @@ def stage_dir(spec: JobSpec) -> str:
 
 
 def worker_command(spec: JobSpec) -> list[str]:
-    """torchrun reads nnodes, nproc-per-node, node rank and the master address from the
-    Training Operator's PET_* environment; the worker reads the staged spec."""
-    return ["torchrun", "-m", "kubetune.worker", f"{stage_dir(spec)}/job.yaml"]
+    """`kubetune launch`: torch's elastic launcher configured from the operator's PET_*
+    environment exactly as torchrun would, exiting with codes the restart policy can act on
+    (143 after a graceful stop, >= 128 for infrastructure, 1 for user errors)."""
+    from kubetune.launch import pod_command
+
+    return pod_command(f"{stage_dir(spec)}/job.yaml")
 
 
 def fetch_command(spec: JobSpec) -> list[str]:
@@ -206,10 +217,16 @@ def build_pod_template(spec: JobSpec) -> k8s.V1PodTemplateSpec:
             tolerations=[k8s.V1Toleration(key=t.key, operator=t.operator, value=t.value, effect=t.effect, toleration_seconds=t.toleration_seconds) for t in kube.tolerations] or None,
             image_pull_secrets=[k8s.V1LocalObjectReference(name=n) for n in kube.image_pull_secrets] or None,
             termination_grace_period_seconds=kube.termination_grace_period_seconds,
+            priority_class_name=kube.priority_class,
             # The image's user is 1000; fsGroup makes the PVC writable for it.
             security_context=k8s.V1PodSecurityContext(run_as_non_root=True, run_as_user=1000, fs_group=1000),
         ),
     )
+
+
+def _with_affinity(pod_spec: dict, spec: JobSpec) -> dict:
+    """The user's affinity, as written (camelCase), in a serialized pod spec."""
+    return {**pod_spec, "affinity": spec.kubernetes.affinity} if spec.kubernetes.affinity else pod_spec
 
 
 def build_pytorchjob(spec: JobSpec, namespace: str) -> dict:
@@ -224,18 +241,22 @@ def build_pytorchjob(spec: JobSpec, namespace: str) -> dict:
 
     if kube.elastic:
         # Elastic jobs have no Master: the operator points the c10d rendezvous at worker 0.
+        # Processes per node go in spec.nprocPerNode only: the v1.8+ webhook refuses
+        # elasticPolicy.nProcPerNode beside it, and v1.7's controller fails such a job.
         replicas = {"Worker": replica(dist.nodes)}
         elastic = kf.KubeflowOrgV1ElasticPolicy(
             min_replicas=kube.elastic.min_nodes, max_replicas=kube.elastic.max_nodes, max_restarts=kube.elastic.max_restarts,
-            rdzv_backend="c10d", n_proc_per_node=dist.procs_per_node,
+            rdzv_backend="c10d",
         )
     else:
         replicas = {"Master": replica(1), **({"Worker": replica(dist.nodes - 1)} if dist.nodes > 1 else {})}
         elastic = None
+    metadata = _meta(spec, spec.name, namespace)
+    metadata.labels = job_labels(spec)
     job = kf.KubeflowOrgV1PyTorchJob(
         api_version="kubeflow.org/v1",
         kind="PyTorchJob",
-        metadata=_meta(spec, spec.name, namespace),
+        metadata=metadata,
         spec=kf.KubeflowOrgV1PyTorchJobSpec(
             nproc_per_node=str(dist.procs_per_node),
             elastic_policy=elastic,
@@ -245,14 +266,42 @@ def build_pytorchjob(spec: JobSpec, namespace: str) -> dict:
                 ttl_seconds_after_finished=kube.ttl_seconds_after_finished,
                 backoff_limit=kube.backoff_limit,
                 active_deadline_seconds=kube.active_deadline_seconds,
+                # Kueue starts a queued job by unsuspending it.
+                suspend=True if kube.queue else None,
+                scheduling_policy=kf.KubeflowOrgV1SchedulingPolicy(priority_class=kube.priority_class) if kube.priority_class else None,
             ),
         ),
     )
-    return _ser(job)
+    body = _ser(job)
+    for rs in body["spec"]["pytorchReplicaSpecs"].values():
+        rs["template"]["spec"] = _with_affinity(rs["template"]["spec"], spec)
+    return body
 
 
-def build_trainjob(spec: JobSpec, namespace: str, runtime: str = "torch-distributed") -> dict:
-    """The Kubeflow Trainer v2 TrainJob equivalent (runtime ``torch-distributed``).
+# Spec fields a TrainJob of Trainer v2.3 has no place for (the runtime and its JobSet own them);
+# set explicitly with --target trainjob, each is refused by name rather than dropped.
+TRAINJOB_UNSUPPORTED = {
+    "restart_policy": "the runtime's JobSet failure policy decides restarts",
+    "backoff_limit": "the runtime's JobSet failure policy decides restarts",
+    "ttl_seconds_after_finished": "a TrainJob has no TTL",
+    "clean_pod_policy": "the runtime decides what happens to finished pods",
+    "image_pull_policy": "the runtime's container sets it (a TrainJob patch carries only env, volumeMounts and securityContext)",
+    "elastic": "a TrainJob has no elastic policy",
+    "priority_class": "a TrainJob's pod patch has no priorityClassName; use kubernetes.queue with a Kueue WorkloadPriorityClass",
+    "master_port": "the runtime sets the rendezvous port",
+}
+
+
+def trainjob_problems(spec: JobSpec) -> list[str]:
+    """One line per ``kubernetes.*`` field the user set that a TrainJob (v2.3) cannot carry."""
+    kube = spec.kubernetes
+    return [f"kubernetes.{name}: {why} — remove it for --target trainjob, or use --target pytorchjob"
+            for name, why in TRAINJOB_UNSUPPORTED.items() if name in kube.model_fields_set and getattr(kube, name) is not None]
+
+
+def build_trainjob(spec: JobSpec, namespace: str, runtime: str | None = None) -> dict:
+    """The Kubeflow Trainer v2 TrainJob equivalent (runtime ``kubernetes.runtime``, default
+    ``torch-distributed``).
 
     Trainer v2 runtimes own the pod template, so staging runs in the trainer container before
     torchrun (idempotent per node) and the spec ConfigMap and workspace come in as runtime patches.
@@ -260,6 +309,7 @@ def build_trainjob(spec: JobSpec, namespace: str, runtime: str = "torch-distribu
     from kubeflow_trainer_api import models as tr
 
     kube, dist = spec.kubernetes, spec.distributed
+    runtime = runtime or kube.runtime
     env, env_from = secret_env(spec)
     if env_from:
         # TrainJob's container patch has no envFrom: reference each S3 key explicitly.
@@ -269,24 +319,28 @@ def build_trainjob(spec: JobSpec, namespace: str, runtime: str = "torch-distribu
     node_patch = {
         "name": "node",
         "template": {"spec": {"template": {
-            "metadata": {"labels": labels(spec), "annotations": {"sidecar.istio.io/inject": "false"}},
-            "spec": {
+            "metadata": {"labels": labels(spec), "annotations": {"sidecar.istio.io/inject": "false", **kube.annotations}},
+            "spec": _with_affinity(_drop_none({
                 "volumes": volumes,
                 "containers": [{"name": "node", "volumeMounts": [_ser(m) for m in _mounts()]}],
                 "serviceAccountName": kube.service_account,
                 "nodeSelector": kube.node_selector or None,
                 "tolerations": [_ser(k8s.V1Toleration(key=t.key, operator=t.operator, value=t.value, effect=t.effect, toleration_seconds=t.toleration_seconds)) for t in kube.tolerations] or None,
+                "imagePullSecrets": [{"name": n} for n in kube.image_pull_secrets] or None,
                 "terminationGracePeriodSeconds": kube.termination_grace_period_seconds,
                 "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000},
-            },
+            }), spec),
         }}},
     }
+    metadata = _ser(_meta(spec, spec.name, namespace))
+    metadata["labels"] = job_labels(spec)
     body = {
         "apiVersion": "trainer.kubeflow.org/v1alpha1",
         "kind": "TrainJob",
-        "metadata": _ser(_meta(spec, spec.name, namespace)),
+        "metadata": metadata,
         "spec": {
             "runtimeRef": {"name": runtime, "kind": "ClusterTrainingRuntime", "apiGroup": "trainer.kubeflow.org"},
+            "suspend": True if kube.queue else None,  # Kueue starts a queued job by unsuspending it
             "activeDeadlineSeconds": kube.active_deadline_seconds,
             "trainer": {
                 "image": image(spec),
@@ -338,9 +392,54 @@ def build_tensorboard(spec: JobSpec, namespace: str) -> list[dict]:
 
 
 def render(spec: JobSpec, namespace: str, target: str = "pytorchjob") -> Rendered:
-    """All objects for ``spec`` in ``namespace``; ``target`` is pytorchjob or trainjob."""
+    """All objects for ``spec`` in ``namespace``; ``target`` is pytorchjob or trainjob.
+
+    Raises:
+        SpecError: the spec cannot work on a cluster (every problem, one line each): inputs that
+            are paths on this machine, a localhost S3 endpoint, fields the target cannot carry,
+            an affinity or toleration the Kubernetes typed models refuse.
+    """
+    problems = cluster_problems(spec) + (trainjob_problems(spec) if target == "trainjob" else []) + _typed_problems(spec)
+    if problems:
+        raise SpecError(problems, "spec")
     job = build_pytorchjob(spec, namespace) if target == "pytorchjob" else build_trainjob(spec, namespace)
     return Rendered(build_config_map(spec, namespace), build_pvc(spec, namespace), job, build_tensorboard(spec, namespace))
+
+
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "0.0.0.0", "::1", "[::1]")
+
+
+def cluster_problems(spec: JobSpec) -> list[str]:
+    """What makes a spec fail only inside a pod: model or data paths on this machine, and an S3
+    endpoint on localhost. Local paths work on a named claim that holds them (pvc mode with
+    existing_claim; relative paths and paths under /workspace are on it)."""
+    from urllib.parse import urlsplit
+
+    st = spec.kubernetes.storage
+    on_claim = st.mode == "pvc" and st.existing_claim
+    out = []
+    for field, uri in (("model.uri", spec.model.uri), ("data.train", spec.data.train), ("data.eval", spec.data.eval)):
+        if uri is None or providers.parse_uri(uri).scheme != "file":
+            continue
+        path = providers.parse_uri(uri).body
+        if on_claim and (not path.startswith(("/", "~")) or path.startswith(WORKSPACE + "/")):
+            continue
+        out.append(f"{field}: {uri!r} is a path on this machine, which the pods cannot read — use s3:// or hf://, pkg:// for files "
+                   f"inside the image, or a path on a named claim (kubernetes.storage: {{mode: pvc, existing_claim: NAME}}, path relative to {WORKSPACE})")
+    endpoint = spec.s3.endpoint_url
+    if endpoint and (urlsplit(endpoint).hostname or "").lower() in LOCAL_HOSTS:
+        out.append(f"s3.endpoint_url: {endpoint!r} is this machine, not reachable from the pods — use the in-cluster address "
+                   "(e.g. http://minio.minio.svc.cluster.local:9000), or leave it out and put AWS_ENDPOINT_URL in the Secret kubernetes.secrets.s3")
+    return out
+
+
+def _typed_problems(spec: JobSpec) -> list[str]:
+    """The user's affinity, checked against the Kubernetes typed model (unknown or mistyped fields)."""
+    from kubetune.backends import strict
+
+    if not spec.kubernetes.affinity:
+        return []
+    return [f"kubernetes.{p}" for p in strict.check_model(spec.kubernetes.affinity, "V1Affinity", "affinity")]
 
 
 def warnings_for(spec: JobSpec) -> list[str]:

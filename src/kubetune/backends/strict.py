@@ -36,6 +36,12 @@ def validate(obj: dict) -> list[str]:
     return _check_openapi(obj, _KINDS[kind], kind)
 
 
+def check_model(value: Any, type_name: str, path: str) -> list[str]:
+    """Problems in ``value`` (a serialized, camelCase object) as the typed model ``type_name``
+    (e.g. ``V1Affinity``) sees it: unknown fields and wrong types."""
+    return _check_openapi(value, type_name, path)
+
+
 def _openapi_class(name: str):
     from kubeflow.training import models as kf
     from kubernetes.client import models as k8s

@@ -187,6 +187,23 @@ class KubernetesSpec(Section):
     tensorboard: bool = Field(False, description="Also render a TensorBoard Deployment + Service reading the job's event files (pvc mode).")
     tensorboard_image: str = Field("tensorflow/tensorflow:2.17.0", description="Image for the TensorBoard Deployment.")
     master_port: int = Field(23456, ge=1024, le=65535, description="Rendezvous port on the master pod.")
+    queue: str | None = Field(
+        None,
+        description="Kueue LocalQueue to submit to: sets the kueue.x-k8s.io/queue-name label and creates the job suspended, "
+        "so that Kueue starts it when the queue admits it.",
+    )
+    priority_class: str | None = Field(
+        None, description="PriorityClass of the pods (PyTorchJob: pod priorityClassName and runPolicy.schedulingPolicy.priorityClass)."
+    )
+    runtime: str = Field(
+        "torch-distributed",
+        description="TrainJob target: the ClusterTrainingRuntime to run on (`kubetune runtimes` lists the cluster's).",
+    )
+    affinity: dict | None = Field(
+        None,
+        description="Pod affinity as in a Kubernetes pod spec (nodeAffinity, podAffinity, podAntiAffinity; camelCase keys), "
+        "checked against the Kubernetes typed model when rendered.",
+    )
 
     @field_validator("namespace")
     @classmethod
@@ -205,10 +222,11 @@ class KubernetesSpec(Section):
     def _annotation_map(cls, v):
         return _labels(v, "annotation", values=False)
 
-    @field_validator("service_account")
+    @field_validator("service_account", "priority_class", "queue", "runtime")
     @classmethod
-    def _sa(cls, v):
-        return _dns_subdomain(v, "ServiceAccount")
+    def _object_names(cls, v, info):
+        kinds = {"service_account": "ServiceAccount", "priority_class": "PriorityClass", "queue": "Kueue LocalQueue", "runtime": "ClusterTrainingRuntime"}
+        return _dns_subdomain(v, kinds[info.field_name])
 
     @field_validator("image_pull_secrets")
     @classmethod

@@ -130,7 +130,8 @@ def load_yaml(text: str, source: str) -> Any:
 def parse_spec(raw: Any, overrides: list[str] | None = None, source: str = "spec") -> JobSpec:
     """Validate a spec given as a mapping (e.g. from a notebook), after applying overrides."""
     if isinstance(raw, JobSpec):
-        raw = raw.model_dump(mode="json", exclude_none=True)
+        # exclude_unset: what the user set stays distinguishable from a default (model_fields_set).
+        raw = raw.model_dump(mode="json", exclude_unset=True)
     if not isinstance(raw, dict):
         raise SpecError([f"spec: top level must be a mapping of sections, got {type(raw).__name__} — see examples/"], source)
     raw = _deep_copy(raw)

@@ -253,7 +253,7 @@ from kubetune.config.cluster import KubernetesSpec, ResourcesSpec  # noqa: E402 
 
 class JobSpec(Section):
     name: str = Field(
-        description="Job name: lowercase letters, digits and '-', at most 52 characters (used for Kubernetes objects).",
+        description="Job name: lowercase letters, digits and '-', a letter first, at most 52 characters (used for Kubernetes objects).",
     )
     task: Literal["sequence-classification", "causal-lm"] = Field(
         "sequence-classification",
@@ -275,10 +275,11 @@ class JobSpec(Section):
     def _dns_name(cls, v: str) -> str:
         import re
 
-        if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,50}[a-z0-9])?", v):
+        # DNS-1035: the PyTorchJob webhook and the TrainJob CRD both require a letter first.
+        if not re.fullmatch(r"[a-z]([-a-z0-9]{0,50}[a-z0-9])?", v):
             raise ValueError(
-                "must be 1-52 lowercase letters, digits or '-', starting and ending with a letter or digit "
-                "(it names Kubernetes objects), e.g. 'sentiment-minilm'"
+                "must be 1-52 lowercase letters, digits or '-', starting with a letter and ending with a letter or digit "
+                "(it names Kubernetes objects, and the Training Operator and Trainer require a DNS-1035 name), e.g. 'sentiment-minilm'"
             )
         return v
 

@@ -89,8 +89,10 @@ def _train(spec: JobSpec, env: DistEnv, task: Task, cleanup: contextlib.ExitStac
     # Rank 0 checks the destination (refusing someone else's directory or a finished run), marks
     # it as kubetune's, and logs whether this run resumes or starts over; every rank then reads
     # checkpoints from the same place.
-    out = output.claim(spec)[0] if env.is_main else output.local_dir(spec.output.uri)
-    distributed.barrier()
+    out, plan = output.claim(spec) if env.is_main else (output.local_dir(spec.output.uri), None)
+    done = distributed.broadcast_object(output.finished_metrics(spec, out) if plan and plan.action == "done" else None)
+    if done is not None:  # this job already finished into this output: nothing to train
+        return done
     log.info("job %s (%s): world size %d, device %s, precision %s", spec.name, spec.task, env.world_size, device, cfg.precision if cfg.precision != "auto" else str(dtype).removeprefix("torch."))
 
     # ---- data: read and split on every rank (cheap, deterministic); tokenize once per node ----
