@@ -39,7 +39,8 @@ log = logging.getLogger("kubetune.worker")
 
 def run_worker(spec: JobSpec) -> dict:
     """Run ``spec`` in this process as one rank of the job."""
-    from kubetune.recipes import causal_lm, classify, loop
+    from kubetune.recipes import causal_lm, classify
+    from kubetune.training import trainer
 
     task = {"sequence-classification": classify.TASK, "causal-lm": causal_lm.TASK}[spec.task]
     env = distributed.read_env()
@@ -50,7 +51,7 @@ def run_worker(spec: JobSpec) -> dict:
     # get_peft_model; the FutureWarning is about peft's code, not the user's job.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     try:
-        return loop.train(spec, env, task)
+        return trainer.train(spec, env, task)
     finally:
         distributed.teardown()
 
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     if len(args) != 1:
         print("usage: python -m kubetune.worker SPEC.yaml", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT)
-    from kubetune.recipes.loop import Preempted
+    from kubetune.training.trainer import Preempted
 
     try:
         run_worker(load_spec(args[0]))

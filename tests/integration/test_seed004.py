@@ -94,9 +94,10 @@ def test_seed_call_trains_locally_and_the_sdk_calls_answer(tmp_path, hub_dataset
     assert model(**tokenizer(["what a lovely day"], return_tensors="pt")).logits.shape == (1, 3)
     assert (out / "adapter").is_dir()  # LoRA, as the seed asked
 
-    assert [j.metadata.name for j in client.list_jobs()] == ["fine-tune-minilm"]
+    # The local backend lists every job this Python process started (other tests' too).
+    assert "fine-tune-minilm" in [j.metadata.name for j in client.list_jobs()]
     client.delete_job("fine-tune-minilm")
-    assert client.list_jobs() == []
+    assert "fine-tune-minilm" not in [j.metadata.name for j in client.list_jobs()]
 
 
 # ---- (b) the kubeflow backend against the fake API server

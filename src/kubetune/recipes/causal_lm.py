@@ -1,4 +1,4 @@
-"""Causal-LM fine-tuning (Llama-class decoders): the task's pieces for the shared loop.
+"""Causal-LM fine-tuning (Llama-class decoders): the task's pieces for the shared trainer (``training/trainer.py``).
 
 Data: text, instruction or chat rows → token ids with response-only labels (``data/causal.py``),
 optionally packed padding-free; model: ``AutoModelForCausalLM``, full fine-tune, LoRA, or QLoRA
@@ -25,18 +25,14 @@ from kubetune.data import collate_lm, tokenized
 from kubetune.data.causal import IGNORE, ensure_chat_template, load_lm_frames
 from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
-from kubetune.recipes import loop
+from kubetune.training.trainer import Prepared, Task, tokenize_on_node
 from kubetune.recipes.common import attention_kwargs, load_pretrained, to_device
 
 log = logging.getLogger(__name__)
 
 
-def train(spec: JobSpec, env: DistEnv) -> dict:
-    """Fine-tune a causal LM as described by ``spec``; rank 0 exports the artifacts."""
-    return loop.train(spec, env, TASK)
 
-
-def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> loop.Prepared:
+def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
     frames = load_lm_frames(spec.data, spec.training.seed)
     fallback = frames.format != "text" and ensure_chat_template(tokenizer)
     if tokenizer.pad_token_id is None:
@@ -48,7 +44,7 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> loop.Prepared:
         eval_ds, _ = tokenized(frames.eval, tokenizer, spec.data.max_length, build=create, mode=mode)
         return train_ds, eval_ds, hit
 
-    train_ds, eval_ds, hit = loop.tokenize_on_node(env, build)
+    train_ds, eval_ds, hit = tokenize_on_node(env, build)
     dropped = dict(frames.dropped)
     # Rows whose response lies wholly beyond data.max_length teach nothing: drop them (counted).
     train_ds = _with_targets(train_ds, dropped, "train_truncated", spec.data.max_length)
@@ -62,7 +58,7 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> loop.Prepared:
         log.info("data: %d train / %d eval rows (%s format%s); %d tokens, %d with loss (%.0f%%), mean length %.0f, max %d; tokenization cache %s",
                  len(train_ds), len(eval_ds), frames.format, ", fallback chat template" if fallback else "", lengths.sum(), units.sum(),
                  100 * units.sum() / max(lengths.sum(), 1), lengths.mean(), lengths.max(), "hit" if hit else "miss (tokenized and cached)")
-    return loop.Prepared(
+    return Prepared(
         train_ds=train_ds, eval_ds=eval_ds,
         collate=functools.partial(collate_lm, train_ds, pad_id=tokenizer.pad_token_id, packing=spec.data.packing),
         train_rows=len(train_ds), eval_rows=len(eval_ds), units=units, dropped=dropped, info=info, raw=tokenizer,
@@ -82,7 +78,7 @@ def _with_targets(ds, dropped: dict, key: str, max_length: int):
     return ds.select(keep)
 
 
-def build_model(spec: JobSpec, model_dir, data: loop.Prepared, device: torch.device, dtype: torch.dtype):
+def build_model(spec: JobSpec, model_dir, data: Prepared, device: torch.device, dtype: torch.dtype):
     """The pretrained decoder: full fine-tune, LoRA, or QLoRA (quantized frozen base + LoRA)."""
     from transformers import AutoModelForCausalLM
 
@@ -155,7 +151,7 @@ def loss(model, micro: dict, autocast) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.no_grad()
-def evaluate(model, data: loop.Prepared, env: DistEnv, device, autocast, batch_size: int) -> dict:
+def evaluate(model, data: Prepared, env: DistEnv, device, autocast, batch_size: int) -> dict:
     """Token-level loss and perplexity over the whole eval set, each example counted once across ranks."""
     tokenizer = data.raw
     model.eval()
@@ -188,7 +184,7 @@ def evaluate(model, data: loop.Prepared, env: DistEnv, device, autocast, batch_s
     }
 
 
-def export(spec: JobSpec, model, tokenizer, data: loop.Prepared, out, metrics: dict) -> None:
+def export(spec: JobSpec, model, tokenizer, data: Prepared, out, metrics: dict) -> None:
     """``adapter/`` for LoRA; ``model/``: the full model (LoRA merged in fp32), with the tokenizer
     and the chat template it was trained with."""
     from transformers import AutoModelForCausalLM
@@ -227,8 +223,7 @@ def _config_dtype(config) -> torch.dtype:
     return value if isinstance(value, torch.dtype) else torch.float32
 
 
-TASK = loop.Task(
-    name="causal-lm",
+TASK = Task(
     prepare=prepare,
     build_model=build_model,
     loss=loss,

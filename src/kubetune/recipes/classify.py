@@ -1,4 +1,4 @@
-"""Sequence classification: the task's pieces for the shared loop (``recipes/loop.py``).
+"""Sequence classification: the task's pieces for the shared trainer (``training/trainer.py``).
 
 Data: labeled text rows → token ids; model: a pretrained encoder with a fresh classification
 head (LoRA optional); loss: cross-entropy per example; eval: loss, accuracy, macro-F1 and the
@@ -18,22 +18,14 @@ from kubetune import artifacts, distributed
 from kubetune.config import JobSpec
 from kubetune.data import collate, load_frames, tokenized
 from kubetune.distributed import DistEnv
-from kubetune.recipes import loop
+from kubetune.training.trainer import Prepared, Task, tokenize_on_node
 from kubetune.recipes.common import to_device
 
 log = logging.getLogger(__name__)
 
 
-def train(spec: JobSpec, env: DistEnv) -> dict:
-    """Fine-tune a sequence classifier as described by ``spec``; rank 0 exports the artifacts.
 
-    Returns:
-        The final metrics (identical on every rank).
-    """
-    return loop.train(spec, env, TASK)
-
-
-def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> loop.Prepared:
+def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
     frames = load_frames(spec.data, spec.training.seed)
 
     def build(create: bool):
@@ -41,10 +33,10 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> loop.Prepared:
         eval_ds, _ = tokenized(frames.eval, tokenizer, spec.data.max_length, build=create)
         return train_ds, eval_ds, hit
 
-    train_ds, eval_ds, hit = loop.tokenize_on_node(env, build)
+    train_ds, eval_ds, hit = tokenize_on_node(env, build)
     if env.is_local_main:
         log.info("data: %d train / %d eval rows, %d classes %s; tokenization cache %s", len(frames.train), len(frames.eval), len(frames.labels), frames.labels, "hit" if hit else "miss (tokenized and cached)")
-    return loop.Prepared(
+    return Prepared(
         train_ds=train_ds, eval_ds=eval_ds, collate=functools.partial(collate, train_ds, tokenizer=tokenizer),
         train_rows=len(frames.train), eval_rows=len(frames.eval), labels=frames.labels, dropped=frames.dropped,
         info={"labels": frames.labels}, raw=(frames, tokenizer),
@@ -58,7 +50,7 @@ def loss(model, micro: dict, autocast) -> tuple[torch.Tensor, torch.Tensor]:
     return F.cross_entropy(logits.float(), labels, reduction="sum"), torch.tensor(float(len(labels)), device=labels.device)
 
 
-def export(spec: JobSpec, model, tokenizer, data: loop.Prepared, out, metrics: dict) -> None:
+def export(spec: JobSpec, model, tokenizer, data: Prepared, out, metrics: dict) -> None:
     frames = data.raw[0]
     artifacts.export_classifier(spec, model, tokenizer, frames, out)
     if spec.output.report_baseline:
@@ -68,7 +60,7 @@ def export(spec: JobSpec, model, tokenizer, data: loop.Prepared, out, metrics: d
             log.info("baseline (TF-IDF + logistic regression, same split): accuracy %.4f f1_macro %.4f", baseline["accuracy"], baseline["f1_macro"])
 
 
-def build_model(spec: JobSpec, model_dir, data: loop.Prepared, device: torch.device, dtype: torch.dtype):
+def build_model(spec: JobSpec, model_dir, data: Prepared, device: torch.device, dtype: torch.dtype):
     """The pretrained encoder with a fresh classification head, wrapped with LoRA when asked."""
     from transformers import AutoModelForSequenceClassification
 
@@ -102,7 +94,7 @@ MAX_CONFUSION_CLASSES = 100
 
 
 @torch.no_grad()
-def evaluate(model, data: loop.Prepared, env: DistEnv, device, autocast, batch_size: int) -> dict:
+def evaluate(model, data: Prepared, env: DistEnv, device, autocast, batch_size: int) -> dict:
     """Loss, accuracy and macro-F1 over the whole eval set, each example counted once across ranks.
 
     Labels and predictions are kept per batch and counted once at the end: per class the true
@@ -152,8 +144,7 @@ def evaluate(model, data: loop.Prepared, env: DistEnv, device, autocast, batch_s
     return metrics
 
 
-TASK = loop.Task(
-    name="sequence-classification",
+TASK = Task(
     prepare=prepare,
     build_model=build_model,
     loss=loss,

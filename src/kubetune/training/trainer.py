@@ -1,0 +1,490 @@
+"""The trainer both tasks share: set-up, resume, the outer loop, one optimizer step, evaluation,
+checkpoints and the export.
+
+What differs per task (data preparation, the model, the loss of a micro-batch, evaluation,
+export) comes in a ``Task``; how the model is spread over ranks comes in a ``Strategy``; where
+metrics go comes in ``Loggers``; where the run is lives in one ``TrainState``. One loop for every
+task, because everything a checkpoint needs to continue exactly and the ranks' agreement on
+stopping must stay identical across tasks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from kubetune import artifacts, checkpoint, distributed, providers
+from kubetune.artifacts import output
+from kubetune.config import JobSpec
+from kubetune.data import StepBatch, batches
+from kubetune.data.sharding import epoch_order, rank_plan, steps_per_epoch
+from kubetune.distributed import DistEnv
+from kubetune.errors import KubetuneError
+from kubetune.recipes.common import build_optimizer, load_tokenizer, resolve_precision, seed_everything, to_device
+from kubetune.training.loggers import JSONLLogger, Loggers, TensorBoardLogger
+from kubetune.training.state import TrainState
+from kubetune.training.strategy import DDPStrategy, Strategy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Prepared:
+    """A task's tokenized data, as the trainer needs it."""
+
+    train_ds: Any
+    eval_ds: Any
+    collate: Callable  # indices -> micro-batch dict (with "weight" and "index")
+    train_rows: int
+    eval_rows: int
+    units: np.ndarray | None = None  # loss units per train example (tokens for causal-LM); None = 1 each
+    labels: list[str] = field(default_factory=list)  # class names (classification); part of the fingerprint
+    dropped: dict[str, int] = field(default_factory=dict)
+    info: dict = field(default_factory=dict)  # task facts for metrics.json (e.g. the data format)
+    raw: Any = None  # the task's own frames (for the baseline, the export)
+
+
+@dataclass
+class Task:
+    """What one task plugs into the trainer; every field is a plain function."""
+
+    prepare: Callable[[JobSpec, DistEnv, Path, Any], Prepared]  # (spec, env, model_dir, tokenizer)
+    build_model: Callable[[JobSpec, Path, Prepared, torch.device, torch.dtype], torch.nn.Module]
+    loss: Callable[[torch.nn.Module, dict, Any], tuple[torch.Tensor, torch.Tensor]]  # -> (loss sum, units) of a micro-batch
+    evaluate: Callable[..., dict]  # (model, prepared, env, device, autocast, batch_size) -> metrics
+    export: Callable[[JobSpec, torch.nn.Module, Any, Prepared, Path, dict], None]  # rank 0, adds to metrics
+    headline: tuple[str, ...]  # metrics for the per-epoch and final log lines
+
+
+def train(spec: JobSpec, env: DistEnv, task: Task) -> dict:
+    """Fine-tune as described by ``spec``; rank 0 exports the artifacts.
+
+    Returns:
+        The final metrics (identical on every rank).
+    """
+    # Log lines go through tqdm.write so they never land in the middle of the progress bar.
+    with logging_redirect_tqdm(), contextlib.ExitStack() as cleanup:
+        trainer = Trainer(spec, env, task, cleanup)
+        return trainer.finished if trainer.finished is not None else trainer.train()
+
+
+class Trainer:
+    """One rank's training run. ``__init__`` sets everything up (resuming from the newest
+    checkpoint); ``train()`` is the outer loop over ``train_step()``."""
+
+    def __init__(self, spec: JobSpec, env: DistEnv, task: Task, cleanup: contextlib.ExitStack | None = None,
+                 strategy: Strategy | None = None):
+        self.t_start = time.perf_counter()
+        self.spec, self.env, self.task, self.cfg = spec, env, task, spec.training
+        self.device = device = distributed.pick_device(env)
+        distributed.setup(env, device, spec.distributed.backend, spec.distributed.timeout_minutes)
+        self.dtype = resolve_precision(self.cfg.precision, device)
+        providers.configure(spec)
+        # Rank 0 checks the destination (refusing someone else's directory or a finished run), marks
+        # it as kubetune's, and logs whether this run resumes or starts over; every rank then reads
+        # checkpoints from the same place.
+        self.out, plan = output.claim(spec) if env.is_main else (output.local_dir(spec.output.uri), None)
+        # this job already finished into this output: nothing to train
+        self.finished = distributed.broadcast_object(output.finished_metrics(spec, self.out) if plan and plan.action == "done" else None)
+        if self.finished is not None:
+            return
+        precision = self.cfg.precision if self.cfg.precision != "auto" else str(self.dtype).removeprefix("torch.")
+        log.info("job %s (%s): world size %d, device %s, precision %s", spec.name, spec.task, env.world_size, device, precision)
+        self._build(strategy or DDPStrategy(env, device))
+        found = self._resume()
+        self._start_logging(found, cleanup)
+
+    # ---- set-up ----
+    def _build(self, strategy: Strategy) -> None:
+        spec, env, cfg, device = self.spec, self.env, self.cfg, self.device
+        # data: read and split on every rank (cheap, deterministic); tokenize once per node
+        self.model_dir = artifacts.resolve_model(spec)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.data = self.task.prepare(spec, env, self.model_dir, self.tokenizer)
+        self.train_lengths = np.asarray(self.data.train_ds["length"])
+        # model: identical initialization on every rank (same seed), then the strategy wraps it
+        seed_everything(cfg.seed)
+        self.model = self.task.build_model(spec, self.model_dir, self.data, device, self.dtype)
+        if cfg.compile:
+            # In place (nn.Module.compile): parameter names and the exported state dict stay unchanged.
+            # dynamic=True: length-grouped batches change the sequence length every step.
+            self.model.compile(dynamic=True)
+        self.strategy = strategy
+        self.wrapped = strategy.wrap(self.model)
+        # Dropout differs per rank; the stream is still a pure function of (seed, rank).
+        seed_everything(cfg.seed + 1000 * (env.rank + 1))
+        self.per_epoch = steps_per_epoch(self.data.train_rows, env.world_size, cfg.batch_size, cfg.grad_accum)
+        self.total_steps = min(self.per_epoch * cfg.epochs, cfg.max_steps or 10**12)
+        self.optimizer, self.scheduler = build_optimizer(self.model, cfg, self.total_steps, device)
+        self.scaler = torch.amp.GradScaler(device.type, enabled=(self.dtype == torch.float16))
+        # fp16: the grad scaler skips overflowing steps itself
+        self.guard = _FiniteGuard(self.optimizer, device, enabled=not self.scaler.is_enabled())
+        self.autocast = torch.autocast(device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
+        self.fingerprint = checkpoint.fingerprint(spec, self.data.labels, env.world_size, self.data.train_rows)
+        # On a GPU, building batches in the training process leaves the GPU idle meanwhile (+20% samples/s
+        # with 2 workers, BERT-base); on a CPU the workers would take cores from the compute.
+        self.workers = cfg.dataloader_workers if cfg.dataloader_workers is not None else (2 if device.type == "cuda" else 0)
+        self.trace = _Trace(env.rank)  # records trained row ids when KUBETUNE_TRACE_DIR is set (tests)
+
+    def _resume(self) -> checkpoint.Found | None:
+        """The newest complete checkpoint restores weights, optimizer, schedule, position and RNG."""
+        self.state = TrainState.fresh(self.device)
+        found = _find_checkpoint(self.spec, self.out, self.env) if self.cfg.resume == "auto" else None
+        if not found:
+            return None
+        saved = checkpoint.load(found)
+        checkpoint.check_compatible(saved["fingerprint"], self.fingerprint, str(found.path))
+        missing = set(checkpoint.trainable_state(self.model)) - set(saved["model"])
+        if missing:
+            raise KubetuneError(f"checkpoint {found.path} lacks {len(missing)} trainable tensors, e.g. {sorted(missing)[0]}",
+                                field="output.uri", fix="pass --no-resume")
+        self.strategy.load_model_state(saved["model"])
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.scheduler.load_state_dict(saved["scheduler"])
+        self.scaler.load_state_dict(saved["scaler"])
+        self.state = TrainState.from_state_dict(saved, self.env.rank, self.env.world_size, self.device)
+        checkpoint.set_rng_state(saved["rng"][self.env.rank])
+        s = self.state
+        log.info("resumed from checkpoint step %d (epoch %d, step %d of %d in the epoch): %s",
+                 s.global_step, s.epoch + 1, s.step_in_epoch, self.per_epoch, found.path)
+        return found
+
+    def _start_logging(self, found: checkpoint.Found | None, cleanup: contextlib.ExitStack | None) -> None:
+        resume_step = self.state.global_step if found else None
+        writers = []
+        if self.env.is_main:
+            writers = [JSONLLogger(self.out, resume_step, found.path / "history.jsonl" if found else None),
+                       TensorBoardLogger(self.out, resume_step)]
+        self.loggers = Loggers(writers)
+        interval = 1.0 if _tty() else 30.0
+        self.bar = tqdm(total=self.total_steps, initial=self.state.global_step, desc="train", unit="step",
+                        disable=not self.env.is_main, dynamic_ncols=True, mininterval=interval)
+        if cleanup is not None:
+            cleanup.callback(self.bar.close)  # however training ends, the bar's line ends before an error is printed
+        cfg = self.cfg
+        log.info("training: %d steps (%d per epoch), global batch %d, %d trainable / %d parameters", self.total_steps,
+                 self.per_epoch, cfg.batch_size * cfg.grad_accum * self.env.world_size, *_param_counts(self.model))
+
+    # ---- the outer loop ----
+    def train(self) -> dict:
+        s, cfg, env = self.state, self.cfg, self.env
+        eval_metrics: dict = {}
+        last_checkpoint = time.monotonic()
+        start_epoch, start_step = s.epoch, s.step_in_epoch
+        for epoch in range(start_epoch, cfg.epochs):
+            s.epoch, s.step_in_epoch = epoch, start_step if epoch == start_epoch else 0
+            self.wrapped.train()
+            self.t_epoch = time.perf_counter()
+            for step in self._batches(epoch):
+                if s.global_step >= self.total_steps:
+                    break
+                self.train_step(step)
+                if s.global_step % cfg.log_every == 0 or s.global_step == self.total_steps:
+                    self._log_train()
+                # Before the checkpoint, so that a resumed run's history holds this evaluation too.
+                if cfg.eval_every and s.global_step % cfg.eval_every == 0 and s.step_in_epoch < self.per_epoch and s.global_step < self.total_steps:
+                    t_eval = time.perf_counter()
+                    eval_metrics = self.evaluate(s.train_time + t_eval - self.t_epoch)
+                    self.wrapped.train()
+                    self.t_epoch += time.perf_counter() - t_eval  # evaluation time is not training time
+                # Every rank must agree, at the same step, on stopping and on checkpointing.
+                timed = bool(cfg.checkpoint_minutes) and env.is_main and time.monotonic() - last_checkpoint >= 60 * cfg.checkpoint_minutes
+                stop, timed = distributed.any_rank(distributed.STOP.is_set(), timed, device=self.device)
+                if stop or timed or (cfg.checkpoint_every and s.global_step % cfg.checkpoint_every == 0):
+                    self.guard.check(s.global_step, self.out, self.spec)  # a checkpoint holds only weights trained on finite gradients
+                    self.save_checkpoint()
+                    last_checkpoint = time.monotonic()
+                if stop:
+                    self._preempted()
+            s.train_time += time.perf_counter() - self.t_epoch
+            self.guard.check(s.global_step, self.out, self.spec)
+            eval_metrics = self.evaluate(s.train_time)
+            if s.global_step >= self.total_steps:
+                break
+        self.bar.close()
+        return self._finish(eval_metrics)
+
+    def _batches(self, epoch: int):
+        cfg, env = self.cfg, self.env
+        lengths = self.train_lengths if cfg.group_by_length else None
+        order = epoch_order(self.data.train_rows, epoch, cfg.seed, lengths, cfg.batch_size * env.world_size)
+        plan = rank_plan(order, rank=env.rank, world_size=env.world_size, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum)
+        pin = self.device.type == "cuda" and self.workers > 0
+        return batches(plan, self.data.collate, self.workers, start=self.state.step_in_epoch, pin_memory=pin)
+
+    # ---- one optimizer step ----
+    def train_step(self, step: StepBatch) -> dict:
+        """One optimizer step over ``step``'s micro-batches (all ranks together).
+
+        Returns:
+            The step's stats: ``units`` (the loss denominator) and ``grad_norm`` (None unclipped).
+        """
+        s, env = self.state, self.env
+        # The loss denominator: loss units (examples, or target tokens) in the whole global step.
+        data = self.data
+        step_units = float(data.units[step.indices].sum()) if data.units is not None else float(step.global_count)
+        step_ids = [m["input_ids"] for m in step.micro]
+        for i, micro in enumerate(step.micro):
+            # Counted on the CPU copy (no device sync): padding is what a micro-batch computes on beyond its real tokens.
+            w = float(micro["weight"][0])
+            s.tokens[0] += w * float(micro["attention_mask"].sum() if "attention_mask" in micro else micro["input_ids"].numel())
+            s.tokens[1] += w * micro["input_ids"].numel()
+            micro = to_device(micro, self.device)
+            weight = micro.pop("weight")
+            self.trace.add(s.epoch, micro.pop("index"), weight)
+            # Gradients are reduced only on the last micro-batch of the step.
+            with self.strategy.no_sync(last=i == len(step.micro) - 1):
+                loss_sum, units = self.task.loss(self.wrapped, micro, self.autocast)
+                loss_sum, units = loss_sum * weight[0], units * weight[0]  # weight 0: a rank's empty share
+                # Times world size because DDP averages over ranks: the gradient is the exact
+                # mean over the global step's units.
+                self.scaler.scale(loss_sum * env.world_size / max(step_units, 1.0)).backward()
+            s.log_loss[0] += loss_sum.detach().double()
+            s.log_loss[1] += units.double()
+        self.strategy.after_backward(step_ids)
+        norm = None
+        if self.cfg.max_grad_norm:
+            self.scaler.unscale_(self.optimizer)
+            norm = self.strategy.clip(self.cfg.max_grad_norm)
+        self.guard.after_backward(self.model, norm, s.global_step + 1)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        s.global_step += 1
+        s.step_in_epoch += 1
+        s.samples_seen += step.global_count
+        self.bar.update(1)
+        return {"units": step_units, "grad_norm": norm}
+
+    def _log_train(self) -> None:
+        s = self.state
+        distributed.all_reduce_sum(s.log_loss)
+        loss = (s.log_loss[0] / s.log_loss[1].clamp(min=1)).item()
+        s.log_loss.zero_()
+        self.guard.check(s.global_step, self.out, self.spec, loss)
+        s.logged_losses.append(loss)
+        lr = self.scheduler.get_last_lr()[0]
+        self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
+        self.loggers.log("train", s.global_step, {"loss": loss, "lr": lr}, {"epoch": s.epoch + 1, "samples": s.samples_seen})
+
+    # ---- evaluation and checkpoints ----
+    def evaluate(self, train_s: float) -> dict:
+        """All ranks: evaluate; rank 0 logs and records it with the training time and samples so far."""
+        s, cfg = self.state, self.cfg
+        metrics = self.task.evaluate(self.model, self.data, self.env, self.device, self.autocast, cfg.eval_batch_size or 2 * cfg.batch_size)
+        log.info("epoch %d, step %d: %s", s.epoch + 1, s.global_step, " ".join(f"{k} {metrics[k]:.4f}" for k in ("eval_loss", *self.task.headline)))
+        # Scalars only: a per-class matrix at every evaluation would grow the file with the classes squared.
+        scalars = {k: v for k, v in metrics.items() if not isinstance(v, (list, dict))}
+        self.loggers.log("eval", s.global_step, scalars, {"epoch": s.epoch + 1, "samples": s.samples_seen, "train_s": round(train_s, 3)})
+        return metrics
+
+    def save_checkpoint(self) -> None:
+        """All ranks: gather every rank's RNG state and accumulators; the writer rank saves."""
+        s = self.state
+        per_rank = distributed.all_gather_object((checkpoint.rng_state(), s.log_loss.tolist(), list(s.tokens)))
+        if self.strategy.is_writer:
+            state = {
+                "model": self.strategy.model_state(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict(),
+                **s.state_dict(s.train_time + (time.perf_counter() - self.t_epoch), per_rank),
+                "fingerprint": self.fingerprint,
+            }
+            path = checkpoint.save(state, self.spec, self.spec.output.uri, self.out, s.global_step, self.cfg.keep_checkpoints)
+            log.info("checkpoint at step %d: %s", s.global_step, path)
+        distributed.barrier()
+
+    def _preempted(self) -> None:
+        self.bar.close()
+        if self.env.is_main:
+            log.warning("stopped on signal after step %d; checkpoint written — run the same job again to resume", self.state.global_step)
+        raise Preempted(self.state.global_step)
+
+    # ---- the end: metrics and artifacts ----
+    def _finish(self, eval_metrics: dict) -> dict:
+        s, data, env = self.state, self.data, self.env
+        tail = s.logged_losses[-max(1, len(s.logged_losses) // 10):]
+        real, padded = distributed.all_reduce_sum(torch.tensor(s.tokens, device=self.device, dtype=torch.float64)).tolist()
+        t = s.train_time
+        metrics = {
+            "task": self.spec.task,
+            **eval_metrics,
+            "train_loss": float(np.mean(tail)) if tail else None,  # mean of the last 10% of logged losses
+            "train_samples": s.samples_seen,
+            "train_samples_per_second": s.samples_seen / t if t else 0.0,
+            "train_runtime_s": t,
+            "train_tokens": int(real),  # non-pad tokens of the trained examples (all epochs)
+            "train_padded_tokens": int(padded),  # tokens computed on, padding included
+            "padding_fraction": 1 - real / padded if padded else 0.0,
+            "train_tokens_per_second": real / t if t else 0.0,
+            "total_runtime_s": None,
+            "world_size": env.world_size,
+            "global_step": s.global_step,
+            "epochs_completed": s.epoch + 1,
+            "train_rows": data.train_rows,
+            "eval_rows": data.eval_rows,
+            "dropped_rows": data.dropped,
+            **data.info,
+        }
+        if self.device.type == "cuda":
+            metrics["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30  # rank 0's device
+        model = self.strategy.export_model()
+        if self.strategy.is_writer:
+            self._export(model, metrics)
+        distributed.barrier()
+        return metrics
+
+    def _export(self, model: torch.nn.Module, metrics: dict) -> None:
+        spec, out = self.spec, self.out
+        _check_weights_finite(model, self.state.global_step, out, spec)
+        self.loggers.close()
+        # Everything final is built aside and swapped in at the end: a failure here (export, the
+        # baseline, the report) leaves the previous state of the output, never half of this run's.
+        staged = output.staging(out)
+        try:
+            self.task.export(spec, model, self.tokenizer, self.data, staged, metrics)
+            metrics["total_runtime_s"] = time.perf_counter() - self.t_start
+            artifacts.finish(spec, metrics, staged, out / "history.jsonl")
+            output.commit(out, staged)
+        except (OSError, SafetensorError) as e:  # a full disk, a quota: the output keeps its previous state
+            reason = getattr(e, "strerror", None) or str(e).rsplit(": ", 1)[-1].split(" (os error")[0]
+            raise KubetuneError(f"cannot write the artifacts to {out}: {reason}", field="output.uri",
+                                fix="free space or choose another output.uri; nothing there was changed, and the checkpoints are kept") from None
+        finally:
+            shutil.rmtree(staged, ignore_errors=True)
+        artifacts.publish(spec, out, metrics)
+        # Only now that the artifact is safely in place: a failed upload can still resume. A rerun
+        # then starts a new run, and predict/pull never fetch optimizer state.
+        checkpoint.clear(spec.output.uri, out)
+        headline = ", ".join(f"{k} {metrics[k]:.4f}" for k in self.task.headline)
+        log.info("done: %s, %.1f samples/s; artifacts in %s", headline, metrics["train_samples_per_second"], spec.output.uri)
+class _FiniteGuard:
+    """Stops a diverged run: a non-finite gradient norm (or logged loss) ends training on every
+    rank at the same step, with the checkpoints written before it kept and nothing exported.
+
+    Without a host sync per step: the fused AdamW takes a ``found_inf`` flag on the device (the
+    mechanism GradScaler uses) and skips a non-finite update there, and the first such step is
+    remembered on the device; the ranks compare it where they synchronize anyway (a log step,
+    before a checkpoint, at the end of an epoch).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, enabled: bool):
+        self.optimizer, self.enabled = optimizer, enabled
+        self.first_bad = torch.full((), -1, dtype=torch.long, device=device)
+
+    def after_backward(self, model: torch.nn.Module, norm: torch.Tensor | None, step: int) -> None:
+        if not self.enabled:
+            return
+        if norm is None:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+        nonfinite = ~torch.isfinite(norm)
+        self.optimizer.found_inf = nonfinite.float()
+        self.first_bad = torch.where(nonfinite & (self.first_bad < 0), step, self.first_bad)
+
+    def check(self, step: int, out: Path, spec: JobSpec, loss: float | None = None) -> None:
+        """All ranks, at the same step."""
+        if not self.enabled:
+            return
+        bad = int(distributed.all_reduce_max(self.first_bad.clone()).item())
+        if bad >= 0 or (loss is not None and not math.isfinite(loss)):
+            at = f"step {bad}" if bad >= 0 else f"the steps up to {step} (mean loss {loss})"
+            raise Diverged(at, out, spec)
+
+
+class Diverged(KubetuneError):
+    """The loss or gradients became non-finite; the run stops without exporting."""
+
+    agreed = True  # every rank raises it at the same step
+
+    def __init__(self, at: str, out: Path, spec: JobSpec):
+        steps = checkpoint.complete_steps(out / "checkpoints")
+        kept = f"the checkpoint of step {steps[-1]} is kept" if steps else "no checkpoint had been written"
+        super().__init__(f"the loss or the gradient norm became non-finite (nan/inf) at {at}; training stopped on every rank and nothing was exported ({kept})",
+                         field="training", fix="lower training.learning_rate or training.weight_decay, keep training.max_grad_norm set, or try precision: fp32")
+
+
+def _check_weights_finite(model: torch.nn.Module, step: int, out: Path, spec: JobSpec) -> None:
+    bad = next((n for n, p in model.named_parameters() if p.requires_grad and not torch.isfinite(p).all()), None)
+    if bad is not None:
+        raise Diverged(f"or before step {step} (weight {bad} is not finite)", out, spec)
+
+
+class Preempted(Exception):
+    """Training stopped on SIGTERM/SIGINT after writing a checkpoint (exit code 143)."""
+
+    def __init__(self, step: int):
+        super().__init__(f"stopped after step {step}; checkpoint written")
+        self.step = step
+
+
+def tokenize_on_node(env: DistEnv, build) -> Any:
+    """Run ``build(create)`` on local rank 0 first (create=True: tokenize on a cache miss), then
+    on the node's other ranks (create=False: load the cache rank 0 wrote)."""
+    result = build(True) if env.is_local_main else None
+    distributed.barrier()
+    if not env.is_local_main:
+        result = build(False)
+    return result
+
+
+def _find_checkpoint(spec: JobSpec, out, env: DistEnv) -> checkpoint.Found | None:
+    """Rank 0 picks the newest complete checkpoint; every rank then reads that same step."""
+    found = checkpoint.latest(spec.output.uri, out) if env.is_main else None
+    step = distributed.broadcast_object(found.step if found else None)
+    if step is None:
+        return None
+    if found is None or found.step != step:
+        found = checkpoint.latest(spec.output.uri, out)
+        if found is None or found.step != step:
+            raise KubetuneError(f"rank {env.rank} cannot see checkpoint step {step} under {spec.output.uri}", field="output.uri",
+                                fix="put the output on storage every node can read (a shared PVC or s3://)")
+    return found
+
+
+class _Trace:
+    """Appends ``{"epoch", "rows"}`` lines to ``$KUBETUNE_TRACE_DIR/rank<R>.jsonl``: the proof
+    that every example is trained on exactly once per epoch across ranks."""
+
+    def __init__(self, rank: int):
+        import os
+
+        root = os.environ.get("KUBETUNE_TRACE_DIR")
+        self.path = None
+        if root:
+            Path(root).mkdir(parents=True, exist_ok=True)
+            self.path = Path(root) / f"rank{rank}.jsonl"
+
+    def add(self, epoch: int, index: torch.Tensor, weight: torch.Tensor) -> None:
+        if self.path is None:
+            return
+        import json
+
+        rows = index[weight.cpu() > 0].tolist()
+        with self.path.open("a") as f:
+            f.write(json.dumps({"epoch": epoch, "rows": rows}) + "\n")
+
+
+def _param_counts(model) -> tuple[int, int]:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable, sum(p.numel() for p in model.parameters())
+
+
+def _tty() -> bool:
+    import sys
+
+    return sys.stderr.isatty()
