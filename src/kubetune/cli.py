@@ -361,7 +361,7 @@ def logs(
 def wait(name: NameArg, timeout: Annotated[float | None, typer.Option(help="Give up after this many seconds (exit 3).")] = None,
          namespace: NsOpt = None, context: CtxOpt = None, kubeconfig: KcOpt = None, target: TargetOpt = "pytorchjob") -> None:
     """Wait for the job to finish: exit 0 on Succeeded, 1 on Failed (with the reason), 3 on timeout."""
-    from kubetune.backends.kubeflow import WaitTimeout
+    from kubetune.backends.status import WaitTimeout
 
     try:
         st = _backend(namespace, context, kubeconfig, target).wait(name, timeout)

@@ -28,7 +28,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any
 
-from kubetune.backends.kubeflow import JobStatus, WaitTimeout
+from kubetune.backends.status import JobStatus, WaitTimeout
 from kubetune.config import JobSpec, dump_spec, load_spec, parse_spec
 from kubetune.errors import KubetuneError
 

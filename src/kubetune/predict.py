@@ -35,7 +35,7 @@ def pull(uri: str, dest: Path | None = None) -> Path:
     """
     scheme = providers.parse_uri(uri).scheme
     if scheme == "s3":
-        from kubetune.data.tokenize import cache_root
+        from kubetune.paths import cache_root
         from kubetune.providers import s3
 
         loc = s3.Location.parse(uri, "MODEL")

@@ -1,6 +1,6 @@
 """Staging: fetch a job's remote model and data once, for pods (`kubetune fetch`, the init container).
 
-Remote URIs (hf://, later s3://) are resolved to local copies and a rewritten spec pointing at
+Remote URIs (hf://, s3://) are resolved to local copies and a rewritten spec pointing at
 them is written to ``DEST/job.yaml``; the completion marker is written last, so a pod that died
 mid-download stages again, and a second run with the same inputs downloads nothing.
 """

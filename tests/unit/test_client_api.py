@@ -14,7 +14,7 @@ import time
 import pytest
 
 from kubetune import client as client_mod
-from kubetune.backends.kubeflow import JobStatus, WaitTimeout
+from kubetune.backends.status import JobStatus, WaitTimeout
 from kubetune.client import Client, KubeflowJob, LocalJob
 from kubetune.errors import KubetuneError
 

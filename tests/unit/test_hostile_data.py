@@ -87,7 +87,7 @@ def test_evaluate_counts_once_and_keeps_confusion_small(monkeypatch, num_labels,
     from kubetune import distributed
     from kubetune.distributed import DistEnv
     from kubetune.recipes import classify
-    from kubetune.training import trainer as loop
+    from kubetune.recipes import task as loop
 
     rng = np.random.default_rng(num_labels)
     n = 301
@@ -481,7 +481,7 @@ def test_baseline_skipped_where_it_cannot_fit(monkeypatch, caplog, tmp_path, cau
     from kubetune.artifacts import baseline
     from kubetune.config import parse_spec
     from kubetune.recipes import classify
-    from kubetune.training import trainer as loop
+    from kubetune.recipes import task as loop
 
     if cause == "estimate":
         monkeypatch.setattr(baseline, "available_memory", lambda: 64 * 2**20, raising=False)

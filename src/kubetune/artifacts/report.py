@@ -7,8 +7,8 @@ import html
 import json
 from pathlib import Path
 
-from kubetune.artifacts import write_atomic
 from kubetune.config import JobSpec, dump_spec
+from kubetune.paths import write_atomic
 
 
 def _read_history(path: Path) -> list[dict]:

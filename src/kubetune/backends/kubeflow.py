@@ -11,51 +11,18 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from kubernetes import client as k8s
 
 from kubetune.backends import manifests
+from kubetune.backends.status import TERMINAL, JobStatus, PodInfo, WaitTimeout
 from kubetune.config import JobSpec
 from kubetune.errors import KubetuneError
 
 TARGETS = {"pytorchjob": (*manifests.PYTORCHJOB_API, "PyTorchJob"), "trainjob": (*manifests.TRAINJOB_API, "TrainJob")}
-TERMINAL = ("Succeeded", "Failed")
 POD_FAILURES = ("OOMKilled", "ImagePullBackOff", "ErrImagePull", "CrashLoopBackOff", "CreateContainerConfigError", "InvalidImageName", "Error")
 IN_CLUSTER_NS = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
-
-
-@dataclass
-class PodInfo:
-    name: str
-    node_rank: int
-    phase: str
-    restarts: int
-    reason: str | None = None
-    message: str | None = None
-
-
-@dataclass
-class JobStatus:
-    """What `kubetune status` prints: phase, replicas, restarts and why a job failed."""
-
-    name: str
-    namespace: str
-    kind: str
-    phase: str
-    replicas: dict[str, dict[str, int]] = field(default_factory=dict)
-    restarts: int = 0
-    reason: str | None = None
-    message: str | None = None
-    failed_pod: str | None = None
-    log_tail: list[str] = field(default_factory=list)
-    pods: list[PodInfo] = field(default_factory=list)
-    output: str | None = None  # where the job's artifacts are (or will be)
-
-    @property
-    def done(self) -> bool:
-        return self.phase in TERMINAL
 
 
 def connect(kubeconfig: str | None = None, context: str | None = None) -> tuple[k8s.ApiClient, str]:
@@ -491,10 +458,6 @@ def output_location(spec: JobSpec) -> str:
         full = path if path.startswith("/") else f"{manifests.WORKSPACE}/{path}"
         return f"persistentvolumeclaim/{claim} at {full} (mounted at {manifests.WORKSPACE})"
     return f"{path} inside the pods' node-local storage (lost with the pods; use s3://, hf:// or kubernetes.storage.mode: pvc)"
-
-
-class WaitTimeout(KubetuneError):
-    """`kubetune wait` ran out of time (exit code 3)."""
 
 
 def phase_of(job: dict) -> str:

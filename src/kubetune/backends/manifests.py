@@ -16,7 +16,7 @@ from kubernetes import client as k8s
 from kubetune import providers
 from kubetune.config import JobSpec, dump_spec
 from kubetune.config.cluster import default_image
-from kubetune.errors import KubetuneError, SpecError
+from kubetune.errors import SpecError
 
 SPEC_DIR = "/etc/kubetune"
 WORKSPACE = "/workspace"

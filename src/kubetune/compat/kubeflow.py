@@ -32,7 +32,7 @@ import time
 import warnings
 from typing import Any
 
-from kubetune.backends.kubeflow import WaitTimeout
+from kubetune.backends.status import WaitTimeout
 from kubetune.client import Client, KubeflowJob, LocalJob
 from kubetune.errors import KubetuneError, SpecError
 

@@ -7,8 +7,8 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from kubetune import __version__
-from kubetune.config.schema import Section
+from kubetune.config.base import Section
+from kubetune.version import __version__
 
 # Built by docker/Dockerfile (`make image`); the tag pins the kubetune version and the variant.
 DEFAULT_IMAGE_REPO = "ghcr.io/kubetune/trainer"

@@ -8,14 +8,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-
-class Section(BaseModel):
-    """Base of every spec section: unknown keys are errors, assignments are validated."""
-
-    # allow_inf_nan: `.inf` / `.nan` are valid YAML floats; `weight_decay: .inf` trained and exported an all-NaN model.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+from kubetune.config.base import Section
+from kubetune.config.cluster import KubernetesSpec, ResourcesSpec
 
 
 class ModelSpec(Section):
@@ -247,8 +243,6 @@ def output_uri_problem(uri: str) -> str | None:
         return f"{uri!r} is a whole bucket — name a prefix inside it, e.g. s3://{rest.partition('/')[0] or 'BUCKET'}/runs/NAME"
     return None
 
-
-from kubetune.config.cluster import KubernetesSpec, ResourcesSpec  # noqa: E402  (cluster imports Section)
 
 
 class JobSpec(Section):

@@ -76,10 +76,6 @@ class Frames:
     labels: list[str]
     dropped: dict[str, int] = field(default_factory=dict)
 
-    @property
-    def label2id(self) -> dict[str, int]:
-        return {name: i for i, name in enumerate(self.labels)}
-
 
 def load_frames(spec: DataSpec, seed: int) -> Frames:
     """Load, validate and split the data described by ``spec``.

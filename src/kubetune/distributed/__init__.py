@@ -20,7 +20,6 @@ class DistEnv:
     local_rank: int = 0
     world_size: int = 1
     local_world_size: int = 1
-    node_rank: int = 0
 
     @property
     def is_main(self) -> bool:
@@ -38,7 +37,7 @@ class DistEnv:
 
 
 def read_env(environ: dict[str, str] | None = None) -> DistEnv:
-    """Read RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE and GROUP_RANK (as torchrun sets them)."""
+    """Read RANK, LOCAL_RANK, WORLD_SIZE and LOCAL_WORLD_SIZE (as torchrun sets them)."""
     e = os.environ if environ is None else environ
     world = int(e.get("WORLD_SIZE", 1))
     return DistEnv(
@@ -46,7 +45,6 @@ def read_env(environ: dict[str, str] | None = None) -> DistEnv:
         local_rank=int(e.get("LOCAL_RANK", 0)),
         world_size=world,
         local_world_size=int(e.get("LOCAL_WORLD_SIZE", world)),
-        node_rank=int(e.get("GROUP_RANK", e.get("NODE_RANK", 0))),
     )
 
 

@@ -1,52 +1,19 @@
 """URI schemes for models, datasets and artifacts, behind one registry.
 
 ``resolve(uri, kind=..., field=...)`` turns a URI into a local path, downloading when the scheme
-is remote. A scheme is added by decorating a resolver with ``@register("scheme")``; the storage
-issue adds ``s3://`` the same way.
+is remote. The schemes are ``file`` (and plain paths), ``pkg`` (files inside an installed package),
+``hf`` and ``s3``; a scheme is added by decorating a resolver with ``@register("scheme")`` in a
+module that imports only ``providers.base``, and importing that module below.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 from kubetune.errors import KubetuneError
+from kubetune.providers.base import _RESOLVERS, Kind, Uri, parse_uri, register, sha256_file
 
-Kind = Literal["model", "dataset"]
-
-
-@dataclass(frozen=True)
-class Uri:
-    """A parsed URI: ``scheme://body`` (plain paths have scheme ``file``)."""
-
-    raw: str
-    scheme: str
-    body: str
-
-
-Resolver = Callable[[Uri, Kind, str, str | None], Path]
-_RESOLVERS: dict[str, Resolver] = {}
-
-
-def register(scheme: str) -> Callable[[Resolver], Resolver]:
-    """Register a resolver for ``scheme://`` URIs."""
-
-    def deco(fn: Resolver) -> Resolver:
-        _RESOLVERS[scheme] = fn
-        return fn
-
-    return deco
-
-
-def parse_uri(uri: str) -> Uri:
-    """Split a URI into scheme and body; a plain path is ``file``."""
-    scheme, sep, body = uri.partition("://")
-    if not sep:
-        return Uri(uri, "file", uri)
-    return Uri(uri, scheme.lower(), body)
-
+__all__ = ["Kind", "Uri", "configure", "parse_uri", "register", "resolve", "sha256_file"]
 
 def resolve(uri: str, *, kind: Kind, field: str, revision: str | None = None) -> Path:
     """Return a local path for ``uri``, fetching it first when the scheme is remote.
@@ -68,21 +35,6 @@ def resolve(uri: str, *, kind: Kind, field: str, revision: str | None = None) ->
             f"unsupported URI scheme '{parsed.scheme}://' in {uri!r}", field=field, fix=f"use one of {known} or a plain path"
         )
     return resolver(parsed, kind, field, revision)
-
-
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file, read in 1 MiB blocks."""
-    import hashlib
-
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def schemes() -> list[str]:
-    return sorted(_RESOLVERS)
 
 
 def configure(spec) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kubetune.errors import KubetuneError
 from kubetune.paths import check_tree_inside
-from kubetune.providers import Kind, Uri, register, sha256_file
+from kubetune.providers.base import Kind, Uri, register, sha256_file
 
 SEED_REPO_ID = "sentence-transformers/all-MiniLM-L6-v2"
 

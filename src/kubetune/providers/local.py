@@ -6,7 +6,7 @@ import importlib.util
 from pathlib import Path
 
 from kubetune.errors import KubetuneError
-from kubetune.providers import Kind, Uri, register
+from kubetune.providers.base import Kind, Uri, register
 
 
 @register("file")

@@ -20,7 +20,7 @@ from pathlib import Path, PurePosixPath
 
 from kubetune.errors import KubetuneError
 from kubetune.paths import cache_root, check_relative, safe_join, set_default_mode, write_atomic
-from kubetune.providers import Kind, Uri, register, sha256_file
+from kubetune.providers.base import Kind, Uri, register, sha256_file
 
 log = logging.getLogger(__name__)
 MANIFEST = "_kubetune_manifest.json"

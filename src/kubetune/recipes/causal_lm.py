@@ -25,8 +25,8 @@ from kubetune.data import collate_lm, tokenized
 from kubetune.data.causal import IGNORE, ensure_chat_template, load_lm_frames
 from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
-from kubetune.training.trainer import Prepared, Task, tokenize_on_node
 from kubetune.recipes.common import attention_kwargs, load_pretrained, to_device
+from kubetune.recipes.task import Prepared, Task, tokenize_on_node
 
 log = logging.getLogger(__name__)
 

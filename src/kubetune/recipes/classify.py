@@ -18,8 +18,8 @@ from kubetune import artifacts, distributed
 from kubetune.config import JobSpec
 from kubetune.data import collate, load_frames, tokenized
 from kubetune.distributed import DistEnv
-from kubetune.training.trainer import Prepared, Task, tokenize_on_node
 from kubetune.recipes.common import to_device
+from kubetune.recipes.task import Prepared, Task, tokenize_on_node
 
 log = logging.getLogger(__name__)
 

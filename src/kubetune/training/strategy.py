@@ -44,8 +44,10 @@ class DDPStrategy:
     """Data parallel: every rank holds the whole model; gradients are all-reduced in buckets,
     except a trainable input embedding, whose touched rows alone are averaged (row-sparse sync)."""
 
-    def __init__(self, env: DistEnv, device: torch.device):
+    def __init__(self, env: DistEnv, device: torch.device, *, bucket_view: bool = True, sparse_embedding: bool = True):
+        """``bucket_view`` and ``sparse_embedding`` exist to measure them (benchmarks/step_ablation.py)."""
         self.env, self.device = env, device
+        self.bucket_view, self.sparse_embedding = bucket_view, sparse_embedding
         self.model: torch.nn.Module | None = None
         self.wrapped: torch.nn.Module | None = None
         self._embedding_sync = None
@@ -53,11 +55,11 @@ class DDPStrategy:
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         self.model = model
         # before DDP: it takes the embedding out of DDP's buckets
-        self._embedding_sync = distributed.row_sparse_embedding_sync(model, self.env)
+        self._embedding_sync = distributed.row_sparse_embedding_sync(model, self.env) if self.sparse_embedding else None
         if self.env.distributed:
             # gradient_as_bucket_view: gradients live in DDP's all-reduce buckets, saving a copy of every gradient each step.
             device_ids = [self.device.index] if self.device.type == "cuda" else None
-            self.wrapped = DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
+            self.wrapped = DDP(model, device_ids=device_ids, gradient_as_bucket_view=self.bucket_view)
         else:
             self.wrapped = model
         return self.wrapped

@@ -1,0 +1,110 @@
+"""Each task's loss and evaluation, in-process at world size 1, against a direct computation:
+the recipe maths is not tested only through subprocess runs.
+
+- classification: evaluate()'s accuracy and macro-F1 equal scikit-learn's on the same predictions,
+  and its loss equals the mean cross-entropy of each example run alone (no padding);
+- causal LM: loss() over a padded micro-batch with prompt tokens masked equals the next-token
+  cross-entropy summed over each sequence's target tokens, run alone.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tiny_spec
+
+from kubetune import providers
+from kubetune.config import parse_spec
+from kubetune.data.causal import IGNORE
+from kubetune.distributed import DistEnv
+from kubetune.recipes import causal_lm, classify
+from kubetune.recipes.common import load_tokenizer
+
+CPU = torch.device("cpu")
+NO_AUTOCAST = torch.autocast("cpu", enabled=False)
+
+
+@pytest.fixture(scope="module")
+def classifier(small_csv, tmp_path_factory):
+    spec = parse_spec(tiny_spec(small_csv, tmp_path_factory.mktemp("out")))
+    model_dir = providers.resolve(spec.model.uri, kind="model", field="model.uri")
+    tokenizer = load_tokenizer(model_dir)
+    data = classify.prepare(spec, DistEnv(), model_dir, tokenizer)
+    torch.manual_seed(0)
+    model = classify.build_model(spec, model_dir, data, CPU, torch.float32)
+    return model, data, tokenizer
+
+
+def test_classification_metrics_equal_scikit_learns(classifier):
+    from sklearn.metrics import accuracy_score, f1_score
+
+    model, data, tokenizer = classifier
+    metrics = classify.evaluate(model, data, DistEnv(), CPU, NO_AUTOCAST, batch_size=7)  # odd: batches of mixed lengths
+    model.eval()
+    labels, preds, losses = [], [], []
+    with torch.no_grad():
+        for row in data.eval_ds:
+            ids = torch.tensor([row["input_ids"]])
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+            label = torch.tensor([row["label"]])
+            labels.append(int(label))
+            preds.append(int(logits.argmax(-1)))
+            losses.append(float(F.cross_entropy(logits, label)))
+    model.train()
+    assert metrics["eval_samples"] == len(labels) == data.eval_rows
+    assert metrics["eval_accuracy"] == pytest.approx(accuracy_score(labels, preds), abs=1e-12)
+    assert metrics["eval_f1_macro"] == pytest.approx(f1_score(labels, preds, average="macro"), abs=1e-12)
+    assert metrics["eval_loss"] == pytest.approx(float(np.mean(losses)), rel=1e-5)
+    assert np.array(metrics["eval_confusion"]).sum() == len(labels)
+
+
+def test_macro_f1_counts_classes_only_predicted_like_scikit_learn(classifier):
+    """sklearn's macro average takes every class that is true or predicted; a class never seen in
+    either is left out (evaluate() gets it from per-class counts, not from sklearn)."""
+    from sklearn.metrics import f1_score
+
+    model, data, _ = classifier
+    with torch.no_grad():
+        model.classifier.bias.copy_(torch.tensor([100.0, 0.0, 0.0]))  # predict class 0 for everything
+    try:
+        metrics = classify.evaluate(model, data, DistEnv(), CPU, NO_AUTOCAST, batch_size=16)
+    finally:
+        torch.manual_seed(0)
+        with torch.no_grad():
+            model.classifier.bias.zero_()
+    labels = list(data.eval_ds["label"])
+    assert metrics["eval_f1_macro"] == pytest.approx(f1_score(labels, [0] * len(labels), average="macro"), abs=1e-12)
+
+
+def test_causal_loss_equals_a_direct_next_token_cross_entropy():
+    from transformers import AutoModelForCausalLM
+
+    model_dir = providers.resolve("pkg://kubetune/assets/tiny-llama", kind="model", field="model.uri")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    vocab = model.config.vocab_size
+    # Two sequences of different lengths, right-padded; prompt tokens carry no loss.
+    seqs = [torch.randint(3, vocab, (9,)), torch.randint(3, vocab, (5,))]
+    prompt = [4, 2]
+    width = max(len(s) for s in seqs)
+    input_ids = torch.zeros(2, width, dtype=torch.long)
+    attention = torch.zeros(2, width, dtype=torch.long)
+    labels = torch.full((2, width), IGNORE)
+    for i, s in enumerate(seqs):
+        input_ids[i, : len(s)], attention[i, : len(s)] = s, 1
+        labels[i, prompt[i] : len(s)] = s[prompt[i] :]
+    with torch.no_grad():
+        loss_sum, units = causal_lm.loss(model, {"input_ids": input_ids, "attention_mask": attention, "labels": labels}, NO_AUTOCAST)
+        direct, count = 0.0, 0
+        for s, p in zip(seqs, prompt):
+            logits = model(input_ids=s[None]).logits[0]
+            # token t is predicted from the positions before it; targets are the non-prompt tokens
+            direct += float(F.cross_entropy(logits[p - 1 : len(s) - 1], s[p:], reduction="sum"))
+            count += len(s) - p
+    assert int(units) == count == (9 - 4) + (5 - 2)
+    assert float(loss_sum) == pytest.approx(direct, rel=1e-5)
+    assert math.isfinite(direct) and direct > 0
