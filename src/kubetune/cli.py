@@ -270,6 +270,8 @@ NsOpt = Annotated[str | None, typer.Option("--namespace", "-n", help="Namespace;
 CtxOpt = Annotated[str | None, typer.Option("--context", help="kubeconfig context.")]
 KcOpt = Annotated[str | None, typer.Option("--kubeconfig", help="kubeconfig file; default $KUBECONFIG or ~/.kube/config.")]
 TargetOpt = Annotated[str, typer.Option("--target", help="pytorchjob (Training Operator v1) or trainjob (Trainer v2).")]
+# After submit the kind is found on the cluster: --target only disambiguates.
+JobTargetOpt = Annotated[str | None, typer.Option("--target", help="pytorchjob or trainjob; default: the kind of the job of that name on the cluster.")]
 
 
 def _check_namespace(namespace: str | None) -> None:
@@ -286,6 +288,16 @@ def _backend(namespace, context, kubeconfig, target="pytorchjob"):
     _check_namespace(namespace)
 
     return KubeflowBackend(namespace=namespace, kubeconfig=kubeconfig, context=context, target=target)
+
+
+def _job_backend(name, namespace, context, kubeconfig, target):
+    """The backend of the job called ``name``: its kind as given, else as found on the cluster."""
+    if target is not None:
+        return _backend(namespace, context, kubeconfig, target)
+    from kubetune.backends.kubeflow import KubeflowBackend
+
+    _check_namespace(namespace)
+    return KubeflowBackend.of_job(name, namespace=namespace, kubeconfig=kubeconfig, context=context)
 
 
 @app.command()
@@ -314,13 +326,13 @@ def submit(
 
 
 @app.command()
-def status(name: NameArg, namespace: NsOpt = None, context: CtxOpt = None, kubeconfig: KcOpt = None, target: TargetOpt = "pytorchjob",
+def status(name: NameArg, namespace: NsOpt = None, context: CtxOpt = None, kubeconfig: KcOpt = None, target: JobTargetOpt = None,
            as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
     """Phase, replicas, restarts, and why the job failed (with the failed container's last log lines)."""
     import dataclasses
 
     try:
-        st = _backend(namespace, context, kubeconfig, target).status(name)
+        st = _job_backend(name, namespace, context, kubeconfig, target).status(name)
     except KubetuneError as e:
         _fail(e)
     if as_json:
@@ -347,11 +359,11 @@ def logs(
     rank: Annotated[int | None, typer.Option("--rank", help="Node rank of the pod to read (0 = master).")] = None,
     all_: Annotated[bool, typer.Option("--all", help="All pods, merged, each line prefixed with its node.")] = False,
     tail: Annotated[int | None, typer.Option("--tail", help="Only the last N lines of each pod.")] = None,
-    namespace: NsOpt = None, context: CtxOpt = None, kubeconfig: KcOpt = None, target: TargetOpt = "pytorchjob",
+    namespace: NsOpt = None, context: CtxOpt = None, kubeconfig: KcOpt = None, target: JobTargetOpt = None,
 ) -> None:
     """Print the job's logs, prefixed with the node rank of each pod."""
     try:
-        for line in _backend(namespace, context, kubeconfig, target).logs(name, follow=follow, rank=rank, all_ranks=all_, tail=tail):
+        for line in _job_backend(name, namespace, context, kubeconfig, target).logs(name, follow=follow, rank=rank, all_ranks=all_, tail=tail):
             typer.echo(line)
     except KubetuneError as e:
         _fail(e)
@@ -359,12 +371,12 @@ def logs(
 
 @app.command()
 def wait(name: NameArg, timeout: Annotated[float | None, typer.Option(help="Give up after this many seconds (exit 3).")] = None,
-         namespace: NsOpt = None, context: CtxOpt = None, kubeconfig: KcOpt = None, target: TargetOpt = "pytorchjob") -> None:
+         namespace: NsOpt = None, context: CtxOpt = None, kubeconfig: KcOpt = None, target: JobTargetOpt = None) -> None:
     """Wait for the job to finish: exit 0 on Succeeded, 1 on Failed (with the reason), 3 on timeout."""
     from kubetune.backends.status import WaitTimeout
 
     try:
-        st = _backend(namespace, context, kubeconfig, target).wait(name, timeout)
+        st = _job_backend(name, namespace, context, kubeconfig, target).wait(name, timeout)
     except WaitTimeout as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(3) from None
@@ -381,11 +393,11 @@ def wait(name: NameArg, timeout: Annotated[float | None, typer.Option(help="Give
 
 
 @app.command()
-def delete(name: NameArg, namespace: NsOpt = None, context: CtxOpt = None, kubeconfig: KcOpt = None, target: TargetOpt = "pytorchjob",
+def delete(name: NameArg, namespace: NsOpt = None, context: CtxOpt = None, kubeconfig: KcOpt = None, target: JobTargetOpt = None,
            delete_storage: Annotated[bool, typer.Option("--delete-storage", help="Also delete the workspace claim kubetune created for the job (its output and checkpoints).")] = False) -> None:
     """Delete the job (its ConfigMap and TensorBoard go with it; its workspace claim, which holds the output, only with --delete-storage)."""
     try:
-        notes = _backend(namespace, context, kubeconfig, target).delete(name, storage=delete_storage)
+        notes = _job_backend(name, namespace, context, kubeconfig, target).delete(name, storage=delete_storage)
     except KubetuneError as e:
         _fail(e)
     typer.echo(f"deleted {name}")

@@ -106,7 +106,12 @@ class Client:
                 started = ", ".join(sorted(_LOCAL_JOBS)) or "none"
                 raise KubetuneError(f"no local run named '{name}' was started from this Python process (started: {started})", fix="check the name with Client('local').list()")
             return _LOCAL_JOBS[name]
-        backend = self._kubeflow()
+        if "target" in self.options:
+            backend = self._kubeflow()
+        else:  # the job's kind as found on the cluster
+            from kubetune.backends.kubeflow import KubeflowBackend
+
+            backend = KubeflowBackend.of_job(name, **{"namespace": None, **self.options})
         backend.get(name)  # a clear not-found error now, not at the first status()
         return KubeflowJob(backend, name)
 

@@ -139,9 +139,14 @@ def exit_code(e: BaseException) -> int:
     if isinstance(e, KubetuneError):
         return EXIT_FAILED
     if isinstance(e, WorkerFailed):
+        if is_infrastructure(e.message):
+            # The worker recorded a communication error (a lost peer) before it ended, by exiting
+            # or by a signal: gloo can abort the process (SIGABRT) while it exits with pending
+            # work on the broken connection. Either way the cluster failed, not the code.
+            return EXIT_INFRASTRUCTURE
         if e.exitcode < 0:
             return 128 - e.exitcode
-        return EXIT_INFRASTRUCTURE if is_infrastructure(e.message) else EXIT_FAILED
+        return EXIT_FAILED
     if isinstance(e, SystemExit):  # torch's parser on a bad PET_* value (argparse said why)
         return EXIT_FAILED
     return EXIT_INFRASTRUCTURE if is_infrastructure(f"{type(e).__name__}: {e}") else EXIT_FAILED

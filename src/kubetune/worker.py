@@ -51,9 +51,18 @@ def run_worker(spec: JobSpec) -> dict:
     # get_peft_model; the FutureWarning is about peft's code, not the user's job.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     try:
-        return trainer.train(spec, env, task)
-    finally:
-        distributed.teardown()
+        metrics = trainer.train(spec, env, task)
+    except BaseException as e:
+        from kubetune.launch import is_infrastructure
+
+        # After a lost peer, destroying the process group waits on gloo's pending work over the
+        # broken connection, which can abort the process (SIGABRT) before the error is recorded:
+        # leave the group to the process's exit.
+        if not is_infrastructure(f"{type(e).__name__}: {e}"):
+            distributed.teardown()
+        raise
+    distributed.teardown()
+    return metrics
 
 
 def _limit_threads(spec: JobSpec, env: distributed.DistEnv) -> None:

@@ -126,3 +126,45 @@ def test_a_pruned_field_is_refused_by_name(tmp_path):
         with pytest.raises(KubetuneError, match=r"the cluster would drop spec.runPolicy.futureKnob from the PyTorchJob: "
                                                 r"the cluster's Training Operator is older"):
             backend._check_served(job)
+
+
+def _cli(server: FakeKubeAPI, tmp_path: Path, *args: str) -> tuple[int, str, str]:
+    kubeconfig = str(server.write_kubeconfig(tmp_path / "kubeconfig", namespace=NS))
+    result = CliRunner().invoke(app, [*args, "--kubeconfig", kubeconfig])
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_after_submit_the_job_kind_is_found_on_the_cluster(tmp_path):
+    """`--target trainjob` at submit only: status, wait and delete find the TrainJob by name."""
+    example = ROOT / "examples" / "llama-lora.yaml"
+    name = load_spec(example).name
+    with FakeKubeAPI() as server:
+        assert _submit(server, tmp_path, example, "--target", "trainjob")[0] == 0
+        server.set_status("trainer.kubeflow.org/v1alpha1", "trainjobs", NS, name,
+                          {"conditions": [{"type": "Complete", "status": "True", "reason": "JobSetCompleted", "message": "done"}]})
+        code, out, err = _cli(server, tmp_path, "status", name)
+        assert code == 0, err
+        assert "TrainJob" in out and "Succeeded" in out
+        code, out, err = _cli(server, tmp_path, "wait", name, "--timeout", "5")
+        assert code == 0 and out.startswith(f"{name}: Succeeded"), err
+        code, out, err = _cli(server, tmp_path, "delete", name)
+        assert code == 0, err
+        assert server.objects("trainer.kubeflow.org/v1alpha1", "trainjobs", NS) == []
+        # the same name as both kinds: say so, and how to choose
+        assert _submit(server, tmp_path, example, "--target", "trainjob")[0] == 0
+        assert _submit(server, tmp_path, example)[0] == 0
+        code, _, err = _cli(server, tmp_path, "status", name)
+        assert code == 2 and _error(err) == (f"error: --target: both a PyTorchJob and a TrainJob are named '{name}' in namespace '{NS}' — "
+                                             "pass --target pytorchjob or --target trainjob")
+        assert _cli(server, tmp_path, "status", name, "--target", "pytorchjob")[0] == 0
+
+
+def test_the_python_client_finds_the_kind_too(tmp_path):
+    from kubetune import Client
+
+    example = ROOT / "examples" / "sentiment-minilm.yaml"
+    with FakeKubeAPI() as server:
+        kubeconfig = str(server.write_kubeconfig(tmp_path / "kubeconfig", namespace=NS))
+        Client(backend="kubeflow", kubeconfig=kubeconfig, target="trainjob").train(example)
+        job = Client(backend="kubeflow", kubeconfig=kubeconfig).get(load_spec(example).name)
+        assert job.status().kind == "TrainJob"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -176,7 +177,10 @@ def test_oom_killed_worker_exits_137_and_its_peer_pod_exits_200(tmp_path, start_
     errs = [pod.communicate(timeout=120)[1] for pod in pods]
     assert [pod.returncode for pod in pods] == [launch.EXIT_INFRASTRUCTURE, 128 + signal.SIGKILL], errs[0][-3000:] + errs[1][-3000:]
     assert "failed with exit code -9 (SIGKILL)" in errs[1] and "exit 137 (retryable" in errs[1]
-    assert "gloo/transport/" in errs[0] and "worker rank 0 failed with exit code 1 " in errs[0] and "exit 200 (retryable" in errs[0]
+    # The worker exits 1 on the lost peer's error; if gloo aborts it while it exits (pending work on the
+    # broken connection: timing-dependent), it ends by SIGABRT after recording that error. Both are 200.
+    assert "gloo/transport/" in errs[0] and "exit 200 (retryable" in errs[0]
+    assert re.search(r"worker rank 0 failed with exit code (1|-6 \(SIGABRT\)) ", errs[0]), errs[0][-3000:]
 
 
 def test_rendered_pods_run_the_launcher(tmp_path):

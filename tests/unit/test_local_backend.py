@@ -81,6 +81,7 @@ def test_root_failure_puts_lost_connections_after_their_cause(tmp_path, failures
     (WorkerFailed(0, -signal.SIGSEGV), 139),
     # a lost peer or a collective timeout, in the worker or in the agent's rendezvous
     (WorkerFailed(0, 1, GLOO_RESET), 200),
+    (WorkerFailed(0, -signal.SIGABRT, GLOO_RESET), 200),  # recorded a lost peer, then aborted while exiting
     (WorkerFailed(0, 1, GLOO_TIMEOUT), 200),
     (WorkerFailed(0, 1, NCCL_TIMEOUT), 200),
     (WorkerFailed(0, 1, "torch.distributed.DistNetworkError: failed to recv, got 0 bytes"), 200),

@@ -58,6 +58,34 @@ class KubeflowBackend:
         self.custom = k8s.CustomObjectsApi(self.api)
         self.apps = k8s.AppsV1Api(self.api)
 
+    @classmethod
+    def of_job(cls, name: str, namespace: str | None = None, kubeconfig: str | None = None, context: str | None = None) -> KubeflowBackend:
+        """The backend for the job called ``name``, whichever kind it is on the cluster (a
+        PyTorchJob or a TrainJob), so ``--target`` is needed only at submit. No job of that name:
+        the PyTorchJob backend, whose calls then say it is not found."""
+        backend = cls(namespace=namespace, kubeconfig=kubeconfig, context=context)
+        found = [target for target in TARGETS if backend._has(target, name)]
+        if len(found) > 1:
+            raise KubetuneError(f"both a PyTorchJob and a TrainJob are named '{name}' in namespace '{backend.namespace}'",
+                                field="--target", fix="pass --target pytorchjob or --target trainjob")
+        if found:
+            backend.target = found[0]
+            backend.group, backend.version, backend.plural, backend.kind = TARGETS[found[0]]
+        return backend
+
+    def _has(self, target: str, name: str) -> bool:
+        from kubernetes.client.exceptions import ApiException
+
+        group, version, plural, _ = TARGETS[target]
+        with self._errors("get", f"{plural}.{group}", name):
+            try:
+                self.custom.get_namespaced_custom_object(group, version, self.namespace, plural, name)
+            except ApiException as e:
+                if e.status == 404:  # no such job, or this kind is not served at all
+                    return False
+                raise
+        return True
+
     # ---- errors at the boundary ----
     @contextlib.contextmanager
     def _errors(self, verb: str, resource: str, name: str | None = None):
