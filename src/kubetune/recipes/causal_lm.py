@@ -143,11 +143,21 @@ def loss(model, micro: dict, autocast) -> tuple[torch.Tensor, torch.Tensor]:
     labels = micro.pop("labels")
     with autocast:
         logits = model(**micro).logits
+    loss_sum, count, _ = token_loss(logits, labels)
+    return loss_sum, count
+
+
+def token_loss(logits: torch.Tensor, labels: torch.Tensor, count_correct: bool = False):
+    """The causal token loss, shared by training and evaluation: next-token cross-entropy summed
+    over the target tokens (labels not IGNORE), their count, and (``count_correct``, evaluation)
+    how many the argmax got right, else None."""
     targets = labels[:, 1:]
     mask = targets != IGNORE
     # Only positions that carry loss go through the (vocabulary-wide) softmax.
     picked = logits[:, :-1][mask].float()
-    return F.cross_entropy(picked, targets[mask], reduction="sum"), mask.sum()
+    chosen = targets[mask]
+    correct = (picked.argmax(-1) == chosen).sum() if count_correct else None
+    return F.cross_entropy(picked, chosen, reduction="sum"), mask.sum(), correct
 
 
 @torch.no_grad()
@@ -165,12 +175,10 @@ def evaluate(model, data: Prepared, env: DistEnv, device, autocast, batch_size: 
         labels = batch.pop("labels")
         with autocast:
             logits = model(**batch).logits
-        targets = labels[:, 1:]
-        mask = targets != IGNORE
-        picked = logits[:, :-1][mask].float()
-        totals[0] += F.cross_entropy(picked, targets[mask], reduction="sum").double()
-        totals[1] += mask.sum()
-        totals[2] += (picked.argmax(-1) == targets[mask]).sum()
+        loss_sum, count, correct = token_loss(logits, labels, count_correct=True)
+        totals[0] += loss_sum.double()
+        totals[1] += count
+        totals[2] += correct
     totals = distributed.all_reduce_sum(totals)
     model.train()
     n = max(totals[1].item(), 1.0)
