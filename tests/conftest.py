@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import tempfile
 import sys
+import tempfile
 from pathlib import Path
 
 import pandas as pd
@@ -86,3 +86,30 @@ def kubetune(*args: str, env: dict | None = None, timeout: float = 600) -> subpr
         [sys.executable, "-m", "kubetune", *args],
         capture_output=True, text=True, timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})},
     )
+
+
+def seed004_call(**over) -> dict:
+    """The arguments of seed 004's ``TrainingClient().train(...)`` (Kubeflow's fine-tune API page),
+    with the SDK's own parameter classes; ``over`` replaces any of them. transformers 5 renamed
+    ``evaluation_strategy`` to ``eval_strategy``: the only change."""
+    import transformers
+    from kubeflow.storage_initializer.hugging_face import HuggingFaceDatasetParams, HuggingFaceModelParams, HuggingFaceTrainerParams
+    from peft import LoraConfig
+
+    call = {
+        "name": "fine-tune-bert",
+        "model_provider_parameters": HuggingFaceModelParams(
+            model_uri="hf://google-bert/bert-base-cased", transformer_type=transformers.AutoModelForSequenceClassification
+        ),
+        "dataset_provider_parameters": HuggingFaceDatasetParams(repo_id="yelp_review_full", split="train[:3000]"),
+        "trainer_parameters": HuggingFaceTrainerParams(
+            training_parameters=transformers.TrainingArguments(
+                output_dir="test_trainer", save_strategy="no", eval_strategy="no", do_eval=False, disable_tqdm=True, log_level="info"
+            ),
+            lora_config=LoraConfig(r=8, lora_alpha=8, lora_dropout=0.1, bias="none"),
+        ),
+        "num_workers": 4,
+        "num_procs_per_worker": 2,
+        "resources_per_worker": {"gpu": 2, "cpu": 5, "memory": "10G"},
+    }
+    return {**call, **over}

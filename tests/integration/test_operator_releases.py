@@ -83,7 +83,7 @@ def test_an_older_trainer_is_refused_in_one_line_before_anything_is_created(tmp_
 def test_a_cluster_without_trainer_says_how_to_install_it(tmp_path):
     with FakeKubeAPI(trainer=None) as server:
         code, _, err = _submit(server, tmp_path, ROOT / "examples" / "sentiment-minilm.yaml", "--target", "trainjob")
-        assert code == 2 and _error(err).startswith("error: trainjobs.trainer.kubeflow.org are not served by this cluster")
+        assert code == 2 and _error(err).startswith("error: clustertrainingruntimes.trainer.kubeflow.org are not served by this cluster")
         assert "not served by this cluster" in err and "deploy/install.sh --with trainer" in err
         assert _nothing_created(server)
 

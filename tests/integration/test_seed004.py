@@ -21,6 +21,7 @@ import pytest
 import transformers
 import yaml
 from conftest import MINILM
+from conftest import seed004_call as seed_call
 from fakes.kube_api import FakeKubeAPI
 from kubeflow.storage_initializer.hugging_face import (
     HuggingFaceDatasetParams,
@@ -108,28 +109,6 @@ def cluster(tmp_path):
     with FakeKubeAPI() as server:
         server.kubeconfig = str(server.write_kubeconfig(tmp_path / "kubeconfig", namespace=NS))
         yield server
-
-
-def seed_call(**over) -> dict:
-    """The seed's call as it is (eval_strategy for evaluation_strategy, see the module docstring)."""
-    call = {
-        "name": "fine-tune-bert",
-        "model_provider_parameters": HuggingFaceModelParams(
-            model_uri="hf://google-bert/bert-base-cased", transformer_type=transformers.AutoModelForSequenceClassification
-        ),
-        "dataset_provider_parameters": HuggingFaceDatasetParams(repo_id="yelp_review_full", split="train[:3000]"),
-        "trainer_parameters": HuggingFaceTrainerParams(
-            training_parameters=transformers.TrainingArguments(
-                output_dir="test_trainer", save_strategy="no", eval_strategy="no", do_eval=False, disable_tqdm=True, log_level="info"
-            ),
-            lora_config=LoraConfig(r=8, lora_alpha=8, lora_dropout=0.1, bias="none"),
-        ),
-        "num_workers": 4,
-        "num_procs_per_worker": 2,
-        "resources_per_worker": {"gpu": 2, "cpu": 5, "memory": "10G"},
-    }
-    call.update(over)
-    return call
 
 
 def _conditions(*types_, message=None):

@@ -10,6 +10,7 @@ import sys
 import pytest
 import transformers
 import yaml
+from conftest import seed004_call as seed_call
 from kubeflow.storage_initializer.hugging_face import (
     HuggingFaceDatasetParams,
     HuggingFaceModelParams,
@@ -45,25 +46,6 @@ S3_SECRET = "canary-secret-key-9876"
 
 def _args(**kw) -> transformers.TrainingArguments:
     return transformers.TrainingArguments(output_dir=kw.pop("output_dir", "test_trainer"), **kw)
-
-
-def seed_call(**over) -> dict:
-    """The seed's train() arguments (004: Kubeflow's fine-tune API page); transformers 5 renamed
-    evaluation_strategy to eval_strategy, the only change."""
-    call = {
-        "name": "fine-tune-bert",
-        "model_provider_parameters": HuggingFaceModelParams(model_uri="hf://google-bert/bert-base-cased", transformer_type=CLS),
-        "dataset_provider_parameters": HuggingFaceDatasetParams(repo_id="yelp_review_full", split="train[:3000]"),
-        "trainer_parameters": HuggingFaceTrainerParams(
-            training_parameters=_args(save_strategy="no", eval_strategy="no", do_eval=False, disable_tqdm=True, log_level="info"),
-            lora_config=LoraConfig(r=8, lora_alpha=8, lora_dropout=0.1, bias="none"),
-        ),
-        "num_workers": 4,
-        "num_procs_per_worker": 2,
-        "resources_per_worker": {"gpu": 2, "cpu": 5, "memory": "10G"},
-    }
-    call.update(over)
-    return call
 
 
 _SEED_LORA = object()

@@ -50,6 +50,36 @@ def test_every_example_is_admitted_whole(path, target, release):
     assert pruned == []  # a real server would drop these silently
 
 
+# Every kubernetes.* field the examples leave unset, set, so that each one's rendering meets the
+# upstream CRDs too (the examples alone would leave queue, priority, affinity, ... unchecked).
+_AFFINITY = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+    "nodeSelectorTerms": [{"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["a100"]}]}]}}}
+_EVERY_FIELD = [
+    "kubernetes.queue=team-a", f"kubernetes.affinity={_AFFINITY}".replace("'", '"'),
+    'kubernetes.tolerations=[{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]',
+    'kubernetes.node_selector={"pool": "gpu"}', 'kubernetes.image_pull_secrets=["regcred"]',
+    'kubernetes.annotations={"team": "a"}', 'kubernetes.labels={"cost": "ml"}', "kubernetes.service_account=trainer",
+    "kubernetes.active_deadline_seconds=3600", "kubernetes.tensorboard=true", "kubernetes.runtime=torch-distributed",
+]
+_PYTORCHJOB_ONLY = ["kubernetes.priority_class=high", "kubernetes.restart_policy=ExitCode", "kubernetes.backoff_limit=5",
+                    "kubernetes.ttl_seconds_after_finished=60", "kubernetes.clean_pod_policy=All", "kubernetes.image_pull_policy=Always"]
+
+
+@pytest.mark.parametrize("example", ["llama-lora", "sentiment-minilm-2x2-gpu"])
+@pytest.mark.parametrize("release", ["v1.8.1", "v1.9.0"])
+def test_every_kubernetes_field_set_is_admitted_whole_as_a_pytorchjob(example, release):
+    spec = load_spec(ROOT / "examples" / f"{example}.yaml", _EVERY_FIELD + _PYTORCHJOB_ONLY)
+    job = manifests.render(spec, "team-a").job
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"  # the fields did reach the job
+    assert admit(job, "pytorchjob", release) == ([], [])
+
+
+def test_every_kubernetes_field_a_trainjob_carries_is_admitted_whole():
+    job = manifests.render(load_spec(ROOT / "examples" / "llama-lora.yaml", _EVERY_FIELD), "team-a", "trainjob").job
+    assert job["spec"]["suspend"] is True
+    assert admit(job, "trainjob", "v2.3.0") == ([], [])
+
+
 def test_the_shipped_runtimes_are_valid_cluster_training_runtimes():
     definition = crds.crd("clustertrainingruntimes", "v2.3.0")
     assert "torch-distributed" in RUNTIMES

@@ -199,19 +199,17 @@ class KubeflowBackend:
     def _check_runtime(self, runtime: str) -> None:
         from kubernetes.client.exceptions import ApiException
 
-        try:
-            self.custom.get_cluster_custom_object("trainer.kubeflow.org", "v1alpha1", "clustertrainingruntimes", runtime)
-        except ApiException as e:
-            if e.status == 404 and "could not find the requested resource" in (e.body or ""):
-                # no runtime CRD at all: Trainer is not installed
-                raise self._translate(e, "get", f"{self.plural}.{self.group}", None) from None
-            if e.status != 404:
-                raise self._translate(e, "get", "clustertrainingruntimes.trainer.kubeflow.org", runtime) from None
-            names = [r["name"] for r in self.runtimes()]
-            raise KubetuneError(f"the cluster has no ClusterTrainingRuntime '{runtime}'" + (f" (it has: {', '.join(names)})" if names else ""),
-                                field="kubernetes.runtime", fix="pick one that `kubetune runtimes` lists, or install Trainer's runtimes (deploy/install.sh --with trainer)") from None
-        except (OSError,) as e:
-            raise KubetuneError(f"cannot reach the Kubernetes API server at {self.api.configuration.host} ({type(e).__name__})", fix="check the kubeconfig context and the network (kubectl cluster-info)") from None
+        # A cluster without the runtime CRD has no Trainer: _errors says so, and how to install it.
+        with self._errors("get", "clustertrainingruntimes.trainer.kubeflow.org", runtime):
+            try:
+                self.custom.get_cluster_custom_object("trainer.kubeflow.org", "v1alpha1", "clustertrainingruntimes", runtime)
+                return
+            except ApiException as e:
+                if e.status != 404 or "could not find the requested resource" in (e.body or ""):
+                    raise
+        names = [r["name"] for r in self.runtimes()]
+        raise KubetuneError(f"the cluster has no ClusterTrainingRuntime '{runtime}'" + (f" (it has: {', '.join(names)})" if names else ""),
+                            field="kubernetes.runtime", fix="pick one that `kubetune runtimes` lists, or install Trainer's runtimes (deploy/install.sh --with trainer)")
 
     def runtimes(self) -> list[dict]:
         """The cluster's ClusterTrainingRuntimes: name and framework."""
@@ -304,14 +302,13 @@ class KubeflowBackend:
     def _output_of(self, name: str) -> str | None:
         """Where the job writes its artifacts, read from its spec ConfigMap (None once the job,
         and with it the ConfigMap, is gone)."""
+        import yaml
         from kubernetes.client.exceptions import ApiException
 
         from kubetune.config import parse_spec
 
         try:
             cm = self.core.read_namespaced_config_map(f"{name}-spec", self.namespace)
-            import yaml
-
             spec = parse_spec(yaml.safe_load((cm.data or {}).get("job.yaml", "")) or {})
         except (ApiException, KubetuneError, ValueError, TypeError):
             return None
@@ -433,7 +430,7 @@ class KubeflowBackend:
 
         with self._errors("delete", f"{self.plural}.{self.group}", name):
             self.custom.delete_namespaced_custom_object(self.group, self.version, self.namespace, self.plural, name, propagation_policy="Background")
-        claim = f"{name}-workspace"
+        claim = manifests.own_claim(name)
         with self._errors("get", "persistentvolumeclaims", claim):
             try:
                 pvc = self.core.read_namespaced_persistent_volume_claim(claim, self.namespace)
@@ -476,15 +473,15 @@ def missing_paths(sent, stored, path: str) -> list[str]:
 
 def output_location(spec: JobSpec) -> str:
     """Where a cluster job's artifacts are: the remote URI, a path on its claim, or a warning."""
-    uri = spec.output.uri
-    if "://" in uri and not uri.startswith("file://"):
-        return uri
-    path = uri.removeprefix("file://")
-    st = spec.kubernetes.storage
-    if st.mode == "pvc":
-        claim = st.existing_claim or f"{spec.name}-workspace"
+    from kubetune import providers
+
+    parsed = providers.parse_uri(spec.output.uri)
+    if parsed.scheme != "file":
+        return spec.output.uri
+    path = parsed.body
+    if spec.kubernetes.storage.mode == "pvc":
         full = path if path.startswith("/") else f"{manifests.WORKSPACE}/{path}"
-        return f"persistentvolumeclaim/{claim} at {full} (mounted at {manifests.WORKSPACE})"
+        return f"persistentvolumeclaim/{manifests.pvc_name(spec)} at {full} (mounted at {manifests.WORKSPACE})"
     return f"{path} inside the pods' node-local storage (lost with the pods; use s3://, hf:// or kubernetes.storage.mode: pvc)"
 
 

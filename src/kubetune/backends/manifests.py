@@ -77,7 +77,12 @@ def config_map_name(spec: JobSpec) -> str:
 
 
 def pvc_name(spec: JobSpec) -> str:
-    return spec.kubernetes.storage.existing_claim or f"{spec.name}-workspace"
+    return spec.kubernetes.storage.existing_claim or own_claim(spec.name)
+
+
+def own_claim(job: str) -> str:
+    """The workspace claim kubetune creates for the job called ``job`` (pvc mode, no existing_claim)."""
+    return f"{job}-workspace"
 
 
 def build_config_map(spec: JobSpec, namespace: str) -> dict:
@@ -299,7 +304,7 @@ def trainjob_problems(spec: JobSpec) -> list[str]:
             for name, why in TRAINJOB_UNSUPPORTED.items() if name in kube.model_fields_set and getattr(kube, name) is not None]
 
 
-def build_trainjob(spec: JobSpec, namespace: str, runtime: str | None = None) -> dict:
+def build_trainjob(spec: JobSpec, namespace: str) -> dict:
     """The Kubeflow Trainer v2 TrainJob equivalent (runtime ``kubernetes.runtime``, default
     ``torch-distributed``).
 
@@ -309,7 +314,6 @@ def build_trainjob(spec: JobSpec, namespace: str, runtime: str | None = None) ->
     from kubeflow_trainer_api import models as tr
 
     kube, dist = spec.kubernetes, spec.distributed
-    runtime = runtime or kube.runtime
     env, env_from = secret_env(spec)
     if env_from:
         # TrainJob's container patch has no envFrom: reference each S3 key explicitly.
@@ -339,7 +343,7 @@ def build_trainjob(spec: JobSpec, namespace: str, runtime: str | None = None) ->
         "kind": "TrainJob",
         "metadata": metadata,
         "spec": {
-            "runtimeRef": {"name": runtime, "kind": "ClusterTrainingRuntime", "apiGroup": "trainer.kubeflow.org"},
+            "runtimeRef": {"name": kube.runtime, "kind": "ClusterTrainingRuntime", "apiGroup": "trainer.kubeflow.org"},
             "suspend": True if kube.queue else None,  # Kueue starts a queued job by unsuspending it
             "activeDeadlineSeconds": kube.active_deadline_seconds,
             "trainer": {
@@ -419,9 +423,10 @@ def cluster_problems(spec: JobSpec) -> list[str]:
     on_claim = st.mode == "pvc" and st.existing_claim
     out = []
     for field, uri in (("model.uri", spec.model.uri), ("data.train", spec.data.train), ("data.eval", spec.data.eval)):
-        if uri is None or providers.parse_uri(uri).scheme != "file":
+        parsed = providers.parse_uri(uri) if uri is not None else None
+        if parsed is None or parsed.scheme != "file":
             continue
-        path = providers.parse_uri(uri).body
+        path = parsed.body
         if on_claim and (not path.startswith(("/", "~")) or path.startswith(WORKSPACE + "/")):
             continue
         out.append(f"{field}: {uri!r} is a path on this machine, which the pods cannot read — use s3:// or hf://, pkg:// for files "
