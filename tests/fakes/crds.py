@@ -76,22 +76,19 @@ def _join(path: str, key: str) -> str:
 # ------------------------------------------------------------------------------------------- metadata
 
 
+def _label_errors(value: str, pattern: re.Pattern, rule: str) -> list[str]:
+    """apimachinery's IsDNS1123Label / IsDNS1035Label: at most 63 characters, and the pattern."""
+    return (["must be no more than 63 characters"] if len(value) > 63 else []) + ([] if pattern.match(value) else [rule])
+
+
 def dns1123_label_errors(value: str) -> list[str]:
-    out = []
-    if len(value) > 63:
-        out.append("must be no more than 63 characters")
-    if not _DNS1123_LABEL.match(value):
-        out.append("a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-', and must start and end with an alphanumeric character")
-    return out
+    return _label_errors(value, _DNS1123_LABEL, "a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-', "
+                                                "and must start and end with an alphanumeric character")
 
 
 def dns1035_label_errors(value: str) -> list[str]:
-    out = []
-    if len(value) > 63:
-        out.append("must be no more than 63 characters")
-    if not _DNS1035_LABEL.match(value):
-        out.append("a DNS-1035 label must consist of lower case alphanumeric characters or '-', start with an alphabetic character, and end with an alphanumeric character")
-    return out
+    return _label_errors(value, _DNS1035_LABEL, "a DNS-1035 label must consist of lower case alphanumeric characters or '-', "
+                                                "start with an alphabetic character, and end with an alphanumeric character")
 
 
 def qualified_name_errors(key: str) -> list[str]:

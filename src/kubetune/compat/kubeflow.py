@@ -610,7 +610,7 @@ class TrainingClient:
             for line in warnings_for(job_spec):
                 warnings.warn(line, UserWarning, stacklevel=2)
         try:
-            handle = self._client(ns).train(spec, overrides=overrides)
+            handle = self._client(ns).train(job_spec)  # validated above, overrides applied
         except KubetuneError as e:
             raise _job_error(e) from None
         self._jobs[(ns, job_spec.name)] = handle
