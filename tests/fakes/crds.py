@@ -21,6 +21,7 @@ thing the tests must see. Standard library + PyYAML + cel-python.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import re
 from dataclasses import dataclass, field
@@ -362,22 +363,32 @@ def _run_rules(value: Any, schema: dict, path: str, errors: list[str], old: Any)
 
 # ------------------------------------------------------------------------------------------- loading
 
-_CACHE: dict[tuple[str, str], CRD] = {}
+# Trainer releases before v2.3.0, as the fields they lack: v2.0/v2.1 call runtimePatches
+# podSpecOverrides/podTemplateOverrides; v2.2 has runtimePatches without the pod's
+# terminationGracePeriodSeconds. Their CRDs are derived from v2.3.0 by removing those fields.
+_POD_IN_PATCH = "spec.runtimePatches.[].trainingRuntimeSpec.template.spec.replicatedJobs.[].template.spec.template.spec"
+TRAINER_RELEASES = {"v2.1.0": ("spec.runtimePatches",), "v2.2.0": (f"{_POD_IN_PATCH}.terminationGracePeriodSeconds",), "v2.3.0": ()}
 
 
+@functools.cache
 def crd(plural: str, release: str) -> CRD:
-    """The upstream CRD of `plural` as `release` ships it (a copy per call: callers may derive)."""
-    key = (plural, release)
-    if key not in _CACHE:
-        if key not in CRD_FILES:
-            raise ValueError(f"no upstream CRD for {plural} {release}; have {sorted(CRD_FILES)}")
-        _CACHE[key] = CRD.load(CRD_FILES[key])
-    return _CACHE[key]
+    """The CRD of ``plural`` as ``release`` ships it, read once (shared: derive with ``without``,
+    never change it). TrainJobs of a release before v2.3.0 are derived (``TRAINER_RELEASES``)."""
+    if plural == "trainjobs" and release in TRAINER_RELEASES and release != "v2.3.0":
+        return crd("trainjobs", "v2.3.0").without(*TRAINER_RELEASES[release])
+    if (plural, release) not in CRD_FILES:
+        raise ValueError(f"no upstream CRD for {plural} {release}; have {sorted(CRD_FILES)}")
+    return CRD.load(CRD_FILES[(plural, release)])
+
+
+@functools.cache
+def _runtimes() -> tuple[dict, ...]:
+    out: list[dict] = []
+    for path in sorted(RUNTIMES_DIR.glob("*.yaml")):
+        out += [d for d in yaml.safe_load_all(path.read_text()) if d and d.get("kind") == "ClusterTrainingRuntime"]
+    return tuple(out)
 
 
 def shipped_runtimes() -> list[dict]:
-    """The ClusterTrainingRuntimes a default Trainer v2.3.0 install creates."""
-    out = []
-    for path in sorted(RUNTIMES_DIR.glob("*.yaml")):
-        out += [d for d in yaml.safe_load_all(path.read_text()) if d and d.get("kind") == "ClusterTrainingRuntime"]
-    return out
+    """The ClusterTrainingRuntimes a default Trainer v2.3.0 install creates (copies: read once)."""
+    return copy.deepcopy(list(_runtimes()))

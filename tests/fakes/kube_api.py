@@ -37,6 +37,8 @@ from types import TracebackType
 from typing import Any, Self
 from urllib.parse import parse_qs, urlsplit
 
+from fakes.crds import TRAINER_RELEASES
+
 Obj = dict[str, Any]
 
 DEFAULT_USER = "system:serviceaccount:team-a:jupyter"
@@ -88,10 +90,6 @@ PYTORCHJOBS = RESOURCES[("kubeflow.org/v1", "pytorchjobs")]
 TRAINJOBS = RESOURCES[("trainer.kubeflow.org/v1alpha1", "trainjobs")]
 RUNTIMES = RESOURCES[("trainer.kubeflow.org/v1alpha1", "clustertrainingruntimes")]
 OPERATOR_RELEASES = ("v1.8.1", "v1.9.0")
-# v2.0/v2.1 call runtimePatches podSpecOverrides/podTemplateOverrides; v2.2 has runtimePatches
-# without the pod's terminationGracePeriodSeconds. Derived from the v2.3.0 CRD by removing them.
-_POD_IN_PATCH = "spec.runtimePatches.[].trainingRuntimeSpec.template.spec.replicatedJobs.[].template.spec.template.spec"
-TRAINER_RELEASES = {"v2.1.0": ("spec.runtimePatches",), "v2.2.0": (f"{_POD_IN_PATCH}.terminationGracePeriodSeconds",), "v2.3.0": ()}
 
 
 def resource(group_version: str, plural: str) -> Resource:
@@ -913,7 +911,7 @@ class FakeKubeAPI:
         if res == PYTORCHJOBS and self.operator:
             return crds.crd("pytorchjobs", self.operator)
         if res == TRAINJOBS and self.trainer:
-            return crds.crd("trainjobs", "v2.3.0").without(*TRAINER_RELEASES[self.trainer])
+            return crds.crd("trainjobs", self.trainer)
         return None
 
     def _admit_create(self, res: Resource, namespace: str, body: Obj) -> tuple[Obj, list[str]]:

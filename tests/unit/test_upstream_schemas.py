@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 from fakes import crds, webhooks
-from fakes.kube_api import TRAINER_RELEASES
+from fakes.crds import TRAINER_RELEASES
 
 from kubetune.backends import manifests
 from kubetune.config import load_spec
