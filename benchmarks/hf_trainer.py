@@ -35,8 +35,14 @@ def main() -> None:
 
     import datasets
     import numpy as np
-    from transformers import (AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, Trainer,
-                              TrainerCallback, TrainingArguments)
+    from transformers import (
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        DataCollatorWithPadding,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
 
     datasets.disable_progress_bars()
     path = args.model or model_path()
@@ -44,11 +50,17 @@ def main() -> None:
 
     def load(p):
         ds = datasets.Dataset.from_pandas(pd.read_csv(p))
-        return ds.map(lambda b: tok(b["text"], truncation=True, max_length=args.max_length), batched=True, remove_columns=["text"])
+        return ds.map(
+            lambda b: tok(b["text"], truncation=True, max_length=args.max_length), batched=True, remove_columns=["text"]
+        )
 
     train_ds, eval_ds = load(args.train), load(args.eval)
     gpu = torch.cuda.is_available()
-    res = Result(system=f"HF Trainer (dynamic padding, {'bf16' if args.bf16 else 'fp32'})", world_size=1, threads=torch.get_num_threads())
+    res = Result(
+        system=f"HF Trainer (dynamic padding, {'bf16' if args.bf16 else 'fp32'})",
+        world_size=1,
+        threads=torch.get_num_threads(),
+    )
     collate = DataCollatorWithPadding(tok)
 
     class CountingTrainer(Trainer):
@@ -69,8 +81,14 @@ def main() -> None:
             clock["start"] = time.perf_counter()
 
         def on_evaluate(self, args_, state, control, metrics=None, **kw):
-            res.evals.append({"train_s": time.perf_counter() - clock["start"] - clock["eval"], "samples": state.global_step * args.batch,
-                              "accuracy": metrics["eval_accuracy"], "eval_runtime": metrics["eval_runtime"]})
+            res.evals.append(
+                {
+                    "train_s": time.perf_counter() - clock["start"] - clock["eval"],
+                    "samples": state.global_step * args.batch,
+                    "accuracy": metrics["eval_accuracy"],
+                    "eval_runtime": metrics["eval_runtime"],
+                }
+            )
             clock["eval"] += metrics["eval_runtime"]
 
     def accuracy(pred):
@@ -78,12 +96,32 @@ def main() -> None:
 
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=3)
     targs = TrainingArguments(
-        output_dir=tempfile.mkdtemp(prefix="hf-bench-"), per_device_train_batch_size=args.batch, per_device_eval_batch_size=64,
-        learning_rate=args.lr, weight_decay=0.01, warmup_steps=0.06, num_train_epochs=1,
-        eval_strategy="steps" if args.eval_every else "no", eval_steps=args.eval_every or None, bf16=args.bf16,
-        save_strategy="no", logging_strategy="no", report_to=[], seed=42, dataloader_num_workers=0, use_cpu=not gpu, disable_tqdm=True,
+        output_dir=tempfile.mkdtemp(prefix="hf-bench-"),
+        per_device_train_batch_size=args.batch,
+        per_device_eval_batch_size=64,
+        learning_rate=args.lr,
+        weight_decay=0.01,
+        warmup_steps=0.06,
+        num_train_epochs=1,
+        eval_strategy="steps" if args.eval_every else "no",
+        eval_steps=args.eval_every or None,
+        bf16=args.bf16,
+        save_strategy="no",
+        logging_strategy="no",
+        report_to=[],
+        seed=42,
+        dataloader_num_workers=0,
+        use_cpu=not gpu,
+        disable_tqdm=True,
     )
-    trainer = CountingTrainer(model=model, args=targs, train_dataset=train_ds, eval_dataset=eval_ds, data_collator=collate, compute_metrics=accuracy)
+    trainer = CountingTrainer(
+        model=model,
+        args=targs,
+        train_dataset=train_ds,
+        eval_dataset=eval_ds,
+        data_collator=collate,
+        compute_metrics=accuracy,
+    )
     out = trainer.train()
     # Eval runtime includes a little Trainer overhead outside the forward passes; the rest is training.
     end_train = out.metrics["train_runtime"] - clock["eval"]

@@ -36,9 +36,24 @@ def kubetune_spec(train: Path, evald: Path, out: Path, procs: int, overrides: di
         "name": "bench",
         "task": "sequence-classification",
         "model": {"uri": "hf://sentence-transformers/all-MiniLM-L6-v2"},
-        "data": {"train": str(train), "eval": str(evald), "text_column": "text", "label_column": "label", "max_length": 128},
-        "training": {"epochs": 1, "batch_size": 32 // procs, "learning_rate": 1e-4, "warmup_ratio": 0.06, "weight_decay": 0.01, "seed": 42,
-                     "eval_every": eval_every or None, "log_every": 5, "resume": "never"},
+        "data": {
+            "train": str(train),
+            "eval": str(evald),
+            "text_column": "text",
+            "label_column": "label",
+            "max_length": 128,
+        },
+        "training": {
+            "epochs": 1,
+            "batch_size": 32 // procs,
+            "learning_rate": 1e-4,
+            "warmup_ratio": 0.06,
+            "weight_decay": 0.01,
+            "seed": 42,
+            "eval_every": eval_every or None,
+            "log_every": 5,
+            "resume": "never",
+        },
         "distributed": {"nodes": 1, "procs_per_node": procs},
         "output": {"uri": str(out), "report_baseline": False},
     }
@@ -51,17 +66,27 @@ def kubetune_spec(train: Path, evald: Path, out: Path, procs: int, overrides: di
     return spec
 
 
-def run_kubetune(name: str, train: Path, evald: Path, work: Path, procs: int, threads: int, overrides: dict, eval_every: int) -> tuple[Result, int]:
+def run_kubetune(
+    name: str, train: Path, evald: Path, work: Path, procs: int, threads: int, overrides: dict, eval_every: int
+) -> tuple[Result, int]:
     out = work / f"kt-{abs(hash((name, time.time())))}"
     spec_path = work / "spec.yaml"
-    spec_path.write_text(yaml.safe_dump(kubetune_spec(train, evald, out, procs, {"distributed.threads_per_proc": threads, **overrides}, eval_every)))
+    spec_path.write_text(
+        yaml.safe_dump(
+            kubetune_spec(train, evald, out, procs, {"distributed.threads_per_proc": threads, **overrides}, eval_every)
+        )
+    )
     rss = _run([PY, "-m", "kubetune", "run", str(spec_path)], env={"OMP_NUM_THREADS": str(threads)})
     metrics = json.loads((out / "metrics.json").read_text())
     history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
     res = Result(system=name, world_size=procs, threads=threads)
     res.samples, res.train_s = metrics["train_samples"], metrics["train_runtime_s"]
     res.real_tokens, res.padded_tokens = metrics["train_tokens"], metrics["train_padded_tokens"]
-    res.evals = [{"train_s": h["train_s"], "samples": h["samples"], "accuracy": h["eval_accuracy"]} for h in history if h["type"] == "eval"]
+    res.evals = [
+        {"train_s": h["train_s"], "samples": h["samples"], "accuracy": h["eval_accuracy"]}
+        for h in history
+        if h["type"] == "eval"
+    ]
     res.final_accuracy = metrics["eval_accuracy"]
     if "peak_gpu_memory_gib" in metrics:
         res.peak_gpu_mib = metrics["peak_gpu_memory_gib"] * 1024
@@ -69,18 +94,48 @@ def run_kubetune(name: str, train: Path, evald: Path, work: Path, procs: int, th
     return res, rss
 
 
-def run_script(script: str, train: Path, evald: Path, work: Path, procs: int, threads: int, eval_every: int, extra: tuple[str, ...] = ()) -> tuple[Result, int]:
+def run_script(
+    script: str,
+    train: Path,
+    evald: Path,
+    work: Path,
+    procs: int,
+    threads: int,
+    eval_every: int,
+    extra: tuple[str, ...] = (),
+) -> tuple[Result, int]:
     out = work / f"{script}.json"
-    args = [f"benchmarks/{script}.py", "--train", str(train), "--eval", str(evald), "--out", str(out), "--eval-every", str(eval_every), *extra]
-    cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs), *args] if procs > 1 else [PY, *args]
+    args = [
+        f"benchmarks/{script}.py",
+        "--train",
+        str(train),
+        "--eval",
+        str(evald),
+        "--out",
+        str(out),
+        "--eval-every",
+        str(eval_every),
+        *extra,
+    ]
+    cmd = (
+        [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs), *args]
+        if procs > 1
+        else [PY, *args]
+    )
     rss = _run(cmd, env={"OMP_NUM_THREADS": str(threads)})
     return Result(**json.loads(out.read_text())), rss
 
 
 def _run(cmd: list[str], env: dict) -> int:
     """Run ``cmd``; return the peak RSS of its whole process tree (sampled every 0.2 s), in bytes."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **env},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     peak = [0]
 
     def sample() -> None:
@@ -121,26 +176,34 @@ def token_lengths(train: Path) -> list[int]:
     return [len(ids) for ids in tok(pd.read_csv(train)["text"].tolist(), truncation=True, max_length=128)["input_ids"]]
 
 
-def summarize(runs: dict[str, list[tuple[Result, int]]], peak: float, shape: tuple[int, int, int], lengths: list[int], target: float) -> dict:
+def summarize(
+    runs: dict[str, list[tuple[Result, int]]],
+    peak: float,
+    shape: tuple[int, int, int],
+    lengths: list[int],
+    target: float,
+) -> dict:
     flops = useful_flops(*shape, lengths)
     table = {}
     for name, results in runs.items():
         rows = []
         for r, rss in results:
-            rows.append({
-                "samples_per_s": r.samples / r.train_s,
-                "tokens_per_s": r.real_tokens / r.train_s,
-                "padding_fraction": 1 - r.real_tokens / max(r.padded_tokens, 1),
-                "peak_rss_mib": rss / 2**20,
-                "time_to_accuracy_s": next((e["train_s"] for e in r.evals if e["accuracy"] >= target), None),
-                "final_accuracy": r.final_accuracy,
-                "useful_flops_per_s": flops / r.train_s,
-                "mfu": flops / r.train_s / peak,
-                "world_size": r.world_size,
-                "threads": r.threads,
-                "notes": r.notes,
-                "evals": r.evals,
-            })
+            rows.append(
+                {
+                    "samples_per_s": r.samples / r.train_s,
+                    "tokens_per_s": r.real_tokens / r.train_s,
+                    "padding_fraction": 1 - r.real_tokens / max(r.padded_tokens, 1),
+                    "peak_rss_mib": rss / 2**20,
+                    "time_to_accuracy_s": next((e["train_s"] for e in r.evals if e["accuracy"] >= target), None),
+                    "final_accuracy": r.final_accuracy,
+                    "useful_flops_per_s": flops / r.train_s,
+                    "mfu": flops / r.train_s / peak,
+                    "world_size": r.world_size,
+                    "threads": r.threads,
+                    "notes": r.notes,
+                    "evals": r.evals,
+                }
+            )
         median = {}
         for k in rows[0]:
             values = [row[k] for row in rows if isinstance(row[k], (int, float)) and not isinstance(row[k], bool)]
@@ -153,16 +216,21 @@ def summarize(runs: dict[str, list[tuple[Result, int]]], peak: float, shape: tup
 
 def markdown(table: dict, meta: dict) -> str:
     ref = table.get("kubetune", {}).get("median")
-    lines = [f"Machine: {meta['machine']}; matmul peak {meta['peak_gflops']:.0f} GFLOP/s fp32 (2048², all cores); "
-             f"{meta['train_rows']} training rows, {meta['eval_rows']} eval rows, global batch 32, {meta['rounds']} rounds (median).", "",
-             f"| system | procs × threads | samples/s | non-pad tokens/s | padding | peak RSS (MiB) | time to {meta['target']:.2f} acc (s) | final acc | useful FLOP/s ÷ fp32 matmul peak | kubetune is × faster |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"Machine: {meta['machine']}; matmul peak {meta['peak_gflops']:.0f} GFLOP/s fp32 (2048², all cores); "
+        f"{meta['train_rows']} training rows, {meta['eval_rows']} eval rows, global batch 32, {meta['rounds']} rounds (median).",
+        "",
+        f"| system | procs × threads | samples/s | non-pad tokens/s | padding | peak RSS (MiB) | time to {meta['target']:.2f} acc (s) | final acc | useful FLOP/s ÷ fp32 matmul peak | kubetune is × faster |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for name, entry in table.items():
         m = entry["median"]
         ratio = f"{ref['samples_per_s'] / m['samples_per_s']:.2f}×" if ref and name != "kubetune" else "—"
         tta = f"{m['time_to_accuracy_s']:.0f}" if m["time_to_accuracy_s"] is not None else "not reached"
-        lines.append(f"| {name} | {m['world_size']:.0f} × {m['threads']:.0f} | {m['samples_per_s']:.1f} | {m['tokens_per_s']:.0f} | {100 * m['padding_fraction']:.0f}% | "
-                     f"{m['peak_rss_mib']:.0f} | {tta} | {m['final_accuracy']:.4f} | {100 * m['mfu']:.1f}% | {ratio} |")
+        lines.append(
+            f"| {name} | {m['world_size']:.0f} × {m['threads']:.0f} | {m['samples_per_s']:.1f} | {m['tokens_per_s']:.0f} | {100 * m['padding_fraction']:.0f}% | "
+            f"{m['peak_rss_mib']:.0f} | {tta} | {m['final_accuracy']:.4f} | {100 * m['mfu']:.1f}% | {ratio} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -174,7 +242,11 @@ def plot(table: dict, path: Path) -> None:
 
     names = list(table)
     fig, ax = plt.subplots(figsize=(7.5, 0.5 + 0.45 * len(names)), dpi=100)
-    ax.barh(names, [table[n]["median"]["samples_per_s"] for n in names], color=["tab:blue" if n == "kubetune" else "tab:gray" for n in names])
+    ax.barh(
+        names,
+        [table[n]["median"]["samples_per_s"] for n in names],
+        color=["tab:blue" if n == "kubetune" else "tab:gray" for n in names],
+    )
     ax.invert_yaxis()
     ax.set_xlabel("training samples/s (median of rounds)")
     ax.grid(axis="x", alpha=0.3)
@@ -206,19 +278,37 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="kubetune-bench-"))
     train, evald = write_split(work / "data", args.train_rows, args.eval_rows)
     systems = {
-        "seed-loop": lambda: run_script("seed_loop", train, evald, work, procs=cores, threads=1, eval_every=args.eval_every),
-        "hf-trainer": lambda: run_script("hf_trainer", train, evald, work, procs=1, threads=cores, eval_every=args.eval_every),
+        "seed-loop": lambda: run_script(
+            "seed_loop", train, evald, work, procs=cores, threads=1, eval_every=args.eval_every
+        ),
+        "hf-trainer": lambda: run_script(
+            "hf_trainer", train, evald, work, procs=1, threads=cores, eval_every=args.eval_every
+        ),
         "kubetune": lambda: run_kubetune("kubetune", train, evald, work, cores, 1, {}, args.eval_every),
     }
     if args.ablations:
-        systems.update({
-            "kubetune 1 proc × 1 thread": lambda: run_kubetune("kubetune 1x1", train, evald, work, 1, 1, {}, args.eval_every),
-            f"kubetune 1 proc × {cores} threads": lambda: run_kubetune("kubetune 1xN", train, evald, work, 1, cores, {}, args.eval_every),
-            "kubetune −group_by_length": lambda: run_kubetune("no grouping", train, evald, work, cores, 1, {"training.group_by_length": False}, args.eval_every),
-            "kubetune −bf16 (fp32)": lambda: run_kubetune("fp32", train, evald, work, cores, 1, {"training.precision": "fp32"}, args.eval_every),
-            "kubetune +dataloader worker": lambda: run_kubetune("workers", train, evald, work, cores, 1, {"training.dataloader_workers": 1}, args.eval_every),
-            "kubetune +torch.compile": lambda: run_kubetune("compile", train, evald, work, cores, 1, {"training.compile": True}, args.eval_every),
-        })
+        systems.update(
+            {
+                "kubetune 1 proc × 1 thread": lambda: run_kubetune(
+                    "kubetune 1x1", train, evald, work, 1, 1, {}, args.eval_every
+                ),
+                f"kubetune 1 proc × {cores} threads": lambda: run_kubetune(
+                    "kubetune 1xN", train, evald, work, 1, cores, {}, args.eval_every
+                ),
+                "kubetune −group_by_length": lambda: run_kubetune(
+                    "no grouping", train, evald, work, cores, 1, {"training.group_by_length": False}, args.eval_every
+                ),
+                "kubetune −bf16 (fp32)": lambda: run_kubetune(
+                    "fp32", train, evald, work, cores, 1, {"training.precision": "fp32"}, args.eval_every
+                ),
+                "kubetune +dataloader worker": lambda: run_kubetune(
+                    "workers", train, evald, work, cores, 1, {"training.dataloader_workers": 1}, args.eval_every
+                ),
+                "kubetune +torch.compile": lambda: run_kubetune(
+                    "compile", train, evald, work, cores, 1, {"training.compile": True}, args.eval_every
+                ),
+            }
+        )
     if args.only:
         systems = {k: v for k, v in systems.items() if k in args.only}
 
@@ -229,15 +319,25 @@ def main() -> None:
             t0 = time.perf_counter()
             res, rss = fn()
             runs[name].append((res, rss))
-            print(f"round {rnd + 1} {name}: {res.samples / res.train_s:.1f} samples/s, acc {res.final_accuracy:.4f} ({time.perf_counter() - t0:.0f} s wall)", flush=True)
+            print(
+                f"round {rnd + 1} {name}: {res.samples / res.train_s:.1f} samples/s, acc {res.final_accuracy:.4f} ({time.perf_counter() - t0:.0f} s wall)",
+                flush=True,
+            )
     peaks.append(matmul_peak(threads=cores))
     peak = statistics.mean(peaks)
     table = summarize(runs, peak, model_shape(), token_lengths(train), args.target)
     import platform
 
-    meta = {"machine": f"{platform.processor() or platform.machine()}, {cores} cores, torch {__import__('torch').__version__}",
-            "cpu_model": _cpu_model(), "peak_gflops": peak / 1e9, "train_rows": args.train_rows, "eval_rows": args.eval_rows,
-            "rounds": args.rounds, "target": args.target, "date": time.strftime("%Y-%m-%d %H:%M")}
+    meta = {
+        "machine": f"{platform.processor() or platform.machine()}, {cores} cores, torch {__import__('torch').__version__}",
+        "cpu_model": _cpu_model(),
+        "peak_gflops": peak / 1e9,
+        "train_rows": args.train_rows,
+        "eval_rows": args.eval_rows,
+        "rounds": args.rounds,
+        "target": args.target,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
     results = ROOT / "benchmarks" / "results"
     results.mkdir(exist_ok=True)
     (results / f"{args.name}.json").write_text(json.dumps({"meta": meta, "systems": table}, indent=2))

@@ -38,13 +38,28 @@ from common import ROOT, write_split  # noqa: E402
 from run import PY, _cpu_model, kubetune_spec  # noqa: E402  (the spec every kubetune benchmark run uses)
 
 
-def start(work: Path, train: Path, evald: Path, name: str, procs: int, batch: int, accum: int = 1) -> tuple[subprocess.Popen, Path]:
+def start(
+    work: Path, train: Path, evald: Path, name: str, procs: int, batch: int, accum: int = 1
+) -> tuple[subprocess.Popen, Path]:
     out = work / f"{name}-{time.time_ns()}"
     path = work / f"{name}.yaml"
-    overrides = {"name": name, "training.batch_size": batch, "training.grad_accum": accum, "training.log_every": 10, "distributed.threads_per_proc": 1}
+    overrides = {
+        "name": name,
+        "training.batch_size": batch,
+        "training.grad_accum": accum,
+        "training.log_every": 10,
+        "distributed.threads_per_proc": 1,
+    }
     path.write_text(yaml.safe_dump(kubetune_spec(train, evald, out, procs, overrides, eval_every=0)))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([PY, "-m", "kubetune", "run", str(path)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [PY, "-m", "kubetune", "run", str(path)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     return proc, out
 
 
@@ -67,43 +82,66 @@ def main() -> None:
     finish(*start(work, train, evald, "warmup", 1, 16))  # tokenization cache and page cache, not timed
 
     # name -> (processes, per-process batch, grad_accum); "independent" is two solo runs at once.
-    runs = {"solo": (1, 16, 1), "independent": (1, 16, 1), "ddp": (2, 16, 1), "solo32": (1, 32, 1), "solo_accum2": (1, 16, 2), "ddp_accum2": (2, 16, 2)}
+    runs = {
+        "solo": (1, 16, 1),
+        "independent": (1, 16, 1),
+        "ddp": (2, 16, 1),
+        "solo32": (1, 32, 1),
+        "solo_accum2": (1, 16, 2),
+        "ddp_accum2": (2, 16, 2),
+    }
     rates: dict[str, list[float]] = {name: [] for name in runs}
     for rnd in range(args.rounds):
         for name, (procs, batch, accum) in runs.items():
-            started = [start(work, train, evald, f"{name.replace('_', '-')}{i}", procs, batch, accum) for i in range(2 if name == "independent" else 1)]
+            started = [
+                start(work, train, evald, f"{name.replace('_', '-')}{i}", procs, batch, accum)
+                for i in range(2 if name == "independent" else 1)
+            ]
             rates[name].append(sum(finish(*p)["train_samples_per_second"] for p in started))
         print(f"round {rnd + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rates.items()), flush=True)
 
     med = {k: statistics.median(v) for k, v in rates.items()}
     cpu = _cpu_model()
-    result = {"meta": {"cpu_model": cpu, "cores": os.cpu_count(), "torch": __import__("torch").__version__, "train_rows": args.train_rows,
-                       "rounds": args.rounds, "date": time.strftime("%Y-%m-%d %H:%M")},
-              "samples_per_s": rates, "median": med,
-              "ddp_vs_2x_solo": med["ddp"] / (2 * med["solo"]), "independent_vs_2x_solo": med["independent"] / (2 * med["solo"]),
-              "ddp_vs_independent": med["ddp"] / med["independent"], "ddp_vs_2x_solo32": med["ddp"] / (2 * med["solo32"]),
-              "ddp_accum2_vs_2x_solo_accum2": med["ddp_accum2"] / (2 * med["solo_accum2"])}
+    result = {
+        "meta": {
+            "cpu_model": cpu,
+            "cores": os.cpu_count(),
+            "torch": __import__("torch").__version__,
+            "train_rows": args.train_rows,
+            "rounds": args.rounds,
+            "date": time.strftime("%Y-%m-%d %H:%M"),
+        },
+        "samples_per_s": rates,
+        "median": med,
+        "ddp_vs_2x_solo": med["ddp"] / (2 * med["solo"]),
+        "independent_vs_2x_solo": med["independent"] / (2 * med["solo"]),
+        "ddp_vs_independent": med["ddp"] / med["independent"],
+        "ddp_vs_2x_solo32": med["ddp"] / (2 * med["solo32"]),
+        "ddp_accum2_vs_2x_solo_accum2": med["ddp_accum2"] / (2 * med["solo_accum2"]),
+    }
     results = ROOT / "benchmarks" / "results"
     results.mkdir(exist_ok=True)
     (results / f"{args.name}.json").write_text(json.dumps(result, indent=2))
-    md = "\n".join([
-        f"{cpu}, {os.cpu_count()} cores, torch {result['meta']['torch']}, {args.train_rows} rows, {args.rounds} rounds (medians), {result['meta']['date']}",
-        "",
-        "| run | processes × threads | per-process batch | samples/s (median) | ÷ 2 × solo |",
-        "| --- | --- | --- | --- | --- |",
-        f"| solo | 1 × 1 | 16 | {med['solo']:.1f} | 50% |",
-        f"| 2 independent runs (no communication: the ceiling) | 2 × (1 × 1) | 16 | {med['independent']:.1f} | {result['independent_vs_2x_solo']:.1%} |",
-        f"| kubetune DDP | 2 × 1 | 16 | {med['ddp']:.1f} | **{result['ddp_vs_2x_solo']:.1%}** |",
-        f"| solo, DDP's global batch | 1 × 1 | 32 | {med['solo32']:.1f} | — |",
-        f"| solo, grad_accum 2 | 1 × 1 | 16 × 2 | {med['solo_accum2']:.1f} | 50% |",
-        f"| kubetune DDP, grad_accum 2 | 2 × 1 | 16 × 2 | {med['ddp_accum2']:.1f} | **{result['ddp_accum2_vs_2x_solo_accum2']:.1%}** (÷ 2 × solo, grad_accum 2) |",
-        "",
-        f"- Weak scaling (same per-process work): DDP 2 × 1 reaches {result['ddp_vs_2x_solo']:.1%} of twice the solo rate.",
-        f"- Against the ceiling (two processes that never communicate): {result['ddp_vs_independent']:.1%}.",
-        f"- Strong scaling (the same job, global batch 32): {result['ddp_vs_2x_solo32']:.1%} of twice the 1-process rate at batch 32.",
-        f"- With 2 micro-batches per all-reduce: {result['ddp_accum2_vs_2x_solo_accum2']:.1%} of twice the solo rate with the same accumulation.",
-        "",
-    ])
+    md = "\n".join(
+        [
+            f"{cpu}, {os.cpu_count()} cores, torch {result['meta']['torch']}, {args.train_rows} rows, {args.rounds} rounds (medians), {result['meta']['date']}",
+            "",
+            "| run | processes × threads | per-process batch | samples/s (median) | ÷ 2 × solo |",
+            "| --- | --- | --- | --- | --- |",
+            f"| solo | 1 × 1 | 16 | {med['solo']:.1f} | 50% |",
+            f"| 2 independent runs (no communication: the ceiling) | 2 × (1 × 1) | 16 | {med['independent']:.1f} | {result['independent_vs_2x_solo']:.1%} |",
+            f"| kubetune DDP | 2 × 1 | 16 | {med['ddp']:.1f} | **{result['ddp_vs_2x_solo']:.1%}** |",
+            f"| solo, DDP's global batch | 1 × 1 | 32 | {med['solo32']:.1f} | — |",
+            f"| solo, grad_accum 2 | 1 × 1 | 16 × 2 | {med['solo_accum2']:.1f} | 50% |",
+            f"| kubetune DDP, grad_accum 2 | 2 × 1 | 16 × 2 | {med['ddp_accum2']:.1f} | **{result['ddp_accum2_vs_2x_solo_accum2']:.1%}** (÷ 2 × solo, grad_accum 2) |",
+            "",
+            f"- Weak scaling (same per-process work): DDP 2 × 1 reaches {result['ddp_vs_2x_solo']:.1%} of twice the solo rate.",
+            f"- Against the ceiling (two processes that never communicate): {result['ddp_vs_independent']:.1%}.",
+            f"- Strong scaling (the same job, global batch 32): {result['ddp_vs_2x_solo32']:.1%} of twice the 1-process rate at batch 32.",
+            f"- With 2 micro-batches per all-reduce: {result['ddp_accum2_vs_2x_solo_accum2']:.1%} of twice the solo rate with the same accumulation.",
+            "",
+        ]
+    )
     (results / f"{args.name}.md").write_text(md)
     print(md)
 

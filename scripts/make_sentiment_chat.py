@@ -24,7 +24,9 @@ from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = REPO / "src" / "kubetune" / "assets" / "sentiment"  # package data: pods read it as pkg://kubetune/assets/sentiment/...
+DEFAULT_OUT = (
+    REPO / "src" / "kubetune" / "assets" / "sentiment"
+)  # package data: pods read it as pkg://kubetune/assets/sentiment/...
 
 SEED = 0
 MAX_CHARS = 400
@@ -87,19 +89,25 @@ def main() -> None:
     if len(rows) < 2 * args.rows:
         raise SystemExit(f"only {len(rows)} usable rows; need {2 * args.rows}")
     picked = random.Random(SEED).sample(rows, 2 * args.rows)
-    chat_rows, instr_rows = picked[: args.rows], picked[args.rows:]
+    chat_rows, instr_rows = picked[: args.rows], picked[args.rows :]
 
-    chat = [{"messages": [{"role": "user", "content": CHAT_PROMPT.format(text=t)}, {"role": "assistant", "content": y}]}
-            for t, y in chat_rows]
+    chat = [
+        {"messages": [{"role": "user", "content": CHAT_PROMPT.format(text=t)}, {"role": "assistant", "content": y}]}
+        for t, y in chat_rows
+    ]
     instructions = [{"instruction": INSTRUCTION, "input": t, "output": y} for t, y in instr_rows]
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    for name, records, sample in (("sentiment-chat.jsonl", chat, chat_rows),
-                                  ("sentiment-instructions.jsonl", instructions, instr_rows)):
+    for name, records, sample in (
+        ("sentiment-chat.jsonl", chat, chat_rows),
+        ("sentiment-instructions.jsonl", instructions, instr_rows),
+    ):
         path = args.out_dir / name
         write_jsonl(path, records)
         dist = Counter(y for _, y in sample)
-        print(f"wrote {path} ({len(records)} rows, {path.stat().st_size / 1024:.0f} KiB) labels {dict(sorted(dist.items()))}")
+        print(
+            f"wrote {path} ({len(records)} rows, {path.stat().st_size / 1024:.0f} KiB) labels {dict(sorted(dist.items()))}"
+        )
     print(f"usable corpus rows {len(rows)}; dropped {dict(dropped)}")
 
 

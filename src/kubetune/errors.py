@@ -31,7 +31,9 @@ class SpecError(KubetuneError):
         # the first MAX_SHOWN and a count
         lines = [" ".join(str(p).splitlines()) for p in problems]
         if len(lines) > self.MAX_SHOWN:
-            lines = lines[: self.MAX_SHOWN] + [f"spec: ... and {len(lines) - self.MAX_SHOWN} more problems — fix the ones above first"]
+            lines = lines[: self.MAX_SHOWN] + [
+                f"spec: ... and {len(lines) - self.MAX_SHOWN} more problems — fix the ones above first"
+            ]
         self.problems = lines
         self.source = source
         head = problems[0] if len(problems) == 1 else f"{len(problems)} problems in {source}"

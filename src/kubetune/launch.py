@@ -51,13 +51,25 @@ EXIT_INFRASTRUCTURE = 200  # retryable: an infrastructure failure that is not a 
 # cluster failed, not the code: torch.distributed's communication errors (a lost peer, a collective
 # or store timeout: NCCL's errors are DistBackendError), the elastic rendezvous's errors, and
 # broken connections.
-INFRASTRUCTURE_ERRORS = frozenset({
-    "DistError", "DistBackendError", "DistNetworkError", "DistStoreError",
-    "RendezvousError", "RendezvousClosedError", "RendezvousTimeoutError", "RendezvousConnectionError",
-    "RendezvousStateError",
-    "ConnectionError", "ConnectionResetError", "ConnectionRefusedError", "ConnectionAbortedError", "BrokenPipeError",
-    "TimeoutError",
-})
+INFRASTRUCTURE_ERRORS = frozenset(
+    {
+        "DistError",
+        "DistBackendError",
+        "DistNetworkError",
+        "DistStoreError",
+        "RendezvousError",
+        "RendezvousClosedError",
+        "RendezvousTimeoutError",
+        "RendezvousConnectionError",
+        "RendezvousStateError",
+        "ConnectionError",
+        "ConnectionResetError",
+        "ConnectionRefusedError",
+        "ConnectionAbortedError",
+        "BrokenPipeError",
+        "TimeoutError",
+    }
+)
 # gloo reports a lost peer or a collective timeout as a plain RuntimeError naming its transport's
 # source file, e.g. "[.../gloo/transport/tcp/pair.cc:537] Read error ...: Connection reset by peer".
 _GLOO_TRANSPORT = "gloo/transport/"
@@ -95,8 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, _stop_before_launch)
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: kubetune launch STAGED_SPEC.yaml (in a pod, with the Training Operator's PET_* environment)",
-              file=sys.stderr)
+        print(
+            "usage: kubetune launch STAGED_SPEC.yaml (in a pod, with the Training Operator's PET_* environment)",
+            file=sys.stderr,
+        )
         return EXIT_FAILED
     return run(args[0])
 
@@ -220,6 +234,7 @@ def root_failure(failures: dict[int, object]) -> tuple[int, object]:
     whole seconds, too coarse to tell), earliest timestamp first, then the teardown's SIGTERMs
     (earliest timestamp).
     """
+
     def cause_order(rank: int) -> tuple:
         failure = failures[rank]
         code = failure.exitcode
@@ -255,8 +270,9 @@ class WorkerFailed(Exception):
 
     def __init__(self, rank: int, exitcode: int, message: str = ""):
         self.rank, self.exitcode, self.message = rank, exitcode, message
-        super().__init__(f"worker rank {rank} failed with exit code {exitcode}{_signal_name(exitcode)} "
-                         "(its error is above)")
+        super().__init__(
+            f"worker rank {rank} failed with exit code {exitcode}{_signal_name(exitcode)} (its error is above)"
+        )
 
 
 def _signal_name(exitcode: int) -> str:

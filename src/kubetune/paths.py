@@ -61,7 +61,9 @@ def write_atomic(path: Path, text: str | bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w", **({} if isinstance(text, bytes) else {"encoding": "utf-8"})) as f:
+        with os.fdopen(
+            fd, "wb" if isinstance(text, bytes) else "w", **({} if isinstance(text, bytes) else {"encoding": "utf-8"})
+        ) as f:
             f.write(text)
         set_default_mode(Path(tmp))
         os.replace(tmp, path)
@@ -85,7 +87,9 @@ def replace_dir(build: Callable[[Path], object], dest: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def check_relative(name: str, *, what: str, fix: str = "refusing to write it; the listing or manifest was tampered with") -> PurePosixPath:
+def check_relative(
+    name: str, *, what: str, fix: str = "refusing to write it; the listing or manifest was tampered with"
+) -> PurePosixPath:
     """A remote relative name as a safe POSIX path: no absolute path, no ``..``, no empty or ``.``
     segment (``a//b``), no NUL, no backslash.
 
@@ -94,8 +98,7 @@ def check_relative(name: str, *, what: str, fix: str = "refusing to write it; th
     """
     shown = name if len(name) <= 120 else name[:117] + "..."
     parts = name.split("/")
-    if (not name or name.startswith("/") or "\x00" in name or "\\" in name
-            or any(p in ("", ".", "..") for p in parts)):
+    if not name or name.startswith("/") or "\x00" in name or "\\" in name or any(p in ("", ".", "..") for p in parts):
         raise KubetuneError(f"{what}: the name {shown!r} would write outside its destination", fix=fix)
     return PurePosixPath(name)
 
@@ -116,7 +119,10 @@ def safe_join(root: Path, name: str, *, what: str) -> Path:
         probe = probe.parent
     resolved = probe.resolve()
     if resolved != base and base not in resolved.parents:
-        raise KubetuneError(f"{what}: {name!r} leads through a symbolic link outside {root}", fix="refusing to write it; remove the link")
+        raise KubetuneError(
+            f"{what}: {name!r} leads through a symbolic link outside {root}",
+            fix="refusing to write it; remove the link",
+        )
     if target.is_symlink():
         raise KubetuneError(f"{what}: {target} is a symbolic link; refusing to write through it", fix="remove the link")
     return target
@@ -136,4 +142,7 @@ def check_tree_inside(root: Path, *, what: str) -> None:
             if p.is_symlink():
                 target = p.resolve()
                 if target != base and base not in target.parents:
-                    raise KubetuneError(f"{what}: {p.relative_to(root)} is a link to {target}, outside the download", fix="refusing to use it; the source was tampered with")
+                    raise KubetuneError(
+                        f"{what}: {p.relative_to(root)} is a link to {target}, outside the download",
+                        fix="refusing to use it; the source was tampered with",
+                    )

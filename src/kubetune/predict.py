@@ -22,7 +22,15 @@ CLASSIFIER = "classifier"
 MAX_CONFIG_BYTES = 4 << 20
 MAX_TEXT_FILE_BYTES = 64 << 20
 # Files of which at least one is in any tokenizer directory save_pretrained writes.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json", "spiece.model", "sentencepiece.bpe.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.txt",
+    "vocab.json",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
 # Config attributes that hold the number of positions a model was trained with.
 CONTEXT_ATTRS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 
@@ -64,7 +72,11 @@ def model_path(uri: str) -> Path:
     if (path / "model" / "config.json").exists():
         path = path / "model"
     elif not (path / "config.json").exists():
-        raise KubetuneError(f"{_short(uri)!r} holds no exported model (no config.json, no model/config.json)", field="MODEL", fix="pass a job's output.uri or its model/ directory")
+        raise KubetuneError(
+            f"{_short(uri)!r} holds no exported model (no config.json, no model/config.json)",
+            field="MODEL",
+            fix="pass a job's output.uri or its model/ directory",
+        )
     check_model(path)
     return path
 
@@ -84,11 +96,18 @@ def check_model(path: Path) -> str:
     kind = model_kind(path)
     check_model_weights(path, _short(str(path)), field="MODEL")
     if not any(p.name.endswith(".safetensors") for p in path.iterdir()):
-        raise KubetuneError(f"{_short(str(path))!r} holds no weights (no model.safetensors)", field="MODEL", fix="export the model with save_pretrained into that directory")
+        raise KubetuneError(
+            f"{_short(str(path))!r} holds no weights (no model.safetensors)",
+            field="MODEL",
+            fix="export the model with save_pretrained into that directory",
+        )
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         # transformers would build an empty tokenizer from the config and map every word to [UNK]
-        raise KubetuneError(f"{_short(str(path))!r} holds no tokenizer (no tokenizer.json or tokenizer_config.json)", field="MODEL",
-                            fix="save the tokenizer beside the model: tokenizer.save_pretrained(dir)")
+        raise KubetuneError(
+            f"{_short(str(path))!r} holds no tokenizer (no tokenizer.json or tokenizer_config.json)",
+            field="MODEL",
+            fix="save the tokenizer beside the model: tokenizer.save_pretrained(dir)",
+        )
     return kind
 
 
@@ -105,7 +124,10 @@ def model_kind(path: Path) -> str:
     import transformers
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+    )
 
     shown = _short(str(path / "config.json"))
 
@@ -131,20 +153,27 @@ def model_kind(path: Path) -> str:
     if not isinstance(model_type, str) or not model_type:
         raise bad("has no model_type")
     if model_type not in CONFIG_MAPPING:
-        raise bad(f"has model_type {_short(model_type, 60)!r}, which transformers {transformers.__version__} does not know",
-                  "export it with a transformers version that has it, or upgrade transformers")
+        raise bad(
+            f"has model_type {_short(model_type, 60)!r}, which transformers {transformers.__version__} does not know",
+            "export it with a transformers version that has it, or upgrade transformers",
+        )
     archs = config.get("architectures")
     if not isinstance(archs, list) or not archs or not all(isinstance(a, str) for a in archs):
         raise bad("names no architectures, so it is unclear whether the model classifies or generates")
     # by name: GPT2LMHeadModel generates too
     if any(a.endswith("ForCausalLM") or a in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() for a in archs):
         kind = CAUSAL_LM
-    elif any(a.endswith("ForSequenceClassification") or a in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.values() for a in archs):
+    elif any(
+        a.endswith("ForSequenceClassification") or a in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.values()
+        for a in archs
+    ):
         kind = CLASSIFIER
     else:
         # e.g. a base encoder: the pipeline would add a random classification head and print noise
-        raise bad(f"describes a {_short(archs[0], 60)}, neither a sequence classifier nor a causal LM",
-                  "pass a model kubetune exported (a job's output or its model/ directory)")
+        raise bad(
+            f"describes a {_short(archs[0], 60)}, neither a sequence classifier nor a causal LM",
+            "pass a model kubetune exported (a job's output or its model/ directory)",
+        )
     try:
         AutoConfig.from_pretrained(path)
     except _load_errors() as e:
@@ -164,27 +193,47 @@ def read_texts(file: Path) -> list[str]:
         with file.open("rb") as f:
             data = f.read(MAX_TEXT_FILE_BYTES + 1)
     except OSError as e:
-        raise KubetuneError(f"cannot read {shown}: {e.strerror or type(e).__name__}", field="--file", fix="check the path") from None
+        raise KubetuneError(
+            f"cannot read {shown}: {e.strerror or type(e).__name__}", field="--file", fix="check the path"
+        ) from None
     if len(data) > MAX_TEXT_FILE_BYTES:
-        raise KubetuneError(f"{shown} is larger than {MAX_TEXT_FILE_BYTES >> 20} MiB", field="--file", fix="split it into smaller files")
+        raise KubetuneError(
+            f"{shown} is larger than {MAX_TEXT_FILE_BYTES >> 20} MiB", field="--file", fix="split it into smaller files"
+        )
     if data.startswith((b"\xff\xfe", b"\xfe\xff")):
-        raise KubetuneError(f"{shown} is UTF-16 text (it starts with a UTF-16 byte-order mark)", field="--file", fix="save it as UTF-8")
+        raise KubetuneError(
+            f"{shown} is UTF-16 text (it starts with a UTF-16 byte-order mark)", field="--file", fix="save it as UTF-8"
+        )
     if b"\x00" in data:
-        raise KubetuneError(f"{shown} is a binary file (NUL byte at offset {data.index(0)})", field="--file", fix="pass a UTF-8 text file, one text per line")
+        raise KubetuneError(
+            f"{shown} is a binary file (NUL byte at offset {data.index(0)})",
+            field="--file",
+            fix="pass a UTF-8 text file, one text per line",
+        )
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         offset = e.start + (3 if data.startswith(b"\xef\xbb\xbf") else 0)
-        raise KubetuneError(f"{shown} is not UTF-8 text (byte 0x{data[offset]:02x} at offset {offset})", field="--file",
-                            fix="save it as UTF-8, e.g. iconv -f latin1 -t utf-8") from None
+        raise KubetuneError(
+            f"{shown} is not UTF-8 text (byte 0x{data[offset]:02x} at offset {offset})",
+            field="--file",
+            fix="save it as UTF-8, e.g. iconv -f latin1 -t utf-8",
+        ) from None
     lines = [line for line in text.splitlines() if line.strip()]
     if not lines:
         raise KubetuneError(f"{shown} holds no text (only blank lines)", field="--file", fix="write one text per line")
     return lines
 
 
-def generate(uri: str, prompts: list[str], max_new_tokens: int = 64, temperature: float = 0.0, chat: bool | None = None, seed: int = 0,
-             warn: Callable[[str], None] | None = None) -> list[dict]:
+def generate(
+    uri: str,
+    prompts: list[str],
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    chat: bool | None = None,
+    seed: int = 0,
+    warn: Callable[[str], None] | None = None,
+) -> list[dict]:
     """Continue each prompt with a causal LM; returns ``[{prompt, completion}]`` in input order.
 
     A prompt longer than the model's context less ``max_new_tokens`` keeps its last tokens (the
@@ -204,7 +253,9 @@ def generate(uri: str, prompts: list[str], max_new_tokens: int = 64, temperature
     from transformers import AutoModelForCausalLM
 
     if not math.isfinite(temperature) or temperature < 0:
-        raise KubetuneError(f"{temperature} is not a finite number >= 0", field="--temperature", fix="pass e.g. 0 (greedy) or 0.7")
+        raise KubetuneError(
+            f"{temperature} is not a finite number >= 0", field="--temperature", fix="pass e.g. 0 (greedy) or 0.7"
+        )
     path = model_path(uri)
     _expect(path, CAUSAL_LM)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -214,11 +265,18 @@ def generate(uri: str, prompts: list[str], max_new_tokens: int = 64, temperature
     model = model.to(device).eval()
     use_chat = bool(getattr(tokenizer, "chat_template", None)) if chat is None else chat
     if use_chat and not getattr(tokenizer, "chat_template", None):
-        raise KubetuneError(f"the tokenizer in {_short(str(path))} has no chat template", field="--chat", fix="drop --chat to complete the raw prompt")
+        raise KubetuneError(
+            f"the tokenizer in {_short(str(path))} has no chat template",
+            field="--chat",
+            fix="drop --chat to complete the raw prompt",
+        )
     context = _context(model.config, tokenizer)
     if context is not None and max_new_tokens >= context:
-        raise KubetuneError(f"{max_new_tokens:,} new tokens leave no room for a prompt in the model's {context}-token context", field="--max-new-tokens",
-                            fix=f"pass at most {context - 1}")
+        raise KubetuneError(
+            f"{max_new_tokens:,} new tokens leave no room for a prompt in the model's {context}-token context",
+            field="--max-new-tokens",
+            fix=f"pass at most {context - 1}",
+        )
     budget = None if context is None else context - max_new_tokens
 
     def render(text: str) -> list[int]:
@@ -226,10 +284,15 @@ def generate(uri: str, prompts: list[str], max_new_tokens: int = 64, temperature
             from jinja2 import TemplateError
 
             try:
-                text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+                text = tokenizer.apply_chat_template(
+                    [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+                )
             except TemplateError as e:
-                raise KubetuneError(f"the chat template in {_short(str(path))} fails: {_describe(e)}", field="--chat",
-                                    fix="fix chat_template in tokenizer_config.json, or pass --no-chat") from None
+                raise KubetuneError(
+                    f"the chat template in {_short(str(path))} fails: {_describe(e)}",
+                    field="--chat",
+                    fix="fix chat_template in tokenizer_config.json, or pass --no-chat",
+                ) from None
             return tokenizer(text, add_special_tokens=False)["input_ids"]
         return tokenizer(text)["input_ids"]
 
@@ -242,17 +305,24 @@ def generate(uri: str, prompts: list[str], max_new_tokens: int = 64, temperature
         torch.manual_seed(seed)
         sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
         with torch.no_grad():
-            out = model.generate(input_ids=enc, attention_mask=torch.ones_like(enc), max_new_tokens=max_new_tokens,
-                                 pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id, **sampling)
-        completion = tokenizer.decode(out[0, enc.shape[1]:], skip_special_tokens=True)
+            out = model.generate(
+                input_ids=enc,
+                attention_mask=torch.ones_like(enc),
+                max_new_tokens=max_new_tokens,
+                pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+                **sampling,
+            )
+        completion = tokenizer.decode(out[0, enc.shape[1] :], skip_special_tokens=True)
         results.append({"prompt": prompt, "completion": completion})
     if cut:
         if len(cut) == 1:
             which = f"prompt {cut[0][0]} has {cut[0][2]:,} tokens"
         else:
             which = f"{len(cut)} prompts ({', '.join(str(c[0]) for c in cut[:5])}{', ...' if len(cut) > 5 else ''}) have up to {max(c[2] for c in cut):,} tokens"
-        (warn or _log_warning)(f"{which}, more than the model's {context}-token context leaves beside --max-new-tokens {max_new_tokens}; "
-                               f"kept the last {min(c[1] for c in cut):,} tokens of the text")
+        (warn or _log_warning)(
+            f"{which}, more than the model's {context}-token context leaves beside --max-new-tokens {max_new_tokens}; "
+            f"kept the last {min(c[1] for c in cut):,} tokens of the text"
+        )
     return results
 
 
@@ -271,7 +341,9 @@ def predict(uri: str, texts: list[str], batch_size: int = 32) -> list[dict]:
     tokenizer = _tokenizer(path)
     model = _model(AutoModelForSequenceClassification, path)
     _check_vocab(model, tokenizer, path)
-    clf = pipeline("text-classification", model=model, tokenizer=tokenizer, device=0 if torch.cuda.is_available() else -1)
+    clf = pipeline(
+        "text-classification", model=model, tokenizer=tokenizer, device=0 if torch.cuda.is_available() else -1
+    )
     # An explicit bound: a tokenizer saved without model_max_length does not truncate at all, and the
     # position embeddings then fail on a long text.
     results = clf(texts, batch_size=batch_size, truncation=True, max_length=_context(model.config, tokenizer) or 512)
@@ -281,7 +353,11 @@ def predict(uri: str, texts: list[str], batch_size: int = 32) -> list[dict]:
 def _expect(path: Path, kind: str) -> None:
     found = check_model(path)
     if found != kind:
-        raise KubetuneError(f"{_short(str(path))!r} is a {found}, not a {kind}", field="MODEL", fix="generate() takes a causal LM, predict() a classifier")
+        raise KubetuneError(
+            f"{_short(str(path))!r} is a {found}, not a {kind}",
+            field="MODEL",
+            fix="generate() takes a causal LM, predict() a classifier",
+        )
 
 
 def _quiet_transformers() -> None:
@@ -298,8 +374,11 @@ def _tokenizer(path: Path):
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except _load_errors() as e:
-        raise KubetuneError(f"cannot load the tokenizer in {_short(str(path))}: {_describe(e)}", field="MODEL",
-                            fix="save the tokenizer beside the model: tokenizer.save_pretrained(dir)") from None
+        raise KubetuneError(
+            f"cannot load the tokenizer in {_short(str(path))}: {_describe(e)}",
+            field="MODEL",
+            fix="save the tokenizer beside the model: tokenizer.save_pretrained(dir)",
+        ) from None
 
 
 def _model(auto_class, path: Path):
@@ -308,19 +387,33 @@ def _model(auto_class, path: Path):
     try:
         # use_safetensors=True: never fall back to a pickle, even one that appears after the check.
         # Mismatched shapes are reported below rather than as transformers' multi-line report.
-        model, info = auto_class.from_pretrained(path, use_safetensors=True, trust_remote_code=False, ignore_mismatched_sizes=True, output_loading_info=True)
+        model, info = auto_class.from_pretrained(
+            path, use_safetensors=True, trust_remote_code=False, ignore_mismatched_sizes=True, output_loading_info=True
+        )
     except _load_errors() as e:
-        raise KubetuneError(f"cannot load the model in {shown}: {_describe(e)}", field="MODEL", fix="export the model again with save_pretrained") from None
+        raise KubetuneError(
+            f"cannot load the model in {shown}: {_describe(e)}",
+            field="MODEL",
+            fix="export the model again with save_pretrained",
+        ) from None
     # transformers fills a missing or mismatched tensor with random values and only logs it: the
     # model would then print confident noise
     missing, mismatched = sorted(info.get("missing_keys") or []), list(info.get("mismatched_keys") or [])
     fix = "export the model again with save_pretrained (config.json and the weights must come from the same model)"
     if mismatched:
         key, stored, expected = mismatched[0][:3]  # (name, shape in the weights, shape the config makes)
-        raise KubetuneError(f"the weights in {shown} do not fit its config.json: {_count(len(mismatched), 'tensor')} differ{'s' if len(mismatched) == 1 else ''} "
-                            f"in shape (e.g. {_short(key, 80)} is {tuple(stored)} in the weights, {tuple(expected)} by config.json)", field="MODEL", fix=fix)
+        raise KubetuneError(
+            f"the weights in {shown} do not fit its config.json: {_count(len(mismatched), 'tensor')} differ{'s' if len(mismatched) == 1 else ''} "
+            f"in shape (e.g. {_short(key, 80)} is {tuple(stored)} in the weights, {tuple(expected)} by config.json)",
+            field="MODEL",
+            fix=fix,
+        )
     if missing:
-        raise KubetuneError(f"the weights in {shown} lack {_count(len(missing), 'tensor')} its config.json asks for (e.g. {_short(missing[0], 80)})", field="MODEL", fix=fix)
+        raise KubetuneError(
+            f"the weights in {shown} lack {_count(len(missing), 'tensor')} its config.json asks for (e.g. {_short(missing[0], 80)})",
+            field="MODEL",
+            fix=fix,
+        )
     return model
 
 
@@ -328,8 +421,11 @@ def _check_vocab(model, tokenizer, path: Path) -> None:
     """A tokenizer larger than the model's embedding table makes ids the model cannot look up."""
     rows = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > rows:
-        raise KubetuneError(f"the tokenizer in {_short(str(path))} has {len(tokenizer):,} tokens and the model's embeddings only {rows:,}", field="MODEL",
-                            fix="save the tokenizer the model was trained with beside it")
+        raise KubetuneError(
+            f"the tokenizer in {_short(str(path))} has {len(tokenizer):,} tokens and the model's embeddings only {rows:,}",
+            field="MODEL",
+            fix="save the tokenizer the model was trained with beside it",
+        )
 
 
 def _count(n: int, noun: str) -> str:
@@ -342,7 +438,18 @@ def _load_errors() -> tuple[type[BaseException], ...]:
     from safetensors import SafetensorError
 
     strict = getattr(hf_errors, "StrictDataclassError", None)
-    return (OSError, ValueError, TypeError, KeyError, AttributeError, IndexError, ArithmeticError, RuntimeError, SafetensorError, *([strict] if strict else []))
+    return (
+        OSError,
+        ValueError,
+        TypeError,
+        KeyError,
+        AttributeError,
+        IndexError,
+        ArithmeticError,
+        RuntimeError,
+        SafetensorError,
+        *([strict] if strict else []),
+    )
 
 
 def _context(config, tokenizer) -> int | None:
@@ -355,7 +462,9 @@ def _context(config, tokenizer) -> int | None:
     return limit if isinstance(limit, int) and 0 < limit < 1_000_000 else None
 
 
-def _fit(tokenizer, render: Callable[[str], list[int]], prompt: str, budget: int | None) -> tuple[list[int], int | None, int]:
+def _fit(
+    tokenizer, render: Callable[[str], list[int]], prompt: str, budget: int | None
+) -> tuple[list[int], int | None, int]:
     """Token ids of ``prompt`` as rendered, at most ``budget`` long: a longer prompt keeps its end.
 
     Returns:
@@ -372,8 +481,11 @@ def _fit(tokenizer, render: Callable[[str], list[int]], prompt: str, budget: int
             return ids, None, len(content)
     keep = budget - overhead
     if keep <= 0:
-        raise KubetuneError(f"the prompt template alone takes {overhead} of the {budget} tokens left by --max-new-tokens", field="--max-new-tokens",
-                            fix="pass a smaller --max-new-tokens")
+        raise KubetuneError(
+            f"the prompt template alone takes {overhead} of the {budget} tokens left by --max-new-tokens",
+            field="--max-new-tokens",
+            fix="pass a smaller --max-new-tokens",
+        )
     for _ in range(4):  # decoding and encoding again may merge tokens differently at the cut
         ids = render(tokenizer.decode(content[-keep:]))
         if len(ids) <= budget:

@@ -24,7 +24,11 @@ LOCAL_SCHEMES = {"file", "pkg"}  # already inside the pod (image or mounted volu
 def _inputs(spec: JobSpec) -> list[tuple[str, str | None, str, str | None]]:
     """(field, uri, kind, revision) of everything a worker reads."""
     d = spec.data
-    return [("model.uri", spec.model.uri, "model", spec.model.revision), ("data.train", d.train, "dataset", None), ("data.eval", d.eval, "dataset", None)]
+    return [
+        ("model.uri", spec.model.uri, "model", spec.model.revision),
+        ("data.train", d.train, "dataset", None),
+        ("data.eval", d.eval, "dataset", None),
+    ]
 
 
 def stage_key(spec: JobSpec) -> str:

@@ -77,7 +77,7 @@ def validate(obj: dict) -> list[str]:
 
 # ---------------------------------------------------------------- fake commands
 
-_FAKE_KUBECTL = r'''
+_FAKE_KUBECTL = r"""
 import base64, json, os, sys
 
 argv = sys.argv[1:]
@@ -139,9 +139,9 @@ elif args[:3] == ["apply", "-f", "-"]:
     print("secret/x configured")
 elif args[:1] == ["apply"]:
     print("configured (fake)")
-'''
+"""
 
-_FAKE_HELM = r'''
+_FAKE_HELM = r"""
 import json, os, sys
 
 argv = sys.argv[1:]
@@ -157,12 +157,12 @@ elif "upgrade" in args:
             with open(args[i + 1]) as f, open(os.environ["FAKE_DELIVERED"], "a") as out:
                 out.write("helm values: " + f.read().replace("\n", " ") + "\n")
     print("Release has been upgraded. Happy Helming!")
-'''
+"""
 
-_FAKE_GIT = r'''
+_FAKE_GIT = r"""
 import sys
 print("git version 2.43.0")
-'''
+"""
 
 # What install.sh needs besides kubectl/helm/git; the tests' PATH holds only these and the fakes,
 # so "kubectl is missing" really is missing.
@@ -174,7 +174,11 @@ def make_bin(tmp: Path, *, kubectl: bool = True, helm: bool = True, git: bool = 
     fake, tools = tmp / "fakebin", tmp / "tools"
     fake.mkdir(exist_ok=True)
     tools.mkdir(exist_ok=True)
-    for name, body, wanted in (("kubectl", _FAKE_KUBECTL, kubectl), ("helm", _FAKE_HELM, helm), ("git", _FAKE_GIT, git)):
+    for name, body, wanted in (
+        ("kubectl", _FAKE_KUBECTL, kubectl),
+        ("helm", _FAKE_HELM, helm),
+        ("git", _FAKE_GIT, git),
+    ):
         path = fake / name
         if wanted:
             path.write_text(f"#!{sys.executable}\n{body}")
@@ -190,7 +194,9 @@ def make_bin(tmp: Path, *, kubectl: bool = True, helm: bool = True, git: bool = 
     return f"{fake}{os.pathsep}{tools}"
 
 
-def run_script(script: str, *args: str, tmp: Path, env: dict | None = None, path: str | None = None) -> tuple[subprocess.CompletedProcess, list[list[str]], str]:
+def run_script(
+    script: str, *args: str, tmp: Path, env: dict | None = None, path: str | None = None
+) -> tuple[subprocess.CompletedProcess, list[list[str]], str]:
     """Run deploy/<script> against the fakes. Returns the process, the logged command lines
     (one argv per call) and what reached the fakes through files and pipes."""
     log, delivered = tmp / "fake.log", tmp / "delivered.log"
@@ -204,6 +210,13 @@ def run_script(script: str, *args: str, tmp: Path, env: dict | None = None, path
         "LANG": "C.UTF-8",
         **(env or {}),
     }
-    proc = subprocess.run([shutil.which("bash"), str(DEPLOY / script), *args], capture_output=True, text=True, env=full_env, timeout=60, cwd=tmp)
+    proc = subprocess.run(
+        [shutil.which("bash"), str(DEPLOY / script), *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=60,
+        cwd=tmp,
+    )
     calls = [json.loads(line) for line in log.read_text().splitlines()]
     return proc, calls, delivered.read_text()

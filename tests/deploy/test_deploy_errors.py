@@ -14,13 +14,20 @@ from kubetune.errors import KubetuneError
 pytestmark = pytest.mark.integration
 
 
-@pytest.mark.parametrize("target,fix", [
-    ("pytorchjob", "deploy/install.sh"),
-    ("trainjob", "deploy/install.sh --with trainer"),
-])
+@pytest.mark.parametrize(
+    "target,fix",
+    [
+        ("pytorchjob", "deploy/install.sh"),
+        ("trainjob", "deploy/install.sh --with trainer"),
+    ],
+)
 def test_a_cluster_without_the_target_is_told_how_install_sh_installs_it(tmp_path, target, fix):
     with FakeKubeAPI() as server:
-        client = Client(backend="kubeflow", kubeconfig=str(server.write_kubeconfig(tmp_path / "kubeconfig", namespace="kubetune")), target=target)
+        client = Client(
+            backend="kubeflow",
+            kubeconfig=str(server.write_kubeconfig(tmp_path / "kubeconfig", namespace="kubetune")),
+            target=target,
+        )
         server.fail_next(404)
         with pytest.raises(KubetuneError) as err:
             client.list()

@@ -45,8 +45,13 @@ def _index(calls, predicate, what):
 STEPS = {
     "openebs": lambda a: a[:3] == ["helm", "upgrade", "--install"] and "openebs-localpv/localpv-provisioner" in a,
     "minio": lambda a: a[:2] == ["kubectl", "apply"] and "kubetune.io/component=minio" in a,
-    "training-operator": lambda a: a[:3] == ["kubectl", "apply", "--server-side"] and any("training-operator.git" in x for x in a),
-    "trainer": lambda a: a[:3] == ["kubectl", "apply", "--server-side"] and any("kubeflow/trainer.git/manifests/overlays/manager" in x for x in a),
+    "training-operator": lambda a: (
+        a[:3] == ["kubectl", "apply", "--server-side"] and any("training-operator.git" in x for x in a)
+    ),
+    "trainer": lambda a: (
+        a[:3] == ["kubectl", "apply", "--server-side"]
+        and any("kubeflow/trainer.git/manifests/overlays/manager" in x for x in a)
+    ),
     "jupyterhub": lambda a: a[:3] == ["helm", "upgrade", "--install"] and "jupyterhub/jupyterhub" in a,
     "tensorboard": lambda a: a[:2] == ["kubectl", "apply"] and "kubetune.io/component=tensorboard" in a,
 }
@@ -68,7 +73,11 @@ def test_installs_in_order_idempotently_and_never_shows_a_secret(tmp_path, env_f
     order = [_index(calls, STEPS[s], s) for s in ("openebs", "minio", "training-operator", "jupyterhub", "tensorboard")]
     assert order == sorted(order), order
     # namespaces and Secrets before anything that needs them
-    assert _index(calls, lambda a: "kubetune.io/component=namespaces" in a, "namespaces") < _index(calls, lambda a: "create" in a, "secret") < order[0]
+    assert (
+        _index(calls, lambda a: "kubetune.io/component=namespaces" in a, "namespaces")
+        < _index(calls, lambda a: "create" in a, "secret")
+        < order[0]
+    )
     # RBAC (the user servers' ServiceAccount) before the JupyterHub release that uses it
     assert _index(calls, lambda a: "kubetune.io/component=rbac" in a, "rbac") < order[3]
     # the Training Operator is a pinned release, applied server-side
@@ -105,21 +114,38 @@ def test_installs_in_order_idempotently_and_never_shows_a_secret(tmp_path, env_f
     assert "secret jupyterhub/minio-credentials AWS_ENDPOINT_URL=http://minio.minio.svc.cluster.local:9000" in delivered
 
     # how to reach each service
-    for forward in ("-n minio port-forward svc/minio 9000:9000", "-n minio port-forward svc/minio 9001:9001",
-                    "-n jupyterhub port-forward svc/proxy-public 8080:80", "-n kubetune port-forward svc/tensorboard 6006:6006"):
+    for forward in (
+        "-n minio port-forward svc/minio 9000:9000",
+        "-n minio port-forward svc/minio 9001:9001",
+        "-n jupyterhub port-forward svc/proxy-public 8080:80",
+        "-n kubetune port-forward svc/tensorboard 6006:6006",
+    ):
         assert f"kubectl {forward}" in first.stdout
 
 
 def test_dry_run_changes_nothing_and_prints_the_plan_in_order(tmp_path, env_file):
-    proc, calls, delivered = install(tmp_path, "--dry-run", "--overlay", "nebius", env={"KUBETUNE_ENV_FILE": str(env_file)})
+    proc, calls, delivered = install(
+        tmp_path, "--dry-run", "--overlay", "nebius", env={"KUBETUNE_ENV_FILE": str(env_file)}
+    )
     assert proc.returncode == 0, proc.stderr
     # only read-only calls reached the tools
     for argv in calls:
-        assert argv[1:3] in (["version", "--client"], ["version", "--short"], ["config", "current-context"]) or "--raw=/version" in argv, argv
+        assert (
+            argv[1:3] in (["version", "--client"], ["version", "--short"], ["config", "current-context"])
+            or "--raw=/version" in argv
+        ), argv
     assert delivered == ""
     plan = [line for line in proc.stdout.splitlines() if line.startswith("[dry-run] ")]
-    positions = [next(i for i, line in enumerate(plan) if needle in line) for needle in (
-        "localpv-provisioner", "kubetune.io/component=minio", "training-operator.git", "jupyterhub/jupyterhub", "kubetune.io/component=tensorboard")]
+    positions = [
+        next(i for i, line in enumerate(plan) if needle in line)
+        for needle in (
+            "localpv-provisioner",
+            "kubetune.io/component=minio",
+            "training-operator.git",
+            "jupyterhub/jupyterhub",
+            "kubetune.io/component=tensorboard",
+        )
+    ]
     assert positions == sorted(positions)
     assert any("overlays/nebius" in line for line in plan)
     assert "[dry-run] apply Secret minio/minio-root (keys: MINIO_ROOT_USER MINIO_ROOT_PASSWORD)" in plan
@@ -127,7 +153,9 @@ def test_dry_run_changes_nothing_and_prints_the_plan_in_order(tmp_path, env_file
 
 
 def test_skip_leaves_a_step_out(tmp_path, env_file):
-    proc, calls, _ = install(tmp_path, "--skip", "openebs", "--skip", "training-operator", env={"KUBETUNE_ENV_FILE": str(env_file)})
+    proc, calls, _ = install(
+        tmp_path, "--skip", "openebs", "--skip", "training-operator", env={"KUBETUNE_ENV_FILE": str(env_file)}
+    )
     assert proc.returncode == 0, proc.stderr
     assert not any(STEPS["openebs"](a) or STEPS["training-operator"](a) for a in calls)
     assert any(STEPS["jupyterhub"](a) for a in calls)
@@ -155,11 +183,15 @@ def test_missing_tool_is_one_line_and_nothing_runs(tmp_path, env_file, missing):
 
 
 def test_unreachable_cluster_is_one_line_naming_the_context(tmp_path, env_file):
-    proc, calls, _ = install(tmp_path, env={"KUBETUNE_ENV_FILE": str(env_file), "FAKE_UNREACHABLE": "1", "FAKE_CONTEXT": "lab-cluster"})
+    proc, calls, _ = install(
+        tmp_path, env={"KUBETUNE_ENV_FILE": str(env_file), "FAKE_UNREACHABLE": "1", "FAKE_CONTEXT": "lab-cluster"}
+    )
     line = _one_error_line(proc)
-    assert line == ("error: cannot reach the Kubernetes API server of context 'lab-cluster' (Unable to connect to the server: "
-                    "dial tcp 10.9.8.7:6443: i/o timeout) — check the cluster is running and 'kubectl cluster-info' works, "
-                    "or pick another with --context")
+    assert line == (
+        "error: cannot reach the Kubernetes API server of context 'lab-cluster' (Unable to connect to the server: "
+        "dial tcp 10.9.8.7:6443: i/o timeout) — check the cluster is running and 'kubectl cluster-info' works, "
+        "or pick another with --context"
+    )
     _nothing_changed(calls)
 
 
@@ -194,15 +226,26 @@ def test_without_env_file_uses_existing_secrets_or_says_how_to_make_them(tmp_pat
     assert "JupyterHub accepts any password" in proc.stderr
 
 
-@pytest.mark.parametrize("key,value,message", [
-    ("MINIO_ROOT_PASSWORD", "short1", "MINIO_ROOT_PASSWORD in {env} is 6 characters, fewer than 8"),
-    ("MINIO_ROOT_PASSWORD", "has space$1x", "MINIO_ROOT_PASSWORD in {env} (12 characters) holds characters other than"),
-    ("AWS_SECRET_ACCESS_KEY", "", "AWS_SECRET_ACCESS_KEY is empty or missing in {env}"),
-    ("AWS_ACCESS_KEY_ID", CANARIES["MINIO_ROOT_USER"], "AWS_ACCESS_KEY_ID in {env} equals MINIO_ROOT_USER"),
-    ("HF_TOKEN", "hf_bad/token", "HF_TOKEN in {env} (12 characters) is not a Hugging Face token"),
-])
+@pytest.mark.parametrize(
+    "key,value,message",
+    [
+        ("MINIO_ROOT_PASSWORD", "short1", "MINIO_ROOT_PASSWORD in {env} is 6 characters, fewer than 8"),
+        (
+            "MINIO_ROOT_PASSWORD",
+            "has space$1x",
+            "MINIO_ROOT_PASSWORD in {env} (12 characters) holds characters other than",
+        ),
+        ("AWS_SECRET_ACCESS_KEY", "", "AWS_SECRET_ACCESS_KEY is empty or missing in {env}"),
+        ("AWS_ACCESS_KEY_ID", CANARIES["MINIO_ROOT_USER"], "AWS_ACCESS_KEY_ID in {env} equals MINIO_ROOT_USER"),
+        ("HF_TOKEN", "hf_bad/token", "HF_TOKEN in {env} (12 characters) is not a Hugging Face token"),
+    ],
+)
 def test_secrets_sh_rejects_bad_values_without_showing_them(tmp_path, env_file, key, value, message):
-    text = env_file.read_text().replace(f"{key}={CANARIES[key]}", f"{key}={value}").replace(f'{key}="{CANARIES[key]}"', f'{key}="{value}"')
+    text = (
+        env_file.read_text()
+        .replace(f"{key}={CANARIES[key]}", f"{key}={value}")
+        .replace(f'{key}="{CANARIES[key]}"', f'{key}="{value}"')
+    )
     env_file.write_text(text)
     proc, calls, delivered = run_script("secrets.sh", "--env-file", str(env_file), tmp=tmp_path)
     line = _one_error_line(proc)
@@ -239,10 +282,26 @@ TRAINER_RUNTIMES = "https://github.com/kubeflow/trainer.git/manifests/overlays/r
 # issued and the webhook server listening), and only then the runtimes, objects of those CRDs.
 TRAINER_STEP = [
     ["kubectl", "apply", "--server-side", "-k", TRAINER_MANAGER],
-    ["kubectl", "wait", "--for=condition=established", "crd/jobsets.jobset.x-k8s.io", "crd/trainjobs.trainer.kubeflow.org",
-     "crd/trainingruntimes.trainer.kubeflow.org", "crd/clustertrainingruntimes.trainer.kubeflow.org", "--timeout=2m"],
+    [
+        "kubectl",
+        "wait",
+        "--for=condition=established",
+        "crd/jobsets.jobset.x-k8s.io",
+        "crd/trainjobs.trainer.kubeflow.org",
+        "crd/trainingruntimes.trainer.kubeflow.org",
+        "crd/clustertrainingruntimes.trainer.kubeflow.org",
+        "--timeout=2m",
+    ],
     ["kubectl", "-n", "kubeflow-system", "rollout", "status", "deployment/jobset-controller-manager", "--timeout=5m"],
-    ["kubectl", "-n", "kubeflow-system", "rollout", "status", "deployment/kubeflow-trainer-controller-manager", "--timeout=5m"],
+    [
+        "kubectl",
+        "-n",
+        "kubeflow-system",
+        "rollout",
+        "status",
+        "deployment/kubeflow-trainer-controller-manager",
+        "--timeout=5m",
+    ],
     ["kubectl", "apply", "--server-side", "-k", TRAINER_RUNTIMES],
 ]
 # What `kubectl get validatingwebhookconfigurations -o jsonpath=...` prints (name|managed-by|service
@@ -258,21 +317,30 @@ OWN_WEBHOOKS = (
 def _trainer_calls(calls):
     """The trainer step's calls, in order: from the manager apply to the runtimes apply."""
     start = _index(calls, STEPS["trainer"], "trainer manager apply")
-    end = _index(calls, lambda a: any("kubeflow/trainer.git/manifests/overlays/runtimes" in x for x in a), "trainer runtimes apply")
-    return calls[start:end + 1]
+    end = _index(
+        calls,
+        lambda a: any("kubeflow/trainer.git/manifests/overlays/runtimes" in x for x in a),
+        "trainer runtimes apply",
+    )
+    return calls[start : end + 1]
 
 
 def test_with_trainer_installs_jobset_trainer_then_runtimes_in_order_idempotently(tmp_path, env_file):
     runs = []
     for webhooks in ("", OWN_WEBHOOKS):  # a fresh cluster, then the re-run on what the first run installed
-        proc, calls, _ = install(tmp_path, "--with", "trainer", env={"KUBETUNE_ENV_FILE": str(env_file), "FAKE_WEBHOOKS": webhooks})
+        proc, calls, _ = install(
+            tmp_path, "--with", "trainer", env={"KUBETUNE_ENV_FILE": str(env_file), "FAKE_WEBHOOKS": webhooks}
+        )
         assert proc.returncode == 0, proc.stderr
         runs.append((proc, calls))
     (first, calls), (second, calls2) = runs
 
     assert _trainer_calls(calls) == TRAINER_STEP
     # after the Training Operator, before the notebooks' RBAC and JupyterHub
-    order = [_index(calls, STEPS[s], s) for s in ("openebs", "minio", "training-operator", "trainer", "jupyterhub", "tensorboard")]
+    order = [
+        _index(calls, STEPS[s], s)
+        for s in ("openebs", "minio", "training-operator", "trainer", "jupyterhub", "tensorboard")
+    ]
     assert order == sorted(order), order
     assert _index(calls, lambda a: "crd/pytorchjobs.kubeflow.org" in a, "TO crd wait") < order[3]
     # before any change: the cluster's version, and which Trainer / JobSet webhooks exist already
@@ -292,7 +360,9 @@ def test_with_trainer_installs_jobset_trainer_then_runtimes_in_order_idempotentl
 
 
 def test_with_trainer_is_independent_of_the_training_operator(tmp_path, env_file):
-    proc, calls, _ = install(tmp_path, "--with", "trainer", "--skip", "training-operator", env={"KUBETUNE_ENV_FILE": str(env_file)})
+    proc, calls, _ = install(
+        tmp_path, "--with", "trainer", "--skip", "training-operator", env={"KUBETUNE_ENV_FILE": str(env_file)}
+    )
     assert proc.returncode == 0, proc.stderr
     assert not any(STEPS["training-operator"](a) for a in calls)
     assert _trainer_calls(calls) == TRAINER_STEP
@@ -301,56 +371,98 @@ def test_with_trainer_is_independent_of_the_training_operator(tmp_path, env_file
 
 
 def test_with_trainer_dry_run_prints_the_step_and_changes_nothing(tmp_path, env_file):
-    proc, calls, delivered = install(tmp_path, "--dry-run", "--with", "trainer", env={"KUBETUNE_ENV_FILE": str(env_file)})
+    proc, calls, delivered = install(
+        tmp_path, "--dry-run", "--with", "trainer", env={"KUBETUNE_ENV_FILE": str(env_file)}
+    )
     assert proc.returncode == 0, proc.stderr
     for argv in calls:  # only questions: versions, the context, the webhooks that exist
-        assert argv[1:3] in (["version", "--client"], ["version", "--short"], ["config", "current-context"],
-                             ["get", "validatingwebhookconfigurations"]) or "--raw=/version" in argv, argv
+        assert (
+            argv[1:3]
+            in (
+                ["version", "--client"],
+                ["version", "--short"],
+                ["config", "current-context"],
+                ["get", "validatingwebhookconfigurations"],
+            )
+            or "--raw=/version" in argv
+        ), argv
     assert delivered == ""
     plan = [line for line in proc.stdout.splitlines() if line.startswith("[dry-run] kubectl")]
     shown = ["[dry-run] " + " ".join(f"'{x}'" if "?" in x else x for x in argv) for argv in TRAINER_STEP]
     start = plan.index(shown[0])
-    assert plan[start:start + len(shown)] == shown
+    assert plan[start : start + len(shown)] == shown
     assert plan.index(next(line for line in plan if "training-operator.git" in line)) < start
     assert plan.index(next(line for line in plan if "kubetune.io/component=rbac" in line)) > start + len(shown) - 1
 
 
 def test_trainer_ref_picks_the_release_and_refuses_one_kubetune_cannot_use(tmp_path, env_file):
-    proc, calls, _ = install(tmp_path, "--with", "trainer", env={"KUBETUNE_ENV_FILE": str(env_file), "TRAINER_REF": "v2.4.1"})
+    proc, calls, _ = install(
+        tmp_path, "--with", "trainer", env={"KUBETUNE_ENV_FILE": str(env_file), "TRAINER_REF": "v2.4.1"}
+    )
     assert proc.returncode == 0, proc.stderr
     step = _trainer_calls(calls)
     assert step[0][-1].endswith("overlays/manager?ref=v2.4.1") and step[-1][-1].endswith("overlays/runtimes?ref=v2.4.1")
 
-    proc, calls, _ = install(tmp_path, "--with", "trainer", env={"KUBETUNE_ENV_FILE": str(env_file), "TRAINER_REF": "v2.2.1"})
-    assert _one_error_line(proc) == ("error: TRAINER_REF=v2.2.1 is older than v2.3.0, the first Kubeflow Trainer kubetune's TrainJob "
-                                     "target works with — unset TRAINER_REF (default v2.3.0) or set v2.3.0 or later")
+    proc, calls, _ = install(
+        tmp_path, "--with", "trainer", env={"KUBETUNE_ENV_FILE": str(env_file), "TRAINER_REF": "v2.2.1"}
+    )
+    assert _one_error_line(proc) == (
+        "error: TRAINER_REF=v2.2.1 is older than v2.3.0, the first Kubeflow Trainer kubetune's TrainJob "
+        "target works with — unset TRAINER_REF (default v2.3.0) or set v2.3.0 or later"
+    )
     assert calls == []  # refused before any tool runs
 
     # a branch or commit cannot be checked: said once, then installed as asked
-    proc, calls, _ = install(tmp_path, "--with", "trainer", env={"KUBETUNE_ENV_FILE": str(env_file), "TRAINER_REF": "master"})
+    proc, calls, _ = install(
+        tmp_path, "--with", "trainer", env={"KUBETUNE_ENV_FILE": str(env_file), "TRAINER_REF": "master"}
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.startswith("warning: TRAINER_REF=master is not a release tag (vX.Y.Z)")
     assert _trainer_calls(calls)[0][-1].endswith("overlays/manager?ref=master")
 
 
-@pytest.mark.parametrize("env,args,message", [
-    # Trainer's docs ask for kubectl >= 1.31 and Kubernetes >= 1.31; without --with trainer, 1.28 is enough
-    ({"FAKE_KUBECTL_MINOR": "30"}, (), "error: kubectl is 1.30, older than the 1.31 that Kubeflow Trainer v2.3.0 asks for — upgrade kubectl"),
-    ({"FAKE_SERVER_MINOR": "30+"}, (), "error: context 'fake-ctx' runs Kubernetes 1.30, older than the 1.31 that Kubeflow Trainer v2.3.0 needs"),
-    ({"FAKE_SERVER_MINOR": ""}, (), "error: cannot read the Kubernetes version of context 'fake-ctx'"),
-    # JobSet from its own release (namespace jobset-system): Trainer's manifests would add a second controller
-    ({"FAKE_WEBHOOKS": "jobset-validating-webhook-configuration|kustomize|jobset-system jobset-system|jobset.x-k8s.io \n"}, (),
-     "error: JobSet is already installed, served from namespace 'jobset-system' (ValidatingWebhookConfiguration "
-     "jobset-validating-webhook-configuration), and Kubeflow Trainer's manifests bring their own into kubeflow-system"),
-    # the Kubeflow platform's Trainer (namespace kubeflow): use it, do not install a second one
-    ({"FAKE_WEBHOOKS": "validator.trainer.kubeflow.org||kubeflow kubeflow kubeflow|trainer.kubeflow.org trainer.kubeflow.org trainer.kubeflow.org\n"}, (),
-     "error: Kubeflow Trainer is already installed, served from namespace 'kubeflow' (ValidatingWebhookConfiguration "
-     "validator.trainer.kubeflow.org) — leave out --with trainer and use it if it is v2.3 or later"),
-    # Trainer from its Helm chart in the same namespace: kustomize's apply would fight the release
-    ({"FAKE_WEBHOOKS": "kubeflow-trainer-validating-webhook|Helm|kubeflow-system|trainer.kubeflow.org\n"}, (),
-     "error: Kubeflow Trainer is installed by Helm in namespace 'kubeflow-system' (ValidatingWebhookConfiguration "
-     "kubeflow-trainer-validating-webhook) — upgrade that release"),
-])
+@pytest.mark.parametrize(
+    "env,args,message",
+    [
+        # Trainer's docs ask for kubectl >= 1.31 and Kubernetes >= 1.31; without --with trainer, 1.28 is enough
+        (
+            {"FAKE_KUBECTL_MINOR": "30"},
+            (),
+            "error: kubectl is 1.30, older than the 1.31 that Kubeflow Trainer v2.3.0 asks for — upgrade kubectl",
+        ),
+        (
+            {"FAKE_SERVER_MINOR": "30+"},
+            (),
+            "error: context 'fake-ctx' runs Kubernetes 1.30, older than the 1.31 that Kubeflow Trainer v2.3.0 needs",
+        ),
+        ({"FAKE_SERVER_MINOR": ""}, (), "error: cannot read the Kubernetes version of context 'fake-ctx'"),
+        # JobSet from its own release (namespace jobset-system): Trainer's manifests would add a second controller
+        (
+            {
+                "FAKE_WEBHOOKS": "jobset-validating-webhook-configuration|kustomize|jobset-system jobset-system|jobset.x-k8s.io \n"
+            },
+            (),
+            "error: JobSet is already installed, served from namespace 'jobset-system' (ValidatingWebhookConfiguration "
+            "jobset-validating-webhook-configuration), and Kubeflow Trainer's manifests bring their own into kubeflow-system",
+        ),
+        # the Kubeflow platform's Trainer (namespace kubeflow): use it, do not install a second one
+        (
+            {
+                "FAKE_WEBHOOKS": "validator.trainer.kubeflow.org||kubeflow kubeflow kubeflow|trainer.kubeflow.org trainer.kubeflow.org trainer.kubeflow.org\n"
+            },
+            (),
+            "error: Kubeflow Trainer is already installed, served from namespace 'kubeflow' (ValidatingWebhookConfiguration "
+            "validator.trainer.kubeflow.org) — leave out --with trainer and use it if it is v2.3 or later",
+        ),
+        # Trainer from its Helm chart in the same namespace: kustomize's apply would fight the release
+        (
+            {"FAKE_WEBHOOKS": "kubeflow-trainer-validating-webhook|Helm|kubeflow-system|trainer.kubeflow.org\n"},
+            (),
+            "error: Kubeflow Trainer is installed by Helm in namespace 'kubeflow-system' (ValidatingWebhookConfiguration "
+            "kubeflow-trainer-validating-webhook) — upgrade that release",
+        ),
+    ],
+)
 def test_with_trainer_refuses_before_any_change(tmp_path, env_file, env, args, message):
     proc, calls, _ = install(tmp_path, "--with", "trainer", *args, env={"KUBETUNE_ENV_FILE": str(env_file), **env})
     line = _one_error_line(proc)
@@ -365,9 +477,19 @@ def test_with_trainer_refuses_before_any_change(tmp_path, env_file, env, args, m
 
 def test_with_trainer_needs_git_even_when_the_training_operator_is_skipped(tmp_path, env_file):
     path = make_bin(tmp_path, git=False)
-    proc, calls, _ = install(tmp_path, "--with", "trainer", "--skip", "training-operator", env={"KUBETUNE_ENV_FILE": str(env_file)}, path=path)
-    assert _one_error_line(proc) == ("error: git not found on PATH — install git (kubectl -k fetches the Kubeflow Trainer manifests "
-                                     "with it), or leave out --with trainer")
+    proc, calls, _ = install(
+        tmp_path,
+        "--with",
+        "trainer",
+        "--skip",
+        "training-operator",
+        env={"KUBETUNE_ENV_FILE": str(env_file)},
+        path=path,
+    )
+    assert _one_error_line(proc) == (
+        "error: git not found on PATH — install git (kubectl -k fetches the Kubeflow Trainer manifests "
+        "with it), or leave out --with trainer"
+    )
     _nothing_changed(calls)
 
 

@@ -39,7 +39,9 @@ def test_there_is_something_to_check():
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_shellcheck_clean(script):
     # -x follows `source`; every warning level counts (style included).
-    proc = subprocess.run([_shellcheck(), "-x", "--severity=style", str(DEPLOY / script)], capture_output=True, text=True, cwd=DEPLOY)
+    proc = subprocess.run(
+        [_shellcheck(), "-x", "--severity=style", str(DEPLOY / script)], capture_output=True, text=True, cwd=DEPLOY
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -65,10 +67,22 @@ def test_kustomization_renders_and_every_object_is_valid(path):
 
 def test_validation_catches_unknown_fields_and_wrong_types():
     # The checker itself: a typo'd field and a wrong type in kinds the kubetune walker lacks.
-    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": "r", "namespace": "n"},
-            "rules": [{"apiGroups": [""], "resource": ["pods"], "verbs": "get"}]}
-    assert validate(role) == ["Role.rules[0].resource: unknown field for V1PolicyRule", "Role.rules[0].verbs: expected a list, got str"]
-    job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "j"}, "spec": {"backoffLimit": "6", "template": {}}}
+    role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": {"name": "r", "namespace": "n"},
+        "rules": [{"apiGroups": [""], "resource": ["pods"], "verbs": "get"}],
+    }
+    assert validate(role) == [
+        "Role.rules[0].resource: unknown field for V1PolicyRule",
+        "Role.rules[0].verbs: expected a list, got str",
+    ]
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": "j"},
+        "spec": {"backoffLimit": "6", "template": {}},
+    }
     assert validate(job) == ["Job.spec.backoffLimit: expected int, got '6'", "Job/j: metadata.namespace is missing"]
 
 
@@ -111,12 +125,16 @@ def secrets_plan(tmp_path_factory):
     """The Secrets deploy/secrets.sh creates, {(namespace, name): {keys}}, from its dry run."""
     tmp = tmp_path_factory.mktemp("secrets")
     env = tmp / "env"
-    env.write_text("MINIO_ROOT_USER=admin1\nMINIO_ROOT_PASSWORD=pw-0123456789\nAWS_ACCESS_KEY_ID=jobs1\n"
-                   "AWS_SECRET_ACCESS_KEY=secret-0123456789\nHF_TOKEN=hf_abc\n")
+    env.write_text(
+        "MINIO_ROOT_USER=admin1\nMINIO_ROOT_PASSWORD=pw-0123456789\nAWS_ACCESS_KEY_ID=jobs1\n"
+        "AWS_SECRET_ACCESS_KEY=secret-0123456789\nHF_TOKEN=hf_abc\n"
+    )
     proc, _, _ = run_script("secrets.sh", "--dry-run", "--env-file", str(env), tmp=tmp)
     assert proc.returncode == 0, proc.stderr
     plan = {}
-    for ns, name, keys in re.findall(r"^\[dry-run\] apply Secret ([\w-]+)/([\w-]+) \(keys: ([\w ]+)\)$", proc.stdout, re.M):
+    for ns, name, keys in re.findall(
+        r"^\[dry-run\] apply Secret ([\w-]+)/([\w-]+) \(keys: ([\w ]+)\)$", proc.stdout, re.M
+    ):
         plan[(ns, name)] = set(keys.split())
     assert plan
     return plan
@@ -129,16 +147,22 @@ def test_references_resolve(overlay, secrets_plan):
     namespaces = {name for (_, name) in kinds["Namespace"]}
     for obj in objects:
         ns = obj["metadata"].get("namespace")
-        assert ns is None or ns in namespaces, f"{obj['kind']}/{obj['metadata']['name']} is in namespace {ns}, which is not created"
+        assert ns is None or ns in namespaces, (
+            f"{obj['kind']}/{obj['metadata']['name']} is in namespace {ns}, which is not created"
+        )
     for obj, template in _pod_specs(objects):
         ns, spec = obj["metadata"]["namespace"], template["spec"]
         where = f"{obj['kind']} {ns}/{obj['metadata']['name']}"
         for secret, key in _secret_refs(spec):
-            assert (ns, secret) in secrets_plan, f"{where} uses Secret {secret}, which secrets.sh does not create in {ns}"
+            assert (ns, secret) in secrets_plan, (
+                f"{where} uses Secret {secret}, which secrets.sh does not create in {ns}"
+            )
             assert key is None or key in secrets_plan[(ns, secret)], f"{where} uses key {key} of Secret {secret}"
         for vol in spec.get("volumes", []):
             claim = (vol.get("persistentVolumeClaim") or {}).get("claimName")
-            assert claim is None or (ns, claim) in kinds["PersistentVolumeClaim"], f"{where} mounts missing claim {claim}"
+            assert claim is None or (ns, claim) in kinds["PersistentVolumeClaim"], (
+                f"{where} mounts missing claim {claim}"
+            )
             cm = (vol.get("configMap") or {}).get("name")
             assert cm is None or (ns, cm) in kinds["ConfigMap"], f"{where} mounts missing ConfigMap {cm}"
         for c in spec["containers"]:
@@ -154,7 +178,11 @@ def test_references_resolve(overlay, secrets_plan):
             assert obj["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items(), where
     for (ns, name), svc in kinds["Service"].items():
         selector = svc["spec"]["selector"].items()
-        targets = [t for (tns, _), t in kinds["Deployment"].items() if tns == ns and selector <= t["spec"]["template"]["metadata"]["labels"].items()]
+        targets = [
+            t
+            for (tns, _), t in kinds["Deployment"].items()
+            if tns == ns and selector <= t["spec"]["template"]["metadata"]["labels"].items()
+        ]
         assert len(targets) == 1, f"Service {ns}/{name} selects {len(targets)} Deployments"
         ports = {p["name"] for c in targets[0]["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])}
         assert {p["targetPort"] for p in svc["spec"]["ports"]} <= ports, f"Service {ns}/{name} targets unknown ports"
@@ -174,7 +202,12 @@ def test_claims_use_the_overlays_storage_class():
 
 def test_openebs_values_create_the_class_the_dev_overlay_uses():
     values = yaml.safe_load((DEPLOY / "helm" / "openebs-values.yaml").read_text())
-    assert values["hostpathClass"] == {**values["hostpathClass"], "enabled": True, "name": "openebs-hostpath", "isDefaultClass": False}
+    assert values["hostpathClass"] == {
+        **values["hostpathClass"],
+        "enabled": True,
+        "name": "openebs-hostpath",
+        "isDefaultClass": False,
+    }
     assert values["analytics"]["enabled"] is False
 
 
@@ -202,13 +235,17 @@ def test_jupyterhub_values_wire_notebooks_to_rbac_storage_and_bucket():
     for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"):
         assert single["extraEnv"][var]["valueFrom"]["secretKeyRef"] == {"name": "minio-credentials", "key": var}
     assert values["proxy"]["service"]["type"] == "ClusterIP"
+
     # no password or other secret in the committed values: install.sh adds it from deploy/.env
     def keys(node):
         if isinstance(node, dict):
             for k, v in node.items():
                 yield k
                 yield from keys(v)
-    assert not [k for k in keys(values) if any(w in str(k).lower() for w in ("password", "token", "secret_key", "cookie"))]
+
+    assert not [
+        k for k in keys(values) if any(w in str(k).lower() for w in ("password", "token", "secret_key", "cookie"))
+    ]
 
 
 def test_training_pods_identity_has_no_token_and_no_role():
@@ -222,9 +259,16 @@ def test_training_pods_identity_has_no_token_and_no_role():
 def test_env_example_lists_every_key_secrets_sh_reads():
     example = (DEPLOY / ".env.example").read_text()
     listed = set(re.findall(r"^#? ?([A-Z][A-Z0-9_]+)=", example, re.M))
-    read = set(re.findall(r'env_get "\$(?:file|SECRETS_ENV_FILE)" ([A-Z0-9_]+)', (DEPLOY / "secrets.sh").read_text() + (DEPLOY / "install.sh").read_text()))
+    read = set(
+        re.findall(
+            r'env_get "\$(?:file|SECRETS_ENV_FILE)" ([A-Z0-9_]+)',
+            (DEPLOY / "secrets.sh").read_text() + (DEPLOY / "install.sh").read_text(),
+        )
+    )
     assert read and read <= listed
     # nothing filled in
-    assert all(not v.strip() or k == "AWS_ENDPOINT_URL" for k, v in re.findall(r"^#? ?([A-Z][A-Z0-9_]+)=(.*)$", example, re.M))
+    assert all(
+        not v.strip() or k == "AWS_ENDPOINT_URL" for k, v in re.findall(r"^#? ?([A-Z][A-Z0-9_]+)=(.*)$", example, re.M)
+    )
     ignored = subprocess.run(["git", "check-ignore", "-q", str(DEPLOY / ".env")], cwd=DEPLOY)
     assert ignored.returncode == 0, "deploy/.env must be ignored by git"

@@ -19,7 +19,7 @@ import yaml
 from deploy_support import DEPLOY, make_bin
 
 NEBIUS = DEPLOY / "cloud" / "nebius"
-_FAKE_NEBIUS = r'''
+_FAKE_NEBIUS = r"""
 import json, os, re, sys
 argv = sys.argv[1:]
 with open(os.environ["FAKE_LOG"], "a") as log:
@@ -56,7 +56,7 @@ elif "get-by-name" in argv:
 elif argv[:3] == ["vpc", "subnet", "list"]:
     subnets = [] if os.environ.get("FAKE_NEBIUS_NO_SUBNET") else [{"metadata": {"id": "vpcsubnet-fakeid"}}]
     emit({"items": subnets})
-'''
+"""
 
 ENV = {
     "NB_PROJECT_ID": "project-fake0000",
@@ -78,8 +78,16 @@ def run(tmp_path, script, *args, env=None):
             (tools / tool).symlink_to(shutil.which(tool))
     log = tmp_path / "fake.log"
     log.write_text("")
-    full_env = {"PATH": path, "HOME": str(tmp_path), "FAKE_LOG": str(log), "FAKE_DELIVERED": str(tmp_path / "d.log"), **(env or {})}
-    proc = subprocess.run([shutil.which("bash"), str(NEBIUS / script), *args], capture_output=True, text=True, env=full_env, timeout=60)
+    full_env = {
+        "PATH": path,
+        "HOME": str(tmp_path),
+        "FAKE_LOG": str(log),
+        "FAKE_DELIVERED": str(tmp_path / "d.log"),
+        **(env or {}),
+    }
+    proc = subprocess.run(
+        [shutil.which("bash"), str(NEBIUS / script), *args], capture_output=True, text=True, env=full_env, timeout=60
+    )
     return proc, [json.loads(line) for line in log.read_text().splitlines()]
 
 
@@ -100,7 +108,10 @@ def test_every_name_comes_from_the_environment(tmp_path, missing):
 
 def test_bad_values_are_one_line(tmp_path):
     proc, _ = run(tmp_path, "01-cluster.sh", "--dry-run", env={**ENV, "NB_CLUSTER_NAME": "My_Cluster"})
-    assert _one_error_line(proc) == "error: NB_CLUSTER_NAME is 'My_Cluster', not a lowercase DNS label (letters, digits, '-') — choose another name"
+    assert (
+        _one_error_line(proc)
+        == "error: NB_CLUSTER_NAME is 'My_Cluster', not a lowercase DNS label (letters, digits, '-') — choose another name"
+    )
     proc, _ = run(tmp_path, "01-cluster.sh", "--dry-run", env={**ENV, "NB_NODE_COUNT": "two"})
     assert _one_error_line(proc).startswith("error: NB_NODE_COUNT is 'two', not a positive integer")
     proc, _ = run(tmp_path, "01-cluster.sh", "--dry-run", env=ENV)  # the named service account does not exist
@@ -112,19 +123,37 @@ def test_dry_run_prints_the_creates_with_the_shared_filesystem(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert not [c for c in calls if any(v in c for v in ("create", "delete", "get-credentials"))]  # printed, not run
     out = proc.stdout
-    assert "[dry-run] nebius compute filesystem create --parent-id project-fake0000 --name ft-shared --size-gibibytes 2000 --type network_ssd" in out
-    assert ("[dry-run] nebius mk8s cluster create --parent-id project-fake0000 --name ft-cluster "
-            "--control-plane-subnet-id vpcsubnet-fakeid --control-plane-endpoints-public-endpoint=true --format json") in out
+    assert (
+        "[dry-run] nebius compute filesystem create --parent-id project-fake0000 --name ft-shared --size-gibibytes 2000 --type network_ssd"
+        in out
+    )
+    assert (
+        "[dry-run] nebius mk8s cluster create --parent-id project-fake0000 --name ft-cluster "
+        "--control-plane-subnet-id vpcsubnet-fakeid --control-plane-endpoints-public-endpoint=true --format json"
+    ) in out
     # the printed command is valid shell: split it back into its arguments
     start = out.index("[dry-run] nebius mk8s node-group create") + len("[dry-run] ")
-    argv = shlex.split(out[start:out.index("[dry-run]", start)])
+    argv = shlex.split(out[start : out.index("[dry-run]", start)])
     opt = {a: b for a, b in zip(argv, argv[1:]) if a.startswith("--")}
-    assert {k: opt[k] for k in ("--fixed-node-count", "--template-resources-platform", "--template-resources-preset",
-                                "--template-gpu-settings-drivers-preset", "--template-service-account-id")} == {
-        "--fixed-node-count": "2", "--template-resources-platform": "gpu-h100-sxm", "--template-resources-preset": "1gpu-16vcpu-200gb",
-        "--template-gpu-settings-drivers-preset": "cuda12", "--template-service-account-id": "service-account-fakeid"}
+    assert {
+        k: opt[k]
+        for k in (
+            "--fixed-node-count",
+            "--template-resources-platform",
+            "--template-resources-preset",
+            "--template-gpu-settings-drivers-preset",
+            "--template-service-account-id",
+        )
+    } == {
+        "--fixed-node-count": "2",
+        "--template-resources-platform": "gpu-h100-sxm",
+        "--template-resources-preset": "1gpu-16vcpu-200gb",
+        "--template-gpu-settings-drivers-preset": "cuda12",
+        "--template-service-account-id": "service-account-fakeid",
+    }
     assert json.loads(opt["--template-filesystems"]) == [
-        {"attach_mode": "READ_WRITE", "mount_tag": "csi-storage", "existing_filesystem": {"id": "<new filesystem id>"}}]
+        {"attach_mode": "READ_WRITE", "mount_tag": "csi-storage", "existing_filesystem": {"id": "<new filesystem id>"}}
+    ]
     cloud_init = yaml.safe_load(opt["--template-cloud-init-user-data"])
     assert cloud_init["runcmd"][:2] == ["mkdir -p /mnt/data", "mount -t virtiofs csi-storage /mnt/data"]
     assert cloud_init["runcmd"][2].endswith("echo 'csi-storage /mnt/data virtiofs defaults,nofail 0 2' >> /etc/fstab")
@@ -132,8 +161,12 @@ def test_dry_run_prints_the_creates_with_the_shared_filesystem(tmp_path):
 
 
 def test_existing_resources_are_not_created_again(tmp_path):
-    proc, _ = run(tmp_path, "01-cluster.sh", "--dry-run",
-                  env={**ENV, "NB_K8S_VERSION": "1.31", "FAKE_NEBIUS_EXISTING": "service-account,filesystem,cluster,node-group"})
+    proc, _ = run(
+        tmp_path,
+        "01-cluster.sh",
+        "--dry-run",
+        env={**ENV, "NB_K8S_VERSION": "1.31", "FAKE_NEBIUS_EXISTING": "service-account,filesystem,cluster,node-group"},
+    )
     assert proc.returncode == 0, proc.stderr
     assert "create" not in proc.stdout.replace("created", "")
     assert "filesystem ft-shared exists (filesystem-fakeid)" in proc.stdout
@@ -146,7 +179,9 @@ def test_teardown_deletes_nothing_without_yes_and_keeps_the_filesystem(tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert not [c for c in calls if "delete" in c]
     out = proc.stdout
-    assert out.index("[dry-run] nebius mk8s node-group delete --id node-group-fakeid") < out.index("[dry-run] nebius mk8s cluster delete --id cluster-fakeid")
+    assert out.index("[dry-run] nebius mk8s node-group delete --id node-group-fakeid") < out.index(
+        "[dry-run] nebius mk8s cluster delete --id cluster-fakeid"
+    )
     assert "keeping filesystem ft-shared" in out and "run again with --yes" in out
     proc, calls = run(tmp_path, "99-teardown.sh", "--yes", "--delete-filesystem", env={**ENV, **existing})
     assert proc.returncode == 0, proc.stderr
@@ -156,16 +191,26 @@ def test_teardown_deletes_nothing_without_yes_and_keeps_the_filesystem(tmp_path)
 
 def test_no_account_specific_ids_or_names_in_deploy():
     # Names and IDs in the seed documents are examples; nothing in deploy/ may carry one.
-    pattern = re.compile(r"\b(project|tenant|mk8scluster|mk8snodegroup|computefilesystem|vpcsubnet|serviceaccount)-[a-z0-9]{12,}\b|reza")
-    offenders = [f"{p.relative_to(DEPLOY)}: {m.group(0)}" for p in DEPLOY.rglob("*") if p.is_file() and p.name != ".env"
-                 for m in [pattern.search(p.read_text(errors="replace"))] if m]
+    pattern = re.compile(
+        r"\b(project|tenant|mk8scluster|mk8snodegroup|computefilesystem|vpcsubnet|serviceaccount)-[a-z0-9]{12,}\b|reza"
+    )
+    offenders = [
+        f"{p.relative_to(DEPLOY)}: {m.group(0)}"
+        for p in DEPLOY.rglob("*")
+        if p.is_file() and p.name != ".env"
+        for m in [pattern.search(p.read_text(errors="replace"))]
+        if m
+    ]
     assert offenders == []
 
 
 def test_no_subnet_and_a_malformed_id_are_one_line(tmp_path):
     env = {**ENV, "FAKE_NEBIUS_EXISTING": "service-account"}
     proc, _ = run(tmp_path, "01-cluster.sh", "--dry-run", env={**env, "FAKE_NEBIUS_NO_SUBNET": "1"})
-    assert _one_error_line(proc) == "error: project project-fake0000 has no VPC subnet — create one in the console, or set NB_SUBNET_ID"
+    assert (
+        _one_error_line(proc)
+        == "error: project project-fake0000 has no VPC subnet — create one in the console, or set NB_SUBNET_ID"
+    )
     # An ID goes into the --template-filesystems JSON: anything not shaped like one stops the script.
     proc, calls = run(tmp_path, "01-cluster.sh", "--dry-run", env={**env, "FAKE_NEBIUS_ID": 'x", "evil": "1'})
     assert _one_error_line(proc).startswith("error: nebius iam service-account get-by-name")
@@ -174,7 +219,10 @@ def test_no_subnet_and_a_malformed_id_are_one_line(tmp_path):
 
 def test_scripts_need_no_jq():
     # CI machines and laptops may lack jq; the CLI's --format jsonpath does the same job.
-    offenders = [f"{p.relative_to(DEPLOY)}:{n}" for p in DEPLOY.rglob("*.sh")
-                 for n, line in enumerate(p.read_text().splitlines(), 1)
-                 if re.search(r"(^|[|;&(`$\s])jq(\s|$)", line.split("#", 1)[0])]
+    offenders = [
+        f"{p.relative_to(DEPLOY)}:{n}"
+        for p in DEPLOY.rglob("*.sh")
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if re.search(r"(^|[|;&(`$\s])jq(\s|$)", line.split("#", 1)[0])
+    ]
     assert offenders == []

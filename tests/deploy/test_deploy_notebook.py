@@ -3,9 +3,7 @@ budget (a real 2-process training run on the packaged MiniLM, offline) and predi
 
 from __future__ import annotations
 
-import os
 import re
-from pathlib import Path
 
 import pytest
 from deploy_support import ROOT
@@ -39,8 +37,13 @@ def test_notebook_runs_on_the_local_backend_and_predicts(tmp_path, monkeypatch):
 
     # CI budget: ~10 optimizer steps on 400 rows, 2 CPU processes; the HF cache is conftest's
     # offline one (the kernel inherits this process's environment).
-    for key, value in {"KUBETUNE_BACKEND": "local", "KUBETUNE_MAX_STEPS": "10", "KUBETUNE_MAX_TRAIN_SAMPLES": "400",
-                       "KUBETUNE_MAX_EVAL_SAMPLES": "100", "HF_HUB_OFFLINE": "1"}.items():
+    for key, value in {
+        "KUBETUNE_BACKEND": "local",
+        "KUBETUNE_MAX_STEPS": "10",
+        "KUBETUNE_MAX_TRAIN_SAMPLES": "400",
+        "KUBETUNE_MAX_EVAL_SAMPLES": "100",
+        "HF_HUB_OFFLINE": "1",
+    }.items():
         monkeypatch.setenv(key, value)
     nb = nbformat.read(NOTEBOOK, as_version=4)
     NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()

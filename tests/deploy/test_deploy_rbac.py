@@ -25,9 +25,14 @@ SUBJECT = "system:serviceaccount:jupyterhub:kubetune"
 
 # Granted but not called by kubetune, each for a reason written next to it in deploy/rbac/role.yaml.
 EXTRAS = {
-    ("", "pods", "get"), ("", "pods", "watch"),  # kubectl logs / get pods -w from a notebook terminal
+    ("", "pods", "get"),
+    ("", "pods", "watch"),  # kubectl logs / get pods -w from a notebook terminal
     *((g, "events", v) for g in ("", "events.k8s.io") for v in ("get", "list", "watch")),  # kubectl describe
-    ("kubeflow.org", "pytorchjobs/finalizers", "update"),  # blockOwnerDeletion under OwnerReferencesPermissionEnforcement
+    (
+        "kubeflow.org",
+        "pytorchjobs/finalizers",
+        "update",
+    ),  # blockOwnerDeletion under OwnerReferencesPermissionEnforcement
     ("trainer.kubeflow.org", "trainjobs/finalizers", "update"),
 }
 
@@ -37,7 +42,11 @@ def _role():
     role = next(o for o in objects if o["kind"] == "Role")
     binding = next(o for o in objects if o["kind"] == "RoleBinding")
     assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == NS
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]}
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": role["metadata"]["name"],
+    }
     assert [f"system:serviceaccount:{s['namespace']}:{s['name']}" for s in binding["subjects"]] == [SUBJECT]
     return role
 
@@ -49,13 +58,19 @@ def _cluster_role():
     bindings = [o for o in objects if o["kind"] == "ClusterRoleBinding"]
     assert len(roles) == len(bindings) == 1, "exactly one ClusterRole and one ClusterRoleBinding"
     role, binding = roles[0], bindings[0]
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role["metadata"]["name"]}
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": role["metadata"]["name"],
+    }
     assert [f"system:serviceaccount:{s['namespace']}:{s['name']}" for s in binding["subjects"]] == [SUBJECT]
     return role
 
 
 def test_the_cluster_wide_grant_is_reading_clustertrainingruntimes_only():
-    assert _granted(_cluster_role()) == {("trainer.kubeflow.org", "clustertrainingruntimes", v) for v in ("get", "list")}
+    assert _granted(_cluster_role()) == {
+        ("trainer.kubeflow.org", "clustertrainingruntimes", v) for v in ("get", "list")
+    }
 
 
 def _granted(role) -> set[tuple[str, str, str]]:
@@ -93,20 +108,39 @@ def _spec(name):
         "data": {"train": "s3://kubeflow-examples/datasets/train.csv", "text_column": "text", "label_column": "label"},
         "distributed": {"nodes": 2, "procs_per_node": 1},
         "s3": {"endpoint_url": "http://minio.minio.svc.cluster.local:9000"},
-        "kubernetes": {"namespace": NS, "service_account": "kubetune-runner", "storage": {"mode": "pvc"},
-                       "tensorboard": True, "secrets": {"s3": "minio-credentials"}},
+        "kubernetes": {
+            "namespace": NS,
+            "service_account": "kubetune-runner",
+            "storage": {"mode": "pvc"},
+            "tensorboard": True,
+            "secrets": {"s3": "minio-credentials"},
+        },
         "output": {"uri": f"runs/{name}"},
     }
 
 
 def _pod(name, job, rtype, index, failed=False):
     state = {"terminated": {"exitCode": 1, "reason": "Error"}} if failed else {"running": {}}
-    return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": NS, "labels": {
-                "kubetune.io/job": job, "training.kubeflow.org/replica-type": rtype, "training.kubeflow.org/replica-index": str(index)}},
-            "spec": {"containers": [{"name": "pytorch", "image": "x"}]},
-            "status": {"phase": "Failed" if failed else "Running",
-                       "containerStatuses": [{"name": "pytorch", "restartCount": 0, "ready": not failed, "image": "x", "imageID": "", "state": state}]}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": NS,
+            "labels": {
+                "kubetune.io/job": job,
+                "training.kubeflow.org/replica-type": rtype,
+                "training.kubeflow.org/replica-index": str(index),
+            },
+        },
+        "spec": {"containers": [{"name": "pytorch", "image": "x"}]},
+        "status": {
+            "phase": "Failed" if failed else "Running",
+            "containerStatuses": [
+                {"name": "pytorch", "restartCount": 0, "ready": not failed, "image": "x", "imageID": "", "state": state}
+            ],
+        },
+    }
 
 
 def _finish_soon(server, group_version, plural, name, condition):
@@ -122,18 +156,54 @@ def _leftovers(server, name):
     kubetune deletes and re-creates them (409 path), so put one of each in its way. The
     workspace claim an earlier run of the job left is kept, not replaced (409, then get)."""
     meta = {"name": "", "namespace": NS}
-    server.put("v1", "configmaps", NS, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {**meta, "name": f"{name}-spec"}, "data": {}})
-    server.put("v1", "persistentvolumeclaims", NS, {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-                                                    "metadata": {**meta, "name": f"{name}-workspace", "labels": {"kubetune.io/job": name}}, "spec": {}})
-    server.put("v1", "services", NS, {"apiVersion": "v1", "kind": "Service", "metadata": {**meta, "name": f"{name}-tensorboard"}, "spec": {}})
-    server.put("apps/v1", "deployments", NS, {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {**meta, "name": f"{name}-tensorboard"}, "spec": {}})
+    server.put(
+        "v1",
+        "configmaps",
+        NS,
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {**meta, "name": f"{name}-spec"}, "data": {}},
+    )
+    server.put(
+        "v1",
+        "persistentvolumeclaims",
+        NS,
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {**meta, "name": f"{name}-workspace", "labels": {"kubetune.io/job": name}},
+            "spec": {},
+        },
+    )
+    server.put(
+        "v1",
+        "services",
+        NS,
+        {"apiVersion": "v1", "kind": "Service", "metadata": {**meta, "name": f"{name}-tensorboard"}, "spec": {}},
+    )
+    server.put(
+        "apps/v1",
+        "deployments",
+        NS,
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {**meta, "name": f"{name}-tensorboard"},
+            "spec": {},
+        },
+    )
 
 
 def test_role_covers_the_whole_lifecycle_and_nothing_more(tmp_path):
     role = _role()
     granted = _granted(role)
     cluster_granted = _granted(_cluster_role())
-    assert not {r for (_, r, _) in granted | cluster_granted} & {"secrets", "pods/exec", "pods/attach", "serviceaccounts", "roles", "rolebindings"}
+    assert not {r for (_, r, _) in granted | cluster_granted} & {
+        "secrets",
+        "pods/exec",
+        "pods/attach",
+        "serviceaccounts",
+        "roles",
+        "rolebindings",
+    }
     with RbacKubeAPI(granted, cluster_granted) as server:
         kubeconfig = str(server.write_kubeconfig(tmp_path / "kubeconfig", namespace=NS))
 
@@ -172,10 +242,14 @@ def test_role_covers_the_whole_lifecycle_and_nothing_more(tmp_path):
         assert server.denied == []
         # the same Role does not reach into another namespace
         other = Client(backend="kubeflow", kubeconfig=kubeconfig, namespace="kubeflow")
-        with pytest.raises(Exception, match=r"forbidden: cannot create (\(dry run\) )?pytorchjobs.kubeflow.org in namespace 'kubeflow'"):
+        with pytest.raises(
+            Exception, match=r"forbidden: cannot create (\(dry run\) )?pytorchjobs.kubeflow.org in namespace 'kubeflow'"
+        ):
             other.train({**_spec("x"), "kubernetes": {**_spec("x")["kubernetes"], "namespace": "kubeflow"}})
 
     used = server.used
     assert used <= granted | cluster_granted
     unused = (granted | cluster_granted) - used
-    assert unused == EXTRAS, f"granted but neither used nor documented: {sorted(unused - EXTRAS)}; documented but not granted: {sorted(EXTRAS - unused)}"
+    assert unused == EXTRAS, (
+        f"granted but neither used nor documented: {sorted(unused - EXTRAS)}; documented but not granted: {sorted(EXTRAS - unused)}"
+    )

@@ -4,8 +4,8 @@ Test pins live in requirements-test.txt, which `make install` adds for developme
 from __future__ import annotations
 
 import re
-import tomllib
 
+import tomllib
 from deploy_support import ROOT
 
 
@@ -26,7 +26,9 @@ def _pyproject() -> dict:
 def test_runtime_pins_hold_no_test_package_and_cover_every_dependency():
     runtime, test_only = _pins("requirements.txt"), _pins("requirements-test.txt")
     test_extra = {_name(r) for r in _pyproject()["optional-dependencies"]["test"]}
-    assert not test_extra & set(runtime), "test-only packages belong in requirements-test.txt, not in the image's requirements.txt"
+    assert not test_extra & set(runtime), (
+        "test-only packages belong in requirements-test.txt, not in the image's requirements.txt"
+    )
     assert set(test_only) == test_extra
     assert all("==" in line for line in [*runtime.values(), *test_only.values()]), "pins, not ranges"
     assert {_name(r) for r in _pyproject()["dependencies"]} <= set(runtime)

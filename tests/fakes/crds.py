@@ -36,7 +36,9 @@ CRD_FILES = {
     ("pytorchjobs", "v1.8.1"): CRD_DIR / "pytorchjobs-v1.8.1.yaml",
     ("pytorchjobs", "v1.9.0"): CRD_DIR / "pytorchjobs-v1.9.0.yaml",
     ("trainjobs", "v2.3.0"): CRD_DIR / "trainer-v2.3.0" / "trainer.kubeflow.org_trainjobs.yaml",
-    ("clustertrainingruntimes", "v2.3.0"): CRD_DIR / "trainer-v2.3.0" / "trainer.kubeflow.org_clustertrainingruntimes.yaml",
+    ("clustertrainingruntimes", "v2.3.0"): CRD_DIR
+    / "trainer-v2.3.0"
+    / "trainer.kubeflow.org_clustertrainingruntimes.yaml",
 }
 RUNTIMES_DIR = CRD_DIR / "trainer-v2.3.0" / "runtimes"
 
@@ -79,17 +81,27 @@ def _join(path: str, key: str) -> str:
 
 def _label_errors(value: str, pattern: re.Pattern, rule: str) -> list[str]:
     """apimachinery's IsDNS1123Label / IsDNS1035Label: at most 63 characters, and the pattern."""
-    return (["must be no more than 63 characters"] if len(value) > 63 else []) + ([] if pattern.match(value) else [rule])
+    return (["must be no more than 63 characters"] if len(value) > 63 else []) + (
+        [] if pattern.match(value) else [rule]
+    )
 
 
 def dns1123_label_errors(value: str) -> list[str]:
-    return _label_errors(value, _DNS1123_LABEL, "a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-', "
-                                                "and must start and end with an alphanumeric character")
+    return _label_errors(
+        value,
+        _DNS1123_LABEL,
+        "a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-', "
+        "and must start and end with an alphanumeric character",
+    )
 
 
 def dns1035_label_errors(value: str) -> list[str]:
-    return _label_errors(value, _DNS1035_LABEL, "a DNS-1035 label must consist of lower case alphanumeric characters or '-', "
-                                                "start with an alphabetic character, and end with an alphanumeric character")
+    return _label_errors(
+        value,
+        _DNS1035_LABEL,
+        "a DNS-1035 label must consist of lower case alphanumeric characters or '-', "
+        "start with an alphabetic character, and end with an alphanumeric character",
+    )
 
 
 def qualified_name_errors(key: str) -> list[str]:
@@ -99,9 +111,13 @@ def qualified_name_errors(key: str) -> list[str]:
     if "/" in key and not prefix:
         out.append("prefix part must be non-empty")
     if prefix and (len(prefix) > 253 or not _DNS1123_SUBDOMAIN.match(prefix)):
-        out.append("prefix part a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.'")
+        out.append(
+            "prefix part a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.'"
+        )
     if not name or len(name) > 63 or not _QUALIFIED_NAME.match(name):
-        out.append("name part must consist of alphanumeric characters, '-', '_' or '.', and must start and end with an alphanumeric character (63 characters at most)")
+        out.append(
+            "name part must consist of alphanumeric characters, '-', '_' or '.', and must start and end with an alphanumeric character (63 characters at most)"
+        )
     return out
 
 
@@ -110,14 +126,18 @@ def object_meta_errors(meta: dict, namespaced: bool) -> list[str]:
     errs = []
     name = meta.get("name") or ""
     if name and (len(name) > 253 or not _DNS1123_SUBDOMAIN.match(name)):
-        errs.append(f"metadata.name: Invalid value: {_q(name)}: a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', and must start and end with an alphanumeric character")
+        errs.append(
+            f"metadata.name: Invalid value: {_q(name)}: a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', and must start and end with an alphanumeric character"
+        )
     ns = meta.get("namespace")
     if namespaced and ns:
         errs += [f"metadata.namespace: Invalid value: {_q(ns)}: {e}" for e in dns1123_label_errors(ns)]
     for key, value in (meta.get("labels") or {}).items():
         errs += [f"metadata.labels: Invalid value: {_q(key)}: {e}" for e in qualified_name_errors(key)]
         if not isinstance(value, str) or len(value) > 63 or not _LABEL_VALUE.match(value):
-            errs.append(f"metadata.labels: Invalid value: {_q(value)}: a valid label must be an empty string or consist of alphanumeric characters, '-', '_' or '.', and must start and end with an alphanumeric character (63 characters at most)")
+            errs.append(
+                f"metadata.labels: Invalid value: {_q(value)}: a valid label must be an empty string or consist of alphanumeric characters, '-', '_' or '.', and must start and end with an alphanumeric character (63 characters at most)"
+            )
     annotations = meta.get("annotations") or {}
     for key in annotations:
         errs += [f"metadata.annotations: Invalid value: {_q(key)}: {e}" for e in qualified_name_errors(key)]
@@ -149,7 +169,11 @@ class CRD:
         self.plural = spec["names"]["plural"]
         self.namespaced = spec["scope"] == "Namespaced"
         versions = [v for v in spec["versions"] if v.get("served")]
-        chosen = next((v for v in versions if v["name"] == version), None) if version else next(v for v in versions if v.get("storage"))
+        chosen = (
+            next((v for v in versions if v["name"] == version), None)
+            if version
+            else next(v for v in versions if v.get("storage"))
+        )
         if chosen is None:
             raise ValueError(f"{self.plural}.{self.group} does not serve {version}")
         self.version = chosen["name"]
@@ -199,9 +223,15 @@ class CRD:
 
 
 def _prune(value: Any, schema: dict, path: str, pruned: list[str]) -> Any:
-    if schema.get("x-kubernetes-preserve-unknown-fields") and "properties" not in schema and "additionalProperties" not in schema:
+    if (
+        schema.get("x-kubernetes-preserve-unknown-fields")
+        and "properties" not in schema
+        and "additionalProperties" not in schema
+    ):
         return value
-    if isinstance(value, dict) and (schema.get("type") == "object" or "properties" in schema or "additionalProperties" in schema):
+    if isinstance(value, dict) and (
+        schema.get("type") == "object" or "properties" in schema or "additionalProperties" in schema
+    ):
         props = schema.get("properties")
         extra = schema.get("additionalProperties")
         out = {}
@@ -226,7 +256,9 @@ def _prune(value: Any, schema: dict, path: str, pruned: list[str]) -> Any:
 def _type_errors(value: Any, schema: dict, path: str) -> list[str]:
     if schema.get("x-kubernetes-int-or-string"):
         if isinstance(value, bool) or not isinstance(value, (int, str)):
-            return [f'{path}: Invalid value: "{_type_of(value)}": {path} in body must be of type int-or-string: {_q(value)}']
+            return [
+                f'{path}: Invalid value: "{_type_of(value)}": {path} in body must be of type int-or-string: {_q(value)}'
+            ]
         return []
     want = schema.get("type")
     if want is None:
@@ -255,20 +287,32 @@ def _validate(value: Any, schema: dict, path: str, errors: list[str]) -> None:
         if "maxLength" in schema and len(value) > schema["maxLength"]:
             errors.append(f"{path}: Too long: may not be more than {schema['maxLength']} bytes")
         if "minLength" in schema and len(value) < schema["minLength"]:
-            errors.append(f"{path}: Invalid value: {_q(value)}: {path} in body should be at least {schema['minLength']} chars long")
+            errors.append(
+                f"{path}: Invalid value: {_q(value)}: {path} in body should be at least {schema['minLength']} chars long"
+            )
         if schema.get("format") == "date-time":
             try:
                 datetime.fromisoformat(value.replace("Z", "+00:00"))
             except ValueError:
-                errors.append(f"{path}: Invalid value: {_q(value)}: {path} in body must be of type date-time: {_q(value)}")
+                errors.append(
+                    f"{path}: Invalid value: {_q(value)}: {path} in body must be of type date-time: {_q(value)}"
+                )
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         low_high = _INT_RANGES.get(schema.get("format", ""))
         if low_high and isinstance(value, int) and not low_high[0] <= value <= low_high[1]:
             errors.append(f"{path}: Invalid value: {value}: {path} in body must be of type {schema['format']}")
-        if "minimum" in schema and (value <= schema["minimum"] if schema.get("exclusiveMinimum") else value < schema["minimum"]):
-            errors.append(f"{path}: Invalid value: {value}: {path} in body should be greater than or equal to {schema['minimum']}")
-        if "maximum" in schema and (value >= schema["maximum"] if schema.get("exclusiveMaximum") else value > schema["maximum"]):
-            errors.append(f"{path}: Invalid value: {value}: {path} in body should be less than or equal to {schema['maximum']}")
+        if "minimum" in schema and (
+            value <= schema["minimum"] if schema.get("exclusiveMinimum") else value < schema["minimum"]
+        ):
+            errors.append(
+                f"{path}: Invalid value: {value}: {path} in body should be greater than or equal to {schema['minimum']}"
+            )
+        if "maximum" in schema and (
+            value >= schema["maximum"] if schema.get("exclusiveMaximum") else value > schema["maximum"]
+        ):
+            errors.append(
+                f"{path}: Invalid value: {value}: {path} in body should be less than or equal to {schema['maximum']}"
+            )
     if "anyOf" in schema and not schema.get("x-kubernetes-int-or-string"):
         if not any(not _collect(value, sub, path) for sub in schema["anyOf"]):
             errors.append(f"{path}: Invalid value: {_q(value)}: {path} in body must match at least one schema in anyOf")
@@ -277,7 +321,9 @@ def _validate(value: Any, schema: dict, path: str, errors: list[str]) -> None:
             if key not in value:
                 errors.append(f"{_join(path, key)}: Required value")
         if "minProperties" in schema and len(value) < schema["minProperties"]:
-            errors.append(f"{path}: Invalid value: {len(value)}: {path} in body should have at least {schema['minProperties']} properties")
+            errors.append(
+                f"{path}: Invalid value: {len(value)}: {path} in body should have at least {schema['minProperties']} properties"
+            )
         if "maxProperties" in schema and len(value) > schema["maxProperties"]:
             errors.append(f"{path}: Too many: {len(value)}: must have at most {schema['maxProperties']} items")
         props = schema.get("properties") or {}
@@ -290,7 +336,9 @@ def _validate(value: Any, schema: dict, path: str, errors: list[str]) -> None:
         if "maxItems" in schema and len(value) > schema["maxItems"]:
             errors.append(f"{path}: Too many: {len(value)}: must have at most {schema['maxItems']} items")
         if "minItems" in schema and len(value) < schema["minItems"]:
-            errors.append(f"{path}: Invalid value: {len(value)}: {path} in body should have at least {schema['minItems']} items")
+            errors.append(
+                f"{path}: Invalid value: {len(value)}: {path} in body should have at least {schema['minItems']} items"
+            )
         list_type = schema.get("x-kubernetes-list-type")
         if list_type == "set":
             seen = set()
@@ -347,7 +395,7 @@ def _run_rules(value: Any, schema: dict, path: str, errors: list[str], old: Any)
         if isinstance(result, Exception) or not bool(result):  # an evaluation error fails the rule too
             where = path or "<nil>"
             message = rule.get("message") or f"failed rule: {text}"
-            errors.append(f"{where}: Invalid value: \"object\": {message}")
+            errors.append(f'{where}: Invalid value: "object": {message}')
     if isinstance(value, dict):
         props = schema.get("properties") or {}
         extra = schema.get("additionalProperties")
@@ -367,7 +415,11 @@ def _run_rules(value: Any, schema: dict, path: str, errors: list[str], old: Any)
 # podSpecOverrides/podTemplateOverrides; v2.2 has runtimePatches without the pod's
 # terminationGracePeriodSeconds. Their CRDs are derived from v2.3.0 by removing those fields.
 _POD_IN_PATCH = "spec.runtimePatches.[].trainingRuntimeSpec.template.spec.replicatedJobs.[].template.spec.template.spec"
-TRAINER_RELEASES = {"v2.1.0": ("spec.runtimePatches",), "v2.2.0": (f"{_POD_IN_PATCH}.terminationGracePeriodSeconds",), "v2.3.0": ()}
+TRAINER_RELEASES = {
+    "v2.1.0": ("spec.runtimePatches",),
+    "v2.2.0": (f"{_POD_IN_PATCH}.terminationGracePeriodSeconds",),
+    "v2.3.0": (),
+}
 
 
 @functools.cache

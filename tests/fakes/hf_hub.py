@@ -61,13 +61,19 @@ GITATTRIBUTES = b"".join(
 class HubError(Exception):
     """An error answer: a JSON {"error": ...} body plus the X-Error-* headers huggingface_hub reads."""
 
-    def __init__(self, status: int, message: str, code: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, code: str | None = None, headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         # header values must be latin-1: a path in the message may not be
         header_message = message.encode("ascii", "replace").decode("ascii")
-        self.headers = {"X-Error-Message": header_message, **({"X-Error-Code": code} if code else {}), **(headers or {})}
+        self.headers = {
+            "X-Error-Message": header_message,
+            **({"X-Error-Code": code} if code else {}),
+            **(headers or {}),
+        }
 
 
 def _now() -> str:
@@ -122,16 +128,23 @@ class _Commit:
     deleted: tuple[str, ...]
 
     def public(self) -> Json:
-        return {"oid": self.oid, "message": self.message, "description": self.description,
-                "files": list(self.changed), "lfs_files": [p for p in self.changed if self.tree[p].lfs],
-                "deleted": list(self.deleted)}
+        return {
+            "oid": self.oid,
+            "message": self.message,
+            "description": self.description,
+            "files": list(self.changed),
+            "lfs_files": [p for p in self.changed if self.tree[p].lfs],
+            "deleted": list(self.deleted),
+        }
 
 
-def _make_commit(parent: str, message: str, description: str, tree: dict[str, _Blob],
-                 changed: list[str], deleted: list[str]) -> _Commit:
+def _make_commit(
+    parent: str, message: str, description: str, tree: dict[str, _Blob], changed: list[str], deleted: list[str]
+) -> _Commit:
     listing = json.dumps([parent, message, description, sorted((p, b.git_oid) for p, b in tree.items())])
-    return _Commit(_git_hash(listing.encode(), "commit"), message, description, _now(), tree,
-                   tuple(changed), tuple(deleted))
+    return _Commit(
+        _git_hash(listing.encode(), "commit"), message, description, _now(), tree, tuple(changed), tuple(deleted)
+    )
 
 
 @dataclass
@@ -162,9 +175,18 @@ class _Repo:
     def info(self, revision: str, blobs: bool) -> Json:
         commit = self.at(revision)
         siblings = [{"rfilename": p, **(_sibling_blob(b) if blobs else {})} for p, b in sorted(commit.tree.items())]
-        return {"id": self.id, "author": self.id.split("/")[0], "sha": commit.oid, "lastModified": commit.date,
-                "createdAt": self.created_at, "private": self.private, "gated": False, "disabled": False,
-                "tags": [], "siblings": siblings}
+        return {
+            "id": self.id,
+            "author": self.id.split("/")[0],
+            "sha": commit.oid,
+            "lastModified": commit.date,
+            "createdAt": self.created_at,
+            "private": self.private,
+            "gated": False,
+            "disabled": False,
+            "tags": [],
+            "siblings": siblings,
+        }
 
 
 def _sibling_blob(blob: _Blob) -> Json:
@@ -183,7 +205,7 @@ def _tree(commit: _Commit, path: str, recursive: bool) -> list[Json]:
     folders: set[str] = set()
     files: list[Json] = []
     for file_path, blob in sorted(below.items()):
-        parts = file_path[len(prefix):].split("/")
+        parts = file_path[len(prefix) :].split("/")
         ancestors = range(1, len(parts)) if recursive else range(1, min(len(parts), 2))
         folders.update(prefix + "/".join(parts[:i]) for i in ancestors)
         if recursive or len(parts) == 1:
@@ -248,8 +270,13 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         url = urlsplit(self.path)
-        request = _Request(self.command, url.path, {k: v[-1] for k, v in parse_qs(url.query).items()},
-                           {k.lower(): v for k, v in self.headers.items()}, self._read_body())
+        request = _Request(
+            self.command,
+            url.path,
+            {k: v[-1] for k, v in parse_qs(url.query).items()},
+            {k.lower(): v for k, v in self.headers.items()},
+            self._read_body(),
+        )
         try:
             response = self.server.serve(request)
         except HubError as err:
@@ -315,8 +342,9 @@ class FakeHub:
     valid token; it belongs to `user`, the namespace of repos created without an organization.
     """
 
-    def __init__(self, *, token: str = "hf_test_token", user: str = DEFAULT_USER,
-                 lfs_threshold: int | None = LFS_THRESHOLD) -> None:
+    def __init__(
+        self, *, token: str = "hf_test_token", user: str = DEFAULT_USER, lfs_threshold: int | None = LFS_THRESHOLD
+    ) -> None:
         self.token = token
         self.user = user
         self.lfs_threshold = lfs_threshold  # preupload answers "lfs" for files larger than this; None: never
@@ -335,7 +363,9 @@ class FakeHub:
             raise RuntimeError("FakeHub is already running")
         for routes, name in ((self._hub_routes(), "fake-hf-hub"), (self._storage_routes(), "fake-hf-storage")):
             server = _Server(routes, self._record)
-            thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, name=name, daemon=True)
+            thread = threading.Thread(
+                target=server.serve_forever, kwargs={"poll_interval": 0.05}, name=name, daemon=True
+            )
             thread.start()
             self._servers.append((server, thread))
         return self
@@ -350,7 +380,9 @@ class FakeHub:
     def __enter__(self) -> Self:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()
 
     @property
@@ -464,8 +496,15 @@ class FakeHub:
 
     def _whoami(self, request: _Request) -> _Response:
         self._require_token(request)
-        return _Response.json({"type": "user", "name": self.user, "fullname": self.user, "orgs": [],
-                               "auth": {"type": "access_token", "accessToken": {"displayName": "fake", "role": "write"}}})
+        return _Response.json(
+            {
+                "type": "user",
+                "name": self.user,
+                "fullname": self.user,
+                "orgs": [],
+                "auth": {"type": "access_token", "accessToken": {"displayName": "fake", "role": "write"}},
+            }
+        )
 
     def _create_repo(self, request: _Request) -> _Response:
         self._require_token(request)
@@ -480,8 +519,9 @@ class FakeHub:
         with self._lock:
             if (repo_type, repo_id) in self._repos:
                 return _Response.json({"error": f"You already created this {repo_type} repo", "url": url}, 409)
-            initial = _make_commit("", "initial commit", "", {".gitattributes": _Blob(GITATTRIBUTES, lfs=False)},
-                                   [".gitattributes"], [])
+            initial = _make_commit(
+                "", "initial commit", "", {".gitattributes": _Blob(GITATTRIBUTES, lfs=False)}, [".gitattributes"], []
+            )
             self._repos[(repo_type, repo_id)] = _Repo(repo_type, repo_id, private, initial.date, [initial])
         return _Response.json({"url": url, "name": repo_id})
 
@@ -494,7 +534,9 @@ class FakeHub:
             repo = self._repo_for(request, _API_TYPES[api_type], f"{ns}/{name}", write=False)
             return _Response.json(repo.info(revision, blobs=_flag(request, "blobs")))
 
-    def _list_tree(self, request: _Request, api_type: str, ns: str, name: str, revision: str, path: str = "") -> _Response:
+    def _list_tree(
+        self, request: _Request, api_type: str, ns: str, name: str, revision: str, path: str = ""
+    ) -> _Response:
         with self._lock:
             commit = self._repo_for(request, _API_TYPES[api_type], f"{ns}/{name}", write=False).at(revision)
         # a single page: no Link header, which tells the client there is no next one
@@ -502,8 +544,11 @@ class FakeHub:
 
     def _no_xet(self, request: _Request, **_: str) -> _Response:
         self._authenticated(request)
-        raise HubError(501, "This fake Hub does not implement Xet storage: set HF_HUB_DISABLE_XET=1 on the client "
-                            "to upload LFS files, or start the FakeHub with lfs_threshold=None")
+        raise HubError(
+            501,
+            "This fake Hub does not implement Xet storage: set HF_HUB_DISABLE_XET=1 on the client "
+            "to upload LFS files, or start the FakeHub with lfs_threshold=None",
+        )
 
     def _preupload(self, request: _Request, api_type: str, ns: str, name: str, revision: str) -> _Response:
         _no_pull_requests(request)
@@ -534,8 +579,10 @@ class FakeHub:
         with self._lock:
             repo = self._repo_for(request, repo_type, f"{ns}/{name}", write=True)
             objects = [self._lfs_action(repo, obj) for obj in body.get("objects", [])]
-        return _Response.json({"transfer": "basic", "objects": objects, "hash_algo": "sha256"},
-                              content_type="application/vnd.git-lfs+json")
+        return _Response.json(
+            {"transfer": "basic", "objects": objects, "hash_algo": "sha256"},
+            content_type="application/vnd.git-lfs+json",
+        )
 
     def _lfs_action(self, repo: _Repo, obj: Json) -> Json:
         oid, size = obj.get("oid"), obj.get("size")
@@ -546,13 +593,19 @@ class FakeHub:
         target = f"{repo.type}s/{repo.id}/{oid}"
         href = f"{self.storage_url}/upload/{target}?size={size}&sig={self._sign('upload', target, str(size))}"
         verify = f"{self.url}/{repo.web_path}.git/info/lfs/objects/verify"
-        return {"oid": oid, "size": size, "authenticated": True,
-                "actions": {"upload": {"href": href}, "verify": {"href": verify}}}
+        return {
+            "oid": oid,
+            "size": size,
+            "authenticated": True,
+            "actions": {"upload": {"href": href}, "verify": {"href": verify}},
+        }
 
     def _lfs_verify(self, request: _Request, ns: str, name: str, prefix: str = "") -> _Response:
         body = request.json()
         with self._lock:
-            stored = self._repo_for(request, _web_type(prefix), f"{ns}/{name}", write=True).lfs_objects.get(body.get("oid"))
+            stored = self._repo_for(request, _web_type(prefix), f"{ns}/{name}", write=True).lfs_objects.get(
+                body.get("oid")
+            )
         if stored is None or len(stored) != body.get("size"):
             raise HubError(404, f"LFS object {body.get('oid')} of size {body.get('size')} was not uploaded")
         return _Response.json({"success": True}, content_type="application/vnd.git-lfs+json")
@@ -572,11 +625,18 @@ class FakeHub:
             if parent is not None and not repo.head.oid.startswith(parent):
                 raise HubError(412, "A newer commit exists on the branch: parentCommit is not its head")
             tree, changed, deleted = _apply(repo, [(line.get("key"), line.get("value") or {}) for line in lines[1:]])
-            commit = _make_commit(repo.head.oid, header.get("summary") or "", header.get("description") or "",
-                                  tree, changed, deleted)
+            commit = _make_commit(
+                repo.head.oid, header.get("summary") or "", header.get("description") or "", tree, changed, deleted
+            )
             repo.commits.append(commit)
-        return _Response.json({"success": True, "commitOid": commit.oid, "hookOutput": "",
-                               "commitUrl": f"{self.url}/{repo.web_path}/commit/{commit.oid}"})
+        return _Response.json(
+            {
+                "success": True,
+                "commitOid": commit.oid,
+                "hookOutput": "",
+                "commitUrl": f"{self.url}/{repo.web_path}/commit/{commit.oid}",
+            }
+        )
 
     def _resolve(self, request: _Request, ns: str, name: str, revision: str, path: str, prefix: str = "") -> _Response:
         with self._lock:
@@ -593,14 +653,26 @@ class FakeHub:
         # carrying the file's own etag and size in X-Linked-* since the client does not follow off-host redirects
         target = f"{web_path}/{blob.sha256}"
         location = f"{self.storage_url}/download/{target}?sig={self._sign('download', target)}"
-        return _Response(302, b"", {**headers, "Location": location, "X-Linked-Etag": f'"{blob.sha256}"',
-                                    "X-Linked-Size": str(len(blob.data))})
+        return _Response(
+            302,
+            b"",
+            {
+                **headers,
+                "Location": location,
+                "X-Linked-Etag": f'"{blob.sha256}"',
+                "X-Linked-Size": str(len(blob.data)),
+            },
+        )
 
     # -- storage host: presigned URLs only, no bearer token, as on S3
 
     def _storage_routes(self) -> list[Route]:
         return [
-            _route("PUT", rf"/upload/(?P<api_type>models|datasets|spaces)/{_REPO}/(?P<oid>[0-9a-f]{{64}})", self._store_object),
+            _route(
+                "PUT",
+                rf"/upload/(?P<api_type>models|datasets|spaces)/{_REPO}/(?P<oid>[0-9a-f]{{64}})",
+                self._store_object,
+            ),
             _route("GET", rf"/download/{_WEB_REPO}/(?P<oid>[0-9a-f]{{64}})", self._serve_object),
         ]
 
@@ -656,7 +728,11 @@ def _apply(repo: _Repo, operations: list[tuple[str | None, Json]]) -> tuple[dict
             tree[path] = _lfs_blob(repo, value)
             changed.append(path)
         elif key in ("deletedFile", "deletedFolder"):
-            gone = [p for p in tree if p == path] if key == "deletedFile" else [p for p in tree if p.startswith(f"{path.rstrip('/')}/")]
+            gone = (
+                [p for p in tree if p == path]
+                if key == "deletedFile"
+                else [p for p in tree if p.startswith(f"{path.rstrip('/')}/")]
+            )
             if not gone:
                 raise HubError(404, f"A file with this name doesn't exist: {path}", "EntryNotFound")
             deleted.extend(gone)

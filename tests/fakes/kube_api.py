@@ -74,7 +74,9 @@ RESOURCES: dict[tuple[str, str], Resource] = {
     (r.group_version, r.plural): r
     for r in (
         Resource("v1", "configmaps", "ConfigMap", has_status=False),
-        Resource("v1", "persistentvolumeclaims", "PersistentVolumeClaim", has_status=True, returns_object_on_delete=True),
+        Resource(
+            "v1", "persistentvolumeclaims", "PersistentVolumeClaim", has_status=True, returns_object_on_delete=True
+        ),
         Resource("v1", "secrets", "Secret", has_status=False),
         Resource("v1", "services", "Service", has_status=True, returns_object_on_delete=True),
         Resource("v1", "pods", "Pod", has_status=True, returns_object_on_delete=True),
@@ -82,7 +84,13 @@ RESOURCES: dict[tuple[str, str], Resource] = {
         Resource("apps/v1", "deployments", "Deployment", has_status=True),
         Resource("kubeflow.org/v1", "pytorchjobs", "PyTorchJob", has_status=True),
         Resource("trainer.kubeflow.org/v1alpha1", "trainjobs", "TrainJob", has_status=True),
-        Resource("trainer.kubeflow.org/v1alpha1", "clustertrainingruntimes", "ClusterTrainingRuntime", has_status=False, namespaced=False),
+        Resource(
+            "trainer.kubeflow.org/v1alpha1",
+            "clustertrainingruntimes",
+            "ClusterTrainingRuntime",
+            has_status=False,
+            namespaced=False,
+        ),
     )
 }
 PODS = RESOURCES[("v1", "pods")]
@@ -102,9 +110,19 @@ def resource(group_version: str, plural: str) -> Resource:
 # ---------------------------------------------------------------------------------------------- errors
 
 _REASONS = {
-    400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound", 405: "MethodNotAllowed",
-    409: "Conflict", 410: "Expired", 415: "UnsupportedMediaType", 422: "Invalid", 429: "TooManyRequests",
-    500: "InternalError", 503: "ServiceUnavailable", 504: "Timeout",
+    400: "BadRequest",
+    401: "Unauthorized",
+    403: "Forbidden",
+    404: "NotFound",
+    405: "MethodNotAllowed",
+    409: "Conflict",
+    410: "Expired",
+    415: "UnsupportedMediaType",
+    422: "Invalid",
+    429: "TooManyRequests",
+    500: "InternalError",
+    503: "ServiceUnavailable",
+    504: "Timeout",
 }
 
 
@@ -119,8 +137,14 @@ class ApiError(Exception):
         self.details = details
 
     def status(self) -> Obj:
-        body: Obj = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-                     "message": self.message, "reason": self.reason}
+        body: Obj = {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "metadata": {},
+            "status": "Failure",
+            "message": self.message,
+            "reason": self.reason,
+        }
         if self.details:
             body["details"] = self.details
         body["code"] = self.code
@@ -195,7 +219,9 @@ def _parse_requirements(text: str, *, existence: bool) -> tuple[_Requirement, ..
     requirements = []
     for term in filter(None, (t.strip() for t in text.split(","))):
         if "(" in term:
-            raise ApiError(400, f"unable to parse requirement: set-based selector {term!r} is not supported by this fake")
+            raise ApiError(
+                400, f"unable to parse requirement: set-based selector {term!r} is not supported by this fake"
+            )
         for token, op in (("!=", "!="), ("==", "="), ("=", "=")):
             if token in term:
                 key, _, value = term.partition(token)
@@ -219,7 +245,9 @@ class Selector:
         fields = _parse_requirements(query.get("fieldSelector", ""), existence=False)
         for req in fields:
             if req.key not in _FIELD_PATHS:
-                raise ApiError(400, f'"{req.key}" is not a known field selector: only "metadata.name", "metadata.namespace"')
+                raise ApiError(
+                    400, f'"{req.key}" is not a known field selector: only "metadata.name", "metadata.namespace"'
+                )
         return cls(_parse_requirements(query.get("labelSelector", ""), existence=True), fields)
 
     def matches(self, obj: Obj) -> bool:
@@ -311,7 +339,9 @@ class _Store:
         name = meta.get("name") or (meta["generateName"] + uuid.uuid4().hex[:5] if meta.get("generateName") else "")
         if not name:
             kind = f"{res.kind}.{res.group}" if res.group else res.kind
-            raise ApiError(422, f'{kind} "" is invalid: metadata.name: Required value: name or generateName is required')
+            raise ApiError(
+                422, f'{kind} "" is invalid: metadata.name: Required value: name or generateName is required'
+            )
         with self.cond:
             if (res, namespace, name) in self.objects:
                 raise _already_exists(res, name)
@@ -460,7 +490,9 @@ class _Store:
             return names[0]
         raise ApiError(400, f"a container name must be specified for pod {pod}, choose one of: [{' '.join(names)}]")
 
-    def read_log(self, namespace: str, pod: str, container: str, cursor: int, block: bool) -> tuple[list[str], int, bool]:
+    def read_log(
+        self, namespace: str, pod: str, container: str, cursor: int, block: bool
+    ) -> tuple[list[str], int, bool]:
         """Lines after `cursor`, waiting for some if `block`. The log ends once the pod has finished
         (Succeeded/Failed), is gone, or the server stops; lines appended before that are still returned."""
         with self.cond:
@@ -486,7 +518,7 @@ def _truthy(value: str | None) -> bool:
 
 
 def _tail(lines: list[str], count: int | None) -> list[str]:
-    return lines if count is None else lines[max(len(lines) - count, 0):]
+    return lines if count is None else lines[max(len(lines) - count, 0) :]
 
 
 # ------------------------------------------------------------------------------------------------ HTTP
@@ -571,14 +603,23 @@ class _Handler(BaseHTTPRequestHandler):
         self.server.api._authorize(verb, res, sub, ns, name or "")
         self._dispatch(verb, res, ns, name, sub, query)
 
-    def _dispatch(self, verb: str, res: Resource, ns: str, name: str | None, sub: str | None, query: dict[str, str]) -> None:
+    def _dispatch(
+        self, verb: str, res: Resource, ns: str, name: str | None, sub: str | None, query: dict[str, str]
+    ) -> None:
         store = self.server.api._store
         if verb == "watch":
             self._watch(res, ns, query)
         elif verb == "list":
             items, rv = store.select(res, ns, Selector.from_query(query))
-            self._send_json(200, {"kind": f"{res.kind}List", "apiVersion": res.group_version,
-                                  "metadata": {"resourceVersion": str(rv)}, "items": items})
+            self._send_json(
+                200,
+                {
+                    "kind": f"{res.kind}List",
+                    "apiVersion": res.group_version,
+                    "metadata": {"resourceVersion": str(rv)},
+                    "items": items,
+                },
+            )
         elif verb == "create":
             body, warnings = self.server.api._admit_create(res, ns, self._json_body())
             dry_run = query.get("dryRun")
@@ -607,8 +648,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(200, gone)
         else:
             details = {**_details(res, name), "uid": gone["metadata"]["uid"]}
-            self._send_json(200, {"kind": "Status", "apiVersion": "v1", "metadata": {},
-                                  "status": "Success", "details": details})
+            self._send_json(
+                200, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "details": details}
+            )
 
     def _watch(self, res: Resource, ns: str, query: dict[str, str]) -> None:
         store = self.server.api._store
@@ -666,7 +708,8 @@ class _Handler(BaseHTTPRequestHandler):
         accepted = [_MERGE_PATCH, _STRATEGIC_PATCH] if res.builtin else [_MERGE_PATCH]
         if content_type not in accepted:
             raise ApiError(
-                415, f"the body of the request was in an unknown format - accepted media types include: {', '.join(accepted)}"
+                415,
+                f"the body of the request was in an unknown format - accepted media types include: {', '.join(accepted)}",
             )
         # strategic merge is served as a plain merge patch: lists are replaced, not merged by key
         return self._json_body()
@@ -703,8 +746,12 @@ def _verb(method: str, name: str | None, query: dict[str, str]) -> str:
     """The RBAC verb of a request, as the apiserver's request-info resolver names it."""
     if method == "GET":
         return "get" if name else ("watch" if _truthy(query.get("watch")) else "list")
-    verb = {("POST", False): "create", ("PUT", True): "update", ("PATCH", True): "patch",
-            ("DELETE", True): "delete"}.get((method, bool(name)))
+    verb = {
+        ("POST", False): "create",
+        ("PUT", True): "update",
+        ("PATCH", True): "patch",
+        ("DELETE", True): "delete",
+    }.get((method, bool(name)))
     if verb is None:
         raise ApiError(405, "the server does not allow this method on the requested resource")
     return verb
@@ -761,8 +808,15 @@ class FakeKubeAPI:
     Use as `with FakeKubeAPI() as server: ...`; point a client at it with `server.write_kubeconfig(path)`.
     """
 
-    def __init__(self, *, user: str = DEFAULT_USER, token: str = "fake-token", operator: str | None = "v1.8.1",
-                 trainer: str | None = "v2.3.0", validate: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        user: str = DEFAULT_USER,
+        token: str = "fake-token",
+        operator: str | None = "v1.8.1",
+        trainer: str | None = "v2.3.0",
+        validate: bool = True,
+    ) -> None:
         """`operator`/`trainer`: the releases whose CRDs and webhook rules admit jobs (None: not
         installed, so not served). `validate=False` stores Kubeflow objects as sent."""
         if operator not in (None, *OPERATOR_RELEASES):
@@ -813,7 +867,9 @@ class FakeKubeAPI:
     def __enter__(self) -> Self:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()
 
     @property
@@ -927,8 +983,12 @@ class FakeKubeAPI:
         name = body["metadata"].get("name", "")
         outcome = definition.admit(body)
         if outcome.errors:
-            raise ApiError(422, f'{definition.qualified_kind} "{name}" is invalid: {_aggregate(outcome.errors)}', "Invalid",
-                           {**_details(res, name), "causes": [{"message": e} for e in outcome.errors]})
+            raise ApiError(
+                422,
+                f'{definition.qualified_kind} "{name}" is invalid: {_aggregate(outcome.errors)}',
+                "Invalid",
+                {**_details(res, name), "causes": [{"message": e} for e in outcome.errors]},
+            )
         if res == PYTORCHJOBS:
             hook, errors = webhooks.PYTORCHJOB_WEBHOOK, webhooks.pytorchjob_errors(outcome.stored, self.operator or "")
         else:
@@ -947,9 +1007,17 @@ class FakeKubeAPI:
 
     def _discovery(self, path: str) -> Obj:
         if path == "/version":
-            return {"major": "1", "minor": "31", "gitVersion": "v1.31.0-fake", "gitCommit": "fake",
-                    "gitTreeState": "clean", "buildDate": "2024-08-13T00:00:00Z", "goVersion": "go1.22.5",
-                    "compiler": "gc", "platform": "linux/amd64"}
+            return {
+                "major": "1",
+                "minor": "31",
+                "gitVersion": "v1.31.0-fake",
+                "gitCommit": "fake",
+                "gitTreeState": "clean",
+                "buildDate": "2024-08-13T00:00:00Z",
+                "goVersion": "go1.22.5",
+                "compiler": "gc",
+                "platform": "linux/amd64",
+            }
         address = [{"clientCIDR": "0.0.0.0/0", "serverAddress": self.url.removeprefix("http://")}]
         if path == "/api":
             return {"kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs": address}

@@ -40,12 +40,17 @@ def pytorchjob_errors(job: dict, release: str) -> list[str]:
     spec = job.get("spec") or {}
     run_policy = spec.get("runPolicy") or {}
     if release >= "v1.9.0" and run_policy.get("managedBy") not in (None, *_MANAGED_BY):
-        errs.append(f'spec.runPolicy.managedBy: Unsupported value: "{run_policy["managedBy"]}": supported values: ' + ", ".join(f'"{m}"' for m in _MANAGED_BY))
+        errs.append(
+            f'spec.runPolicy.managedBy: Unsupported value: "{run_policy["managedBy"]}": supported values: '
+            + ", ".join(f'"{m}"' for m in _MANAGED_BY)
+        )
     replicas = spec.get("pytorchReplicaSpecs")
     elastic = spec.get("elasticPolicy")
     if elastic is not None:
         if "Worker" not in (replicas or {}):
-            errs.append("spec.pytorchReplicaSpecs[Worker]: Required value: must be configured if elastic policy is used")
+            errs.append(
+                "spec.pytorchReplicaSpecs[Worker]: Required value: must be configured if elastic policy is used"
+            )
         if elastic.get("nProcPerNode") is not None and spec.get("nprocPerNode") is not None:
             errs.append("spec.elasticPolicy.nProcPerNode: Forbidden: must not be used with spec.nprocPerNode")
     if replicas is None:
@@ -74,23 +79,32 @@ def pytorchjob_errors(job: dict, release: str) -> list[str]:
 def trainjob_errors(job: dict, runtimes: dict[str, dict]) -> list[str]:
     spec = job.get("spec") or {}
     ref = spec.get("runtimeRef") or {}
-    if ref.get("kind", "ClusterTrainingRuntime") != "ClusterTrainingRuntime" or ref.get("apiGroup", "trainer.kubeflow.org") != "trainer.kubeflow.org":
+    if (
+        ref.get("kind", "ClusterTrainingRuntime") != "ClusterTrainingRuntime"
+        or ref.get("apiGroup", "trainer.kubeflow.org") != "trainer.kubeflow.org"
+    ):
         # the fake serves cluster runtimes only; a namespaced TrainingRuntime is outside what kubetune renders
         return [f"unsupported runtime: {ref.get('kind')}.{ref.get('apiGroup')}"]
     runtime = runtimes.get(ref.get("name", ""))
     if runtime is None:
-        return [f'spec.runtimeRef: Invalid value: {{"name":"{ref.get("name")}"}}: clustertrainingruntimes.trainer.kubeflow.org "{ref.get("name")}" not found: '
-                "specified clusterTrainingRuntime must be created before the TrainJob is created"]
+        return [
+            f'spec.runtimeRef: Invalid value: {{"name":"{ref.get("name")}"}}: clustertrainingruntimes.trainer.kubeflow.org "{ref.get("name")}" not found: '
+            "specified clusterTrainingRuntime must be created before the TrainJob is created"
+        ]
     errs = []
     trainer = spec.get("trainer") or {}
     ml_policy = (runtime.get("spec") or {}).get("mlPolicy") or {}
     if "torch" in ml_policy and trainer.get("numProcPerNode") is not None:
         npp = trainer["numProcPerNode"]
         if isinstance(npp, str) and npp not in ("auto", "cpu", "gpu"):
-            errs.append(f'spec.trainer.numProcPerNode: Invalid value: "{npp}": must have an int value or [auto cpu gpu]')
+            errs.append(
+                f'spec.trainer.numProcPerNode: Invalid value: "{npp}": must have an int value or [auto cpu gpu]'
+            )
         reserved = sorted({e.get("name") for e in trainer.get("env") or []} & set(_TORCHRUN_RESERVED))
         if reserved:
-            errs.append(f"spec.trainer.env: Invalid value: ...: must not have reserved envs, invalid envs configured: [{' '.join(reserved)}]")
+            errs.append(
+                f"spec.trainer.env: Invalid value: ...: must not have reserved envs, invalid envs configured: [{' '.join(reserved)}]"
+            )
     errs += _patch_errors(spec.get("runtimePatches") or [], runtime)
     return errs
 
@@ -114,13 +128,19 @@ def _patch_errors(patches: list[dict], runtime: dict) -> list[str]:
             name = rjob.get("name")
             where = f"{path}.trainingRuntimeSpec.template.spec.replicatedJobs[{j}]"
             if name not in known:
-                errs.append(f'{where}.name: Invalid value: "{name}": must not have a replicated job that does not exist in the runtime job template')
+                errs.append(
+                    f'{where}.name: Invalid value: "{name}": must not have a replicated job that does not exist in the runtime job template'
+                )
                 continue
             pod: Any = (((rjob.get("template") or {}).get("spec") or {}).get("template") or {}).get("spec") or {}
             for kind in ("initContainers", "containers"):
                 for c in pod.get(kind) or []:
                     if c.get("name") not in known[name]:
-                        errs.append(f'{where}: Invalid value: "{c.get("name")}": must not have {kind[:-1]} that does not exist in the runtime job {name}')
+                        errs.append(
+                            f'{where}: Invalid value: "{c.get("name")}": must not have {kind[:-1]} that does not exist in the runtime job {name}'
+                        )
                     elif kind == "containers" and c.get("env") and c.get("name") in _RESERVED_CONTAINERS:
-                        errs.append(f"{where}: Invalid value: ...: must not have envs for the dataset-initializer, model-initializer, node containers")
+                        errs.append(
+                            f"{where}: Invalid value: ...: must not have envs for the dataset-initializer, model-initializer, node containers"
+                        )
     return errs

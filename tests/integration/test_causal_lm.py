@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import kubetune
 
 pytestmark = pytest.mark.integration
@@ -24,8 +23,18 @@ def _history(out: Path) -> list[dict]:
 def test_tiny_chat_example_lora_two_processes(tmp_path):
     out = tmp_path / "run"
     canary = "hf_canaryTOKEN0123456789"  # a gated model's token: read from HF_TOKEN, never written anywhere
-    r = kubetune("run", str(EXAMPLE), "--set", f"output.uri={out}", "--set", "training.epochs=2", "--set", "data.max_train_samples=600",
-                 env={"HF_TOKEN": canary}, timeout=600)
+    r = kubetune(
+        "run",
+        str(EXAMPLE),
+        "--set",
+        f"output.uri={out}",
+        "--set",
+        "training.epochs=2",
+        "--set",
+        "data.max_train_samples=600",
+        env={"HF_TOKEN": canary},
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert canary not in r.stdout + r.stderr
     assert not [p for p in out.rglob("*") if p.is_file() and canary.encode() in p.read_bytes()]
@@ -41,7 +50,10 @@ def test_tiny_chat_example_lora_two_processes(tmp_path):
     assert losses[0] > 5.0 and losses[-1] < 0.5 * losses[0], losses
     evals = [h for h in _history(out) if h["type"] == "eval"]
     assert len(evals) == 2 and evals[1]["eval_perplexity"] < evals[0]["eval_perplexity"] < 2048
-    assert abs(metrics["eval_perplexity"] - torch.tensor(metrics["eval_loss"]).exp().item()) < 1e-3 * metrics["eval_perplexity"]
+    assert (
+        abs(metrics["eval_perplexity"] - torch.tensor(metrics["eval_loss"]).exp().item())
+        < 1e-3 * metrics["eval_perplexity"]
+    )
 
     # The adapter loads onto the base, and the merged export computes the same logits (1e-4).
     from peft import PeftModel
@@ -52,7 +64,11 @@ def test_tiny_chat_example_lora_two_processes(tmp_path):
     merged = AutoModelForCausalLM.from_pretrained(out / "model").eval()
     tok = AutoTokenizer.from_pretrained(out / "model")
     assert tok.chat_template and "<|assistant|>" in tok.chat_template  # saved with the template it was trained with
-    text = tok.apply_chat_template([{"role": "user", "content": "What is the sentiment of this review? great seats"}], tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the sentiment of this review? great seats"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
     with torch.no_grad():
         a, m = adapted(input_ids=ids).logits, merged(input_ids=ids).logits
@@ -60,7 +76,14 @@ def test_tiny_chat_example_lora_two_processes(tmp_path):
     assert torch.allclose(a, m, atol=1e-4), (a - m).abs().max()
     assert not torch.allclose(a, plain, atol=1e-2)  # the adapter changed something
 
-    r = kubetune("predict", str(out), "What is the sentiment of this review? The brakes failed twice.", "--json", "--max-new-tokens", "8")
+    r = kubetune(
+        "predict",
+        str(out),
+        "What is the sentiment of this review? The brakes failed twice.",
+        "--json",
+        "--max-new-tokens",
+        "8",
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     [result] = json.loads(r.stdout)
     # Greedy decoding from a model trained only to answer with a sentiment word.
@@ -69,13 +92,41 @@ def test_tiny_chat_example_lora_two_processes(tmp_path):
 
 def test_full_finetune_on_instruction_data_without_packing(tmp_path):
     data = tmp_path / "alpaca.jsonl"
-    rows = [{"instruction": f"Repeat the number {i % 7}.", "input": "", "output": f"{i % 7} {i % 7} {i % 7}"} for i in range(96)]
+    rows = [
+        {"instruction": f"Repeat the number {i % 7}.", "input": "", "output": f"{i % 7} {i % 7} {i % 7}"}
+        for i in range(96)
+    ]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "full"
-    r = kubetune("run", str(EXAMPLE), "--set", f"output.uri={out}", "--set", f"data.train={data}", "--set", "data.format=auto",
-                 "--set", "data.packing=false", "--set", "lora=null", "--set", "training.max_steps=12", "--set", "training.epochs=1",
-                 "--set", "training.batch_size=4", "--set", "training.learning_rate=1e-3", "--set", "training.gradient_checkpointing=true",
-                 "--set", "distributed.procs_per_node=1", "--set", "name=full-ft", timeout=300)
+    r = kubetune(
+        "run",
+        str(EXAMPLE),
+        "--set",
+        f"output.uri={out}",
+        "--set",
+        f"data.train={data}",
+        "--set",
+        "data.format=auto",
+        "--set",
+        "data.packing=false",
+        "--set",
+        "lora=null",
+        "--set",
+        "training.max_steps=12",
+        "--set",
+        "training.epochs=1",
+        "--set",
+        "training.batch_size=4",
+        "--set",
+        "training.learning_rate=1e-3",
+        "--set",
+        "training.gradient_checkpointing=true",
+        "--set",
+        "distributed.procs_per_node=1",
+        "--set",
+        "name=full-ft",
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["data_format"] == "instruction" and metrics["global_step"] == 12 and metrics["packing"] is False
@@ -86,7 +137,9 @@ def test_full_finetune_on_instruction_data_without_packing(tmp_path):
 
 
 def test_qlora_on_cpu_is_one_clear_line(tmp_path):
-    r = kubetune("run", str(EXAMPLE), "--set", f"output.uri={tmp_path / 'q'}", "--set", "lora.quantization=4bit", timeout=120)
+    r = kubetune(
+        "run", str(EXAMPLE), "--set", f"output.uri={tmp_path / 'q'}", "--set", "lora.quantization=4bit", timeout=120
+    )
     assert r.returncode == 2
     lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "lora.quantization" in lines[0] and "CUDA" in lines[0], r.stderr

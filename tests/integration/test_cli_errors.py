@@ -22,7 +22,9 @@ def _case_mistyped(tmp, csv):
 
 
 def _case_missing_file(tmp, csv):
-    return tiny_spec(tmp / "nope.csv", tmp / "out"), f"data.train: data file or directory '{tmp / 'nope.csv'}' does not exist"
+    return tiny_spec(
+        tmp / "nope.csv", tmp / "out"
+    ), f"data.train: data file or directory '{tmp / 'nope.csv'}' does not exist"
 
 
 def _case_missing_column(tmp, csv):
@@ -53,8 +55,16 @@ def _case_model_not_cached(tmp, csv):
     return s, "model.uri: hf://google-bert/bert-base-cased is not in the local Hugging Face cache"
 
 
-CASES = [_case_unknown_field, _case_mistyped, _case_missing_file, _case_missing_column, _case_empty_dataset,
-         _case_single_class, _case_model_missing, _case_model_not_cached]
+CASES = [
+    _case_unknown_field,
+    _case_mistyped,
+    _case_missing_file,
+    _case_missing_column,
+    _case_empty_dataset,
+    _case_single_class,
+    _case_model_missing,
+    _case_model_not_cached,
+]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__.removeprefix("_case_"))
@@ -87,16 +97,24 @@ def test_validate_ok_and_all_errors(tmp_path, small_csv):
     assert proc.returncode == 2
     errors = proc.stderr.splitlines()
     assert len(errors) == 2  # both problems, reported together
-    assert any(e.startswith("error: distributed.nodes: Input should be greater than or equal to 1 (got 0)") for e in errors)
+    assert any(
+        e.startswith("error: distributed.nodes: Input should be greater than or equal to 1 (got 0)") for e in errors
+    )
     assert "error: training.learnig_rate: unknown key — did you mean 'training.learning_rate'?" in errors
 
 
-@pytest.mark.parametrize("args, expected", [
-    (["predict", "x", "--temperature", "-1", "hi"], "error: Invalid value for '--temperature': Input should be greater than or equal to 0 — see `kubetune predict --help`"),
-    (["run"], "error: Missing argument 'SPEC'. — see `kubetune run --help`"),
-    (["runn", "x"], "error: No such command 'runn'. Did you mean 'run'? — see `kubetune --help`"),
-    (["run", "job.yaml", "--bogus"], "error: No such option: --bogus — see `kubetune run --help`"),
-])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (
+            ["predict", "x", "--temperature", "-1", "hi"],
+            "error: Invalid value for '--temperature': Input should be greater than or equal to 0 — see `kubetune predict --help`",
+        ),
+        (["run"], "error: Missing argument 'SPEC'. — see `kubetune run --help`"),
+        (["runn", "x"], "error: No such command 'runn'. Did you mean 'run'? — see `kubetune --help`"),
+        (["run", "job.yaml", "--bogus"], "error: No such option: --bogus — see `kubetune run --help`"),
+    ],
+)
 def test_usage_errors_are_one_line(args, expected):
     """click would draw a multi-line box around these; kubetune says them in one line (exit 2)."""
     proc = kubetune(*args)

@@ -21,9 +21,23 @@ pytestmark = pytest.mark.integration
 EXAMPLE = ROOT / "examples" / "causal-tiny-chat.yaml"
 
 
-def _run(out: Path, *extra: str, env: dict | None = None, steps: int = 2, procs: int = 1) -> subprocess.CompletedProcess:
-    return kubetune("run", str(EXAMPLE), "--set", f"output.uri={out}", "--set", f"training.max_steps={steps}",
-                    "--set", f"distributed.procs_per_node={procs}", "--set", "data.max_train_samples=200", *extra, env=env)
+def _run(
+    out: Path, *extra: str, env: dict | None = None, steps: int = 2, procs: int = 1
+) -> subprocess.CompletedProcess:
+    return kubetune(
+        "run",
+        str(EXAMPLE),
+        "--set",
+        f"output.uri={out}",
+        "--set",
+        f"training.max_steps={steps}",
+        "--set",
+        f"distributed.procs_per_node={procs}",
+        "--set",
+        "data.max_train_samples=200",
+        *extra,
+        env=env,
+    )
 
 
 def _errors(proc: subprocess.CompletedProcess) -> list[str]:
@@ -33,12 +47,25 @@ def _errors(proc: subprocess.CompletedProcess) -> list[str]:
 def test_a_diverging_run_stops_on_every_rank_keeps_its_checkpoint_and_exports_nothing(tmp_path):
     """weight_decay 1e30 is finite, so it validates; the weights blow up after the first steps."""
     out = tmp_path / "out"
-    proc = _run(out, "--set", "training.weight_decay=1.0e+30", "--set", "training.learning_rate=0.001", "--set", "training.checkpoint_every=2",
-                "--set", "training.log_every=5", steps=12, procs=2)
+    proc = _run(
+        out,
+        "--set",
+        "training.weight_decay=1.0e+30",
+        "--set",
+        "training.learning_rate=0.001",
+        "--set",
+        "training.checkpoint_every=2",
+        "--set",
+        "training.log_every=5",
+        steps=12,
+        procs=2,
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     worker_lines = [line for line in _errors(proc) if line.startswith("[rank")]
-    assert len(worker_lines) == 1 and worker_lines[0].startswith("[rank 0] error: training: the loss or the gradient norm became non-finite (nan/inf) at step ")
+    assert len(worker_lines) == 1 and worker_lines[0].startswith(
+        "[rank 0] error: training: the loss or the gradient norm became non-finite (nan/inf) at step "
+    )
     assert "the checkpoint of step 2 is kept" in worker_lines[0] and "nothing was exported" in worker_lines[0]
     assert (out / "checkpoints" / "step-00000002" / "COMPLETE").exists()
     assert not (out / "model").exists() and not (out / "metrics.json").exists()
@@ -59,16 +86,25 @@ def test_rerun_into_a_finished_output_is_refused_and_overwrite_keeps_the_users_f
     for extra in ([], ["--no-preflight"]):
         same = _run(out, *extra)
         assert same.returncode == 0, same.stderr[-2000:]
-        assert f"{out} already holds this job's finished run: nothing to train (pass --overwrite to train it again)" in same.stderr
+        assert (
+            f"{out} already holds this job's finished run: nothing to train (pass --overwrite to train it again)"
+            in same.stderr
+        )
     # Another job into the finished output: refused before the workers start, and by the worker itself.
     for extra in ([], ["--no-preflight"]):
         again = _run(out, "--set", "training.learning_rate=0.01", *extra)
         assert again.returncode == 2, again.stderr[-2000:]
-        assert f"output.uri: {out} holds a finished run (metrics.json, model/) — pick a new output.uri, or pass --overwrite" in _errors(again)[0]
+        assert (
+            f"output.uri: {out} holds a finished run (metrics.json, model/) — pick a new output.uri, or pass --overwrite"
+            in _errors(again)[0]
+        )
     assert (out / "model" / "model.safetensors").stat().st_mtime_ns == weights
     replaced = _run(out, "--overwrite")
     assert replaced.returncode == 0, replaced.stderr[-3000:]
-    assert f"output {out}: starting over (--overwrite): the finished run in {out} is replaced when this run finishes" in replaced.stderr
+    assert (
+        f"output {out}: starting over (--overwrite): the finished run in {out} is replaced when this run finishes"
+        in replaced.stderr
+    )
     assert (out / "notes.txt").read_text() == "the user's"
     assert (out / "model" / "model.safetensors").stat().st_mtime_ns != weights
 
@@ -87,12 +123,23 @@ def test_a_full_disk_leaves_the_previous_run_intact(tmp_path):
         out = mnt / "out"
         first = _run(out, "--set", "lora=null")  # a full fine-tune: no adapter, only model/ (1.6 MB)
         assert first.returncode == 0, first.stderr[-3000:]
-        before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file() and p.parts[len(out.parts)] not in ("history.jsonl", "tensorboard")}
+        before = {
+            p.relative_to(out): p.read_bytes()
+            for p in out.rglob("*")
+            if p.is_file() and p.parts[len(out.parts)] not in ("history.jsonl", "tensorboard")
+        }
         second = _run(out, "--set", "lora=null", "--overwrite")
         assert second.returncode == 2, second.stderr[-3000:]
         assert "Traceback" not in second.stderr
-        assert any(f"output.uri: cannot write the artifacts to {out}: No space left on device" in line for line in _errors(second))
-        after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file() and p.parts[len(out.parts)] not in ("history.jsonl", "tensorboard")}
+        assert any(
+            f"output.uri: cannot write the artifacts to {out}: No space left on device" in line
+            for line in _errors(second)
+        )
+        after = {
+            p.relative_to(out): p.read_bytes()
+            for p in out.rglob("*")
+            if p.is_file() and p.parts[len(out.parts)] not in ("history.jsonl", "tensorboard")
+        }
         assert {k: v for k, v in after.items() if k.parts[0] != "checkpoints"} == before  # the first run, byte for byte
         assert not list(out.glob(".kubetune-staging-*"))
     finally:
@@ -108,9 +155,30 @@ def test_ctrl_c_during_start_up_says_so(tmp_path):
     held: list[socket.socket] = []
     threading.Thread(target=lambda: [held.append(server.accept()[0]) for _ in range(8)], daemon=True).start()
     port = server.getsockname()[1]
-    env = {**os.environ, "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y", "S3_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
-    proc = subprocess.Popen([sys.executable, "-m", "kubetune", "run", str(EXAMPLE), "--set", "data.train=s3://bucket/chat.jsonl",
-                             "--set", f"output.uri={tmp_path / 'out'}"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = {
+        **os.environ,
+        "AWS_ACCESS_KEY_ID": "x",
+        "AWS_SECRET_ACCESS_KEY": "y",
+        "S3_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+    }
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kubetune",
+            "run",
+            str(EXAMPLE),
+            "--set",
+            "data.train=s3://bucket/chat.jsonl",
+            "--set",
+            f"output.uri={tmp_path / 'out'}",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.time() + 60
         while not held:  # preflight reached the data
@@ -123,7 +191,10 @@ def test_ctrl_c_during_start_up_says_so(tmp_path):
             proc.kill()
         server.close()
     assert proc.returncode == 130
-    assert err.strip().splitlines()[-1] == f"interrupted before training started; nothing was written to {tmp_path / 'out'} — run the same command again to start"
+    assert (
+        err.strip().splitlines()[-1]
+        == f"interrupted before training started; nothing was written to {tmp_path / 'out'} — run the same command again to start"
+    )
     assert "Traceback" not in err and not (tmp_path / "out").exists()
 
 
@@ -145,7 +216,9 @@ def test_the_stop_message_follows_the_output_state(tmp_path, state):
         (out / "checkpoints" / "step-00000004").mkdir(parents=True)
         (out / "checkpoints" / "step-00000004" / "COMPLETE").write_text("{}")
     assert output.state_after_stop(job, started) == state
-    expected = {"finished": f"the run had already finished: its artifacts in {out} are complete",
-                "checkpoint": "run the same command again to resume from the last checkpoint",
-                "nothing": "no checkpoint was written yet, so running the same command again starts over"}[state]
+    expected = {
+        "finished": f"the run had already finished: its artifacts in {out} are complete",
+        "checkpoint": "run the same command again to resume from the last checkpoint",
+        "nothing": "no checkpoint was written yet, so running the same command again starts over",
+    }[state]
     assert _after_stop(job, started) == expected

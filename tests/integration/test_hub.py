@@ -30,13 +30,25 @@ def _local_model() -> str:
 
 
 def test_push_model_tokenizer_and_card_then_pull_and_predict(hub, tmp_path, small_csv):
-    spec = tiny_spec(small_csv, "hf://kubetune-bot/sentiment-tiny", model={"uri": _local_model()}, training={"max_steps": 2, "batch_size": 8, "log_every": 1})
+    spec = tiny_spec(
+        small_csv,
+        "hf://kubetune-bot/sentiment-tiny",
+        model={"uri": _local_model()},
+        training={"max_steps": 2, "batch_size": 8, "log_every": 1},
+    )
     spec["output"].update(hf_private=True, commit_message="first fine-tune")
     proc = kubetune("run", str(write_spec(tmp_path / "job.yaml", spec)), env=_hub_env(hub))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert hub.token not in proc.stdout + proc.stderr
     files = hub.files("kubetune-bot/sentiment-tiny")
-    assert {"config.json", "model.safetensors", "tokenizer.json", "README.md", "kubetune/metrics.json", "kubetune/job.yaml"} <= set(files)
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "README.md",
+        "kubetune/metrics.json",
+        "kubetune/job.yaml",
+    } <= set(files)
     assert hub.repo("kubetune-bot/sentiment-tiny")["private"] is True
     assert [c["message"] for c in hub.commits("kubetune-bot/sentiment-tiny")][-1] == "first fine-tune"
     card = files["README.md"].decode()
@@ -52,7 +64,9 @@ def test_push_model_tokenizer_and_card_then_pull_and_predict(hub, tmp_path, smal
 
 def test_rejected_token_fails_before_training(hub, tmp_path, small_csv):
     spec = tiny_spec(small_csv, "hf://kubetune-bot/x", model={"uri": _local_model()})
-    proc = kubetune("run", str(write_spec(tmp_path / "job.yaml", spec)), env=_hub_env(hub, token="hf_wrong_token_value"))
+    proc = kubetune(
+        "run", str(write_spec(tmp_path / "job.yaml", spec)), env=_hub_env(hub, token="hf_wrong_token_value")
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"error: output.uri: the Hub at {hub.url} rejected the token (401) — check HF_TOKEN"
     assert "hf_wrong_token_value" not in proc.stderr

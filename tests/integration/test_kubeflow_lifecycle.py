@@ -55,13 +55,37 @@ def _conditions(*types_, failed_reason=None):
 
 
 def _pod(name, job, rtype, index, phase="Running", container_state=None, last_state=None, conditions=None):
-    status = {"phase": phase, "containerStatuses": [{"name": "pytorch", "restartCount": 1 if last_state else 0, "ready": phase == "Running",
-                                                        "image": "x", "imageID": "", "state": container_state or {"running": {}}, **({"lastState": last_state} if last_state else {})}]}
+    status = {
+        "phase": phase,
+        "containerStatuses": [
+            {
+                "name": "pytorch",
+                "restartCount": 1 if last_state else 0,
+                "ready": phase == "Running",
+                "image": "x",
+                "imageID": "",
+                "state": container_state or {"running": {}},
+                **({"lastState": last_state} if last_state else {}),
+            }
+        ],
+    }
     if conditions:
         status["conditions"] = conditions
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": NS, "labels": {
-        "kubetune.io/job": job, "training.kubeflow.org/replica-type": rtype, "training.kubeflow.org/replica-index": str(index)}},
-        "spec": {"containers": [{"name": "pytorch", "image": "x"}]}, "status": status}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": NS,
+            "labels": {
+                "kubetune.io/job": job,
+                "training.kubeflow.org/replica-type": rtype,
+                "training.kubeflow.org/replica-index": str(index),
+            },
+        },
+        "spec": {"containers": [{"name": "pytorch", "image": "x"}]},
+        "status": status,
+    }
 
 
 def test_submit_creates_owned_objects_in_the_context_namespace(cluster, spec_file):
@@ -70,13 +94,19 @@ def test_submit_creates_owned_objects_in_the_context_namespace(cluster, spec_fil
     assert proc.stdout.strip() == "demo"
     job = cluster.get_obj(*JOBS, NS, "demo")
     assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
-    assert cluster.get_obj("v1", "configmaps", NS, "demo-spec")["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
+    assert (
+        cluster.get_obj("v1", "configmaps", NS, "demo-spec")["metadata"]["ownerReferences"][0]["uid"]
+        == job["metadata"]["uid"]
+    )
     # The claim holds output.uri and the checkpoints: not owned by the job, so neither the operator's
     # TTL deletion nor `kubetune delete` garbage-collects the model with it.
     assert "ownerReferences" not in cluster.get_obj("v1", "persistentvolumeclaims", NS, "demo-workspace")["metadata"]
     code, out, _ = cli(cluster, "delete", "demo")
-    assert code == 0 and out.splitlines() == ["deleted demo", "kept persistentvolumeclaim 'demo-workspace' (the job's output and checkpoints); "
-                                                                "`kubetune delete demo --delete-storage` removes it"]
+    assert code == 0 and out.splitlines() == [
+        "deleted demo",
+        "kept persistentvolumeclaim 'demo-workspace' (the job's output and checkpoints); "
+        "`kubetune delete demo --delete-storage` removes it",
+    ]
     assert cluster.objects("v1", "configmaps", NS) == [] and cluster.objects(*JOBS, NS) == []
     assert [p["metadata"]["name"] for p in cluster.objects("v1", "persistentvolumeclaims", NS)] == ["demo-workspace"]
     # Submitted again, the job finds its claim (and resumes from the checkpoints on it).
@@ -87,21 +117,44 @@ def test_submit_creates_owned_objects_in_the_context_namespace(cluster, spec_fil
 
 
 def test_a_claim_of_the_same_name_that_is_not_the_jobs_is_never_touched(cluster, spec_file):
-    cluster.put("v1", "persistentvolumeclaims", NS, {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "demo-workspace", "namespace": NS},
-                                                     "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}})
+    cluster.put(
+        "v1",
+        "persistentvolumeclaims",
+        NS,
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": "demo-workspace", "namespace": NS},
+            "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}},
+        },
+    )
     code, _, err = cli(cluster, "submit", str(spec_file))
-    assert code == 2 and "persistentvolumeclaim 'demo-workspace' already exists in namespace 'team-a' and is not job 'demo''s workspace" in err
+    assert (
+        code == 2
+        and "persistentvolumeclaim 'demo-workspace' already exists in namespace 'team-a' and is not job 'demo''s workspace"
+        in err
+    )
     assert cluster.objects(*JOBS, NS) == []  # rolled back
-    assert "kubetune.io/job" not in (cluster.get_obj("v1", "persistentvolumeclaims", NS, "demo-workspace")["metadata"].get("labels") or {})
+    assert "kubetune.io/job" not in (
+        cluster.get_obj("v1", "persistentvolumeclaims", NS, "demo-workspace")["metadata"].get("labels") or {}
+    )
 
 
 def test_status_of_a_finished_job_says_where_the_model_is(cluster, spec_file):
     assert cli(cluster, "submit", str(spec_file))[0] == 0
     cluster.set_status(*JOBS, NS, "demo", _conditions("Created", "Running", "Succeeded"))
     code, out, _ = cli(cluster, "status", "demo")
-    assert code == 0 and "  output: persistentvolumeclaim/demo-workspace at /workspace/runs/demo (mounted at /workspace)" in out.splitlines()
+    assert (
+        code == 0
+        and "  output: persistentvolumeclaim/demo-workspace at /workspace/runs/demo (mounted at /workspace)"
+        in out.splitlines()
+    )
     code, out, _ = cli(cluster, "wait", "demo", "--timeout", "5")
-    assert code == 0 and out.strip() == "demo: Succeeded; output: persistentvolumeclaim/demo-workspace at /workspace/runs/demo (mounted at /workspace)"
+    assert (
+        code == 0
+        and out.strip()
+        == "demo: Succeeded; output: persistentvolumeclaim/demo-workspace at /workspace/runs/demo (mounted at /workspace)"
+    )
 
 
 def test_existing_job_409_and_replace(cluster, spec_file):
@@ -109,7 +162,10 @@ def test_existing_job_409_and_replace(cluster, spec_file):
     uid = cluster.get_obj(*JOBS, NS, "demo")["metadata"]["uid"]
     code, _, err = cli(cluster, "submit", str(spec_file))
     assert code == 2
-    assert err.strip() == f"error: pytorchjobs.kubeflow.org 'demo' already exists in namespace '{NS}' — pass --replace, or `kubetune delete demo` first"
+    assert (
+        err.strip()
+        == f"error: pytorchjobs.kubeflow.org 'demo' already exists in namespace '{NS}' — pass --replace, or `kubetune delete demo` first"
+    )
     code, out, err = cli(cluster, "submit", str(spec_file), "--replace")
     assert code == 0, err
     assert cluster.get_obj(*JOBS, NS, "demo")["metadata"]["uid"] != uid
@@ -138,7 +194,10 @@ def test_missing_job_404(cluster):
     for cmd in (["status", "nope"], ["wait", "nope"], ["logs", "nope"], ["delete", "nope"]):
         code, _, err = cli(cluster, *cmd)
         assert code == 2, cmd
-        assert err.strip() == f"error: pytorchjobs.kubeflow.org 'nope' not found in namespace '{NS}' — check the name with `kubetune list` and --namespace"
+        assert (
+            err.strip()
+            == f"error: pytorchjobs.kubeflow.org 'nope' not found in namespace '{NS}' — check the name with `kubetune list` and --namespace"
+        )
 
 
 def test_unreachable_api_server(tmp_path, spec_file):
@@ -163,7 +222,10 @@ def test_wait_succeeded_uses_a_watch_not_polling(cluster, spec_file):
     before = len(cluster.requests)
     code, out, err = cli(cluster, "wait", "demo", "--timeout", "30")
     assert code == 0, err
-    assert out.strip() == f"demo: Succeeded; output: persistentvolumeclaim/demo-workspace at /workspace/runs/demo (mounted at /workspace)"
+    assert (
+        out.strip()
+        == "demo: Succeeded; output: persistentvolumeclaim/demo-workspace at /workspace/runs/demo (mounted at /workspace)"
+    )
     seen = cluster.requests[before:]
     watches = [r for r in seen if r[2].get("watch") in ("true", "1", "True")]
     assert len(watches) == 1 and watches[0][2].get("fieldSelector") == "metadata.name=demo"
@@ -180,10 +242,31 @@ def test_wait_timeout_exit_3(cluster, spec_file):
 def test_failed_with_oomkilled_reason_and_log_tail(cluster, spec_file):
     assert cli(cluster, "submit", str(spec_file))[0] == 0
     cluster.put("v1", "pods", NS, _pod("demo-master-0", "demo", "master", 0))
-    cluster.put("v1", "pods", NS, _pod("demo-worker-0", "demo", "worker", 0, phase="Failed",
-                                       container_state={"terminated": {"exitCode": 137, "reason": "OOMKilled"}}))
+    cluster.put(
+        "v1",
+        "pods",
+        NS,
+        _pod(
+            "demo-worker-0",
+            "demo",
+            "worker",
+            0,
+            phase="Failed",
+            container_state={"terminated": {"exitCode": 137, "reason": "OOMKilled"}},
+        ),
+    )
     cluster.append_log(NS, "demo-worker-0", "pytorch", *[f"step {i}" for i in range(30)], "allocating 9 GiB")
-    cluster.set_status(*JOBS, NS, "demo", _conditions("Created", "Running", "Failed", failed_reason="PyTorchJob demo is failed because 1 Worker replica(s) failed."))
+    cluster.set_status(
+        *JOBS,
+        NS,
+        "demo",
+        _conditions(
+            "Created",
+            "Running",
+            "Failed",
+            failed_reason="PyTorchJob demo is failed because 1 Worker replica(s) failed.",
+        ),
+    )
     code, _, err = cli(cluster, "wait", "demo", "--timeout", "10")
     assert code == 1
     first = err.splitlines()[0]
@@ -197,11 +280,59 @@ def test_failed_with_oomkilled_reason_and_log_tail(cluster, spec_file):
 @pytest.mark.parametrize(
     "pod, reason",
     [
-        (_pod("demo-master-0", "demo", "master", 0, phase="Pending", container_state={"waiting": {"reason": "ImagePullBackOff", "message": "Back-off pulling image \"ghcr.io/x:1\""}}), "ImagePullBackOff"),
-        (_pod("demo-master-0", "demo", "master", 0, phase="Pending", container_state={"waiting": {"reason": "ErrImagePull", "message": "not found"}}), "ErrImagePull"),
-        (_pod("demo-master-0", "demo", "master", 0, container_state={"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 5m0s"}}), "CrashLoopBackOff"),
-        (_pod("demo-master-0", "demo", "master", 0, phase="Pending", container_state={"waiting": {"reason": "ContainerCreating"}},
-              conditions=[{"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."}]), "Unschedulable"),
+        (
+            _pod(
+                "demo-master-0",
+                "demo",
+                "master",
+                0,
+                phase="Pending",
+                container_state={
+                    "waiting": {"reason": "ImagePullBackOff", "message": 'Back-off pulling image "ghcr.io/x:1"'}
+                },
+            ),
+            "ImagePullBackOff",
+        ),
+        (
+            _pod(
+                "demo-master-0",
+                "demo",
+                "master",
+                0,
+                phase="Pending",
+                container_state={"waiting": {"reason": "ErrImagePull", "message": "not found"}},
+            ),
+            "ErrImagePull",
+        ),
+        (
+            _pod(
+                "demo-master-0",
+                "demo",
+                "master",
+                0,
+                container_state={"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 5m0s"}},
+            ),
+            "CrashLoopBackOff",
+        ),
+        (
+            _pod(
+                "demo-master-0",
+                "demo",
+                "master",
+                0,
+                phase="Pending",
+                container_state={"waiting": {"reason": "ContainerCreating"}},
+                conditions=[
+                    {
+                        "type": "PodScheduled",
+                        "status": "False",
+                        "reason": "Unschedulable",
+                        "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.",
+                    }
+                ],
+            ),
+            "Unschedulable",
+        ),
     ],
     ids=["ImagePullBackOff", "ErrImagePull", "CrashLoopBackOff", "Unschedulable"],
 )
@@ -226,13 +357,27 @@ def test_logs_follow_all_ranks_streams_until_pods_finish(cluster, spec_file):
         cluster.append_log(NS, "demo-master-0", "pytorch", "[rank 0] INFO done")
         time.sleep(0.5)
         for name, rtype in (("demo-master-0", "master"), ("demo-worker-0", "worker")):
-            cluster.put("v1", "pods", NS, _pod(name, "demo", rtype, 0, phase="Succeeded", container_state={"terminated": {"exitCode": 0, "reason": "Completed"}}))
+            cluster.put(
+                "v1",
+                "pods",
+                NS,
+                _pod(
+                    name,
+                    "demo",
+                    rtype,
+                    0,
+                    phase="Succeeded",
+                    container_state={"terminated": {"exitCode": 0, "reason": "Completed"}},
+                ),
+            )
 
     threading.Thread(target=progress).start()
     code, out, err = cli(cluster, "logs", "demo", "-f", "--all")
     assert code == 0, err
     lines = out.strip().splitlines()
-    assert sorted(lines) == sorted(["[node 0] [rank 0] INFO epoch 1", "[node 1] [rank 1] WARNING slow step", "[node 0] [rank 0] INFO done"])
+    assert sorted(lines) == sorted(
+        ["[node 0] [rank 0] INFO epoch 1", "[node 1] [rank 1] WARNING slow step", "[node 0] [rank 0] INFO done"]
+    )
     assert lines.index("[node 0] [rank 0] INFO epoch 1") < lines.index("[node 0] [rank 0] INFO done")
     code, out, _ = cli(cluster, "logs", "demo", "--rank", "1", "--tail", "1")
     assert (code, out.strip()) == (0, "[node 1] [rank 1] WARNING slow step")

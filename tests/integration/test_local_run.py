@@ -18,7 +18,9 @@ def full_run(tmp_path_factory, small_csv):
     """One 2-epoch, 2-process full fine-tune; several tests read its artifacts."""
     tmp = tmp_path_factory.mktemp("full")
     out, trace = tmp / "out", tmp / "trace"
-    spec = write_spec(tmp / "job.yaml", tiny_spec(small_csv, out, training__epochs=2, training__grad_accum=2, training__eval_every=3))
+    spec = write_spec(
+        tmp / "job.yaml", tiny_spec(small_csv, out, training__epochs=2, training__grad_accum=2, training__eval_every=3)
+    )
     proc = kubetune("run", str(spec), env={"KUBETUNE_TRACE_DIR": str(trace)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, trace, proc
@@ -46,7 +48,16 @@ def test_every_example_trained_exactly_once_per_epoch_across_ranks(full_run):
 def test_artifacts(full_run):
     out, _, proc = full_run
     metrics = json.loads((out / "metrics.json").read_text())
-    for key in ("eval_accuracy", "eval_f1_macro", "eval_loss", "train_loss", "train_samples_per_second", "train_runtime_s", "world_size", "global_step"):
+    for key in (
+        "eval_accuracy",
+        "eval_f1_macro",
+        "eval_loss",
+        "train_loss",
+        "train_samples_per_second",
+        "train_runtime_s",
+        "world_size",
+        "global_step",
+    ):
         assert metrics[key] is not None, key
     assert metrics["world_size"] == 2
     assert metrics["global_step"] == 2 * 4  # 2 epochs × ceil(120 / (batch 8 × accum 2 × world 2))
@@ -87,7 +98,9 @@ def test_token_counts(full_run, small_csv):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(out / "model")
-    lengths = sorted(len(ids) for ids in tok(pd.read_csv(small_csv)["text"].tolist(), truncation=True, max_length=32)["input_ids"])
+    lengths = sorted(
+        len(ids) for ids in tok(pd.read_csv(small_csv)["text"].tolist(), truncation=True, max_length=32)["input_ids"]
+    )
     n = metrics["train_rows"]
     real = metrics["train_tokens"]
     assert real % 2 == 0 and 2 * sum(lengths[:n]) <= real <= 2 * sum(lengths[-n:])  # 2 epochs of the same 120 rows
@@ -117,8 +130,15 @@ def lora_run(full_run, tmp_path_factory, small_csv):
     """A short 2-process LoRA run after full_run; test_same_seed_same_weights repeats it."""
     tmp = tmp_path_factory.mktemp("lora")
     out = tmp / "lora"
-    spec = write_spec(tmp / "job.yaml", tiny_spec(small_csv, out, lora={"r": 4, "alpha": 8, "target_modules": ["query", "value"]},
-                                                training={"max_steps": 3, "batch_size": 8, "learning_rate": 1e-3, "log_every": 1, "seed": 7}))
+    spec = write_spec(
+        tmp / "job.yaml",
+        tiny_spec(
+            small_csv,
+            out,
+            lora={"r": 4, "alpha": 8, "target_modules": ["query", "value"]},
+            training={"max_steps": 3, "batch_size": 8, "learning_rate": 1e-3, "log_every": 1, "seed": 7},
+        ),
+    )
     proc = kubetune("run", str(spec), "--set", "output.report_baseline=false")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, spec, proc
@@ -149,7 +169,10 @@ def test_second_run_hits_tokenization_cache_and_lora_exports_adapter(lora_run):
 
 
 def test_worker_side_user_error_is_one_line(tmp_path, small_csv):
-    spec = write_spec(tmp_path / "job.yaml", tiny_spec(small_csv, tmp_path / "out", data={"train": str(small_csv), "label_column": "stars"}))
+    spec = write_spec(
+        tmp_path / "job.yaml",
+        tiny_spec(small_csv, tmp_path / "out", data={"train": str(small_csv), "label_column": "stars"}),
+    )
     proc = kubetune("run", str(spec), "--no-preflight")
     assert proc.returncode == 2
     assert "[rank 0] error: data.label_column: column 'stars' not found" in proc.stderr
@@ -193,9 +216,18 @@ def test_killed_worker_fails_the_run_naming_the_rank(tmp_path, small_csv):
     from conftest import ROOT
 
     trace = tmp_path / "trace"
-    spec = write_spec(tmp_path / "job.yaml", tiny_spec(small_csv, tmp_path / "out", training={"epochs": 50, "batch_size": 4, "log_every": 1}))
-    proc = subprocess.Popen([sys.executable, "-m", "kubetune", "run", str(spec)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "KUBETUNE_TRACE_DIR": str(trace)})
+    spec = write_spec(
+        tmp_path / "job.yaml",
+        tiny_spec(small_csv, tmp_path / "out", training={"epochs": 50, "batch_size": 4, "log_every": 1}),
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kubetune", "run", str(spec)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "KUBETUNE_TRACE_DIR": str(trace)},
+    )
     try:
         deadline = time.time() + 120
         while not (trace / "rank1.jsonl").exists():  # training has started on rank 1

@@ -54,14 +54,37 @@ def hosts():
 
 def _agent(host: dict, spec: Path, log: Path) -> subprocess.Popen:
     env = {**os.environ, "GLOO_SOCKET_IFNAME": host["ifname"], "OMP_NUM_THREADS": "1"}
-    cmd = ["ip", "netns", "exec", host["ns"], sys.executable, "-m", "kubetune", "run", str(spec), "--local-addr", host["addr"]]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    cmd = [
+        "ip",
+        "netns",
+        "exec",
+        host["ns"],
+        sys.executable,
+        "-m",
+        "kubetune",
+        "run",
+        str(spec),
+        "--local-addr",
+        host["addr"],
+    ]
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def _spec(small_csv, out: Path, hosts, **training) -> dict:
-    spec = tiny_spec(small_csv, out, training={"epochs": 2, "batch_size": 8, "log_every": 1, "checkpoint_every": 3, "seed": 9, **training})
-    spec["distributed"] = {"nodes": 2, "procs_per_node": 1, "rdzv_endpoint": f"{hosts[0]['addr']}:29512", "max_restarts": 3,
-                           "threads_per_proc": 1}  # two "hosts" share this machine's cores: don't oversubscribe them
+    spec = tiny_spec(
+        small_csv,
+        out,
+        training={"epochs": 2, "batch_size": 8, "log_every": 1, "checkpoint_every": 3, "seed": 9, **training},
+    )
+    spec["distributed"] = {
+        "nodes": 2,
+        "procs_per_node": 1,
+        "rdzv_endpoint": f"{hosts[0]['addr']}:29512",
+        "max_restarts": 3,
+        "threads_per_proc": 1,
+    }  # two "hosts" share this machine's cores: don't oversubscribe them
     spec["output"]["report_baseline"] = False
     return spec
 
@@ -140,5 +163,8 @@ def test_killed_host_agent_recovers_and_completes(hosts, two_node_run, tmp_path,
     text = logs[0].read_text() + logs[2].read_text()
     assert "resumed from checkpoint step" in text
     assert json.loads((out / "metrics.json").read_text())["global_step"] == 16
-    ref, got = load_file(two_node_run[0] / "model" / "model.safetensors"), load_file(out / "model" / "model.safetensors")
+    ref, got = (
+        load_file(two_node_run[0] / "model" / "model.safetensors"),
+        load_file(out / "model" / "model.safetensors"),
+    )
     assert max((ref[k] - got[k]).abs().max().item() for k in ref) == 0.0  # same weights as the uninterrupted 2-host run

@@ -64,17 +64,25 @@ def test_every_example_but_the_elastic_one_submits_as_a_trainjob(tmp_path):
             assert code == 0, f"{example.name}: {err}"
 
 
-@pytest.mark.parametrize("trainer, dropped, hint", [
-    ("v2.1.0", "spec.runtimePatches", "Trainer older than v2.3 (v2.0/v2.1 have no runtimePatches)"),
-    ("v2.2.0", "spec.runtimePatches[0].trainingRuntimeSpec.template.spec.replicatedJobs[0].template.spec.template.spec.terminationGracePeriodSeconds",
-     "Trainer v2.2 (no terminationGracePeriodSeconds in runtime patches)"),
-])
+@pytest.mark.parametrize(
+    "trainer, dropped, hint",
+    [
+        ("v2.1.0", "spec.runtimePatches", "Trainer older than v2.3 (v2.0/v2.1 have no runtimePatches)"),
+        (
+            "v2.2.0",
+            "spec.runtimePatches[0].trainingRuntimeSpec.template.spec.replicatedJobs[0].template.spec.template.spec.terminationGracePeriodSeconds",
+            "Trainer v2.2 (no terminationGracePeriodSeconds in runtime patches)",
+        ),
+    ],
+)
 def test_an_older_trainer_is_refused_in_one_line_before_anything_is_created(tmp_path, trainer, dropped, hint):
     with FakeKubeAPI(trainer=trainer) as server:
         code, _, err = _submit(server, tmp_path, ROOT / "examples" / "sentiment-minilm.yaml", "--target", "trainjob")
         assert code == 2
-        assert _error(err) == (f"error: the cluster would drop {dropped} from the TrainJob: the cluster runs {hint} — "
-                               "install Trainer v2.3 or later (deploy/install.sh --with trainer), or use --target pytorchjob")
+        assert _error(err) == (
+            f"error: the cluster would drop {dropped} from the TrainJob: the cluster runs {hint} — "
+            "install Trainer v2.3 or later (deploy/install.sh --with trainer), or use --target pytorchjob"
+        )
         assert _nothing_created(server)
         dry_runs = [q for method, path, q in server.requests if method == "POST" and path.endswith("/trainjobs")]
         assert dry_runs == [{"dryRun": "All"}]
@@ -83,7 +91,9 @@ def test_an_older_trainer_is_refused_in_one_line_before_anything_is_created(tmp_
 def test_a_cluster_without_trainer_says_how_to_install_it(tmp_path):
     with FakeKubeAPI(trainer=None) as server:
         code, _, err = _submit(server, tmp_path, ROOT / "examples" / "sentiment-minilm.yaml", "--target", "trainjob")
-        assert code == 2 and _error(err).startswith("error: clustertrainingruntimes.trainer.kubeflow.org are not served by this cluster")
+        assert code == 2 and _error(err).startswith(
+            "error: clustertrainingruntimes.trainer.kubeflow.org are not served by this cluster"
+        )
         assert "not served by this cluster" in err and "deploy/install.sh --with trainer" in err
         assert _nothing_created(server)
 
@@ -92,9 +102,13 @@ def test_a_runtime_the_cluster_lacks_lists_those_it_has(tmp_path):
     spec = tmp_path / "job.yaml"
     spec.write_text((ROOT / "examples" / "sentiment-minilm.yaml").read_text() + "\n")
     with FakeKubeAPI() as server:
-        code, _, err = _submit(server, tmp_path, spec, "--target", "trainjob", "--set", "kubernetes.runtime=torch-custom")
+        code, _, err = _submit(
+            server, tmp_path, spec, "--target", "trainjob", "--set", "kubernetes.runtime=torch-custom"
+        )
         assert code == 2
-        assert _error(err).startswith("error: kubernetes.runtime: the cluster has no ClusterTrainingRuntime 'torch-custom' (it has: deepspeed-distributed, ")
+        assert _error(err).startswith(
+            "error: kubernetes.runtime: the cluster has no ClusterTrainingRuntime 'torch-custom' (it has: deepspeed-distributed, "
+        )
         assert "torch-distributed" in err and _nothing_created(server)
 
 
@@ -112,7 +126,8 @@ def test_a_job_the_webhook_refuses_is_one_line_not_an_rbac_error(tmp_path):
             "the cluster refused pytorchjobs.kubeflow.org 'sentiment-minilm-gpu': admission webhook "
             '"validator.pytorchjob.training-operator.kubeflow.org" denied the request: '
             "spec.elasticPolicy.nProcPerNode: Forbidden: must not be used with spec.nprocPerNode — "
-            "change the spec's kubernetes/distributed settings the message names, or use the other --target")
+            "change the spec's kubernetes/distributed settings the message names, or use the other --target"
+        )
         assert server.objects("kubeflow.org/v1", "pytorchjobs", NS) == []
 
 
@@ -123,8 +138,11 @@ def test_a_pruned_field_is_refused_by_name(tmp_path):
         backend = KubeflowBackend(kubeconfig=kubeconfig)
         job = manifests.render(load_spec(ROOT / "examples" / "sentiment-minilm.yaml"), NS).job
         job["spec"]["runPolicy"]["futureKnob"] = True
-        with pytest.raises(KubetuneError, match=r"the cluster would drop spec.runPolicy.futureKnob from the PyTorchJob: "
-                                                r"the cluster's Training Operator is older"):
+        with pytest.raises(
+            KubetuneError,
+            match=r"the cluster would drop spec.runPolicy.futureKnob from the PyTorchJob: "
+            r"the cluster's Training Operator is older",
+        ):
             backend._check_served(job)
 
 
@@ -140,8 +158,13 @@ def test_after_submit_the_job_kind_is_found_on_the_cluster(tmp_path):
     name = load_spec(example).name
     with FakeKubeAPI() as server:
         assert _submit(server, tmp_path, example, "--target", "trainjob")[0] == 0
-        server.set_status("trainer.kubeflow.org/v1alpha1", "trainjobs", NS, name,
-                          {"conditions": [{"type": "Complete", "status": "True", "reason": "JobSetCompleted", "message": "done"}]})
+        server.set_status(
+            "trainer.kubeflow.org/v1alpha1",
+            "trainjobs",
+            NS,
+            name,
+            {"conditions": [{"type": "Complete", "status": "True", "reason": "JobSetCompleted", "message": "done"}]},
+        )
         code, out, err = _cli(server, tmp_path, "status", name)
         assert code == 0, err
         assert "TrainJob" in out and "Succeeded" in out
@@ -154,8 +177,10 @@ def test_after_submit_the_job_kind_is_found_on_the_cluster(tmp_path):
         assert _submit(server, tmp_path, example, "--target", "trainjob")[0] == 0
         assert _submit(server, tmp_path, example)[0] == 0
         code, _, err = _cli(server, tmp_path, "status", name)
-        assert code == 2 and _error(err) == (f"error: --target: both a PyTorchJob and a TrainJob are named '{name}' in namespace '{NS}' — "
-                                             "pass --target pytorchjob or --target trainjob")
+        assert code == 2 and _error(err) == (
+            f"error: --target: both a PyTorchJob and a TrainJob are named '{name}' in namespace '{NS}' — "
+            "pass --target pytorchjob or --target trainjob"
+        )
         assert _cli(server, tmp_path, "status", name, "--target", "pytorchjob")[0] == 0
 
 

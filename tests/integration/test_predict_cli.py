@@ -32,7 +32,9 @@ def pickle_only(tmp_path_factory) -> Path:
     from transformers import BertConfig, BertForSequenceClassification
 
     d = tmp_path_factory.mktemp("pickle") / "model"
-    model = BertForSequenceClassification(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, num_labels=2))
+    model = BertForSequenceClassification(
+        BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, num_labels=2)
+    )
     model.save_pretrained(d)
     torch.save(model.state_dict(), d / "pytorch_model.bin")
     (d / "model.safetensors").unlink()
@@ -64,7 +66,8 @@ def test_non_utf8_file_is_one_line(tmp_path):
     path = tmp_path / "prompts.txt"
     path.write_bytes("Write about caf\xe9s\n".encode("latin-1"))
     assert _one_line(kubetune("predict", str(LLAMA), "--file", str(path))) == (
-        f"error: --file: {path} is not UTF-8 text (byte 0xe9 at offset 15) — save it as UTF-8, e.g. iconv -f latin1 -t utf-8")
+        f"error: --file: {path} is not UTF-8 text (byte 0xe9 at offset 15) — save it as UTF-8, e.g. iconv -f latin1 -t utf-8"
+    )
 
 
 def test_long_prompt_is_cut_with_one_warning_line(tmp_path):
@@ -73,13 +76,20 @@ def test_long_prompt_is_cut_with_one_warning_line(tmp_path):
     proc = kubetune("predict", str(LLAMA), "--file", str(path), "--max-new-tokens", "8", "--json", timeout=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr.splitlines() == [
-        "warning: prompt 1 has 400,001 tokens, more than the model's 512-token context leaves beside --max-new-tokens 8; kept the last 503 tokens of the text"]
+        "warning: prompt 1 has 400,001 tokens, more than the model's 512-token context leaves beside --max-new-tokens 8; kept the last 503 tokens of the text"
+    ]
 
 
 # ---- an unreachable Hub ----------------------------------------------------------------------
 
+
 def _offline_hub_env(port: int) -> dict:
-    return {"HF_HUB_OFFLINE": "0", "HF_TOKEN": "hf_dummy_token_value", "HF_ENDPOINT": f"http://127.0.0.1:{port}", "HF_HUB_DISABLE_XET": "1"}
+    return {
+        "HF_HUB_OFFLINE": "0",
+        "HF_TOKEN": "hf_dummy_token_value",
+        "HF_ENDPOINT": f"http://127.0.0.1:{port}",
+        "HF_HUB_DISABLE_XET": "1",
+    }
 
 
 PUSH = """
@@ -100,7 +110,10 @@ def test_unreachable_hub_before_training_is_one_line(tmp_path, small_csv):
     port = _closed_port()
     spec = write_spec(tmp_path / "job.yaml", tiny_spec(small_csv, "hf://kubetune-bot/x", model={"uri": str(MINILM)}))
     line = _one_line(kubetune("run", str(spec), env=_offline_hub_env(port)))
-    assert line == f"error: output.uri: cannot reach the Hub at http://127.0.0.1:{port} (ConnectError) — check HF_ENDPOINT and the network"
+    assert (
+        line
+        == f"error: output.uri: cannot reach the Hub at http://127.0.0.1:{port} (ConnectError) — check HF_ENDPOINT and the network"
+    )
 
 
 def test_unreachable_hub_at_push_is_one_line(tmp_path, small_csv):
@@ -109,16 +122,32 @@ def test_unreachable_hub_at_push_is_one_line(tmp_path, small_csv):
     spec = write_spec(tmp_path / "job.yaml", tiny_spec(small_csv, "hf://kubetune-bot/x", model={"uri": str(MINILM)}))
     (tmp_path / "out" / "model").mkdir(parents=True)
     shutil.copy(MINILM / "config.json", tmp_path / "out" / "model" / "config.json")
-    proc = subprocess.run([sys.executable, "-c", PUSH, str(spec), str(tmp_path / "out")], capture_output=True, text=True, timeout=120,
-                          cwd=ROOT, env={**os.environ, **_offline_hub_env(port)})
-    assert _one_line(proc) == (f"error: output.uri: cannot reach the Hub at http://127.0.0.1:{port} to push hf://kubetune-bot/x (ConnectError) — "
-                               "check HF_ENDPOINT and the network; the local artifacts are kept")
+    proc = subprocess.run(
+        [sys.executable, "-c", PUSH, str(spec), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, **_offline_hub_env(port)},
+    )
+    assert _one_line(proc) == (
+        f"error: output.uri: cannot reach the Hub at http://127.0.0.1:{port} to push hf://kubetune-bot/x (ConnectError) — "
+        "check HF_ENDPOINT and the network; the local artifacts are kept"
+    )
     assert (tmp_path / "out" / "model" / "config.json").exists()
 
 
 def test_unreachable_or_offline_hub_at_pull_is_one_line(tmp_path):
     port = _closed_port()
     line = _one_line(kubetune("pull", "hf://kubetune-bot/x", str(tmp_path / "a"), env=_offline_hub_env(port)))
-    assert line == f"error: URI: cannot reach the Hub at http://127.0.0.1:{port} to download hf://kubetune-bot/x — check HF_ENDPOINT and the network"
-    line = _one_line(kubetune("pull", "hf://kubetune-bot/x", str(tmp_path / "b")))  # the suite runs with HF_HUB_OFFLINE=1
-    assert line == "error: URI: HF_HUB_OFFLINE=1 is set and hf://kubetune-bot/x is not in the local cache — unset HF_HUB_OFFLINE to download it"
+    assert (
+        line
+        == f"error: URI: cannot reach the Hub at http://127.0.0.1:{port} to download hf://kubetune-bot/x — check HF_ENDPOINT and the network"
+    )
+    line = _one_line(
+        kubetune("pull", "hf://kubetune-bot/x", str(tmp_path / "b"))
+    )  # the suite runs with HF_HUB_OFFLINE=1
+    assert (
+        line
+        == "error: URI: HF_HUB_OFFLINE=1 is set and hf://kubetune-bot/x is not in the local cache — unset HF_HUB_OFFLINE to download it"
+    )

@@ -20,7 +20,11 @@ pytestmark = pytest.mark.integration
 
 
 def _spec(small_csv, out: Path, **training) -> dict:
-    spec = tiny_spec(small_csv, out, training={"epochs": 2, "batch_size": 8, "log_every": 1, "checkpoint_every": 3, "seed": 5, **training})
+    spec = tiny_spec(
+        small_csv,
+        out,
+        training={"epochs": 2, "batch_size": 8, "log_every": 1, "checkpoint_every": 3, "seed": 5, **training},
+    )
     spec["output"]["report_baseline"] = False
     return spec
 
@@ -51,8 +55,14 @@ def reference(tmp_path_factory, small_csv):
 
 
 def _start(spec_path: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "kubetune", "run", str(spec_path)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "kubetune", "run", str(spec_path)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _wait_for_checkpoint(out: Path, step: int, proc: subprocess.Popen, timeout: float = 180) -> None:
@@ -68,7 +78,11 @@ def _worker_pids(launcher: int) -> dict[int, int]:
     ranks = {}
     for pid in _descendants(launcher):
         try:
-            env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0") if "=" in kv)
+            env = dict(
+                kv.split("=", 1)
+                for kv in Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+                if "=" in kv
+            )
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
@@ -103,7 +117,9 @@ def test_sigkilled_worker_then_rerun_resumes_exactly(reference, tmp_path, small_
     train_steps = [h["step"] for h in history if h["type"] == "train"]
     assert train_steps == list(range(1, 17))  # nothing lost, nothing twice
     ref_history = [json.loads(line) for line in (reference / "history.jsonl").read_text().splitlines()]
-    assert [h["loss"] for h in history if h["type"] == "train"] == [h["loss"] for h in ref_history if h["type"] == "train"]
+    assert [h["loss"] for h in history if h["type"] == "train"] == [
+        h["loss"] for h in ref_history if h["type"] == "train"
+    ]
 
 
 def test_sigterm_to_kubetune_run_checkpoints_exits_143_and_resumes_exactly(reference, tmp_path, small_csv):
@@ -111,7 +127,10 @@ def test_sigterm_to_kubetune_run_checkpoints_exits_143_and_resumes_exactly(refer
     spec = write_spec(tmp_path / "job.yaml", _spec(small_csv, out, checkpoint_every=100))
     proc = _start(spec)
     deadline = time.time() + 180
-    while not list((out / "history.jsonl").parent.glob("history.jsonl")) or len((out / "history.jsonl").read_text().splitlines()) < 4:
+    while (
+        not list((out / "history.jsonl").parent.glob("history.jsonl"))
+        or len((out / "history.jsonl").read_text().splitlines()) < 4
+    ):
         assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
@@ -169,7 +188,11 @@ def test_incompatible_checkpoints_are_one_line_errors(tmp_path, small_csv):
     found = checkpoint.Found(step, out / "checkpoints" / f"step-{step:08d}")
     saved = checkpoint.load(found)["fingerprint"]
     same = load_spec(spec)
-    checkpoint.check_compatible(saved, checkpoint.fingerprint(same, saved["labels"], same.distributed.world_size, saved["data"]["train_rows"]), str(found.path))
+    checkpoint.check_compatible(
+        saved,
+        checkpoint.fingerprint(same, saved["labels"], same.distributed.world_size, saved["data"]["train_rows"]),
+        str(found.path),
+    )
     cases = [
         ("distributed.procs_per_node=1", "error: distributed: the checkpoint in"),
         ("training.batch_size=4", "error: training.batch_size: the checkpoint in"),
@@ -179,7 +202,9 @@ def test_incompatible_checkpoints_are_one_line_errors(tmp_path, small_csv):
     ]
     for override, expected in cases:
         changed = load_spec(spec, [override])
-        current = checkpoint.fingerprint(changed, saved["labels"], changed.distributed.world_size, saved["data"]["train_rows"])
+        current = checkpoint.fingerprint(
+            changed, saved["labels"], changed.distributed.world_size, saved["data"]["train_rows"]
+        )
         with pytest.raises(KubetuneError) as e:
             checkpoint.check_compatible(saved, current, str(found.path))
         line = f"error: {e.value}"

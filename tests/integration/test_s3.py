@@ -51,14 +51,22 @@ class Moto:
 
     def set_auth(self, enabled: bool):
         """moto's own admin endpoint: authenticate every request from now on (or stop doing so)."""
-        req = urllib.request.Request(f"{self.url}/moto-api/reset-auth", data=b"0" if enabled else b"inf", method="POST",
-                                     headers={"Content-Type": "text/plain"})  # a form content type would hide the body
+        req = urllib.request.Request(
+            f"{self.url}/moto-api/reset-auth",
+            data=b"0" if enabled else b"inf",
+            method="POST",
+            headers={"Content-Type": "text/plain"},
+        )  # a form content type would hide the body
         urllib.request.urlopen(req).read()
 
 
 @pytest.fixture(scope="module")
 def moto():
-    env = {"AWS_ACCESS_KEY_ID": "AKIAKUBETUNETEST", "AWS_SECRET_ACCESS_KEY": FAKE_SECRET, "AWS_DEFAULT_REGION": "us-east-1"}
+    env = {
+        "AWS_ACCESS_KEY_ID": "AKIAKUBETUNETEST",
+        "AWS_SECRET_ACCESS_KEY": FAKE_SECRET,
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
     saved = {k: os.environ.get(k) for k in [*env, "S3_ENDPOINT_URL", "KUBETUNE_S3_MAX_ATTEMPTS"]}
     server = Moto()
     server.start()
@@ -109,27 +117,40 @@ def test_dataset_prefix_and_single_object(moto, s3, small_csv):
     df = pd.read_csv(small_csv)
     for i, part in enumerate((df.iloc[:80], df.iloc[80:])):
         s3.put_object(Bucket=BUCKET, Key=f"datasets/sentiment/part-{i}.csv", Body=part.to_csv(index=False).encode())
-    f = load_frames(DataSpec(train=f"s3://{BUCKET}/datasets/sentiment/", label_column="sentiment", eval_fraction=0.25), seed=0)
+    f = load_frames(
+        DataSpec(train=f"s3://{BUCKET}/datasets/sentiment/", label_column="sentiment", eval_fraction=0.25), seed=0
+    )
     assert len(f.train) + len(f.eval) == 160
-    f = load_frames(DataSpec(train=f"s3://{BUCKET}/datasets/sentiment/part-1.csv", label_column="sentiment", eval_fraction=0.25), seed=0)
+    f = load_frames(
+        DataSpec(train=f"s3://{BUCKET}/datasets/sentiment/part-1.csv", label_column="sentiment", eval_fraction=0.25),
+        seed=0,
+    )
     assert len(f.train) + len(f.eval) == 80
 
 
 def test_end_to_end_s3_in_s3_out_then_predict_and_pull(moto, s3, tmp_path, small_csv):
     s3p.upload_dir(_minilm_dir(), f"s3://{BUCKET}/models/minilm-e2e")
     s3.upload_file(str(small_csv), BUCKET, "datasets/small.csv")
-    spec = tiny_spec(f"s3://{BUCKET}/datasets/small.csv", f"s3://{BUCKET}/runs/tiny", model={"uri": f"s3://{BUCKET}/models/minilm-e2e"},
-                     training={"max_steps": 3, "batch_size": 8, "log_every": 1})
+    spec = tiny_spec(
+        f"s3://{BUCKET}/datasets/small.csv",
+        f"s3://{BUCKET}/runs/tiny",
+        model={"uri": f"s3://{BUCKET}/models/minilm-e2e"},
+        training={"max_steps": 3, "batch_size": 8, "log_every": 1},
+    )
     spec["s3"] = {"endpoint_url": moto.url}
     proc = kubetune("run", str(write_spec(tmp_path / "job.yaml", spec)), env={"S3_ENDPOINT_URL": ""})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert FAKE_SECRET not in proc.stdout + proc.stderr
-    keys = {o["Key"].removeprefix("runs/tiny/") for o in s3.list_objects_v2(Bucket=BUCKET, Prefix="runs/tiny/")["Contents"]}
+    keys = {
+        o["Key"].removeprefix("runs/tiny/") for o in s3.list_objects_v2(Bucket=BUCKET, Prefix="runs/tiny/")["Contents"]
+    }
     assert {s3p.MANIFEST, "metrics.json", "report.html", "model/config.json", "model/model.safetensors"} <= keys
     pred = kubetune("predict", f"s3://{BUCKET}/runs/tiny", "what a great idea", "--json", "--endpoint-url", moto.url)
     assert pred.returncode == 0, pred.stderr
     assert json.loads(pred.stdout)[0]["label"] in {"negative", "neutral", "positive"}
-    inner = kubetune("predict", f"s3://{BUCKET}/runs/tiny/model", "what a great idea", "--json", "--endpoint-url", moto.url)  # the model/ inside
+    inner = kubetune(
+        "predict", f"s3://{BUCKET}/runs/tiny/model", "what a great idea", "--json", "--endpoint-url", moto.url
+    )  # the model/ inside
     assert inner.returncode == 0, inner.stderr
     assert json.loads(inner.stdout) == json.loads(pred.stdout)
     pulled = kubetune("pull", f"s3://{BUCKET}/runs/tiny", str(tmp_path / "pulled"), "--endpoint-url", moto.url)
@@ -168,7 +189,10 @@ def test_server_stopped_mid_upload_errors_after_retries_and_leaves_no_manifest(m
     finally:
         stopped.wait(10)
         moto.start()  # same port, same in-process data: as if the server came back
-    assert f"output.uri: cannot reach the S3 endpoint to upload to bucket '{BUCKET}' at {moto.url} (after retries)" in str(e.value)
+    assert (
+        f"output.uri: cannot reach the S3 endpoint to upload to bucket '{BUCKET}' at {moto.url} (after retries)"
+        in str(e.value)
+    )
     assert time.monotonic() - t0 < 120
     keys = {o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix="runs/crash/").get("Contents", [])}
     assert f"runs/crash/{s3p.MANIFEST}" not in keys
@@ -181,11 +205,17 @@ def test_wrong_credentials_one_line(moto, tmp_path, small_csv):
     spec = write_spec(tmp_path / "job.yaml", tiny_spec(small_csv, f"s3://{BUCKET}/runs/denied"))
     moto.set_auth(True)
     try:
-        proc = kubetune("run", str(spec), env={"AWS_ACCESS_KEY_ID": "AKIAWRONGWRONGWRONG", "AWS_SECRET_ACCESS_KEY": "wrong-secret-value"})
+        proc = kubetune(
+            "run",
+            str(spec),
+            env={"AWS_ACCESS_KEY_ID": "AKIAWRONGWRONGWRONG", "AWS_SECRET_ACCESS_KEY": "wrong-secret-value"},
+        )
     finally:
         moto.set_auth(False)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [f"error: output.uri: S3 refused to write to bucket '{BUCKET}' at {moto.url} (403) — check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY and the bucket policy"]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: output.uri: S3 refused to write to bucket '{BUCKET}' at {moto.url} (403) — check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY and the bucket policy"
+    ]
     assert "wrong-secret-value" not in proc.stderr and "AKIAWRONG" not in proc.stderr
 
 
@@ -193,7 +223,10 @@ def test_missing_bucket_one_line(moto, tmp_path, small_csv):
     spec = write_spec(tmp_path / "job.yaml", tiny_spec(small_csv, "s3://no-such-bucket/runs/x"))
     proc = kubetune("run", str(spec))
     assert proc.returncode == 2
-    assert proc.stderr.strip() == f"error: output.uri: bucket 'no-such-bucket' at {moto.url} does not exist — create it (e.g. `mc mb local/no-such-bucket`) or fix the URI"
+    assert (
+        proc.stderr.strip()
+        == f"error: output.uri: bucket 'no-such-bucket' at {moto.url} does not exist — create it (e.g. `mc mb local/no-such-bucket`) or fix the URI"
+    )
     proc = kubetune("predict", "s3://no-such-bucket/runs/x", "hi")
     assert proc.returncode == 2 and f"bucket 'no-such-bucket' at {moto.url} does not exist" in proc.stderr
 
@@ -217,7 +250,13 @@ def _large_download_peak_rss(moto, s3, tmp_path, size_mb: int) -> tuple[int, int
         "hwm = int(re.search(r'VmHWM:\\s+(\\d+) kB', Path('/proc/self/status').read_text()).group(1)) * 1024\n"
         "print(p.stat().st_size, hwm)\n"
     )
-    out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "dl" / "object.bin")], capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "dl" / "object.bin")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=True,
+    ).stdout
     size, rss = map(int, out.split())
     return size, rss
 
@@ -251,11 +290,15 @@ def test_hostile_keys_under_a_downloaded_prefix_are_refused(moto, s3, tmp_path, 
     s3.put_object(Bucket=BUCKET, Key=f"{prefix}/part-0.csv", Body=b"text,label\nhi,a\n")
     key = f"{prefix}/" + suffix.format(tmp=str(tmp_path).strip("/"))
     s3.put_object(Bucket=BUCKET, Key=key, Body=b"pwned")
-    assert key in {o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix=prefix)["Contents"]}  # the server kept it verbatim
+    assert key in {
+        o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix=prefix)["Contents"]
+    }  # the server kept it verbatim
     with pytest.raises(KubetuneError) as e:
         providers.resolve(f"s3://{BUCKET}/{prefix}/", kind="dataset", field="data.train")
     line = str(e.value)
-    assert line.startswith(f"data.train: bucket '{BUCKET}', key '{key}'") and "would write outside its destination" in line
+    assert (
+        line.startswith(f"data.train: bucket '{BUCKET}', key '{key}'") and "would write outside its destination" in line
+    )
     assert not list(tmp_path.rglob("escaped")) and not (tmp_path / "escaped").exists()
 
 
@@ -265,7 +308,10 @@ def _artifact_with_manifest(s3, prefix: str, files: dict[str, bytes], listed: di
     for rel, body in files.items():
         s3.put_object(Bucket=BUCKET, Key=f"{prefix}/{rel}", Body=body)
     listed = files if listed is None else listed
-    manifest = {"format": "kubetune-artifact/1", "files": {rel: {"size": len(b), "sha256": hashlib.sha256(b).hexdigest()} for rel, b in listed.items()}}
+    manifest = {
+        "format": "kubetune-artifact/1",
+        "files": {rel: {"size": len(b), "sha256": hashlib.sha256(b).hexdigest()} for rel, b in listed.items()},
+    }
     s3.put_object(Bucket=BUCKET, Key=f"{prefix}/{s3p.MANIFEST}", Body=json.dumps(manifest).encode())
 
 
@@ -273,15 +319,28 @@ def test_a_manifest_listing_a_path_outside_is_refused_by_pull_and_predict(moto, 
     rel = "../" * 12 + str(tmp_path).strip("/") + "/escaped"
     prefix = f"hostile/{tmp_path.name}/run"
     _artifact_with_manifest(s3, prefix, {"model/config.json": b"{}", rel: b"pwned"})
-    for args in (["pull", f"s3://{BUCKET}/{prefix}", str(tmp_path / "pulled")], ["predict", f"s3://{BUCKET}/{prefix}", "hi"]):
+    for args in (
+        ["pull", f"s3://{BUCKET}/{prefix}", str(tmp_path / "pulled")],
+        ["predict", f"s3://{BUCKET}/{prefix}", "hi"],
+    ):
         proc = kubetune(*args, "--endpoint-url", moto.url)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-        assert f"bucket '{BUCKET}'" in proc.stderr and "'../../" in proc.stderr and "would write outside its destination" in proc.stderr
+        assert (
+            f"bucket '{BUCKET}'" in proc.stderr
+            and "'../../" in proc.stderr
+            and "would write outside its destination" in proc.stderr
+        )
     # A manifest entry alone (no such key in the listing) is refused the same way, before any download.
-    _artifact_with_manifest(s3, prefix + "-2", {"model/config.json": b"{}"}, listed={"model/config.json": b"{}", rel: b"pwned"})
+    _artifact_with_manifest(
+        s3, prefix + "-2", {"model/config.json": b"{}"}, listed={"model/config.json": b"{}", rel: b"pwned"}
+    )
     with pytest.raises(KubetuneError, match=f"_kubetune_manifest.json of bucket '{BUCKET}' lists: the name '../../"):
         s3p.download(f"s3://{BUCKET}/{prefix}-2/", tmp_path / "pulled2", field="MODEL", require_manifest=True)
-    assert not (tmp_path / "escaped").exists() and not (tmp_path / "pulled").exists() and not (tmp_path / "pulled2").exists()
+    assert (
+        not (tmp_path / "escaped").exists()
+        and not (tmp_path / "pulled").exists()
+        and not (tmp_path / "pulled2").exists()
+    )
 
 
 def test_a_tampered_file_never_takes_its_name(moto, s3, tmp_path):
@@ -295,9 +354,15 @@ def test_a_tampered_file_never_takes_its_name(moto, s3, tmp_path):
 
 def test_the_model_directory_inside_an_artifact_is_accepted(moto, s3, tmp_path):
     prefix = f"runs/{tmp_path.name}"
-    _artifact_with_manifest(s3, prefix, {"model/config.json": b'{"a": 1}', "model/tokenizer.json": b"{}", "metrics.json": b"{}"})
+    _artifact_with_manifest(
+        s3, prefix, {"model/config.json": b'{"a": 1}', "model/tokenizer.json": b"{}", "metrics.json": b"{}"}
+    )
     got = s3p.download(f"s3://{BUCKET}/{prefix}/model/", tmp_path / "m", field="MODEL", require_manifest=True)
-    assert sorted(p.name for p in got.iterdir() if not p.name.startswith(".")) == ["_kubetune_manifest.json", "config.json", "tokenizer.json"]
+    assert sorted(p.name for p in got.iterdir() if not p.name.startswith(".")) == [
+        "_kubetune_manifest.json",
+        "config.json",
+        "tokenizer.json",
+    ]
     assert (got / "config.json").read_bytes() == b'{"a": 1}'
 
 
@@ -325,13 +390,20 @@ def test_a_checkpoint_manifest_listing_a_path_outside_is_refused(moto, s3, tmp_p
     assert not list(tmp_path.rglob("escaped"))
 
 
-@pytest.mark.parametrize("setup, overwrite, expected", [
-    ("foreign", False, "holds 1 objects that kubetune did not write (no .kubetune-output), e.g. 'thesis.tex' — pick a new output.uri, or pass --overwrite"),
-    ("foreign", True, "adopt"),
-    ("finished", False, "holds a finished run (metrics.json, model/) — pick a new output.uri, or pass --overwrite"),
-    ("finished", True, "replace"),
-    ("empty", False, "new"),
-])
+@pytest.mark.parametrize(
+    "setup, overwrite, expected",
+    [
+        (
+            "foreign",
+            False,
+            "holds 1 objects that kubetune did not write (no .kubetune-output), e.g. 'thesis.tex' — pick a new output.uri, or pass --overwrite",
+        ),
+        ("foreign", True, "adopt"),
+        ("finished", False, "holds a finished run (metrics.json, model/) — pick a new output.uri, or pass --overwrite"),
+        ("finished", True, "replace"),
+        ("empty", False, "new"),
+    ],
+)
 def test_s3_output_prefix_ownership(moto, s3, tmp_path, setup, overwrite, expected):
     from kubetune.artifacts import output
     from kubetune.config import parse_spec
@@ -342,7 +414,14 @@ def test_s3_output_prefix_ownership(moto, s3, tmp_path, setup, overwrite, expect
     elif setup == "finished":
         _artifact_with_manifest(s3, prefix, {"model/config.json": b"{}", "metrics.json": b"{}"})
         s3.put_object(Bucket=BUCKET, Key=f"{prefix}/{output.MARKER}", Body=b"{}")
-    spec = parse_spec({"name": "t", "model": {"uri": "hf://o/m"}, "data": {"train": "t.csv"}, "output": {"uri": f"s3://{BUCKET}/{prefix}", "overwrite": overwrite}})
+    spec = parse_spec(
+        {
+            "name": "t",
+            "model": {"uri": "hf://o/m"},
+            "data": {"train": "t.csv"},
+            "output": {"uri": f"s3://{BUCKET}/{prefix}", "overwrite": overwrite},
+        }
+    )
     if " " in expected:
         with pytest.raises(KubetuneError) as e:
             output.inspect(spec)

@@ -61,24 +61,41 @@ def test_seed_call_trains_locally_and_the_sdk_calls_answer(tmp_path, hub_dataset
     client = TrainingClient(backend="local")
     client.train(
         name="fine-tune-minilm",
-        model_provider_parameters=HuggingFaceModelParams(model_uri=MINILM, transformer_type=transformers.AutoModelForSequenceClassification),
+        model_provider_parameters=HuggingFaceModelParams(
+            model_uri=MINILM, transformer_type=transformers.AutoModelForSequenceClassification
+        ),
         dataset_provider_parameters=HuggingFaceDatasetParams(repo_id=hub_dataset, split="train[:120]"),
         trainer_parameters=HuggingFaceTrainerParams(
             training_parameters=transformers.TrainingArguments(
-                output_dir=str(out), save_strategy="no", eval_strategy="no", do_eval=False, disable_tqdm=True, log_level="info",
-                max_steps=6, per_device_train_batch_size=8, logging_steps=2,
+                output_dir=str(out),
+                save_strategy="no",
+                eval_strategy="no",
+                do_eval=False,
+                disable_tqdm=True,
+                log_level="info",
+                max_steps=6,
+                per_device_train_batch_size=8,
+                logging_steps=2,
             ),
             lora_config=LoraConfig(r=8, lora_alpha=8, lora_dropout=0.1, bias="none"),
         ),
         num_workers=1,
         num_procs_per_worker=2,
-        resources_per_worker={"gpu": 0, "cpu": 2, "memory": "4G"},  # carried into the spec; a local run does not use them
+        resources_per_worker={
+            "gpu": 0,
+            "cpu": 2,
+            "memory": "4G",
+        },  # carried into the spec; a local run does not use them
         overrides=["data.max_length=32"],  # kubetune's extension: the SDK call has no place for it
     )
     try:
         job = client.wait_for_job_conditions("fine-tune-minilm", wait_timeout=240, polling_interval=2)
     except JobError:
-        pytest.fail("\n".join(client.get_job_logs("fine-tune-minilm")[0].get("fine-tune-minilm-master-0", "").splitlines()[-30:]))
+        pytest.fail(
+            "\n".join(
+                client.get_job_logs("fine-tune-minilm")[0].get("fine-tune-minilm-master-0", "").splitlines()[-30:]
+            )
+        )
     assert isinstance(job, KubeflowOrgV1PyTorchJob) and job.metadata.name == "fine-tune-minilm"
     assert client.is_job_succeeded("fine-tune-minilm") and not client.is_job_failed("fine-tune-minilm")
 
@@ -112,16 +129,41 @@ def cluster(tmp_path):
 
 
 def _conditions(*types_, message=None):
-    out = [{"type": t, "status": "True", "reason": f"PyTorchJob{t}", "message": message or f"job is {t.lower()}"} for t in types_]
+    out = [
+        {"type": t, "status": "True", "reason": f"PyTorchJob{t}", "message": message or f"job is {t.lower()}"}
+        for t in types_
+    ]
     return {"conditions": out}
 
 
 def _pod(job: str, rtype: str, index: int) -> dict:
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{job}-{rtype}-{index}", "namespace": NS, "labels": {
-        "kubetune.io/job": job, "training.kubeflow.org/replica-type": rtype, "training.kubeflow.org/replica-index": str(index)}},
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": f"{job}-{rtype}-{index}",
+            "namespace": NS,
+            "labels": {
+                "kubetune.io/job": job,
+                "training.kubeflow.org/replica-type": rtype,
+                "training.kubeflow.org/replica-index": str(index),
+            },
+        },
         "spec": {"containers": [{"name": "pytorch", "image": "x"}]},
-        "status": {"phase": "Running", "containerStatuses": [{"name": "pytorch", "restartCount": 0, "ready": True, "image": "x",
-                                                              "imageID": "", "state": {"running": {}}}]}}
+        "status": {
+            "phase": "Running",
+            "containerStatuses": [
+                {
+                    "name": "pytorch",
+                    "restartCount": 0,
+                    "ready": True,
+                    "image": "x",
+                    "imageID": "",
+                    "state": {"running": {}},
+                }
+            ],
+        },
+    }
 
 
 def test_seed_call_submits_a_pytorchjob_and_the_sdk_calls_answer(cluster):
@@ -136,7 +178,10 @@ def test_seed_call_submits_a_pytorchjob_and_the_sdk_calls_answer(cluster):
     for role in ("Master", "Worker"):
         container = next(c for c in replicas[role]["template"]["spec"]["containers"] if c["name"] == "pytorch")
         # GPUs as a limit only: Kubernetes sets an extended resource's request to its limit.
-        assert container["resources"] == {"limits": {"cpu": "5", "memory": "10G", "nvidia.com/gpu": "2"}, "requests": {"cpu": "5", "memory": "10G"}}
+        assert container["resources"] == {
+            "limits": {"cpu": "5", "memory": "10G", "nvidia.com/gpu": "2"},
+            "requests": {"cpu": "5", "memory": "10G"},
+        }
     spec = yaml.safe_load(cluster.get_obj("v1", "configmaps", NS, "fine-tune-bert-spec")["data"]["job.yaml"])
     assert spec["model"]["uri"] == "hf://google-bert/bert-base-cased" and spec["task"] == "sequence-classification"
     assert (spec["data"]["train"], spec["data"]["train_split"]) == ("hf://yelp_review_full", "train[:3000]")
@@ -147,21 +192,33 @@ def test_seed_call_submits_a_pytorchjob_and_the_sdk_calls_answer(cluster):
     assert not client.is_job_running("fine-tune-bert")
     cluster.set_status(*JOBS, NS, "fine-tune-bert", _conditions("Created", "Running"))
     assert client.is_job_created("fine-tune-bert") and client.is_job_running("fine-tune-bert")
-    assert client.wait_for_job_conditions("fine-tune-bert", expected_conditions={"Running"}, wait_timeout=5).metadata.name == "fine-tune-bert"
+    assert (
+        client.wait_for_job_conditions("fine-tune-bert", expected_conditions={"Running"}, wait_timeout=5).metadata.name
+        == "fine-tune-bert"
+    )
     cluster.put("v1", "pods", NS, _pod("fine-tune-bert", "master", 0))
     cluster.put("v1", "pods", NS, _pod("fine-tune-bert", "worker", 0))
-    cluster.append_log(NS, "fine-tune-bert-master-0", "pytorch", "[rank 0] INFO step 10 loss 1.21", "[rank 0] INFO done")
+    cluster.append_log(
+        NS, "fine-tune-bert-master-0", "pytorch", "[rank 0] INFO step 10 loss 1.21", "[rank 0] INFO done"
+    )
     cluster.append_log(NS, "fine-tune-bert-worker-0", "pytorch", "[rank 2] INFO step 10")
     cluster.set_status(*JOBS, NS, "fine-tune-bert", _conditions("Created", "Running", "Succeeded"))
 
     job = client.wait_for_job_conditions("fine-tune-bert", wait_timeout=10, polling_interval=1)
     assert isinstance(job, KubeflowOrgV1PyTorchJob) and job.spec.nproc_per_node in (2, "2")
     assert client.is_job_succeeded("fine-tune-bert") and not client.is_job_failed("fine-tune-bert")
-    assert client.get_job_logs("fine-tune-bert") == ({"fine-tune-bert-master-0": "[rank 0] INFO step 10 loss 1.21\n[rank 0] INFO done\n"}, {})
+    assert client.get_job_logs("fine-tune-bert") == (
+        {"fine-tune-bert-master-0": "[rank 0] INFO step 10 loss 1.21\n[rank 0] INFO done\n"},
+        {},
+    )
     logs, _ = client.get_job_logs("fine-tune-bert", is_master=False)
-    assert logs == {"fine-tune-bert-master-0": "[rank 0] INFO step 10 loss 1.21\n[rank 0] INFO done\n",
-                    "fine-tune-bert-worker-0": "[rank 2] INFO step 10\n"}
-    assert list(client.get_job_logs("fine-tune-bert", is_master=False, replica_type="worker", replica_index=0)[0]) == ["fine-tune-bert-worker-0"]
+    assert logs == {
+        "fine-tune-bert-master-0": "[rank 0] INFO step 10 loss 1.21\n[rank 0] INFO done\n",
+        "fine-tune-bert-worker-0": "[rank 2] INFO step 10\n",
+    }
+    assert list(client.get_job_logs("fine-tune-bert", is_master=False, replica_type="worker", replica_index=0)[0]) == [
+        "fine-tune-bert-worker-0"
+    ]
 
     listed = client.list_jobs()
     assert [j.metadata.name for j in listed] == ["fine-tune-bert"] and isinstance(listed[0], KubeflowOrgV1PyTorchJob)
@@ -173,20 +230,37 @@ def test_seed_call_submits_a_pytorchjob_and_the_sdk_calls_answer(cluster):
 
 def test_storage_and_secret_references_reach_the_cluster_and_failure_raises(cluster):
     client = TrainingClient(config_file=cluster.kubeconfig, namespace="team-b")
-    client.train(**seed_call(
-        storage_config={"size": "20Gi", "storage_class": "openebs-hostpath", "access_modes": ["ReadWriteMany"]},
-        env_vars=[V1EnvVar(name="HF_TOKEN", value_from=V1EnvVarSource(secret_key_ref=V1SecretKeySelector(name="hf-secrets", key="HF_TOKEN")))],
-    ))
+    client.train(
+        **seed_call(
+            storage_config={"size": "20Gi", "storage_class": "openebs-hostpath", "access_modes": ["ReadWriteMany"]},
+            env_vars=[
+                V1EnvVar(
+                    name="HF_TOKEN",
+                    value_from=V1EnvVarSource(secret_key_ref=V1SecretKeySelector(name="hf-secrets", key="HF_TOKEN")),
+                )
+            ],
+        )
+    )
     pvc = cluster.get_obj("v1", "persistentvolumeclaims", "team-b", "fine-tune-bert-workspace")
-    assert pvc["spec"]["resources"]["requests"]["storage"] == "20Gi" and pvc["spec"]["storageClassName"] == "openebs-hostpath"
+    assert (
+        pvc["spec"]["resources"]["requests"]["storage"] == "20Gi"
+        and pvc["spec"]["storageClassName"] == "openebs-hostpath"
+    )
     assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
     job = cluster.get_obj(*JOBS, "team-b", "fine-tune-bert")
     container = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
     token = next(e for e in container["env"] if e["name"] == "HF_TOKEN")
     assert token["valueFrom"] == {"secretKeyRef": {"name": "hf-secrets", "key": "HF_TOKEN"}}
 
-    cluster.set_status(*JOBS, "team-b", "fine-tune-bert", _conditions("Created", "Running", "Failed", message="1 Worker replica(s) failed"))
-    with pytest.raises(JobError, match="fine-tune-bert is Failed: PyTorchJobFailed 1 Worker replica\\(s\\) failed") as err:
+    cluster.set_status(
+        *JOBS,
+        "team-b",
+        "fine-tune-bert",
+        _conditions("Created", "Running", "Failed", message="1 Worker replica(s) failed"),
+    )
+    with pytest.raises(
+        JobError, match="fine-tune-bert is Failed: PyTorchJobFailed 1 Worker replica\\(s\\) failed"
+    ) as err:
         client.wait_for_job_conditions("fine-tune-bert", wait_timeout=5)
     assert isinstance(err.value, RuntimeError)
     assert client.is_job_failed("fine-tune-bert")

@@ -12,7 +12,14 @@ import torch
 
 from kubetune.config import DataSpec
 from kubetune.data import collate_lm
-from kubetune.data.causal import FALLBACK_CHAT_TEMPLATE, IGNORE, encode_record, ensure_chat_template, load_lm_frames, tokenize_frame
+from kubetune.data.causal import (
+    FALLBACK_CHAT_TEMPLATE,
+    IGNORE,
+    encode_record,
+    ensure_chat_template,
+    load_lm_frames,
+    tokenize_frame,
+)
 from kubetune.errors import KubetuneError
 
 TINY = Path(__file__).resolve().parents[2] / "src" / "kubetune" / "assets" / "tiny-llama"
@@ -39,7 +46,9 @@ def _target_text(tok, ids, labels) -> str:
 
 
 def test_instruction_record_labels_only_the_response(tok):
-    rec = {"messages": [{"role": "user", "content": "Classify: I love it"}, {"role": "assistant", "content": "positive"}]}
+    rec = {
+        "messages": [{"role": "user", "content": "Classify: I love it"}, {"role": "assistant", "content": "positive"}]
+    }
     ids, labels = encode_record(rec, tok, 512, train_on_prompt=False)
     assert tok.chat_template == FALLBACK_CHAT_TEMPLATE
     assert ids[0] == tok.bos_token_id
@@ -52,8 +61,15 @@ def test_instruction_record_labels_only_the_response(tok):
 
 
 def test_multi_turn_chat_labels_every_assistant_turn(tok):
-    rec = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"},
-                        {"role": "user", "content": "Mood?"}, {"role": "assistant", "content": "neutral"}]}
+    rec = {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello there"},
+            {"role": "user", "content": "Mood?"},
+            {"role": "assistant", "content": "neutral"},
+        ]
+    }
     ids, labels = encode_record(rec, tok, 512, train_on_prompt=False)
     assert _target_text(tok, ids, labels) == "Hello there<|eos|>neutral<|eos|>"
 
@@ -87,9 +103,20 @@ def test_truncation_at_max_length_and_rows_without_targets(tok):
     ("rows", "extra", "expected"),
     [
         ([{"text": "a b c"}, {"text": "d e"}], {}, "text"),
-        ([{"instruction": "Say hi", "input": "", "output": "hi"}, {"instruction": "Say yo", "input": "now", "output": "yo"}], {}, "instruction"),
+        (
+            [
+                {"instruction": "Say hi", "input": "", "output": "hi"},
+                {"instruction": "Say yo", "input": "now", "output": "yo"},
+            ],
+            {},
+            "instruction",
+        ),
         ([{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}] * 2, {}, "chat"),
-        ([{"q": "Say hi", "a": "hi"}] * 2, {"format": "instruction", "instruction_column": "q", "output_column": "a", "input_column": None}, "instruction"),
+        (
+            [{"q": "Say hi", "a": "hi"}] * 2,
+            {"format": "instruction", "instruction_column": "q", "output_column": "a", "input_column": None},
+            "instruction",
+        ),
     ],
 )
 def test_formats_are_detected_and_normalized(tmp_path, rows, extra, expected):
@@ -118,7 +145,12 @@ def test_system_prompt_is_prepended(tmp_path):
     [
         ({"prompt": "x"}, {"format": "chat"}, "data.messages_column", "column 'messages' not found"),
         ({"messages": "not json"}, {}, "data.messages_column", "not a JSON list"),
-        ({"messages": [{"role": "wizard", "content": "x"}]}, {}, "data.messages_column", "unknown message role 'wizard'"),
+        (
+            {"messages": [{"role": "wizard", "content": "x"}]},
+            {},
+            "data.messages_column",
+            "unknown message role 'wizard'",
+        ),
         ({"messages": [{"text": "x"}]}, {}, "data.messages_column", "list of {role, content}"),
         ({"instruction": "x", "output": ""}, {}, "data.train", "no usable rows"),
     ],
@@ -158,7 +190,9 @@ def test_packed_examples_do_not_attend_to_each_other(tok):
     # Had the mask let examples see each other, the second example's logits would differ:
     with torch.no_grad():
         leaky = model(input_ids=packed["input_ids"]).logits[0]  # one long sequence, no position reset
-    assert not torch.allclose(leaky[starts[1] : starts[2]], model(input_ids=torch.tensor([rows[1][0]])).logits[0], atol=1e-3)
+    assert not torch.allclose(
+        leaky[starts[1] : starts[2]], model(input_ids=torch.tensor([rows[1][0]])).logits[0], atol=1e-3
+    )
 
 
 def test_padding_collate_masks_padding(tok):

@@ -16,7 +16,11 @@ SPEC = parse_spec({"name": "c", "model": {"uri": "m"}, "data": {"train": "t.csv"
 
 
 def _state(step: int) -> dict:
-    return {"model": {"w": torch.full((2,), float(step))}, "fingerprint": checkpoint.fingerprint(SPEC, ["a", "b"], 2), "progress": {"global_step": step}}
+    return {
+        "model": {"w": torch.full((2,), float(step))},
+        "fingerprint": checkpoint.fingerprint(SPEC, ["a", "b"], 2),
+        "progress": {"global_step": step},
+    }
 
 
 def test_save_latest_and_prune(tmp_path):
@@ -47,7 +51,12 @@ def test_rng_state_round_trip():
 
 @pytest.mark.parametrize(
     "change, field",
-    [({"labels": ["a", "c"]}, "data.label_column"), ({"world_size": 4}, "distributed"), ({"model": "other"}, "model.uri"), ({"task": "x"}, "task")],
+    [
+        ({"labels": ["a", "c"]}, "data.label_column"),
+        ({"world_size": 4}, "distributed"),
+        ({"model": "other"}, "model.uri"),
+        ({"task": "x"}, "task"),
+    ],
 )
 def test_incompatible_fingerprints(change, field):
     saved = checkpoint.fingerprint(SPEC, ["a", "b"], 2)

@@ -42,16 +42,31 @@ def _train(script, body: str, name: str = "demo", **kwargs) -> LocalJob:
     return Client("local").train({**SPEC, "name": name}, **kwargs)
 
 
-@pytest.mark.parametrize(("body", "phase", "reason", "message"), [
-    ("print('[rank 0] INFO done')", "Succeeded", None, None),
-    ("print('[rank 1] Traceback ...'); print('error: worker rank 1 failed with exit code 1 (its error is above)'); sys.exit(1)",
-     "Failed", "WorkerFailed", "kubetune run exited with code 1: error: worker rank 1 failed with exit code 1 (its error is above)"),
-    ("print('error: data.label_column: column \\'label\\' not found'); sys.exit(2)",
-     "Failed", "InvalidInput", "kubetune run exited with code 2: error: data.label_column: column 'label' not found"),
-    ("print('stopped: stopped by SIGTERM — run the same command again to resume'); sys.exit(143)",
-     "Failed", "Stopped", "kubetune run exited with code 143: stopped: stopped by SIGTERM — run the same command again to resume"),
-    ("sys.exit(7)", "Failed", "Error", "kubetune run exited with code 7"),
-])
+@pytest.mark.parametrize(
+    ("body", "phase", "reason", "message"),
+    [
+        ("print('[rank 0] INFO done')", "Succeeded", None, None),
+        (
+            "print('[rank 1] Traceback ...'); print('error: worker rank 1 failed with exit code 1 (its error is above)'); sys.exit(1)",
+            "Failed",
+            "WorkerFailed",
+            "kubetune run exited with code 1: error: worker rank 1 failed with exit code 1 (its error is above)",
+        ),
+        (
+            "print('error: data.label_column: column \\'label\\' not found'); sys.exit(2)",
+            "Failed",
+            "InvalidInput",
+            "kubetune run exited with code 2: error: data.label_column: column 'label' not found",
+        ),
+        (
+            "print('stopped: stopped by SIGTERM — run the same command again to resume'); sys.exit(143)",
+            "Failed",
+            "Stopped",
+            "kubetune run exited with code 143: stopped: stopped by SIGTERM — run the same command again to resume",
+        ),
+        ("sys.exit(7)", "Failed", "Error", "kubetune run exited with code 7"),
+    ],
+)
 def test_status_is_a_job_status_with_the_reason(fake_run, body, phase, reason, message):
     job = _train(fake_run, body + "\n")
     status = job.wait(timeout=30)
@@ -63,15 +78,19 @@ def test_status_is_a_job_status_with_the_reason(fake_run, body, phase, reason, m
 def test_running_status_and_wait_timeout(fake_run):
     job = _train(fake_run, "time.sleep(30)\n")
     assert job.status().phase == "Running" and not job.status().done
-    with pytest.raises(WaitTimeout, match=r"^local run 'demo' is still Running after 0 s — wait longer, or delete\(\) it$"):
+    with pytest.raises(
+        WaitTimeout, match=r"^local run 'demo' is still Running after 0 s — wait longer, or delete\(\) it$"
+    ):
         job.wait(timeout=0.2)
 
 
 def test_logs_tail_follow_and_lines_end_only_at_newlines(fake_run):
     # A progress bar redraws with \r inside one line; the last line is written in two pieces.
-    body = ("for i in range(5): print(f'[rank 0] INFO step {i}', flush=True)\n"
-            "sys.stdout.write('bar 1/2\\rbar 2/2\\n'); sys.stdout.write('[rank 0] INFO '); sys.stdout.flush(); time.sleep(1)\n"
-            "print('done', flush=True)\n")
+    body = (
+        "for i in range(5): print(f'[rank 0] INFO step {i}', flush=True)\n"
+        "sys.stdout.write('bar 1/2\\rbar 2/2\\n'); sys.stdout.write('[rank 0] INFO '); sys.stdout.flush(); time.sleep(1)\n"
+        "print('done', flush=True)\n"
+    )
     job = _train(fake_run, body)
     followed = list(job.logs(follow=True))
     assert followed == [*(f"[rank 0] INFO step {i}" for i in range(5)), "bar 1/2\rbar 2/2", "[rank 0] INFO done"]
@@ -81,9 +100,11 @@ def test_logs_tail_follow_and_lines_end_only_at_newlines(fake_run):
 
 def test_logs_tail_then_follow_while_running(fake_run, tmp_path):
     go = tmp_path / "go"
-    body = (f"print('a'); print('b'); print('c', flush=True)\n"
-            f"while not os.path.exists({str(go)!r}): time.sleep(0.05)\n"
-            "print('d', flush=True)\n")
+    body = (
+        f"print('a'); print('b'); print('c', flush=True)\n"
+        f"while not os.path.exists({str(go)!r}): time.sleep(0.05)\n"
+        "print('d', flush=True)\n"
+    )
     job = _train(fake_run, body)
     while len(list(job.logs())) < 3:
         time.sleep(0.05)
@@ -93,10 +114,16 @@ def test_logs_tail_then_follow_while_running(fake_run, tmp_path):
     assert list(lines) == ["d"]
 
 
-@pytest.mark.parametrize(("kwargs", "error"), [
-    ({"rank": 1}, "rank: a local run has one node (node rank 0), not 1 — leave rank unset: the local log holds every process's lines, each prefixed [rank N]"),
-    ({"tail": -1}, "tail: expected a number of lines >= 0, got -1 — pass tail=N or leave it unset"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        (
+            {"rank": 1},
+            "rank: a local run has one node (node rank 0), not 1 — leave rank unset: the local log holds every process's lines, each prefixed [rank N]",
+        ),
+        ({"tail": -1}, "tail: expected a number of lines >= 0, got -1 — pass tail=N or leave it unset"),
+    ],
+)
 def test_logs_bad_arguments_are_one_line(fake_run, kwargs, error):
     job = _train(fake_run, "pass\n")
     with pytest.raises(KubetuneError) as e:
@@ -118,7 +145,9 @@ def test_replace_list_get_and_delete(fake_run):
     assert client.get("demo") is second and Client("local").get("other") is other  # any Client of this process
     second.delete(timeout=5)
     assert [j["name"] for j in client.list()] == ["other"]
-    with pytest.raises(KubetuneError, match=r"^no local run named 'demo' was started from this Python process \(started: other\) — "):
+    with pytest.raises(
+        KubetuneError, match=r"^no local run named 'demo' was started from this Python process \(started: other\) — "
+    ):
         client.get("demo")
     # a finished run does not block its name
     other.delete(timeout=5)
@@ -128,10 +157,12 @@ def test_replace_list_get_and_delete(fake_run):
 def test_delete_kills_the_whole_process_group_when_sigterm_is_ignored(fake_run, tmp_path):
     # A launcher whose worker outlives it would keep the GPU/CPU busy: after the timeout both go.
     pid_file = tmp_path / "child.pid"
-    body = ("import subprocess\n"
-            "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-            "child = subprocess.Popen([sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)'])\n"
-            f"open({str(pid_file)!r}, 'w').write(str(child.pid)); print('started', flush=True); time.sleep(60)\n")
+    body = (
+        "import subprocess\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid)); print('started', flush=True); time.sleep(60)\n"
+    )
     job = _train(fake_run, body)
     while not pid_file.exists() or not pid_file.read_text():
         time.sleep(0.05)
@@ -158,7 +189,9 @@ def test_local_client_takes_no_backend_options():
 @pytest.mark.parametrize("method", ["status", "wait", "logs", "delete"])
 def test_both_handles_have_the_same_calls(method):
     local, kubeflow = inspect.signature(getattr(LocalJob, method)), inspect.signature(getattr(KubeflowJob, method))
-    if method == "delete":  # the local one may be given how long to wait before killing; the cluster one whether to delete the workspace claim
+    if (
+        method == "delete"
+    ):  # the local one may be given how long to wait before killing; the cluster one whether to delete the workspace claim
         assert list(kubeflow.parameters) == ["self", "storage"] and list(local.parameters) == ["self", "timeout"]
         assert kubeflow.parameters["storage"].default is False  # the output outlives the job unless asked
         return

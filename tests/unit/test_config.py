@@ -43,8 +43,16 @@ def test_defaults_and_public_keys():
     assert (spec.training.batch_size, spec.training.grad_accum, spec.training.precision) == (16, 1, "auto")
     assert spec.distributed.world_size == 1
     # The public contract names exist.
-    for section, key in [("model", "uri"), ("data", "eval_fraction"), ("data", "text_pair_column"), ("data", "max_length"),
-                         ("training", "warmup_ratio"), ("training", "max_steps"), ("distributed", "procs_per_node"), ("output", "uri")]:
+    for section, key in [
+        ("model", "uri"),
+        ("data", "eval_fraction"),
+        ("data", "text_pair_column"),
+        ("data", "max_length"),
+        ("training", "warmup_ratio"),
+        ("training", "max_steps"),
+        ("distributed", "procs_per_node"),
+        ("output", "uri"),
+    ]:
         assert key in type(getattr(spec, section)).model_fields
 
 
@@ -68,12 +76,21 @@ def test_every_field_has_help_text():
 @pytest.mark.parametrize(
     "raw, expected",
     [
-        (_with(training__learnign_rate=1e-4), "training.learnign_rate: unknown key — did you mean 'training.learning_rate'?"),
+        (
+            _with(training__learnign_rate=1e-4),
+            "training.learnign_rate: unknown key — did you mean 'training.learning_rate'?",
+        ),
         (_with(modle={"uri": "x"}), "modle: unknown key — did you mean 'model'?"),
         (_with(training__epochs="two"), "training.epochs: Input should be a valid integer"),
-        (_with(training__precision="fp8"), "training.precision: Input should be 'auto', 'fp32', 'bf16' or 'fp16' (got 'fp8')"),
+        (
+            _with(training__precision="fp8"),
+            "training.precision: Input should be 'auto', 'fp32', 'bf16' or 'fp16' (got 'fp8')",
+        ),
         (_with(data__eval_fraction=1.5), "data.eval_fraction: Input should be less than 1 (got 1.5)"),
-        (_with(distributed__procs_per_node=0), "distributed.procs_per_node: Input should be greater than or equal to 1 (got 0)"),
+        (
+            _with(distributed__procs_per_node=0),
+            "distributed.procs_per_node: Input should be greater than or equal to 1 (got 0)",
+        ),
         (_with(name="My_Job"), "name: must be 1-52 lowercase letters"),
         ({k: v for k, v in BASE.items() if k != "output"}, "output: required but missing — add it"),
         (_with(data__label_column="text"), "data.label_column must differ from the text columns"),
@@ -101,7 +118,10 @@ def test_all_errors_reported_together():
     [
         (["training.epochs=3"], lambda s: s.training.epochs == 3),
         (["training.learning_rate=2e-5"], lambda s: s.training.learning_rate == 2e-5),
-        (["distributed.procs_per_node=1", "training.seed=1"], lambda s: (s.distributed.procs_per_node, s.training.seed) == (1, 1)),
+        (
+            ["distributed.procs_per_node=1", "training.seed=1"],
+            lambda s: (s.distributed.procs_per_node, s.training.seed) == (1, 1),
+        ),
         (["lora.r=4"], lambda s: s.lora is not None and s.lora.r == 4),
         (["data.text_pair_column=hypothesis"], lambda s: s.data.text_pair_column == "hypothesis"),
         (["data.train=a=b.csv"], lambda s: s.data.train == "a=b.csv"),

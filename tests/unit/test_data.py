@@ -18,19 +18,25 @@ def _spec(train, **kw) -> DataSpec:
 
 @pytest.fixture
 def frame():
-    return pd.DataFrame({
-        "review": [f"review number {i} {'good' if i % 2 else 'bad'}" for i in range(40)],
-        "stars": ["pos" if i % 2 else "neg" for i in range(40)],
-        "extra": range(40),
-    })
+    return pd.DataFrame(
+        {
+            "review": [f"review number {i} {'good' if i % 2 else 'bad'}" for i in range(40)],
+            "stars": ["pos" if i % 2 else "neg" for i in range(40)],
+            "extra": range(40),
+        }
+    )
 
 
 @pytest.mark.parametrize("fmt", ["csv", "tsv", "jsonl", "parquet", "json"])
 def test_formats(tmp_path, frame, fmt):
     path = tmp_path / f"d.{fmt}"
-    {"csv": lambda: frame.to_csv(path, index=False), "tsv": lambda: frame.to_csv(path, sep="\t", index=False),
-     "jsonl": lambda: frame.to_json(path, orient="records", lines=True), "json": lambda: frame.to_json(path, orient="records"),
-     "parquet": lambda: frame.to_parquet(path)}[fmt]()
+    {
+        "csv": lambda: frame.to_csv(path, index=False),
+        "tsv": lambda: frame.to_csv(path, sep="\t", index=False),
+        "jsonl": lambda: frame.to_json(path, orient="records", lines=True),
+        "json": lambda: frame.to_json(path, orient="records"),
+        "parquet": lambda: frame.to_parquet(path),
+    }[fmt]()
     f = load_frames(_spec(path, eval_fraction=0.25), seed=0)
     assert f.labels == ["neg", "pos"]
     assert len(f.train) == 30 and len(f.eval) == 10
@@ -48,10 +54,14 @@ def test_carve_out_is_seeded_and_disjoint(tmp_path, frame):
 
 
 def test_integer_labels_and_text_pairs(tmp_path):
-    df = pd.DataFrame({"premise": ["a b", "c d", "e f", "g h"] * 5, "hypothesis": ["x", "y", "z", "w"] * 5, "label": [2, 0, 1, 0] * 5})
+    df = pd.DataFrame(
+        {"premise": ["a b", "c d", "e f", "g h"] * 5, "hypothesis": ["x", "y", "z", "w"] * 5, "label": [2, 0, 1, 0] * 5}
+    )
     path = tmp_path / "nli.jsonl"
     df.to_json(path, orient="records", lines=True)
-    f = load_frames(DataSpec(train=str(path), text_column="premise", text_pair_column="hypothesis", eval_fraction=0.2), seed=0)
+    f = load_frames(
+        DataSpec(train=str(path), text_column="premise", text_pair_column="hypothesis", eval_fraction=0.2), seed=0
+    )
     assert f.labels == ["0", "1", "2"]
     assert set(f.train.columns) == {"text", "text_pair", "label"}
     row = f.train[f.train.text == "a b"].iloc[0]
@@ -61,13 +71,17 @@ def test_integer_labels_and_text_pairs(tmp_path):
 def test_separate_eval_file_and_limits(tmp_path, frame):
     frame.to_csv(tmp_path / "train.csv", index=False)
     frame.head(10).to_csv(tmp_path / "eval.csv", index=False)
-    f = load_frames(_spec(tmp_path / "train.csv", eval=str(tmp_path / "eval.csv"), max_train_samples=12, max_eval_samples=4), seed=0)
+    f = load_frames(
+        _spec(tmp_path / "train.csv", eval=str(tmp_path / "eval.csv"), max_train_samples=12, max_eval_samples=4), seed=0
+    )
     assert (len(f.train), len(f.eval)) == (12, 4)
 
 
 def test_latin1_fallback_and_dropped_rows(tmp_path):
     path = tmp_path / "l1.csv"
-    path.write_bytes("review,stars\ncaf\xe9 good,pos\nbad,neg\n,neg\nok,\nfine,pos\nugh,neg\nyay,pos\nmeh,neg\n".encode("latin-1"))
+    path.write_bytes(
+        "review,stars\ncaf\xe9 good,pos\nbad,neg\n,neg\nok,\nfine,pos\nugh,neg\nyay,pos\nmeh,neg\n".encode("latin-1")
+    )
     f = load_frames(_spec(path, eval_fraction=0.3), seed=0)
     assert "café good" in set(f.train.text) | set(f.eval.text)
     assert f.dropped == {"train": 2}
@@ -97,9 +111,17 @@ def _write(path, content):
         (lambda p: p / "missing.csv", {}, "does not exist"),
         (lambda p: _write(p / "d.xlsx", "x"), {}, "cannot tell the format"),
         (lambda p: _write(p / "d.jsonl", "{not json\n"), {}, "cannot parse"),
-        (lambda p: _write(p / "d.csv", "review,stars\na,x\nb,y\nc,x\nd,y\n"), {"eval": "EVAL"}, "data.eval: labels ['z'] occur in"),
+        (
+            lambda p: _write(p / "d.csv", "review,stars\na,x\nb,y\nc,x\nd,y\n"),
+            {"eval": "EVAL"},
+            "data.eval: labels ['z'] occur in",
+        ),
         (lambda p: _write(p / "d.csv", "review,stars\n,x\n,y\n"), {}, "no usable rows"),
-        (lambda p: _write(p / "d.csv", "review,stars\na,x\n"), {"encoding": "utf-99"}, "data.encoding: unknown encoding"),
+        (
+            lambda p: _write(p / "d.csv", "review,stars\na,x\n"),
+            {"encoding": "utf-99"},
+            "data.encoding: unknown encoding",
+        ),
     ],
 )
 def test_data_errors(tmp_path, make, kw, expected):
@@ -119,7 +141,18 @@ def test_tokenization_cache(tmp_path, frame, monkeypatch):
     from kubetune.recipes.common import load_tokenizer
 
     monkeypatch.setenv("KUBETUNE_CACHE", str(tmp_path / "cache"))
-    tok = load_tokenizer(artifacts.resolve_model(parse_spec({"name": "t", "model": {"uri": "hf://sentence-transformers/all-MiniLM-L6-v2"}, "data": {"train": "x"}, "output": {"uri": "o"}})))
+    tok = load_tokenizer(
+        artifacts.resolve_model(
+            parse_spec(
+                {
+                    "name": "t",
+                    "model": {"uri": "hf://sentence-transformers/all-MiniLM-L6-v2"},
+                    "data": {"train": "x"},
+                    "output": {"uri": "o"},
+                }
+            )
+        )
+    )
     df = pd.DataFrame({"text": frame.review, "label": [i % 2 for i in range(40)]})
     ds1, hit1 = tokenized(df, tok, 16, build=True)
     with mock.patch.object(type(tok), "__call__", side_effect=AssertionError("tokenized again")):

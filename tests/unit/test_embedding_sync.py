@@ -24,8 +24,16 @@ def _model():
     from transformers import BertConfig, BertForSequenceClassification
 
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=500, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, num_labels=3,
-                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    config = BertConfig(
+        vocab_size=500,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        num_labels=3,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     return BertForSequenceClassification(config)
 
 
@@ -55,8 +63,14 @@ def _worker(rank: int, port: int, out: str) -> None:
             sync(micro)
         grads[mode] = {n: p.grad.clone() for n, p in model.named_parameters()}
     diffs = {n: float((grads["ddp"][n] - grads["sparse"][n]).abs().max()) for n in grads["ddp"]}
-    torch.save({"diffs": diffs, "emb_nonzero_rows": int((grads["ddp"]["bert.embeddings.word_embeddings.weight"] != 0).any(1).sum()),
-                "own_rows": int(torch.cat(micro).unique().numel())}, f"{out}/rank{rank}.pt")
+    torch.save(
+        {
+            "diffs": diffs,
+            "emb_nonzero_rows": int((grads["ddp"]["bert.embeddings.word_embeddings.weight"] != 0).any(1).sum()),
+            "own_rows": int(torch.cat(micro).unique().numel()),
+        },
+        f"{out}/rank{rank}.pt",
+    )
     dist.destroy_process_group()
 
 
@@ -78,7 +92,16 @@ def test_not_applied_to_frozen_or_tied_embeddings():
     frozen = _model()
     frozen.get_input_embeddings().weight.requires_grad_(False)
     assert row_sparse_embedding_sync(frozen, env) is None
-    tied = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                        num_key_value_heads=1, tie_word_embeddings=True))
+    tied = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            tie_word_embeddings=True,
+        )
+    )
     assert row_sparse_embedding_sync(tied, env) is None
     assert row_sparse_embedding_sync(_model(), DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1)) is None

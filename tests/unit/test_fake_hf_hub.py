@@ -12,10 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from fakes.hf_hub import FakeHub
 from huggingface_hub import HfApi, constants, snapshot_download
 from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
-
-from fakes.hf_hub import FakeHub
 
 # huggingface_hub 2.4 hands the LFS PUT its file object as `data=`, which httpx2 deprecates: the
 # client's warning, not the fake's, so it must not fail a run with -W error.
@@ -128,8 +127,11 @@ def test_snapshot_download_returns_what_was_pushed(
     commit = _push(api, model_dir)
 
     cached = Path(snapshot_download(REPO, endpoint=hub.url, token=hub.token, cache_dir=tmp_path / "cache"))
-    local = Path(snapshot_download(REPO, endpoint=hub.url, token=hub.token, cache_dir=tmp_path / "cache2",
-                                   local_dir=tmp_path / "pulled"))
+    local = Path(
+        snapshot_download(
+            REPO, endpoint=hub.url, token=hub.token, cache_dir=tmp_path / "cache2", local_dir=tmp_path / "pulled"
+        )
+    )
 
     assert cached.name == commit
     assert _contents(cached) == hub.files(REPO)

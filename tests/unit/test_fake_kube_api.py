@@ -16,10 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fakes.kube_api import FakeKubeAPI
 from kubernetes import client, config, watch
 from kubernetes.client import ApiClient, ApiException
-
-from fakes.kube_api import FakeKubeAPI
 
 NS = "team-a"
 GROUP, VERSION, PLURAL = "kubeflow.org", "v1", "pytorchjobs"
@@ -57,14 +56,20 @@ def custom(api_client: ApiClient) -> client.CustomObjectsApi:
 def _job(name: str) -> dict[str, Any]:
     """The smallest PyTorchJob the v1.8.1 CRD and webhook admit."""
     pod = {"spec": {"containers": [{"name": "pytorch", "image": "busybox"}]}}
-    return {"apiVersion": JOBS, "kind": "PyTorchJob", "metadata": {"name": name},
-            "spec": {"pytorchReplicaSpecs": {"Worker": {"replicas": 2, "template": pod}}}}
+    return {
+        "apiVersion": JOBS,
+        "kind": "PyTorchJob",
+        "metadata": {"name": name},
+        "spec": {"pytorchReplicaSpecs": {"Worker": {"replicas": 2, "template": pod}}},
+    }
 
 
 def _pod(name: str, labels: dict[str, str] | None = None, containers: tuple[str, ...] = ("main",)) -> dict[str, Any]:
-    return {"metadata": {"name": name, "labels": labels or {}},
-            "spec": {"containers": [{"name": c, "image": "trainer:1"} for c in containers]},
-            "status": {"phase": "Running"}}
+    return {
+        "metadata": {"name": name, "labels": labels or {}},
+        "spec": {"containers": [{"name": c, "image": "trainer:1"} for c in containers]},
+        "status": {"phase": "Running"},
+    }
 
 
 def _status(err: ApiException) -> dict[str, Any]:
@@ -77,7 +82,9 @@ def _after(delay: float, action: Any) -> threading.Timer:
     return timer
 
 
-def test_kubeconfig_points_the_client_at_the_fake(fake_kube: FakeKubeAPI, kubeconfig: Path, api_client: ApiClient) -> None:
+def test_kubeconfig_points_the_client_at_the_fake(
+    fake_kube: FakeKubeAPI, kubeconfig: Path, api_client: ApiClient
+) -> None:
     _, active = config.list_kube_config_contexts(config_file=str(kubeconfig))
     assert active["name"] == "fake" and active["context"]["namespace"] == NS
 
@@ -100,9 +107,13 @@ def test_configmap_create_get_list_delete(core: client.CoreV1Api) -> None:
     assert created.metadata.namespace == NS and int(created.metadata.resource_version) > 0
 
     assert core.read_namespaced_config_map("params", NS).data == {"lr": "0.1"}
-    generated = core.create_namespaced_config_map(NS, client.V1ConfigMap(metadata=client.V1ObjectMeta(generate_name="run-")))
+    generated = core.create_namespaced_config_map(
+        NS, client.V1ConfigMap(metadata=client.V1ObjectMeta(generate_name="run-"))
+    )
     assert generated.metadata.name.startswith("run-") and len(generated.metadata.name) == len("run-") + 5
-    assert [cm.metadata.name for cm in core.list_namespaced_config_map(NS).items] == sorted(["params", generated.metadata.name])
+    assert [cm.metadata.name for cm in core.list_namespaced_config_map(NS).items] == sorted(
+        ["params", generated.metadata.name]
+    )
 
     deleted = core.delete_namespaced_config_map("params", NS)
     assert deleted.status == "Success" and deleted.details.uid == created.metadata.uid
@@ -110,9 +121,14 @@ def test_configmap_create_get_list_delete(core: client.CoreV1Api) -> None:
         core.read_namespaced_config_map("params", NS)
     assert missing.value.status == 404
     assert _status(missing.value) == {
-        "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-        "message": 'configmaps "params" not found', "reason": "NotFound",
-        "details": {"name": "params", "kind": "configmaps"}, "code": 404,
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": 'configmaps "params" not found',
+        "reason": "NotFound",
+        "details": {"name": "params", "kind": "configmaps"},
+        "code": 404,
     }
 
 
@@ -148,13 +164,18 @@ def test_duplicate_create_is_409_already_exists(custom: client.CustomObjectsApi)
         custom.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, _job("myjob"))
     assert duplicate.value.status == 409
     status = _status(duplicate.value)
-    assert status["reason"] == "AlreadyExists" and status["message"] == 'pytorchjobs.kubeflow.org "myjob" already exists'
+    assert (
+        status["reason"] == "AlreadyExists" and status["message"] == 'pytorchjobs.kubeflow.org "myjob" already exists'
+    )
 
 
 def test_status_subresource_and_stale_replace(custom: client.CustomObjectsApi) -> None:
     created = custom.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, _job("myjob"))
     running = {"conditions": [{"type": "Running", "status": "True"}]}
-    assert custom.patch_namespaced_custom_object_status(GROUP, VERSION, NS, PLURAL, "myjob", {"status": running})["status"] == running
+    assert (
+        custom.patch_namespaced_custom_object_status(GROUP, VERSION, NS, PLURAL, "myjob", {"status": running})["status"]
+        == running
+    )
 
     # writes to the main resource leave status alone, as with a CRD's status subresource
     patched = custom.patch_namespaced_custom_object(
@@ -169,7 +190,9 @@ def test_status_subresource_and_stale_replace(custom: client.CustomObjectsApi) -
     assert replaced["metadata"]["uid"] == created["metadata"]["uid"] and replaced["status"] == running
 
 
-def test_delete_cascades_to_owned_objects(fake_kube: FakeKubeAPI, core: client.CoreV1Api, custom: client.CustomObjectsApi) -> None:
+def test_delete_cascades_to_owned_objects(
+    fake_kube: FakeKubeAPI, core: client.CoreV1Api, custom: client.CustomObjectsApi
+) -> None:
     job = custom.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, _job("myjob"))
     keeper = core.create_namespaced_config_map(NS, client.V1ConfigMap(metadata=client.V1ObjectMeta(name="keeper")))
 
@@ -181,10 +204,22 @@ def test_delete_cascades_to_owned_objects(fake_kube: FakeKubeAPI, core: client.C
         NS, client.V1ConfigMap(metadata=client.V1ObjectMeta(name="params", owner_references=owned_by(job_ref)))
     )
     # a dependent of a dependent goes too; one with another live owner stays
-    core.create_namespaced_secret(NS, client.V1Secret(metadata=client.V1ObjectMeta(
-        name="token", owner_references=owned_by(("v1", "ConfigMap", params.metadata.uid)))))
-    core.create_namespaced_config_map(NS, client.V1ConfigMap(metadata=client.V1ObjectMeta(
-        name="shared", owner_references=owned_by(job_ref, ("v1", "ConfigMap", keeper.metadata.uid)))))
+    core.create_namespaced_secret(
+        NS,
+        client.V1Secret(
+            metadata=client.V1ObjectMeta(
+                name="token", owner_references=owned_by(("v1", "ConfigMap", params.metadata.uid))
+            )
+        ),
+    )
+    core.create_namespaced_config_map(
+        NS,
+        client.V1ConfigMap(
+            metadata=client.V1ObjectMeta(
+                name="shared", owner_references=owned_by(job_ref, ("v1", "ConfigMap", keeper.metadata.uid))
+            )
+        ),
+    )
 
     custom.delete_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "myjob")
 
@@ -195,14 +230,18 @@ def test_delete_cascades_to_owned_objects(fake_kube: FakeKubeAPI, core: client.C
 def test_orphan_propagation_keeps_dependents(core: client.CoreV1Api, custom: client.CustomObjectsApi) -> None:
     job = custom.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, _job("myjob"))
     ref = client.V1OwnerReference(api_version=JOBS, kind="PyTorchJob", name="myjob", uid=job["metadata"]["uid"])
-    core.create_namespaced_config_map(NS, client.V1ConfigMap(metadata=client.V1ObjectMeta(name="params", owner_references=[ref])))
+    core.create_namespaced_config_map(
+        NS, client.V1ConfigMap(metadata=client.V1ObjectMeta(name="params", owner_references=[ref]))
+    )
 
     custom.delete_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "myjob", propagation_policy="Orphan")
 
     assert core.read_namespaced_config_map("params", NS).metadata.name == "params"
 
 
-def test_deny_answers_403_like_rbac(fake_kube: FakeKubeAPI, core: client.CoreV1Api, custom: client.CustomObjectsApi) -> None:
+def test_deny_answers_403_like_rbac(
+    fake_kube: FakeKubeAPI, core: client.CoreV1Api, custom: client.CustomObjectsApi
+) -> None:
     fake_kube.deny("create", "pytorchjobs", NS)
     fake_kube.deny("get", "pods/log", NS)
     fake_kube.put("v1", "pods", NS, _pod("trainer-0"))
@@ -228,7 +267,9 @@ def test_deny_answers_403_like_rbac(fake_kube: FakeKubeAPI, core: client.CoreV1A
     assert core.read_namespaced_pod("trainer-0", NS).status.phase == "Running"
 
 
-def test_watch_by_name_sees_modified_and_ends_at_timeout(fake_kube: FakeKubeAPI, custom: client.CustomObjectsApi) -> None:
+def test_watch_by_name_sees_modified_and_ends_at_timeout(
+    fake_kube: FakeKubeAPI, custom: client.CustomObjectsApi
+) -> None:
     for name in ("myjob", "other"):
         custom.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, _job(name))
     running = {"conditions": [{"type": "Running", "status": "True"}]}
@@ -241,8 +282,13 @@ def test_watch_by_name_sees_modified_and_ends_at_timeout(fake_kube: FakeKubeAPI,
     timers: list[threading.Timer] = []
     start = time.monotonic()
     for event in watch.Watch().stream(
-        custom.list_namespaced_custom_object, GROUP, VERSION, NS, PLURAL,
-        field_selector="metadata.name=myjob", timeout_seconds=1,
+        custom.list_namespaced_custom_object,
+        GROUP,
+        VERSION,
+        NS,
+        PLURAL,
+        field_selector="metadata.name=myjob",
+        timeout_seconds=1,
     ):
         seen.append((event["type"], event["raw_object"]["metadata"]["name"], event["raw_object"].get("status")))
         if not timers:  # change things only once the watch is surely open
@@ -262,11 +308,15 @@ def test_watch_from_resource_version_sends_only_newer_events(fake_kube: FakeKube
     fake_kube.put("v1", "pods", NS, _pod("new", {"app": "train"}))
     fake_kube.put("v1", "pods", NS, _pod("unlabelled"))
 
-    events = list(watch.Watch().stream(
-        core.list_namespaced_pod, NS, label_selector="app=train", resource_version=since, timeout_seconds=0.3
-    ))
+    events = list(
+        watch.Watch().stream(
+            core.list_namespaced_pod, NS, label_selector="app=train", resource_version=since, timeout_seconds=0.3
+        )
+    )
 
-    assert [(e["type"], type(e["object"]), e["object"].metadata.name) for e in events] == [("ADDED", client.V1Pod, "new")]
+    assert [(e["type"], type(e["object"]), e["object"].metadata.name) for e in events] == [
+        ("ADDED", client.V1Pod, "new")
+    ]
 
 
 def test_list_pods_by_label_selector(fake_kube: FakeKubeAPI, core: client.CoreV1Api) -> None:
@@ -324,7 +374,9 @@ def test_pod_log_follow_streams_until_the_pod_succeeds(fake_kube: FakeKubeAPI, c
     assert time.monotonic() - start < 2
 
 
-def test_stop_ends_open_streams(fake_kube: FakeKubeAPI, core: client.CoreV1Api, custom: client.CustomObjectsApi) -> None:
+def test_stop_ends_open_streams(
+    fake_kube: FakeKubeAPI, core: client.CoreV1Api, custom: client.CustomObjectsApi
+) -> None:
     fake_kube.put("v1", "pods", NS, _pod("trainer-0"))
     job_watch = custom.list_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, watch=True, _preload_content=False)
     log_follow = core.read_namespaced_pod_log("trainer-0", NS, follow=True, _preload_content=False)
@@ -339,7 +391,9 @@ def test_stop_ends_open_streams(fake_kube: FakeKubeAPI, core: client.CoreV1Api, 
         assert not reader.is_alive()
 
 
-def test_fail_next_and_unsupported_requests_answer_with_status(fake_kube: FakeKubeAPI, custom: client.CustomObjectsApi) -> None:
+def test_fail_next_and_unsupported_requests_answer_with_status(
+    fake_kube: FakeKubeAPI, custom: client.CustomObjectsApi
+) -> None:
     fake_kube.fail_next(503, times=2)
     for _ in range(2):
         with pytest.raises(ApiException) as unavailable:
@@ -350,8 +404,13 @@ def test_fail_next_and_unsupported_requests_answer_with_status(fake_kube: FakeKu
     custom.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, _job("myjob"))
     # custom resources take no strategic merge patch; the client cannot send one, so go around it
     strategic = urllib.request.Request(
-        f"{fake_kube.url}/apis/{JOBS}/namespaces/{NS}/{PLURAL}/myjob", data=b'{"spec": {}}', method="PATCH",
-        headers={"Authorization": f"Bearer {fake_kube.token}", "Content-Type": "application/strategic-merge-patch+json"},
+        f"{fake_kube.url}/apis/{JOBS}/namespaces/{NS}/{PLURAL}/myjob",
+        data=b'{"spec": {}}',
+        method="PATCH",
+        headers={
+            "Authorization": f"Bearer {fake_kube.token}",
+            "Content-Type": "application/strategic-merge-patch+json",
+        },
     )
     with pytest.raises(urllib.error.HTTPError) as unsupported:
         urllib.request.urlopen(strategic)

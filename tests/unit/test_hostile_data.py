@@ -53,7 +53,13 @@ def test_too_many_classes_is_one_line(tmp_path, n_labels, max_classes):
     spec = DataSpec(train=str(path), **({"max_classes": max_classes} if max_classes else {}))
     with pytest.raises(KubetuneError) as e:
         load_frames(spec, seed=0)
-    _one_line(e.value, "data.label_column:", f"{n_labels} distinct labels", f"data.max_classes ({max_classes or 1000})", "raise data.max_classes")
+    _one_line(
+        e.value,
+        "data.label_column:",
+        f"{n_labels} distinct labels",
+        f"data.max_classes ({max_classes or 1000})",
+        "raise data.max_classes",
+    )
 
 
 # ---------------------------------------------------------------- 2. evaluation with many classes
@@ -95,8 +101,23 @@ def test_evaluate_counts_once_and_keeps_confusion_small(monkeypatch, num_labels,
     guesses = np.where(rng.random(n) < 0.6, labels, rng.integers(0, num_labels, n))
     lengths = rng.integers(2, 9, n)
     ids = [[int(g), int(c)] + [7] * (int(k) - 2) for g, c, k in zip(guesses, rng.integers(1, 4, n), lengths)]
-    ds = datasets.Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(x) for x in ids], "length": lengths.tolist(), "label": labels.tolist()})
-    data = loop.Prepared(train_ds=None, eval_ds=ds, collate=None, train_rows=0, eval_rows=n, labels=[str(i) for i in range(num_labels)], raw=(None, _PadTokenizer()))
+    ds = datasets.Dataset.from_dict(
+        {
+            "input_ids": ids,
+            "attention_mask": [[1] * len(x) for x in ids],
+            "length": lengths.tolist(),
+            "label": labels.tolist(),
+        }
+    )
+    data = loop.Prepared(
+        train_ds=None,
+        eval_ds=ds,
+        collate=None,
+        train_rows=0,
+        eval_rows=n,
+        labels=[str(i) for i in range(num_labels)],
+        raw=(None, _PadTokenizer()),
+    )
 
     big = []
     real_bincount = torch.bincount
@@ -119,7 +140,14 @@ def test_evaluate_counts_once_and_keeps_confusion_small(monkeypatch, num_labels,
     model = _Guess(num_labels)
     metrics = None
     for rank in reversed(range(world_size)):  # rank 0 last: it sums what the others gave
-        metrics = classify.evaluate(model, data, DistEnv(rank=rank, world_size=world_size), torch.device("cpu"), torch.autocast("cpu", enabled=False), 16)
+        metrics = classify.evaluate(
+            model,
+            data,
+            DistEnv(rank=rank, world_size=world_size),
+            torch.device("cpu"),
+            torch.autocast("cpu", enabled=False),
+            16,
+        )
 
     logits = model(torch.tensor([[g, c] for g, c in (x[:2] for x in ids)]), None).logits
     expected_loss = torch.nn.functional.cross_entropy(logits, torch.tensor(labels)).item()
@@ -138,7 +166,14 @@ def test_report_without_or_with_a_big_confusion_matrix(tmp_path):
     from kubetune.artifacts.report import write_report
     from kubetune.config import parse_spec
 
-    spec = parse_spec({"name": "r", "model": {"uri": "hf://org/m"}, "data": {"train": "t.csv"}, "output": {"uri": str(tmp_path / "o")}})
+    spec = parse_spec(
+        {
+            "name": "r",
+            "model": {"uri": "hf://org/m"},
+            "data": {"train": "t.csv"},
+            "output": {"uri": str(tmp_path / "o")},
+        }
+    )
     base = {"eval_accuracy": 0.5, "eval_f1_macro": 0.4, "eval_loss": 1.0}
     pages = {}
     for name, n in (("small", 5), ("big", 40), ("none", 500)):
@@ -182,12 +217,15 @@ def _two_files(tmp_path, mib: float) -> str:
     return str(d)
 
 
-@pytest.mark.parametrize("make, loader, expected", [
-    (lambda p: str(_big_csv(p / "big.csv", 1.2)), load_frames, "is 1.2 MiB, over the 1 MiB limit"),
-    (lambda p: _two_files(p, 1.2), load_frames, "the data files in"),
-    (lambda p: _hf_dataset(p, 1.2), load_frames, "over the 1 MiB limit"),
-    (lambda p: str(_big_csv(p / "big.csv", 1.2)), load_lm_frames, "is 1.2 MiB, over the 1 MiB limit"),
-])
+@pytest.mark.parametrize(
+    "make, loader, expected",
+    [
+        (lambda p: str(_big_csv(p / "big.csv", 1.2)), load_frames, "is 1.2 MiB, over the 1 MiB limit"),
+        (lambda p: _two_files(p, 1.2), load_frames, "the data files in"),
+        (lambda p: _hf_dataset(p, 1.2), load_frames, "over the 1 MiB limit"),
+        (lambda p: str(_big_csv(p / "big.csv", 1.2)), load_lm_frames, "is 1.2 MiB, over the 1 MiB limit"),
+    ],
+)
 def test_input_size_limit_before_loading(tmp_path, monkeypatch, make, loader, expected):
     uri = make(tmp_path)
     read = []
@@ -217,15 +255,18 @@ def _parquet_bytes() -> bytes:
 TEXT = "text,label\nhéllo wörld,pos\nplain row,neg\nthird one,pos\nfourth,neg\n"
 
 
-@pytest.mark.parametrize("name, make, suffix, expected", [
-    ("NUL bytes", lambda: b"\x00" * 200_000, ".csv", "NUL bytes in its first 64 KiB: binary data"),
-    ("NULs after a header", lambda: b"text,label\n" + b"\x00\x01\x02" * 50_000, ".csv", "binary data"),
-    ("xlsx renamed .csv", _xlsx_bytes, ".csv", "is an Excel workbook or ZIP archive, not csv"),
-    ("xlsx renamed .jsonl", _xlsx_bytes, ".jsonl", "is an Excel workbook or ZIP archive"),
-    ("parquet renamed .csv", _parquet_bytes, ".csv", "is a Parquet file, not csv"),
-    ("first line over 1 MiB", lambda: b"x" * (1200 * 1024), ".csv", "no line break in its first 1 MiB"),
-    ("gzip renamed .tsv", lambda: b"\x1f\x8b\x08\x00" + bytes(range(256)) * 400, ".tsv", "gzip-compressed"),
-])
+@pytest.mark.parametrize(
+    "name, make, suffix, expected",
+    [
+        ("NUL bytes", lambda: b"\x00" * 200_000, ".csv", "NUL bytes in its first 64 KiB: binary data"),
+        ("NULs after a header", lambda: b"text,label\n" + b"\x00\x01\x02" * 50_000, ".csv", "binary data"),
+        ("xlsx renamed .csv", _xlsx_bytes, ".csv", "is an Excel workbook or ZIP archive, not csv"),
+        ("xlsx renamed .jsonl", _xlsx_bytes, ".jsonl", "is an Excel workbook or ZIP archive"),
+        ("parquet renamed .csv", _parquet_bytes, ".csv", "is a Parquet file, not csv"),
+        ("first line over 1 MiB", lambda: b"x" * (1200 * 1024), ".csv", "no line break in its first 1 MiB"),
+        ("gzip renamed .tsv", lambda: b"\x1f\x8b\x08\x00" + bytes(range(256)) * 400, ".tsv", "gzip-compressed"),
+    ],
+)
 def test_non_text_files_are_one_short_line(tmp_path, name, make, suffix, expected):
     path = tmp_path / f"data{suffix}"
     path.write_bytes(make())
@@ -234,11 +275,20 @@ def test_non_text_files_are_one_short_line(tmp_path, name, make, suffix, expecte
     _one_line(e.value, "data.train:", expected)
 
 
-@pytest.mark.parametrize("encoding, suffix", [("utf-16", ".csv"), ("utf-16-be", ".tsv"), ("utf-32", ".csv"), ("utf-16", ".jsonl"), ("utf-8-sig", ".jsonl")])
+@pytest.mark.parametrize(
+    "encoding, suffix",
+    [("utf-16", ".csv"), ("utf-16-be", ".tsv"), ("utf-32", ".csv"), ("utf-16", ".jsonl"), ("utf-8-sig", ".jsonl")],
+)
 def test_byte_order_marks_are_decoded(tmp_path, caplog, encoding, suffix):
     """With encoding auto a BOM picks the decoding (UTF-16/32 with a warning); an explicit encoding is honoured."""
-    df = pd.DataFrame({"text": ["héllo wörld", "plain ünïcode", "third", "fourth"], "label": ["pos", "neg", "pos", "neg"]})
-    text = df.to_csv(index=False, sep="\t" if suffix == ".tsv" else ",") if suffix != ".jsonl" else df.to_json(orient="records", lines=True, force_ascii=False)
+    df = pd.DataFrame(
+        {"text": ["héllo wörld", "plain ünïcode", "third", "fourth"], "label": ["pos", "neg", "pos", "neg"]}
+    )
+    text = (
+        df.to_csv(index=False, sep="\t" if suffix == ".tsv" else ",")
+        if suffix != ".jsonl"
+        else df.to_json(orient="records", lines=True, force_ascii=False)
+    )
     bom = {"utf-16-be": codecs.BOM_UTF16_BE}.get(encoding, b"")
     path = tmp_path / f"bom{suffix}"
     path.write_bytes(bom + text.encode(encoding))
@@ -249,7 +299,10 @@ def test_byte_order_marks_are_decoded(tmp_path, caplog, encoding, suffix):
     if encoding != "utf-8-sig":
         assert "byte-order mark" in caplog.text
     explicit = {"utf-16-be": "utf-16-be", "utf-8-sig": "utf-8"}.get(encoding, encoding)
-    assert read_table(str(path), field="data.train", encoding=explicit)["text"].tolist()[:2] == ["héllo wörld", "plain ünïcode"]
+    assert read_table(str(path), field="data.train", encoding=explicit)["text"].tolist()[:2] == [
+        "héllo wörld",
+        "plain ünïcode",
+    ]
 
 
 def test_explicit_encoding_is_honoured_and_wrong_one_is_one_line(tmp_path):
@@ -274,7 +327,11 @@ def test_mixed_encodings_keep_valid_utf8(tmp_path, caplog, suffix):
     legacy = [("caf\xe9 latin", "neg"), ("\u201csmart quotes\u201d", "pos")]  # written as cp1252
 
     def line(text, label):
-        return (f"{text},{label}\n" if suffix == ".csv" else json.dumps({"text": text, "label": label}, ensure_ascii=False) + "\n")
+        return (
+            f"{text},{label}\n"
+            if suffix == ".csv"
+            else json.dumps({"text": text, "label": label}, ensure_ascii=False) + "\n"
+        )
 
     data = (b"text,label\n" if suffix == ".csv" else b"") + b"".join(line(*r).encode("utf-8") for r in rows)
     data += b"".join(line(*r).encode("cp1252") for r in legacy)
@@ -291,13 +348,36 @@ def test_mixed_encodings_keep_valid_utf8(tmp_path, caplog, suffix):
 # ---------------------------------------------------------------- 6. no NA inference
 
 
-@pytest.mark.parametrize("content, suffix, labels, dropped", [
-    (_csv(GOOD[:6] + [("a text", "None"), ("b text", "None"), ("c text", "None")]), ".csv", ["None", "neg", "pos"], {}),
-    (_csv([("t1", "NA"), ("t2", "pos"), ("t3", "NA"), ("t4", "pos")]), ".csv", ["NA", "pos"], {}),
-    (_csv([("None", "null"), ("NA", "pos"), ("n/a", "null"), ("NaN", "pos"), ("", "pos")]), ".csv", ["null", "pos"], {"train": 1}),
-    (_csv([("None", "null"), ("NA", "pos"), ("x", "null"), ("y", "pos")]).replace(b",", b"\t"), ".tsv", ["null", "pos"], {}),
-    (b'{"text": "123", "label": "null"}\n{"text": "456", "label": "None"}\n{"text": "789", "label": "null"}\n{"text": null, "label": "None"}\n', ".jsonl", ["None", "null"], {"train": 1}),
-])
+@pytest.mark.parametrize(
+    "content, suffix, labels, dropped",
+    [
+        (
+            _csv(GOOD[:6] + [("a text", "None"), ("b text", "None"), ("c text", "None")]),
+            ".csv",
+            ["None", "neg", "pos"],
+            {},
+        ),
+        (_csv([("t1", "NA"), ("t2", "pos"), ("t3", "NA"), ("t4", "pos")]), ".csv", ["NA", "pos"], {}),
+        (
+            _csv([("None", "null"), ("NA", "pos"), ("n/a", "null"), ("NaN", "pos"), ("", "pos")]),
+            ".csv",
+            ["null", "pos"],
+            {"train": 1},
+        ),
+        (
+            _csv([("None", "null"), ("NA", "pos"), ("x", "null"), ("y", "pos")]).replace(b",", b"\t"),
+            ".tsv",
+            ["null", "pos"],
+            {},
+        ),
+        (
+            b'{"text": "123", "label": "null"}\n{"text": "456", "label": "None"}\n{"text": "789", "label": "null"}\n{"text": null, "label": "None"}\n',
+            ".jsonl",
+            ["None", "null"],
+            {"train": 1},
+        ),
+    ],
+)
 def test_none_na_null_are_labels_and_texts(tmp_path, content, suffix, labels, dropped):
     path = tmp_path / f"d{suffix}"
     path.write_bytes(content)
@@ -315,10 +395,17 @@ def test_none_labels_in_a_directory_and_numeric_label_order(tmp_path):
     assert frames.labels == ["2", "10"] and frames.dropped == {"train": 4}
 
 
-@pytest.mark.parametrize("content, extra, expected", [
-    (_csv([("NA", "None"), ("null", "n/a")], header=("instruction", "output")), {}, [("NA", "None"), ("null", "n/a")]),
-    (_csv([("None",), ("NaN",)], header=("text",)), {}, [("None",), ("NaN",)]),
-])
+@pytest.mark.parametrize(
+    "content, extra, expected",
+    [
+        (
+            _csv([("NA", "None"), ("null", "n/a")], header=("instruction", "output")),
+            {},
+            [("NA", "None"), ("null", "n/a")],
+        ),
+        (_csv([("None",), ("NaN",)], header=("text",)), {}, [("None",), ("NaN",)]),
+    ],
+)
 def test_causal_text_is_read_without_na_inference(tmp_path, content, extra, expected):
     path = tmp_path / ("c.jsonl" if content.startswith(b"{") else "c.csv")
     path.write_bytes(content)
@@ -354,17 +441,58 @@ def _parquet(path, **columns):
     return path
 
 
-@pytest.mark.parametrize("make, loader, needles", [
-    (lambda p: (p / "n.csv").write_bytes(_csv([(i, "pos" if i % 2 else "neg") for i in range(8)])) and p / "n.csv", load_frames,
-     ("data.text_column:", "column 'text'", "holds numbers (int64), not text", "set data.text_column to the text column")),
-    (lambda p: (p / "n.jsonl").write_bytes(b"".join(json.dumps({"text": i / 2, "label": i % 2}).encode() + b"\n" for i in range(8))) and p / "n.jsonl",
-     load_frames, ("holds numbers (float64)",)),
-    (lambda p: _parquet(p / "l.parquet", text=[["a", "b"], ["c"]] * 4, label=["x", "y"] * 4), load_frames, ("holds nested values (lists/structs), not text",)),
-    (lambda p: _parquet(p / "s.parquet", text=[{"a": 1}, {"a": 2}] * 4, label=["x", "y"] * 4), load_frames, ("holds nested values",)),
-    (lambda p: _parquet(p / "b.parquet", text=[True, False] * 4, label=["x", "y"] * 4), load_frames, ("holds booleans",)),
-    (lambda p: _parquet(p / "k.parquet", text=["a", "b"] * 4, label=[[1], [2]] * 4), load_frames, ("data.label_column:", "nested values", "not class labels")),
-    (lambda p: (p / "c.csv").write_bytes(_csv([(i,) for i in range(8)], header=("text",))) and p / "c.csv", load_lm_frames, ("holds numbers (int64), not text",)),
-])
+@pytest.mark.parametrize(
+    "make, loader, needles",
+    [
+        (
+            lambda p: (
+                (p / "n.csv").write_bytes(_csv([(i, "pos" if i % 2 else "neg") for i in range(8)])) and p / "n.csv"
+            ),
+            load_frames,
+            (
+                "data.text_column:",
+                "column 'text'",
+                "holds numbers (int64), not text",
+                "set data.text_column to the text column",
+            ),
+        ),
+        (
+            lambda p: (
+                (p / "n.jsonl").write_bytes(
+                    b"".join(json.dumps({"text": i / 2, "label": i % 2}).encode() + b"\n" for i in range(8))
+                )
+                and p / "n.jsonl"
+            ),
+            load_frames,
+            ("holds numbers (float64)",),
+        ),
+        (
+            lambda p: _parquet(p / "l.parquet", text=[["a", "b"], ["c"]] * 4, label=["x", "y"] * 4),
+            load_frames,
+            ("holds nested values (lists/structs), not text",),
+        ),
+        (
+            lambda p: _parquet(p / "s.parquet", text=[{"a": 1}, {"a": 2}] * 4, label=["x", "y"] * 4),
+            load_frames,
+            ("holds nested values",),
+        ),
+        (
+            lambda p: _parquet(p / "b.parquet", text=[True, False] * 4, label=["x", "y"] * 4),
+            load_frames,
+            ("holds booleans",),
+        ),
+        (
+            lambda p: _parquet(p / "k.parquet", text=["a", "b"] * 4, label=[[1], [2]] * 4),
+            load_frames,
+            ("data.label_column:", "nested values", "not class labels"),
+        ),
+        (
+            lambda p: (p / "c.csv").write_bytes(_csv([(i,) for i in range(8)], header=("text",))) and p / "c.csv",
+            load_lm_frames,
+            ("holds numbers (int64), not text",),
+        ),
+    ],
+)
 def test_a_column_without_text_says_what_it_holds(tmp_path, make, loader, needles):
     path = make(tmp_path)
     with pytest.raises(KubetuneError) as e:
@@ -376,32 +504,50 @@ def test_a_column_without_text_says_what_it_holds(tmp_path, make, loader, needle
 # ---------------------------------------------------------------- 9. mixed file kinds in a directory
 
 
-@pytest.mark.parametrize("files, loader, listed", [
-    ({"a.csv": "csv", "b.jsonl": "jsonl", "c.jsonl": "jsonl"}, load_frames, "2 .jsonl, 1 .csv"),
-    ({"a.csv": "csv", "b.parquet": "parquet"}, load_frames, "1 .csv, 1 .parquet"),
-    ({"a.csv": "csv", "b.tsv": "tsv"}, load_frames, "1 .csv, 1 .tsv"),
-    ({"a.csv": "csv", "b.jsonl": "jsonl"}, load_lm_frames, "1 .csv, 1 .jsonl"),
-])
+@pytest.mark.parametrize(
+    "files, loader, listed",
+    [
+        ({"a.csv": "csv", "b.jsonl": "jsonl", "c.jsonl": "jsonl"}, load_frames, "2 .jsonl, 1 .csv"),
+        ({"a.csv": "csv", "b.parquet": "parquet"}, load_frames, "1 .csv, 1 .parquet"),
+        ({"a.csv": "csv", "b.tsv": "tsv"}, load_frames, "1 .csv, 1 .tsv"),
+        ({"a.csv": "csv", "b.jsonl": "jsonl"}, load_lm_frames, "1 .csv, 1 .jsonl"),
+    ],
+)
 def test_directory_of_mixed_kinds(tmp_path, files, loader, listed):
     d = tmp_path / "mixed"
     d.mkdir()
     df = pd.DataFrame(GOOD, columns=["text", "label"])
     for name, kind in files.items():
-        {"csv": lambda p: df.to_csv(p, index=False), "tsv": lambda p: df.to_csv(p, sep="\t", index=False),
-         "jsonl": lambda p: df.to_json(p, orient="records", lines=True), "parquet": lambda p: df.to_parquet(p)}[kind](d / name)
+        {
+            "csv": lambda p: df.to_csv(p, index=False),
+            "tsv": lambda p: df.to_csv(p, sep="\t", index=False),
+            "jsonl": lambda p: df.to_json(p, orient="records", lines=True),
+            "parquet": lambda p: df.to_parquet(p),
+        }[kind](d / name)
     (d / "README.md").write_text("not data")  # ignored, as `datasets` ignores it
     with pytest.raises(KubetuneError) as e:
         loader(DataSpec(train=str(d), eval=str(d) if loader is load_lm_frames else None), seed=0)
     _one_line(e.value, "data.train:", "mixes data file kinds", listed)
 
 
-@pytest.mark.parametrize("files, encoding, expected", [
-    ({"a.csv": "text,label\ncafé utf8,pos\n".encode() + "caf\xe9 legacy,neg\n".encode("cp1252")}, "auto", ["café utf8", "caf\xe9 legacy"]),
-    ({"a.csv": "text,label\ncaf\xe9,neg\n".encode("cp1252")}, "utf-8", "data.encoding: cannot read"),
-    ({"a.csv": b"text,label\na,b\n", "b.csv": b"body,stars\nc,1\n"}, "auto", "data.train: cannot read"),
-    # an s3:// download holds kubetune's manifest next to the data: not a second kind, and not read as data
-    ({"part-0.csv": b"text,label\nfrom csv,b\n", "_kubetune_manifest.json": b'{"files": {"part-0.csv": {}}}'}, "auto", ["from csv"]),
-])
+@pytest.mark.parametrize(
+    "files, encoding, expected",
+    [
+        (
+            {"a.csv": "text,label\ncafé utf8,pos\n".encode() + "caf\xe9 legacy,neg\n".encode("cp1252")},
+            "auto",
+            ["café utf8", "caf\xe9 legacy"],
+        ),
+        ({"a.csv": "text,label\ncaf\xe9,neg\n".encode("cp1252")}, "utf-8", "data.encoding: cannot read"),
+        ({"a.csv": b"text,label\na,b\n", "b.csv": b"body,stars\nc,1\n"}, "auto", "data.train: cannot read"),
+        # an s3:// download holds kubetune's manifest next to the data: not a second kind, and not read as data
+        (
+            {"part-0.csv": b"text,label\nfrom csv,b\n", "_kubetune_manifest.json": b'{"files": {"part-0.csv": {}}}'},
+            "auto",
+            ["from csv"],
+        ),
+    ],
+)
 def test_directory_reads_like_a_file(tmp_path, files, encoding, expected):
     """A directory's CSVs decode as a file's do (encoding auto falls back per byte); its reader's errors are one line."""
     (tmp_path / "ds").mkdir()
@@ -435,8 +581,14 @@ def _device(p):
     return p / "zero.csv"
 
 
-@pytest.mark.parametrize("make, expected", [(_fifo, "is not a regular file (a FIFO)"), (_fifo_in_dir, "more.csv' is not a regular file (a FIFO)"),
-                                            (_device, "is not a regular file (a device)")])
+@pytest.mark.parametrize(
+    "make, expected",
+    [
+        (_fifo, "is not a regular file (a FIFO)"),
+        (_fifo_in_dir, "more.csv' is not a regular file (a FIFO)"),
+        (_device, "is not a regular file (a device)"),
+    ],
+)
 def test_fifo_or_device_is_not_a_regular_file(tmp_path, make, expected):
     path = make(tmp_path)
     result = {}
@@ -468,7 +620,9 @@ def test_fifo_or_device_is_not_a_regular_file(tmp_path, make, expected):
 def _frames(n_classes: int, rows_per_class: int = 3):
     from kubetune.data.tables import Frames
 
-    rows = [(f"class {c} example {k} word{c} filler{c % 7}", c) for c in range(n_classes) for k in range(rows_per_class)]
+    rows = [
+        (f"class {c} example {k} word{c} filler{c % 7}", c) for c in range(n_classes) for k in range(rows_per_class)
+    ]
     df = pd.DataFrame(rows, columns=["text", "label"])
     return Frames(df, df.iloc[::rows_per_class].reset_index(drop=True), [str(c) for c in range(n_classes)])
 
@@ -488,10 +642,19 @@ def test_baseline_skipped_where_it_cannot_fit(monkeypatch, caplog, tmp_path, cau
     else:
         monkeypatch.setattr(LogisticRegression, "fit", lambda *a, **k: (_ for _ in ()).throw(MemoryError()))
     monkeypatch.setattr(artifacts, "export_classifier", lambda *a, **k: None)
-    spec = parse_spec({"name": "b", "model": {"uri": "hf://org/m"}, "data": {"train": "t.csv"}, "output": {"uri": str(tmp_path / "o")}})
+    spec = parse_spec(
+        {
+            "name": "b",
+            "model": {"uri": "hf://org/m"},
+            "data": {"train": "t.csv"},
+            "output": {"uri": str(tmp_path / "o")},
+        }
+    )
     metrics = {}
     with caplog.at_level(logging.WARNING):
-        classify.export(spec, None, None, loop.Prepared(None, None, None, 0, 0, raw=(_frames(200), None)), tmp_path, metrics)
+        classify.export(
+            spec, None, None, loop.Prepared(None, None, None, 0, 0, raw=(_frames(200), None)), tmp_path, metrics
+        )
     assert "baseline" not in metrics
     lines = [r.getMessage() for r in caplog.records if "baseline skipped" in r.getMessage()]
     assert len(lines) == 1 and "200 classes" in lines[0] and "\n" not in lines[0]

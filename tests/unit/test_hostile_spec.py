@@ -39,28 +39,68 @@ CASES = [
     # (what, spec text, expected fragment of the first problem)
     ("alias bomb", alias_bomb(), "aliases expand to more than 100,000 values"),
     ("recursive alias", GOOD + "x: &x [*x]\n", "recursive structure"),
-    ("duplicate key", GOOD + "training:\n  epochs: 1\n  epochs: 3\n", "duplicate key 'epochs' (first on line 6); YAML keys must be unique"),
+    (
+        "duplicate key",
+        GOOD + "training:\n  epochs: 1\n  epochs: 3\n",
+        "duplicate key 'epochs' (first on line 6); YAML keys must be unique",
+    ),
     ("duplicate section", GOOD + "name: u\n", "duplicate key 'name' (first on line 1)"),
-    ("weight_decay .inf", GOOD + "training: {weight_decay: .inf}\n", "training.weight_decay: Input should be a finite number"),
-    ("learning_rate .nan", GOOD + "training: {learning_rate: .nan}\n", "training.learning_rate: Input should be a finite number"),
+    (
+        "weight_decay .inf",
+        GOOD + "training: {weight_decay: .inf}\n",
+        "training.weight_decay: Input should be a finite number",
+    ),
+    (
+        "learning_rate .nan",
+        GOOD + "training: {learning_rate: .nan}\n",
+        "training.learning_rate: Input should be a finite number",
+    ),
     ("lora alpha -.inf", GOOD + "lora: {alpha: -.inf}\n", "lora.alpha: Input should be a finite number"),
-    ("checkpoint_minutes .inf", GOOD + "training: {checkpoint_minutes: .inf}\n", "training.checkpoint_minutes: Input should be a finite number"),
+    (
+        "checkpoint_minutes .inf",
+        GOOD + "training: {checkpoint_minutes: .inf}\n",
+        "training.checkpoint_minutes: Input should be a finite number",
+    ),
     ("epochs 1e9", GOOD + "training: {epochs: 1e9}\n", "YAML reads this as a string (write 1000000000, or 1.0e+9"),
-    ("a huge number", GOOD + "training: {epochs: " + "9" * 200_000 + "}\n", "a value cannot be read: Exceeds the limit"),
+    (
+        "a huge number",
+        GOOD + "training: {epochs: " + "9" * 200_000 + "}\n",
+        "a value cannot be read: Exceeds the limit",
+    ),
     ("a huge value", GOOD + "training: {epochs: " + "x" * 200_000 + "}\n", "training.epochs"),
     ("a huge key", GOOD + "training:\n  ? " + "k" * 100_000 + "\n  : 1\n", "unknown key"),
-    ("empty output", GOOD.replace("uri: out", "uri: ''"), "output.uri: is empty, which would write into the current directory"),
+    (
+        "empty output",
+        GOOD.replace("uri: out", "uri: ''"),
+        "output.uri: is empty, which would write into the current directory",
+    ),
     ("root output", GOOD.replace("uri: out", "uri: /"), "is the filesystem root or a home directory itself"),
     ("home output", GOOD.replace("uri: out", "uri: '~'"), "is the filesystem root or a home directory itself"),
-    ("other home output", GOOD.replace("uri: out", "uri: '~alice/'"), "is the filesystem root or a home directory itself"),
-    ("bucket root output", GOOD.replace("uri: out", "uri: s3://bucket/"), "is a whole bucket — name a prefix inside it"),
+    (
+        "other home output",
+        GOOD.replace("uri: out", "uri: '~alice/'"),
+        "is the filesystem root or a home directory itself",
+    ),
+    (
+        "bucket root output",
+        GOOD.replace("uri: out", "uri: s3://bucket/"),
+        "is a whole bucket — name a prefix inside it",
+    ),
     ("label key", GOOD + "kubernetes: {labels: {'team name': x}}\n", "key 'team name' is not a valid Kubernetes key"),
     ("label value", GOOD + "kubernetes: {labels: {team: 'a b'}}\n", "label value 'a b' (key 'team')"),
     ("label prefix", GOOD + "kubernetes: {labels: {'Example.COM/x': y}}\n", "its prefix must be a DNS subdomain"),
     ("annotation key", GOOD + "kubernetes: {annotations: {'-bad': y}}\n", "key '-bad' is not a valid Kubernetes key"),
     ("node selector", GOOD + "kubernetes: {node_selector: {'gpu/': y}}\n", "key 'gpu/' is not a valid Kubernetes key"),
-    ("service account", GOOD + "kubernetes: {service_account: Runner_1}\n", "'Runner_1' is not a valid ServiceAccount name"),
-    ("secret name", GOOD + "kubernetes: {secrets: {hf_token: {name: 'HF Secret', key: t}}}\n", "'HF Secret' is not a valid Secret name"),
+    (
+        "service account",
+        GOOD + "kubernetes: {service_account: Runner_1}\n",
+        "'Runner_1' is not a valid ServiceAccount name",
+    ),
+    (
+        "secret name",
+        GOOD + "kubernetes: {secrets: {hf_token: {name: 'HF Secret', key: t}}}\n",
+        "'HF Secret' is not a valid Secret name",
+    ),
 ]
 
 
@@ -81,8 +121,14 @@ def test_alias_bomb_stays_small_through_the_real_cli(tmp_path):
     def limit():
         resource.setrlimit(resource.RLIMIT_AS, (3 << 29, 3 << 29))
 
-    proc = subprocess.run([sys.executable, "-m", "kubetune", "validate", str(path)], capture_output=True, text=True, timeout=60,
-                          preexec_fn=limit, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kubetune", "validate", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=limit,
+        cwd=ROOT,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert proc.stderr.startswith("error: spec: ") and "aliases expand" in proc.stderr
 
@@ -116,13 +162,31 @@ def test_legitimate_aliases_and_set_values_still_work(tmp_path):
     path.write_text(GOOD.replace("output: {uri: out}", "output: {uri: &o out}") + "kubernetes: {labels: {run: *o}}\n")
     assert load_spec(path, ["training.learning_rate=1e-4", "training.epochs=2"]).kubernetes.labels == {"run": "out"}
     with pytest.raises(SpecError, match="aliases expand"):
-        load_spec(path, ["kubernetes.annotations=" + "{a: &a [" + ",".join(["x"] * 400) + "], b: [" + ",".join(["*a"] * 400) + "]}"])
+        load_spec(
+            path,
+            [
+                "kubernetes.annotations="
+                + "{a: &a ["
+                + ",".join(["x"] * 400)
+                + "], b: ["
+                + ",".join(["*a"] * 400)
+                + "]}"
+            ],
+        )
 
 
 def test_render_refuses_an_invalid_namespace(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text(GOOD)
-    proc = subprocess.run([sys.executable, "-m", "kubetune", "render", str(path), "-n", "Team_A"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kubetune", "render", str(path), "-n", "Team_A"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.strip() == ("error: --namespace: 'Team_A' is not a valid namespace: a DNS label of lowercase letters, digits and '-', "
-                                   "at most 63 characters — pass a valid namespace, e.g. -n kubeflow")
+    assert proc.stderr.strip() == (
+        "error: --namespace: 'Team_A' is not a valid namespace: a DNS label of lowercase letters, digits and '-', "
+        "at most 63 characters — pass a valid namespace, e.g. -n kubeflow"
+    )

@@ -11,15 +11,27 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "kubetune"
 
 # Lower number = lower layer. A module may import only modules of its own layer or below.
 LAYERS = {
-    "kubetune.version": 0, "kubetune.errors": 0, "kubetune.paths": 0,
+    "kubetune.version": 0,
+    "kubetune.errors": 0,
+    "kubetune.paths": 0,
     "kubetune.config": 1,
-    "kubetune.providers": 2, "kubetune.distributed": 2,
+    "kubetune.providers": 2,
+    "kubetune.distributed": 2,
     "kubetune.data": 3,
-    "kubetune.artifacts": 4, "kubetune.checkpoint": 4,
-    "kubetune.recipes": 5, "kubetune.predict": 5, "kubetune.stage": 5,
-    "kubetune.training": 6, "kubetune.worker": 6, "kubetune.launch": 6,
+    "kubetune.artifacts": 4,
+    "kubetune.checkpoint": 4,
+    "kubetune.recipes": 5,
+    "kubetune.predict": 5,
+    "kubetune.stage": 5,
+    "kubetune.training": 6,
+    "kubetune.worker": 6,
+    "kubetune.launch": 6,
     "kubetune.backends": 7,
-    "kubetune.client": 8, "kubetune.compat": 8, "kubetune.cli": 9, "kubetune.__main__": 10, "kubetune": 10,
+    "kubetune.client": 8,
+    "kubetune.compat": 8,
+    "kubetune.cli": 9,
+    "kubetune.__main__": 10,
+    "kubetune": 10,
 }
 
 
@@ -38,7 +50,12 @@ def import_graph() -> dict[str, set[str]]:
     for name, path in modules.items():
         deps = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.split(".")[0] == "kubetune":
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module
+                and node.level == 0
+                and node.module.split(".")[0] == "kubetune"
+            ):
                 for alias in node.names:
                     sub = f"{node.module}.{alias.name}"
                     deps.add(sub if sub in modules else node.module)
@@ -94,8 +111,12 @@ def test_no_import_cycles():
 
 
 def test_imports_point_down_the_layers():
-    upward = sorted(f"{m} (layer {layer(m)}) imports {d} (layer {layer(d)})"
-                    for m, deps in import_graph().items() for d in deps if layer(d) > layer(m))
+    upward = sorted(
+        f"{m} (layer {layer(m)}) imports {d} (layer {layer(d)})"
+        for m, deps in import_graph().items()
+        for d in deps
+        if layer(d) > layer(m)
+    )
     assert upward == []
 
 
@@ -112,7 +133,9 @@ def test_a_local_run_never_imports_the_kubernetes_client():
     import subprocess
     import sys
 
-    code = ("import sys, kubetune.client, kubetune.worker, kubetune.cli; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('kubernetes', 'kubeflow')))")
+    code = (
+        "import sys, kubetune.client, kubetune.worker, kubetune.cli; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('kubernetes', 'kubeflow')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -22,15 +22,42 @@ VALID = {
     "distributed": {"nodes": 1, "procs_per_node": 2},
     "output": {"uri": "out"},
 }
-PATHS = [("name",), ("model",), ("model", "uri"), ("data", "train"), ("data", "max_length"), ("data", "eval_fraction"), ("training",),
-         ("training", "epochs"), ("training", "learning_rate"), ("training", "precision"), ("distributed", "nodes"), ("lora",), ("lora", "r"),
-         ("kubernetes", "storage"), ("resources", "cpu"), ("output",), ("s3", "endpoint_url")]
-JUNK = st.one_of(st.none(), st.booleans(), st.integers(-10**12, 10**12), st.floats(allow_nan=True), st.text(max_size=30),
-                 st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=5), st.integers(), max_size=3))
+PATHS = [
+    ("name",),
+    ("model",),
+    ("model", "uri"),
+    ("data", "train"),
+    ("data", "max_length"),
+    ("data", "eval_fraction"),
+    ("training",),
+    ("training", "epochs"),
+    ("training", "learning_rate"),
+    ("training", "precision"),
+    ("distributed", "nodes"),
+    ("lora",),
+    ("lora", "r"),
+    ("kubernetes", "storage"),
+    ("resources", "cpu"),
+    ("output",),
+    ("s3", "endpoint_url"),
+]
+JUNK = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(10**12), 10**12),
+    st.floats(allow_nan=True),
+    st.text(max_size=30),
+    st.lists(st.integers(), max_size=3),
+    st.dictionaries(st.text(max_size=5), st.integers(), max_size=3),
+)
 # CI runs the same examples every time; a new search runs with KUBETUNE_HYPOTHESIS_RANDOM=1
 # (and more examples with KUBETUNE_HYPOTHESIS_EXAMPLES=N), and what it finds is pinned with @example.
-SETTINGS = settings(max_examples=int(os.environ.get("KUBETUNE_HYPOTHESIS_EXAMPLES", "80")), deadline=None,
-                    derandomize=os.environ.get("KUBETUNE_HYPOTHESIS_RANDOM") != "1", suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=int(os.environ.get("KUBETUNE_HYPOTHESIS_EXAMPLES", "80")),
+    deadline=None,
+    derandomize=os.environ.get("KUBETUNE_HYPOTHESIS_RANDOM") != "1",
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
 
 def _one_line_error(err: KubetuneError) -> None:
@@ -40,8 +67,10 @@ def _one_line_error(err: KubetuneError) -> None:
 
 @SETTINGS
 @example(mutations=[(("name",), None)], extra={"\n": None})  # found by CI: a key holding a newline
-@given(mutations=st.lists(st.tuples(st.sampled_from(PATHS), JUNK), min_size=1, max_size=4),
-       extra=st.dictionaries(st.text(min_size=1, max_size=8), JUNK, max_size=2))
+@given(
+    mutations=st.lists(st.tuples(st.sampled_from(PATHS), JUNK), min_size=1, max_size=4),
+    extra=st.dictionaries(st.text(min_size=1, max_size=8), JUNK, max_size=2),
+)
 def test_malformed_specs_give_one_line_errors(mutations, extra):
     raw = copy.deepcopy(VALID)
     for path, value in mutations:
@@ -67,24 +96,50 @@ def test_any_top_level_value(raw):
         _one_line_error(e)
 
 
-CELL = st.one_of(st.none(), st.text(max_size=40), st.just(""), st.just("   "), st.floats(allow_nan=True), st.integers(-5, 5),
-                 st.just("x" * 200_000))  # a huge line
+CELL = st.one_of(
+    st.none(),
+    st.text(max_size=40),
+    st.just(""),
+    st.just("   "),
+    st.floats(allow_nan=True),
+    st.integers(-5, 5),
+    st.just("x" * 200_000),
+)  # a huge line
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(
-    rows=st.lists(st.tuples(st.one_of(st.text(min_size=1, max_size=30), CELL), st.one_of(st.sampled_from(["pos", "neg", "neu"]), CELL)), max_size=40),
+    rows=st.lists(
+        st.tuples(
+            st.one_of(st.text(min_size=1, max_size=30), CELL), st.one_of(st.sampled_from(["pos", "neg", "neu"]), CELL)
+        ),
+        max_size=40,
+    ),
     columns=st.sampled_from([("text", "label")] * 5 + [("text", "stars"), ("body", "label"), ("text",)]),
     encoding=st.sampled_from(["utf-8", "utf-8", "latin-1", "garbage"]),
     fmt=st.sampled_from(["csv", "jsonl", "parquet"]),
-    eval_rows=st.one_of(st.none(), st.none(), st.lists(st.tuples(st.text(min_size=1, max_size=10), st.sampled_from(["pos", "neg", "zzz"])), min_size=1, max_size=5)),
+    eval_rows=st.one_of(
+        st.none(),
+        st.none(),
+        st.lists(
+            st.tuples(st.text(min_size=1, max_size=10), st.sampled_from(["pos", "neg", "zzz"])), min_size=1, max_size=5
+        ),
+    ),
     clean_rows=st.booleans(),
 )
-def test_malformed_datasets_load_or_fail_in_one_line(tmp_path_factory, rows, columns, encoding, fmt, eval_rows, clean_rows):
+def test_malformed_datasets_load_or_fail_in_one_line(
+    tmp_path_factory, rows, columns, encoding, fmt, eval_rows, clean_rows
+):
     tmp = tmp_path_factory.mktemp("bad")
     if clean_rows:  # malformed rows mixed into otherwise usable data: the common real case
         rows = [(f"good text {i}", lab) for i, lab in enumerate(["pos", "neg", "neu"] * 3)] + rows
-    df = pd.DataFrame([r[: len(columns)] for r in rows], columns=list(columns)) if rows else pd.DataFrame(columns=list(columns))
+    df = (
+        pd.DataFrame([r[: len(columns)] for r in rows], columns=list(columns))
+        if rows
+        else pd.DataFrame(columns=list(columns))
+    )
     path = tmp / f"train.{fmt}"
     if fmt == "parquet":
         df.astype(str).to_parquet(path)
@@ -113,9 +168,21 @@ def test_malformed_datasets_load_or_fail_in_one_line(tmp_path_factory, rows, col
     assert len(frames.train) + len(frames.eval) + sum(frames.dropped.values()) >= 1
 
 
-NUMERIC = [("training", "learning_rate"), ("training", "weight_decay"), ("training", "warmup_ratio"), ("training", "epochs"), ("training", "max_grad_norm"),
-           ("data", "eval_fraction"), ("data", "max_length"), ("lora", "alpha"), ("lora", "dropout"), ("training", "checkpoint_minutes")]
-NUMBER_TEXT = st.sampled_from([".inf", "-.inf", "+.inf", ".nan", ".NaN", ".Inf", "1e9", "1e-4", "1.0e+9", "0x10", "1_000", "-0.0", "3"])
+NUMERIC = [
+    ("training", "learning_rate"),
+    ("training", "weight_decay"),
+    ("training", "warmup_ratio"),
+    ("training", "epochs"),
+    ("training", "max_grad_norm"),
+    ("data", "eval_fraction"),
+    ("data", "max_length"),
+    ("lora", "alpha"),
+    ("lora", "dropout"),
+    ("training", "checkpoint_minutes"),
+]
+NUMBER_TEXT = st.sampled_from(
+    [".inf", "-.inf", "+.inf", ".nan", ".NaN", ".Inf", "1e9", "1e-4", "1.0e+9", "0x10", "1_000", "-0.0", "3"]
+)
 
 
 def _yaml_text(spec: dict, numbers, duplicates, bomb) -> str:
@@ -152,9 +219,17 @@ def _yaml_text(spec: dict, numbers, duplicates, bomb) -> str:
 @example(numbers=[(("training", "weight_decay"), ".inf")], duplicates=[], bomb=None)
 @example(numbers=[], duplicates=[("training", "epochs")], bomb=None)
 @example(numbers=[], duplicates=[], bomb=(9, 9, True))
-@given(numbers=st.lists(st.tuples(st.sampled_from(NUMERIC), NUMBER_TEXT), max_size=3),
-       duplicates=st.lists(st.tuples(st.sampled_from(["training", "data", "output", "lora"]), st.sampled_from(["epochs", "uri", "r", "train", "seed"])), max_size=2),
-       bomb=st.one_of(st.none(), st.tuples(st.integers(1, 12), st.integers(1, 12), st.booleans())))
+@given(
+    numbers=st.lists(st.tuples(st.sampled_from(NUMERIC), NUMBER_TEXT), max_size=3),
+    duplicates=st.lists(
+        st.tuples(
+            st.sampled_from(["training", "data", "output", "lora"]),
+            st.sampled_from(["epochs", "uri", "r", "train", "seed"]),
+        ),
+        max_size=2,
+    ),
+    bomb=st.one_of(st.none(), st.tuples(st.integers(1, 12), st.integers(1, 12), st.booleans())),
+)
 def test_yaml_aliases_duplicates_and_non_finite_numbers(tmp_path_factory, numbers, duplicates, bomb):
     import math
     import time

@@ -17,8 +17,18 @@ ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "golden"
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 # The example/target pairs that cannot render, and the one line that says why.
-REFUSED = {("sentiment-minilm-2x2-gpu", "trainjob"): "kubernetes.elastic: a TrainJob has no elastic policy — remove it for --target trainjob, or use --target pytorchjob"}
-PAIRS = [pytest.param(p, t, id=f"{p.stem}-{t}") for p in EXAMPLES for t in ("pytorchjob", "trainjob") if (p.stem, t) not in REFUSED]
+REFUSED = {
+    (
+        "sentiment-minilm-2x2-gpu",
+        "trainjob",
+    ): "kubernetes.elastic: a TrainJob has no elastic policy — remove it for --target trainjob, or use --target pytorchjob"
+}
+PAIRS = [
+    pytest.param(p, t, id=f"{p.stem}-{t}")
+    for p in EXAMPLES
+    for t in ("pytorchjob", "trainjob")
+    if (p.stem, t) not in REFUSED
+]
 
 
 def _render(path: Path, target: str) -> str:
@@ -71,8 +81,13 @@ def _spec(**kw):
 
 
 def test_two_nodes_two_gpus_structure():
-    spec = _spec(distributed__nodes=2, distributed__procs_per_node=2, resources__gpu=2, kubernetes__storage={"mode": "pvc"},
-                 kubernetes__secrets={"hf_token": {"name": "hf", "key": "token"}, "s3": "minio"})
+    spec = _spec(
+        distributed__nodes=2,
+        distributed__procs_per_node=2,
+        resources__gpu=2,
+        kubernetes__storage={"mode": "pvc"},
+        kubernetes__secrets={"hf_token": {"name": "hf", "key": "token"}, "s3": "minio"},
+    )
     r = manifests.render(spec, "team-a")
     job = r.job
     assert (job["apiVersion"], job["kind"], job["spec"]["nprocPerNode"]) == ("kubeflow.org/v1", "PyTorchJob", "2")
@@ -83,7 +98,9 @@ def test_two_nodes_two_gpus_structure():
     main = pod["spec"]["containers"][0]
     assert main["name"] == "pytorch" and main["command"] == ["kubetune", "launch", "/workspace/stage/j/job.yaml"]
     env = {e["name"]: e.get("value") for e in main["env"]}
-    assert env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == str(pod["spec"]["terminationGracePeriodSeconds"] - 10)  # time to checkpoint
+    assert env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == str(
+        pod["spec"]["terminationGracePeriodSeconds"] - 10
+    )  # time to checkpoint
     assert main["resources"]["limits"]["nvidia.com/gpu"] == "2"
     assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}} in main["env"]
     assert main["envFrom"] == [{"secretRef": {"name": "minio"}}]
@@ -106,7 +123,10 @@ def test_single_node_has_no_worker_and_node_local_uses_empty_dir():
     assert list(r.job["spec"]["pytorchReplicaSpecs"]) == ["Master"]
     assert r.pvc is None
     pod = r.job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
-    assert {v["name"]: v for v in pod["volumes"]}["workspace"] == {"name": "workspace", "emptyDir": {"sizeLimit": "50Gi"}}
+    assert {v["name"]: v for v in pod["volumes"]}["workspace"] == {
+        "name": "workspace",
+        "emptyDir": {"sizeLimit": "50Gi"},
+    }
     assert any("lost when the pod ends" in w for w in manifests.warnings_for(_spec()))
 
 
@@ -121,7 +141,11 @@ def test_elastic_policy():
 
 @pytest.mark.parametrize("path, target", PAIRS)
 def test_no_secret_value_in_any_rendered_output(path, target, monkeypatch):
-    secrets = {"HF_TOKEN": "hf_SECRETtoken123456", "AWS_ACCESS_KEY_ID": "AKIASECRETKEYID0001", "AWS_SECRET_ACCESS_KEY": "s3cr3t/Key+Value/0123456789"}
+    secrets = {
+        "HF_TOKEN": "hf_SECRETtoken123456",
+        "AWS_ACCESS_KEY_ID": "AKIASECRETKEYID0001",
+        "AWS_SECRET_ACCESS_KEY": "s3cr3t/Key+Value/0123456789",
+    }
     for k, v in secrets.items():
         monkeypatch.setenv(k, v)
     text = _render(path, target)
@@ -135,7 +159,9 @@ def test_trainjob_structure():
     assert (job["apiVersion"], job["kind"]) == ("trainer.kubeflow.org/v1alpha1", "TrainJob")
     trainer = job["spec"]["trainer"]
     assert (trainer["numNodes"], trainer["numProcPerNode"]) == (2, 4)
-    assert trainer["command"][-1].endswith("kubetune fetch /etc/kubetune/job.yaml --dest /workspace/stage/j && exec kubetune launch /workspace/stage/j/job.yaml")
+    assert trainer["command"][-1].endswith(
+        "kubetune fetch /etc/kubetune/job.yaml --dest /workspace/stage/j && exec kubetune launch /workspace/stage/j/job.yaml"
+    )
     assert job["spec"]["runtimeRef"]["name"] == "torch-distributed"
 
 
@@ -146,14 +172,26 @@ def test_example_refused_for_a_target_says_why(stem, target):
     assert e.value.lines() == [REFUSED[(stem, target)]]
 
 
-@pytest.mark.parametrize("kw, expected", [
-    ({"data__train": "examples/data/x.jsonl"}, "data.train: 'examples/data/x.jsonl' is a path on this machine, which the pods cannot read"),
-    ({"model__uri": "/home/me/models/bert"}, "model.uri: '/home/me/models/bert' is a path on this machine"),
-    ({"data__eval": "file:///data/eval.csv"}, "data.eval: 'file:///data/eval.csv' is a path on this machine"),
-    ({"s3__endpoint_url": "http://localhost:9000"}, "s3.endpoint_url: 'http://localhost:9000' is this machine, not reachable from the pods"),
-    ({"s3__endpoint_url": "http://127.0.0.1:9000"}, "s3.endpoint_url: 'http://127.0.0.1:9000' is this machine"),
-    ({"kubernetes__affinity": {"nodeAffinity": {"requiredDuringScheduling": {}}}}, "kubernetes.affinity.nodeAffinity.requiredDuringScheduling: unknown field for V1NodeAffinity"),
-])
+@pytest.mark.parametrize(
+    "kw, expected",
+    [
+        (
+            {"data__train": "examples/data/x.jsonl"},
+            "data.train: 'examples/data/x.jsonl' is a path on this machine, which the pods cannot read",
+        ),
+        ({"model__uri": "/home/me/models/bert"}, "model.uri: '/home/me/models/bert' is a path on this machine"),
+        ({"data__eval": "file:///data/eval.csv"}, "data.eval: 'file:///data/eval.csv' is a path on this machine"),
+        (
+            {"s3__endpoint_url": "http://localhost:9000"},
+            "s3.endpoint_url: 'http://localhost:9000' is this machine, not reachable from the pods",
+        ),
+        ({"s3__endpoint_url": "http://127.0.0.1:9000"}, "s3.endpoint_url: 'http://127.0.0.1:9000' is this machine"),
+        (
+            {"kubernetes__affinity": {"nodeAffinity": {"requiredDuringScheduling": {}}}},
+            "kubernetes.affinity.nodeAffinity.requiredDuringScheduling: unknown field for V1NodeAffinity",
+        ),
+    ],
+)
 def test_specs_that_cannot_work_in_a_pod_are_refused_at_render(kw, expected):
     for target in ("pytorchjob", "trainjob"):
         with pytest.raises(SpecError) as e:
@@ -162,13 +200,27 @@ def test_specs_that_cannot_work_in_a_pod_are_refused_at_render(kw, expected):
 
 
 def test_local_paths_on_a_named_claim_and_pkg_uris_render():
-    on_claim = _spec(data__train="data/train.csv", model__uri="/workspace/models/bert", kubernetes__storage={"mode": "pvc", "existing_claim": "datasets"})
+    on_claim = _spec(
+        data__train="data/train.csv",
+        model__uri="/workspace/models/bert",
+        kubernetes__storage={"mode": "pvc", "existing_claim": "datasets"},
+    )
     manifests.render(on_claim, "ns")
     manifests.render(_spec(data__train="pkg://kubetune/assets/sentiment/sentiment-chat.jsonl"), "ns")
 
 
-@pytest.mark.parametrize("field, value", [("restart_policy", "ExitCode"), ("backoff_limit", 5), ("ttl_seconds_after_finished", 60), ("image_pull_policy", "Always"),
-                                          ("clean_pod_policy", "All"), ("priority_class", "high"), ("master_port", 29500)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("restart_policy", "ExitCode"),
+        ("backoff_limit", 5),
+        ("ttl_seconds_after_finished", 60),
+        ("image_pull_policy", "Always"),
+        ("clean_pod_policy", "All"),
+        ("priority_class", "high"),
+        ("master_port", 29500),
+    ],
+)
 def test_trainjob_refuses_what_it_cannot_carry_by_name(field, value):
     spec = _spec(**{f"kubernetes__{field}": value})
     with pytest.raises(SpecError) as e:
@@ -178,11 +230,27 @@ def test_trainjob_refuses_what_it_cannot_carry_by_name(field, value):
 
 
 def test_trainjob_carries_what_v2_3_can():
-    spec = _spec(kubernetes__image_pull_secrets=["regcred"], kubernetes__annotations={"team": "nlp"}, kubernetes__node_selector={"gpu": "h100"},
-                 kubernetes__affinity={"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 1, "preference": {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}}]}},
-                 kubernetes__queue="team-queue", kubernetes__runtime="torch-distributed-gpu")
+    spec = _spec(
+        kubernetes__image_pull_secrets=["regcred"],
+        kubernetes__annotations={"team": "nlp"},
+        kubernetes__node_selector={"gpu": "h100"},
+        kubernetes__affinity={
+            "nodeAffinity": {
+                "preferredDuringSchedulingIgnoredDuringExecution": [
+                    {
+                        "weight": 1,
+                        "preference": {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]},
+                    }
+                ]
+            }
+        },
+        kubernetes__queue="team-queue",
+        kubernetes__runtime="torch-distributed-gpu",
+    )
     job = manifests.render(spec, "ns", "trainjob").job
-    pod = job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+    pod = job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]["template"][
+        "spec"
+    ]["template"]
     assert pod["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
     assert pod["metadata"]["annotations"]["team"] == "nlp" and job["metadata"]["annotations"] == {"team": "nlp"}
     assert pod["spec"]["nodeSelector"] == {"gpu": "h100"} and pod["spec"]["affinity"] == spec.kubernetes.affinity
@@ -197,7 +265,9 @@ def test_queue_and_priority_on_a_pytorchjob():
     assert job["spec"]["runPolicy"]["schedulingPolicy"] == {"priorityClass": "high-priority"}
     assert job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["priorityClassName"] == "high-priority"
     plain = manifests.render(_spec(), "ns").job
-    assert "suspend" not in plain["spec"]["runPolicy"] and "kueue.x-k8s.io/queue-name" not in plain["metadata"]["labels"]
+    assert (
+        "suspend" not in plain["spec"]["runPolicy"] and "kueue.x-k8s.io/queue-name" not in plain["metadata"]["labels"]
+    )
 
 
 @pytest.mark.parametrize("name", ["1job", "9-lives"])

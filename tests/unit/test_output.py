@@ -17,8 +17,15 @@ from kubetune.errors import KubetuneError
 
 
 def _spec(out: Path, overwrite: bool = False, resume: str = "auto"):
-    return parse_spec({"name": "t", "model": {"uri": "hf://o/m"}, "data": {"train": "t.csv"},
-                       "training": {"resume": resume}, "output": {"uri": str(out), "overwrite": overwrite}})
+    return parse_spec(
+        {
+            "name": "t",
+            "model": {"uri": "hf://o/m"},
+            "data": {"train": "t.csv"},
+            "training": {"resume": resume},
+            "output": {"uri": str(out), "overwrite": overwrite},
+        }
+    )
 
 
 def _finished(out: Path) -> None:
@@ -47,13 +54,31 @@ def _foreign(out: Path) -> None:
 CASES = [
     ("new directory", lambda out: None, False, "auto", "new"),
     ("empty directory", lambda out: out.mkdir(), False, "auto", "new"),
-    ("someone else's directory", _foreign, False, "auto", "is not empty and was not created by kubetune (1 entry: 'model') — pick a new output.uri, or pass --overwrite"),
+    (
+        "someone else's directory",
+        _foreign,
+        False,
+        "auto",
+        "is not empty and was not created by kubetune (1 entry: 'model') — pick a new output.uri, or pass --overwrite",
+    ),
     ("someone else's directory, --overwrite", _foreign, True, "auto", "adopt"),
-    ("a finished run", _finished, False, "auto", "holds a finished run (metrics.json, model/) — pick a new output.uri, or pass --overwrite"),
+    (
+        "a finished run",
+        _finished,
+        False,
+        "auto",
+        "holds a finished run (metrics.json, model/) — pick a new output.uri, or pass --overwrite",
+    ),
     ("a finished run, --overwrite", _finished, True, "auto", "replace"),
     ("an interrupted run", lambda out: _checkpoints(out, 3, 6), False, "auto", "resume"),
     ("an interrupted run, --no-resume", lambda out: _checkpoints(out, 3, 6), False, "never", "restart"),
-    ("a failed run without checkpoints", lambda out: (out.mkdir(), (out / output.MARKER).write_text("{}"), (out / "history.jsonl").write_text("")), False, "auto", "restart"),
+    (
+        "a failed run without checkpoints",
+        lambda out: (out.mkdir(), (out / output.MARKER).write_text("{}"), (out / "history.jsonl").write_text("")),
+        False,
+        "auto",
+        "restart",
+    ),
     ("a file", lambda out: out.write_text("x"), False, "auto", "exists and is not a directory"),
 ]
 
@@ -112,13 +137,24 @@ def test_clearing_checkpoints_removes_only_checkpoints(tmp_path):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["README.txt"]
 
 
-@pytest.mark.parametrize("dest_setup, overwrite, expected", [
-    (lambda d: None, False, None),
-    (lambda d: d.mkdir(), False, None),
-    (lambda d: (d.mkdir(), (d / "thesis.tex").write_text("x")), False, "DEST: {d} is not empty and was not written by kubetune (1 entry: 'thesis.tex') — pick a new directory, or pass --overwrite"),
-    (lambda d: (d.mkdir(), (d / "thesis.tex").write_text("x")), True, None),
-    (lambda d: (d.mkdir(), (d / output.MARKER).write_text("{}"), (d / "config.json").write_text("{}")), False, None),  # an earlier pull
-])
+@pytest.mark.parametrize(
+    "dest_setup, overwrite, expected",
+    [
+        (lambda d: None, False, None),
+        (lambda d: d.mkdir(), False, None),
+        (
+            lambda d: (d.mkdir(), (d / "thesis.tex").write_text("x")),
+            False,
+            "DEST: {d} is not empty and was not written by kubetune (1 entry: 'thesis.tex') — pick a new directory, or pass --overwrite",
+        ),
+        (lambda d: (d.mkdir(), (d / "thesis.tex").write_text("x")), True, None),
+        (
+            lambda d: (d.mkdir(), (d / output.MARKER).write_text("{}"), (d / "config.json").write_text("{}")),
+            False,
+            None,
+        ),  # an earlier pull
+    ],
+)
 def test_pull_destination(tmp_path, dest_setup, overwrite, expected):
     dest = tmp_path / "pulled"
     dest_setup(dest)
@@ -136,7 +172,9 @@ def test_a_read_only_mount_is_one_line(tmp_path):
         pytest.skip("needs root and mount(8) to mount a read-only tmpfs")
     mnt = tmp_path / "ro"
     mnt.mkdir()
-    probe = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    probe = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
     if probe.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {probe.stderr.strip()}")
     try:

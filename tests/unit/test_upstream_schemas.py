@@ -24,8 +24,16 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 REFUSED_TRAINJOB = {"sentiment-minilm-2x2-gpu"}  # elastic: test_manifests.py checks the one-line refusal
 RUNTIMES = {r["metadata"]["name"]: r for r in crds.shipped_runtimes()}
-CASES = [pytest.param(p, "pytorchjob", rel, id=f"{p.stem}-pytorchjob-{rel}") for p in EXAMPLES for rel in ("v1.8.1", "v1.9.0")]
-CASES += [pytest.param(p, "trainjob", "v2.3.0", id=f"{p.stem}-trainjob-v2.3.0") for p in EXAMPLES if p.stem not in REFUSED_TRAINJOB]
+CASES = [
+    pytest.param(p, "pytorchjob", rel, id=f"{p.stem}-pytorchjob-{rel}")
+    for p in EXAMPLES
+    for rel in ("v1.8.1", "v1.9.0")
+]
+CASES += [
+    pytest.param(p, "trainjob", "v2.3.0", id=f"{p.stem}-trainjob-v2.3.0")
+    for p in EXAMPLES
+    if p.stem not in REFUSED_TRAINJOB
+]
 
 
 def _job(path: Path, target: str) -> dict:
@@ -39,7 +47,11 @@ def admit(job: dict, target: str, release: str) -> tuple[list[str], list[str]]:
     outcome = crds.crd(plural, release if target == "pytorchjob" else "v2.3.0").admit(job)
     if outcome.errors:
         return outcome.errors, outcome.pruned
-    hook = webhooks.pytorchjob_errors(outcome.stored, release) if target == "pytorchjob" else webhooks.trainjob_errors(outcome.stored, RUNTIMES)
+    hook = (
+        webhooks.pytorchjob_errors(outcome.stored, release)
+        if target == "pytorchjob"
+        else webhooks.trainjob_errors(outcome.stored, RUNTIMES)
+    )
     return hook, outcome.pruned
 
 
@@ -52,17 +64,34 @@ def test_every_example_is_admitted_whole(path, target, release):
 
 # Every kubernetes.* field the examples leave unset, set, so that each one's rendering meets the
 # upstream CRDs too (the examples alone would leave queue, priority, affinity, ... unchecked).
-_AFFINITY = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
-    "nodeSelectorTerms": [{"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["a100"]}]}]}}}
+_AFFINITY = {
+    "nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["a100"]}]}]
+        }
+    }
+}
 _EVERY_FIELD = [
-    "kubernetes.queue=team-a", f"kubernetes.affinity={_AFFINITY}".replace("'", '"'),
+    "kubernetes.queue=team-a",
+    f"kubernetes.affinity={_AFFINITY}".replace("'", '"'),
     'kubernetes.tolerations=[{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]',
-    'kubernetes.node_selector={"pool": "gpu"}', 'kubernetes.image_pull_secrets=["regcred"]',
-    'kubernetes.annotations={"team": "a"}', 'kubernetes.labels={"cost": "ml"}', "kubernetes.service_account=trainer",
-    "kubernetes.active_deadline_seconds=3600", "kubernetes.tensorboard=true", "kubernetes.runtime=torch-distributed",
+    'kubernetes.node_selector={"pool": "gpu"}',
+    'kubernetes.image_pull_secrets=["regcred"]',
+    'kubernetes.annotations={"team": "a"}',
+    'kubernetes.labels={"cost": "ml"}',
+    "kubernetes.service_account=trainer",
+    "kubernetes.active_deadline_seconds=3600",
+    "kubernetes.tensorboard=true",
+    "kubernetes.runtime=torch-distributed",
 ]
-_PYTORCHJOB_ONLY = ["kubernetes.priority_class=high", "kubernetes.restart_policy=ExitCode", "kubernetes.backoff_limit=5",
-                    "kubernetes.ttl_seconds_after_finished=60", "kubernetes.clean_pod_policy=All", "kubernetes.image_pull_policy=Always"]
+_PYTORCHJOB_ONLY = [
+    "kubernetes.priority_class=high",
+    "kubernetes.restart_policy=ExitCode",
+    "kubernetes.backoff_limit=5",
+    "kubernetes.ttl_seconds_after_finished=60",
+    "kubernetes.clean_pod_policy=All",
+    "kubernetes.image_pull_policy=Always",
+]
 
 
 @pytest.mark.parametrize("example", ["llama-lora", "sentiment-minilm-2x2-gpu"])
@@ -89,6 +118,7 @@ def test_the_shipped_runtimes_are_valid_cluster_training_runtimes():
 
 
 # -------------------------------------------------------------------- the API server's CRD handling
+
 
 @pytest.fixture(scope="module")
 def pytorchjob():
@@ -119,28 +149,54 @@ _MASTER = "spec.pytorchReplicaSpecs.Master"
 _MASTER_C = f"{_MASTER}.template.spec.containers.0"
 
 
-@pytest.mark.parametrize("path, value", [
-    ("spec.unknownField", 1),
-    (f"{_MASTER}.template.spec.containerz", []),
-    (f"{_MASTER_C}.resources.limitz", {"cpu": "1"}),
-])
+@pytest.mark.parametrize(
+    "path, value",
+    [
+        ("spec.unknownField", 1),
+        (f"{_MASTER}.template.spec.containerz", []),
+        (f"{_MASTER_C}.resources.limitz", {"cpu": "1"}),
+    ],
+)
 def test_unknown_fields_are_pruned(pytorchjob, path, value):
     errors, pruned = admit(_with(pytorchjob, path, value), "pytorchjob", "v1.8.1")
     assert errors == [] and pruned == [path.replace(".0.", "[0].")]
 
 
-@pytest.mark.parametrize("path, value, expected", [
-    (f"{_MASTER}.replicas", "1", f'{_MASTER}.replicas: Invalid value: "string": {_MASTER}.replicas in body must be of type integer: "1"'),
-    ("spec.runPolicy.suspend", "yes", 'spec.runPolicy.suspend: Invalid value: "string": spec.runPolicy.suspend in body must be of type boolean: "yes"'),
-    (f"{_MASTER}.template.spec.containers", {"name": "pytorch"}, f'{_MASTER}.template.spec.containers: Invalid value: "object"'),
-    (f"{_MASTER_C}.resources.limits.cpu", "4 cores", f"{_MASTER_C.replace('.0', '[0]')}.resources.limits.cpu: Invalid value: \"4 cores\""),
-    (f"{_MASTER_C}.image", _DELETE, None),
-    (f"{_MASTER_C}.name", _DELETE, f"{_MASTER_C.replace('.0', '[0]')}.name: Required value"),
-    ("spec.runPolicy.backoffLimit", 2**40, "spec.runPolicy.backoffLimit: Invalid value: 1099511627776: spec.runPolicy.backoffLimit in body must be of type int32"),
-    ("metadata.labels", {"bad key!": "x"}, 'metadata.labels: Invalid value: "bad key!"'),
-    ("metadata.labels", {"ok": "-bad"}, 'metadata.labels: Invalid value: "-bad"'),
-    ("metadata.namespace", "../../x Y", 'metadata.namespace: Invalid value: "../../x Y"'),
-])
+@pytest.mark.parametrize(
+    "path, value, expected",
+    [
+        (
+            f"{_MASTER}.replicas",
+            "1",
+            f'{_MASTER}.replicas: Invalid value: "string": {_MASTER}.replicas in body must be of type integer: "1"',
+        ),
+        (
+            "spec.runPolicy.suspend",
+            "yes",
+            'spec.runPolicy.suspend: Invalid value: "string": spec.runPolicy.suspend in body must be of type boolean: "yes"',
+        ),
+        (
+            f"{_MASTER}.template.spec.containers",
+            {"name": "pytorch"},
+            f'{_MASTER}.template.spec.containers: Invalid value: "object"',
+        ),
+        (
+            f"{_MASTER_C}.resources.limits.cpu",
+            "4 cores",
+            f'{_MASTER_C.replace(".0", "[0]")}.resources.limits.cpu: Invalid value: "4 cores"',
+        ),
+        (f"{_MASTER_C}.image", _DELETE, None),
+        (f"{_MASTER_C}.name", _DELETE, f"{_MASTER_C.replace('.0', '[0]')}.name: Required value"),
+        (
+            "spec.runPolicy.backoffLimit",
+            2**40,
+            "spec.runPolicy.backoffLimit: Invalid value: 1099511627776: spec.runPolicy.backoffLimit in body must be of type int32",
+        ),
+        ("metadata.labels", {"bad key!": "x"}, 'metadata.labels: Invalid value: "bad key!"'),
+        ("metadata.labels", {"ok": "-bad"}, 'metadata.labels: Invalid value: "-bad"'),
+        ("metadata.namespace", "../../x Y", 'metadata.namespace: Invalid value: "../../x Y"'),
+    ],
+)
 def test_the_schema_refuses(pytorchjob, path, value, expected):
     errors, _ = admit(_with(pytorchjob, path, value), "pytorchjob", "v1.9.0")
     if expected is None:  # the schema allows it; the webhook refuses (see below)
@@ -149,10 +205,13 @@ def test_the_schema_refuses(pytorchjob, path, value, expected):
         assert any(e.startswith(expected) for e in errors), errors
 
 
-@pytest.mark.parametrize("name, expected", [
-    ("9-lives", "metadata.name must match RFC 1035 DNS label format"),
-    ("a" * 64, "metadata.name must be no more than 63 characters"),
-])
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("9-lives", "metadata.name must match RFC 1035 DNS label format"),
+        ("a" * 64, "metadata.name must be no more than 63 characters"),
+    ],
+)
 def test_the_trainjob_cel_rules_refuse_bad_names(trainjob, name, expected):
     errors, _ = admit(_with(trainjob, "metadata.name", name), "trainjob", "v2.3.0")
     assert errors == [f'<nil>: Invalid value: "object": {expected}']
@@ -164,14 +223,17 @@ def test_cel_transition_rules_run_on_update_only(pytorchjob):
     assert definition.admit(job).errors == []
     moved = _with(job, "spec.runPolicy.schedulingPolicy.queue", "b")
     assert definition.admit(moved, old=job).errors == [
-        'spec.runPolicy.schedulingPolicy.queue: Invalid value: "object": spec.runPolicy.schedulingPolicy.queue is immutable']
+        'spec.runPolicy.schedulingPolicy.queue: Invalid value: "object": spec.runPolicy.schedulingPolicy.queue is immutable'
+    ]
 
 
 def test_older_trainer_releases_lack_the_fields_kubetune_needs(trainjob):
     full = crds.crd("trainjobs", "v2.3.0")
     assert full.without(*TRAINER_RELEASES["v2.1.0"]).admit(trainjob).pruned == ["spec.runtimePatches"]
     pruned = full.without(*TRAINER_RELEASES["v2.2.0"]).admit(trainjob).pruned
-    assert pruned == ["spec.runtimePatches[0].trainingRuntimeSpec.template.spec.replicatedJobs[0].template.spec.template.spec.terminationGracePeriodSeconds"]
+    assert pruned == [
+        "spec.runtimePatches[0].trainingRuntimeSpec.template.spec.replicatedJobs[0].template.spec.template.spec.terminationGracePeriodSeconds"
+    ]
 
 
 # ----------------------------------------------------------------------------- the webhook rules
@@ -179,21 +241,47 @@ def test_older_trainer_releases_lack_the_fields_kubetune_needs(trainjob):
 _ELASTIC = {"minReplicas": 1, "maxReplicas": 2, "rdzvBackend": "c10d"}
 
 
-@pytest.mark.parametrize("change, expected", [
-    ({"metadata.name": "9-lives"}, 'metadata.name: Invalid value: "9-lives": should match: a DNS-1035 label'),
-    ({"spec.elasticPolicy": {**_ELASTIC, "nProcPerNode": 1}, "spec.nprocPerNode": "1"},
-     "spec.elasticPolicy.nProcPerNode: Forbidden: must not be used with spec.nprocPerNode"),
-    ({"spec.elasticPolicy": _ELASTIC, "spec.pytorchReplicaSpecs.Worker": _DELETE},
-     "spec.pytorchReplicaSpecs[Worker]: Required value: must be configured if elastic policy is used"),
-    ({f"{_MASTER}.replicas": 2}, "spec.pytorchReplicaSpecs[Master].replicas: Forbidden: must be 1"),
-    ({"spec.pytorchReplicaSpecs.Worker.replicas": 0}, "spec.pytorchReplicaSpecs[Worker].replicas: Forbidden: must be at least 1"),
-    ({f"{_MASTER_C}.name": "trainer"}, "spec.pytorchReplicaSpecs[Master].template.spec.containers: Required value: must have at least one container with name pytorch"),
-    ({f"{_MASTER_C}.image": _DELETE}, "spec.pytorchReplicaSpecs[Master].template.spec.containers[0].image: Required value: must be required"),
-    ({f"{_MASTER}.template.spec.containers": []}, "spec.pytorchReplicaSpecs[Master].template.spec.containers: Required value: must be specified"),
-    ({"spec.pytorchReplicaSpecs.Chief": {"replicas": 1, "template": {"spec": {"containers": [{"name": "pytorch", "image": "x"}]}}}},
-     'spec.pytorchReplicaSpecs[Chief]: Unsupported value: "Chief"'),
-    ({"spec.pytorchReplicaSpecs": _DELETE}, "spec.pytorchReplicaSpecs: Required value: must be required"),
-])
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        ({"metadata.name": "9-lives"}, 'metadata.name: Invalid value: "9-lives": should match: a DNS-1035 label'),
+        (
+            {"spec.elasticPolicy": {**_ELASTIC, "nProcPerNode": 1}, "spec.nprocPerNode": "1"},
+            "spec.elasticPolicy.nProcPerNode: Forbidden: must not be used with spec.nprocPerNode",
+        ),
+        (
+            {"spec.elasticPolicy": _ELASTIC, "spec.pytorchReplicaSpecs.Worker": _DELETE},
+            "spec.pytorchReplicaSpecs[Worker]: Required value: must be configured if elastic policy is used",
+        ),
+        ({f"{_MASTER}.replicas": 2}, "spec.pytorchReplicaSpecs[Master].replicas: Forbidden: must be 1"),
+        (
+            {"spec.pytorchReplicaSpecs.Worker.replicas": 0},
+            "spec.pytorchReplicaSpecs[Worker].replicas: Forbidden: must be at least 1",
+        ),
+        (
+            {f"{_MASTER_C}.name": "trainer"},
+            "spec.pytorchReplicaSpecs[Master].template.spec.containers: Required value: must have at least one container with name pytorch",
+        ),
+        (
+            {f"{_MASTER_C}.image": _DELETE},
+            "spec.pytorchReplicaSpecs[Master].template.spec.containers[0].image: Required value: must be required",
+        ),
+        (
+            {f"{_MASTER}.template.spec.containers": []},
+            "spec.pytorchReplicaSpecs[Master].template.spec.containers: Required value: must be specified",
+        ),
+        (
+            {
+                "spec.pytorchReplicaSpecs.Chief": {
+                    "replicas": 1,
+                    "template": {"spec": {"containers": [{"name": "pytorch", "image": "x"}]}},
+                }
+            },
+            'spec.pytorchReplicaSpecs[Chief]: Unsupported value: "Chief"',
+        ),
+        ({"spec.pytorchReplicaSpecs": _DELETE}, "spec.pytorchReplicaSpecs: Required value: must be required"),
+    ],
+)
 @pytest.mark.parametrize("release", ["v1.8.1", "v1.9.0"])
 def test_each_pytorchjob_webhook_rule(pytorchjob, change, expected, release):
     job = pytorchjob
@@ -206,22 +294,45 @@ def test_each_pytorchjob_webhook_rule(pytorchjob, change, expected, release):
 def test_managed_by_is_checked_from_v1_9(pytorchjob):
     job = _with(pytorchjob, "spec.runPolicy.managedBy", "someone/else")
     assert webhooks.pytorchjob_errors(job, "v1.8.1") == []
-    assert webhooks.pytorchjob_errors(job, "v1.9.0")[0].startswith('spec.runPolicy.managedBy: Unsupported value: "someone/else"')
+    assert webhooks.pytorchjob_errors(job, "v1.9.0")[0].startswith(
+        'spec.runPolicy.managedBy: Unsupported value: "someone/else"'
+    )
 
 
 _PATCHED_JOB = "spec.runtimePatches.0.trainingRuntimeSpec.template.spec.replicatedJobs.0"
 _PATCHED_POD = f"{_PATCHED_JOB}.template.spec.template.spec"
 
 
-@pytest.mark.parametrize("change, expected", [
-    ({"spec.runtimeRef.name": "no-such-runtime"}, 'spec.runtimeRef: Invalid value: {"name":"no-such-runtime"}: clustertrainingruntimes.trainer.kubeflow.org "no-such-runtime" not found'),
-    ({"spec.runtimeRef.kind": "TrainingRuntimeX"}, "unsupported runtime: TrainingRuntimeX.trainer.kubeflow.org"),
-    ({"spec.trainer.numProcPerNode": "many"}, 'spec.trainer.numProcPerNode: Invalid value: "many": must have an int value or [auto cpu gpu]'),
-    ({"spec.trainer.env": [{"name": "PET_NNODES", "value": "2"}]}, "spec.trainer.env: Invalid value: ...: must not have reserved envs, invalid envs configured: [PET_NNODES]"),
-    ({f"{_PATCHED_JOB}.name": "launcher"}, f'{_PATCHED_JOB.replace(".0", "[0]")}.name: Invalid value: "launcher": must not have a replicated job'),
-    ({f"{_PATCHED_POD}.containers.0.name": "sidecar"}, f'{_PATCHED_JOB.replace(".0", "[0]")}: Invalid value: "sidecar": must not have container that does not exist in the runtime job node'),
-    ({f"{_PATCHED_POD}.containers.0.env": [{"name": "X", "value": "1"}]}, f"{_PATCHED_JOB.replace('.0', '[0]')}: Invalid value: ...: must not have envs for the dataset-initializer, model-initializer, node containers"),
-])
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        (
+            {"spec.runtimeRef.name": "no-such-runtime"},
+            'spec.runtimeRef: Invalid value: {"name":"no-such-runtime"}: clustertrainingruntimes.trainer.kubeflow.org "no-such-runtime" not found',
+        ),
+        ({"spec.runtimeRef.kind": "TrainingRuntimeX"}, "unsupported runtime: TrainingRuntimeX.trainer.kubeflow.org"),
+        (
+            {"spec.trainer.numProcPerNode": "many"},
+            'spec.trainer.numProcPerNode: Invalid value: "many": must have an int value or [auto cpu gpu]',
+        ),
+        (
+            {"spec.trainer.env": [{"name": "PET_NNODES", "value": "2"}]},
+            "spec.trainer.env: Invalid value: ...: must not have reserved envs, invalid envs configured: [PET_NNODES]",
+        ),
+        (
+            {f"{_PATCHED_JOB}.name": "launcher"},
+            f'{_PATCHED_JOB.replace(".0", "[0]")}.name: Invalid value: "launcher": must not have a replicated job',
+        ),
+        (
+            {f"{_PATCHED_POD}.containers.0.name": "sidecar"},
+            f'{_PATCHED_JOB.replace(".0", "[0]")}: Invalid value: "sidecar": must not have container that does not exist in the runtime job node',
+        ),
+        (
+            {f"{_PATCHED_POD}.containers.0.env": [{"name": "X", "value": "1"}]},
+            f"{_PATCHED_JOB.replace('.0', '[0]')}: Invalid value: ...: must not have envs for the dataset-initializer, model-initializer, node containers",
+        ),
+    ],
+)
 def test_each_trainjob_webhook_rule(trainjob, change, expected):
     job = trainjob
     for path, value in change.items():
@@ -231,5 +342,7 @@ def test_each_trainjob_webhook_rule(trainjob, change, expected):
 
 
 def test_the_shipped_runtime_files_are_what_the_fake_serves():
-    names = {d["metadata"]["name"] for p in crds.RUNTIMES_DIR.glob("*.yaml") for d in yaml.safe_load_all(p.read_text()) if d}
+    names = {
+        d["metadata"]["name"] for p in crds.RUNTIMES_DIR.glob("*.yaml") for d in yaml.safe_load_all(p.read_text()) if d
+    }
     assert names == set(RUNTIMES)

@@ -12,7 +12,20 @@ from kubetune.config import JobSpec, dump_spec
 from kubetune.errors import KubetuneError
 from kubetune.paths import replace_dir, write_atomic
 
-__all__ = ["History", "check_model_weights", "check_output", "export_classifier", "finish", "local_output_dir", "publish", "replace_dir", "resolve_model", "tensorboard_writer", "tfidf_baseline", "write_atomic"]
+__all__ = [
+    "History",
+    "check_model_weights",
+    "check_output",
+    "export_classifier",
+    "finish",
+    "local_output_dir",
+    "publish",
+    "replace_dir",
+    "resolve_model",
+    "tensorboard_writer",
+    "tfidf_baseline",
+    "write_atomic",
+]
 log = logging.getLogger(__name__)
 
 
@@ -27,7 +40,11 @@ def resolve_model(spec: JobSpec) -> Path:
     """Local directory of the base model (downloaded through its provider when remote)."""
     path = providers.resolve(spec.model.uri, kind="model", field="model.uri", revision=spec.model.revision)
     if not (path / "config.json").exists():
-        raise KubetuneError(f"{spec.model.uri!r} has no config.json", field="model.uri", fix="point it at a directory saved with save_pretrained, or hf://ORG/NAME")
+        raise KubetuneError(
+            f"{spec.model.uri!r} has no config.json",
+            field="model.uri",
+            fix="point it at a directory saved with save_pretrained, or hf://ORG/NAME",
+        )
     check_model_weights(path, spec.model.uri, field="model.uri")
     return path
 

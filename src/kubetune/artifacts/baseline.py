@@ -33,8 +33,14 @@ def tfidf_baseline(frames) -> dict | None:
         available = available_memory()
         # Half of what is free: the estimate is rough, and the fine-tuned model is still in memory.
         if available is not None and need > available / 2:
-            log.warning("baseline skipped: logistic regression over %d classes x %d TF-IDF features needs about %.1f GiB, "
-                        "and %.1f GiB of memory is available", n_classes, x_train.shape[1], need / 2**30, available / 2**30)
+            log.warning(
+                "baseline skipped: logistic regression over %d classes x %d TF-IDF features needs about %.1f GiB, "
+                "and %.1f GiB of memory is available",
+                n_classes,
+                x_train.shape[1],
+                need / 2**30,
+                available / 2**30,
+            )
             return None
         clf = LogisticRegression(max_iter=1000, C=10.0).fit(x_train, frames.train["label"])
         pred = clf.predict(vec.transform(texts(frames.eval)))
@@ -69,8 +75,10 @@ def available_memory() -> int | None:
                 found.append(int(line.split()[1]) * 1024)
     except (OSError, ValueError, IndexError):
         pass
-    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+    for limit, usage in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
         try:
             cap = Path(limit).read_text().strip()
             if cap != "max" and int(cap) < 2**60:

@@ -30,12 +30,17 @@ def repo_id(spec: JobSpec) -> str:
 
     rid = spec.output.uri.split("://", 1)[1].strip("/")
     if rid.count("/") != 1:
-        raise KubetuneError(f"{_short(spec.output.uri)!r} is not a Hub repo", field="output.uri", fix="write hf://ORG/REPO")
+        raise KubetuneError(
+            f"{_short(spec.output.uri)!r} is not a Hub repo", field="output.uri", fix="write hf://ORG/REPO"
+        )
     try:
         validate_repo_id(rid)
     except HFValidationError:
-        raise KubetuneError(f"{_short(spec.output.uri)!r} is not a valid Hub repo name", field="output.uri",
-                            fix="use letters, digits, '-', '_' and '.' (no '--' or '..', not first or last), at most 96 characters") from None
+        raise KubetuneError(
+            f"{_short(spec.output.uri)!r} is not a valid Hub repo name",
+            field="output.uri",
+            fix="use letters, digits, '-', '_' and '.' (no '--' or '..', not first or last), at most 96 characters",
+        ) from None
     return rid
 
 
@@ -50,9 +55,17 @@ def check_can_push(spec: JobSpec) -> None:
 
     repo_id(spec)
     if constants.HF_HUB_OFFLINE:
-        raise KubetuneError("HF_HUB_OFFLINE=1 is set, so nothing can be pushed to the Hub", field="output.uri", fix="unset HF_HUB_OFFLINE for a job with an hf:// output")
+        raise KubetuneError(
+            "HF_HUB_OFFLINE=1 is set, so nothing can be pushed to the Hub",
+            field="output.uri",
+            fix="unset HF_HUB_OFFLINE for a job with an hf:// output",
+        )
     if not get_token():
-        raise KubetuneError(f"pushing to {spec.output.uri} needs a Hugging Face token", field="output.uri", fix="set HF_TOKEN (or kubernetes.secrets.hf_token)")
+        raise KubetuneError(
+            f"pushing to {spec.output.uri} needs a Hugging Face token",
+            field="output.uri",
+            fix="set HF_TOKEN (or kubernetes.secrets.hf_token)",
+        )
     from huggingface_hub import HfApi
     from huggingface_hub import errors as hf_errors
 
@@ -61,10 +74,20 @@ def check_can_push(spec: JobSpec) -> None:
     except hf_errors.HfHubHTTPError as e:
         status = getattr(e.response, "status_code", None)
         if status in (401, 403):
-            raise KubetuneError(f"the Hub at {_endpoint()} rejected the token ({status})", field="output.uri", fix="check HF_TOKEN") from None
-        raise KubetuneError(f"the Hub at {_endpoint()} answered {status} to a token check", field="output.uri", fix="check HF_ENDPOINT, or try again later") from None
+            raise KubetuneError(
+                f"the Hub at {_endpoint()} rejected the token ({status})", field="output.uri", fix="check HF_TOKEN"
+            ) from None
+        raise KubetuneError(
+            f"the Hub at {_endpoint()} answered {status} to a token check",
+            field="output.uri",
+            fix="check HF_ENDPOINT, or try again later",
+        ) from None
     except (OSError, *_network_errors()) as e:  # no local file is written here
-        raise KubetuneError(f"cannot reach the Hub at {_endpoint()} ({type(e).__name__})", field="output.uri", fix="check HF_ENDPOINT and the network") from None
+        raise KubetuneError(
+            f"cannot reach the Hub at {_endpoint()} ({type(e).__name__})",
+            field="output.uri",
+            fix="check HF_ENDPOINT and the network",
+        ) from None
 
 
 def model_card(spec: JobSpec, metrics: dict) -> str:
@@ -72,7 +95,10 @@ def model_card(spec: JobSpec, metrics: dict) -> str:
     causal = spec.task == "causal-lm"
     pipeline_tag = "text-generation" if causal else "text-classification"
     if causal:
-        usage = [f'gen = pipeline("text-generation", model="{repo_id(spec)}")', 'print(gen([{"role": "user", "content": "Hello"}], max_new_tokens=64))']
+        usage = [
+            f'gen = pipeline("text-generation", model="{repo_id(spec)}")',
+            'print(gen([{"role": "user", "content": "Hello"}], max_new_tokens=64))',
+        ]
         about = [f"Data format: {metrics.get('data_format')}; chat template: {metrics.get('chat_template') or 'none'}."]
     else:
         usage = [f'clf = pipeline("text-classification", model="{repo_id(spec)}")']
@@ -81,7 +107,9 @@ def model_card(spec: JobSpec, metrics: dict) -> str:
         "---",
         "library_name: transformers",
         f"pipeline_tag: {pipeline_tag}",
-        f"base_model: {spec.model.uri.removeprefix('hf://')}" if spec.model.uri.startswith("hf://") else f"# base model: {spec.model.uri}",
+        f"base_model: {spec.model.uri.removeprefix('hf://')}"
+        if spec.model.uri.startswith("hf://")
+        else f"# base model: {spec.model.uri}",
         f"tags: [kubetune, {pipeline_tag}]",
         "---",
         "",
@@ -93,7 +121,18 @@ def model_card(spec: JobSpec, metrics: dict) -> str:
         "",
         "| metric | value |",
         "| --- | --- |",
-        *[f"| {k} | {metrics[k]:.4f} |" for k in ("eval_accuracy", "eval_f1_macro", "eval_perplexity", "eval_token_accuracy", "eval_loss", "train_loss") if isinstance(metrics.get(k), float)],
+        *[
+            f"| {k} | {metrics[k]:.4f} |"
+            for k in (
+                "eval_accuracy",
+                "eval_f1_macro",
+                "eval_perplexity",
+                "eval_token_accuracy",
+                "eval_loss",
+                "train_loss",
+            )
+            if isinstance(metrics.get(k), float)
+        ],
         *([f"| baseline accuracy ({base['method']}) | {base['accuracy']:.4f} |"] if base else []),
         "",
         *about,
@@ -135,22 +174,40 @@ def push(spec: JobSpec, out: Path, metrics: dict) -> str:
             if (out / name).exists():
                 _link(out / name, folder / "kubetune" / name)
         (folder / "README.md").write_text(model_card(spec, metrics))
-        headline = (f"eval perplexity {metrics.get('eval_perplexity', float('nan')):.2f}" if spec.task == "causal-lm"
-                    else f"eval accuracy {metrics.get('eval_accuracy', float('nan')):.4f}")
+        headline = (
+            f"eval perplexity {metrics.get('eval_perplexity', float('nan')):.2f}"
+            if spec.task == "causal-lm"
+            else f"eval accuracy {metrics.get('eval_accuracy', float('nan')):.4f}"
+        )
         message = spec.output.commit_message or f"kubetune {spec.name}: {headline}"
         api.create_repo(rid, private=spec.output.hf_private, exist_ok=True, repo_type="model")
         info = api.upload_folder(folder_path=str(folder), repo_id=rid, repo_type="model", commit_message=message)
     except hf_errors.HfHubHTTPError as e:
         status = getattr(e.response, "status_code", None)
         if status == 401:
-            raise KubetuneError(f"the Hub rejected the token while pushing to {spec.output.uri} (401)", field="output.uri", fix="check HF_TOKEN") from None
+            raise KubetuneError(
+                f"the Hub rejected the token while pushing to {spec.output.uri} (401)",
+                field="output.uri",
+                fix="check HF_TOKEN",
+            ) from None
         if status == 403:
-            raise KubetuneError(f"the token may not write to {spec.output.uri} (403)", field="output.uri", fix="use a token with write access to that org") from None
-        raise KubetuneError(f"Hub push to {spec.output.uri} failed ({status})", field="output.uri", fix="check HF_ENDPOINT and the network; the local artifacts are kept") from None
+            raise KubetuneError(
+                f"the token may not write to {spec.output.uri} (403)",
+                field="output.uri",
+                fix="use a token with write access to that org",
+            ) from None
+        raise KubetuneError(
+            f"Hub push to {spec.output.uri} failed ({status})",
+            field="output.uri",
+            fix="check HF_ENDPOINT and the network; the local artifacts are kept",
+        ) from None
     except _network_errors() as e:
         # httpx errors (huggingface_hub >= 1) are not OSErrors; requests' (older versions) are
-        raise KubetuneError(f"cannot reach the Hub at {_endpoint()} to push {spec.output.uri} ({type(e).__name__})", field="output.uri",
-                            fix="check HF_ENDPOINT and the network; the local artifacts are kept") from None
+        raise KubetuneError(
+            f"cannot reach the Hub at {_endpoint()} to push {spec.output.uri} ({type(e).__name__})",
+            field="output.uri",
+            fix="check HF_ENDPOINT and the network; the local artifacts are kept",
+        ) from None
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     url = getattr(info, "commit_url", None) or str(info)
@@ -182,18 +239,42 @@ def pull(uri: str, dest: Path) -> Path:
     except hf_errors.HFValidationError:
         raise KubetuneError(f"{shown!r} is not a valid Hub repo name", field="URI", fix="write hf://ORG/REPO") from None
     except ValueError as e:  # huggingface_hub refuses a repo file name that would write outside dest
-        raise KubetuneError(f"{shown}: {_short(str(e).splitlines()[0])}", field="URI", fix="refusing the repo; nothing outside DEST was written") from None
+        raise KubetuneError(
+            f"{shown}: {_short(str(e).splitlines()[0])}",
+            field="URI",
+            fix="refusing the repo; nothing outside DEST was written",
+        ) from None
     except hf_errors.RepositoryNotFoundError:
-        raise KubetuneError(f"the Hub at {_endpoint()} has no model repo {shown}, or the token may not read it", field="URI", fix="check the name and HF_TOKEN") from None
+        raise KubetuneError(
+            f"the Hub at {_endpoint()} has no model repo {shown}, or the token may not read it",
+            field="URI",
+            fix="check the name and HF_TOKEN",
+        ) from None
     except hf_errors.HfHubHTTPError as e:
         status = getattr(e.response, "status_code", None)
-        raise KubetuneError(f"the Hub at {_endpoint()} answered {status} for {shown}", field="URI", fix="check HF_TOKEN and HF_ENDPOINT, or try again later") from None
+        raise KubetuneError(
+            f"the Hub at {_endpoint()} answered {status} for {shown}",
+            field="URI",
+            fix="check HF_TOKEN and HF_ENDPOINT, or try again later",
+        ) from None
     except (hf_errors.LocalEntryNotFoundError, hf_errors.OfflineModeIsEnabled):
         if constants.HF_HUB_OFFLINE:
-            raise KubetuneError(f"HF_HUB_OFFLINE=1 is set and {shown} is not in the local cache", field="URI", fix="unset HF_HUB_OFFLINE to download it") from None
-        raise KubetuneError(f"cannot reach the Hub at {_endpoint()} to download {shown}", field="URI", fix="check HF_ENDPOINT and the network") from None
+            raise KubetuneError(
+                f"HF_HUB_OFFLINE=1 is set and {shown} is not in the local cache",
+                field="URI",
+                fix="unset HF_HUB_OFFLINE to download it",
+            ) from None
+        raise KubetuneError(
+            f"cannot reach the Hub at {_endpoint()} to download {shown}",
+            field="URI",
+            fix="check HF_ENDPOINT and the network",
+        ) from None
     except _network_errors() as e:
-        raise KubetuneError(f"cannot reach the Hub at {_endpoint()} to download {shown} ({type(e).__name__})", field="URI", fix="check HF_ENDPOINT and the network") from None
+        raise KubetuneError(
+            f"cannot reach the Hub at {_endpoint()} to download {shown} ({type(e).__name__})",
+            field="URI",
+            fix="check HF_ENDPOINT and the network",
+        ) from None
     check_tree_inside(path, what=f"URI: {shown}")
     return path
 

@@ -75,7 +75,11 @@ def local_dir(uri: str) -> Path:
     if parsed.scheme in REMOTE_OUTPUTS:
         return cache_root() / "outputs" / hashlib.sha256(uri.encode()).hexdigest()[:16]
     if parsed.scheme != "file":
-        raise KubetuneError(f"output scheme '{parsed.scheme}://' is not supported", field="output.uri", fix="use a local directory, s3://BUCKET/PREFIX or hf://ORG/REPO")
+        raise KubetuneError(
+            f"output scheme '{parsed.scheme}://' is not supported",
+            field="output.uri",
+            fix="use a local directory, s3://BUCKET/PREFIX or hf://ORG/REPO",
+        )
     return Path(parsed.body).expanduser()
 
 
@@ -97,28 +101,47 @@ def inspect(spec: JobSpec) -> Plan:
     if not path.exists():
         parent = next((p for p in path.parents if p.exists()), None)
         if parent is not None and not os.access(parent, os.W_OK | os.X_OK):
-            raise KubetuneError(f"cannot create {path}: {parent} is not writable", field="output.uri", fix="choose a writable directory")
+            raise KubetuneError(
+                f"cannot create {path}: {parent} is not writable", field="output.uri", fix="choose a writable directory"
+            )
         return Plan("new", f"new output directory {path}")
     if not path.is_dir():
         raise KubetuneError(f"{path} exists and is not a directory", field="output.uri", fix="pick a new output.uri")
     if not os.access(path, os.W_OK | os.X_OK):
-        raise KubetuneError(f"{path} is not writable (a read-only mount, or another user's directory)", field="output.uri", fix="choose a writable directory")
+        raise KubetuneError(
+            f"{path} is not writable (a read-only mount, or another user's directory)",
+            field="output.uri",
+            fix="choose a writable directory",
+        )
     entries = sorted(e for e in os.listdir(path) if not e.startswith(STAGING_PREFIX))
     if not entries:
         return Plan("new", f"output directory {path} (empty)")
     if not (path / MARKER).exists() and not _made_by_kubetune(path):
         if spec.output.overwrite:
-            return Plan("adopt", f"--overwrite: writing into {path}, which kubetune did not create; only kubetune's own entries there are replaced")
-        raise KubetuneError(f"{path} is not empty and was not created by kubetune ({_entries(entries)})", field="output.uri", fix=_FIX)
+            return Plan(
+                "adopt",
+                f"--overwrite: writing into {path}, which kubetune did not create; only kubetune's own entries there are replaced",
+            )
+        raise KubetuneError(
+            f"{path} is not empty and was not created by kubetune ({_entries(entries)})", field="output.uri", fix=_FIX
+        )
     steps = tuple(checkpoint.complete_steps(path / "checkpoints"))
     finished = (path / "metrics.json").exists()
-    saved = (path / "job.yaml").read_text(encoding="utf-8", errors="replace") if finished and (path / "job.yaml").is_file() else None
+    saved = (
+        (path / "job.yaml").read_text(encoding="utf-8", errors="replace")
+        if finished and (path / "job.yaml").is_file()
+        else None
+    )
     return _decide(spec, path, steps, finished=finished, saved_job=saved)
 
 
 def _made_by_kubetune(path: Path) -> bool:
     """A run of a kubetune version that wrote no marker: its finished artifacts, or a checkpoint."""
-    finished = (path / "metrics.json").is_file() and (path / "job.yaml").is_file() and (path / "model" / "config.json").is_file()
+    finished = (
+        (path / "metrics.json").is_file()
+        and (path / "job.yaml").is_file()
+        and (path / "model" / "config.json").is_file()
+    )
     return finished or bool(checkpoint.complete_steps(path / "checkpoints"))
 
 
@@ -134,9 +157,15 @@ def _inspect_s3(spec: JobSpec) -> Plan:
     # that wrote no marker.
     if MARKER not in keys and s3.MANIFEST not in keys and not steps:
         if spec.output.overwrite:
-            return Plan("adopt", f"--overwrite: writing under {uri}/, which kubetune did not create; only objects kubetune's manifests list are replaced")
-        raise KubetuneError(f"{uri}/ holds {len(keys)}{'+' if len(keys) >= 1000 else ''} objects that kubetune did not write (no {MARKER}), e.g. {sorted(keys)[0]!r}",
-                            field="output.uri", fix=_FIX)
+            return Plan(
+                "adopt",
+                f"--overwrite: writing under {uri}/, which kubetune did not create; only objects kubetune's manifests list are replaced",
+            )
+        raise KubetuneError(
+            f"{uri}/ holds {len(keys)}{'+' if len(keys) >= 1000 else ''} objects that kubetune did not write (no {MARKER}), e.g. {sorted(keys)[0]!r}",
+            field="output.uri",
+            fix=_FIX,
+        )
     finished = s3.MANIFEST in keys
     saved = s3.read_text(f"{uri}/job.yaml", field="output.uri") if finished and "job.yaml" in keys else None
     return _decide(spec, uri, steps, finished=finished, saved_job=saved)
@@ -148,14 +177,26 @@ def _decide(spec: JobSpec, where, steps: tuple[int, ...], finished: bool, saved_
     if finished and not spec.output.overwrite and saved_job is not None and same_job(saved_job, spec):
         # This very job finished here already (e.g. a pod restarted after the run had exported):
         # there is nothing to do, and nothing is replaced.
-        return Plan("done", f"{where} already holds this job's finished run: nothing to train (pass --overwrite to train it again)")
+        return Plan(
+            "done",
+            f"{where} already holds this job's finished run: nothing to train (pass --overwrite to train it again)",
+        )
     if finished and not spec.output.overwrite:
-        raise KubetuneError(f"{where} holds a finished run (metrics.json, model/)", field="output.uri",
-                            fix="pick a new output.uri, or pass --overwrite to replace it once this run finishes")
+        raise KubetuneError(
+            f"{where} holds a finished run (metrics.json, model/)",
+            field="output.uri",
+            fix="pick a new output.uri, or pass --overwrite to replace it once this run finishes",
+        )
     if steps:
-        return Plan("restart", f"starting over (--no-resume): removing the earlier run's {len(steps)} checkpoint(s) in {where}", steps)
+        return Plan(
+            "restart",
+            f"starting over (--no-resume): removing the earlier run's {len(steps)} checkpoint(s) in {where}",
+            steps,
+        )
     if finished:
-        return Plan("replace", f"starting over (--overwrite): the finished run in {where} is replaced when this run finishes")
+        return Plan(
+            "replace", f"starting over (--overwrite): the finished run in {where} is replaced when this run finishes"
+        )
     return Plan("restart", f"starting over in {where}: no checkpoint to resume from")
 
 
@@ -186,7 +227,10 @@ def claim(spec: JobSpec) -> tuple[Path, Plan]:
     plan = inspect(spec)
     out = local_dir(spec.output.uri)
     uri = spec.output.uri.rstrip("/")
-    marker = json.dumps({"format": "kubetune-output/1", "job": spec.name, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n"
+    marker = (
+        json.dumps({"format": "kubetune-output/1", "job": spec.name, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+        + "\n"
+    )
     try:
         out.mkdir(parents=True, exist_ok=True)
         if not (out / MARKER).exists():
@@ -194,7 +238,9 @@ def claim(spec: JobSpec) -> tuple[Path, Plan]:
         for stale in out.glob(f"{STAGING_PREFIX}*"):  # a crashed run's unfinished staging
             shutil.rmtree(stale, ignore_errors=True)
     except OSError as e:
-        raise KubetuneError(f"cannot write to {out}: {e.strerror or e}", field="output.uri", fix="choose a writable directory") from None
+        raise KubetuneError(
+            f"cannot write to {out}: {e.strerror or e}", field="output.uri", fix="choose a writable directory"
+        ) from None
     if providers.parse_uri(uri).scheme == "s3":
         from kubetune.providers import s3
 
@@ -275,8 +321,11 @@ def check_pull_dest(dest: Path, overwrite: bool) -> None:
         raise KubetuneError(f"{dest} exists and is not a directory", field="DEST", fix="pick a new directory")
     entries = sorted(os.listdir(dest))
     if entries and not (dest / MARKER).exists():
-        raise KubetuneError(f"{dest} is not empty and was not written by kubetune ({_entries(entries)})",
-                            field="DEST", fix="pick a new directory, or pass --overwrite")
+        raise KubetuneError(
+            f"{dest} is not empty and was not written by kubetune ({_entries(entries)})",
+            field="DEST",
+            fix="pick a new directory, or pass --overwrite",
+        )
 
 
 def _entries(names: list[str]) -> str:

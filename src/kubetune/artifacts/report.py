@@ -17,7 +17,9 @@ def _read_history(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def plot(history: list[dict], out: Path, baseline: dict | None = None, task: str = "sequence-classification") -> list[Path]:
+def plot(
+    history: list[dict], out: Path, baseline: dict | None = None, task: str = "sequence-classification"
+) -> list[Path]:
     """Write plots/train_loss.png and plots/eval_metrics.png; return their paths."""
     import matplotlib
 
@@ -67,10 +69,18 @@ def write_report(spec: JobSpec, metrics: dict, out: Path, history: Path | None =
     """Write ``report.html`` (self-contained: the PNGs are embedded as data URIs)."""
     images = plot(_read_history(history or out / "history.jsonl"), out, metrics.get("baseline"), spec.task)
     if spec.task == "causal-lm":
-        head = [("eval perplexity", metrics.get("eval_perplexity")), ("eval next-token accuracy (target tokens)", metrics.get("eval_token_accuracy")),
-                ("eval target tokens", metrics.get("eval_tokens")), ("data format", metrics.get("data_format")),
-                ("chat template", metrics.get("chat_template") or "none (plain text)"), ("packing", metrics.get("packing")),
-                ("training data tokens / with loss (one epoch)", f"{metrics.get('train_data_tokens')} / {metrics.get('train_data_target_tokens')}")]
+        head = [
+            ("eval perplexity", metrics.get("eval_perplexity")),
+            ("eval next-token accuracy (target tokens)", metrics.get("eval_token_accuracy")),
+            ("eval target tokens", metrics.get("eval_tokens")),
+            ("data format", metrics.get("data_format")),
+            ("chat template", metrics.get("chat_template") or "none (plain text)"),
+            ("packing", metrics.get("packing")),
+            (
+                "training data tokens / with loss (one epoch)",
+                f"{metrics.get('train_data_tokens')} / {metrics.get('train_data_target_tokens')}",
+            ),
+        ]
     else:
         head = [("eval accuracy", metrics.get("eval_accuracy")), ("eval macro-F1", metrics.get("eval_f1_macro"))]
     rows = [
@@ -96,12 +106,14 @@ def write_report(spec: JobSpec, metrics: dict, out: Path, history: Path | None =
             f"<p>The fine-tuned model {verdict} the baseline by {100 * (metrics['eval_accuracy'] - base['accuracy']):+.1f} accuracy points.</p>"
         )
     confusion = _confusion_html(metrics.get("labels") or [], metrics.get("eval_confusion") or [])
-    imgs = "".join(f'<img alt="{p.stem}" src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}">' for p in images)
+    imgs = "".join(
+        f'<img alt="{p.stem}" src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}">' for p in images
+    )
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>kubetune report: {html.escape(spec.name)}</title>
 <style>body{{font-family:system-ui,sans-serif;max-width:60rem;margin:2rem auto;padding:0 1rem}}table{{border-collapse:collapse;margin:1rem 0}}
 th,td{{border:1px solid #ccc;padding:.3rem .6rem;text-align:left}}img{{max-width:100%;margin:.5rem 0}}pre{{background:#f5f5f5;padding:1rem;overflow:auto}}</style></head>
 <body><h1>kubetune report: {html.escape(spec.name)}</h1>
-<p>Task {html.escape(spec.task)}, model {html.escape(spec.model.uri)}, {'LoRA r=' + str(spec.lora.r) if spec.lora else 'full fine-tune'}.</p>
+<p>Task {html.escape(spec.task)}, model {html.escape(spec.model.uri)}, {"LoRA r=" + str(spec.lora.r) if spec.lora else "full fine-tune"}.</p>
 <table>{table}</table>{compare}{confusion}<h2>Curves</h2>{imgs}
 <h2>Job spec</h2><pre>{html.escape(dump_spec(spec))}</pre></body></html>"""
     path = out / "report.html"
@@ -116,13 +128,18 @@ MAX_CONFUSION_TABLE = 30
 def _confusion_html(labels: list, cm: list[list[int]]) -> str:
     """The confusion matrix as a table; a one-line note instead when it is absent or too big to read."""
     if not cm:
-        return f"<p>{len(labels)} classes: no confusion matrix (kept up to 100 classes).</p>" if len(labels) > 100 else ""
+        return (
+            f"<p>{len(labels)} classes: no confusion matrix (kept up to 100 classes).</p>" if len(labels) > 100 else ""
+        )
     if len(cm) > MAX_CONFUSION_TABLE:
         return f"<p>{len(cm)} classes: the confusion matrix is in metrics.json (eval_confusion), too big for a table here.</p>"
     if len(labels) != len(cm):
         labels = list(range(len(cm)))
     head = "".join(f"<th>{html.escape(str(lab))}</th>" for lab in labels)
-    body = "".join(f"<tr><th>{html.escape(str(labels[i]))}</th>" + "".join(f"<td>{v}</td>" for v in row) + "</tr>" for i, row in enumerate(cm))
+    body = "".join(
+        f"<tr><th>{html.escape(str(labels[i]))}</th>" + "".join(f"<td>{v}</td>" for v in row) + "</tr>"
+        for i, row in enumerate(cm)
+    )
     return f"<h2>Confusion matrix (rows: true, columns: predicted)</h2><table><tr><th></th>{head}</tr>{body}</table>"
 
 

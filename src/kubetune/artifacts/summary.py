@@ -19,8 +19,10 @@ def summary(out: Path) -> str:
     ]
     base = m.get("baseline")
     if base:
-        lines.append(f"baseline {base['method']}: accuracy {base['accuracy']:.4f}, macro-F1 {base['f1_macro']:.4f} "
-                     f"-> fine-tuned model {'beats' if m['eval_accuracy'] > base['accuracy'] else 'does NOT beat'} it by {100 * (m['eval_accuracy'] - base['accuracy']):+.1f} points")
+        lines.append(
+            f"baseline {base['method']}: accuracy {base['accuracy']:.4f}, macro-F1 {base['f1_macro']:.4f} "
+            f"-> fine-tuned model {'beats' if m['eval_accuracy'] > base['accuracy'] else 'does NOT beat'} it by {100 * (m['eval_accuracy'] - base['accuracy']):+.1f} points"
+        )
     lines.append(f"report: {out / 'report.html'}")
     return "\n".join(lines)
 

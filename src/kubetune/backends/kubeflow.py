@@ -21,7 +21,15 @@ from kubetune.config import JobSpec
 from kubetune.errors import KubetuneError
 
 TARGETS = {"pytorchjob": (*manifests.PYTORCHJOB_API, "PyTorchJob"), "trainjob": (*manifests.TRAINJOB_API, "TrainJob")}
-POD_FAILURES = ("OOMKilled", "ImagePullBackOff", "ErrImagePull", "CrashLoopBackOff", "CreateContainerConfigError", "InvalidImageName", "Error")
+POD_FAILURES = (
+    "OOMKilled",
+    "ImagePullBackOff",
+    "ErrImagePull",
+    "CrashLoopBackOff",
+    "CreateContainerConfigError",
+    "InvalidImageName",
+    "Error",
+)
 IN_CLUSTER_NS = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
@@ -30,7 +38,9 @@ def connect(kubeconfig: str | None = None, context: str | None = None) -> tuple[
     optional context), else the in-cluster service account."""
     from kubernetes import config
 
-    path = kubeconfig or os.environ.get("KUBECONFIG", "").split(os.pathsep)[0] or str(Path("~/.kube/config").expanduser())
+    path = (
+        kubeconfig or os.environ.get("KUBECONFIG", "").split(os.pathsep)[0] or str(Path("~/.kube/config").expanduser())
+    )
     try:
         if Path(path).exists():
             api = config.new_client_from_config(config_file=path, context=context)
@@ -41,13 +51,23 @@ def connect(kubeconfig: str | None = None, context: str | None = None) -> tuple[
         config.load_incluster_config(client_configuration=cfg)
         return k8s.ApiClient(cfg), IN_CLUSTER_NS.read_text().strip() if IN_CLUSTER_NS.exists() else "default"
     except config.ConfigException as e:
-        raise KubetuneError(f"no usable Kubernetes configuration ({str(e).splitlines()[0]})", field="kubeconfig", fix="set KUBECONFIG or --kubeconfig, pick a --context, or run inside a cluster") from None
+        raise KubetuneError(
+            f"no usable Kubernetes configuration ({str(e).splitlines()[0]})",
+            field="kubeconfig",
+            fix="set KUBECONFIG or --kubeconfig, pick a --context, or run inside a cluster",
+        ) from None
 
 
 class KubeflowBackend:
     """Runs job specs on a cluster with the Kubeflow Training Operator (or Trainer v2)."""
 
-    def __init__(self, namespace: str | None = None, kubeconfig: str | None = None, context: str | None = None, target: str = "pytorchjob"):
+    def __init__(
+        self,
+        namespace: str | None = None,
+        kubeconfig: str | None = None,
+        context: str | None = None,
+        target: str = "pytorchjob",
+    ):
         if target not in TARGETS:
             raise KubetuneError(f"unknown target {target!r}", field="--target", fix="use pytorchjob or trainjob")
         self.api, default_ns = connect(kubeconfig, context)
@@ -59,15 +79,20 @@ class KubeflowBackend:
         self.apps = k8s.AppsV1Api(self.api)
 
     @classmethod
-    def of_job(cls, name: str, namespace: str | None = None, kubeconfig: str | None = None, context: str | None = None) -> KubeflowBackend:
+    def of_job(
+        cls, name: str, namespace: str | None = None, kubeconfig: str | None = None, context: str | None = None
+    ) -> KubeflowBackend:
         """The backend for the job called ``name``, whichever kind it is on the cluster (a
         PyTorchJob or a TrainJob), so ``--target`` is needed only at submit. No job of that name:
         the PyTorchJob backend, whose calls then say it is not found."""
         backend = cls(namespace=namespace, kubeconfig=kubeconfig, context=context)
         found = [target for target in TARGETS if backend._has(target, name)]
         if len(found) > 1:
-            raise KubetuneError(f"both a PyTorchJob and a TrainJob are named '{name}' in namespace '{backend.namespace}'",
-                                field="--target", fix="pass --target pytorchjob or --target trainjob")
+            raise KubetuneError(
+                f"both a PyTorchJob and a TrainJob are named '{name}' in namespace '{backend.namespace}'",
+                field="--target",
+                fix="pass --target pytorchjob or --target trainjob",
+            )
         if found:
             backend.target = found[0]
             backend.group, backend.version, backend.plural, backend.kind = TARGETS[found[0]]
@@ -98,7 +123,10 @@ class KubeflowBackend:
             raise self._translate(e, verb, resource, name) from None
         except (urllib3.exceptions.HTTPError, OSError) as e:
             host = self.api.configuration.host
-            raise KubetuneError(f"cannot reach the Kubernetes API server at {host} ({type(e).__name__})", fix="check the kubeconfig context and the network (kubectl cluster-info)") from None
+            raise KubetuneError(
+                f"cannot reach the Kubernetes API server at {host} ({type(e).__name__})",
+                fix="check the kubeconfig context and the network (kubectl cluster-info)",
+            ) from None
 
     def _translate(self, e, verb: str, resource: str, name: str | None) -> KubetuneError:
         import json
@@ -111,21 +139,41 @@ class KubeflowBackend:
         what = f"{resource} '{name}'" if name else resource
         if e.status == 403 and "admission webhook" in message:
             # the operator's validating webhook refused the object (controller-runtime answers 403)
-            return KubetuneError(f"the cluster refused {what}: {message}", fix="change the spec's kubernetes/distributed settings the message names, or use the other --target")
+            return KubetuneError(
+                f"the cluster refused {what}: {message}",
+                fix="change the spec's kubernetes/distributed settings the message names, or use the other --target",
+            )
         if e.status == 403:
-            return KubetuneError(f"forbidden: cannot {verb} {resource} in namespace '{self.namespace}' ({message})", fix="ask for the RBAC in deploy/rbac, or set kubernetes.namespace / --namespace")
+            return KubetuneError(
+                f"forbidden: cannot {verb} {resource} in namespace '{self.namespace}' ({message})",
+                fix="ask for the RBAC in deploy/rbac, or set kubernetes.namespace / --namespace",
+            )
         if e.status == 401:
-            return KubetuneError(f"the API server at {self.api.configuration.host} rejected the credentials (401)", fix="refresh the kubeconfig credentials")
+            return KubetuneError(
+                f"the API server at {self.api.configuration.host} rejected the credentials (401)",
+                fix="refresh the kubeconfig credentials",
+            )
         if e.status == 404 and name is None or (e.status == 404 and "could not find the requested resource" in message):
-            fix = ("install the Kubeflow Training Operator: deploy/install.sh" if self.target == "pytorchjob"
-                   else "install Kubeflow Trainer v2.3 or later with JobSet: deploy/install.sh --with trainer (or submit with --target pytorchjob)")
+            fix = (
+                "install the Kubeflow Training Operator: deploy/install.sh"
+                if self.target == "pytorchjob"
+                else "install Kubeflow Trainer v2.3 or later with JobSet: deploy/install.sh --with trainer (or submit with --target pytorchjob)"
+            )
             return KubetuneError(f"{resource} are not served by this cluster ({message})", fix=fix)
         if e.status == 404:
-            return KubetuneError(f"{what} not found in namespace '{self.namespace}'", fix="check the name with `kubetune list` and --namespace")
+            return KubetuneError(
+                f"{what} not found in namespace '{self.namespace}'",
+                fix="check the name with `kubetune list` and --namespace",
+            )
         if e.status == 409:
-            return KubetuneError(f"{what} already exists in namespace '{self.namespace}'", fix=f"pass --replace, or `kubetune delete {name}` first")
+            return KubetuneError(
+                f"{what} already exists in namespace '{self.namespace}'",
+                fix=f"pass --replace, or `kubetune delete {name}` first",
+            )
         if e.status == 422:
-            return KubetuneError(f"the API server rejected {what}: {message}", fix="check the spec's kubernetes section")
+            return KubetuneError(
+                f"the API server rejected {what}: {message}", fix="check the spec's kubernetes section"
+            )
         return KubetuneError(f"Kubernetes API error {e.status} {e.reason} on {verb} {what}: {message}")
 
     # ---- submit ----
@@ -150,8 +198,17 @@ class KubeflowBackend:
             if not checked:
                 self._check_served(rendered.job)
         with self._errors("create", f"{self.plural}.{self.group}", name):
-            job = self.custom.create_namespaced_custom_object(self.group, self.version, self.namespace, self.plural, rendered.job)
-        owner = {"apiVersion": f"{self.group}/{self.version}", "kind": self.kind, "name": name, "uid": job["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}
+            job = self.custom.create_namespaced_custom_object(
+                self.group, self.version, self.namespace, self.plural, rendered.job
+            )
+        owner = {
+            "apiVersion": f"{self.group}/{self.version}",
+            "kind": self.kind,
+            "name": name,
+            "uid": job["metadata"]["uid"],
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
         try:
             for obj in [rendered.config_map, *rendered.tensorboard]:
                 obj = {**obj, "metadata": {**obj["metadata"], "ownerReferences": [owner]}}
@@ -175,7 +232,9 @@ class KubeflowBackend:
 
         with self._errors("create", f"{self.plural}.{self.group}", job["metadata"]["name"]):
             try:
-                stored = self.custom.create_namespaced_custom_object(self.group, self.version, self.namespace, self.plural, job, dry_run="All")
+                stored = self.custom.create_namespaced_custom_object(
+                    self.group, self.version, self.namespace, self.plural, job, dry_run="All"
+                )
             except ApiException as e:
                 if e.status == 409 and exists_ok:
                     return False
@@ -194,7 +253,10 @@ class KubeflowBackend:
         else:
             hint = "the cluster's Training Operator is older than the one kubetune renders for (v1.8.1+)"
             fix = "upgrade the Training Operator (deploy/install.sh), or remove the settings that need those fields"
-        raise KubetuneError(f"the cluster would drop {', '.join(dropped[:3])}{' ...' if len(dropped) > 3 else ''} from the {self.kind}: {hint}", fix=fix)
+        raise KubetuneError(
+            f"the cluster would drop {', '.join(dropped[:3])}{' ...' if len(dropped) > 3 else ''} from the {self.kind}: {hint}",
+            fix=fix,
+        )
 
     def _check_runtime(self, runtime: str) -> None:
         from kubernetes.client.exceptions import ApiException
@@ -202,20 +264,34 @@ class KubeflowBackend:
         # A cluster without the runtime CRD has no Trainer: _errors says so, and how to install it.
         with self._errors("get", "clustertrainingruntimes.trainer.kubeflow.org", runtime):
             try:
-                self.custom.get_cluster_custom_object("trainer.kubeflow.org", "v1alpha1", "clustertrainingruntimes", runtime)
+                self.custom.get_cluster_custom_object(
+                    "trainer.kubeflow.org", "v1alpha1", "clustertrainingruntimes", runtime
+                )
                 return
             except ApiException as e:
                 if e.status != 404 or "could not find the requested resource" in (e.body or ""):
                     raise
         names = [r["name"] for r in self.runtimes()]
-        raise KubetuneError(f"the cluster has no ClusterTrainingRuntime '{runtime}'" + (f" (it has: {', '.join(names)})" if names else ""),
-                            field="kubernetes.runtime", fix="pick one that `kubetune runtimes` lists, or install Trainer's runtimes (deploy/install.sh --with trainer)")
+        raise KubetuneError(
+            f"the cluster has no ClusterTrainingRuntime '{runtime}'"
+            + (f" (it has: {', '.join(names)})" if names else ""),
+            field="kubernetes.runtime",
+            fix="pick one that `kubetune runtimes` lists, or install Trainer's runtimes (deploy/install.sh --with trainer)",
+        )
 
     def runtimes(self) -> list[dict]:
         """The cluster's ClusterTrainingRuntimes: name and framework."""
         with self._errors("list", "clustertrainingruntimes.trainer.kubeflow.org"):
-            items = self.custom.list_cluster_custom_object("trainer.kubeflow.org", "v1alpha1", "clustertrainingruntimes")["items"]
-        return [{"name": r["metadata"]["name"], "framework": (r["metadata"].get("labels") or {}).get("trainer.kubeflow.org/framework", "")} for r in items]
+            items = self.custom.list_cluster_custom_object(
+                "trainer.kubeflow.org", "v1alpha1", "clustertrainingruntimes"
+            )["items"]
+        return [
+            {
+                "name": r["metadata"]["name"],
+                "framework": (r["metadata"].get("labels") or {}).get("trainer.kubeflow.org/framework", ""),
+            }
+            for r in items
+        ]
 
     def _ensure_claim(self, pvc: dict, job: str) -> None:
         """Create the workspace claim, or keep the one an earlier run of this job left (it holds
@@ -233,8 +309,11 @@ class KubeflowBackend:
                     raise
             existing = self.core.read_namespaced_persistent_volume_claim(name, self.namespace)
         if (existing.metadata.labels or {}).get(manifests.JOB_LABEL) != job:
-            raise KubetuneError(f"persistentvolumeclaim '{name}' already exists in namespace '{self.namespace}' and is not job '{job}''s workspace",
-                                field="kubernetes.storage", fix="set kubernetes.storage.existing_claim to use it, or rename the job")
+            raise KubetuneError(
+                f"persistentvolumeclaim '{name}' already exists in namespace '{self.namespace}' and is not job '{job}''s workspace",
+                field="kubernetes.storage",
+                fix="set kubernetes.storage.existing_claim to use it, or rename the job",
+            )
 
     def _create_owned(self, obj: dict, replace: bool) -> None:
         from kubernetes.client.exceptions import ApiException
@@ -261,7 +340,9 @@ class KubeflowBackend:
 
         with self._errors("delete", f"{self.plural}.{self.group}", name):
             try:
-                self.custom.delete_namespaced_custom_object(self.group, self.version, self.namespace, self.plural, name, propagation_policy="Foreground")
+                self.custom.delete_namespaced_custom_object(
+                    self.group, self.version, self.namespace, self.plural, name, propagation_policy="Foreground"
+                )
             except ApiException as e:
                 if e.status == 404:
                     return
@@ -269,13 +350,17 @@ class KubeflowBackend:
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
                 try:
-                    self.custom.get_namespaced_custom_object(self.group, self.version, self.namespace, self.plural, name)
+                    self.custom.get_namespaced_custom_object(
+                        self.group, self.version, self.namespace, self.plural, name
+                    )
                 except ApiException as e:
                     if e.status == 404:
                         return
                     raise
                 time.sleep(1)
-        raise KubetuneError(f"{self.kind} '{name}' is still being deleted after {timeout:.0f} s", fix="wait, then submit again")
+        raise KubetuneError(
+            f"{self.kind} '{name}' is still being deleted after {timeout:.0f} s", fix="wait, then submit again"
+        )
 
     # ---- status ----
     def get(self, name: str) -> dict:
@@ -285,7 +370,16 @@ class KubeflowBackend:
     def status(self, name: str, log_lines: int = 20) -> JobStatus:
         job = self.get(name)
         st = job.get("status") or {}
-        result = JobStatus(name=name, namespace=self.namespace, kind=self.kind, phase=phase_of(job), replicas={k: {kk: int(vv) for kk, vv in v.items() if isinstance(vv, int)} for k, v in (st.get("replicaStatuses") or {}).items()})
+        result = JobStatus(
+            name=name,
+            namespace=self.namespace,
+            kind=self.kind,
+            phase=phase_of(job),
+            replicas={
+                k: {kk: int(vv) for kk, vv in v.items() if isinstance(vv, int)}
+                for k, v in (st.get("replicaStatuses") or {}).items()
+            },
+        )
         result.pods = self._pods(name)
         result.restarts = sum(p.restarts for p in result.pods)
         failing = next((p for p in result.pods if p.reason), None)
@@ -317,30 +411,45 @@ class KubeflowBackend:
     def _pods(self, name: str) -> list[PodInfo]:
         with self._errors("list", "pods"):
             pods = self.core.list_namespaced_pod(self.namespace, label_selector=f"{manifests.JOB_LABEL}={name}").items
-        out = [pod_info(p) for p in pods if (p.metadata.labels or {}).get("app.kubernetes.io/component") != "tensorboard"]
+        out = [
+            pod_info(p) for p in pods if (p.metadata.labels or {}).get("app.kubernetes.io/component") != "tensorboard"
+        ]
         return sorted(out, key=lambda p: p.node_rank)
 
     def _tail(self, pod: str, lines: int) -> list[str]:
         from kubernetes.client.exceptions import ApiException
 
         try:
-            text = self.core.read_namespaced_pod_log(pod, self.namespace, container=manifests.CONTAINER if self.target == "pytorchjob" else None, tail_lines=lines)
+            text = self.core.read_namespaced_pod_log(
+                pod,
+                self.namespace,
+                container=manifests.CONTAINER if self.target == "pytorchjob" else None,
+                tail_lines=lines,
+            )
         except ApiException:
             return []
         return text.splitlines()[-lines:]
 
     # ---- logs ----
-    def logs(self, name: str, follow: bool = False, rank: int | None = None, all_ranks: bool = False, tail: int | None = None) -> Iterator[str]:
+    def logs(
+        self, name: str, follow: bool = False, rank: int | None = None, all_ranks: bool = False, tail: int | None = None
+    ) -> Iterator[str]:
         """Lines of the job's pods, each prefixed ``[node N]``; streamed (bounded memory)."""
         self.get(name)  # a clear error when the job does not exist
         pods = self._pods(name)
         if not pods:
-            raise KubetuneError(f"{self.kind} '{name}' has no pods yet", fix="try again in a moment, or see `kubetune status`")
+            raise KubetuneError(
+                f"{self.kind} '{name}' has no pods yet", fix="try again in a moment, or see `kubetune status`"
+            )
         if not all_ranks:
             want = rank or 0
             pods = [p for p in pods if p.node_rank == want]
             if not pods:
-                raise KubetuneError(f"no pod with node rank {want} in '{name}'", field="--rank", fix=f"use 0..{len(self._pods(name)) - 1} or --all")
+                raise KubetuneError(
+                    f"no pod with node rank {want} in '{name}'",
+                    field="--rank",
+                    fix=f"use 0..{len(self._pods(name)) - 1} or --all",
+                )
         if len(pods) == 1:
             yield from self._stream(pods[0], follow, tail)
             return
@@ -370,8 +479,12 @@ class KubeflowBackend:
     def _stream(self, pod: PodInfo, follow: bool, tail: int | None) -> Iterator[str]:
         with self._errors("get", "pods/log", pod.name):
             resp = self.core.read_namespaced_pod_log(
-                pod.name, self.namespace, container=manifests.CONTAINER if self.target == "pytorchjob" else None,
-                follow=follow, tail_lines=tail, _preload_content=False,
+                pod.name,
+                self.namespace,
+                container=manifests.CONTAINER if self.target == "pytorchjob" else None,
+                follow=follow,
+                tail_lines=tail,
+                _preload_content=False,
             )
         prefix = f"[node {pod.node_rank}] "
         try:
@@ -394,13 +507,26 @@ class KubeflowBackend:
         while phase_of(job) not in TERMINAL:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
-                raise WaitTimeout(f"{self.kind} '{name}' is still {phase_of(job)} after {timeout:.0f} s", fix="wait longer (--timeout) or see `kubetune status`")
+                raise WaitTimeout(
+                    f"{self.kind} '{name}' is still {phase_of(job)} after {timeout:.0f} s",
+                    fix="wait longer (--timeout) or see `kubetune status`",
+                )
             w = watch.Watch()
-            kwargs = {"field_selector": f"metadata.name={name}", "timeout_seconds": max(1, int(remaining)) if remaining is not None else 300}
+            kwargs = {
+                "field_selector": f"metadata.name={name}",
+                "timeout_seconds": max(1, int(remaining)) if remaining is not None else 300,
+            }
             if version:
                 kwargs["resource_version"] = version
             with self._errors("watch", f"{self.plural}.{self.group}", name):
-                for event in w.stream(self.custom.list_namespaced_custom_object, self.group, self.version, self.namespace, self.plural, **kwargs):
+                for event in w.stream(
+                    self.custom.list_namespaced_custom_object,
+                    self.group,
+                    self.version,
+                    self.namespace,
+                    self.plural,
+                    **kwargs,
+                ):
                     obj = event["object"]
                     if event["type"] == "DELETED":
                         w.stop()
@@ -429,7 +555,9 @@ class KubeflowBackend:
         from kubernetes.client.exceptions import ApiException
 
         with self._errors("delete", f"{self.plural}.{self.group}", name):
-            self.custom.delete_namespaced_custom_object(self.group, self.version, self.namespace, self.plural, name, propagation_policy="Background")
+            self.custom.delete_namespaced_custom_object(
+                self.group, self.version, self.namespace, self.plural, name, propagation_policy="Background"
+            )
         claim = manifests.own_claim(name)
         with self._errors("get", "persistentvolumeclaims", claim):
             try:
@@ -441,15 +569,22 @@ class KubeflowBackend:
         if (pvc.metadata.labels or {}).get(manifests.JOB_LABEL) != name:
             return []
         if not storage:
-            return [f"kept persistentvolumeclaim '{claim}' (the job's output and checkpoints); `kubetune delete {name} --delete-storage` removes it"]
+            return [
+                f"kept persistentvolumeclaim '{claim}' (the job's output and checkpoints); `kubetune delete {name} --delete-storage` removes it"
+            ]
         with self._errors("delete", "persistentvolumeclaims", claim):
             self.core.delete_namespaced_persistent_volume_claim(claim, self.namespace)
         return [f"deleted persistentvolumeclaim '{claim}'"]
 
     def list(self) -> list[dict]:
         with self._errors("list", f"{self.plural}.{self.group}"):
-            items = self.custom.list_namespaced_custom_object(self.group, self.version, self.namespace, self.plural, label_selector="app.kubernetes.io/name=kubetune")["items"]
-        return [{"name": j["metadata"]["name"], "phase": phase_of(j), "created": j["metadata"].get("creationTimestamp", "")} for j in items]
+            items = self.custom.list_namespaced_custom_object(
+                self.group, self.version, self.namespace, self.plural, label_selector="app.kubernetes.io/name=kubetune"
+            )["items"]
+        return [
+            {"name": j["metadata"]["name"], "phase": phase_of(j), "created": j["metadata"].get("creationTimestamp", "")}
+            for j in items
+        ]
 
 
 def missing_paths(sent, stored, path: str) -> list[str]:
@@ -500,8 +635,15 @@ def phase_of(job: dict) -> str:
 def pod_info(pod) -> PodInfo:
     """Node rank and the reason a pod is failing (OOMKilled, ImagePullBackOff, Unschedulable, ...)."""
     labels = pod.metadata.labels or {}
-    index = int(labels.get("training.kubeflow.org/replica-index") or labels.get("batch.kubernetes.io/job-completion-index") or 0)
-    rank = index + 1 if labels.get("training.kubeflow.org/replica-type", "").lower() == "worker" and not labels.get("kubetune.io/elastic") else index
+    index = int(
+        labels.get("training.kubeflow.org/replica-index") or labels.get("batch.kubernetes.io/job-completion-index") or 0
+    )
+    rank = (
+        index + 1
+        if labels.get("training.kubeflow.org/replica-type", "").lower() == "worker"
+        and not labels.get("kubetune.io/elastic")
+        else index
+    )
     status = pod.status
     statuses = (status.container_statuses or []) + (status.init_container_statuses or []) if status else []
     restarts = sum(s.restart_count or 0 for s in statuses)
@@ -511,16 +653,29 @@ def pod_info(pod) -> PodInfo:
         if state and state.waiting and state.waiting.reason in POD_FAILURES:
             reason, message = state.waiting.reason, state.waiting.message
         elif state and state.terminated and state.terminated.exit_code:
-            reason, message = state.terminated.reason or "Error", f"container {s.name} exited with code {state.terminated.exit_code}"
+            reason, message = (
+                state.terminated.reason or "Error",
+                f"container {s.name} exited with code {state.terminated.exit_code}",
+            )
         elif last and last.terminated and last.terminated.reason == "OOMKilled":
-            reason, message = "OOMKilled", f"container {s.name} was killed for exceeding its memory limit (restarts: {s.restart_count})"
+            reason, message = (
+                "OOMKilled",
+                f"container {s.name} was killed for exceeding its memory limit (restarts: {s.restart_count})",
+            )
         if reason:
             break
     if not reason and status:
         for c in status.conditions or []:
             if c.type == "PodScheduled" and c.status == "False" and c.reason == "Unschedulable":
                 reason, message = "Unschedulable", c.message
-    return PodInfo(name=pod.metadata.name, node_rank=rank, phase=(status.phase if status else None) or "Unknown", restarts=restarts, reason=reason, message=message)
+    return PodInfo(
+        name=pod.metadata.name,
+        node_rank=rank,
+        phase=(status.phase if status else None) or "Unknown",
+        restarts=restarts,
+        reason=reason,
+        message=message,
+    )
 
 
 def iter_lines(resp, chunk: int = 8192, max_line: int = 1 << 20) -> Iterator[str]:

@@ -22,14 +22,25 @@ log = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 110
 
 
-def launch_config(spec: JobSpec, *, run_id: str, rdzv_port: int | None = None, local_addr: str | None = None, log_dir: Path | None = None) -> LaunchConfig:
+def launch_config(
+    spec: JobSpec,
+    *,
+    run_id: str,
+    rdzv_port: int | None = None,
+    local_addr: str | None = None,
+    log_dir: Path | None = None,
+) -> LaunchConfig:
     """Pure: the elastic launch configuration for this node of ``spec`` (torch elastic keeps its
     per-run files in ``log_dir``; by default a ``/tmp/torchelastic_*`` directory it never removes)."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 
     dist = spec.distributed
     if dist.nodes > 1 and not dist.rdzv_endpoint:
-        raise KubetuneError("multi-node local runs need a rendezvous address", field="distributed.rdzv_endpoint", fix="set it to HOST:PORT of the first node, and run `kubetune run` on every node")
+        raise KubetuneError(
+            "multi-node local runs need a rendezvous address",
+            field="distributed.rdzv_endpoint",
+            fix="set it to HOST:PORT of the first node, and run `kubetune run` on every node",
+        )
     endpoint = dist.rdzv_endpoint or f"127.0.0.1:{rdzv_port or _free_port()}"
     rdzv_configs = {}
     if dist.nodes > 1 and local_addr:
@@ -60,7 +71,11 @@ def _shutdown_grace() -> dict:
     older releases keep their 30 s."""
     import dataclasses
 
-    return {"shutdown_timeout": SHUTDOWN_GRACE_S} if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)} else {}
+    return (
+        {"shutdown_timeout": SHUTDOWN_GRACE_S}
+        if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)}
+        else {}
+    )
 
 
 def worker_env(spec: JobSpec) -> dict[str, str]:
@@ -89,7 +104,9 @@ def run(spec: JobSpec, local_addr: str | None = None) -> dict[int, object]:
     run_id = spec.name if spec.distributed.nodes > 1 else f"{spec.name}-{uuid.uuid4().hex[:8]}"
     os.environ.update(worker_env(spec))
     # The elastic agent logs every restart and shutdown at WARNING; our workers already say why.
-    for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")] + ["torch.distributed.elastic"]:
+    for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")] + [
+        "torch.distributed.elastic"
+    ]:
         logging.getLogger(name).setLevel(logging.ERROR)  # torch sets levels on its child loggers too
     workdir = Path(tempfile.mkdtemp(prefix=f"kubetune-{spec.name}-"))  # removed when the run ends, however it ends
     spec_file = workdir / "job.yaml"

@@ -59,7 +59,12 @@ def _ser(obj) -> dict:
 
 
 def labels(spec: JobSpec) -> dict[str, str]:
-    return {"app.kubernetes.io/name": "kubetune", "app.kubernetes.io/instance": spec.name, JOB_LABEL: spec.name, **spec.kubernetes.labels}
+    return {
+        "app.kubernetes.io/name": "kubetune",
+        "app.kubernetes.io/instance": spec.name,
+        JOB_LABEL: spec.name,
+        **spec.kubernetes.labels,
+    }
 
 
 def job_labels(spec: JobSpec) -> dict[str, str]:
@@ -87,23 +92,32 @@ def own_claim(job: str) -> str:
 
 def build_config_map(spec: JobSpec, namespace: str) -> dict:
     """The resolved spec, mounted read-only at /etc/kubetune/job.yaml."""
-    return _ser(k8s.V1ConfigMap(api_version="v1", kind="ConfigMap", metadata=_meta(spec, config_map_name(spec), namespace), data={"job.yaml": dump_spec(spec)}))
+    return _ser(
+        k8s.V1ConfigMap(
+            api_version="v1",
+            kind="ConfigMap",
+            metadata=_meta(spec, config_map_name(spec), namespace),
+            data={"job.yaml": dump_spec(spec)},
+        )
+    )
 
 
 def build_pvc(spec: JobSpec, namespace: str) -> dict | None:
     st = spec.kubernetes.storage
     if st.mode != "pvc" or st.existing_claim:
         return None
-    return _ser(k8s.V1PersistentVolumeClaim(
-        api_version="v1",
-        kind="PersistentVolumeClaim",
-        metadata=_meta(spec, pvc_name(spec), namespace),
-        spec=k8s.V1PersistentVolumeClaimSpec(
-            access_modes=list(st.access_modes),
-            storage_class_name=st.storage_class,
-            resources=k8s.V1VolumeResourceRequirements(requests={"storage": st.size}),
-        ),
-    ))
+    return _ser(
+        k8s.V1PersistentVolumeClaim(
+            api_version="v1",
+            kind="PersistentVolumeClaim",
+            metadata=_meta(spec, pvc_name(spec), namespace),
+            spec=k8s.V1PersistentVolumeClaimSpec(
+                access_modes=list(st.access_modes),
+                storage_class_name=st.storage_class,
+                resources=k8s.V1VolumeResourceRequirements(requests={"storage": st.size}),
+            ),
+        )
+    )
 
 
 def secret_env(spec: JobSpec) -> tuple[list[k8s.V1EnvVar], list[k8s.V1EnvFromSource]]:
@@ -111,7 +125,14 @@ def secret_env(spec: JobSpec) -> tuple[list[k8s.V1EnvVar], list[k8s.V1EnvFromSou
     s = spec.kubernetes.secrets
     env = []
     if s.hf_token:
-        env.append(k8s.V1EnvVar(name="HF_TOKEN", value_from=k8s.V1EnvVarSource(secret_key_ref=k8s.V1SecretKeySelector(name=s.hf_token.name, key=s.hf_token.key))))
+        env.append(
+            k8s.V1EnvVar(
+                name="HF_TOKEN",
+                value_from=k8s.V1EnvVarSource(
+                    secret_key_ref=k8s.V1SecretKeySelector(name=s.hf_token.name, key=s.hf_token.key)
+                ),
+            )
+        )
     env_from = [k8s.V1EnvFromSource(secret_ref=k8s.V1SecretEnvSource(name=s.s3))] if s.s3 else []
     return env, env_from
 
@@ -120,7 +141,10 @@ def _common_env(spec: JobSpec) -> list[k8s.V1EnvVar]:
     return [
         # torchrun kills workers this long after forwarding SIGTERM (default 30 s): leave them the
         # pod's grace period, less a margin, to finish the step and write the checkpoint.
-        k8s.V1EnvVar(name="TORCH_ELASTIC_SHUTDOWN_TIMEOUT", value=str(max(5, spec.kubernetes.termination_grace_period_seconds - 10))),
+        k8s.V1EnvVar(
+            name="TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
+            value=str(max(5, spec.kubernetes.termination_grace_period_seconds - 10)),
+        ),
         # torchrun: a fresh rendezvous store per round, so restarted workers never read stale peers.
         k8s.V1EnvVar(name="TORCH_DISABLE_SHARE_RDZV_TCP_STORE", value="1"),
         k8s.V1EnvVar(name="HF_HOME", value=f"{WORKSPACE}/cache/hf"),
@@ -142,7 +166,9 @@ def _resources(spec: JobSpec) -> k8s.V1ResourceRequirements:
 def _volumes(spec: JobSpec) -> list[k8s.V1Volume]:
     st = spec.kubernetes.storage
     workspace = (
-        k8s.V1Volume(name="workspace", persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(claim_name=pvc_name(spec)))
+        k8s.V1Volume(
+            name="workspace", persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(claim_name=pvc_name(spec))
+        )
         if st.mode == "pvc"
         else k8s.V1Volume(name="workspace", empty_dir=k8s.V1EmptyDirVolumeSource(size_limit=st.size))
     )
@@ -150,12 +176,17 @@ def _volumes(spec: JobSpec) -> list[k8s.V1Volume]:
         k8s.V1Volume(name="job-spec", config_map=k8s.V1ConfigMapVolumeSource(name=config_map_name(spec))),
         workspace,
         # /dev/shm defaults to 64Mi in containers: too small for NCCL and DataLoader workers.
-        k8s.V1Volume(name="dshm", empty_dir=k8s.V1EmptyDirVolumeSource(medium="Memory", size_limit=spec.resources.shm_size)),
+        k8s.V1Volume(
+            name="dshm", empty_dir=k8s.V1EmptyDirVolumeSource(medium="Memory", size_limit=spec.resources.shm_size)
+        ),
     ]
 
 
 def _mounts(with_shm: bool = True) -> list[k8s.V1VolumeMount]:
-    mounts = [k8s.V1VolumeMount(name="job-spec", mount_path=SPEC_DIR, read_only=True), k8s.V1VolumeMount(name="workspace", mount_path=WORKSPACE)]
+    mounts = [
+        k8s.V1VolumeMount(name="job-spec", mount_path=SPEC_DIR, read_only=True),
+        k8s.V1VolumeMount(name="workspace", mount_path=WORKSPACE),
+    ]
     if with_shm:
         mounts.append(k8s.V1VolumeMount(name="dshm", mount_path="/dev/shm"))
     return mounts
@@ -203,7 +234,9 @@ def build_pod_template(spec: JobSpec) -> k8s.V1PodTemplateSpec:
         command=worker_command(spec),
         working_dir=WORKSPACE,
         # The init container staged everything: workers reach for the Hub only to push an hf:// output.
-        env=_common_env(spec) + ([] if spec.output.uri.startswith("hf://") else [k8s.V1EnvVar(name="HF_HUB_OFFLINE", value="1")]) + env,
+        env=_common_env(spec)
+        + ([] if spec.output.uri.startswith("hf://") else [k8s.V1EnvVar(name="HF_HUB_OFFLINE", value="1")])
+        + env,
         env_from=env_from or None,
         ports=[k8s.V1ContainerPort(name="pytorchjob-port", container_port=kube.master_port, protocol="TCP")],
         resources=_resources(spec),
@@ -212,14 +245,26 @@ def build_pod_template(spec: JobSpec) -> k8s.V1PodTemplateSpec:
     # Elastic jobs have only Worker replicas, so a worker's index is its node rank (see kubeflow.pod_info).
     pod_labels = {**labels(spec), **({"kubetune.io/elastic": "true"} if kube.elastic else {})}
     return k8s.V1PodTemplateSpec(
-        metadata=k8s.V1ObjectMeta(labels=pod_labels, annotations={"sidecar.istio.io/inject": "false", **kube.annotations}),
+        metadata=k8s.V1ObjectMeta(
+            labels=pod_labels, annotations={"sidecar.istio.io/inject": "false", **kube.annotations}
+        ),
         spec=k8s.V1PodSpec(
             init_containers=[stage],
             containers=[main],
             volumes=_volumes(spec),
             service_account_name=kube.service_account,
             node_selector=kube.node_selector or None,
-            tolerations=[k8s.V1Toleration(key=t.key, operator=t.operator, value=t.value, effect=t.effect, toleration_seconds=t.toleration_seconds) for t in kube.tolerations] or None,
+            tolerations=[
+                k8s.V1Toleration(
+                    key=t.key,
+                    operator=t.operator,
+                    value=t.value,
+                    effect=t.effect,
+                    toleration_seconds=t.toleration_seconds,
+                )
+                for t in kube.tolerations
+            ]
+            or None,
             image_pull_secrets=[k8s.V1LocalObjectReference(name=n) for n in kube.image_pull_secrets] or None,
             termination_grace_period_seconds=kube.termination_grace_period_seconds,
             priority_class_name=kube.priority_class,
@@ -250,7 +295,9 @@ def build_pytorchjob(spec: JobSpec, namespace: str) -> dict:
         # elasticPolicy.nProcPerNode beside it, and v1.7's controller fails such a job.
         replicas = {"Worker": replica(dist.nodes)}
         elastic = kf.KubeflowOrgV1ElasticPolicy(
-            min_replicas=kube.elastic.min_nodes, max_replicas=kube.elastic.max_nodes, max_restarts=kube.elastic.max_restarts,
+            min_replicas=kube.elastic.min_nodes,
+            max_replicas=kube.elastic.max_nodes,
+            max_restarts=kube.elastic.max_restarts,
             rdzv_backend="c10d",
         )
     else:
@@ -273,7 +320,9 @@ def build_pytorchjob(spec: JobSpec, namespace: str) -> dict:
                 active_deadline_seconds=kube.active_deadline_seconds,
                 # Kueue starts a queued job by unsuspending it.
                 suspend=True if kube.queue else None,
-                scheduling_policy=kf.KubeflowOrgV1SchedulingPolicy(priority_class=kube.priority_class) if kube.priority_class else None,
+                scheduling_policy=kf.KubeflowOrgV1SchedulingPolicy(priority_class=kube.priority_class)
+                if kube.priority_class
+                else None,
             ),
         ),
     )
@@ -300,8 +349,11 @@ TRAINJOB_UNSUPPORTED = {
 def trainjob_problems(spec: JobSpec) -> list[str]:
     """One line per ``kubernetes.*`` field the user set that a TrainJob (v2.3) cannot carry."""
     kube = spec.kubernetes
-    return [f"kubernetes.{name}: {why} — remove it for --target trainjob, or use --target pytorchjob"
-            for name, why in TRAINJOB_UNSUPPORTED.items() if name in kube.model_fields_set and getattr(kube, name) is not None]
+    return [
+        f"kubernetes.{name}: {why} — remove it for --target trainjob, or use --target pytorchjob"
+        for name, why in TRAINJOB_UNSUPPORTED.items()
+        if name in kube.model_fields_set and getattr(kube, name) is not None
+    ]
 
 
 def build_trainjob(spec: JobSpec, namespace: str) -> dict:
@@ -317,24 +369,59 @@ def build_trainjob(spec: JobSpec, namespace: str) -> dict:
     env, env_from = secret_env(spec)
     if env_from:
         # TrainJob's container patch has no envFrom: reference each S3 key explicitly.
-        env += [k8s.V1EnvVar(name=key, value_from=k8s.V1EnvVarSource(secret_key_ref=k8s.V1SecretKeySelector(name=kube.secrets.s3, key=key, optional=optional)))
-                for key, optional in (("AWS_ACCESS_KEY_ID", False), ("AWS_SECRET_ACCESS_KEY", False), ("AWS_ENDPOINT_URL", True))]
+        env += [
+            k8s.V1EnvVar(
+                name=key,
+                value_from=k8s.V1EnvVarSource(
+                    secret_key_ref=k8s.V1SecretKeySelector(name=kube.secrets.s3, key=key, optional=optional)
+                ),
+            )
+            for key, optional in (
+                ("AWS_ACCESS_KEY_ID", False),
+                ("AWS_SECRET_ACCESS_KEY", False),
+                ("AWS_ENDPOINT_URL", True),
+            )
+        ]
     volumes = [_ser(v) for v in _volumes(spec)]
     node_patch = {
         "name": "node",
-        "template": {"spec": {"template": {
-            "metadata": {"labels": labels(spec), "annotations": {"sidecar.istio.io/inject": "false", **kube.annotations}},
-            "spec": _with_affinity(_drop_none({
-                "volumes": volumes,
-                "containers": [{"name": "node", "volumeMounts": [_ser(m) for m in _mounts()]}],
-                "serviceAccountName": kube.service_account,
-                "nodeSelector": kube.node_selector or None,
-                "tolerations": [_ser(k8s.V1Toleration(key=t.key, operator=t.operator, value=t.value, effect=t.effect, toleration_seconds=t.toleration_seconds)) for t in kube.tolerations] or None,
-                "imagePullSecrets": [{"name": n} for n in kube.image_pull_secrets] or None,
-                "terminationGracePeriodSeconds": kube.termination_grace_period_seconds,
-                "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000},
-            }), spec),
-        }}},
+        "template": {
+            "spec": {
+                "template": {
+                    "metadata": {
+                        "labels": labels(spec),
+                        "annotations": {"sidecar.istio.io/inject": "false", **kube.annotations},
+                    },
+                    "spec": _with_affinity(
+                        _drop_none(
+                            {
+                                "volumes": volumes,
+                                "containers": [{"name": "node", "volumeMounts": [_ser(m) for m in _mounts()]}],
+                                "serviceAccountName": kube.service_account,
+                                "nodeSelector": kube.node_selector or None,
+                                "tolerations": [
+                                    _ser(
+                                        k8s.V1Toleration(
+                                            key=t.key,
+                                            operator=t.operator,
+                                            value=t.value,
+                                            effect=t.effect,
+                                            toleration_seconds=t.toleration_seconds,
+                                        )
+                                    )
+                                    for t in kube.tolerations
+                                ]
+                                or None,
+                                "imagePullSecrets": [{"name": n} for n in kube.image_pull_secrets] or None,
+                                "terminationGracePeriodSeconds": kube.termination_grace_period_seconds,
+                                "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000},
+                            }
+                        ),
+                        spec,
+                    ),
+                }
+            }
+        },
     }
     metadata = _ser(_meta(spec, spec.name, namespace))
     metadata["labels"] = job_labels(spec)
@@ -354,7 +441,12 @@ def build_trainjob(spec: JobSpec, namespace: str) -> dict:
                 "resourcesPerNode": _ser(_resources(spec)),
                 "env": [_ser(e) for e in _common_env(spec) + env],
             },
-            "runtimePatches": [{"manager": "kubetune.io/render", "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [node_patch]}}}}],
+            "runtimePatches": [
+                {
+                    "manager": "kubetune.io/render",
+                    "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [node_patch]}}},
+                }
+            ],
         },
     }
     return tr.TrainerV1alpha1TrainJob.from_dict(_drop_none(body)).to_dict()
@@ -366,31 +458,57 @@ def build_tensorboard(spec: JobSpec, namespace: str) -> list[dict]:
         return []
     name = f"{spec.name}-tensorboard"
     tb_labels = {**labels(spec), "app.kubernetes.io/component": "tensorboard"}
-    logdir = f"{WORKSPACE}/{spec.output.uri.removeprefix('file://').lstrip('/')}/tensorboard" if not spec.output.uri.startswith(("/", "file:///")) else f"{spec.output.uri.removeprefix('file://')}/tensorboard"
+    logdir = (
+        f"{WORKSPACE}/{spec.output.uri.removeprefix('file://').lstrip('/')}/tensorboard"
+        if not spec.output.uri.startswith(("/", "file:///"))
+        else f"{spec.output.uri.removeprefix('file://')}/tensorboard"
+    )
     pod = k8s.V1PodTemplateSpec(
         metadata=k8s.V1ObjectMeta(labels=tb_labels, annotations={"sidecar.istio.io/inject": "false"}),
         spec=k8s.V1PodSpec(
-            containers=[k8s.V1Container(
-                name="tensorboard",
-                image=spec.kubernetes.tensorboard_image,
-                command=["tensorboard", f"--logdir={logdir}", "--host=0.0.0.0", "--port=6006"],
-                ports=[k8s.V1ContainerPort(container_port=6006, name="http")],
-                volume_mounts=[k8s.V1VolumeMount(name="workspace", mount_path=WORKSPACE, read_only=True)],
-                resources=k8s.V1ResourceRequirements(requests={"cpu": "100m", "memory": "512Mi"}, limits={"memory": "2Gi"}),
-            )],
-            volumes=[k8s.V1Volume(name="workspace", persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(claim_name=pvc_name(spec), read_only=True))],
+            containers=[
+                k8s.V1Container(
+                    name="tensorboard",
+                    image=spec.kubernetes.tensorboard_image,
+                    command=["tensorboard", f"--logdir={logdir}", "--host=0.0.0.0", "--port=6006"],
+                    ports=[k8s.V1ContainerPort(container_port=6006, name="http")],
+                    volume_mounts=[k8s.V1VolumeMount(name="workspace", mount_path=WORKSPACE, read_only=True)],
+                    resources=k8s.V1ResourceRequirements(
+                        requests={"cpu": "100m", "memory": "512Mi"}, limits={"memory": "2Gi"}
+                    ),
+                )
+            ],
+            volumes=[
+                k8s.V1Volume(
+                    name="workspace",
+                    persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(
+                        claim_name=pvc_name(spec), read_only=True
+                    ),
+                )
+            ],
             service_account_name=spec.kubernetes.service_account,
         ),
     )
     deployment = k8s.V1Deployment(
-        api_version="apps/v1", kind="Deployment",
+        api_version="apps/v1",
+        kind="Deployment",
         metadata=k8s.V1ObjectMeta(name=name, namespace=namespace, labels=tb_labels),
-        spec=k8s.V1DeploymentSpec(replicas=1, selector=k8s.V1LabelSelector(match_labels={JOB_LABEL: spec.name, "app.kubernetes.io/component": "tensorboard"}), template=pod),
+        spec=k8s.V1DeploymentSpec(
+            replicas=1,
+            selector=k8s.V1LabelSelector(
+                match_labels={JOB_LABEL: spec.name, "app.kubernetes.io/component": "tensorboard"}
+            ),
+            template=pod,
+        ),
     )
     service = k8s.V1Service(
-        api_version="v1", kind="Service",
+        api_version="v1",
+        kind="Service",
         metadata=k8s.V1ObjectMeta(name=name, namespace=namespace, labels=tb_labels),
-        spec=k8s.V1ServiceSpec(selector={JOB_LABEL: spec.name, "app.kubernetes.io/component": "tensorboard"}, ports=[k8s.V1ServicePort(name="http", port=6006, target_port=6006)]),
+        spec=k8s.V1ServiceSpec(
+            selector={JOB_LABEL: spec.name, "app.kubernetes.io/component": "tensorboard"},
+            ports=[k8s.V1ServicePort(name="http", port=6006, target_port=6006)],
+        ),
     )
     return [_ser(deployment), _ser(service)]
 
@@ -403,11 +521,15 @@ def render(spec: JobSpec, namespace: str, target: str = "pytorchjob") -> Rendere
             are paths on this machine, a localhost S3 endpoint, fields the target cannot carry,
             an affinity or toleration the Kubernetes typed models refuse.
     """
-    problems = cluster_problems(spec) + (trainjob_problems(spec) if target == "trainjob" else []) + _typed_problems(spec)
+    problems = (
+        cluster_problems(spec) + (trainjob_problems(spec) if target == "trainjob" else []) + _typed_problems(spec)
+    )
     if problems:
         raise SpecError(problems, "spec")
     job = build_pytorchjob(spec, namespace) if target == "pytorchjob" else build_trainjob(spec, namespace)
-    return Rendered(build_config_map(spec, namespace), build_pvc(spec, namespace), job, build_tensorboard(spec, namespace))
+    return Rendered(
+        build_config_map(spec, namespace), build_pvc(spec, namespace), job, build_tensorboard(spec, namespace)
+    )
 
 
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "0.0.0.0", "::1", "[::1]")
@@ -429,12 +551,16 @@ def cluster_problems(spec: JobSpec) -> list[str]:
         path = parsed.body
         if on_claim and (not path.startswith(("/", "~")) or path.startswith(WORKSPACE + "/")):
             continue
-        out.append(f"{field}: {uri!r} is a path on this machine, which the pods cannot read — use s3:// or hf://, pkg:// for files "
-                   f"inside the image, or a path on a named claim (kubernetes.storage: {{mode: pvc, existing_claim: NAME}}, path relative to {WORKSPACE})")
+        out.append(
+            f"{field}: {uri!r} is a path on this machine, which the pods cannot read — use s3:// or hf://, pkg:// for files "
+            f"inside the image, or a path on a named claim (kubernetes.storage: {{mode: pvc, existing_claim: NAME}}, path relative to {WORKSPACE})"
+        )
     endpoint = spec.s3.endpoint_url
     if endpoint and (urlsplit(endpoint).hostname or "").lower() in LOCAL_HOSTS:
-        out.append(f"s3.endpoint_url: {endpoint!r} is this machine, not reachable from the pods — use the in-cluster address "
-                   "(e.g. http://minio.minio.svc.cluster.local:9000), or leave it out and put AWS_ENDPOINT_URL in the Secret kubernetes.secrets.s3")
+        out.append(
+            f"s3.endpoint_url: {endpoint!r} is this machine, not reachable from the pods — use the in-cluster address "
+            "(e.g. http://minio.minio.svc.cluster.local:9000), or leave it out and put AWS_ENDPOINT_URL in the Secret kubernetes.secrets.s3"
+        )
     return out
 
 
@@ -452,14 +578,26 @@ def warnings_for(spec: JobSpec) -> list[str]:
     out = []
     scheme = spec.output.uri.partition("://")[0] if "://" in spec.output.uri else "file"
     if scheme == "file" and spec.kubernetes.storage.mode == "node-local":
-        out.append(f"output.uri: {spec.output.uri!r} is inside the pod's node-local storage and is lost when the pod ends — "
-                   "use an s3:// or hf:// output, or kubernetes.storage.mode: pvc")
+        out.append(
+            f"output.uri: {spec.output.uri!r} is inside the pod's node-local storage and is lost when the pod ends — "
+            "use an s3:// or hf:// output, or kubernetes.storage.mode: pvc"
+        )
     if spec.kubernetes.tensorboard and spec.kubernetes.storage.mode != "pvc":
-        out.append("kubernetes.tensorboard: TensorBoard reads the event files from the shared PVC — set kubernetes.storage.mode: pvc")
+        out.append(
+            "kubernetes.tensorboard: TensorBoard reads the event files from the shared PVC — set kubernetes.storage.mode: pvc"
+        )
     if spec.resources.gpu and spec.resources.gpu != spec.distributed.procs_per_node:
-        out.append(f"resources.gpu is {spec.resources.gpu} but distributed.procs_per_node is {spec.distributed.procs_per_node} — use one process per GPU")
-    if spec.kubernetes.storage.mode == "pvc" and spec.distributed.nodes > 1 and spec.kubernetes.storage.access_modes == ["ReadWriteOnce"]:
-        out.append("kubernetes.storage.access_modes: ReadWriteOnce cannot be mounted by pods on different nodes — use ReadWriteMany or node-local mode")
+        out.append(
+            f"resources.gpu is {spec.resources.gpu} but distributed.procs_per_node is {spec.distributed.procs_per_node} — use one process per GPU"
+        )
+    if (
+        spec.kubernetes.storage.mode == "pvc"
+        and spec.distributed.nodes > 1
+        and spec.kubernetes.storage.access_modes == ["ReadWriteOnce"]
+    ):
+        out.append(
+            "kubernetes.storage.access_modes: ReadWriteOnce cannot be mounted by pods on different nodes — use ReadWriteMany or node-local mode"
+        )
     return out
 
 

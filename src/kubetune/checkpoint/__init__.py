@@ -69,39 +69,89 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items() if k in trainable}
 
 
-_TRAJECTORY = ("seed", "learning_rate", "warmup_ratio", "weight_decay", "max_grad_norm", "epochs", "max_steps", "group_by_length", "precision")
-_DATA = ("train", "eval", "train_split", "eval_split", "text_column", "text_pair_column", "label_column", "max_length",
-         "eval_fraction", "max_train_samples", "max_eval_samples", "format", "instruction_column", "input_column", "output_column",
-         "messages_column", "system_prompt", "train_on_prompt", "packing")
+_TRAJECTORY = (
+    "seed",
+    "learning_rate",
+    "warmup_ratio",
+    "weight_decay",
+    "max_grad_norm",
+    "epochs",
+    "max_steps",
+    "group_by_length",
+    "precision",
+)
+_DATA = (
+    "train",
+    "eval",
+    "train_split",
+    "eval_split",
+    "text_column",
+    "text_pair_column",
+    "label_column",
+    "max_length",
+    "eval_fraction",
+    "max_train_samples",
+    "max_eval_samples",
+    "format",
+    "instruction_column",
+    "input_column",
+    "output_column",
+    "messages_column",
+    "system_prompt",
+    "train_on_prompt",
+    "packing",
+)
 
 
 def fingerprint(spec: JobSpec, labels: list[str], world_size: int, train_rows: int = 0) -> dict:
     """What must match for a checkpoint to continue *this* run: anything that changes the
     data order, the schedule or the model would make the result a different run."""
-    return {"model": spec.model.uri, "task": spec.task, "labels": list(labels), "lora": spec.lora.model_dump() if spec.lora else None,
-            "world_size": world_size, "batch_size": spec.training.batch_size, "grad_accum": spec.training.grad_accum,
-            "training": {k: getattr(spec.training, k) for k in _TRAJECTORY},
-            "data": {**{k: getattr(spec.data, k) for k in _DATA}, "train_rows": train_rows}}
+    return {
+        "model": spec.model.uri,
+        "task": spec.task,
+        "labels": list(labels),
+        "lora": spec.lora.model_dump() if spec.lora else None,
+        "world_size": world_size,
+        "batch_size": spec.training.batch_size,
+        "grad_accum": spec.training.grad_accum,
+        "training": {k: getattr(spec.training, k) for k in _TRAJECTORY},
+        "data": {**{k: getattr(spec.data, k) for k in _DATA}, "train_rows": train_rows},
+    }
 
 
 def check_compatible(saved: dict, current: dict, where: str) -> None:
     """Raise a one-line error when the checkpoint came from an incompatible job."""
-    fields = {"model": "model.uri", "task": "task", "labels": "data.label_column", "lora": "lora",
-              "world_size": "distributed", "batch_size": "training.batch_size", "grad_accum": "training.grad_accum"}
+    fields = {
+        "model": "model.uri",
+        "task": "task",
+        "labels": "data.label_column",
+        "lora": "lora",
+        "world_size": "distributed",
+        "batch_size": "training.batch_size",
+        "grad_accum": "training.grad_accum",
+    }
     for section in ("training", "data"):
         for key, value in (current.get(section) or {}).items():
             if (saved.get(section) or {}).get(key) != value:
-                raise KubetuneError(f"the checkpoint in {where} was written with {section}.{key} {(saved.get(section) or {}).get(key)!r}, this run has {value!r}",
-                                    field=f"{section}.{key}" if key != "train_rows" else "data.train",
-                                    fix="restore the original setting, use another output.uri, or pass --no-resume (training.resume: never)")
+                raise KubetuneError(
+                    f"the checkpoint in {where} was written with {section}.{key} {(saved.get(section) or {}).get(key)!r}, this run has {value!r}",
+                    field=f"{section}.{key}" if key != "train_rows" else "data.train",
+                    fix="restore the original setting, use another output.uri, or pass --no-resume (training.resume: never)",
+                )
     for key, field in fields.items():
         if saved.get(key) != current.get(key):
             if key == "world_size":
-                msg = (f"the checkpoint in {where} was written by {saved[key]} processes, this run has {current[key]}; "
-                       "the data order and global batch depend on the world size, so resuming would not continue the same run")
+                msg = (
+                    f"the checkpoint in {where} was written by {saved[key]} processes, this run has {current[key]}; "
+                    "the data order and global batch depend on the world size, so resuming would not continue the same run"
+                )
             else:
                 msg = f"the checkpoint in {where} was written with {key} {saved.get(key)!r}, this run has {current.get(key)!r}"
-            raise KubetuneError(msg, field=field, fix="restore the original setting, use another output.uri, or pass --no-resume (training.resume: never)")
+            raise KubetuneError(
+                msg,
+                field=field,
+                fix="restore the original setting, use another output.uri, or pass --no-resume (training.resume: never)",
+            )
 
 
 def _root(output_uri: str, local_out: Path) -> tuple[Path, str | None]:
@@ -137,7 +187,9 @@ def save(state: dict, spec: JobSpec, output_uri: str, local_out: Path, step: int
     for old in complete_steps(root)[:-keep]:
         shutil.rmtree(root / f"step-{old:08d}", ignore_errors=True)
     if remote:  # prune by the remote listing: a re-created pod's local copy holds only what it downloaded
-        for old in [st for st in remote_steps(remote) if st > step] + [st for st in remote_steps(remote) if st <= step][:-keep]:
+        for old in [st for st in remote_steps(remote) if st > step] + [st for st in remote_steps(remote) if st <= step][
+            :-keep
+        ]:
             _delete_remote(f"{remote}/step-{old:08d}")
     return final
 

@@ -43,20 +43,40 @@ SDK_DEFAULT_STORAGE = {"size": "10Gi", "storage_class": None, "access_modes": ["
 _TASKS = {"AutoModelForSequenceClassification": "sequence-classification", "AutoModelForCausalLM": "causal-lm"}
 _PEFT_TASK_TYPES = {"sequence-classification": "SEQ_CLS", "causal-lm": "CAUSAL_LM"}
 _SECRET_ENV = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|ACCESS_KEY|API_KEY|PRIVATE", re.IGNORECASE)
-_HF_TOKEN_FIX = ("create a Secret (kubectl create secret generic hf-secrets --from-env-file=.env) and pass env_vars=[V1EnvVar("
-                 "name='HF_TOKEN', value_from=V1EnvVarSource(secret_key_ref=V1SecretKeySelector(name='hf-secrets', key='HF_TOKEN')))] "
-                 "(the spec's kubernetes.secrets.hf_token); locally, export HF_TOKEN")
-_S3_KEYS_FIX = ("put the keys in a Secret (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) and pass env_vars=[V1EnvFromSource("
-                "secret_ref=V1SecretEnvSource(name='minio-credentials'))] (the spec's kubernetes.secrets.s3); locally, export "
-                "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
+_HF_TOKEN_FIX = (
+    "create a Secret (kubectl create secret generic hf-secrets --from-env-file=.env) and pass env_vars=[V1EnvVar("
+    "name='HF_TOKEN', value_from=V1EnvVarSource(secret_key_ref=V1SecretKeySelector(name='hf-secrets', key='HF_TOKEN')))] "
+    "(the spec's kubernetes.secrets.hf_token); locally, export HF_TOKEN"
+)
+_S3_KEYS_FIX = (
+    "put the keys in a Secret (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) and pass env_vars=[V1EnvFromSource("
+    "secret_ref=V1SecretEnvSource(name='minio-credentials'))] (the spec's kubernetes.secrets.s3); locally, export "
+    "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
+)
 
 # TrainingArguments fields that only change what is displayed or logged, or that HF's Trainer itself
 # does not read (do_train/do_eval/do_predict are for user scripts; local_rank is set by the launcher).
 _TA_IGNORED = {
-    "disable_tqdm", "log_level", "log_level_replica", "logging_strategy", "logging_first_step", "logging_nan_inf_filter",
-    "log_on_each_node", "logging_dir", "run_name", "project", "trackio_space_id", "trackio_bucket_id",
-    "trackio_static_space_id", "skip_memory_metrics", "include_num_input_tokens_seen", "do_train", "do_eval",
-    "do_predict", "local_rank", "output_dir",
+    "disable_tqdm",
+    "log_level",
+    "log_level_replica",
+    "logging_strategy",
+    "logging_first_step",
+    "logging_nan_inf_filter",
+    "log_on_each_node",
+    "logging_dir",
+    "run_name",
+    "project",
+    "trackio_space_id",
+    "trackio_bucket_id",
+    "trackio_static_space_id",
+    "skip_memory_metrics",
+    "include_num_input_tokens_seen",
+    "do_train",
+    "do_eval",
+    "do_predict",
+    "local_rank",
+    "output_dir",
 }
 # LoraConfig fields that describe the config rather than the adapter (peft fills them in itself).
 _LORA_IGNORED = {"peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision", "inference_mode"}
@@ -128,9 +148,16 @@ def spec_from_train(
             carry, named in one line.
     """
     problems = _Problems()
-    missing = [n for n, v in (("name", name), ("model_provider_parameters", model_provider_parameters),
-                              ("dataset_provider_parameters", dataset_provider_parameters),
-                              ("trainer_parameters", trainer_parameters)) if not v]
+    missing = [
+        n
+        for n, v in (
+            ("name", name),
+            ("model_provider_parameters", model_provider_parameters),
+            ("dataset_provider_parameters", dataset_provider_parameters),
+            ("trainer_parameters", trainer_parameters),
+        )
+        if not v
+    ]
     for field in missing:
         problems.add(field, "is required", "pass it as in the SDK's train()")
     problems.raise_any()
@@ -185,27 +212,40 @@ def _model(params: Any, problems: _Problems) -> tuple[dict, str]:
     hf_model = _sdk()[0]
     field = "model_provider_parameters"
     if not isinstance(params, hf_model):
-        problems.add(field, f"{type(params).__name__} is not supported", "pass kubeflow.storage_initializer.hugging_face.HuggingFaceModelParams")
+        problems.add(
+            field,
+            f"{type(params).__name__} is not supported",
+            "pass kubeflow.storage_initializer.hugging_face.HuggingFaceModelParams",
+        )
         return {}, "sequence-classification"
     uri = str(params.model_uri).strip()
     scheme, sep, body = uri.partition("://")
     if not sep:
         uri = f"hf://{uri}"  # the SDK downloads a bare "org/name" from the Hub (urlparse netloc + path)
     elif scheme.lower() != "hf" or not body.strip("/"):
-        problems.add(f"{field}.model_uri", f"{uri!r}: the SDK's model provider reads Hugging Face Hub models only",
-                     "write hf://ORG/NAME (a kubetune spec's model.uri also takes s3:// and local models)")
+        problems.add(
+            f"{field}.model_uri",
+            f"{uri!r}: the SDK's model provider reads Hugging Face Hub models only",
+            "write hf://ORG/NAME (a kubetune spec's model.uri also takes s3:// and local models)",
+        )
     kind = params.transformer_type
     kind_name = kind if isinstance(kind, str) else getattr(kind, "__name__", type(kind).__name__)
     task = _TASKS.get(kind_name)
     if task is None:
-        problems.add(f"{field}.transformer_type", f"{kind_name} is not supported",
-                     "kubetune fine-tunes AutoModelForSequenceClassification (task sequence-classification) and AutoModelForCausalLM (task causal-lm)")
+        problems.add(
+            f"{field}.transformer_type",
+            f"{kind_name} is not supported",
+            "kubetune fine-tunes AutoModelForSequenceClassification (task sequence-classification) and AutoModelForCausalLM (task causal-lm)",
+        )
         task = "sequence-classification"
     if params.access_token:
         problems.add(f"{field}.access_token", "a token is never put into a job spec", _HF_TOKEN_FIX)
     if params.num_labels is not None:
-        problems.add(f"{field}.num_labels", f"{params.num_labels!r} cannot be carried",
-                     "remove it: kubetune sizes the classification head from the labels found in the data (and saves id2label)")
+        problems.add(
+            f"{field}.num_labels",
+            f"{params.num_labels!r} cannot be carried",
+            "remove it: kubetune sizes the classification head from the labels found in the data (and saves id2label)",
+        )
     return {"uri": uri}, task
 
 
@@ -215,7 +255,11 @@ def _dataset(params: Any, problems: _Problems) -> tuple[dict, dict]:
     if isinstance(params, hf_dataset):
         repo = str(params.repo_id).strip().strip("/")
         if "://" in repo or not repo or repo.count("/") > 1:
-            problems.add(f"{field}.repo_id", f"{params.repo_id!r} is not a Hub dataset id", "write NAME or ORG/NAME, as datasets.load_dataset takes it")
+            problems.add(
+                f"{field}.repo_id",
+                f"{params.repo_id!r} is not a Hub dataset id",
+                "write NAME or ORG/NAME, as datasets.load_dataset takes it",
+            )
         if params.access_token:
             problems.add(f"{field}.access_token", "a token is never put into a job spec", _HF_TOKEN_FIX)
         # kubetune loads hf:// datasets with datasets.load_dataset(split=...), slices included.
@@ -229,8 +273,11 @@ def _dataset(params: Any, problems: _Problems) -> tuple[dict, dict]:
         if params.region_name:
             s3["region"] = params.region_name
         return {"train": f"s3://{params.bucket_name}/{key}"}, s3
-    problems.add(field, f"{type(params).__name__} is not supported",
-                 "pass HuggingFaceDatasetParams or S3DatasetParams from kubeflow.storage_initializer")
+    problems.add(
+        field,
+        f"{type(params).__name__} is not supported",
+        "pass HuggingFaceDatasetParams or S3DatasetParams from kubeflow.storage_initializer",
+    )
     return {"train": ""}, {}
 
 
@@ -251,9 +298,15 @@ def _trainer(params: Any, task: str, problems: _Problems) -> tuple[dict, dict, d
     hf_trainer = _sdk()[2]
     field = "trainer_parameters"
     if not isinstance(params, hf_trainer):
-        problems.add(field, f"{type(params).__name__} is not supported", "pass kubeflow.storage_initializer.hugging_face.HuggingFaceTrainerParams")
+        problems.add(
+            field,
+            f"{type(params).__name__} is not supported",
+            "pass kubeflow.storage_initializer.hugging_face.HuggingFaceTrainerParams",
+        )
         return {}, {"uri": ""}, {}, None
-    training, output, distributed = _training_arguments(params.training_parameters, f"{field}.training_parameters", problems)
+    training, output, distributed = _training_arguments(
+        params.training_parameters, f"{field}.training_parameters", problems
+    )
     lora = _lora(params.lora_config, task, f"{field}.lora_config", problems)
     return training, output, distributed, lora
 
@@ -273,13 +326,25 @@ def _training_arguments(args: Any, field: str, problems: _Problems) -> tuple[dic
     output: dict[str, Any] = {"uri": str(args.output_dir)}
 
     def refuse(name: str, fix: str, show: bool = True) -> None:
-        shown = f"{changed.get(name, _plain(getattr(args, name, None)))!r} is not supported" if show else "is not supported"
+        shown = (
+            f"{changed.get(name, _plain(getattr(args, name, None)))!r} is not supported" if show else "is not supported"
+        )
         problems.add(f"{field}.{name}", shown, fix)
 
     # The recipe: carried whatever its value, HF's defaults included, so the job trains what the
     # SDK's trainer would (HF's defaults differ from kubetune's: 3 epochs, batch 8, no weight decay).
-    handled |= {"num_train_epochs", "max_steps", "per_device_train_batch_size", "gradient_accumulation_steps",
-                "learning_rate", "weight_decay", "max_grad_norm", "seed", "warmup_steps", "warmup_ratio"}
+    handled |= {
+        "num_train_epochs",
+        "max_steps",
+        "per_device_train_batch_size",
+        "gradient_accumulation_steps",
+        "learning_rate",
+        "weight_decay",
+        "max_grad_norm",
+        "seed",
+        "warmup_steps",
+        "warmup_ratio",
+    }
     if args.max_steps and args.max_steps > 0:
         # HF: max_steps overrides num_train_epochs. kubetune stops at whichever comes first, and an
         # epoch is at least one optimizer step, so epochs = max_steps always reaches max_steps.
@@ -303,15 +368,41 @@ def _training_arguments(args: Any, field: str, problems: _Problems) -> tuple[dic
         if args.max_steps and args.max_steps > 0:
             ratio = steps / args.max_steps  # kubetune warms up round(ratio × total steps) = steps
         else:
-            refuse("warmup_steps", "kubetune warms up a fraction of the steps: pass warmup_steps=0.06 (a ratio), or set max_steps")
+            refuse(
+                "warmup_steps",
+                "kubetune warms up a fraction of the steps: pass warmup_steps=0.06 (a ratio), or set max_steps",
+            )
     training["warmup_ratio"] = ratio
 
     # Operational settings: carried when the user changed them, else kubetune's defaults hold.
-    handled |= {"logging_steps", "eval_strategy", "evaluation_strategy", "eval_steps", "save_strategy", "save_steps",
-                "save_total_limit", "per_device_eval_batch_size", "bf16", "fp16", "gradient_checkpointing", "activation_checkpointing", "torch_compile",
-                "dataloader_num_workers", "optim", "lr_scheduler_type", "report_to", "train_sampling_strategy",
-                "group_by_length", "ddp_backend", "ddp_timeout", "push_to_hub", "hub_model_id", "hub_private_repo",
-                "hub_token", "overwrite_output_dir"}
+    handled |= {
+        "logging_steps",
+        "eval_strategy",
+        "evaluation_strategy",
+        "eval_steps",
+        "save_strategy",
+        "save_steps",
+        "save_total_limit",
+        "per_device_eval_batch_size",
+        "bf16",
+        "fp16",
+        "gradient_checkpointing",
+        "activation_checkpointing",
+        "torch_compile",
+        "dataloader_num_workers",
+        "optim",
+        "lr_scheduler_type",
+        "report_to",
+        "train_sampling_strategy",
+        "group_by_length",
+        "ddp_backend",
+        "ddp_timeout",
+        "push_to_hub",
+        "hub_model_id",
+        "hub_private_repo",
+        "hub_token",
+        "overwrite_output_dir",
+    }
     if "logging_steps" in changed:
         if args.logging_steps >= 1:
             training["log_every"] = int(args.logging_steps)
@@ -332,7 +423,10 @@ def _training_arguments(args: Any, field: str, problems: _Problems) -> tuple[dic
         else:
             refuse("save_steps", "give a number of steps")
     elif save not in ("steps", "no"):
-        refuse("save_strategy", "use 'steps' with save_steps (kubetune checkpoints every N steps, and always on SIGTERM), or 'no'")
+        refuse(
+            "save_strategy",
+            "use 'steps' with save_steps (kubetune checkpoints every N steps, and always on SIGTERM), or 'no'",
+        )
     if args.save_total_limit is not None:
         training["keep_checkpoints"] = args.save_total_limit
     if "per_device_eval_batch_size" in changed:
@@ -347,16 +441,22 @@ def _training_arguments(args: Any, field: str, problems: _Problems) -> tuple[dic
     if args.torch_compile:
         training["compile"] = True
         if _plain(getattr(args, "torch_compile_backend", None)) == "inductor":
-            handled.add("torch_compile_backend")  # what torch_compile=True fills in: torch.compile's default, as kubetune's
+            handled.add(
+                "torch_compile_backend"
+            )  # what torch_compile=True fills in: torch.compile's default, as kubetune's
     if "dataloader_num_workers" in changed:
         training["dataloader_workers"] = args.dataloader_num_workers
     if "optim" in changed and changed["optim"] not in ("adamw_torch", "adamw_torch_fused"):
         refuse("optim", "kubetune trains with torch's (fused) AdamW: use adamw_torch or adamw_torch_fused")
     if _plain(args.lr_scheduler_type) != "linear":
         refuse("lr_scheduler_type", "kubetune uses a linear schedule with warmup: use 'linear'")
-    reporters = [r for r in (args.report_to if isinstance(args.report_to, list) else [args.report_to]) if r not in (None, "none")]
+    reporters = [
+        r for r in (args.report_to if isinstance(args.report_to, list) else [args.report_to]) if r not in (None, "none")
+    ]
     if any(r != "tensorboard" for r in reporters):
-        refuse("report_to", "kubetune writes TensorBoard events and history.jsonl: use report_to='tensorboard' or 'none'")
+        refuse(
+            "report_to", "kubetune writes TensorBoard events and history.jsonl: use report_to='tensorboard' or 'none'"
+        )
     sampling = _plain(getattr(args, "train_sampling_strategy", "random"))
     if sampling == "group_by_length" or getattr(args, "group_by_length", False):
         training["group_by_length"] = True
@@ -379,12 +479,18 @@ def _training_arguments(args: Any, field: str, problems: _Problems) -> tuple[dic
         else:
             refuse("hub_model_id", "with push_to_hub=True, name the repo as hub_model_id='ORG/NAME'")
     elif "hub_model_id" in changed or "hub_private_repo" in changed:
-        refuse("hub_model_id" if "hub_model_id" in changed else "hub_private_repo", "set push_to_hub=True to push, or remove it")
+        refuse(
+            "hub_model_id" if "hub_model_id" in changed else "hub_private_repo",
+            "set push_to_hub=True to push, or remove it",
+        )
     if getattr(args, "overwrite_output_dir", False):
         output["overwrite"] = True
 
     for name in sorted(set(changed) - handled):
-        refuse(name, "remove it (kubetune has no equivalent), or write a kubetune job spec; `kubetune explain` lists what a spec carries")
+        refuse(
+            name,
+            "remove it (kubetune has no equivalent), or write a kubetune job spec; `kubetune explain` lists what a spec carries",
+        )
     return training, output, distributed
 
 
@@ -394,7 +500,9 @@ def _lora(config: Any, task: str, field: str, problems: _Problems) -> dict | Non
     import peft
 
     if not isinstance(config, peft.LoraConfig):
-        problems.add(field, f"{type(config).__name__} is not supported", "pass peft.LoraConfig, or None for a full fine-tune")
+        problems.add(
+            field, f"{type(config).__name__} is not supported", "pass peft.LoraConfig, or None for a full fine-tune"
+        )
         return None
     changed = _changed(config, peft.LoraConfig())
     # r, alpha and dropout are carried whatever their value: peft's defaults (alpha 8, dropout 0)
@@ -406,16 +514,32 @@ def _lora(config: Any, task: str, field: str, problems: _Problems) -> dict | Non
         if targets == "all-linear":
             lora["target_modules"] = "all-linear"
         else:
-            problems.add(f"{field}.target_modules", f"{targets!r} (a regular expression) is not supported", "list the module names, e.g. ['query', 'value'], or 'all-linear'")
+            problems.add(
+                f"{field}.target_modules",
+                f"{targets!r} (a regular expression) is not supported",
+                "list the module names, e.g. ['query', 'value'], or 'all-linear'",
+            )
     elif targets:
         lora["target_modules"] = sorted(targets)
     task_type = _plain(config.task_type)
     if task_type is not None and task_type != _PEFT_TASK_TYPES[task]:
-        problems.add(f"{field}.task_type", f"{task_type!r} does not match the model's task {task}", f"use {_PEFT_TASK_TYPES[task]!r} or leave it unset")
+        problems.add(
+            f"{field}.task_type",
+            f"{task_type!r} does not match the model's task {task}",
+            f"use {_PEFT_TASK_TYPES[task]!r} or leave it unset",
+        )
     if config.bias != "none":
-        problems.add(f"{field}.bias", f"{config.bias!r} is not supported", "use bias='none' (kubetune trains no biases in the base model)")
+        problems.add(
+            f"{field}.bias",
+            f"{config.bias!r} is not supported",
+            "use bias='none' (kubetune trains no biases in the base model)",
+        )
     for name in sorted(set(changed) - handled):
-        problems.add(f"{field}.{name}", f"{changed[name]!r} is not supported", "remove it: kubetune's lora section has r, alpha, dropout, target_modules (and quantization)")
+        problems.add(
+            f"{field}.{name}",
+            f"{changed[name]!r} is not supported",
+            "remove it: kubetune's lora section has r, alpha, dropout, target_modules (and quantization)",
+        )
     return lora
 
 
@@ -426,7 +550,9 @@ def _storage(config: dict | None, nodes: int, problems: _Problems) -> dict:
         return {}
     field = "storage_config"
     if not isinstance(config, dict):
-        problems.add(field, f"{type(config).__name__} is not supported", "pass a dict with size, storage_class and access_modes")
+        problems.add(
+            field, f"{type(config).__name__} is not supported", "pass a dict with size, storage_class and access_modes"
+        )
         return {}
     storage: dict[str, Any] = {"mode": "pvc"}
     for key, value in config.items():
@@ -441,10 +567,17 @@ def _storage(config: dict | None, nodes: int, problems: _Problems) -> dict:
             # the SDK's ReadOnlyMany sharing cannot work; pods on several nodes need ReadWriteMany.
             writable = {"ReadWriteOnce", "ReadWriteMany", "ReadWriteOncePod"} & set(modes)
             if nodes > 1 and "ReadWriteMany" not in modes:
-                problems.add(f"{field}['access_modes']", f"{modes} cannot be mounted read-write by pods on {nodes} nodes",
-                             "use ['ReadWriteMany'], or leave storage_config out to stage model and data on each node")
+                problems.add(
+                    f"{field}['access_modes']",
+                    f"{modes} cannot be mounted read-write by pods on {nodes} nodes",
+                    "use ['ReadWriteMany'], or leave storage_config out to stage model and data on each node",
+                )
             elif not writable:
-                problems.add(f"{field}['access_modes']", f"{modes} has no writable mode", "use ['ReadWriteOnce'] or ['ReadWriteMany']")
+                problems.add(
+                    f"{field}['access_modes']",
+                    f"{modes} has no writable mode",
+                    "use ['ReadWriteOnce'] or ['ReadWriteMany']",
+                )
             else:
                 storage["access_modes"] = modes
         else:
@@ -465,7 +598,11 @@ def _resources(res: Any, problems: _Problems) -> dict:
             problems.add(field, "requests differ from limits", "kubetune sets requests = limits: give one of them")
         amounts = dict(res.limits or res.requests or {})
     else:
-        problems.add(field, f"{type(res).__name__} is not supported", "pass a dict with cpu, memory and gpu, or a V1ResourceRequirements")
+        problems.add(
+            field,
+            f"{type(res).__name__} is not supported",
+            "pass a dict with cpu, memory and gpu, or a V1ResourceRequirements",
+        )
         return out
     for key, value in amounts.items():
         if key in ("cpu", "memory"):
@@ -480,7 +617,9 @@ def _resources(res: Any, problems: _Problems) -> dict:
             if key not in ("gpu", "nvidia.com/gpu"):
                 out["gpu_resource"] = key
         else:
-            problems.add(f"{field}[{key!r}]", "is not supported", "give cpu, memory and gpu (kubetune sets requests = limits)")
+            problems.add(
+                f"{field}[{key!r}]", "is not supported", "give cpu, memory and gpu (kubetune sets requests = limits)"
+            )
     return out
 
 
@@ -490,7 +629,11 @@ def _secrets(env_vars: Any, init_env_vars: Any, problems: _Problems) -> dict:
 
     def put(key: str, value: Any, where: str) -> None:
         if secrets.get(key, value) != value:
-            problems.add(where, f"references a different Secret than another env entry ({secrets[key]!r})", "reference one Secret for it")
+            problems.add(
+                where,
+                f"references a different Secret than another env entry ({secrets[key]!r})",
+                "reference one Secret for it",
+            )
         secrets[key] = value
 
     for label, env in (("env_vars", env_vars), ("init_env_vars", init_env_vars)):
@@ -502,20 +645,36 @@ def _secrets(env_vars: Any, init_env_vars: Any, problems: _Problems) -> dict:
             if isinstance(env, dict):
                 name, value_from, secret_ref = str(key), None, None
             else:
-                name, value_from, secret_ref = getattr(item, "name", None), getattr(item, "value_from", None), getattr(item, "secret_ref", None)
+                name, value_from, secret_ref = (
+                    getattr(item, "name", None),
+                    getattr(item, "value_from", None),
+                    getattr(item, "secret_ref", None),
+                )
                 if name:
                     where = f"{label}[{name!r}]"
             key_ref = getattr(value_from, "secret_key_ref", None)
             if secret_ref is not None and getattr(secret_ref, "name", None):
-                put("s3", secret_ref.name, where)  # envFrom a Secret: the S3 keys (and endpoint), as kubetune reads them
+                put(
+                    "s3", secret_ref.name, where
+                )  # envFrom a Secret: the S3 keys (and endpoint), as kubetune reads them
             elif name == "HF_TOKEN" and key_ref is not None and key_ref.name and key_ref.key:
                 put("hf_token", {"name": key_ref.name, "key": key_ref.key}, where)
             elif name and _SECRET_ENV.search(name) and value_from is None:
-                problems.add(where, "a secret value is never put into a job spec",
-                             _HF_TOKEN_FIX if name == "HF_TOKEN" else _S3_KEYS_FIX if name.startswith("AWS_") else "reference a Secret instead")
+                problems.add(
+                    where,
+                    "a secret value is never put into a job spec",
+                    _HF_TOKEN_FIX
+                    if name == "HF_TOKEN"
+                    else _S3_KEYS_FIX
+                    if name.startswith("AWS_")
+                    else "reference a Secret instead",
+                )
             else:
-                problems.add(where, "is not supported: a kubetune spec carries Secret references (HF_TOKEN, envFrom one S3 Secret), not environment variables",
-                             "remove it, or set the matching spec field (s3.endpoint_url, ...) in a kubetune spec")
+                problems.add(
+                    where,
+                    "is not supported: a kubetune spec carries Secret references (HF_TOKEN, envFrom one S3 Secret), not environment variables",
+                    "remove it, or set the matching spec field (s3.endpoint_url, ...) in a kubetune spec",
+                )
     return secrets
 
 
@@ -539,17 +698,30 @@ class TrainingClient:
         UnsupportedParameter: an option kubetune cannot honour.
     """
 
-    def __init__(self, config_file: str | None = None, context: str | None = None, client_configuration: Any = None,
-                 namespace: str | None = None, job_kind: str = JOB_KIND, backend: str = "kubeflow"):
+    def __init__(
+        self,
+        config_file: str | None = None,
+        context: str | None = None,
+        client_configuration: Any = None,
+        namespace: str | None = None,
+        job_kind: str = JOB_KIND,
+        backend: str = "kubeflow",
+    ):
         problems = _Problems()
         if backend not in ("kubeflow", "local"):
             problems.add("backend", f"{backend!r} is not a backend", "use 'kubeflow' or 'local'")
         if client_configuration is not None:
-            problems.add("client_configuration", "is not supported", "pass config_file (a kubeconfig) and context instead")
+            problems.add(
+                "client_configuration", "is not supported", "pass config_file (a kubeconfig) and context instead"
+            )
         if backend == "local":
             for name, value in (("config_file", config_file), ("context", context)):
                 if value is not None:
-                    problems.add(name, "configures a cluster connection, which backend='local' does not use", "remove it, or use backend='kubeflow'")
+                    problems.add(
+                        name,
+                        "configures a cluster connection, which backend='local' does not use",
+                        "remove it, or use backend='kubeflow'",
+                    )
         _check_kind(job_kind, problems)
         problems.raise_any()
         self.backend = backend
@@ -593,15 +765,27 @@ class TrainingClient:
         ns = self._namespace(namespace)
         problems = _Problems()
         if self.backend == "local" and num_workers != 1:
-            problems.add("num_workers", f"{num_workers} nodes cannot run on one machine",
-                         "use num_workers=1 with backend='local' (num_procs_per_worker sets the processes), or backend='kubeflow'")
+            problems.add(
+                "num_workers",
+                f"{num_workers} nodes cannot run on one machine",
+                "use num_workers=1 with backend='local' (num_procs_per_worker sets the processes), or backend='kubeflow'",
+            )
         problems.raise_any()
         spec = spec_from_train(
-            name, namespace=ns, labels=labels, annotations=annotations, num_workers=num_workers,
-            num_procs_per_worker=num_procs_per_worker, resources_per_worker=resources_per_worker,
-            model_provider_parameters=model_provider_parameters, dataset_provider_parameters=dataset_provider_parameters,
-            trainer_parameters=trainer_parameters, init_env_vars=init_env_vars, env_vars=env_vars,
-            storage_config=storage_config, queue_name=queue_name,
+            name,
+            namespace=ns,
+            labels=labels,
+            annotations=annotations,
+            num_workers=num_workers,
+            num_procs_per_worker=num_procs_per_worker,
+            resources_per_worker=resources_per_worker,
+            model_provider_parameters=model_provider_parameters,
+            dataset_provider_parameters=dataset_provider_parameters,
+            trainer_parameters=trainer_parameters,
+            init_env_vars=init_env_vars,
+            env_vars=env_vars,
+            storage_config=storage_config,
+            queue_name=queue_name,
         )
         job_spec = _validate(spec, overrides)
         if self.backend == "kubeflow":
@@ -636,8 +820,15 @@ class TrainingClient:
         Raises:
             UnsupportedParameter: always.
         """
-        raise UnsupportedParameter([("create_job", "is not supported: kubetune runs fine-tuning job specs, not arbitrary images or functions",
-                                     "use train(...), or a kubetune job spec with kubetune.Client")])
+        raise UnsupportedParameter(
+            [
+                (
+                    "create_job",
+                    "is not supported: kubetune runs fine-tuning job specs, not arbitrary images or functions",
+                    "use train(...), or a kubetune job spec with kubetune.Client",
+                )
+            ]
+        )
 
     # ---- jobs
 
@@ -679,28 +870,71 @@ class TrainingClient:
                 continue  # deleted between the list and the read
         return out
 
-    def get_job_conditions(self, name: str | None = None, namespace: str | None = None, job_kind: str | None = None,
-                           job: Any = None, timeout: int = 120) -> list[Any]:
+    def get_job_conditions(
+        self,
+        name: str | None = None,
+        namespace: str | None = None,
+        job_kind: str | None = None,
+        job: Any = None,
+        timeout: int = 120,
+    ) -> list[Any]:
         """The job's conditions (``KubeflowOrgV1JobCondition``), as the SDK returns them."""
         if job is None:
             if name is None:
-                raise UnsupportedParameter([("name", "is required when job is not given", "pass the job name or a job object")])
+                raise UnsupportedParameter(
+                    [("name", "is required when job is not given", "pass the job name or a job object")]
+                )
             job = self.get_job(name, namespace, job_kind)
         return list((job.status.conditions if job.status else None) or [])
 
-    def is_job_created(self, name: str | None = None, namespace: str | None = None, job_kind: str | None = None, job: Any = None, timeout: int = 120) -> bool:
+    def is_job_created(
+        self,
+        name: str | None = None,
+        namespace: str | None = None,
+        job_kind: str | None = None,
+        job: Any = None,
+        timeout: int = 120,
+    ) -> bool:
         return _has(self.get_job_conditions(name, namespace, job_kind, job), "Created")
 
-    def is_job_running(self, name: str | None = None, namespace: str | None = None, job_kind: str | None = None, job: Any = None, timeout: int = 120) -> bool:
+    def is_job_running(
+        self,
+        name: str | None = None,
+        namespace: str | None = None,
+        job_kind: str | None = None,
+        job: Any = None,
+        timeout: int = 120,
+    ) -> bool:
         return _has(self.get_job_conditions(name, namespace, job_kind, job), "Running")
 
-    def is_job_restarting(self, name: str | None = None, namespace: str | None = None, job_kind: str | None = None, job: Any = None, timeout: int = 120) -> bool:
+    def is_job_restarting(
+        self,
+        name: str | None = None,
+        namespace: str | None = None,
+        job_kind: str | None = None,
+        job: Any = None,
+        timeout: int = 120,
+    ) -> bool:
         return _has(self.get_job_conditions(name, namespace, job_kind, job), "Restarting")
 
-    def is_job_succeeded(self, name: str | None = None, namespace: str | None = None, job_kind: str | None = None, job: Any = None, timeout: int = 120) -> bool:
+    def is_job_succeeded(
+        self,
+        name: str | None = None,
+        namespace: str | None = None,
+        job_kind: str | None = None,
+        job: Any = None,
+        timeout: int = 120,
+    ) -> bool:
         return _has(self.get_job_conditions(name, namespace, job_kind, job), "Succeeded")
 
-    def is_job_failed(self, name: str | None = None, namespace: str | None = None, job_kind: str | None = None, job: Any = None, timeout: int = 120) -> bool:
+    def is_job_failed(
+        self,
+        name: str | None = None,
+        namespace: str | None = None,
+        job_kind: str | None = None,
+        job: Any = None,
+        timeout: int = 120,
+    ) -> bool:
         return _has(self.get_job_conditions(name, namespace, job_kind, job), "Failed")
 
     def wait_for_job_conditions(
@@ -726,7 +960,15 @@ class TrainingClient:
         """
         expected = set(expected_conditions)
         if not expected <= set(CONDITIONS):
-            raise UnsupportedParameter([("expected_conditions", f"{sorted(expected - set(CONDITIONS))} are not job conditions", f"use a subset of {list(CONDITIONS)}")])
+            raise UnsupportedParameter(
+                [
+                    (
+                        "expected_conditions",
+                        f"{sorted(expected - set(CONDITIONS))} are not job conditions",
+                        f"use a subset of {list(CONDITIONS)}",
+                    )
+                ]
+            )
         handle = self.kubetune_job(name, namespace)
         deadline = time.monotonic() + wait_timeout
         while True:
@@ -736,8 +978,10 @@ class TrainingClient:
                 callback(job)
             if "Failed" not in expected and _has(conditions, "Failed"):
                 failed = next(c for c in conditions if c.type == "Failed")
-                raise JobError(f"{JOB_KIND} {name} is Failed: {failed.reason or ''} {failed.message or ''}".strip(),
-                               fix="see get_job_logs(name) or `kubetune status`")
+                raise JobError(
+                    f"{JOB_KIND} {name} is Failed: {failed.reason or ''} {failed.message or ''}".strip(),
+                    fix="see get_job_logs(name) or `kubetune status`",
+                )
             if any(_has(conditions, c) for c in expected):
                 return job
             if _has(conditions, "Succeeded"):
@@ -745,8 +989,10 @@ class TrainingClient:
                 raise JobTimeout(f"{JOB_KIND} {name} ended Succeeded without reaching {sorted(expected)}")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise JobTimeout(f"timeout waiting for {JOB_KIND} {name} to reach {sorted(expected)} ({wait_timeout} s)",
-                                 fix="wait longer (wait_timeout=...)")
+                raise JobTimeout(
+                    f"timeout waiting for {JOB_KIND} {name} to reach {sorted(expected)} ({wait_timeout} s)",
+                    fix="wait longer (wait_timeout=...)",
+                )
             try:
                 handle.wait(min(polling_interval, remaining))
             except WaitTimeout:
@@ -777,17 +1023,29 @@ class TrainingClient:
         """
         _raise_kind(job_kind)
         if verbose:
-            raise UnsupportedParameter([("verbose", "Kubernetes events are not collected",
-                                         "kubetune_job(name).status() gives the phase, each pod's failure reason and a log tail")])
+            raise UnsupportedParameter(
+                [
+                    (
+                        "verbose",
+                        "Kubernetes events are not collected",
+                        "kubetune_job(name).status() gives the phase, each pod's failure reason and a log tail",
+                    )
+                ]
+            )
         if replica_type is not None and replica_type.lower() not in ("master", "worker"):
-            raise UnsupportedParameter([("replica_type", f"{replica_type!r} is not a PyTorchJob replica type", "use 'master' or 'worker'")])
+            raise UnsupportedParameter(
+                [("replica_type", f"{replica_type!r} is not a PyTorchJob replica type", "use 'master' or 'worker'")]
+            )
         handle = self.kubetune_job(name, namespace)
 
         def wanted(pod: str) -> bool:
             m = re.search(r"-(master|worker)-(\d+)$", pod)
             kind, index = (m.group(1), int(m.group(2))) if m else ("", -1)
-            return ((not is_master or kind == "master") and (replica_type is None or kind == replica_type.lower())
-                    and (replica_index is None or index == replica_index))
+            return (
+                (not is_master or kind == "master")
+                and (replica_type is None or kind == replica_type.lower())
+                and (replica_index is None or index == replica_index)
+            )
 
         logs: dict[str, list[str]] = {}
         try:
@@ -811,7 +1069,9 @@ class TrainingClient:
             raise _job_error(e) from None
         return {pod: "\n".join(lines) + "\n" for pod, lines in logs.items()}, {}
 
-    def delete_job(self, name: str, namespace: str | None = None, job_kind: str | None = None, delete_options: Any = None) -> None:
+    def delete_job(
+        self, name: str, namespace: str | None = None, job_kind: str | None = None, delete_options: Any = None
+    ) -> None:
         """Delete the job (a local run is stopped: SIGTERM, so it writes a checkpoint). On the
         cluster the workspace claim with the output stays (``kubetune delete --delete-storage``).
 
@@ -821,7 +1081,15 @@ class TrainingClient:
         """
         _raise_kind(job_kind)
         if delete_options is not None:
-            raise UnsupportedParameter([("delete_options", "is not supported", "remove it: kubetune deletes in the background with the job's owned objects")])
+            raise UnsupportedParameter(
+                [
+                    (
+                        "delete_options",
+                        "is not supported",
+                        "remove it: kubetune deletes in the background with the job's owned objects",
+                    )
+                ]
+            )
         ns = self._namespace(namespace)
         handle = self.kubetune_job(name, namespace)
         try:
@@ -847,7 +1115,9 @@ class TrainingClient:
 
 def _check_kind(job_kind: str | None, problems: _Problems) -> None:
     if job_kind is not None and job_kind != JOB_KIND:
-        problems.add("job_kind", f"{job_kind!r} is not supported", "use 'PyTorchJob': kubetune runs fine-tuning as PyTorchJobs")
+        problems.add(
+            "job_kind", f"{job_kind!r} is not supported", "use 'PyTorchJob': kubetune runs fine-tuning as PyTorchJobs"
+        )
 
 
 def _raise_kind(job_kind: str | None) -> None:
@@ -863,7 +1133,9 @@ def _validate(spec: dict, overrides: list[str] | None):
         return parse_spec(spec, overrides, source="train()")
     except SpecError as e:
         # One line for a notebook's traceback, every problem named (SpecError's str is a count).
-        raise UnsupportedParameter([("train()", "; ".join(e.lines()), "fix the arguments (or overrides) named")]) from None
+        raise UnsupportedParameter(
+            [("train()", "; ".join(e.lines()), "fix the arguments (or overrides) named")]
+        ) from None
 
 
 def _job_error(e: KubetuneError) -> JobError:
@@ -890,9 +1162,20 @@ def _local_object(job: LocalJob) -> dict:
     running = status.phase == "Running"
     conditions.append({"type": "Running", "status": str(running), "reason": "LocalRunRunning"})
     if not running:
-        conditions.append({"type": status.phase, "status": "True", "reason": status.reason or f"LocalRun{status.phase}", "message": status.message})
-    return {"apiVersion": "kubeflow.org/v1", "kind": JOB_KIND, "metadata": {"name": job.name, "creationTimestamp": job.created},
-            "status": {"conditions": conditions, "startTime": job.created}}
+        conditions.append(
+            {
+                "type": status.phase,
+                "status": "True",
+                "reason": status.reason or f"LocalRun{status.phase}",
+                "message": status.message,
+            }
+        )
+    return {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": JOB_KIND,
+        "metadata": {"name": job.name, "creationTimestamp": job.created},
+        "status": {"conditions": conditions, "startTime": job.created},
+    }
 
 
 def _job_model(obj: dict) -> Any:

@@ -40,13 +40,17 @@ def _labels(v: dict[str, str], what: str, values: bool) -> dict[str, str]:
         if problem:
             raise ValueError(problem)
         if values and value and not _NAME_PART.match(value):
-            raise ValueError(f"{what} value {_show(value)} (key {_show(key)}) must be at most 63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit")
+            raise ValueError(
+                f"{what} value {_show(value)} (key {_show(key)}) must be at most 63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit"
+            )
     return v
 
 
 def _dns_subdomain(v: str | None, what: str) -> str | None:
     if v is not None and not _DNS_SUBDOMAIN.match(v):
-        raise ValueError(f"{_show(v)} is not a valid {what} name: lowercase letters, digits, '-' and '.', at most 253 characters")
+        raise ValueError(
+            f"{_show(v)} is not a valid {what} name: lowercase letters, digits, '-' and '.', at most 253 characters"
+        )
     return v
 
 
@@ -65,11 +69,21 @@ def _quantity(v: str | int | float | None, what: str) -> str | None:
 
 
 class ResourcesSpec(Section):
-    cpu: str | None = Field("4", description="CPU per node (pod), a Kubernetes quantity such as '4' or '3500m'; requests = limits.")
+    cpu: str | None = Field(
+        "4", description="CPU per node (pod), a Kubernetes quantity such as '4' or '3500m'; requests = limits."
+    )
     memory: str | None = Field("16Gi", description="Memory per node (pod), e.g. '16Gi'; requests = limits.")
-    gpu: int = Field(0, ge=0, le=64, description="GPUs per node (pod); rendered as the nvidia.com/gpu limit. Set procs_per_node to match.")
+    gpu: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="GPUs per node (pod); rendered as the nvidia.com/gpu limit. Set procs_per_node to match.",
+    )
     gpu_resource: str = Field("nvidia.com/gpu", description="Extended resource name for GPUs.")
-    shm_size: str = Field("2Gi", description="Size of /dev/shm (a memory-backed emptyDir); DataLoader workers and NCCL need more than Docker's 64Mi.")
+    shm_size: str = Field(
+        "2Gi",
+        description="Size of /dev/shm (a memory-backed emptyDir); DataLoader workers and NCCL need more than Docker's 64Mi.",
+    )
 
     @field_validator("cpu")
     @classmethod
@@ -89,7 +103,9 @@ class StorageSpec(Section):
         "class needed). pvc: one PersistentVolumeClaim shared by all pods (needs ReadWriteMany for more than one node).",
     )
     size: str = Field("50Gi", description="Size of the PVC (pvc mode) or the emptyDir limit (node-local mode).")
-    storage_class: str | None = Field(None, description="StorageClass of the PVC; default: the cluster's default class.")
+    storage_class: str | None = Field(
+        None, description="StorageClass of the PVC; default: the cluster's default class."
+    )
     access_modes: list[Literal["ReadWriteOnce", "ReadWriteMany", "ReadOnlyMany", "ReadWriteOncePod"]] = Field(
         default_factory=lambda: ["ReadWriteMany"], description="Access modes of the PVC."
     )
@@ -143,14 +159,20 @@ class Toleration(Section):
     key: str | None = Field(None, description="Taint key to tolerate.")
     operator: Literal["Exists", "Equal"] = Field("Equal", description="Exists or Equal.")
     value: str | None = Field(None, description="Taint value (with operator Equal).")
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(None, description="Taint effect to tolerate; absent = all.")
-    toleration_seconds: int | None = Field(None, ge=0, description="For NoExecute: how long the pod stays bound after the taint appears.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        None, description="Taint effect to tolerate; absent = all."
+    )
+    toleration_seconds: int | None = Field(
+        None, ge=0, description="For NoExecute: how long the pod stays bound after the taint appears."
+    )
 
 
 class ElasticSpec(Section):
     min_nodes: int = Field(ge=1, description="Fewest nodes the job runs with (elasticPolicy.minReplicas).")
     max_nodes: int = Field(ge=1, description="Most nodes the job runs with (elasticPolicy.maxReplicas).")
-    max_restarts: int = Field(3, ge=0, description="Restarts of the whole worker group that torchrun allows (elasticPolicy.maxRestarts).")
+    max_restarts: int = Field(
+        3, ge=0, description="Restarts of the whole worker group that torchrun allows (elasticPolicy.maxRestarts)."
+    )
 
     @model_validator(mode="after")
     def _order(self):
@@ -160,20 +182,37 @@ class ElasticSpec(Section):
 
 
 class KubernetesSpec(Section):
-    namespace: str | None = Field(None, description="Namespace; default: the kubeconfig context's namespace (in a pod: its own).")
-    image: str | None = Field(None, description="Trainer image; default: the pinned tag that docker/Dockerfile builds (CPU or CUDA by resources.gpu).")
-    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent", description="Image pull policy.")
-    image_pull_secrets: list[str] = Field(default_factory=list, description="Names of Secrets for pulling from a private registry.")
+    namespace: str | None = Field(
+        None, description="Namespace; default: the kubeconfig context's namespace (in a pod: its own)."
+    )
+    image: str | None = Field(
+        None,
+        description="Trainer image; default: the pinned tag that docker/Dockerfile builds (CPU or CUDA by resources.gpu).",
+    )
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        "IfNotPresent", description="Image pull policy."
+    )
+    image_pull_secrets: list[str] = Field(
+        default_factory=list, description="Names of Secrets for pulling from a private registry."
+    )
     service_account: str | None = Field(None, description="ServiceAccount the pods run as.")
     node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels the pods must match.")
-    tolerations: list[Toleration] = Field(default_factory=list, description="Taints the pods tolerate (e.g. GPU nodes).")
+    tolerations: list[Toleration] = Field(
+        default_factory=list, description="Taints the pods tolerate (e.g. GPU nodes)."
+    )
     labels: dict[str, str] = Field(default_factory=dict, description="Extra labels on every object and pod.")
     annotations: dict[str, str] = Field(default_factory=dict, description="Extra annotations on every object and pod.")
     storage: StorageSpec = Field(default_factory=StorageSpec, description="Where model and data are staged.")
     secrets: SecretsSpec = Field(default_factory=SecretsSpec, description="Secret references (never values).")
-    ttl_seconds_after_finished: int | None = Field(86400, ge=0, description="Delete the finished job (and its pods) after this many seconds; null keeps it.")
-    backoff_limit: int = Field(3, ge=0, description="Pod restarts before the job is marked Failed (runPolicy.backoffLimit).")
-    active_deadline_seconds: int | None = Field(None, ge=1, description="Kill the job after this many seconds of running.")
+    ttl_seconds_after_finished: int | None = Field(
+        86400, ge=0, description="Delete the finished job (and its pods) after this many seconds; null keeps it."
+    )
+    backoff_limit: int = Field(
+        3, ge=0, description="Pod restarts before the job is marked Failed (runPolicy.backoffLimit)."
+    )
+    active_deadline_seconds: int | None = Field(
+        None, ge=1, description="Kill the job after this many seconds of running."
+    )
     clean_pod_policy: Literal["None", "Running", "All"] = Field(
         "None", description="Which pods to delete when the job ends: None keeps them (logs stay readable)."
     )
@@ -181,10 +220,16 @@ class KubernetesSpec(Section):
         "OnFailure", description="Replica restart policy; OnFailure restarts a failed pod, which then resumes."
     )
     termination_grace_period_seconds: int = Field(
-        120, ge=10, description="Time a pod gets after SIGTERM (eviction, preemption) to finish the step and write a checkpoint."
+        120,
+        ge=10,
+        description="Time a pod gets after SIGTERM (eviction, preemption) to finish the step and write a checkpoint.",
     )
-    elastic: ElasticSpec | None = Field(None, description="Elastic training: a node range and torchrun restarts (elasticPolicy).")
-    tensorboard: bool = Field(False, description="Also render a TensorBoard Deployment + Service reading the job's event files (pvc mode).")
+    elastic: ElasticSpec | None = Field(
+        None, description="Elastic training: a node range and torchrun restarts (elasticPolicy)."
+    )
+    tensorboard: bool = Field(
+        False, description="Also render a TensorBoard Deployment + Service reading the job's event files (pvc mode)."
+    )
     tensorboard_image: str = Field("tensorflow/tensorflow:2.17.0", description="Image for the TensorBoard Deployment.")
     master_port: int = Field(23456, ge=1024, le=65535, description="Rendezvous port on the master pod.")
     queue: str | None = Field(
@@ -193,7 +238,8 @@ class KubernetesSpec(Section):
         "so that Kueue starts it when the queue admits it.",
     )
     priority_class: str | None = Field(
-        None, description="PriorityClass of the pods (PyTorchJob: pod priorityClassName and runPolicy.schedulingPolicy.priorityClass)."
+        None,
+        description="PriorityClass of the pods (PyTorchJob: pod priorityClassName and runPolicy.schedulingPolicy.priorityClass).",
     )
     runtime: str = Field(
         "torch-distributed",
@@ -225,7 +271,12 @@ class KubernetesSpec(Section):
     @field_validator("service_account", "priority_class", "queue", "runtime")
     @classmethod
     def _object_names(cls, v, info):
-        kinds = {"service_account": "ServiceAccount", "priority_class": "PriorityClass", "queue": "Kueue LocalQueue", "runtime": "ClusterTrainingRuntime"}
+        kinds = {
+            "service_account": "ServiceAccount",
+            "priority_class": "PriorityClass",
+            "queue": "Kueue LocalQueue",
+            "runtime": "ClusterTrainingRuntime",
+        }
         return _dns_subdomain(v, kinds[info.field_name])
 
     @field_validator("image_pull_secrets")

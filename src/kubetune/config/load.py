@@ -35,14 +35,21 @@ def load_spec(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
         with path.open("rb") as f:
             data = f.read(MAX_SPEC_BYTES + 1)
         if len(data) > MAX_SPEC_BYTES:
-            raise SpecError([f"spec: '{path}' is larger than {MAX_SPEC_BYTES // 1024} KiB; a job spec is a few hundred lines — pass the spec, not data"], str(path))
+            raise SpecError(
+                [
+                    f"spec: '{path}' is larger than {MAX_SPEC_BYTES // 1024} KiB; a job spec is a few hundred lines — pass the spec, not data"
+                ],
+                str(path),
+            )
         text = data.decode("utf-8")
     except FileNotFoundError:
         raise SpecError([f"spec: file '{path}' not found — check the path"], str(path)) from None
     except UnicodeDecodeError as e:
         raise SpecError([f"spec: '{path}' is not UTF-8 (byte {e.start}) — pass a UTF-8 YAML file"], str(path)) from None
     except OSError as e:
-        raise SpecError([f"spec: cannot read '{path}': {e.strerror or e} — check the path and its permissions"], str(path)) from None
+        raise SpecError(
+            [f"spec: cannot read '{path}': {e.strerror or e} — check the path and its permissions"], str(path)
+        ) from None
     raw = load_yaml(text, str(path))
     return parse_spec(raw if raw is not None else {}, overrides, source=str(path))
 
@@ -69,7 +76,11 @@ class _SpecLoader(yaml.SafeLoader):
                 break
             if first is not None:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {_short(key)} (first on line {first.line + 1}); YAML keys must be unique", key_node.start_mark)
+                    None,
+                    None,
+                    f"duplicate key {_short(key)} (first on line {first.line + 1}); YAML keys must be unique",
+                    key_node.start_mark,
+                )
             seen[key] = key_node.start_mark
         return super().construct_mapping(node, deep=deep)
 
@@ -112,9 +123,19 @@ def load_yaml(text: str, source: str) -> Any:
         try:
             size = _expanded_size(node, {}, set())
         except _Recursive:
-            raise SpecError([f"spec: {source}: an alias refers to a node that contains it (a recursive structure) — write the values out"], source) from None
+            raise SpecError(
+                [
+                    f"spec: {source}: an alias refers to a node that contains it (a recursive structure) — write the values out"
+                ],
+                source,
+            ) from None
         if size > MAX_SPEC_NODES:
-            raise SpecError([f"spec: {source}: its aliases expand to more than {MAX_SPEC_NODES:,} values — write the values out, or use fewer aliases"], source)
+            raise SpecError(
+                [
+                    f"spec: {source}: its aliases expand to more than {MAX_SPEC_NODES:,} values — write the values out, or use fewer aliases"
+                ],
+                source,
+            )
         return loader.construct_document(node)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
@@ -122,7 +143,9 @@ def load_yaml(text: str, source: str) -> Any:
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise SpecError([f"spec: {source}{where}: {_clip(problem, 200)} — fix the YAML syntax"], source) from None
     except (ValueError, OverflowError) as e:  # e.g. an integer of more than 4,300 digits
-        raise SpecError([f"spec: {source}: a value cannot be read: {_clip(str(e).splitlines()[0], 120)} — fix the value"], source) from None
+        raise SpecError(
+            [f"spec: {source}: a value cannot be read: {_clip(str(e).splitlines()[0], 120)} — fix the value"], source
+        ) from None
     finally:
         loader.dispose()
 
@@ -133,7 +156,9 @@ def parse_spec(raw: Any, overrides: list[str] | None = None, source: str = "spec
         # exclude_unset: what the user set stays distinguishable from a default (model_fields_set).
         raw = raw.model_dump(mode="json", exclude_unset=True)
     if not isinstance(raw, dict):
-        raise SpecError([f"spec: top level must be a mapping of sections, got {type(raw).__name__} — see examples/"], source)
+        raise SpecError(
+            [f"spec: top level must be a mapping of sections, got {type(raw).__name__} — see examples/"], source
+        )
     raw = _deep_copy(raw)
     problems: list[str] = []
     for item in overrides or []:

@@ -31,10 +31,13 @@ class DataSpec(Section):
         "inside an installed Python package).",
     )
     eval: str | None = Field(
-        None, description="Evaluation data, same forms as data.train. Absent: carve data.eval_fraction out of data.train."
+        None,
+        description="Evaluation data, same forms as data.train. Absent: carve data.eval_fraction out of data.train.",
     )
     eval_fraction: float = Field(
-        0.1, gt=0, lt=1,
+        0.1,
+        gt=0,
+        lt=1,
         description="Fraction of data.train held out (stratified by label, fixed seed) when data.eval is absent.",
     )
     train_split: str = Field(
@@ -48,14 +51,20 @@ class DataSpec(Section):
         None, description="Optional second text column (sentence pairs, e.g. NLI); encoded as [CLS] a [SEP] b [SEP]."
     )
     label_column: str = Field(
-        "label", description="Column holding the class label: strings or numbers; mapped to ids in sorted order (numerically "
-        "when every label is a number). None/NA/null are labels, not missing."
+        "label",
+        description="Column holding the class label: strings or numbers; mapped to ids in sorted order (numerically "
+        "when every label is a number). None/NA/null are labels, not missing.",
     )
     max_length: int = Field(
-        128, ge=8, le=32768, description="Token limit per example; longer texts are truncated. Batches are padded dynamically."
+        128,
+        ge=8,
+        le=32768,
+        description="Token limit per example; longer texts are truncated. Batches are padded dynamically.",
     )
     max_train_samples: int | None = Field(
-        None, ge=1, description="Use at most this many training rows (a seeded random subset), after the eval carve-out."
+        None,
+        ge=1,
+        description="Use at most this many training rows (a seeded random subset), after the eval carve-out.",
     )
     max_eval_samples: int | None = Field(
         None, ge=1, description="Use at most this many evaluation rows (a seeded random subset)."
@@ -67,11 +76,14 @@ class DataSpec(Section):
         "(latin-1, cp1252, utf-16, ...) is used as given.",
     )
     max_classes: int = Field(
-        1000, ge=2, le=100_000,
+        1000,
+        ge=2,
+        le=100_000,
         description="Most distinct labels a classification dataset may have; more is almost always the wrong label column.",
     )
     max_input_mb: int = Field(
-        1024, ge=1,
+        1024,
+        ge=1,
         description="Largest data file (or directory, or dataset) read into memory, in MiB; pandas holds several times "
         "the file size. Raise it for bigger data.",
     )
@@ -85,12 +97,18 @@ class DataSpec(Section):
     )
     instruction_column: str = Field("instruction", description="causal-lm instruction format: the instruction column.")
     input_column: str | None = Field(
-        "input", description="causal-lm instruction format: optional extra input appended to the instruction (absent or empty = none)."
+        "input",
+        description="causal-lm instruction format: optional extra input appended to the instruction (absent or empty = none).",
     )
-    output_column: str = Field("output", description="causal-lm instruction format: the response the model learns to produce.")
-    messages_column: str = Field("messages", description="causal-lm chat format: column holding the list of {role, content} messages.")
+    output_column: str = Field(
+        "output", description="causal-lm instruction format: the response the model learns to produce."
+    )
+    messages_column: str = Field(
+        "messages", description="causal-lm chat format: column holding the list of {role, content} messages."
+    )
     system_prompt: str | None = Field(
-        None, description="causal-lm instruction/chat formats: a system message put first in every conversation that has none."
+        None,
+        description="causal-lm instruction/chat formats: a system message put first in every conversation that has none.",
     )
     train_on_prompt: bool = Field(
         False,
@@ -143,25 +161,36 @@ class TrainSpec(Section):
     )
     log_every: int = Field(10, ge=1, description="Optimizer steps between training-loss log lines.")
     eval_every: int | None = Field(
-        None, ge=1, description="Also evaluate every N optimizer steps (the eval set is always evaluated at the end of each epoch)."
+        None,
+        ge=1,
+        description="Also evaluate every N optimizer steps (the eval set is always evaluated at the end of each epoch).",
     )
     checkpoint_every: int | None = Field(
-        None, ge=1, description="Write a checkpoint every N optimizer steps (under <output>/checkpoints/); one is always written on SIGTERM/SIGINT."
+        None,
+        ge=1,
+        description="Write a checkpoint every N optimizer steps (under <output>/checkpoints/); one is always written on SIGTERM/SIGINT.",
     )
-    checkpoint_minutes: float | None = Field(None, gt=0, description="Also write a checkpoint every N minutes of training.")
+    checkpoint_minutes: float | None = Field(
+        None, gt=0, description="Also write a checkpoint every N minutes of training."
+    )
     keep_checkpoints: int = Field(2, ge=1, description="How many of the newest complete checkpoints to keep.")
     resume: Literal["auto", "never"] = Field(
-        "auto", description="auto: continue from the newest complete checkpoint under output.uri; never: start over (`kubetune run --no-resume`)."
+        "auto",
+        description="auto: continue from the newest complete checkpoint under output.uri; never: start over (`kubetune run --no-resume`).",
     )
     dataloader_workers: int | None = Field(
-        None, ge=0, le=64,
+        None,
+        ge=0,
+        le=64,
         description="DataLoader worker processes per training process (they build and pin batches ahead); default: 2 on a GPU, 0 on CPU, as measured in benchmarks/README.md.",
     )
     gradient_checkpointing: bool = Field(
-        False, description="Recompute activations in the backward pass: less memory for long sequences, about 30% more compute."
+        False,
+        description="Recompute activations in the backward pass: less memory for long sequences, about 30% more compute.",
     )
     compile: bool = Field(
-        False, description="torch.compile the model (dynamic shapes). Pays a compile time up front; see benchmarks/README.md for when it helps."
+        False,
+        description="torch.compile the model (dynamic shapes). Pays a compile time up front; see benchmarks/README.md for when it helps.",
     )
 
 
@@ -178,7 +207,9 @@ class DistributedSpec(Section):
     )
     max_restarts: int = Field(0, ge=0, description="Times the elastic launcher restarts all workers after a failure.")
     timeout_minutes: int = Field(
-        60, ge=1, description="How long ranks wait for each other in a collective (rank 0 alone tokenizes, saves and uploads meanwhile)."
+        60,
+        ge=1,
+        description="How long ranks wait for each other in a collective (rank 0 alone tokenizes, saves and uploads meanwhile).",
     )
     threads_per_proc: int | None = Field(
         None, ge=1, description="CPU threads per worker process; default: CPU cores / procs_per_node."
@@ -191,7 +222,8 @@ class DistributedSpec(Section):
 
 class S3Spec(Section):
     endpoint_url: str | None = Field(
-        None, description="S3 endpoint, e.g. http://minio.minio.svc:9000 for MinIO; default: $S3_ENDPOINT_URL, then $AWS_ENDPOINT_URL, then AWS."
+        None,
+        description="S3 endpoint, e.g. http://minio.minio.svc:9000 for MinIO; default: $S3_ENDPOINT_URL, then $AWS_ENDPOINT_URL, then AWS.",
     )
     region: str | None = Field(None, description="S3 region; default: $AWS_REGION, then us-east-1.")
     addressing_style: Literal["auto", "path", "virtual"] = Field(
@@ -205,7 +237,9 @@ class OutputSpec(Section):
         "completion manifest), or hf://org/repo (model, tokenizer and model card pushed to the Hub)."
     )
     hf_private: bool = Field(True, description="Create the hf:// output repo as private.")
-    commit_message: str | None = Field(None, description="Commit message for an hf:// push; default names the job and its accuracy.")
+    commit_message: str | None = Field(
+        None, description="Commit message for an hf:// push; default names the job and its accuracy."
+    )
     report_baseline: bool = Field(
         True, description="Fit a TF-IDF + logistic-regression baseline on the same split and show it in the report."
     )
@@ -237,12 +271,13 @@ def output_uri_problem(uri: str) -> str | None:
     if not body:
         return "is empty, which would write into the current directory; name a directory of its own, e.g. runs/NAME"
     if scheme == "file" and (rest.strip("/") == "" or re.fullmatch(r"~[^/]*/*", rest)):
-        return (f"{uri!r} is the filesystem root or a home directory itself; kubetune writes model/, checkpoints/ and more "
-                "into its output — name a directory of its own, e.g. runs/NAME")
+        return (
+            f"{uri!r} is the filesystem root or a home directory itself; kubetune writes model/, checkpoints/ and more "
+            "into its output — name a directory of its own, e.g. runs/NAME"
+        )
     if scheme == "s3" and not rest.partition("/")[2].strip("/"):
         return f"{uri!r} is a whole bucket — name a prefix inside it, e.g. s3://{rest.partition('/')[0] or 'BUCKET'}/runs/NAME"
     return None
-
 
 
 class JobSpec(Section):
@@ -260,8 +295,13 @@ class JobSpec(Section):
     training: TrainSpec = Field(default_factory=TrainSpec, description="The training recipe.")
     distributed: DistributedSpec = Field(default_factory=DistributedSpec, description="Nodes × processes per node.")
     output: OutputSpec = Field(description="Where the exported model, metrics and report are written.")
-    s3: S3Spec = Field(default_factory=S3Spec, description="S3 / MinIO connection settings (credentials come from the environment, never the spec).")
-    resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="Per-node (pod) resources on Kubernetes.")
+    s3: S3Spec = Field(
+        default_factory=S3Spec,
+        description="S3 / MinIO connection settings (credentials come from the environment, never the spec).",
+    )
+    resources: ResourcesSpec = Field(
+        default_factory=ResourcesSpec, description="Per-node (pod) resources on Kubernetes."
+    )
     kubernetes: KubernetesSpec = Field(default_factory=KubernetesSpec, description="How the job runs on Kubernetes.")
 
     @field_validator("name")
@@ -285,7 +325,9 @@ class JobSpec(Section):
             if self.data.label_column in (self.data.text_column, self.data.text_pair_column):
                 raise ValueError("data.label_column must differ from the text columns")
             if self.data.format != "auto" or self.data.packing:
-                raise ValueError("data.format and data.packing apply to task: causal-lm — remove them or set task: causal-lm")
+                raise ValueError(
+                    "data.format and data.packing apply to task: causal-lm — remove them or set task: causal-lm"
+                )
         elif self.data.text_pair_column:
             raise ValueError("data.text_pair_column applies to sequence-classification — remove it for task: causal-lm")
         elastic = self.kubernetes.elastic

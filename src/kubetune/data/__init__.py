@@ -76,7 +76,9 @@ class StepBatch:
 
     def pin_memory(self) -> StepBatch:
         """Called by the DataLoader's pinning thread (pin_memory=True): page-locked tensors copy to the GPU asynchronously."""
-        return StepBatch([{k: v.pin_memory() for k, v in m.items()} for m in self.micro], self.global_count, self.indices)
+        return StepBatch(
+            [{k: v.pin_memory() for k, v in m.items()} for m in self.micro], self.global_count, self.indices
+        )
 
 
 class _StepDataset(torch.utils.data.Dataset):

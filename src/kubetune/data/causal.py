@@ -55,17 +55,24 @@ def load_lm_frames(spec: DataSpec, seed: int) -> LMFrames:
         KubetuneError: missing columns, a text column that holds no text, malformed messages, no usable rows.
     """
     dropped: dict[str, int] = {}
-    train_raw = read_table(spec.train, field="data.train", split=spec.train_split, encoding=spec.encoding, max_input_mb=spec.max_input_mb)
+    train_raw = read_table(
+        spec.train, field="data.train", split=spec.train_split, encoding=spec.encoding, max_input_mb=spec.max_input_mb
+    )
     fmt = detect_format(train_raw, spec)
     train = _normalize(train_raw, spec, fmt, "data.train", dropped, "train")
     if spec.eval:
-        eval_raw = read_table(spec.eval, field="data.eval", split=spec.eval_split, encoding=spec.encoding, max_input_mb=spec.max_input_mb)
+        eval_raw = read_table(
+            spec.eval, field="data.eval", split=spec.eval_split, encoding=spec.encoding, max_input_mb=spec.max_input_mb
+        )
         evald = _normalize(eval_raw, spec, fmt, "data.eval", dropped, "eval")
     else:
         n_eval = max(1, round(len(train) * spec.eval_fraction))
         if n_eval >= len(train):
-            raise KubetuneError(f"{len(train)} rows are too few to hold out {spec.eval_fraction:.0%} for evaluation",
-                                field="data.eval_fraction", fix="add data, lower data.eval_fraction, or give data.eval")
+            raise KubetuneError(
+                f"{len(train)} rows are too few to hold out {spec.eval_fraction:.0%} for evaluation",
+                field="data.eval_fraction",
+                fix="add data, lower data.eval_fraction, or give data.eval",
+            )
         perm = np.random.default_rng(seed).permutation(len(train))
         evald, train = train.iloc[np.sort(perm[:n_eval])], train.iloc[np.sort(perm[n_eval:])]
     if spec.max_train_samples and len(train) > spec.max_train_samples:
@@ -85,30 +92,50 @@ def detect_format(df: pd.DataFrame, spec: DataSpec) -> str:
     return "text"
 
 
-def _normalize(df: pd.DataFrame, spec: DataSpec, fmt: str, field_name: str, dropped: dict[str, int], which: str) -> pd.DataFrame:
+def _normalize(
+    df: pd.DataFrame, spec: DataSpec, fmt: str, field_name: str, dropped: dict[str, int], which: str
+) -> pd.DataFrame:
     source = getattr(spec, field_name.split(".")[1])
-    needed = {"text": {"text_column": spec.text_column},
-              "instruction": {"instruction_column": spec.instruction_column, "output_column": spec.output_column},
-              "chat": {"messages_column": spec.messages_column}}[fmt]
+    needed = {
+        "text": {"text_column": spec.text_column},
+        "instruction": {"instruction_column": spec.instruction_column, "output_column": spec.output_column},
+        "chat": {"messages_column": spec.messages_column},
+    }[fmt]
     for key, col in needed.items():
         if col not in df.columns:
             hint = "" if spec.format != "auto" else f" (data.format auto-detected as {fmt})"
-            raise KubetuneError(f"column '{short(col, 40)}' not found in {short(source)}{hint}; columns are {[short(c, 40) for c in df.columns[:20]]}",
-                                field=f"data.{key}", fix=f"set data.{key}" + (" or data.format" if spec.format == "auto" else ""))
+            raise KubetuneError(
+                f"column '{short(col, 40)}' not found in {short(source)}{hint}; columns are {[short(c, 40) for c in df.columns[:20]]}",
+                field=f"data.{key}",
+                fix=f"set data.{key}" + (" or data.format" if spec.format == "auto" else ""),
+            )
     if len(df) == 0:
         raise KubetuneError(f"{source} has no rows", field=field_name, fix="point it at data with at least one row")
     for key, col in needed.items():
         what = describe_non_text(df[col]) if key != "messages_column" else None
         if what:
-            raise KubetuneError(f"column '{short(col, 40)}' of {short(source)} holds {what}, not text", field=f"data.{key}", fix=f"set data.{key} to the text column")
+            raise KubetuneError(
+                f"column '{short(col, 40)}' of {short(source)} holds {what}, not text",
+                field=f"data.{key}",
+                fix=f"set data.{key} to the text column",
+            )
     records = [_record(row, spec, fmt, source, i) for i, row in enumerate(df.to_dict("records"))]
     keep = np.array([r is not None for r in records], dtype=bool)
     n_drop = int((~keep).sum())
     if n_drop:
         dropped[which] = n_drop
-        log.warning("%s: dropped %d of %d rows with a missing/empty text, instruction, output or assistant turn", field_name, n_drop, len(df))
+        log.warning(
+            "%s: dropped %d of %d rows with a missing/empty text, instruction, output or assistant turn",
+            field_name,
+            n_drop,
+            len(df),
+        )
     if not keep.any():
-        raise KubetuneError(f"no usable rows in {source} (format {fmt})", field=field_name, fix="check the data and the data.*_column settings")
+        raise KubetuneError(
+            f"no usable rows in {source} (format {fmt})",
+            field=field_name,
+            fix="check the data and the data.*_column settings",
+        )
     return pd.DataFrame({"record": [r for r in records if r is not None]})
 
 
@@ -128,7 +155,10 @@ def _record(row: dict, spec: DataSpec, fmt: str, source: str, i: int) -> str | N
         if not instruction or not output:
             return None
         extra = _text(row.get(spec.input_column)) if spec.input_column else None
-        messages = [{"role": "user", "content": instruction + (f"\n\n{extra}" if extra else "")}, {"role": "assistant", "content": output}]
+        messages = [
+            {"role": "user", "content": instruction + (f"\n\n{extra}" if extra else "")},
+            {"role": "assistant", "content": output},
+        ]
     else:
         messages = _messages(row[spec.messages_column], spec, source, i)
         if messages is None:
@@ -143,20 +173,30 @@ def _messages(value, spec: DataSpec, source: str, i: int) -> list[dict] | None:
         try:
             value = json.loads(value)
         except json.JSONDecodeError:
-            raise KubetuneError(f"row {i} of {source}: column '{spec.messages_column}' holds text that is not a JSON list of messages",
-                                field="data.messages_column", fix="store a list of {role, content} objects per row") from None
+            raise KubetuneError(
+                f"row {i} of {source}: column '{spec.messages_column}' holds text that is not a JSON list of messages",
+                field="data.messages_column",
+                fix="store a list of {role, content} objects per row",
+            ) from None
     if value is None or (isinstance(value, float) and np.isnan(value)):
         return None
     if isinstance(value, np.ndarray):  # Parquet / Arrow lists
         value = value.tolist()
     if not isinstance(value, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
-        raise KubetuneError(f"row {i} of {source}: '{spec.messages_column}' must be a list of {{role, content}} objects, got {str(value)[:60]!r}",
-                            field="data.messages_column", fix="store a list like [{\"role\": \"user\", \"content\": \"...\"}, {\"role\": \"assistant\", ...}]")
+        raise KubetuneError(
+            f"row {i} of {source}: '{spec.messages_column}' must be a list of {{role, content}} objects, got {str(value)[:60]!r}",
+            field="data.messages_column",
+            fix='store a list like [{"role": "user", "content": "..."}, {"role": "assistant", ...}]',
+        )
     messages = []
     for m in value:
         role, content = str(m["role"]), m["content"]
         if role not in ROLES:
-            raise KubetuneError(f"row {i} of {source}: unknown message role {role!r}", field="data.messages_column", fix=f"use one of {list(ROLES)}")
+            raise KubetuneError(
+                f"row {i} of {source}: unknown message role {role!r}",
+                field="data.messages_column",
+                fix=f"use one of {list(ROLES)}",
+            )
         if not isinstance(content, str):
             return None
         messages.append({"role": role, "content": content})
@@ -194,8 +234,11 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
             # Some templates render the last turn specially; fall back to locating the content.
             pos = full.find(m["content"], spans[-1][1] if spans else 0)
             if pos < 0:
-                raise KubetuneError("the chat template does not reproduce assistant turns verbatim", field="model.uri",
-                                    fix="use a tokenizer whose chat template keeps message text, or data.format: text")
+                raise KubetuneError(
+                    "the chat template does not reproduce assistant turns verbatim",
+                    field="model.uri",
+                    fix="use a tokenizer whose chat template keeps message text, or data.format: text",
+                )
             spans.append((pos, pos + len(m["content"])))
         else:
             spans.append((start, len(through)))
@@ -225,8 +268,11 @@ def encode_record(record: dict, tokenizer, max_length: int, train_on_prompt: boo
 def tokenize_frame(frame: pd.DataFrame, tokenizer, max_length: int, train_on_prompt: bool) -> dict[str, list]:
     """Columns input_ids, labels, length, n_targets (tokens that carry loss: label set, position > 0)."""
     if not getattr(tokenizer, "is_fast", False):
-        raise KubetuneError("causal-lm needs a fast (Rust) tokenizer to locate response tokens", field="model.uri",
-                            fix="use a model directory with tokenizer.json")
+        raise KubetuneError(
+            "causal-lm needs a fast (Rust) tokenizer to locate response tokens",
+            field="model.uri",
+            fix="use a model directory with tokenizer.json",
+        )
     cols: dict[str, list] = {"input_ids": [], "labels": [], "length": [], "n_targets": []}
     for rec in frame["record"]:
         ids, labels = encode_record(json.loads(rec), tokenizer, max_length, train_on_prompt)

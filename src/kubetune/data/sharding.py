@@ -68,6 +68,9 @@ def rank_plan(order: np.ndarray, *, rank: int, world_size: int, batch_size: int,
         # Deal micro-batch by micro-batch so a full step gives every rank exactly batch_size per micro,
         # and round-robin inside a piece: length grouping sorts a piece, so contiguous halves would
         # hand rank 0 the longest examples of every step and make the other ranks wait for it.
-        micro = [chunk[m * world_size * batch_size : (m + 1) * world_size * batch_size][rank::world_size] for m in range(grad_accum)]
+        micro = [
+            chunk[m * world_size * batch_size : (m + 1) * world_size * batch_size][rank::world_size]
+            for m in range(grad_accum)
+        ]
         steps.append(Step(micro=micro, global_count=len(chunk), indices=chunk))
     return steps

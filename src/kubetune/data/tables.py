@@ -33,8 +33,22 @@ log = logging.getLogger(__name__)
 FILE_SUFFIXES = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
 # Data files the `datasets` library reads from a directory, by the reader it picks (json and jsonl
 # share one). It silently reads only the most common kind, so a mix is an error here.
-DIR_KINDS = {".csv": "csv", ".tsv": "tsv", ".json": "json", ".jsonl": "json", ".ndjson": "json", ".parquet": "parquet", ".arrow": "arrow"}
-BUILDERS = {"csv": ("csv", {}), "tsv": ("csv", {"sep": "\t"}), "json": ("json", {}), "parquet": ("parquet", {}), "arrow": ("arrow", {})}
+DIR_KINDS = {
+    ".csv": "csv",
+    ".tsv": "tsv",
+    ".json": "json",
+    ".jsonl": "json",
+    ".ndjson": "json",
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+}
+BUILDERS = {
+    "csv": ("csv", {}),
+    "tsv": ("csv", {"sep": "\t"}),
+    "json": ("json", {}),
+    "parquet": ("parquet", {}),
+    "arrow": ("arrow", {}),
+}
 # What the s3:// provider writes next to downloaded files; not data (and `datasets` would read it as such).
 KUBETUNE_MANIFEST = "_kubetune_manifest.json"
 TEXT_FORMATS = ("csv", "tsv", "json", "jsonl")
@@ -48,8 +62,13 @@ MAGIC = [
     (b"\x1f\x8b", "gzip-compressed", "decompress it (gunzip)"),
 ]
 # Longest first: the UTF-32 LE mark starts with the UTF-16 LE one.
-BOMS = [(codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"), (codecs.BOM_UTF8, "utf-8-sig"),
-        (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16")]
+BOMS = [
+    (codecs.BOM_UTF32_LE, "utf-32"),
+    (codecs.BOM_UTF32_BE, "utf-32"),
+    (codecs.BOM_UTF8, "utf-8-sig"),
+    (codecs.BOM_UTF16_LE, "utf-16"),
+    (codecs.BOM_UTF16_BE, "utf-16"),
+]
 # With data.encoding auto, bytes that are not valid UTF-8 are decoded as cp1252 (latin-1 for the
 # five bytes cp1252 leaves undefined), byte by byte, and the valid UTF-8 around them stays UTF-8.
 FALLBACK_ERRORS = "kubetune-cp1252-fallback"
@@ -86,7 +105,9 @@ def load_frames(spec: DataSpec, seed: int) -> Frames:
             unseen in training.
     """
     dropped: dict[str, int] = {}
-    train_raw = read_table(spec.train, field="data.train", split=spec.train_split, encoding=spec.encoding, max_input_mb=spec.max_input_mb)
+    train_raw = read_table(
+        spec.train, field="data.train", split=spec.train_split, encoding=spec.encoding, max_input_mb=spec.max_input_mb
+    )
     train = _normalize(train_raw, spec, "data.train", dropped, "train")
     _check_labels(train[spec.label_column], spec)
     labels = _label_names(train[spec.label_column], spec)
@@ -100,7 +121,9 @@ def load_frames(spec: DataSpec, seed: int) -> Frames:
     train = _with_ids(train, spec, label2id)
 
     if spec.eval:
-        eval_raw = read_table(spec.eval, field="data.eval", split=spec.eval_split, encoding=spec.encoding, max_input_mb=spec.max_input_mb)
+        eval_raw = read_table(
+            spec.eval, field="data.eval", split=spec.eval_split, encoding=spec.encoding, max_input_mb=spec.max_input_mb
+        )
         evald = _normalize(eval_raw, spec, "data.eval", dropped, "eval")
         unseen = sorted(set(map(_label_key, evald[spec.label_column])) - set(labels))
         if unseen:
@@ -120,7 +143,9 @@ def load_frames(spec: DataSpec, seed: int) -> Frames:
     return Frames(train.reset_index(drop=True), evald.reset_index(drop=True), labels, dropped)
 
 
-def read_table(uri: str, *, field: str, split: str | None = None, encoding: str = "auto", max_input_mb: int = 1024) -> pd.DataFrame:
+def read_table(
+    uri: str, *, field: str, split: str | None = None, encoding: str = "auto", max_input_mb: int = 1024
+) -> pd.DataFrame:
     """Read one table from a file, a directory of files or an hf:// dataset.
 
     Cells are read without NA inference: ``None``, ``NA``, ``null``, ``n/a`` ... are text; only an
@@ -166,7 +191,11 @@ def read_table(uri: str, *, field: str, split: str | None = None, encoding: str 
         raise
     except (pd.errors.ParserError, pd.errors.EmptyDataError, ValueError, OSError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise KubetuneError(f"cannot parse {short(uri)!r} as {fmt}: {short(first, 160)}", field=field, fix=f"check that the file is valid {fmt}") from None
+        raise KubetuneError(
+            f"cannot parse {short(uri)!r} as {fmt}: {short(first, 160)}",
+            field=field,
+            fix=f"check that the file is valid {fmt}",
+        ) from None
 
 
 def short(value, limit: int = 100) -> str:
@@ -178,15 +207,29 @@ def short(value, limit: int = 100) -> str:
 def _regular_size(path: Path, uri: str, field: str) -> int:
     st = path.stat()  # follows symlinks: a link to a FIFO is a FIFO
     if not stat.S_ISREG(st.st_mode):
-        what = "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode) else "a special file"
-        raise KubetuneError(f"{short(uri)!r} is not a regular file ({what})", field=field, fix="point it at a data file (write the stream to a file first)")
+        what = (
+            "a FIFO"
+            if stat.S_ISFIFO(st.st_mode)
+            else "a device"
+            if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
+            else "a socket"
+            if stat.S_ISSOCK(st.st_mode)
+            else "a special file"
+        )
+        raise KubetuneError(
+            f"{short(uri)!r} is not a regular file ({what})",
+            field=field,
+            fix="point it at a data file (write the stream to a file first)",
+        )
     return st.st_size
 
 
 def _check_size(size: int, uri: str, field: str, max_input_mb: int, what: str = "") -> None:
     if size > max_input_mb * 2**20:
         shown = f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
-        if float(shown.split()[0]) * (1024 if "GiB" in shown else 1) <= max_input_mb:  # rounded down to the limit itself
+        if (
+            float(shown.split()[0]) * (1024 if "GiB" in shown else 1) <= max_input_mb
+        ):  # rounded down to the limit itself
             shown = f"{size:,} bytes"
         raise KubetuneError(
             f"{what}{short(uri)!r} {'are' if what else 'is'} {shown}, over the {max_input_mb} MiB limit",
@@ -202,13 +245,21 @@ def _dir_data_files(path: Path, uri: str, field: str) -> tuple[str | None, list[
         dirs[:] = sorted(d for d in dirs if not d.startswith((".", "__")))
         for name in sorted(names):
             suffix = Path(name).suffix.lower()
-            if name.startswith((".", "__")) or suffix not in DIR_KINDS or (name == KUBETUNE_MANIFEST and root == str(path)):
+            if (
+                name.startswith((".", "__"))
+                or suffix not in DIR_KINDS
+                or (name == KUBETUNE_MANIFEST and root == str(path))
+            ):
                 continue
             file = Path(root) / name
             try:
                 size = _regular_size(file, f"{uri}/{file.relative_to(path)}", field)
             except FileNotFoundError:  # a dangling link
-                raise KubetuneError(f"{short(uri)}/{short(file.relative_to(path), 60)} is a broken link", field=field, fix="remove it or restore its target") from None
+                raise KubetuneError(
+                    f"{short(uri)}/{short(file.relative_to(path), 60)} is a broken link",
+                    field=field,
+                    fix="remove it or restore its target",
+                ) from None
             files.append((file, size))
             suffixes[suffix] += 1
     kinds = {DIR_KINDS[s] for s in suffixes}
@@ -226,7 +277,11 @@ def _codec(name: str) -> str:
     try:
         return codecs.lookup(name).name
     except LookupError:
-        raise KubetuneError(f"unknown encoding {short(name, 40)!r}", field="data.encoding", fix="use auto, utf-8, latin-1, cp1252, utf-16, ...") from None
+        raise KubetuneError(
+            f"unknown encoding {short(name, 40)!r}",
+            field="data.encoding",
+            fix="use auto, utf-8, latin-1, cp1252, utf-16, ...",
+        ) from None
 
 
 def _sniff(path: Path, size: int, fmt: str, encoding: str, uri: str, field: str, in_dir: bool = False) -> str:
@@ -246,16 +301,39 @@ def _sniff(path: Path, size: int, fmt: str, encoding: str, uri: str, field: str,
     bom = next((name for mark, name in BOMS if head.startswith(mark)), None)
     if bom in ("utf-16", "utf-32") and not explicit:
         if in_dir:
-            raise KubetuneError(f"{short(uri)!r} is {bom.upper()} (byte-order mark)", field="data.encoding", fix=f"set data.encoding: {bom}, or convert the files to UTF-8")
-        log.warning("%s: %s byte-order mark; decoded as %s (set data.encoding: %s to silence this)", short(uri), bom.upper(), bom, bom)
+            raise KubetuneError(
+                f"{short(uri)!r} is {bom.upper()} (byte-order mark)",
+                field="data.encoding",
+                fix=f"set data.encoding: {bom}, or convert the files to UTF-8",
+            )
+        log.warning(
+            "%s: %s byte-order mark; decoded as %s (set data.encoding: %s to silence this)",
+            short(uri),
+            bom.upper(),
+            bom,
+            bom,
+        )
         return bom
     if b"\x00" in head[:SNIFF_BYTES] and not codec.startswith(("utf-16", "utf-32")):
-        fix = (f"set data.encoding: {bom} (or auto): the file starts with a {bom.upper()} byte-order mark" if bom in ("utf-16", "utf-32")
-               else "point it at a text table (or set data.encoding: utf-16-le / utf-16-be for UTF-16 without a byte-order mark)")
-        raise KubetuneError(f"{short(uri)!r} holds NUL bytes in its first 64 KiB: binary data, not {fmt} text", field=field, fix=fix)
-    if fmt in ("csv", "tsv") and size > MAX_FIRST_LINE and b"\n" not in head[:MAX_FIRST_LINE] and b"\r" not in head[:MAX_FIRST_LINE]:
-        raise KubetuneError(f"{short(uri)!r} has no line break in its first 1 MiB: not a {fmt} table", field=field,
-                            fix=f"check that the file is {fmt} (a header line, then one row per line)")
+        fix = (
+            f"set data.encoding: {bom} (or auto): the file starts with a {bom.upper()} byte-order mark"
+            if bom in ("utf-16", "utf-32")
+            else "point it at a text table (or set data.encoding: utf-16-le / utf-16-be for UTF-16 without a byte-order mark)"
+        )
+        raise KubetuneError(
+            f"{short(uri)!r} holds NUL bytes in its first 64 KiB: binary data, not {fmt} text", field=field, fix=fix
+        )
+    if (
+        fmt in ("csv", "tsv")
+        and size > MAX_FIRST_LINE
+        and b"\n" not in head[:MAX_FIRST_LINE]
+        and b"\r" not in head[:MAX_FIRST_LINE]
+    ):
+        raise KubetuneError(
+            f"{short(uri)!r} has no line break in its first 1 MiB: not a {fmt} table",
+            field=field,
+            fix=f"check that the file is {fmt} (a header line, then one row per line)",
+        )
     if bom == "utf-8-sig" and codec == "utf-8":  # the mark must not become part of the first column name
         return "utf-8-sig"
     return codec if explicit else "utf-8"
@@ -274,14 +352,28 @@ def _read_text_table(path: Path, fmt: str, enc: str, auto: bool, uri: str, field
             df = pd.read_csv(path, sep="\t", **csv)
         else:
             # dtype=False keeps JSON's own types: the string "123" stays text, "null" stays a string.
-            df = pd.read_json(path, lines=(fmt == "jsonl" or _looks_like_jsonl(path, enc)), encoding=enc, encoding_errors=errors, dtype=False)
+            df = pd.read_json(
+                path,
+                lines=(fmt == "jsonl" or _looks_like_jsonl(path, enc)),
+                encoding=enc,
+                encoding_errors=errors,
+                dtype=False,
+            )
     except UnicodeError:
-        raise KubetuneError(f"{short(uri)!r} is not valid {enc}{_where_invalid(path, enc)}", field="data.encoding",
-                            fix="set data.encoding to the file's encoding, e.g. latin-1, cp1252 or utf-16 (or auto)") from None
+        raise KubetuneError(
+            f"{short(uri)!r} is not valid {enc}{_where_invalid(path, enc)}",
+            field="data.encoding",
+            fix="set data.encoding to the file's encoding, e.g. latin-1, cp1252 or utf-16 (or auto)",
+        ) from None
     if _fallback_used[0]:
         n_bytes, n_lines = _invalid_utf8(path)
-        log.warning("%s: %d bytes on %d lines are not valid UTF-8; decoded those bytes as cp1252 and the rest as UTF-8 "
-                    "(set data.encoding to the file's encoding to silence this)", short(uri), n_bytes, n_lines)
+        log.warning(
+            "%s: %d bytes on %d lines are not valid UTF-8; decoded those bytes as cp1252 and the rest as UTF-8 "
+            "(set data.encoding to the file's encoding to silence this)",
+            short(uri),
+            n_bytes,
+            n_lines,
+        )
     if len(df.columns) and isinstance(df.columns[0], str) and df.columns[0].startswith("\ufeff"):
         df = df.rename(columns={df.columns[0]: df.columns[0].lstrip("\ufeff")})
     return df
@@ -327,36 +419,66 @@ def _looks_like_jsonl(path: Path, enc: str) -> bool:
     return not head.lstrip("\ufeff \t\r\n").startswith("[")
 
 
-def _read_dataset_dir(path: Path, uri: str, field: str, split: str | None, kind: str | None, encoding: str) -> pd.DataFrame:
+def _read_dataset_dir(
+    path: Path, uri: str, field: str, split: str | None, kind: str | None, encoding: str
+) -> pd.DataFrame:
     import datasets
 
     datasets.disable_progress_bars()
     options = {}
     if kind in ("csv", "tsv"):  # the same reading rules as a single file: no NA inference, the encoding
-        options = {"keep_default_na": False, "na_values": [""], "encoding": _codec(encoding) if encoding != "auto" else "utf-8",
-                   "encoding_errors": "strict" if encoding != "auto" else FALLBACK_ERRORS}
+        options = {
+            "keep_default_na": False,
+            "na_values": [""],
+            "encoding": _codec(encoding) if encoding != "auto" else "utf-8",
+            "encoding_errors": "strict" if encoding != "auto" else FALLBACK_ERRORS,
+        }
     _fallback_used[0] = 0
     verbosity = datasets.logging.get_verbosity()
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its readers log each failed file; the error below says it in one line
+    datasets.logging.set_verbosity(
+        datasets.logging.CRITICAL
+    )  # its readers log each failed file; the error below says it in one line
     try:
         if (path / KUBETUNE_MANIFEST).is_file() and kind in BUILDERS:
             ds = _load_without_manifest(datasets, path, split, kind, options)
         else:
             ds = datasets.load_dataset(str(path), split=split or "train", **options)
-    except (datasets.exceptions.DatasetGenerationError, datasets.table.CastError) as e:  # before ValueError: CastError is one
+    except (
+        datasets.exceptions.DatasetGenerationError,
+        datasets.table.CastError,
+    ) as e:  # before ValueError: CastError is one
         cause = e.__cause__ or e.__context__ or e  # DatasetGenerationError wraps the reader's error
         reason = f"{type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}"
-        fix = "set data.encoding to the files' encoding" if isinstance(cause, UnicodeError) else f"check that every file is valid {kind} with the same columns"
-        raise KubetuneError(f"cannot read {short(uri)}: {short(reason, 160)}", field="data.encoding" if isinstance(cause, UnicodeError) else field, fix=fix) from None
+        fix = (
+            "set data.encoding to the files' encoding"
+            if isinstance(cause, UnicodeError)
+            else f"check that every file is valid {kind} with the same columns"
+        )
+        raise KubetuneError(
+            f"cannot read {short(uri)}: {short(reason, 160)}",
+            field="data.encoding" if isinstance(cause, UnicodeError) else field,
+            fix=fix,
+        ) from None
     except ValueError as e:
         msg = short(str(e).splitlines()[0], 200)
-        raise KubetuneError(f"cannot load split {split!r} of {short(uri)}: {msg}", field=field.replace("data.train", "data.train_split").replace("data.eval", "data.eval_split"), fix="set data.train_split / data.eval_split, e.g. 'train[:3000]'") from None
+        raise KubetuneError(
+            f"cannot load split {split!r} of {short(uri)}: {msg}",
+            field=field.replace("data.train", "data.train_split").replace("data.eval", "data.eval_split"),
+            fix="set data.train_split / data.eval_split, e.g. 'train[:3000]'",
+        ) from None
     except (FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as e:
-        raise KubetuneError(f"no data files found in {short(uri)} ({short(e, 160)})", field=field, fix="point it at a dataset with CSV/JSONL/Parquet files") from None
+        raise KubetuneError(
+            f"no data files found in {short(uri)} ({short(e, 160)})",
+            field=field,
+            fix="point it at a dataset with CSV/JSONL/Parquet files",
+        ) from None
     finally:
         datasets.logging.set_verbosity(verbosity)
     if _fallback_used[0]:
-        log.warning("%s: some bytes are not valid UTF-8; decoded them as cp1252 (set data.encoding to the files' encoding to silence this)", short(uri))
+        log.warning(
+            "%s: some bytes are not valid UTF-8; decoded them as cp1252 (set data.encoding to the files' encoding to silence this)",
+            short(uri),
+        )
     return ds.to_pandas()
 
 
@@ -367,9 +489,14 @@ def _load_without_manifest(datasets, path: Path, split: str | None, kind: str, o
 
     found = DataFilesDict.from_patterns(get_data_patterns(str(path)), base_path=str(path))
     suffixes = {s for s, k in DIR_KINDS.items() if k == kind}
-    files = {name: [f for f in fs if Path(f).name != KUBETUNE_MANIFEST and Path(f).suffix.lower() in suffixes] for name, fs in found.items()}
+    files = {
+        name: [f for f in fs if Path(f).name != KUBETUNE_MANIFEST and Path(f).suffix.lower() in suffixes]
+        for name, fs in found.items()
+    }
     builder, extra = BUILDERS[kind]
-    return datasets.load_dataset(builder, data_files={k: v for k, v in files.items() if v}, split=split or "train", **extra, **options)
+    return datasets.load_dataset(
+        builder, data_files={k: v for k, v in files.items() if v}, split=split or "train", **extra, **options
+    )
 
 
 def describe_non_text(series: pd.Series) -> str | None:
@@ -398,7 +525,11 @@ def _is_nested(value) -> bool:
 def _normalize(df: pd.DataFrame, spec: DataSpec, field: str, dropped: dict[str, int], which: str) -> pd.DataFrame:
     source = short(getattr(spec, field.split(".")[1]))
     columns = [spec.text_column] + ([spec.text_pair_column] if spec.text_pair_column else []) + [spec.label_column]
-    names = {"text_column": spec.text_column, "text_pair_column": spec.text_pair_column, "label_column": spec.label_column}
+    names = {
+        "text_column": spec.text_column,
+        "text_pair_column": spec.text_pair_column,
+        "label_column": spec.label_column,
+    }
     available = [short(c, 40) for c in df.columns[:20]]
     for key, col in names.items():
         if col is not None and col not in df.columns:
@@ -414,10 +545,17 @@ def _normalize(df: pd.DataFrame, spec: DataSpec, field: str, dropped: dict[str, 
         col = names[key]
         what = describe_non_text(df[col]) if col else None
         if what:
-            raise KubetuneError(f"column '{short(col, 40)}' of {source} holds {what}, not text", field=f"data.{key}", fix=f"set data.{key} to the text column")
+            raise KubetuneError(
+                f"column '{short(col, 40)}' of {source} holds {what}, not text",
+                field=f"data.{key}",
+                fix=f"set data.{key} to the text column",
+            )
     if df[spec.label_column].dtype == object and df[spec.label_column].map(_is_nested).any():
-        raise KubetuneError(f"column '{short(spec.label_column, 40)}' of {source} holds nested values (lists/structs), not class labels",
-                            field="data.label_column", fix="set data.label_column to the column that holds one class per row")
+        raise KubetuneError(
+            f"column '{short(spec.label_column, 40)}' of {source} holds nested values (lists/structs), not class labels",
+            field="data.label_column",
+            fix="set data.label_column to the column that holds one class per row",
+        )
     keep = np.ones(len(df), dtype=bool)
     for col in columns[:-1]:
         text = df[col]
@@ -430,7 +568,11 @@ def _normalize(df: pd.DataFrame, spec: DataSpec, field: str, dropped: dict[str, 
         log.warning("%s: dropped %d of %d rows with a missing/empty text or label", field, n_drop, len(df))
     df = df[keep]
     if len(df) == 0:
-        raise KubetuneError(f"no usable rows in {source}: every row lacks a text or label", field=field, fix="check data.text_column and data.label_column")
+        raise KubetuneError(
+            f"no usable rows in {source}: every row lacks a text or label",
+            field=field,
+            fix="check data.text_column and data.label_column",
+        )
     return df
 
 
@@ -444,11 +586,19 @@ def _check_labels(series: pd.Series, spec: DataSpec) -> None:
             field="data.label_column",
             fix="check that data.label_column is the class column (not an id or a free-text column), or raise data.max_classes",
         )
-    fractional = [v for v in series.unique() if isinstance(v, (float, np.floating)) and math.isfinite(v) and not float(v).is_integer()]
+    fractional = [
+        v
+        for v in series.unique()
+        if isinstance(v, (float, np.floating)) and math.isfinite(v) and not float(v).is_integer()
+    ]
     if fractional:
-        log.warning("data.label_column: column '%s' holds fractional numbers (e.g. %s): this looks like a regression target; "
-                    "kubetune classifies, so each of the %d distinct values becomes a class", short(spec.label_column, 40),
-                    ", ".join(f"{v:g}" for v in sorted(fractional)[:3]), n)
+        log.warning(
+            "data.label_column: column '%s' holds fractional numbers (e.g. %s): this looks like a regression target; "
+            "kubetune classifies, so each of the %d distinct values becomes a class",
+            short(spec.label_column, 40),
+            ", ".join(f"{v:g}" for v in sorted(fractional)[:3]),
+            n,
+        )
 
 
 def _label_key(value) -> str:

@@ -77,7 +77,12 @@ def tokenized(frame: pd.DataFrame, tokenizer, max_length: int, *, build: bool, m
         if mode.startswith("causal-lm"):
             from kubetune.data.causal import tokenize_frame
 
-            return tokenize_frame(pd.DataFrame({"record": batch["record"]}), tokenizer, max_length, train_on_prompt=mode.endswith("+prompt"))
+            return tokenize_frame(
+                pd.DataFrame({"record": batch["record"]}),
+                tokenizer,
+                max_length,
+                train_on_prompt=mode.endswith("+prompt"),
+            )
         enc = tokenizer(batch["text"], batch["text_pair"] if pair else None, truncation=True, max_length=max_length)
         enc["length"] = [len(ids) for ids in enc["input_ids"]]
         return enc

@@ -64,7 +64,9 @@ def setup(env: DistEnv, device: torch.device, backend: str = "auto", timeout_min
         backend = "nccl" if device.type == "cuda" else "gloo"
     from datetime import timedelta
 
-    dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes), device_id=device if backend == "nccl" else None)
+    dist.init_process_group(
+        backend=backend, timeout=timedelta(minutes=timeout_minutes), device_id=device if backend == "nccl" else None
+    )
     global _CONTROL
     # Per-step agreement (stop? checkpoint?) goes over gloo on the CPU: over NCCL it would need a
     # GPU tensor and a device sync every step, stalling the queue of GPU work the CPU runs ahead of.
@@ -131,7 +133,9 @@ def install_signal_handlers() -> None:
 
     def handler(signum, frame):
         if not STOP.is_set():
-            logging.getLogger(__name__).warning("received %s: finishing the current step, then writing a checkpoint", signal.Signals(signum).name)
+            logging.getLogger(__name__).warning(
+                "received %s: finishing the current step, then writing a checkpoint", signal.Signals(signum).name
+            )
         STOP.set()
 
     signal.signal(signal.SIGTERM, handler)

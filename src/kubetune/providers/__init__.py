@@ -15,6 +15,7 @@ from kubetune.providers.base import _RESOLVERS, Kind, Uri, parse_uri, register, 
 
 __all__ = ["Kind", "Uri", "configure", "parse_uri", "register", "resolve", "sha256_file"]
 
+
 def resolve(uri: str, *, kind: Kind, field: str, revision: str | None = None) -> Path:
     """Return a local path for ``uri``, fetching it first when the scheme is remote.
 
@@ -32,7 +33,9 @@ def resolve(uri: str, *, kind: Kind, field: str, revision: str | None = None) ->
     if resolver is None:
         known = ", ".join(f"{s}://" for s in sorted(_RESOLVERS))
         raise KubetuneError(
-            f"unsupported URI scheme '{parsed.scheme}://' in {uri!r}", field=field, fix=f"use one of {known} or a plain path"
+            f"unsupported URI scheme '{parsed.scheme}://' in {uri!r}",
+            field=field,
+            fix=f"use one of {known} or a plain path",
         )
     return resolver(parsed, kind, field, revision)
 

@@ -60,7 +60,9 @@ def transfer_config():
     from boto3.s3.transfer import TransferConfig
 
     # 16 MiB parts, 8 in flight: memory stays ~128 MiB whatever the object size.
-    return TransferConfig(multipart_threshold=16 << 20, multipart_chunksize=16 << 20, max_concurrency=8, use_threads=True)
+    return TransferConfig(
+        multipart_threshold=16 << 20, multipart_chunksize=16 << 20, max_concurrency=8, use_threads=True
+    )
 
 
 @dataclass(frozen=True)
@@ -86,16 +88,44 @@ def translate(e: Exception, loc: Location, field: str, action: str) -> KubetuneE
 
     where = f"bucket '{loc.bucket}' at {endpoint() or 'AWS S3'}"
     if isinstance(e, NoCredentialsError):
-        return KubetuneError(f"no S3 credentials found to {action} {where}", field=field, fix="set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or a profile, or the Kubernetes Secret)")
+        return KubetuneError(
+            f"no S3 credentials found to {action} {where}",
+            field=field,
+            fix="set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or a profile, or the Kubernetes Secret)",
+        )
     if isinstance(e, ClientError):
         code = e.response.get("Error", {}).get("Code", "")
         status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         if code == "NoSuchBucket":
-            return KubetuneError(f"{where} does not exist", field=field, fix=f"create it (e.g. `mc mb local/{loc.bucket}`) or fix the URI")
-        if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403", "Forbidden", "InvalidToken", "ExpiredToken") or status == 403:
-            return KubetuneError(f"S3 refused to {action} {where} ({code or status})", field=field, fix="check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY and the bucket policy")
+            return KubetuneError(
+                f"{where} does not exist",
+                field=field,
+                fix=f"create it (e.g. `mc mb local/{loc.bucket}`) or fix the URI",
+            )
+        if (
+            code
+            in (
+                "InvalidAccessKeyId",
+                "SignatureDoesNotMatch",
+                "AccessDenied",
+                "403",
+                "Forbidden",
+                "InvalidToken",
+                "ExpiredToken",
+            )
+            or status == 403
+        ):
+            return KubetuneError(
+                f"S3 refused to {action} {where} ({code or status})",
+                field=field,
+                fix="check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY and the bucket policy",
+            )
         if code in ("NoSuchKey", "404", "NotFound"):
-            return KubetuneError(f"s3://{loc.bucket}/{loc.key} not found at {endpoint() or 'AWS S3'}", field=field, fix="check the key or prefix")
+            return KubetuneError(
+                f"s3://{loc.bucket}/{loc.key} not found at {endpoint() or 'AWS S3'}",
+                field=field,
+                fix="check the key or prefix",
+            )
         return KubetuneError(f"S3 error while trying to {action} {where}: {code or status}", field=field)
     from boto3.exceptions import RetriesExceededError, S3UploadFailedError
 
@@ -107,16 +137,33 @@ def translate(e: Exception, loc: Location, field: str, action: str) -> KubetuneE
         for code in ("NoSuchBucket", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied"):
             if code in text:
                 return translate(ClientError({"Error": {"Code": code}}, "PutObject"), loc, field, action)
-        return KubetuneError(f"S3 upload to {where} failed after retries", field=field, fix="check the endpoint and that the server is up")
+        return KubetuneError(
+            f"S3 upload to {where} failed after retries",
+            field=field,
+            fix="check the endpoint and that the server is up",
+        )
     from botocore.exceptions import BotoCoreError
 
-    if isinstance(e, EndpointConnectionError) or (isinstance(e, BotoCoreError) and "connect" in type(e).__name__.lower()):
-        return KubetuneError(f"cannot reach the S3 endpoint to {action} {where} (after retries)", field=field, fix="check the endpoint (s3.endpoint_url / AWS_ENDPOINT_URL) and that the server is up")
+    if isinstance(e, EndpointConnectionError) or (
+        isinstance(e, BotoCoreError) and "connect" in type(e).__name__.lower()
+    ):
+        return KubetuneError(
+            f"cannot reach the S3 endpoint to {action} {where} (after retries)",
+            field=field,
+            fix="check the endpoint (s3.endpoint_url / AWS_ENDPOINT_URL) and that the server is up",
+        )
     if isinstance(e, OSError):  # local disk: full, read-only, permissions
-        return KubetuneError(f"cannot {action.split()[0]} {getattr(e, 'filename', None) or 'a local file'} while transferring with {where}: {e.strerror or e}",
-                             field=field, fix="free disk space or fix the local directory's permissions")
+        return KubetuneError(
+            f"cannot {action.split()[0]} {getattr(e, 'filename', None) or 'a local file'} while transferring with {where}: {e.strerror or e}",
+            field=field,
+            fix="free disk space or fix the local directory's permissions",
+        )
     if isinstance(e, BotoCoreError):
-        return KubetuneError(f"S3 transfer failed while trying to {action} {where}: {type(e).__name__}", field=field, fix="check the endpoint and retry")
+        return KubetuneError(
+            f"S3 transfer failed while trying to {action} {where}: {type(e).__name__}",
+            field=field,
+            fix="check the endpoint and retry",
+        )
     raise e
 
 
@@ -138,9 +185,15 @@ def _download(s3, bucket: str, key: str, dest: Path, size: int, sha256: str | No
         s3.download_file(bucket, key, tmp, Config=transfer_config())
         got = os.path.getsize(tmp)
         if got != size:
-            raise KubetuneError(f"s3://{bucket}/{key}: downloaded {got} bytes, expected {size}", fix="retry; the object may have changed during the download")
+            raise KubetuneError(
+                f"s3://{bucket}/{key}: downloaded {got} bytes, expected {size}",
+                fix="retry; the object may have changed during the download",
+            )
         if sha256 is not None and sha256_file(Path(tmp)) != sha256:
-            raise KubetuneError(f"s3://{bucket}/{key}: sha256 does not match the artifact's manifest", fix="the artifact was modified after export; re-run the export")
+            raise KubetuneError(
+                f"s3://{bucket}/{key}: sha256 does not match the artifact's manifest",
+                fix="the artifact was modified after export; re-run the export",
+            )
         set_default_mode(Path(tmp))
         os.replace(tmp, dest)
     finally:
@@ -157,11 +210,17 @@ def read_manifest(s3, bucket: str, key: str, shown: str) -> dict:
     try:
         manifest = json.loads(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
         files = manifest["files"]
-        ok = isinstance(files, dict) and all(isinstance(m, dict) and isinstance(m.get("size"), int) and isinstance(m.get("sha256"), str) for m in files.values())
+        ok = isinstance(files, dict) and all(
+            isinstance(m, dict) and isinstance(m.get("size"), int) and isinstance(m.get("sha256"), str)
+            for m in files.values()
+        )
     except (ValueError, KeyError, TypeError):
         ok = False
     if not ok:
-        raise KubetuneError(f"s3://{bucket}/{key} is not a valid kubetune manifest", fix="re-run the export, or point at a complete artifact")
+        raise KubetuneError(
+            f"s3://{bucket}/{key} is not a valid kubetune manifest",
+            fix="re-run the export, or point at a complete artifact",
+        )
     for rel in files:
         check_relative(rel, what=f"{shown}: {MANIFEST} of bucket '{bucket}' lists")
     return manifest
@@ -183,10 +242,14 @@ def _artifact_above(s3, loc: Location) -> tuple[str, dict] | None:
         except Exception as e:
             from botocore.exceptions import ClientError
 
-            if isinstance(e, ClientError) and e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+            if isinstance(e, ClientError) and e.response.get("Error", {}).get("Code") in (
+                "404",
+                "NoSuchKey",
+                "NotFound",
+            ):
                 continue
             raise
-        files = {rel[len(sub):]: meta for rel, meta in manifest["files"].items() if rel.startswith(sub)}
+        files = {rel[len(sub) :]: meta for rel, meta in manifest["files"].items() if rel.startswith(sub)}
         if files:
             return (f"{root}/" if root else ""), {**manifest, "files": files, "subdir": sub.rstrip("/")}
     return None
@@ -213,11 +276,19 @@ def download(uri: str, dest: Path, *, field: str, require_manifest: bool = False
             try:
                 head = s3.head_object(Bucket=loc.bucket, Key=loc.key)
                 if require_manifest:
-                    raise KubetuneError(f"{uri} is a single object, not a kubetune artifact", field=field, fix="pass the artifact's prefix")
+                    raise KubetuneError(
+                        f"{uri} is a single object, not a kubetune artifact",
+                        field=field,
+                        fix="pass the artifact's prefix",
+                    )
                 name = PurePosixPath(loc.key).name
                 check_relative(name, what=f"{shown}, key {loc.key!r}")
                 target = dest if dest.suffix else safe_join(dest, name, what=f"{shown}, key {loc.key!r}")
-                if not (target.exists() and target.stat().st_size == head["ContentLength"] and _etag_ok(target, head["ETag"])):
+                if not (
+                    target.exists()
+                    and target.stat().st_size == head["ContentLength"]
+                    and _etag_ok(target, head["ETag"])
+                ):
                     _download(s3, loc.bucket, loc.key, target, head["ContentLength"])
                     _remember_etag(target, head["ETag"])
                 return target
@@ -226,13 +297,16 @@ def download(uri: str, dest: Path, *, field: str, require_manifest: bool = False
             except Exception as e:  # a 404 on head means: maybe a prefix
                 from botocore.exceptions import ClientError
 
-                if not (isinstance(e, ClientError) and e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound")):
+                if not (
+                    isinstance(e, ClientError)
+                    and e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound")
+                ):
                     raise
             objects = _list(s3, loc)
         prefix = loc.key.rstrip("/") + "/" if loc.key else ""
         names = {}
         for o in objects:
-            rel = o["Key"][len(prefix):]
+            rel = o["Key"][len(prefix) :]
             check_relative(rel, what=f"{shown}, key {o['Key']!r} under s3://{loc.bucket}/{prefix}")
             names[rel] = o
         manifest = None
@@ -241,24 +315,43 @@ def download(uri: str, dest: Path, *, field: str, require_manifest: bool = False
         elif require_manifest:
             above = _artifact_above(s3, loc)
             if above is None:
-                raise KubetuneError(f"{uri} has no {MANIFEST}: the artifact is incomplete (an upload was interrupted) or not a kubetune artifact", field=field, fix="re-run the export, or point at a complete artifact")
+                raise KubetuneError(
+                    f"{uri} has no {MANIFEST}: the artifact is incomplete (an upload was interrupted) or not a kubetune artifact",
+                    field=field,
+                    fix="re-run the export, or point at a complete artifact",
+                )
             root, manifest = above
             sub = manifest["subdir"] + "/"
             listing = {o["Key"]: o for o in _list(s3, Location(loc.bucket, root + sub))}
             names = {rel: listing[root + sub + rel] for rel in manifest["files"] if root + sub + rel in listing}
         if not names and manifest is None:
-            raise KubetuneError(f"nothing at {uri} ({endpoint() or 'AWS S3'})", field=field, fix="check the bucket and prefix")
+            raise KubetuneError(
+                f"nothing at {uri} ({endpoint() or 'AWS S3'})", field=field, fix="check the bucket and prefix"
+            )
         if manifest is not None:
             missing = sorted(set(manifest["files"]) - set(names))
             if missing:
-                raise KubetuneError(f"{uri}: manifest lists {len(missing)} file(s) that are missing, e.g. {missing[0]}", field=field, fix="re-run the export")
+                raise KubetuneError(
+                    f"{uri}: manifest lists {len(missing)} file(s) that are missing, e.g. {missing[0]}",
+                    field=field,
+                    fix="re-run the export",
+                )
             names = {rel: names[rel] for rel in manifest["files"]}  # only what the artifact contains
-        targets = {rel: safe_join(dest, rel, what=f"{shown}, key {obj['Key']!r}") for rel, obj in names.items() if rel != MANIFEST}
+        targets = {
+            rel: safe_join(dest, rel, what=f"{shown}, key {obj['Key']!r}")
+            for rel, obj in names.items()
+            if rel != MANIFEST
+        }
 
         def fetch(rel: str) -> None:
             obj, target = names[rel], targets[rel]
             sha = manifest["files"][rel]["sha256"] if manifest is not None else None
-            if target.exists() and target.stat().st_size == obj["Size"] and _etag_ok(target, obj["ETag"]) and (sha is None or sha256_file(target) == sha):
+            if (
+                target.exists()
+                and target.stat().st_size == obj["Size"]
+                and _etag_ok(target, obj["ETag"])
+                and (sha is None or sha256_file(target) == sha)
+            ):
                 return
             _download(s3, loc.bucket, obj["Key"], target, obj["Size"], sha)
             _remember_etag(target, obj["ETag"])
@@ -290,8 +383,14 @@ def upload_dir(local: Path, uri: str, *, field: str = "output.uri", exclude: tup
     """
     loc = Location.parse(uri, field)
     s3 = client()
-    files = sorted(p for p in local.rglob("*") if p.is_file() and p.name != MANIFEST and not p.name.startswith(".kubetune-")
-                   and p.relative_to(local).parts[0] not in exclude)
+    files = sorted(
+        p
+        for p in local.rglob("*")
+        if p.is_file()
+        and p.name != MANIFEST
+        and not p.name.startswith(".kubetune-")
+        and p.relative_to(local).parts[0] not in exclude
+    )
     manifest = {"format": "kubetune-artifact/1", "files": {}}
     try:
         previous = _manifest_or_none(s3, loc, uri)
@@ -305,7 +404,9 @@ def upload_dir(local: Path, uri: str, *, field: str = "output.uri", exclude: tup
 
         with ThreadPoolExecutor(max_workers=4) as pool:
             manifest["files"] = dict(pool.map(put, files))
-        s3.put_object(Bucket=loc.bucket, Key=loc.join(MANIFEST), Body=json.dumps(manifest, indent=1, sort_keys=True).encode())
+        s3.put_object(
+            Bucket=loc.bucket, Key=loc.join(MANIFEST), Body=json.dumps(manifest, indent=1, sort_keys=True).encode()
+        )
         for rel in sorted(set(previous["files"]) - set(manifest["files"])) if previous else []:
             s3.delete_object(Bucket=loc.bucket, Key=loc.join(rel))
     except KubetuneError:
@@ -359,8 +460,12 @@ def list_keys(uri: str, *, field: str, limit: int = 1000) -> list[str]:
     prefix = loc.key.rstrip("/") + "/" if loc.key else ""
     try:
         out: list[str] = []
-        for page in client().get_paginator("list_objects_v2").paginate(Bucket=loc.bucket, Prefix=prefix, PaginationConfig={"MaxItems": limit}):
-            out += [o["Key"][len(prefix):] for o in page.get("Contents", [])]
+        for page in (
+            client()
+            .get_paginator("list_objects_v2")
+            .paginate(Bucket=loc.bucket, Prefix=prefix, PaginationConfig={"MaxItems": limit})
+        ):
+            out += [o["Key"][len(prefix) :] for o in page.get("Contents", [])]
         return out
     except Exception as e:
         raise translate(e, loc, field, "list") from None
@@ -397,7 +502,11 @@ def check_bucket(uri: str, *, field: str) -> None:
     except Exception as e:
         from botocore.exceptions import ClientError
 
-        if isinstance(e, ClientError) and e.response.get("Error", {}).get("Code") in ("404", "NoSuchBucket", "NotFound"):
+        if isinstance(e, ClientError) and e.response.get("Error", {}).get("Code") in (
+            "404",
+            "NoSuchBucket",
+            "NotFound",
+        ):
             e.response["Error"]["Code"] = "NoSuchBucket"  # head_bucket reports a bare 404
         raise translate(e, loc, field, "write to") from None
 
@@ -406,7 +515,9 @@ def check_bucket(uri: str, *, field: str) -> None:
 def resolve_s3(uri: Uri, kind: Kind, field: str, revision: str | None) -> Path:
     """Download to the local cache (``$KUBETUNE_CACHE/s3/BUCKET/KEY``), reusing unchanged files."""
     loc = Location.parse(uri.raw, field)
-    dest = safe_join(cache_root() / "s3", f"{loc.bucket}/{loc.key.rstrip('/')}".rstrip("/"), what=f"{field}: {uri.raw!r}")
+    dest = safe_join(
+        cache_root() / "s3", f"{loc.bucket}/{loc.key.rstrip('/')}".rstrip("/"), what=f"{field}: {uri.raw!r}"
+    )
     return download(uri.raw, dest, field=field)
 
 

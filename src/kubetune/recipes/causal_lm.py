@@ -31,7 +31,6 @@ from kubetune.recipes.task import Prepared, Task, tokenize_on_node
 log = logging.getLogger(__name__)
 
 
-
 def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
     frames = load_lm_frames(spec.data, spec.training.seed)
     fallback = frames.format != "text" and ensure_chat_template(tokenizer)
@@ -51,17 +50,38 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
     eval_ds = _with_targets(eval_ds, dropped, "eval_truncated", spec.data.max_length)
     units = np.asarray(train_ds["n_targets"], dtype=np.int64)
     lengths = np.asarray(train_ds["length"])
-    info = {"data_format": frames.format, "chat_template": ("fallback" if fallback else "tokenizer") if frames.format != "text" else None,
-            # Per epoch, of the training data; the loop reports train_tokens over every epoch trained.
-            "train_data_tokens": int(lengths.sum()), "train_data_target_tokens": int(units.sum()), "packing": spec.data.packing}
+    info = {
+        "data_format": frames.format,
+        "chat_template": ("fallback" if fallback else "tokenizer") if frames.format != "text" else None,
+        # Per epoch, of the training data; the loop reports train_tokens over every epoch trained.
+        "train_data_tokens": int(lengths.sum()),
+        "train_data_target_tokens": int(units.sum()),
+        "packing": spec.data.packing,
+    }
     if env.is_local_main:
-        log.info("data: %d train / %d eval rows (%s format%s); %d tokens, %d with loss (%.0f%%), mean length %.0f, max %d; tokenization cache %s",
-                 len(train_ds), len(eval_ds), frames.format, ", fallback chat template" if fallback else "", lengths.sum(), units.sum(),
-                 100 * units.sum() / max(lengths.sum(), 1), lengths.mean(), lengths.max(), "hit" if hit else "miss (tokenized and cached)")
+        log.info(
+            "data: %d train / %d eval rows (%s format%s); %d tokens, %d with loss (%.0f%%), mean length %.0f, max %d; tokenization cache %s",
+            len(train_ds),
+            len(eval_ds),
+            frames.format,
+            ", fallback chat template" if fallback else "",
+            lengths.sum(),
+            units.sum(),
+            100 * units.sum() / max(lengths.sum(), 1),
+            lengths.mean(),
+            lengths.max(),
+            "hit" if hit else "miss (tokenized and cached)",
+        )
     return Prepared(
-        train_ds=train_ds, eval_ds=eval_ds,
+        train_ds=train_ds,
+        eval_ds=eval_ds,
         collate=functools.partial(collate_lm, train_ds, pad_id=tokenizer.pad_token_id, packing=spec.data.packing),
-        train_rows=len(train_ds), eval_rows=len(eval_ds), units=units, dropped=dropped, info=info, raw=tokenizer,
+        train_rows=len(train_ds),
+        eval_rows=len(eval_ds),
+        units=units,
+        dropped=dropped,
+        info=info,
+        raw=tokenizer,
     )
 
 
@@ -71,10 +91,15 @@ def _with_targets(ds, dropped: dict, key: str, max_length: int):
     if len(keep) == len(ds):
         return ds
     dropped[key] = len(ds) - len(keep)
-    log.warning("%d rows have no response tokens within data.max_length %d; they are skipped", len(ds) - len(keep), max_length)
+    log.warning(
+        "%d rows have no response tokens within data.max_length %d; they are skipped", len(ds) - len(keep), max_length
+    )
     if len(keep) == 0:
-        raise KubetuneError(f"no row has response tokens within the first {max_length} tokens", field="data.max_length",
-                            fix="raise data.max_length, or check data.format and the column settings")
+        raise KubetuneError(
+            f"no row has response tokens within the first {max_length} tokens",
+            field="data.max_length",
+            fix="raise data.max_length, or check data.format and the column settings",
+        )
     return ds.select(keep)
 
 
@@ -99,7 +124,9 @@ def build_model(spec: JobSpec, model_dir, data: Prepared, device: torch.device, 
     if quant and dtype == torch.float16:
         from peft import prepare_model_for_kbit_training
 
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing, gradient_checkpointing_kwargs=ckpt_kwargs)
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=cfg.gradient_checkpointing, gradient_checkpointing_kwargs=ckpt_kwargs
+        )
     elif quant:
         # What peft's prepare_model_for_kbit_training does, less its cast of every unquantized weight
         # to fp32 (meant for fp16 training): under bf16 autocast the frozen embeddings and norms need
@@ -114,24 +141,41 @@ def build_model(spec: JobSpec, model_dir, data: Prepared, device: torch.device, 
     if lora is not None:
         from peft import LoraConfig, TaskType, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(task_type=TaskType.CAUSAL_LM, r=lora.r, lora_alpha=lora.alpha,
-                                                 lora_dropout=lora.dropout, target_modules=lora.target_modules))
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                task_type=TaskType.CAUSAL_LM,
+                r=lora.r,
+                lora_alpha=lora.alpha,
+                lora_dropout=lora.dropout,
+                target_modules=lora.target_modules,
+            ),
+        )
     return model if quant else model.to(device)  # a quantized model is already on its device
 
 
 def _quantized_load(quant: str, device: torch.device, dtype: torch.dtype) -> dict:
     if device.type != "cuda":
-        raise KubetuneError(f"{quant} quantization (QLoRA) needs a CUDA GPU and this worker runs on {device.type}", field="lora.quantization",
-                            fix="remove lora.quantization to train LoRA unquantized on CPU, or run on GPU nodes (resources.gpus)")
+        raise KubetuneError(
+            f"{quant} quantization (QLoRA) needs a CUDA GPU and this worker runs on {device.type}",
+            field="lora.quantization",
+            fix="remove lora.quantization to train LoRA unquantized on CPU, or run on GPU nodes (resources.gpus)",
+        )
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:
-        raise KubetuneError("bitsandbytes is not installed", field="lora.quantization", fix="pip install bitsandbytes (the CUDA trainer image has it)") from None
+        raise KubetuneError(
+            "bitsandbytes is not installed",
+            field="lora.quantization",
+            fix="pip install bitsandbytes (the CUDA trainer image has it)",
+        ) from None
     from transformers import BitsAndBytesConfig
 
     compute = dtype if dtype != torch.float32 else torch.float32
     if quant == "4bit":
-        config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute)
+        config = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute
+        )
     else:
         config = BitsAndBytesConfig(load_in_8bit=True)
     # Each rank loads its own quantized copy onto its own GPU (device_map pins every module there).

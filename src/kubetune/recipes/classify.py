@@ -24,7 +24,6 @@ from kubetune.recipes.task import Prepared, Task, tokenize_on_node
 log = logging.getLogger(__name__)
 
 
-
 def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
     frames = load_frames(spec.data, spec.training.seed)
 
@@ -35,11 +34,24 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
 
     train_ds, eval_ds, hit = tokenize_on_node(env, build)
     if env.is_local_main:
-        log.info("data: %d train / %d eval rows, %d classes %s; tokenization cache %s", len(frames.train), len(frames.eval), len(frames.labels), frames.labels, "hit" if hit else "miss (tokenized and cached)")
+        log.info(
+            "data: %d train / %d eval rows, %d classes %s; tokenization cache %s",
+            len(frames.train),
+            len(frames.eval),
+            len(frames.labels),
+            frames.labels,
+            "hit" if hit else "miss (tokenized and cached)",
+        )
     return Prepared(
-        train_ds=train_ds, eval_ds=eval_ds, collate=functools.partial(collate, train_ds, tokenizer=tokenizer),
-        train_rows=len(frames.train), eval_rows=len(frames.eval), labels=frames.labels, dropped=frames.dropped,
-        info={"labels": frames.labels}, raw=(frames, tokenizer),
+        train_ds=train_ds,
+        eval_ds=eval_ds,
+        collate=functools.partial(collate, train_ds, tokenizer=tokenizer),
+        train_rows=len(frames.train),
+        eval_rows=len(frames.eval),
+        labels=frames.labels,
+        dropped=frames.dropped,
+        info={"labels": frames.labels},
+        raw=(frames, tokenizer),
     )
 
 
@@ -47,7 +59,9 @@ def loss(model, micro: dict, autocast) -> tuple[torch.Tensor, torch.Tensor]:
     labels = micro.pop("labels")
     with autocast:
         logits = model(**micro).logits
-    return F.cross_entropy(logits.float(), labels, reduction="sum"), torch.tensor(float(len(labels)), device=labels.device)
+    return F.cross_entropy(logits.float(), labels, reduction="sum"), torch.tensor(
+        float(len(labels)), device=labels.device
+    )
 
 
 def export(spec: JobSpec, model, tokenizer, data: Prepared, out, metrics: dict) -> None:
@@ -57,7 +71,11 @@ def export(spec: JobSpec, model, tokenizer, data: Prepared, out, metrics: dict) 
         baseline = artifacts.tfidf_baseline(frames)  # None where it cannot fit in memory (it logs why)
         if baseline is not None:
             metrics["baseline"] = baseline
-            log.info("baseline (TF-IDF + logistic regression, same split): accuracy %.4f f1_macro %.4f", baseline["accuracy"], baseline["f1_macro"])
+            log.info(
+                "baseline (TF-IDF + logistic regression, same split): accuracy %.4f f1_macro %.4f",
+                baseline["accuracy"],
+                baseline["f1_macro"],
+            )
 
 
 def build_model(spec: JobSpec, model_dir, data: Prepared, device: torch.device, dtype: torch.dtype):
@@ -120,8 +138,12 @@ def evaluate(model, data: Prepared, env: DistEnv, device, autocast, batch_size: 
         trues.append(labels)
         preds.append(logits.argmax(-1))
     y, p = torch.cat(trues), torch.cat(preds)
-    counts = [loss_sum.view(1), torch.bincount(y[y == p], minlength=num_labels).double(),
-              torch.bincount(y, minlength=num_labels).double(), torch.bincount(p, minlength=num_labels).double()]
+    counts = [
+        loss_sum.view(1),
+        torch.bincount(y[y == p], minlength=num_labels).double(),
+        torch.bincount(y, minlength=num_labels).double(),
+        torch.bincount(p, minlength=num_labels).double(),
+    ]
     with_confusion = num_labels <= MAX_CONFUSION_CLASSES  # the same on every rank: the same tensor size
     if with_confusion:
         counts.append(torch.bincount(y * num_labels + p, minlength=num_labels**2).double())

@@ -27,7 +27,9 @@ def resolve_precision(precision: str, device: torch.device) -> torch.dtype:
         if device.type == "cuda" and torch.cuda.is_bf16_supported():
             return torch.bfloat16
         if device.type == "cpu" and cpu_has_bf16():
-            return torch.bfloat16  # AMX / AVX512-BF16: a MiniLM training step 2.2× faster than fp32 (benchmarks/README.md)
+            return (
+                torch.bfloat16
+            )  # AMX / AVX512-BF16: a MiniLM training step 2.2× faster than fp32 (benchmarks/README.md)
         return torch.float32
     if precision == "fp16" and device.type != "cuda":
         raise KubetuneError("fp16 needs a CUDA GPU", field="training.precision", fix="use auto, fp32 or bf16 on CPU")
@@ -68,7 +70,11 @@ def load_tokenizer(model_dir: Path):
     try:
         return AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError) as e:
-        raise KubetuneError(f"no usable tokenizer in {model_dir}: {str(e).splitlines()[0]}", field="model.uri", fix="point it at a directory saved with save_pretrained (config + tokenizer files)") from None
+        raise KubetuneError(
+            f"no usable tokenizer in {model_dir}: {str(e).splitlines()[0]}",
+            field="model.uri",
+            fix="point it at a directory saved with save_pretrained (config + tokenizer files)",
+        ) from None
 
 
 def load_pretrained(auto_cls, model_dir: Path, **kwargs):
@@ -76,7 +82,11 @@ def load_pretrained(auto_cls, model_dir: Path, **kwargs):
     try:
         return auto_cls.from_pretrained(model_dir, **kwargs)
     except (OSError, ValueError) as e:
-        raise KubetuneError(f"cannot load a model from {model_dir}: {str(e).splitlines()[0]}", field="model.uri", fix="point it at a Hugging Face model directory or hf://ORG/NAME") from None
+        raise KubetuneError(
+            f"cannot load a model from {model_dir}: {str(e).splitlines()[0]}",
+            field="model.uri",
+            fix="point it at a Hugging Face model directory or hf://ORG/NAME",
+        ) from None
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainSpec, total_steps: int, device: torch.device):

@@ -37,7 +37,9 @@ class Task:
 
     prepare: Callable[[JobSpec, DistEnv, Path, Any], Prepared]  # (spec, env, model_dir, tokenizer)
     build_model: Callable[[JobSpec, Path, Prepared, torch.device, torch.dtype], torch.nn.Module]
-    loss: Callable[[torch.nn.Module, dict, Any], tuple[torch.Tensor, torch.Tensor]]  # -> (loss sum, units) of a micro-batch
+    loss: Callable[
+        [torch.nn.Module, dict, Any], tuple[torch.Tensor, torch.Tensor]
+    ]  # -> (loss sum, units) of a micro-batch
     evaluate: Callable[..., dict]  # (model, prepared, env, device, autocast, batch_size) -> metrics
     export: Callable[[JobSpec, torch.nn.Module, Any, Prepared, Path, dict], None]  # rank 0, adds to metrics
     headline: tuple[str, ...]  # metrics for the per-epoch and final log lines

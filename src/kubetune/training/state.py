@@ -42,10 +42,17 @@ class TrainState:
             train_time: training seconds up to now (the epoch in progress included).
             per_rank: every rank's (RNG state, log_loss, tokens), gathered.
         """
-        progress = {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "global_step": self.global_step,
-                    "samples_seen": self.samples_seen, "train_time": train_time, "logged_losses": list(self.logged_losses),
-                    "log_loss": [loss for _, loss, _ in per_rank], "tokens": [t for _, _, t in per_rank],
-                    "logger_runs": dict(self.logger_runs)}
+        progress = {
+            "epoch": self.epoch,
+            "step_in_epoch": self.step_in_epoch,
+            "global_step": self.global_step,
+            "samples_seen": self.samples_seen,
+            "train_time": train_time,
+            "logged_losses": list(self.logged_losses),
+            "log_loss": [loss for _, loss, _ in per_rank],
+            "tokens": [t for _, _, t in per_rank],
+            "logger_runs": dict(self.logger_runs),
+        }
         return {"progress": progress, "rng": [rng for rng, _, _ in per_rank]}
 
     @classmethod
@@ -57,8 +64,12 @@ class TrainState:
         """This rank's state from a checkpoint's ``progress`` (the RNG is restored separately)."""
         p = state["progress"]
         return cls(
-            epoch=p["epoch"], step_in_epoch=p["step_in_epoch"], global_step=p["global_step"], samples_seen=p["samples_seen"],
-            train_time=p["train_time"], logged_losses=list(p["logged_losses"]),
+            epoch=p["epoch"],
+            step_in_epoch=p["step_in_epoch"],
+            global_step=p["global_step"],
+            samples_seen=p["samples_seen"],
+            train_time=p["train_time"],
+            logged_losses=list(p["logged_losses"]),
             log_loss=torch.tensor(p["log_loss"][rank], device=device, dtype=torch.float64),
             tokens=list(p.get("tokens", [[0.0, 0.0]] * world_size)[rank]),
             logger_runs=dict(p.get("logger_runs", {})),

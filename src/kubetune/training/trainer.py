@@ -55,8 +55,14 @@ class Trainer:
     """One rank's training run. ``__init__`` sets everything up (resuming from the newest
     checkpoint); ``train()`` is the outer loop over ``train_step()``."""
 
-    def __init__(self, spec: JobSpec, env: DistEnv, task: Task, cleanup: contextlib.ExitStack | None = None,
-                 strategy: Strategy | None = None):
+    def __init__(
+        self,
+        spec: JobSpec,
+        env: DistEnv,
+        task: Task,
+        cleanup: contextlib.ExitStack | None = None,
+        strategy: Strategy | None = None,
+    ):
         self.t_start = time.perf_counter()
         self.spec, self.env, self.task, self.cfg = spec, env, task, spec.training
         self.device = device = distributed.pick_device(env)
@@ -68,11 +74,20 @@ class Trainer:
         # checkpoints from the same place.
         self.out, plan = output.claim(spec) if env.is_main else (output.local_dir(spec.output.uri), None)
         # this job already finished into this output: nothing to train
-        self.finished = distributed.broadcast_object(output.finished_metrics(spec, self.out) if plan and plan.action == "done" else None)
+        self.finished = distributed.broadcast_object(
+            output.finished_metrics(spec, self.out) if plan and plan.action == "done" else None
+        )
         if self.finished is not None:
             return
         precision = self.cfg.precision if self.cfg.precision != "auto" else str(self.dtype).removeprefix("torch.")
-        log.info("job %s (%s): world size %d, device %s, precision %s", spec.name, spec.task, env.world_size, device, precision)
+        log.info(
+            "job %s (%s): world size %d, device %s, precision %s",
+            spec.name,
+            spec.task,
+            env.world_size,
+            device,
+            precision,
+        )
         self._build(strategy or DDPStrategy(env, device))
         found = self._resume()
         self._start_logging(found, cleanup)
@@ -106,7 +121,9 @@ class Trainer:
         self.fingerprint = checkpoint.fingerprint(spec, self.data.labels, env.world_size, self.data.train_rows)
         # On a GPU, building batches in the training process leaves the GPU idle meanwhile (+20% samples/s
         # with 2 workers, BERT-base); on a CPU the workers would take cores from the compute.
-        self.workers = cfg.dataloader_workers if cfg.dataloader_workers is not None else (2 if device.type == "cuda" else 0)
+        self.workers = (
+            cfg.dataloader_workers if cfg.dataloader_workers is not None else (2 if device.type == "cuda" else 0)
+        )
         self.trace = _Trace(env.rank)  # records trained row ids when KUBETUNE_TRACE_DIR is set (tests)
 
     def _resume(self) -> checkpoint.Found | None:
@@ -119,8 +136,11 @@ class Trainer:
         checkpoint.check_compatible(saved["fingerprint"], self.fingerprint, str(found.path))
         missing = set(checkpoint.trainable_state(self.model)) - set(saved["model"])
         if missing:
-            raise KubetuneError(f"checkpoint {found.path} lacks {len(missing)} trainable tensors, e.g. {sorted(missing)[0]}",
-                                field="output.uri", fix="pass --no-resume")
+            raise KubetuneError(
+                f"checkpoint {found.path} lacks {len(missing)} trainable tensors, e.g. {sorted(missing)[0]}",
+                field="output.uri",
+                fix="pass --no-resume",
+            )
         self.strategy.load_model_state(saved["model"])
         self.optimizer.load_state_dict(saved["optimizer"])
         self.scheduler.load_state_dict(saved["scheduler"])
@@ -128,25 +148,45 @@ class Trainer:
         self.state = TrainState.from_state_dict(saved, self.env.rank, self.env.world_size, self.device)
         checkpoint.set_rng_state(saved["rng"][self.env.rank])
         s = self.state
-        log.info("resumed from checkpoint step %d (epoch %d, step %d of %d in the epoch): %s",
-                 s.global_step, s.epoch + 1, s.step_in_epoch, self.per_epoch, found.path)
+        log.info(
+            "resumed from checkpoint step %d (epoch %d, step %d of %d in the epoch): %s",
+            s.global_step,
+            s.epoch + 1,
+            s.step_in_epoch,
+            self.per_epoch,
+            found.path,
+        )
         return found
 
     def _start_logging(self, found: checkpoint.Found | None, cleanup: contextlib.ExitStack | None) -> None:
         resume_step = self.state.global_step if found else None
         writers = []
         if self.env.is_main:
-            writers = [JSONLLogger(self.out, resume_step, found.path / "history.jsonl" if found else None),
-                       TensorBoardLogger(self.out, resume_step)]
+            writers = [
+                JSONLLogger(self.out, resume_step, found.path / "history.jsonl" if found else None),
+                TensorBoardLogger(self.out, resume_step),
+            ]
         self.loggers = Loggers(writers)
         interval = 1.0 if _tty() else 30.0
-        self.bar = tqdm(total=self.total_steps, initial=self.state.global_step, desc="train", unit="step",
-                        disable=not self.env.is_main, dynamic_ncols=True, mininterval=interval)
+        self.bar = tqdm(
+            total=self.total_steps,
+            initial=self.state.global_step,
+            desc="train",
+            unit="step",
+            disable=not self.env.is_main,
+            dynamic_ncols=True,
+            mininterval=interval,
+        )
         if cleanup is not None:
             cleanup.callback(self.bar.close)  # however training ends, the bar's line ends before an error is printed
         cfg = self.cfg
-        log.info("training: %d steps (%d per epoch), global batch %d, %d trainable / %d parameters", self.total_steps,
-                 self.per_epoch, cfg.batch_size * cfg.grad_accum * self.env.world_size, *_param_counts(self.model))
+        log.info(
+            "training: %d steps (%d per epoch), global batch %d, %d trainable / %d parameters",
+            self.total_steps,
+            self.per_epoch,
+            cfg.batch_size * cfg.grad_accum * self.env.world_size,
+            *_param_counts(self.model),
+        )
 
     # ---- the outer loop ----
     def train(self) -> dict:
@@ -165,16 +205,27 @@ class Trainer:
                 if s.global_step % cfg.log_every == 0 or s.global_step == self.total_steps:
                     self._log_train()
                 # Before the checkpoint, so that a resumed run's history holds this evaluation too.
-                if cfg.eval_every and s.global_step % cfg.eval_every == 0 and s.step_in_epoch < self.per_epoch and s.global_step < self.total_steps:
+                if (
+                    cfg.eval_every
+                    and s.global_step % cfg.eval_every == 0
+                    and s.step_in_epoch < self.per_epoch
+                    and s.global_step < self.total_steps
+                ):
                     t_eval = time.perf_counter()
                     eval_metrics = self.evaluate(s.train_time + t_eval - self.t_epoch)
                     self.wrapped.train()
                     self.t_epoch += time.perf_counter() - t_eval  # evaluation time is not training time
                 # Every rank must agree, at the same step, on stopping and on checkpointing.
-                timed = bool(cfg.checkpoint_minutes) and env.is_main and time.monotonic() - last_checkpoint >= 60 * cfg.checkpoint_minutes
+                timed = (
+                    bool(cfg.checkpoint_minutes)
+                    and env.is_main
+                    and time.monotonic() - last_checkpoint >= 60 * cfg.checkpoint_minutes
+                )
                 stop, timed = distributed.any_rank(distributed.STOP.is_set(), timed, device=self.device)
                 if stop or timed or (cfg.checkpoint_every and s.global_step % cfg.checkpoint_every == 0):
-                    self.guard.check(s.global_step, self.out, self.spec)  # a checkpoint holds only weights trained on finite gradients
+                    self.guard.check(
+                        s.global_step, self.out, self.spec
+                    )  # a checkpoint holds only weights trained on finite gradients
                     self.save_checkpoint()
                     last_checkpoint = time.monotonic()
                 if stop:
@@ -191,7 +242,9 @@ class Trainer:
         cfg, env = self.cfg, self.env
         lengths = self.train_lengths if cfg.group_by_length else None
         order = epoch_order(self.data.train_rows, epoch, cfg.seed, lengths, cfg.batch_size * env.world_size)
-        plan = rank_plan(order, rank=env.rank, world_size=env.world_size, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum)
+        plan = rank_plan(
+            order, rank=env.rank, world_size=env.world_size, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum
+        )
         pin = self.device.type == "cuda" and self.workers > 0
         return batches(plan, self.data.collate, self.workers, start=self.state.step_in_epoch, pin_memory=pin)
 
@@ -210,7 +263,9 @@ class Trainer:
         for i, micro in enumerate(step.micro):
             # Counted on the CPU copy (no device sync): padding is what a micro-batch computes on beyond its real tokens.
             w = float(micro["weight"][0])
-            s.tokens[0] += w * float(micro["attention_mask"].sum() if "attention_mask" in micro else micro["input_ids"].numel())
+            s.tokens[0] += w * float(
+                micro["attention_mask"].sum() if "attention_mask" in micro else micro["input_ids"].numel()
+            )
             s.tokens[1] += w * micro["input_ids"].numel()
             micro = to_device(micro, self.device)
             weight = micro.pop("weight")
@@ -249,17 +304,31 @@ class Trainer:
         s.logged_losses.append(loss)
         lr = self.scheduler.get_last_lr()[0]
         self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
-        self.loggers.log("train", s.global_step, {"loss": loss, "lr": lr}, {"epoch": s.epoch + 1, "samples": s.samples_seen})
+        self.loggers.log(
+            "train", s.global_step, {"loss": loss, "lr": lr}, {"epoch": s.epoch + 1, "samples": s.samples_seen}
+        )
 
     # ---- evaluation and checkpoints ----
     def evaluate(self, train_s: float) -> dict:
         """All ranks: evaluate; rank 0 logs and records it with the training time and samples so far."""
         s, cfg = self.state, self.cfg
-        metrics = self.task.evaluate(self.model, self.data, self.env, self.device, self.autocast, cfg.eval_batch_size or 2 * cfg.batch_size)
-        log.info("epoch %d, step %d: %s", s.epoch + 1, s.global_step, " ".join(f"{k} {metrics[k]:.4f}" for k in ("eval_loss", *self.task.headline)))
+        metrics = self.task.evaluate(
+            self.model, self.data, self.env, self.device, self.autocast, cfg.eval_batch_size or 2 * cfg.batch_size
+        )
+        log.info(
+            "epoch %d, step %d: %s",
+            s.epoch + 1,
+            s.global_step,
+            " ".join(f"{k} {metrics[k]:.4f}" for k in ("eval_loss", *self.task.headline)),
+        )
         # Scalars only: a per-class matrix at every evaluation would grow the file with the classes squared.
         scalars = {k: v for k, v in metrics.items() if not isinstance(v, (list, dict))}
-        self.loggers.log("eval", s.global_step, scalars, {"epoch": s.epoch + 1, "samples": s.samples_seen, "train_s": round(train_s, 3)})
+        self.loggers.log(
+            "eval",
+            s.global_step,
+            scalars,
+            {"epoch": s.epoch + 1, "samples": s.samples_seen, "train_s": round(train_s, 3)},
+        )
         return metrics
 
     def save_checkpoint(self) -> None:
@@ -275,21 +344,28 @@ class Trainer:
                 **s.state_dict(s.train_time + (time.perf_counter() - self.t_epoch), per_rank),
                 "fingerprint": self.fingerprint,
             }
-            path = checkpoint.save(state, self.spec, self.spec.output.uri, self.out, s.global_step, self.cfg.keep_checkpoints)
+            path = checkpoint.save(
+                state, self.spec, self.spec.output.uri, self.out, s.global_step, self.cfg.keep_checkpoints
+            )
             log.info("checkpoint at step %d: %s", s.global_step, path)
         distributed.barrier()
 
     def _preempted(self) -> None:
         self.bar.close()
         if self.env.is_main:
-            log.warning("stopped on signal after step %d; checkpoint written — run the same job again to resume", self.state.global_step)
+            log.warning(
+                "stopped on signal after step %d; checkpoint written — run the same job again to resume",
+                self.state.global_step,
+            )
         raise Preempted(self.state.global_step)
 
     # ---- the end: metrics and artifacts ----
     def _finish(self, eval_metrics: dict) -> dict:
         s, data, env = self.state, self.data, self.env
-        tail = s.logged_losses[-max(1, len(s.logged_losses) // 10):]
-        real, padded = distributed.all_reduce_sum(torch.tensor(s.tokens, device=self.device, dtype=torch.float64)).tolist()
+        tail = s.logged_losses[-max(1, len(s.logged_losses) // 10) :]
+        real, padded = distributed.all_reduce_sum(
+            torch.tensor(s.tokens, device=self.device, dtype=torch.float64)
+        ).tolist()
         t = s.train_time
         metrics = {
             "task": self.spec.task,
@@ -333,8 +409,11 @@ class Trainer:
             output.commit(out, staged)
         except (OSError, SafetensorError) as e:  # a full disk, a quota: the output keeps its previous state
             reason = getattr(e, "strerror", None) or str(e).rsplit(": ", 1)[-1].split(" (os error")[0]
-            raise KubetuneError(f"cannot write the artifacts to {out}: {reason}", field="output.uri",
-                                fix="free space or choose another output.uri; nothing there was changed, and the checkpoints are kept") from None
+            raise KubetuneError(
+                f"cannot write the artifacts to {out}: {reason}",
+                field="output.uri",
+                fix="free space or choose another output.uri; nothing there was changed, and the checkpoints are kept",
+            ) from None
         finally:
             shutil.rmtree(staged, ignore_errors=True)
         artifacts.publish(spec, out, metrics)
@@ -342,7 +421,11 @@ class Trainer:
         # then starts a new run, and predict/pull never fetch optimizer state.
         checkpoint.clear(spec.output.uri, out)
         headline = ", ".join(f"{k} {metrics[k]:.4f}" for k in self.task.headline)
-        log.info("done: %s, %.1f samples/s; artifacts in %s", headline, metrics["train_samples_per_second"], spec.output.uri)
+        log.info(
+            "done: %s, %.1f samples/s; artifacts in %s", headline, metrics["train_samples_per_second"], spec.output.uri
+        )
+
+
 class _FiniteGuard:
     """Stops a diverged run: a non-finite gradient norm (or logged loss) ends training on every
     rank at the same step, with the checkpoints written before it kept and nothing exported.
@@ -384,8 +467,11 @@ class Diverged(KubetuneError):
     def __init__(self, at: str, out: Path, spec: JobSpec):
         steps = checkpoint.complete_steps(out / "checkpoints")
         kept = f"the checkpoint of step {steps[-1]} is kept" if steps else "no checkpoint had been written"
-        super().__init__(f"the loss or the gradient norm became non-finite (nan/inf) at {at}; training stopped on every rank and nothing was exported ({kept})",
-                         field="training", fix="lower training.learning_rate or training.weight_decay, keep training.max_grad_norm set, or try precision: fp32")
+        super().__init__(
+            f"the loss or the gradient norm became non-finite (nan/inf) at {at}; training stopped on every rank and nothing was exported ({kept})",
+            field="training",
+            fix="lower training.learning_rate or training.weight_decay, keep training.max_grad_norm set, or try precision: fp32",
+        )
 
 
 def _check_weights_finite(model: torch.nn.Module, step: int, out: Path, spec: JobSpec) -> None:
@@ -411,8 +497,11 @@ def _find_checkpoint(spec: JobSpec, out, env: DistEnv) -> checkpoint.Found | Non
     if found is None or found.step != step:
         found = checkpoint.latest(spec.output.uri, out)
         if found is None or found.step != step:
-            raise KubetuneError(f"rank {env.rank} cannot see checkpoint step {step} under {spec.output.uri}", field="output.uri",
-                                fix="put the output on storage every node can read (a shared PVC or s3://)")
+            raise KubetuneError(
+                f"rank {env.rank} cannot see checkpoint step {step} under {spec.output.uri}",
+                field="output.uri",
+                fix="put the output on storage every node can read (a shared PVC or s3://)",
+            )
     return found
 
 
