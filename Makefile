@@ -27,7 +27,7 @@ demo: seed-cache
 	# --overwrite: a second `make demo` replaces the first one's model (kubetune refuses a finished run otherwise)
 	$(BIN)/kubetune run examples/sentiment-minilm.yaml --overwrite
 	$(BIN)/kubetune predict runs/sentiment-minilm "I love how smooth this ride is" "I would never trust a self-driving car with my kids" "The car has four wheels"
-	$(BIN)/python -m kubetune.artifacts.summary runs/sentiment-minilm
+	$(BIN)/python -m kubetune.summary runs/sentiment-minilm
 
 test: install
 	$(BIN)/python -m pytest -q

@@ -31,7 +31,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, model_path, write_split  # noqa: E402
 
-from kubetune.recipes.classify import TASK  # noqa: E402
+from kubetune.tasks.classify import TASK  # noqa: E402
 
 KUBETUNE = {"precision": "bf16", "attn": "eager", "fused": True, "bucket_view": True, "sparse_embedding": True}
 VARIANTS = {
@@ -78,7 +78,7 @@ def spec_for(opts: dict, train: Path, evald: Path, out: Path, steps: int):
 @contextlib.contextmanager
 def switched(opts: dict):
     """What the spec cannot switch: the attention kernel and the AdamW kernel, patched for one variant."""
-    from kubetune.recipes import common
+    from kubetune.tasks import common
     from kubetune.training import trainer as trainer_module
 
     attention, optimizer = common.attention_kwargs, trainer_module.build_optimizer

@@ -134,9 +134,7 @@ def _after_stop(job, started: float) -> str:
 def _preflight(job) -> str:
     """Fail fast, before any worker starts, on a bad model path, data or output; returns what the
     run will do with its output (``done``: this job already finished there)."""
-    from kubetune import artifacts, providers
-    from kubetune.data import load_frames
-    from kubetune.data.causal import load_lm_frames
+    from kubetune import artifacts, providers, tasks
 
     if job.lora and job.lora.quantization:
         import torch
@@ -149,7 +147,7 @@ def _preflight(job) -> str:
             )
     providers.configure(job)
     artifacts.resolve_model(job)
-    (load_lm_frames if job.task == "causal-lm" else load_frames)(job.data, job.training.seed)
+    tasks.get(job.task).load_frames(job.data, job.training.seed)
     plan = artifacts.check_output(job)
     if plan.action == "done":
         typer.echo(f"output {job.output.uri}: {plan.detail}", err=True)

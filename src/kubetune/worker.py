@@ -3,7 +3,7 @@
     torchrun --nnodes N --nproc-per-node P ... -m kubetune.worker job.yaml
 
 Reads the distributed environment once (RANK, WORLD_SIZE, ... as set by torchrun and the
-Training Operator), runs the task's recipe, and exits 0; 2 on a user error (one line, no
+Training Operator), runs the trainer on the spec's task, and exits 0; 2 on a user error (one line, no
 traceback); 143 when SIGTERM/SIGINT stopped it after writing a checkpoint.
 """
 
@@ -39,10 +39,10 @@ log = logging.getLogger("kubetune.worker")
 
 def run_worker(spec: JobSpec) -> dict:
     """Run ``spec`` in this process as one rank of the job."""
-    from kubetune.recipes import causal_lm, classify
+    from kubetune import tasks
     from kubetune.training import trainer
 
-    task = {"sequence-classification": classify.TASK, "causal-lm": causal_lm.TASK}[spec.task]
+    task = tasks.get(spec.task)
     env = distributed.read_env()
     distributed.setup_logging(env)
     distributed.install_signal_handlers()

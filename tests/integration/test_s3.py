@@ -19,6 +19,7 @@ from conftest import MINILM, ROOT, kubetune, tiny_spec, write_spec
 
 from kubetune.errors import KubetuneError
 from kubetune.providers import s3 as s3p
+from kubetune.providers.destination import Output
 
 pytestmark = pytest.mark.integration
 BUCKET = "kubeflow-examples"
@@ -111,18 +112,18 @@ def test_model_directory_round_trip_and_no_second_download(moto, s3, tmp_path, m
 def test_dataset_prefix_and_single_object(moto, s3, small_csv):
     import pandas as pd
 
-    from kubetune.config import DataSpec
+    from kubetune.config import ClassificationData
     from kubetune.data import load_frames
 
     df = pd.read_csv(small_csv)
     for i, part in enumerate((df.iloc[:80], df.iloc[80:])):
         s3.put_object(Bucket=BUCKET, Key=f"datasets/sentiment/part-{i}.csv", Body=part.to_csv(index=False).encode())
     f = load_frames(
-        DataSpec(train=f"s3://{BUCKET}/datasets/sentiment/", label_column="sentiment", eval_fraction=0.25), seed=0
+        ClassificationData(train=f"s3://{BUCKET}/datasets/sentiment/", label_column="sentiment", eval_fraction=0.25), seed=0
     )
     assert len(f.train) + len(f.eval) == 160
     f = load_frames(
-        DataSpec(train=f"s3://{BUCKET}/datasets/sentiment/part-1.csv", label_column="sentiment", eval_fraction=0.25),
+        ClassificationData(train=f"s3://{BUCKET}/datasets/sentiment/part-1.csv", label_column="sentiment", eval_fraction=0.25),
         seed=0,
     )
     assert len(f.train) + len(f.eval) == 80
@@ -374,7 +375,7 @@ def test_remote_checkpoint_clearing_deletes_only_what_its_manifest_lists(moto, s
     _artifact_with_manifest(s3, step, {"state.pt": b"state", "COMPLETE": b"{}"})
     s3.put_object(Bucket=BUCKET, Key=f"{step}/notes-of-a-colleague.txt", Body=b"keep me")
     assert checkpoint.remote_steps(f"{out}/checkpoints") == [3]
-    checkpoint.clear(out, tmp_path / "local")
+    checkpoint.clear(Output(out, "s3", tmp_path / "local"))
     left = {o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix=f"ckpt/{tmp_path.name}/").get("Contents", [])}
     assert left == {f"{step}/notes-of-a-colleague.txt"}
 
@@ -386,7 +387,7 @@ def test_a_checkpoint_manifest_listing_a_path_outside_is_refused(moto, s3, tmp_p
     step = f"ckpt-evil/{tmp_path.name}/checkpoints/step-00000005"
     _artifact_with_manifest(s3, step, {"COMPLETE": b"{}", "../../../escaped": b"x"})
     with pytest.raises(KubetuneError, match="would write outside its destination"):
-        checkpoint.latest(out, tmp_path / "local")
+        checkpoint.latest(Output(out, "s3", tmp_path / "local"))
     assert not list(tmp_path.rglob("escaped"))
 
 

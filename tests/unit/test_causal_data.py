@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import torch
 
-from kubetune.config import DataSpec
+from kubetune.config import CausalLMData
 from kubetune.data import collate_lm
 from kubetune.data.causal import (
     FALLBACK_CHAT_TEMPLATE,
@@ -122,7 +122,7 @@ def test_truncation_at_max_length_and_rows_without_targets(tok):
 def test_formats_are_detected_and_normalized(tmp_path, rows, extra, expected):
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows * 5))
-    frames = load_lm_frames(DataSpec(train=str(path), eval=str(path), **extra), seed=0)
+    frames = load_lm_frames(CausalLMData(train=str(path), eval=str(path), **extra), seed=0)
     assert frames.format == expected
     rec = json.loads(frames.train["record"][0])
     if expected == "text":
@@ -136,7 +136,7 @@ def test_formats_are_detected_and_normalized(tmp_path, rows, extra, expected):
 def test_system_prompt_is_prepended(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps({"instruction": "Say hi", "output": "hi"}) + "\n")
-    frames = load_lm_frames(DataSpec(train=str(path), eval=str(path), system_prompt="You are terse."), seed=0)
+    frames = load_lm_frames(CausalLMData(train=str(path), eval=str(path), system_prompt="You are terse."), seed=0)
     assert json.loads(frames.train["record"][0])["messages"][0] == {"role": "system", "content": "You are terse."}
 
 
@@ -159,7 +159,7 @@ def test_bad_causal_data_gives_one_line_errors(tmp_path, row, extra, field, need
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps(row) + "\n")
     with pytest.raises(KubetuneError) as e:
-        load_lm_frames(DataSpec(train=str(path), eval=str(path), **extra), seed=0)
+        load_lm_frames(CausalLMData(train=str(path), eval=str(path), **extra), seed=0)
     assert e.value.field == field and needle in str(e.value) and "\n" not in str(e.value)
 
 
@@ -175,21 +175,21 @@ def test_packed_examples_do_not_attend_to_each_other(tok):
     rows = [encode_record({"text": t}, tok, 64, train_on_prompt=False) for t in texts]
     ds = Dataset.from_dict({"input_ids": [r[0] for r in rows], "labels": [r[1] for r in rows]})
     packed = collate_lm(ds, np.arange(3), tok.pad_token_id, packing=True)
-    assert packed["input_ids"].shape == (1, sum(len(r[0]) for r in rows))
-    assert "attention_mask" not in packed
+    assert packed.inputs["input_ids"].shape == (1, sum(len(r[0]) for r in rows))
+    assert "attention_mask" not in packed.inputs
     starts = np.cumsum([0] + [len(r[0]) for r in rows])
-    assert all(packed["labels"][0, s].item() == IGNORE for s in starts[:-1])  # never predicted across examples
+    assert all(packed.labels[0, s].item() == IGNORE for s in starts[:-1])  # never predicted across examples
     with torch.no_grad():
-        together = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"]).logits[0]
+        together = model(**packed.inputs).logits[0]
         padded = collate_lm(ds, np.arange(3), tok.pad_token_id, packing=False)
-        batched = model(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"]).logits
+        batched = model(**padded.inputs).logits
         for k, (ids, _) in enumerate(rows):
             alone = model(input_ids=torch.tensor([ids])).logits[0]
             assert torch.allclose(together[starts[k] : starts[k + 1]], alone, atol=1e-5), k
             assert torch.allclose(batched[k, : len(ids)], alone, atol=1e-5), k
     # Had the mask let examples see each other, the second example's logits would differ:
     with torch.no_grad():
-        leaky = model(input_ids=packed["input_ids"]).logits[0]  # one long sequence, no position reset
+        leaky = model(input_ids=packed.inputs["input_ids"]).logits[0]  # one long sequence, no position reset
     assert not torch.allclose(
         leaky[starts[1] : starts[2]], model(input_ids=torch.tensor([rows[1][0]])).logits[0], atol=1e-3
     )
@@ -200,8 +200,9 @@ def test_padding_collate_masks_padding(tok):
 
     ds = Dataset.from_dict({"input_ids": [[5, 6, 7], [8]], "labels": [[5, 6, 7], [IGNORE]]})
     b = collate_lm(ds, np.array([0, 1]), pad_id=tok.pad_token_id)
-    assert b["input_ids"].tolist() == [[5, 6, 7], [8, tok.pad_token_id, tok.pad_token_id]]
-    assert b["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
-    assert b["labels"].tolist() == [[5, 6, 7], [IGNORE] * 3]
+    assert b.inputs["input_ids"].tolist() == [[5, 6, 7], [8, tok.pad_token_id, tok.pad_token_id]]
+    assert b.inputs["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert b.labels.tolist() == [[5, 6, 7], [IGNORE] * 3]
+    assert b.weight == 1.0 and b.index.tolist() == [0, 1]
     empty = collate_lm(ds, np.array([], dtype=np.int64), pad_id=0)
-    assert empty["weight"].tolist() == [0.0]
+    assert empty.weight == 0.0 and empty.index.tolist() == [0]

@@ -7,13 +7,13 @@ from unittest import mock
 import pandas as pd
 import pytest
 
-from kubetune.config import DataSpec
+from kubetune.config import ClassificationData
 from kubetune.data import load_frames, tokenized
 from kubetune.errors import KubetuneError
 
 
-def _spec(train, **kw) -> DataSpec:
-    return DataSpec(train=str(train), **{"text_column": "review", "label_column": "stars", **kw})
+def _spec(train, **kw) -> ClassificationData:
+    return ClassificationData(train=str(train), **{"text_column": "review", "label_column": "stars", **kw})
 
 
 @pytest.fixture
@@ -60,7 +60,7 @@ def test_integer_labels_and_text_pairs(tmp_path):
     path = tmp_path / "nli.jsonl"
     df.to_json(path, orient="records", lines=True)
     f = load_frames(
-        DataSpec(train=str(path), text_column="premise", text_pair_column="hypothesis", eval_fraction=0.2), seed=0
+        ClassificationData(train=str(path), text_column="premise", text_pair_column="hypothesis", eval_fraction=0.2), seed=0
     )
     assert f.labels == ["0", "1", "2"]
     assert set(f.train.columns) == {"text", "text_pair", "label"}
@@ -138,7 +138,7 @@ def test_data_errors(tmp_path, make, kw, expected):
 def test_tokenization_cache(tmp_path, frame, monkeypatch):
     from kubetune import artifacts
     from kubetune.config import parse_spec
-    from kubetune.recipes.common import load_tokenizer
+    from kubetune.tasks.common import load_tokenizer
 
     monkeypatch.setenv("KUBETUNE_CACHE", str(tmp_path / "cache"))
     tok = load_tokenizer(

@@ -4,6 +4,7 @@ the one-line error, the warning or the loaded result. Unit-level and in-process:
 from __future__ import annotations
 
 import codecs
+import functools
 import io
 import json
 import logging
@@ -17,13 +18,18 @@ import pandas as pd
 import pytest
 import torch
 
-from kubetune.config import DataSpec
+from kubetune.config import CausalLMData, ClassificationData
 from kubetune.data import load_frames, read_table
 from kubetune.data.causal import load_lm_frames
 from kubetune.errors import KubetuneError
 
 MAX_MESSAGE = 400  # characters: "one short line", whatever the input held
 
+
+
+def _data(loader):
+    """The data section's model that ``loader`` reads."""
+    return CausalLMData if loader is load_lm_frames else ClassificationData
 
 def _one_line(err: KubetuneError, *needles: str) -> str:
     msg = str(err)
@@ -50,7 +56,7 @@ GOOD = [(f"some text number {i}", "pos" if i % 2 else "neg") for i in range(20)]
 def test_too_many_classes_is_one_line(tmp_path, n_labels, max_classes):
     path = tmp_path / "many.csv"
     path.write_bytes(_csv([(f"t{i}", f"id-{i}") for i in range(n_labels)]))
-    spec = DataSpec(train=str(path), **({"max_classes": max_classes} if max_classes else {}))
+    spec = ClassificationData(train=str(path), **({"max_classes": max_classes} if max_classes else {}))
     with pytest.raises(KubetuneError) as e:
         load_frames(spec, seed=0)
     _one_line(
@@ -91,9 +97,10 @@ def test_evaluate_counts_once_and_keeps_confusion_small(monkeypatch, num_labels,
     from sklearn.metrics import accuracy_score, confusion_matrix, f1_score
 
     from kubetune import distributed
+    from kubetune.data import collate
     from kubetune.distributed import DistEnv
-    from kubetune.recipes import classify
-    from kubetune.recipes import task as loop
+    from kubetune.tasks import base as loop
+    from kubetune.tasks import classify
 
     rng = np.random.default_rng(num_labels)
     n = 301
@@ -113,6 +120,7 @@ def test_evaluate_counts_once_and_keeps_confusion_small(monkeypatch, num_labels,
         train_ds=None,
         eval_ds=ds,
         collate=None,
+        collate_eval=functools.partial(collate, ds, tokenizer=_PadTokenizer()),
         train_rows=0,
         eval_rows=n,
         labels=[str(i) for i in range(num_labels)],
@@ -140,7 +148,8 @@ def test_evaluate_counts_once_and_keeps_confusion_small(monkeypatch, num_labels,
     model = _Guess(num_labels)
     metrics = None
     for rank in reversed(range(world_size)):  # rank 0 last: it sums what the others gave
-        metrics = classify.evaluate(
+        metrics = loop.evaluate(
+            classify.TASK,
             model,
             data,
             DistEnv(rank=rank, world_size=world_size),
@@ -165,6 +174,7 @@ def test_evaluate_counts_once_and_keeps_confusion_small(monkeypatch, num_labels,
 def test_report_without_or_with_a_big_confusion_matrix(tmp_path):
     from kubetune.artifacts.report import write_report
     from kubetune.config import parse_spec
+    from kubetune.tasks import classify
 
     spec = parse_spec(
         {
@@ -182,7 +192,7 @@ def test_report_without_or_with_a_big_confusion_matrix(tmp_path):
         metrics = {**base, "labels": [f"c{i}" for i in range(n)]}
         if n <= 100:
             metrics["eval_confusion"] = np.eye(n, dtype=int).tolist()
-        pages[name] = write_report(spec, metrics, out).read_text()
+        pages[name] = write_report(spec, metrics, out, classify.TASK.present).read_text()
     assert "<h2>Confusion matrix" in pages["small"] and "<th>c4</th>" in pages["small"]
     assert "<h2>Confusion matrix" not in pages["big"] and "40 classes" in pages["big"]
     assert "<h2>Confusion matrix" not in pages["none"] and "500 classes" in pages["none"]
@@ -231,7 +241,7 @@ def test_input_size_limit_before_loading(tmp_path, monkeypatch, make, loader, ex
     read = []
     monkeypatch.setattr(pd, "read_csv", lambda *a, **k: read.append(a) or pytest.fail("read before the size check"))
     with pytest.raises(KubetuneError) as e:
-        loader(DataSpec(train=uri, max_input_mb=1), seed=0)
+        loader(_data(loader)(train=uri, max_input_mb=1), seed=0)
     _one_line(e.value, "data.train:", expected, "raise data.max_input_mb")
 
 
@@ -271,7 +281,7 @@ def test_non_text_files_are_one_short_line(tmp_path, name, make, suffix, expecte
     path = tmp_path / f"data{suffix}"
     path.write_bytes(make())
     with pytest.raises(KubetuneError) as e:
-        load_frames(DataSpec(train=str(path)), seed=0)
+        load_frames(ClassificationData(train=str(path)), seed=0)
     _one_line(e.value, "data.train:", expected)
 
 
@@ -310,11 +320,11 @@ def test_explicit_encoding_is_honoured_and_wrong_one_is_one_line(tmp_path):
     path.write_bytes(TEXT.encode("utf-16"))
     # latin-1 asked for a UTF-16 file: honoured, so the NUL bytes show; the line says what to do
     with pytest.raises(KubetuneError) as e:
-        load_frames(DataSpec(train=str(path), encoding="latin-1"), seed=0)
+        load_frames(ClassificationData(train=str(path), encoding="latin-1"), seed=0)
     _one_line(e.value, "NUL bytes", "utf-16")
     path.write_bytes(TEXT.encode("utf-8") + "caf\xe9,pos\n".encode("latin-1"))
     with pytest.raises(KubetuneError) as e:
-        load_frames(DataSpec(train=str(path), encoding="utf-8"), seed=0)
+        load_frames(ClassificationData(train=str(path), encoding="utf-8"), seed=0)
     _one_line(e.value, "data.encoding:", "not valid utf-8", "byte 0xe9", "line 6")
 
 
@@ -381,7 +391,7 @@ def test_mixed_encodings_keep_valid_utf8(tmp_path, caplog, suffix):
 def test_none_na_null_are_labels_and_texts(tmp_path, content, suffix, labels, dropped):
     path = tmp_path / f"d{suffix}"
     path.write_bytes(content)
-    frames = load_frames(DataSpec(train=str(path), eval_fraction=0.25), seed=0)
+    frames = load_frames(ClassificationData(train=str(path), eval_fraction=0.25), seed=0)
     assert frames.labels == labels
     assert frames.dropped == dropped  # only a truly empty cell / JSON null is missing
 
@@ -390,8 +400,8 @@ def test_none_labels_in_a_directory_and_numeric_label_order(tmp_path):
     for name, labels in (("a", ["None", "10", "2"]), ("b", ["", "10", "2"])):
         (tmp_path / name).mkdir()
         (tmp_path / name / "train.csv").write_bytes(_csv([(f"t{i}", labels[i % 3]) for i in range(12)]))
-    assert load_frames(DataSpec(train=str(tmp_path / "a"), eval_fraction=0.25), seed=0).labels == ["10", "2", "None"]
-    frames = load_frames(DataSpec(train=str(tmp_path / "b"), eval_fraction=0.25), seed=0)
+    assert load_frames(ClassificationData(train=str(tmp_path / "a"), eval_fraction=0.25), seed=0).labels == ["10", "2", "None"]
+    frames = load_frames(ClassificationData(train=str(tmp_path / "b"), eval_fraction=0.25), seed=0)
     assert frames.labels == ["2", "10"] and frames.dropped == {"train": 4}
 
 
@@ -409,7 +419,7 @@ def test_none_labels_in_a_directory_and_numeric_label_order(tmp_path):
 def test_causal_text_is_read_without_na_inference(tmp_path, content, extra, expected):
     path = tmp_path / ("c.jsonl" if content.startswith(b"{") else "c.csv")
     path.write_bytes(content)
-    frames = load_lm_frames(DataSpec(train=str(path), eval=str(path), **extra), seed=0)
+    frames = load_lm_frames(CausalLMData(train=str(path), eval=str(path), **extra), seed=0)
     records = [json.loads(r) for r in frames.train["record"]]
     got = [(r["text"],) if "text" in r else tuple(m["content"] for m in r["messages"]) for r in records]
     assert got == expected
@@ -422,14 +432,14 @@ def test_fractional_labels_warn_regression(tmp_path, caplog):
     path = tmp_path / "scores.csv"
     path.write_bytes(_csv([(f"t{i}", [0.25, 3.7, 1.0][i % 3]) for i in range(12)]))
     with caplog.at_level(logging.WARNING):
-        frames = load_frames(DataSpec(train=str(path), eval_fraction=0.25), seed=0)
+        frames = load_frames(ClassificationData(train=str(path), eval_fraction=0.25), seed=0)
     assert frames.labels == ["0.25", "1", "3.7"]
     lines = [r.getMessage() for r in caplog.records if "regression" in r.getMessage()]
     assert len(lines) == 1 and "0.25, 3.7" in lines[0] and "each of the 3 distinct values becomes a class" in lines[0]
     caplog.clear()
     path.write_bytes(_csv([(f"t{i}", [1.0, 2.0][i % 2]) for i in range(12)]))  # whole numbers: no warning
     with caplog.at_level(logging.WARNING):
-        assert load_frames(DataSpec(train=str(path), eval_fraction=0.25), seed=0).labels == ["1", "2"]
+        assert load_frames(ClassificationData(train=str(path), eval_fraction=0.25), seed=0).labels == ["1", "2"]
     assert "regression" not in caplog.text
 
 
@@ -496,7 +506,7 @@ def _parquet(path, **columns):
 def test_a_column_without_text_says_what_it_holds(tmp_path, make, loader, needles):
     path = make(tmp_path)
     with pytest.raises(KubetuneError) as e:
-        loader(DataSpec(train=str(path), eval=str(path) if loader is load_lm_frames else None), seed=0)
+        loader(_data(loader)(train=str(path), eval=str(path) if loader is load_lm_frames else None), seed=0)
     msg = _one_line(e.value, *needles)
     assert "lacks a text" not in msg
 
@@ -526,7 +536,7 @@ def test_directory_of_mixed_kinds(tmp_path, files, loader, listed):
         }[kind](d / name)
     (d / "README.md").write_text("not data")  # ignored, as `datasets` ignores it
     with pytest.raises(KubetuneError) as e:
-        loader(DataSpec(train=str(d), eval=str(d) if loader is load_lm_frames else None), seed=0)
+        loader(_data(loader)(train=str(d), eval=str(d) if loader is load_lm_frames else None), seed=0)
     _one_line(e.value, "data.train:", "mixes data file kinds", listed)
 
 
@@ -595,7 +605,7 @@ def test_fifo_or_device_is_not_a_regular_file(tmp_path, make, expected):
 
     def load():
         try:
-            load_frames(DataSpec(train=str(path)), seed=0)
+            load_frames(ClassificationData(train=str(path)), seed=0)
         except BaseException as e:  # noqa: BLE001 - handed to the test thread
             result["error"] = e
 
@@ -634,8 +644,8 @@ def test_baseline_skipped_where_it_cannot_fit(monkeypatch, caplog, tmp_path, cau
     from kubetune import artifacts
     from kubetune.artifacts import baseline
     from kubetune.config import parse_spec
-    from kubetune.recipes import classify
-    from kubetune.recipes import task as loop
+    from kubetune.tasks import base as loop
+    from kubetune.tasks import classify
 
     if cause == "estimate":
         monkeypatch.setattr(baseline, "available_memory", lambda: 64 * 2**20, raising=False)
@@ -653,7 +663,7 @@ def test_baseline_skipped_where_it_cannot_fit(monkeypatch, caplog, tmp_path, cau
     metrics = {}
     with caplog.at_level(logging.WARNING):
         classify.export(
-            spec, None, None, loop.Prepared(None, None, None, 0, 0, raw=(_frames(200), None)), tmp_path, metrics
+            spec, None, None, loop.Prepared(None, None, None, None, 0, 0, raw=(_frames(200), None)), tmp_path, metrics
         )
     assert "baseline" not in metrics
     lines = [r.getMessage() for r in caplog.records if "baseline skipped" in r.getMessage()]

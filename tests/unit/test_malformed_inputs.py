@@ -10,7 +10,7 @@ import pandas as pd
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from kubetune.config import DataSpec, parse_spec
+from kubetune.config import ClassificationData, parse_spec
 from kubetune.data import load_frames
 from kubetune.errors import KubetuneError, SpecError
 
@@ -155,7 +155,7 @@ def test_malformed_datasets_load_or_fail_in_one_line(
         pd.DataFrame(eval_rows, columns=["text", "label"]).to_csv(epath, index=False)
         spec["eval"] = str(epath)
     try:
-        frames = load_frames(DataSpec(**spec), seed=0)
+        frames = load_frames(ClassificationData(**spec), seed=0)
     except KubetuneError as e:
         _one_line_error(e)
         event(f"error: {str(e).split(':')[0]}")

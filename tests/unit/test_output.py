@@ -14,6 +14,7 @@ import pytest
 from kubetune.artifacts import output
 from kubetune.config import parse_spec
 from kubetune.errors import KubetuneError
+from kubetune.providers.destination import Output
 
 
 def _spec(out: Path, overwrite: bool = False, resume: str = "auto"):
@@ -97,8 +98,9 @@ def test_what_a_run_may_do_with_its_output(tmp_path, case, setup, overwrite, res
         return
     assert output.inspect(spec).action == expected
     assert _snapshot(tmp_path) == before  # inspecting writes nothing
-    got, plan = output.claim(spec)
-    assert got == out and plan.action == expected and (out / output.MARKER).exists()
+    dest = Output.resolve(spec.output.uri)
+    plan = output.claim(spec, dest)
+    assert dest.local == out and plan.action == expected and (out / output.MARKER).exists()
     if expected == "restart" and resume == "never":
         assert not (out / "checkpoints").exists()  # the earlier run's checkpoints, and only those
     if expected in ("replace", "adopt"):
@@ -133,7 +135,7 @@ def test_clearing_checkpoints_removes_only_checkpoints(tmp_path):
     _checkpoints(out, 3, 6)
     (out / "checkpoints" / ".step-00000009-abc").mkdir()  # a checkpoint being written when the run died
     (out / "checkpoints" / "README.txt").write_text("the user's")
-    checkpoint.clear(str(out), out)
+    checkpoint.clear(Output.resolve(str(out)))
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["README.txt"]
 
 

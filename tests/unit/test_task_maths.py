@@ -19,10 +19,12 @@ from conftest import tiny_spec
 
 from kubetune import providers
 from kubetune.config import parse_spec
+from kubetune.data import Batch
 from kubetune.data.causal import IGNORE
 from kubetune.distributed import DistEnv
-from kubetune.recipes import causal_lm, classify
-from kubetune.recipes.common import load_tokenizer
+from kubetune.tasks import causal_lm, classify
+from kubetune.tasks.base import evaluate
+from kubetune.tasks.common import load_tokenizer
 
 CPU = torch.device("cpu")
 NO_AUTOCAST = torch.autocast("cpu", enabled=False)
@@ -43,7 +45,9 @@ def test_classification_metrics_equal_scikit_learns(classifier):
     from sklearn.metrics import accuracy_score, f1_score
 
     model, data, tokenizer = classifier
-    metrics = classify.evaluate(model, data, DistEnv(), CPU, NO_AUTOCAST, batch_size=7)  # odd: batches of mixed lengths
+    metrics = evaluate(
+        classify.TASK, model, data, DistEnv(), CPU, NO_AUTOCAST, batch_size=7
+    )  # odd: batches of mixed lengths
     model.eval()
     labels, preds, losses = [], [], []
     with torch.no_grad():
@@ -71,7 +75,7 @@ def test_macro_f1_counts_classes_only_predicted_like_scikit_learn(classifier):
     with torch.no_grad():
         model.classifier.bias.copy_(torch.tensor([100.0, 0.0, 0.0]))  # predict class 0 for everything
     try:
-        metrics = classify.evaluate(model, data, DistEnv(), CPU, NO_AUTOCAST, batch_size=16)
+        metrics = evaluate(classify.TASK, model, data, DistEnv(), CPU, NO_AUTOCAST, batch_size=16)
     finally:
         torch.manual_seed(0)
         with torch.no_grad():
@@ -99,7 +103,7 @@ def test_causal_loss_equals_a_direct_next_token_cross_entropy():
         labels[i, prompt[i] : len(s)] = s[prompt[i] :]
     with torch.no_grad():
         loss_sum, units = causal_lm.loss(
-            model, {"input_ids": input_ids, "attention_mask": attention, "labels": labels}, NO_AUTOCAST
+            model, Batch({"input_ids": input_ids, "attention_mask": attention}, labels), NO_AUTOCAST
         )
         direct, count = 0.0, 0
         for s, p in zip(seqs, prompt):

@@ -8,9 +8,11 @@ from pathlib import Path
 
 from kubetune import providers
 from kubetune.artifacts.baseline import tfidf_baseline
+from kubetune.artifacts.presentation import Presentation
 from kubetune.config import JobSpec, dump_spec
 from kubetune.errors import KubetuneError
 from kubetune.paths import replace_dir, write_atomic
+from kubetune.providers.destination import Output
 
 __all__ = [
     "History",
@@ -18,7 +20,6 @@ __all__ = [
     "check_output",
     "export_classifier",
     "finish",
-    "local_output_dir",
     "publish",
     "replace_dir",
     "resolve_model",
@@ -27,13 +28,6 @@ __all__ = [
     "write_atomic",
 ]
 log = logging.getLogger(__name__)
-
-
-def local_output_dir(uri: str) -> Path:
-    """The local directory artifacts are written to (see ``artifacts.output.local_dir``)."""
-    from kubetune.artifacts.output import local_dir
-
-    return local_dir(uri)
 
 
 def resolve_model(spec: JobSpec) -> Path:
@@ -132,37 +126,36 @@ def check_output(spec: JobSpec):
     """
     from kubetune.artifacts import output
 
-    scheme = providers.parse_uri(spec.output.uri).scheme
-    if scheme == "s3":
+    dest = Output.resolve(spec.output.uri)
+    if dest.scheme == "s3":
         from kubetune.providers import s3
 
         s3.check_bucket(spec.output.uri, field="output.uri")
-    elif scheme == "hf":
+    elif dest.scheme == "hf":
         from kubetune.artifacts import hub
 
         hub.check_can_push(spec)
-    return output.inspect(spec)
+    return output.inspect(spec, dest)
 
 
-def publish(spec: JobSpec, out: Path, metrics: dict) -> None:
-    """Upload the finished artifacts when ``output.uri`` is remote (rank 0, after ``finish``).
-    Checkpoints are not part of the artifact: they travel under their own manifests."""
-    scheme = providers.parse_uri(spec.output.uri).scheme
-    if scheme == "s3":
+def publish(spec: JobSpec, dest: Output, metrics: dict, present: Presentation) -> None:
+    """Upload the finished artifacts from ``dest.local`` when the output is remote (rank 0, after
+    ``finish``). Checkpoints are not part of the artifact: they travel under their own manifests."""
+    if dest.scheme == "s3":
         from kubetune.providers import s3
 
-        s3.upload_dir(out, spec.output.uri, exclude=("checkpoints",))
-    elif scheme == "hf":
+        s3.upload_dir(dest.local, dest.uri, exclude=("checkpoints",))
+    elif dest.scheme == "hf":
         from kubetune.artifacts import hub
 
-        hub.push(spec, out, metrics)
+        hub.push(spec, dest.local, metrics, present)
 
 
-def finish(spec: JobSpec, metrics: dict, dest: Path, history: Path) -> None:
+def finish(spec: JobSpec, metrics: dict, dest: Path, history: Path, present: Presentation) -> None:
     """Write metrics.json, job.yaml and report.html into ``dest`` (the run's staging directory),
     reading the curves from ``history``."""
     from kubetune.artifacts.report import write_report
 
     write_atomic(dest / "job.yaml", dump_spec(spec))
-    write_report(spec, metrics, dest, history)
+    write_report(spec, metrics, dest, present, history)
     write_atomic(dest / "metrics.json", json.dumps(metrics, indent=2) + "\n")

@@ -12,6 +12,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from kubetune.artifacts.presentation import Presentation
 from kubetune.config import JobSpec, dump_spec
 from kubetune.errors import KubetuneError
 from kubetune.paths import check_tree_inside
@@ -90,19 +91,11 @@ def check_can_push(spec: JobSpec) -> None:
         ) from None
 
 
-def model_card(spec: JobSpec, metrics: dict) -> str:
+def model_card(spec: JobSpec, metrics: dict, present: Presentation) -> str:
     base = metrics.get("baseline") or {}
-    causal = spec.task == "causal-lm"
-    pipeline_tag = "text-generation" if causal else "text-classification"
-    if causal:
-        usage = [
-            f'gen = pipeline("text-generation", model="{repo_id(spec)}")',
-            'print(gen([{"role": "user", "content": "Hello"}], max_new_tokens=64))',
-        ]
-        about = [f"Data format: {metrics.get('data_format')}; chat template: {metrics.get('chat_template') or 'none'}."]
-    else:
-        usage = [f'clf = pipeline("text-classification", model="{repo_id(spec)}")']
-        about = [f"Labels: {', '.join(map(str, metrics.get('labels') or []))}."]
+    pipeline_tag = present.pipeline_tag
+    usage = present.card_usage(repo_id(spec))
+    about = present.card_about(metrics)
     lines = [
         "---",
         "library_name: transformers",
@@ -152,7 +145,7 @@ def model_card(spec: JobSpec, metrics: dict) -> str:
     return "\n".join(lines)
 
 
-def push(spec: JobSpec, out: Path, metrics: dict) -> str:
+def push(spec: JobSpec, out: Path, metrics: dict, present: Presentation) -> str:
     """Create the repo (private unless output.hf_private is false) and upload one commit.
 
     Returns:
@@ -173,13 +166,8 @@ def push(spec: JobSpec, out: Path, metrics: dict) -> str:
         for name in ("metrics.json", "job.yaml", "report.html", "history.jsonl"):
             if (out / name).exists():
                 _link(out / name, folder / "kubetune" / name)
-        (folder / "README.md").write_text(model_card(spec, metrics))
-        headline = (
-            f"eval perplexity {metrics.get('eval_perplexity', float('nan')):.2f}"
-            if spec.task == "causal-lm"
-            else f"eval accuracy {metrics.get('eval_accuracy', float('nan')):.4f}"
-        )
-        message = spec.output.commit_message or f"kubetune {spec.name}: {headline}"
+        (folder / "README.md").write_text(model_card(spec, metrics, present))
+        message = spec.output.commit_message or f"kubetune {spec.name}: {present.headline(metrics)}"
         api.create_repo(rid, private=spec.output.hf_private, exist_ok=True, repo_type="model")
         info = api.upload_folder(folder_path=str(folder), repo_id=rid, repo_type="model", commit_message=message)
     except hf_errors.HfHubHTTPError as e:

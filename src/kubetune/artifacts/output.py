@@ -11,7 +11,6 @@ swapped in at the end (``commit``), so a run that fails leaves the previous stat
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -25,7 +24,8 @@ from kubetune import checkpoint, providers
 from kubetune.config import JobSpec
 from kubetune.config.schema import output_uri_problem
 from kubetune.errors import KubetuneError
-from kubetune.paths import cache_root, set_default_mode, write_atomic
+from kubetune.paths import set_default_mode, write_atomic
+from kubetune.providers.destination import Output
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,6 @@ FINAL = ("model", "adapter", "plots", "report.html", "job.yaml", "metrics.json")
 LIVE = ("history.jsonl", "tensorboard", "checkpoints")  # written while the run goes
 OWNED = FINAL + LIVE + (MARKER,)
 STAGING_PREFIX = ".kubetune-staging-"
-REMOTE_OUTPUTS = ("s3", "hf")
 _FIX = "pick a new output.uri, or pass --overwrite (output.overwrite: true)"
 
 
@@ -68,23 +67,9 @@ def refuse_special(uri: str, field: str = "output.uri") -> None:
         raise KubetuneError(message, field=field, fix=fix or None)
 
 
-def local_dir(uri: str) -> Path:
-    """The local directory artifacts are written to (not created): ``output.uri`` itself, or for
-    a remote output (s3://, hf://) a staging directory in the cache that ``publish`` uploads."""
-    parsed = providers.parse_uri(uri)
-    if parsed.scheme in REMOTE_OUTPUTS:
-        return cache_root() / "outputs" / hashlib.sha256(uri.encode()).hexdigest()[:16]
-    if parsed.scheme != "file":
-        raise KubetuneError(
-            f"output scheme '{parsed.scheme}://' is not supported",
-            field="output.uri",
-            fix="use a local directory, s3://BUCKET/PREFIX or hf://ORG/REPO",
-        )
-    return Path(parsed.body).expanduser()
-
-
-def inspect(spec: JobSpec) -> Plan:
-    """Decide, without writing anything, whether and how this run may use its destination.
+def inspect(spec: JobSpec, dest: Output | None = None) -> Plan:
+    """Decide, without writing anything, whether and how this run may use its destination
+    (``dest``: ``output.uri`` resolved; resolved here when not given).
 
     Raises:
         KubetuneError: the destination belongs to someone else, holds a finished run (without
@@ -92,12 +77,12 @@ def inspect(spec: JobSpec) -> Plan:
     """
     uri = spec.output.uri
     refuse_special(uri)
-    scheme = providers.parse_uri(uri).scheme
-    if scheme == "hf":  # a push is one new commit on top of the repo's history: nothing is lost
+    dest = dest or Output.resolve(uri)
+    if dest.scheme == "hf":  # a push is one new commit on top of the repo's history: nothing is lost
         return Plan("new", f"pushing to {uri} when the run finishes")
-    if scheme == "s3":
+    if dest.scheme == "s3":
         return _inspect_s3(spec)
-    path = local_dir(uri)
+    path = dest.local
     if not path.exists():
         parent = next((p for p in path.parents if p.exists()), None)
         if parent is not None and not os.access(parent, os.W_OK | os.X_OK):
@@ -217,16 +202,15 @@ def same_job(saved_yaml: str, spec: JobSpec) -> bool:
     return mine == theirs
 
 
-def claim(spec: JobSpec) -> tuple[Path, Plan]:
+def claim(spec: JobSpec, dest: Output) -> Plan:
     """Rank 0, before anything else is written: check the destination (``inspect``), create and
     mark it, clear what a restart replaces, and log the decision.
 
     Returns:
-        The local output directory and the plan.
+        The plan.
     """
-    plan = inspect(spec)
-    out = local_dir(spec.output.uri)
-    uri = spec.output.uri.rstrip("/")
+    plan = inspect(spec, dest)
+    out, uri = dest.local, dest.prefix
     marker = (
         json.dumps({"format": "kubetune-output/1", "job": spec.name, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
         + "\n"
@@ -241,26 +225,26 @@ def claim(spec: JobSpec) -> tuple[Path, Plan]:
         raise KubetuneError(
             f"cannot write to {out}: {e.strerror or e}", field="output.uri", fix="choose a writable directory"
         ) from None
-    if providers.parse_uri(uri).scheme == "s3":
+    if dest.scheme == "s3":
         from kubetune.providers import s3
 
         if plan.action in ("new", "adopt"):
             s3.write_text(f"{uri}/{MARKER}", marker, field="output.uri")
     if plan.action == "restart" and plan.steps:
-        checkpoint.clear(spec.output.uri, out)
-    log.info("output %s: %s", spec.output.uri, plan.detail)
-    return out, plan
+        checkpoint.clear(dest)
+    log.info("output %s: %s", dest.uri, plan.detail)
+    return plan
 
 
-def finished_metrics(spec: JobSpec, out: Path) -> dict:
+def finished_metrics(dest: Output) -> dict:
     """The metrics of the finished run a "done" plan found (local, or the remote artifact's)."""
     try:
-        if (out / "metrics.json").is_file():
-            return json.loads((out / "metrics.json").read_text(encoding="utf-8"))
-        if providers.parse_uri(spec.output.uri).scheme == "s3":
+        if (dest.local / "metrics.json").is_file():
+            return json.loads((dest.local / "metrics.json").read_text(encoding="utf-8"))
+        if dest.scheme == "s3":
             from kubetune.providers import s3
 
-            return json.loads(s3.read_text(f"{spec.output.uri.rstrip('/')}/metrics.json", field="output.uri") or "{}")
+            return json.loads(s3.read_text(f"{dest.prefix}/metrics.json", field="output.uri") or "{}")
     except (OSError, ValueError, KubetuneError):
         pass
     return {}
@@ -292,15 +276,15 @@ def commit(out: Path, staged: Path) -> None:
 def state_after_stop(spec: JobSpec, since: float) -> str:
     """After a stop signal reached the launcher: ``finished`` (this run's artifacts are complete),
     ``checkpoint`` (a run again resumes) or ``nothing`` (a run again starts over)."""
-    out = local_dir(spec.output.uri)
-    metrics = out / "metrics.json"
+    dest = Output.resolve(spec.output.uri)
+    metrics = dest.local / "metrics.json"
     if metrics.exists() and metrics.stat().st_mtime >= since:
         return "finished"
-    if checkpoint.complete_steps(out / "checkpoints"):
+    if checkpoint.complete_steps(dest.checkpoints):
         return "checkpoint"
-    if providers.parse_uri(spec.output.uri).scheme == "s3":
+    if dest.remote_checkpoints:
         try:
-            if checkpoint.remote_steps(f"{spec.output.uri.rstrip('/')}/checkpoints"):
+            if checkpoint.remote_steps(dest.remote_checkpoints):
                 return "checkpoint"
         except KubetuneError:
             pass

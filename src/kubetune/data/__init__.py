@@ -11,12 +11,42 @@ from kubetune.data.sharding import Step
 from kubetune.data.tables import Frames, load_frames, read_table
 from kubetune.data.tokenize import tokenized
 
-__all__ = ["Frames", "StepBatch", "batches", "collate", "collate_lm", "load_frames", "read_table", "tokenized"]
+__all__ = ["Batch", "Frames", "StepBatch", "batches", "collate", "collate_lm", "load_frames", "read_table", "tokenized"]
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
 
-def collate(ds, indices: np.ndarray, tokenizer) -> dict[str, torch.Tensor]:
+@dataclass
+class Batch:
+    """One micro-batch: the model's inputs, and beside them its targets and what only the trainer reads."""
+
+    inputs: dict[str, torch.Tensor]  # passed to the model as keyword arguments
+    labels: torch.Tensor  # class ids (classification) or token ids with IGNORE (causal-LM)
+    weight: float = 1.0  # 0.0: a rank's empty share of the last, partial step (computed, contributes nothing)
+    index: torch.Tensor | None = None  # dataset row ids, for tracing; stays on the CPU
+
+    def to(self, device: torch.device) -> Batch:
+        """The inputs and labels on ``device`` (the same object on the CPU)."""
+        if device.type == "cpu":
+            return self
+        inputs = {k: v.to(device, non_blocking=True) for k, v in self.inputs.items()}
+        return Batch(inputs, self.labels.to(device, non_blocking=True), self.weight, self.index)
+
+    def pin_memory(self) -> Batch:
+        """Page-locked copies (the DataLoader's pinning thread calls this), for asynchronous copies to a GPU."""
+        return Batch(
+            {k: v.pin_memory() for k, v in self.inputs.items()}, self.labels.pin_memory(), self.weight, self.index
+        )
+
+    @property
+    def tokens(self) -> tuple[float, float]:
+        """(real tokens, computed tokens): padding is what a micro-batch computes on beyond its real tokens."""
+        ids = self.inputs["input_ids"]
+        mask = self.inputs.get("attention_mask")
+        return float(mask.sum() if mask is not None else ids.numel()), float(ids.numel())
+
+
+def collate(ds, indices: np.ndarray, tokenizer) -> Batch:
     """Pad the examples at ``indices`` to the longest one (dynamic padding).
 
     An empty ``indices`` (a rank's share of the last, partial step) yields example 0 with
@@ -28,14 +58,11 @@ def collate(ds, indices: np.ndarray, tokenizer) -> dict[str, torch.Tensor]:
     rows = ds[[int(i) for i in indices]]
     features = {k: rows[k] for k in MODEL_INPUTS if k in rows}
     batch = tokenizer.pad(features, return_tensors="pt")
-    batch = {k: v for k, v in batch.items()}
-    batch["labels"] = torch.as_tensor(rows["label"], dtype=torch.long)
-    batch["weight"] = torch.full((len(indices),), weight)
-    batch["index"] = torch.as_tensor(indices, dtype=torch.long)  # dataset row ids, for tracing
-    return batch
+    labels = torch.as_tensor(rows["label"], dtype=torch.long)
+    return Batch(dict(batch.items()), labels, weight, torch.as_tensor(indices, dtype=torch.long))
 
 
-def collate_lm(ds, indices: np.ndarray, pad_id: int, packing: bool = False) -> dict[str, torch.Tensor]:
+def collate_lm(ds, indices: np.ndarray, pad_id: int, packing: bool = False) -> Batch:
     """Causal-LM micro-batch: right-padded rows, or with ``packing`` one row of the examples
     concatenated, with position ids restarting at 0 for each (transformers then builds a
     block-diagonal causal mask, so packed examples cannot attend to each other; it does so only
@@ -51,34 +78,30 @@ def collate_lm(ds, indices: np.ndarray, pad_id: int, packing: bool = False) -> d
     rows = ds[[int(i) for i in indices]]
     ids, labels = rows["input_ids"], rows["labels"]
     if packing:
-        batch = {
+        inputs = {
             "input_ids": torch.tensor([t for seq in ids for t in seq]).unsqueeze(0),
             "position_ids": torch.cat([torch.arange(len(seq)) for seq in ids]).unsqueeze(0),
-            "labels": torch.tensor([-100 if j == 0 else t for seq in labels for j, t in enumerate(seq)]).unsqueeze(0),
         }
+        targets = torch.tensor([-100 if j == 0 else t for seq in labels for j, t in enumerate(seq)]).unsqueeze(0)
     else:
         width = max(len(seq) for seq in ids)
-        batch = {
+        inputs = {
             "input_ids": torch.tensor([seq + [pad_id] * (width - len(seq)) for seq in ids]),
             "attention_mask": torch.tensor([[1] * len(seq) + [0] * (width - len(seq)) for seq in ids]),
-            "labels": torch.tensor([seq + [-100] * (width - len(seq)) for seq in labels]),
         }
-    batch["weight"] = torch.full((len(indices),), weight)
-    batch["index"] = torch.as_tensor(indices, dtype=torch.long)
-    return batch
+        targets = torch.tensor([seq + [-100] * (width - len(seq)) for seq in labels])
+    return Batch(inputs, targets, weight, torch.as_tensor(indices, dtype=torch.long))
 
 
 @dataclass
 class StepBatch:
-    micro: list[dict[str, torch.Tensor]]
+    micro: list[Batch]
     global_count: int
     indices: np.ndarray
 
     def pin_memory(self) -> StepBatch:
         """Called by the DataLoader's pinning thread (pin_memory=True): page-locked tensors copy to the GPU asynchronously."""
-        return StepBatch(
-            [{k: v.pin_memory() for k, v in m.items()} for m in self.micro], self.global_count, self.indices
-        )
+        return StepBatch([m.pin_memory() for m in self.micro], self.global_count, self.indices)
 
 
 class _StepDataset(torch.utils.data.Dataset):

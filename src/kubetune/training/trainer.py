@@ -1,4 +1,4 @@
-"""The trainer both tasks share: set-up, resume, the outer loop, one optimizer step, evaluation,
+"""The trainer every task shares: set-up, resume, the outer loop, one optimizer step, evaluation,
 checkpoints and the export.
 
 What differs per task (data preparation, the model, the loss of a micro-batch, evaluation,
@@ -26,12 +26,13 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from kubetune import artifacts, checkpoint, distributed, providers
 from kubetune.artifacts import output
 from kubetune.config import JobSpec
-from kubetune.data import StepBatch, batches
+from kubetune.data import Batch, StepBatch, batches
 from kubetune.data.sharding import epoch_order, rank_plan, steps_per_epoch
 from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
-from kubetune.recipes.common import build_optimizer, load_tokenizer, resolve_precision, seed_everything, to_device
-from kubetune.recipes.task import Task
+from kubetune.providers.destination import Output
+from kubetune.tasks import Task, base
+from kubetune.tasks.common import build_optimizer, load_tokenizer, resolve_precision, seed_everything
 from kubetune.training.loggers import JSONLLogger, Loggers, TensorBoardLogger
 from kubetune.training.state import TrainState
 from kubetune.training.strategy import DDPStrategy, Strategy
@@ -72,10 +73,13 @@ class Trainer:
         # Rank 0 checks the destination (refusing someone else's directory or a finished run), marks
         # it as kubetune's, and logs whether this run resumes or starts over; every rank then reads
         # checkpoints from the same place.
-        self.out, plan = output.claim(spec) if env.is_main else (output.local_dir(spec.output.uri), None)
+        # The output location, resolved once: the staging directory, the checkpoint store, the publisher.
+        self.dest = Output.resolve(spec.output.uri)
+        self.out = self.dest.local
+        plan = output.claim(spec, self.dest) if env.is_main else None
         # this job already finished into this output: nothing to train
         self.finished = distributed.broadcast_object(
-            output.finished_metrics(spec, self.out) if plan and plan.action == "done" else None
+            output.finished_metrics(self.dest) if plan and plan.action == "done" else None
         )
         if self.finished is not None:
             return
@@ -129,7 +133,7 @@ class Trainer:
     def _resume(self) -> checkpoint.Found | None:
         """The newest complete checkpoint restores weights, optimizer, schedule, position and RNG."""
         self.state = TrainState.fresh(self.device)
-        found = _find_checkpoint(self.spec, self.out, self.env) if self.cfg.resume == "auto" else None
+        found = _find_checkpoint(self.dest, self.env) if self.cfg.resume == "auto" else None
         if not found:
             return None
         saved = checkpoint.load(found)
@@ -259,21 +263,18 @@ class Trainer:
         # The loss denominator: loss units (examples, or target tokens) in the whole global step.
         data = self.data
         step_units = float(data.units[step.indices].sum()) if data.units is not None else float(step.global_count)
-        step_ids = [m["input_ids"] for m in step.micro]
+        step_ids = [m.inputs["input_ids"] for m in step.micro]
         for i, micro in enumerate(step.micro):
-            # Counted on the CPU copy (no device sync): padding is what a micro-batch computes on beyond its real tokens.
-            w = float(micro["weight"][0])
-            s.tokens[0] += w * float(
-                micro["attention_mask"].sum() if "attention_mask" in micro else micro["input_ids"].numel()
-            )
-            s.tokens[1] += w * micro["input_ids"].numel()
-            micro = to_device(micro, self.device)
-            weight = micro.pop("weight")
-            self.trace.add(s.epoch, micro.pop("index"), weight)
+            # Counted on the CPU copy (no device sync).
+            real, computed = micro.tokens
+            s.tokens[0] += micro.weight * real
+            s.tokens[1] += micro.weight * computed
+            self.trace.add(s.epoch, micro)
+            micro = micro.to(self.device)
             # Gradients are reduced only on the last micro-batch of the step.
             with self.strategy.no_sync(last=i == len(step.micro) - 1):
                 loss_sum, units = self.task.loss(self.wrapped, micro, self.autocast)
-                loss_sum, units = loss_sum * weight[0], units * weight[0]  # weight 0: a rank's empty share
+                loss_sum, units = loss_sum * micro.weight, units * micro.weight  # weight 0: a rank's empty share
                 # Times world size because DDP averages over ranks: the gradient is the exact
                 # mean over the global step's units.
                 self.scaler.scale(loss_sum * env.world_size / max(step_units, 1.0)).backward()
@@ -312,8 +313,14 @@ class Trainer:
     def evaluate(self, train_s: float) -> dict:
         """All ranks: evaluate; rank 0 logs and records it with the training time and samples so far."""
         s, cfg = self.state, self.cfg
-        metrics = self.task.evaluate(
-            self.model, self.data, self.env, self.device, self.autocast, cfg.eval_batch_size or 2 * cfg.batch_size
+        metrics = base.evaluate(
+            self.task,
+            self.model,
+            self.data,
+            self.env,
+            self.device,
+            self.autocast,
+            cfg.eval_batch_size or 2 * cfg.batch_size,
         )
         log.info(
             "epoch %d, step %d: %s",
@@ -344,9 +351,7 @@ class Trainer:
                 **s.state_dict(s.train_time + (time.perf_counter() - self.t_epoch), per_rank),
                 "fingerprint": self.fingerprint,
             }
-            path = checkpoint.save(
-                state, self.spec, self.spec.output.uri, self.out, s.global_step, self.cfg.keep_checkpoints
-            )
+            path = checkpoint.save(state, self.spec, self.dest, s.global_step, self.cfg.keep_checkpoints)
             log.info("checkpoint at step %d: %s", s.global_step, path)
         distributed.barrier()
 
@@ -405,7 +410,7 @@ class Trainer:
         try:
             self.task.export(spec, model, self.tokenizer, self.data, staged, metrics)
             metrics["total_runtime_s"] = time.perf_counter() - self.t_start
-            artifacts.finish(spec, metrics, staged, out / "history.jsonl")
+            artifacts.finish(spec, metrics, staged, out / "history.jsonl", self.task.present)
             output.commit(out, staged)
         except (OSError, SafetensorError) as e:  # a full disk, a quota: the output keeps its previous state
             reason = getattr(e, "strerror", None) or str(e).rsplit(": ", 1)[-1].split(" (os error")[0]
@@ -416,10 +421,10 @@ class Trainer:
             ) from None
         finally:
             shutil.rmtree(staged, ignore_errors=True)
-        artifacts.publish(spec, out, metrics)
+        artifacts.publish(spec, self.dest, metrics, self.task.present)
         # Only now that the artifact is safely in place: a failed upload can still resume. A rerun
         # then starts a new run, and predict/pull never fetch optimizer state.
-        checkpoint.clear(spec.output.uri, out)
+        checkpoint.clear(self.dest)
         headline = ", ".join(f"{k} {metrics[k]:.4f}" for k in self.task.headline)
         log.info(
             "done: %s, %.1f samples/s; artifacts in %s", headline, metrics["train_samples_per_second"], spec.output.uri
@@ -488,17 +493,17 @@ class Preempted(Exception):
         self.step = step
 
 
-def _find_checkpoint(spec: JobSpec, out, env: DistEnv) -> checkpoint.Found | None:
+def _find_checkpoint(dest: Output, env: DistEnv) -> checkpoint.Found | None:
     """Rank 0 picks the newest complete checkpoint; every rank then reads that same step."""
-    found = checkpoint.latest(spec.output.uri, out) if env.is_main else None
+    found = checkpoint.latest(dest) if env.is_main else None
     step = distributed.broadcast_object(found.step if found else None)
     if step is None:
         return None
     if found is None or found.step != step:
-        found = checkpoint.latest(spec.output.uri, out)
+        found = checkpoint.latest(dest)
         if found is None or found.step != step:
             raise KubetuneError(
-                f"rank {env.rank} cannot see checkpoint step {step} under {spec.output.uri}",
+                f"rank {env.rank} cannot see checkpoint step {step} under {dest.uri}",
                 field="output.uri",
                 fix="put the output on storage every node can read (a shared PVC or s3://)",
             )
@@ -518,12 +523,12 @@ class _Trace:
             Path(root).mkdir(parents=True, exist_ok=True)
             self.path = Path(root) / f"rank{rank}.jsonl"
 
-    def add(self, epoch: int, index: torch.Tensor, weight: torch.Tensor) -> None:
+    def add(self, epoch: int, batch: Batch) -> None:
         if self.path is None:
             return
         import json
 
-        rows = index[weight.cpu() > 0].tolist()
+        rows = batch.index.tolist() if batch.weight > 0 else []
         with self.path.open("a") as f:
             f.write(json.dumps({"epoch": epoch, "rows": rows}) + "\n")
 

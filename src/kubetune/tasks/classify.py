@@ -14,12 +14,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kubetune import artifacts, distributed
-from kubetune.config import JobSpec
-from kubetune.data import collate, load_frames, tokenized
+from kubetune import artifacts
+from kubetune.config import ClassificationData, JobSpec
+from kubetune.data import Batch, collate, load_frames, tokenized
 from kubetune.distributed import DistEnv
-from kubetune.recipes.common import to_device
-from kubetune.recipes.task import Prepared, Task, tokenize_on_node
+from kubetune.tasks.base import Prepared, Presentation, Task, tokenize_on_node
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +45,7 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
         train_ds=train_ds,
         eval_ds=eval_ds,
         collate=functools.partial(collate, train_ds, tokenizer=tokenizer),
+        collate_eval=functools.partial(collate, eval_ds, tokenizer=tokenizer),
         train_rows=len(frames.train),
         eval_rows=len(frames.eval),
         labels=frames.labels,
@@ -55,10 +55,11 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
     )
 
 
-def loss(model, micro: dict, autocast) -> tuple[torch.Tensor, torch.Tensor]:
-    labels = micro.pop("labels")
+def loss(model, batch: Batch, autocast) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed cross-entropy over the micro-batch's examples, and their count."""
     with autocast:
-        logits = model(**micro).logits
+        logits = model(**batch.inputs).logits
+    labels = batch.labels
     return F.cross_entropy(logits.float(), labels, reduction="sum"), torch.tensor(
         float(len(labels)), device=labels.device
     )
@@ -82,7 +83,7 @@ def build_model(spec: JobSpec, model_dir, data: Prepared, device: torch.device, 
     """The pretrained encoder with a fresh classification head, wrapped with LoRA when asked."""
     from transformers import AutoModelForSequenceClassification
 
-    from kubetune.recipes.common import attention_kwargs, load_pretrained
+    from kubetune.tasks.common import attention_kwargs, load_pretrained
 
     model = load_pretrained(
         AutoModelForSequenceClassification,
@@ -111,44 +112,38 @@ def build_model(spec: JobSpec, model_dir, data: Prepared, device: torch.device, 
 MAX_CONFUSION_CLASSES = 100
 
 
-@torch.no_grad()
-def evaluate(model, data: Prepared, env: DistEnv, device, autocast, batch_size: int) -> dict:
-    """Loss, accuracy and macro-F1 over the whole eval set, each example counted once across ranks.
+def eval_step(model, batch: Batch, autocast) -> dict:
+    with autocast:
+        logits = model(**batch.inputs).logits
+    loss_sum = F.cross_entropy(logits.float(), batch.labels, reduction="sum").double()
+    return {"loss": loss_sum, "true": batch.labels, "pred": logits.argmax(-1)}
 
-    Labels and predictions are kept per batch and counted once at the end: per class the true
-    positives, the true and the predicted counts (all the metrics need), all-reduced across ranks.
-    The full confusion matrix (``eval_confusion``, rows true, columns predicted) is built only for
-    at most ``MAX_CONFUSION_CLASSES`` classes.
-    """
-    eval_ds, tokenizer = data.eval_ds, data.raw[1]
+
+def eval_totals(stats: list[dict], data: Prepared, device) -> torch.Tensor:
+    """The loss sum and, per class, the true positives, the true and the predicted counts (all the
+    metrics need); the confusion matrix too for at most ``MAX_CONFUSION_CLASSES`` classes."""
     num_labels = len(data.labels)
-    model.eval()
-    lengths = np.asarray(eval_ds["length"])
-    order = np.argsort(lengths, kind="stable")[env.rank :: env.world_size]  # length-sorted: little padding
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
-    trues, preds = [torch.zeros(0, dtype=torch.long, device=device)], [torch.zeros(0, dtype=torch.long, device=device)]
-    for start in range(0, len(order), batch_size):
-        batch = to_device(collate(eval_ds, order[start : start + batch_size], tokenizer), device)
-        batch.pop("weight")
-        batch.pop("index")
-        labels = batch.pop("labels")
-        with autocast:
-            logits = model(**batch).logits
-        loss_sum += F.cross_entropy(logits.float(), labels, reduction="sum").double()
-        trues.append(labels)
-        preds.append(logits.argmax(-1))
-    y, p = torch.cat(trues), torch.cat(preds)
+    for st in stats:
+        loss_sum += st["loss"]
+    empty = torch.zeros(0, dtype=torch.long, device=device)
+    y = torch.cat([empty, *(st["true"] for st in stats)])
+    p = torch.cat([empty, *(st["pred"] for st in stats)])
     counts = [
         loss_sum.view(1),
         torch.bincount(y[y == p], minlength=num_labels).double(),
         torch.bincount(y, minlength=num_labels).double(),
         torch.bincount(p, minlength=num_labels).double(),
     ]
-    with_confusion = num_labels <= MAX_CONFUSION_CLASSES  # the same on every rank: the same tensor size
-    if with_confusion:
+    if num_labels <= MAX_CONFUSION_CLASSES:  # the same on every rank: the same tensor size
         counts.append(torch.bincount(y * num_labels + p, minlength=num_labels**2).double())
-    totals = distributed.all_reduce_sum(torch.cat(counts)).cpu().numpy()
-    model.train()
+    return torch.cat(counts)
+
+
+def eval_metrics(totals: np.ndarray, data: Prepared) -> dict:
+    """Loss, accuracy and macro-F1 (scikit-learn's definition) over the whole eval set, and the
+    confusion matrix (``eval_confusion``, rows true, columns predicted) when it was counted."""
+    num_labels = len(data.labels)
     tp, true, pred = (totals[1 + k * num_labels : 1 + (k + 1) * num_labels] for k in range(3))
     n = true.sum()
     precision = np.divide(tp, pred, out=np.zeros_like(tp), where=pred > 0)
@@ -161,16 +156,41 @@ def evaluate(model, data: Prepared, env: DistEnv, device, autocast, batch_size: 
         "eval_f1_macro": float(f1[present].mean()) if present.any() else 0.0,
         "eval_samples": int(n),
     }
-    if with_confusion:
+    if num_labels <= MAX_CONFUSION_CLASSES:
         metrics["eval_confusion"] = totals[1 + 3 * num_labels :].reshape(num_labels, num_labels).astype(int).tolist()
     return metrics
 
 
+def _report_rows(m: dict) -> list[tuple[str, object]]:
+    return [("eval accuracy", m.get("eval_accuracy")), ("eval macro-F1", m.get("eval_f1_macro"))]
+
+
+def _summary(m: dict) -> str:
+    return (
+        f"eval accuracy {m['eval_accuracy']:.4f}, macro-F1 {m['eval_f1_macro']:.4f} on {m['eval_rows']} held-out rows"
+    )
+
+
 TASK = Task(
+    name="sequence-classification",
+    data_spec=ClassificationData,
+    load_frames=load_frames,
     prepare=prepare,
     build_model=build_model,
     loss=loss,
-    evaluate=evaluate,
+    eval_step=eval_step,
+    eval_totals=eval_totals,
+    eval_metrics=eval_metrics,
     export=export,
     headline=("eval_accuracy", "eval_f1_macro"),
+    present=Presentation(
+        pipeline_tag="text-classification",
+        report_rows=_report_rows,
+        eval_curves=("eval_accuracy", "eval_f1_macro"),
+        eval_log_scale=False,
+        card_usage=lambda repo: [f'clf = pipeline("text-classification", model="{repo}")'],
+        card_about=lambda m: [f"Labels: {', '.join(map(str, m.get('labels') or []))}."],
+        headline=lambda m: f"eval accuracy {m.get('eval_accuracy', float('nan')):.4f}",
+        summary=_summary,
+    ),
 )

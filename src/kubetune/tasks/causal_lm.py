@@ -19,14 +19,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kubetune import artifacts, distributed
-from kubetune.config import JobSpec
-from kubetune.data import collate_lm, tokenized
+from kubetune import artifacts
+from kubetune.config import CausalLMData, JobSpec
+from kubetune.data import Batch, collate_lm, tokenized
 from kubetune.data.causal import IGNORE, ensure_chat_template, load_lm_frames
 from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
-from kubetune.recipes.common import attention_kwargs, load_pretrained, to_device
-from kubetune.recipes.task import Prepared, Task, tokenize_on_node
+from kubetune.tasks.base import Prepared, Presentation, Task, tokenize_on_node
+from kubetune.tasks.common import attention_kwargs, load_pretrained
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,7 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
         train_ds=train_ds,
         eval_ds=eval_ds,
         collate=functools.partial(collate_lm, train_ds, pad_id=tokenizer.pad_token_id, packing=spec.data.packing),
+        collate_eval=functools.partial(collate_lm, eval_ds, pad_id=tokenizer.pad_token_id),
         train_rows=len(train_ds),
         eval_rows=len(eval_ds),
         units=units,
@@ -182,12 +183,11 @@ def _quantized_load(quant: str, device: torch.device, dtype: torch.dtype) -> dic
     return {"quantization_config": config, "device_map": {"": device.index or 0}, "dtype": compute}
 
 
-def loss(model, micro: dict, autocast) -> tuple[torch.Tensor, torch.Tensor]:
+def loss(model, batch: Batch, autocast) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token cross-entropy over the target tokens of a micro-batch, and their count."""
-    labels = micro.pop("labels")
     with autocast:
-        logits = model(**micro).logits
-    loss_sum, count, _ = token_loss(logits, labels)
+        logits = model(**batch.inputs).logits
+    loss_sum, count, _ = token_loss(logits, batch.labels)
     return loss_sum, count
 
 
@@ -204,34 +204,31 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor, count_correct: bool =
     return F.cross_entropy(picked, chosen, reduction="sum"), mask.sum(), correct
 
 
-@torch.no_grad()
-def evaluate(model, data: Prepared, env: DistEnv, device, autocast, batch_size: int) -> dict:
-    """Token-level loss and perplexity over the whole eval set, each example counted once across ranks."""
-    tokenizer = data.raw
-    model.eval()
-    lengths = np.asarray(data.eval_ds["length"])
-    order = np.argsort(lengths, kind="stable")[env.rank :: env.world_size]  # length-sorted: little padding
+def eval_step(model, batch: Batch, autocast) -> dict:
+    with autocast:
+        logits = model(**batch.inputs).logits
+    loss_sum, count, correct = token_loss(logits, batch.labels, count_correct=True)
+    return {"loss": loss_sum, "count": count, "correct": correct}
+
+
+def eval_totals(stats: list[dict], data: Prepared, device) -> torch.Tensor:
     totals = torch.zeros(3, device=device, dtype=torch.float64)  # loss sum, target tokens, correct next-token guesses
-    for start in range(0, len(order), batch_size):
-        batch = to_device(collate_lm(data.eval_ds, order[start : start + batch_size], tokenizer.pad_token_id), device)
-        batch.pop("weight")
-        batch.pop("index")
-        labels = batch.pop("labels")
-        with autocast:
-            logits = model(**batch).logits
-        loss_sum, count, correct = token_loss(logits, labels, count_correct=True)
-        totals[0] += loss_sum.double()
-        totals[1] += count
-        totals[2] += correct
-    totals = distributed.all_reduce_sum(totals)
-    model.train()
-    n = max(totals[1].item(), 1.0)
-    eval_loss = totals[0].item() / n
+    for st in stats:
+        totals[0] += st["loss"].double()
+        totals[1] += st["count"]
+        totals[2] += st["correct"]
+    return totals
+
+
+def eval_metrics(totals: np.ndarray, data: Prepared) -> dict:
+    """Token-level loss and perplexity over the whole eval set, and the greedy next-token accuracy."""
+    n = max(float(totals[1]), 1.0)
+    eval_loss = float(totals[0]) / n
     return {
         "eval_loss": eval_loss,
         "eval_perplexity": math.exp(min(eval_loss, 50.0)),
-        "eval_token_accuracy": totals[2].item() / n,  # greedy next-token matches on target tokens
-        "eval_tokens": int(totals[1].item()),
+        "eval_token_accuracy": float(totals[2]) / n,  # greedy next-token matches on target tokens
+        "eval_tokens": int(totals[1]),
         "eval_samples": data.eval_rows,
     }
 
@@ -275,11 +272,53 @@ def _config_dtype(config) -> torch.dtype:
     return value if isinstance(value, torch.dtype) else torch.float32
 
 
+def _report_rows(m: dict) -> list[tuple[str, object]]:
+    return [
+        ("eval perplexity", m.get("eval_perplexity")),
+        ("eval next-token accuracy (target tokens)", m.get("eval_token_accuracy")),
+        ("eval target tokens", m.get("eval_tokens")),
+        ("data format", m.get("data_format")),
+        ("chat template", m.get("chat_template") or "none (plain text)"),
+        ("packing", m.get("packing")),
+        (
+            "training data tokens / with loss (one epoch)",
+            f"{m.get('train_data_tokens')} / {m.get('train_data_target_tokens')}",
+        ),
+    ]
+
+
+def _summary(m: dict) -> str:
+    return (
+        f"eval loss {m['eval_loss']:.4f}, perplexity {m['eval_perplexity']:.2f} "
+        f"on {m['eval_tokens']} target tokens of {m['eval_rows']} held-out rows"
+    )
+
+
 TASK = Task(
+    name="causal-lm",
+    data_spec=CausalLMData,
+    load_frames=load_lm_frames,
     prepare=prepare,
     build_model=build_model,
     loss=loss,
-    evaluate=evaluate,
+    eval_step=eval_step,
+    eval_totals=eval_totals,
+    eval_metrics=eval_metrics,
     export=export,
     headline=("eval_perplexity",),
+    present=Presentation(
+        pipeline_tag="text-generation",
+        report_rows=_report_rows,
+        eval_curves=("eval_perplexity",),
+        eval_log_scale=True,
+        card_usage=lambda repo: [
+            f'gen = pipeline("text-generation", model="{repo}")',
+            'print(gen([{"role": "user", "content": "Hello"}], max_new_tokens=64))',
+        ],
+        card_about=lambda m: [
+            f"Data format: {m.get('data_format')}; chat template: {m.get('chat_template') or 'none'}."
+        ],
+        headline=lambda m: f"eval perplexity {m.get('eval_perplexity', float('nan')):.2f}",
+        summary=_summary,
+    ),
 )

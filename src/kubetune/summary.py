@@ -1,4 +1,4 @@
-"""Print a short summary of a finished job: ``python -m kubetune.artifacts.summary OUTPUT_DIR``."""
+"""Print a short summary of a finished job: ``python -m kubetune.summary OUTPUT_DIR``."""
 
 from __future__ import annotations
 
@@ -8,13 +8,11 @@ from pathlib import Path
 
 
 def summary(out: Path) -> str:
+    from kubetune import tasks
+
     m = json.loads((out / "metrics.json").read_text())
-    if m.get("task") == "causal-lm":
-        head = f"eval loss {m['eval_loss']:.4f}, perplexity {m['eval_perplexity']:.2f} on {m['eval_tokens']} target tokens of {m['eval_rows']} held-out rows"
-    else:
-        head = f"eval accuracy {m['eval_accuracy']:.4f}, macro-F1 {m['eval_f1_macro']:.4f} on {m['eval_rows']} held-out rows"
     lines = [
-        head,
+        tasks.get(m.get("task", "sequence-classification")).present.summary(m),
         f"trained on {m['train_samples']} samples in {m['train_runtime_s']:.0f} s ({m['train_samples_per_second']:.1f} samples/s, world size {m['world_size']})",
     ]
     base = m.get("baseline")

@@ -1,4 +1,4 @@
-"""Small pieces shared by the recipes: plain functions, no class hierarchy."""
+"""Small pieces the tasks share (precision, attention kernel, loading, the optimizer): plain functions."""
 
 from __future__ import annotations
 
@@ -104,9 +104,3 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainSpec, total_steps: int, de
     warmup = int(round(cfg.warmup_ratio * total_steps))
     scheduler = get_linear_schedule_with_warmup(optimizer, warmup, total_steps)
     return optimizer, scheduler
-
-
-def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    if device.type == "cpu":
-        return dict(batch)
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}

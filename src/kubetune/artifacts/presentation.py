@@ -1,0 +1,20 @@
+"""How a task's results read to a person. Each task fills one in (``kubetune.tasks``); the report,
+the model card and the summary read it, so none of them branches on the task."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Presentation:
+    pipeline_tag: str  # the transformers pipeline that serves the exported model (and the card's tag)
+    report_rows: Callable[[dict], list[tuple[str, Any]]]  # metrics.json -> the report's first rows
+    eval_curves: tuple[str, ...]  # history keys plotted per epoch in the report
+    eval_log_scale: bool  # plot them on a log axis (perplexity) or on [0, 1] (scores)
+    card_usage: Callable[[str], list[str]]  # repo id -> Python lines that use the exported model
+    card_about: Callable[[dict], list[str]]  # metrics -> lines about the data
+    headline: Callable[[dict], str]  # metrics -> the headline of a Hub commit message
+    summary: Callable[[dict], str]  # metrics.json -> the first line of the summary

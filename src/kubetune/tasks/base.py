@@ -1,0 +1,82 @@
+"""The task seam: what one task plugs into the trainer (``training/trainer.py``), the artifacts and
+the CLI, and what every task shares (the evaluation loop, tokenizing on a node)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kubetune import distributed
+from kubetune.artifacts.presentation import Presentation
+from kubetune.config import JobSpec
+from kubetune.config.base import Section
+from kubetune.data import Batch
+from kubetune.distributed import DistEnv
+
+
+@dataclass
+class Prepared:
+    """A task's tokenized data, as the trainer needs it."""
+
+    train_ds: Any
+    eval_ds: Any
+    collate: Callable[[np.ndarray], Batch]  # train dataset row ids -> micro-batch
+    collate_eval: Callable[[np.ndarray], Batch]  # eval dataset row ids -> micro-batch
+    train_rows: int
+    eval_rows: int
+    units: np.ndarray | None = None  # loss units per train example (tokens for causal-LM); None = 1 each
+    labels: list[str] = field(default_factory=list)  # class names (classification); part of the fingerprint
+    dropped: dict[str, int] = field(default_factory=dict)
+    info: dict = field(default_factory=dict)  # task facts for metrics.json (e.g. the data format)
+    raw: Any = None  # the task's own frames (for the baseline, the export)
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task; every field is a plain value or function (``tasks/__init__.py`` registers them)."""
+
+    name: str  # the spec's `task` value
+    data_spec: type[Section]  # the `data` section's model for this task
+    load_frames: Callable[[Any, int], Any]  # (data spec, seed) -> the checked tables (preflight, prepare)
+    prepare: Callable[[JobSpec, DistEnv, Path, Any], Prepared]  # (spec, env, model_dir, tokenizer)
+    build_model: Callable[[JobSpec, Path, Prepared, torch.device, torch.dtype], torch.nn.Module]
+    loss: Callable[[torch.nn.Module, Batch, Any], tuple[torch.Tensor, torch.Tensor]]  # (loss sum, units)
+    # Evaluation, run by ``evaluate`` below: one batch's statistics (a dict of tensors); the statistics
+    # of this rank's batches -> one float64 vector that is summed over ranks; the sums -> metrics.
+    eval_step: Callable[[torch.nn.Module, Batch, Any], dict]
+    eval_totals: Callable[[list[dict], Prepared, torch.device], torch.Tensor]
+    eval_metrics: Callable[[np.ndarray, Prepared], dict]
+    export: Callable[[JobSpec, torch.nn.Module, Any, Prepared, Path, dict], None]  # rank 0, adds to metrics
+    headline: tuple[str, ...]  # metrics for the per-epoch and final log lines
+    present: Presentation  # how the results read: report, model card, summary
+
+
+@torch.no_grad()
+def evaluate(task: Task, model, data: Prepared, env: DistEnv, device, autocast, batch_size: int) -> dict:
+    """The shared evaluation loop: the eval set in length order (little padding), each example on
+    exactly one rank, the task's statistics summed over ranks, then its metrics."""
+    model.eval()
+    lengths = np.asarray(data.eval_ds["length"])
+    order = np.argsort(lengths, kind="stable")[env.rank :: env.world_size]
+    stats = [
+        task.eval_step(model, data.collate_eval(order[start : start + batch_size]).to(device), autocast)
+        for start in range(0, len(order), batch_size)
+    ]
+    totals = distributed.all_reduce_sum(task.eval_totals(stats, data, device))
+    model.train()
+    return task.eval_metrics(totals.cpu().numpy(), data)
+
+
+def tokenize_on_node(env: DistEnv, build) -> Any:
+    """Run ``build(create)`` on local rank 0 first (create=True: tokenize on a cache miss), then
+    on the node's other ranks (create=False: load the cache rank 0 wrote)."""
+    result = build(True) if env.is_local_main else None
+    distributed.barrier()
+    if not env.is_local_main:
+        result = build(False)
+    return result
