@@ -366,11 +366,13 @@ def _check_namespace(namespace: str | None) -> None:
 
 
 def _backend(namespace, context, kubeconfig, target="pytorchjob"):
-    from kubetune.backends.kubeflow import KubeflowBackend
+    """The cluster backend registered as ``target`` (the local one runs through `kubetune run`)."""
+    from kubetune.backends import base
 
     _check_namespace(namespace)
-
-    return KubeflowBackend(namespace=namespace, kubeconfig=kubeconfig, context=context, target=target)
+    if target == "local" or target not in base.REGISTRY:
+        raise KubetuneError(f"unknown target {target!r}", field="--target", fix="use pytorchjob or trainjob")
+    return base.get(target, namespace=namespace, kubeconfig=kubeconfig, context=context)
 
 
 def _job_backend(name, namespace, context, kubeconfig, target):

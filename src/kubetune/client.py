@@ -7,7 +7,7 @@
     print(status.phase, *job.logs(tail=5), sep="\\n")
     client.list()                               # [{"name", "phase", "created"}, ...]
 
-The local backend runs ``kubetune run`` in a background process; the kubeflow backend submits
+The local backend runs ``kubetune run`` in a background process; the cluster backends submit
 a PyTorchJob (or TrainJob) and reads its status, logs and completion from the cluster. Both
 handles answer the same calls with the same types: ``status()`` and ``wait()`` return a
 :class:`~kubetune.backends.kubeflow.JobStatus`, ``logs()`` takes ``follow``, ``rank``,
@@ -16,42 +16,14 @@ handles answer the same calls with the same types: ``status()`` and ``wait()`` r
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import tempfile
-import time
-from collections import deque
 from collections.abc import Iterator
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from kubetune.backends.status import JobStatus, WaitTimeout
-from kubetune.config import JobSpec, dump_spec, load_spec, parse_spec
+from kubetune.backends.local_runs import LocalJob
+from kubetune.backends.status import JobStatus
+from kubetune.config import JobSpec, load_spec, parse_spec
 from kubetune.errors import KubetuneError
-
-LOCAL_KIND = "LocalRun"
-# Why `kubetune run` exited (its exit codes, README "Exit codes"); a negative code is the signal
-# that killed it.
-_EXIT_REASONS = {
-    1: "WorkerFailed",
-    2: "InvalidInput",
-    143: "Stopped",
-    -signal.SIGTERM: "Stopped",
-    -signal.SIGKILL: "Killed",
-}
-_LOG_TAIL = 20
-
-# Local runs started from this Python process, by job name: what Client.list/get and
-# train(replace=...) see on the local backend (a notebook often makes a new Client per cell).
-_LOCAL_JOBS: dict[str, LocalJob] = {}
-
-
-def run_command(spec_file: Path) -> list[str]:
-    """Pure: the command a local job runs (the CLI, so exit codes and messages are the CLI's)."""
-    return [sys.executable, "-m", "kubetune", "run", str(spec_file)]
 
 
 def _as_spec(spec: JobSpec | dict | str | Path, overrides: list[str] | None) -> JobSpec:
@@ -61,29 +33,40 @@ def _as_spec(spec: JobSpec | dict | str | Path, overrides: list[str] | None) -> 
 
 
 class Client:
-    """Entry point: ``Client(backend="local" | "kubeflow", **backend_options)``.
+    """Entry point: ``Client(backend="local" | "kubeflow" | "pytorchjob" | "trainjob", **backend_options)``.
 
-    Kubeflow options are those of ``KubeflowBackend``: ``namespace`` (default: the spec's
-    ``kubernetes.namespace`` for ``train``, else the context's), ``kubeconfig``, ``context`` and
-    ``target`` (``pytorchjob`` or ``trainjob``). The local backend takes none.
+    The backends are those of ``kubetune.backends.base.REGISTRY``. Cluster options are
+    ``namespace`` (default: the spec's ``kubernetes.namespace`` for ``train``, else the
+    context's), ``kubeconfig`` and ``context``; ``kubeflow`` also takes ``target``
+    (``pytorchjob`` or ``trainjob``; default: PyTorchJob at ``train``, the job's kind as found on
+    the cluster at ``get``). The local backend takes none.
     """
 
     def __init__(self, backend: str = "local", **options: Any):
-        if backend not in ("local", "kubeflow"):
-            raise KubetuneError(f"unknown backend {backend!r}", field="backend", fix="use local or kubeflow")
+        from kubetune.backends.base import REGISTRY
+
+        if backend not in (*REGISTRY, "kubeflow"):
+            raise KubetuneError(
+                f"unknown backend {backend!r}", field="backend", fix=f"use one of {', '.join([*REGISTRY, 'kubeflow'])}"
+            )
         if backend == "local" and options:
             raise KubetuneError(
                 f"the local backend takes no options, got {sorted(options)}",
                 field="backend",
                 fix="drop them, or use backend='kubeflow'",
             )
-        self.backend = backend
+        if backend in REGISTRY and backend != "local":  # the target is the backend's name
+            options = {**options, "target": backend}
+        self.backend = "local" if backend == "local" else "kubeflow"
         self.options = options
 
-    def _kubeflow(self, namespace: str | None = None):
-        from kubetune.backends.kubeflow import KubeflowBackend
+    def _backend(self, namespace: str | None = None, target: str | None = None):
+        from kubetune.backends import base
 
-        return KubeflowBackend(**{"namespace": namespace, **self.options})
+        if self.backend == "local":
+            return base.get("local")
+        options = {"namespace": namespace, **self.options}
+        return base.get(target or options.pop("target", "pytorchjob"), **options)
 
     def train(
         self, spec: JobSpec | dict | str | Path, overrides: list[str] | None = None, replace: bool = False
@@ -101,10 +84,9 @@ class Client:
             KubetuneError: the spec is invalid, or a job of that name exists and ``replace`` is False.
         """
         job_spec = _as_spec(spec, overrides)
-        if self.backend == "local":
-            return LocalJob.start(job_spec, replace=replace)
-        backend = self._kubeflow(job_spec.kubernetes.namespace)
-        return KubeflowJob(backend, backend.submit(job_spec, replace=replace), spec=job_spec)
+        backend = self._backend(job_spec.kubernetes.namespace)
+        name = backend.submit(job_spec, replace=replace)
+        return backend.job(name) if self.backend == "local" else KubeflowJob(backend, name, spec=job_spec)
 
     def get(self, name: str) -> LocalJob | KubeflowJob:
         """A handle on an existing job: one on the cluster (kubeflow), or one started from this
@@ -114,15 +96,9 @@ class Client:
             KubetuneError: no such job.
         """
         if self.backend == "local":
-            if name not in _LOCAL_JOBS:
-                started = ", ".join(sorted(_LOCAL_JOBS)) or "none"
-                raise KubetuneError(
-                    f"no local run named '{name}' was started from this Python process (started: {started})",
-                    fix="check the name with Client('local').list()",
-                )
-            return _LOCAL_JOBS[name]
+            return self._backend().job(name)
         if "target" in self.options:
-            backend = self._kubeflow()
+            backend = self._backend()
         else:  # the job's kind as found on the cluster
             from kubetune.backends.kubeflow import KubeflowBackend
 
@@ -133,172 +109,7 @@ class Client:
     def list(self) -> list[dict[str, str]]:
         """The jobs: ``[{"name", "phase", "created"}]``, as `kubetune list` prints them; on the
         local backend the runs started from this Python process (``created`` is ISO 8601 UTC)."""
-        if self.backend == "local":
-            return [
-                {"name": job.name, "phase": job.status().phase, "created": job.created} for job in _LOCAL_JOBS.values()
-            ]
-        return self._kubeflow().list()
-
-
-class LocalJob:
-    """A `kubetune run` in a background process on this machine (its own process group)."""
-
-    def __init__(self, spec: JobSpec, proc: subprocess.Popen, log_path: Path):
-        self.spec, self.name, self._proc, self.log_path = spec, spec.name, proc, log_path
-        self.created = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-    @classmethod
-    def start(cls, spec: JobSpec, replace: bool = False) -> LocalJob:
-        """Start ``kubetune run`` on ``spec`` in the background.
-
-        Raises:
-            KubetuneError: a run of the same name started from this process is still running and
-                ``replace`` is False (two runs would write the same output and checkpoints).
-        """
-        running = _LOCAL_JOBS.get(spec.name)
-        if running is not None and running._proc.poll() is None:
-            if not replace:
-                raise KubetuneError(
-                    f"local run '{spec.name}' is already running (pid {running._proc.pid})",
-                    fix="pass replace=True to stop it and start again, or wait for it / delete() it first",
-                )
-            running.delete()
-        workdir = Path(tempfile.mkdtemp(prefix=f"kubetune-{spec.name}-"))
-        spec_file, log_path = workdir / "job.yaml", workdir / "job.log"
-        spec_file.write_text(dump_spec(spec))
-        with log_path.open("wb") as log:
-            # A session of its own: a notebook's interrupt (SIGINT to the kernel's group) does not
-            # stop the run, and delete() can kill the launcher and its workers together.
-            proc = subprocess.Popen(
-                run_command(spec_file),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                start_new_session=True,
-            )
-        job = cls(spec, proc, log_path)
-        _LOCAL_JOBS[spec.name] = job
-        return job
-
-    def status(self) -> JobStatus:
-        """Running, Succeeded or Failed; a failed run has ``reason`` (WorkerFailed, InvalidInput,
-        Stopped, Killed, Error), ``message`` (its last ``error:`` line) and ``log_tail``."""
-        code = self._proc.poll()
-        phase = "Running" if code is None else "Succeeded" if code == 0 else "Failed"
-        status = JobStatus(name=self.name, namespace="", kind=LOCAL_KIND, phase=phase)
-        if code not in (None, 0):
-            status.log_tail = list(self.logs(tail=_LOG_TAIL))
-            said = [line for line in status.log_tail if line.startswith(("error: ", "stopped: "))]
-            status.reason = _EXIT_REASONS.get(code, "Error")
-            status.message = f"kubetune run exited with code {code}" + (f": {said[-1]}" if said else "")
-        return status
-
-    def wait(self, timeout: float | None = None) -> JobStatus:
-        """Block until the run ends; returns its status.
-
-        Raises:
-            WaitTimeout: still running after ``timeout`` seconds (the run goes on).
-        """
-        try:
-            self._proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            raise WaitTimeout(
-                f"local run '{self.name}' is still Running after {timeout:.0f} s", fix="wait longer, or delete() it"
-            ) from None
-        return self.status()
-
-    def logs(
-        self, follow: bool = False, rank: int | None = None, all_ranks: bool = False, tail: int | None = None
-    ) -> Iterator[str]:
-        """The run's output lines, each worker line naming its ``[rank N]``.
-
-        Args:
-            follow: keep yielding new lines until the run ends.
-            rank: node rank; a local run is one node, 0 (the argument exists for the kubeflow
-                handle's signature).
-            all_ranks: accepted for the same reason: the one log already holds every local process.
-            tail: start with only the last ``tail`` lines written so far.
-
-        Raises:
-            KubetuneError: ``rank`` is not 0, or ``tail`` is negative.
-        """
-        if rank not in (None, 0):
-            raise KubetuneError(
-                f"a local run has one node (node rank 0), not {rank}",
-                field="rank",
-                fix="leave rank unset: the local log holds every process's lines, each prefixed [rank N]",
-            )
-        if tail is not None and tail < 0:
-            raise KubetuneError(
-                f"expected a number of lines >= 0, got {tail}", field="tail", fix="pass tail=N or leave it unset"
-            )
-        return self._read(follow, tail)
-
-    def _read(self, follow: bool, tail: int | None) -> Iterator[str]:
-        with self.log_path.open("rb") as f:
-            pending = b""
-            if tail is not None:
-                # Only what is written now counts toward the tail; bounded by a deque, not the file.
-                end = os.fstat(f.fileno()).st_size
-                last: deque[str] = deque(maxlen=tail)
-                while f.tell() < end:
-                    pending += f.readline(end - f.tell())
-                    if pending.endswith(b"\n"):
-                        last.append(_decode(pending))
-                        pending = b""
-                if not follow:
-                    if pending:
-                        last.append(_decode(pending))
-                    yield from last
-                    return
-                yield from last
-            yield from self._lines(f, follow, pending)
-
-    def _lines(self, f: IO[bytes], follow: bool, pending: bytes = b"") -> Iterator[str]:
-        # Lines end at "\n" only, as in pod logs: tqdm's "\r" redraws stay inside one line.
-        # A line still being written is held back until it ends, or until the run does.
-        while True:
-            alive = follow and self._proc.poll() is None  # checked before reading: nothing is missed
-            chunk = f.readline()
-            if chunk.endswith(b"\n"):
-                yield _decode(pending + chunk)
-                pending = b""
-            elif chunk:
-                pending += chunk
-            elif alive:
-                time.sleep(0.2)
-            else:
-                if pending:
-                    yield _decode(pending)
-                return
-
-    def delete(self, timeout: float | None = None) -> None:
-        """Stop the run: SIGTERM to `kubetune run`, which passes it to the workers; they finish
-        the step and write a checkpoint, so training the same spec again resumes.
-
-        Args:
-            timeout: seconds to wait before killing the launcher and its workers; default the
-                launcher's own shutdown grace plus 10 s, so the checkpoint can be written.
-        """
-        if _LOCAL_JOBS.get(self.name) is self:  # deleted jobs leave list(), as on the cluster
-            del _LOCAL_JOBS[self.name]
-        if self._proc.poll() is not None:
-            return
-        if timeout is None:
-            from kubetune.backends.local import SHUTDOWN_GRACE_S
-
-            timeout = SHUTDOWN_GRACE_S + 10
-        self._proc.terminate()
-        try:
-            self._proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            # The process group start() created: the launcher and every worker it spawned.
-            os.killpg(self._proc.pid, signal.SIGKILL)
-            self._proc.wait()
-
-    @property
-    def output(self) -> Path:
-        return Path(self.spec.output.uri.removeprefix("file://"))
+        return self._backend().list()
 
 
 class KubeflowJob:
@@ -325,7 +136,3 @@ class KubeflowJob:
     def delete(self, storage: bool = False) -> list[str]:
         """Delete the job; its workspace claim (the output) only with ``storage``. Returns notes on what was kept or removed."""
         return self.backend.delete(self.name, storage=storage)
-
-
-def _decode(line: bytes) -> str:
-    return line.removesuffix(b"\n").decode("utf-8", errors="replace")

@@ -1,7 +1,7 @@
 """The Python client's local handle answers like the Kubeflow one: status()/wait() return a
 JobStatus, logs() takes follow/rank/all_ranks/tail, Client.list/get see the runs, and
 train(replace=...) refuses or replaces a run of the same name. A small Python script stands in
-for `kubetune run` (client.run_command), so these run in a second; the real run is covered by
+for `kubetune run` (backends.local_runs.run_command), so these run in a second; the real run is covered by
 tests/integration/test_pod_commands.py and the notebook test."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from kubetune import client as client_mod
+from kubetune.backends import local_runs as client_mod
 from kubetune.backends.status import JobStatus, WaitTimeout
 from kubetune.client import Client, KubeflowJob, LocalJob
 from kubetune.errors import KubetuneError

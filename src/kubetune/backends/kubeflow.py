@@ -587,6 +587,20 @@ class KubeflowBackend:
         ]
 
 
+class PyTorchJobBackend(KubeflowBackend):
+    """Kubeflow Training Operator v1: a PyTorchJob (registered as ``pytorchjob``)."""
+
+    def __init__(self, namespace: str | None = None, kubeconfig: str | None = None, context: str | None = None):
+        super().__init__(namespace, kubeconfig, context, target="pytorchjob")
+
+
+class TrainJobBackend(KubeflowBackend):
+    """Kubeflow Trainer v2: a TrainJob on a ClusterTrainingRuntime (registered as ``trainjob``)."""
+
+    def __init__(self, namespace: str | None = None, kubeconfig: str | None = None, context: str | None = None):
+        super().__init__(namespace, kubeconfig, context, target="trainjob")
+
+
 def missing_paths(sent, stored, path: str) -> list[str]:
     """Dotted paths present in ``sent`` and absent from ``stored`` (what a server pruned).
     Lists are compared item by item; values the server changed (defaults, mutating webhooks)
