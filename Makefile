@@ -30,6 +30,9 @@ demo: seed-cache
 	$(BIN)/python -m kubetune.summary runs/sentiment-minilm
 
 test: install
+	# Formatting and lint first (seconds): ruff format and ruff check, 120 columns (pyproject.toml).
+	$(BIN)/ruff format --check --quiet .
+	$(BIN)/ruff check --quiet .
 	$(BIN)/python -m pytest -q
 
 test-all: install

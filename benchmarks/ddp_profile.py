@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import model_path  # noqa: E402
 
 from kubetune.distributed import read_env, row_sparse_embedding_sync  # noqa: E402
+from kubetune.training.strategy import DDPStrategy  # noqa: E402
 
 STEPS = 20
 KUBETUNE = "DDP, embedding rows apart (kubetune)"
@@ -64,12 +65,16 @@ def stepper(mode: str):
 
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_pretrained(model_path(), num_labels=3).train()
-    sync = row_sparse_embedding_sync(model, read_env()) if mode.startswith(KUBETUNE) else None
-    options = {
-        "broadcast_buffers": "broadcast_buffers=False" not in mode,
-        "bucket_cap_mb": 100 if "100 MB" in mode else 25,
-    }
-    net = model if mode == "no DDP" else DDP(model, gradient_as_bucket_view=True, **options)
+    if mode == KUBETUNE:  # kubetune's own strategy, wrapped and synced as the trainer does
+        strategy = DDPStrategy(read_env(), torch.device("cpu"))
+        net, sync = strategy.wrap(model), strategy.after_backward
+    else:  # the variants tried and not kept: the same pieces with other DDP settings
+        sync = row_sparse_embedding_sync(model, read_env()) if mode.startswith(KUBETUNE) else None
+        options = {
+            "broadcast_buffers": "broadcast_buffers=False" not in mode,
+            "bucket_cap_mb": 100 if "100 MB" in mode else 25,
+        }
+        net = model if mode == "no DDP" else DDP(model, gradient_as_bucket_view=True, **options)
     pending: list[tuple[int, torch.Tensor]] = []
     if mode == "DDP, all-reduce after backward":
 

@@ -48,7 +48,8 @@ def make_bert_base(dest: Path, tokenizer_dir: Path, layers: int = 12) -> Path:
 def fixed_length_split(
     src_train: Path, src_eval: Path, dest: Path, tokenizer_dir: Path, length: int = 128
 ) -> tuple[Path, Path]:
-    """Rows whose texts reach ``length`` tokens (joined neighbours), so every example truncates to exactly ``length``."""
+    """Rows whose texts reach ``length`` tokens (joined neighbours), so every example truncates to exactly
+    ``length``."""
     import pandas as pd
     from transformers import AutoTokenizer
 
@@ -155,7 +156,10 @@ def main() -> None:
                 res, _rss = fn()
                 runs[name].append(res)
                 print(
-                    f"{data_name} {name}: {res.samples / res.train_s:.0f} samples/s, peak {res.peak_gpu_mib or 0:.0f} MiB",
+                    (
+                        f"{data_name} {name}: {res.samples / res.train_s:.0f} samples/s, peak "
+                        f"{res.peak_gpu_mib or 0:.0f} MiB"
+                    ),
                     flush=True,
                 )
         import pandas as pd
@@ -188,9 +192,15 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d %H:%M"),
     }
     lines = [
-        f"{meta['gpu']}, torch {meta['torch']}; bf16 matmul peak measured {peak / 1e12:.0f} TFLOP/s (8192³); BERT-base random init, batch {args.batch}, bf16, 1 GPU.",
+        (
+            f"{meta['gpu']}, torch {meta['torch']}; bf16 matmul peak measured {peak / 1e12:.0f} TFLOP/s (8192³); "
+            f"BERT-base random init, batch {args.batch}, bf16, 1 GPU."
+        ),
         "",
-        "| data | system | samples/s | non-pad tokens/s | padding | useful TFLOP/s | useful-token MFU | peak GPU memory (MiB) | × HF Trainer |",
+        (
+            "| data | system | samples/s | non-pad tokens/s | padding | useful TFLOP/s | useful-token MFU | peak "
+            "GPU memory (MiB) | × HF Trainer |"
+        ),
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for data_name, systems in table.items():
@@ -198,8 +208,9 @@ def main() -> None:
         for name, m in systems.items():
             m["mfu"] = m["useful_tflops"] * 1e12 / peak
             lines.append(
-                f"| {data_name} (mean {m['mean_tokens']:.0f} tokens) | {name} | {m['samples_per_s']:.0f} | {m['tokens_per_s']:.0f} | {100 * m['padding_fraction']:.0f}% | "
-                f"{m['useful_tflops']:.1f} | {100 * m['mfu']:.1f}% | {m['peak_gpu_mib']:.0f} | {m['samples_per_s'] / ref:.2f}× |"
+                f"| {data_name} (mean {m['mean_tokens']:.0f} tokens) | {name} | {m['samples_per_s']:.0f} | "
+                f"{m['tokens_per_s']:.0f} | {100 * m['padding_fraction']:.0f}% | {m['useful_tflops']:.1f} | "
+                f"{100 * m['mfu']:.1f}% | {m['peak_gpu_mib']:.0f} | {m['samples_per_s'] / ref:.2f}× |"
             )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

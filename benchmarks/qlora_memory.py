@@ -169,7 +169,10 @@ def write(dest: Path, results: dict, args) -> None:
         "date": time.strftime("%Y-%m-%d %H:%M"),
     }
     lines = [
-        f"{meta['gpu']}, torch {meta['torch']}; Llama-3.2-1B shape (random init), LoRA r16 all-linear, batch {args.batch}, max_length 256, {args.steps} steps, 1 GPU.",
+        (
+            f"{meta['gpu']}, torch {meta['torch']}; Llama-3.2-1B shape (random init), LoRA r16 all-linear, batch "
+            f"{args.batch}, max_length 256, {args.steps} steps, 1 GPU."
+        ),
         "",
         "| variant | peak GPU memory (GiB) | samples/s | train loss first → last | eval perplexity |",
         "| --- | --- | --- | --- | --- |",
@@ -180,7 +183,8 @@ def write(dest: Path, results: dict, args) -> None:
             continue
         peak = f"{r['peak_gpu_gib']:.2f}" if r["peak_gpu_gib"] is not None else "n/a (CPU)"
         lines.append(
-            f"| {name} | {peak} | {r['samples_per_s']:.1f} | {r['first_loss']:.2f} → {r['last_loss']:.2f} | {r['eval_perplexity']:.1f} |"
+            f"| {name} | {peak} | {r['samples_per_s']:.1f} | {r['first_loss']:.2f} → {r['last_loss']:.2f} | "
+            f"{r['eval_perplexity']:.1f} |"
         )
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "qlora.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))

@@ -218,9 +218,13 @@ def markdown(table: dict, meta: dict) -> str:
     ref = table.get("kubetune", {}).get("median")
     lines = [
         f"Machine: {meta['machine']}; matmul peak {meta['peak_gflops']:.0f} GFLOP/s fp32 (2048², all cores); "
-        f"{meta['train_rows']} training rows, {meta['eval_rows']} eval rows, global batch 32, {meta['rounds']} rounds (median).",
+        f"{meta['train_rows']} training rows, {meta['eval_rows']} eval rows, global batch 32, {meta['rounds']} "
+        "rounds (median).",
         "",
-        f"| system | procs × threads | samples/s | non-pad tokens/s | padding | peak RSS (MiB) | time to {meta['target']:.2f} acc (s) | final acc | useful FLOP/s ÷ fp32 matmul peak | kubetune is × faster |",
+        (
+            "| system | procs × threads | samples/s | non-pad tokens/s | padding | peak RSS (MiB) | time to "
+            f"{meta['target']:.2f} acc (s) | final acc | useful FLOP/s ÷ fp32 matmul peak | kubetune is × faster |"
+        ),
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, entry in table.items():
@@ -228,7 +232,8 @@ def markdown(table: dict, meta: dict) -> str:
         ratio = f"{ref['samples_per_s'] / m['samples_per_s']:.2f}×" if ref and name != "kubetune" else "—"
         tta = f"{m['time_to_accuracy_s']:.0f}" if m["time_to_accuracy_s"] is not None else "not reached"
         lines.append(
-            f"| {name} | {m['world_size']:.0f} × {m['threads']:.0f} | {m['samples_per_s']:.1f} | {m['tokens_per_s']:.0f} | {100 * m['padding_fraction']:.0f}% | "
+            f"| {name} | {m['world_size']:.0f} × {m['threads']:.0f} | {m['samples_per_s']:.1f} | "
+            f"{m['tokens_per_s']:.0f} | {100 * m['padding_fraction']:.0f}% | "
             f"{m['peak_rss_mib']:.0f} | {tta} | {m['final_accuracy']:.4f} | {100 * m['mfu']:.1f}% | {ratio} |"
         )
     return "\n".join(lines) + "\n"
@@ -320,7 +325,10 @@ def main() -> None:
             res, rss = fn()
             runs[name].append((res, rss))
             print(
-                f"round {rnd + 1} {name}: {res.samples / res.train_s:.1f} samples/s, acc {res.final_accuracy:.4f} ({time.perf_counter() - t0:.0f} s wall)",
+                (
+                    f"round {rnd + 1} {name}: {res.samples / res.train_s:.1f} samples/s, acc "
+                    f"{res.final_accuracy:.4f} ({time.perf_counter() - t0:.0f} s wall)"
+                ),
                 flush=True,
             )
     peaks.append(matmul_peak(threads=cores))
@@ -329,7 +337,9 @@ def main() -> None:
     import platform
 
     meta = {
-        "machine": f"{platform.processor() or platform.machine()}, {cores} cores, torch {__import__('torch').__version__}",
+        "machine": (
+            f"{platform.processor() or platform.machine()}, {cores} cores, torch {__import__('torch').__version__}"
+        ),
         "cpu_model": _cpu_model(),
         "peak_gflops": peak / 1e9,
         "train_rows": args.train_rows,

@@ -124,21 +124,39 @@ def main() -> None:
     (results / f"{args.name}.json").write_text(json.dumps(result, indent=2))
     md = "\n".join(
         [
-            f"{cpu}, {os.cpu_count()} cores, torch {result['meta']['torch']}, {args.train_rows} rows, {args.rounds} rounds (medians), {result['meta']['date']}",
+            (
+                f"{cpu}, {os.cpu_count()} cores, torch {result['meta']['torch']}, {args.train_rows} rows, "
+                f"{args.rounds} rounds (medians), {result['meta']['date']}"
+            ),
             "",
             "| run | processes × threads | per-process batch | samples/s (median) | ÷ 2 × solo |",
             "| --- | --- | --- | --- | --- |",
             f"| solo | 1 × 1 | 16 | {med['solo']:.1f} | 50% |",
-            f"| 2 independent runs (no communication: the ceiling) | 2 × (1 × 1) | 16 | {med['independent']:.1f} | {result['independent_vs_2x_solo']:.1%} |",
+            (
+                f"| 2 independent runs (no communication: the ceiling) | 2 × (1 × 1) | 16 | {med['independent']:.1f} "
+                f"| {result['independent_vs_2x_solo']:.1%} |"
+            ),
             f"| kubetune DDP | 2 × 1 | 16 | {med['ddp']:.1f} | **{result['ddp_vs_2x_solo']:.1%}** |",
             f"| solo, DDP's global batch | 1 × 1 | 32 | {med['solo32']:.1f} | — |",
             f"| solo, grad_accum 2 | 1 × 1 | 16 × 2 | {med['solo_accum2']:.1f} | 50% |",
-            f"| kubetune DDP, grad_accum 2 | 2 × 1 | 16 × 2 | {med['ddp_accum2']:.1f} | **{result['ddp_accum2_vs_2x_solo_accum2']:.1%}** (÷ 2 × solo, grad_accum 2) |",
+            (
+                f"| kubetune DDP, grad_accum 2 | 2 × 1 | 16 × 2 | {med['ddp_accum2']:.1f} | "
+                f"**{result['ddp_accum2_vs_2x_solo_accum2']:.1%}** (÷ 2 × solo, grad_accum 2) |"
+            ),
             "",
-            f"- Weak scaling (same per-process work): DDP 2 × 1 reaches {result['ddp_vs_2x_solo']:.1%} of twice the solo rate.",
+            (
+                f"- Weak scaling (same per-process work): DDP 2 × 1 reaches {result['ddp_vs_2x_solo']:.1%} of twice "
+                "the solo rate."
+            ),
             f"- Against the ceiling (two processes that never communicate): {result['ddp_vs_independent']:.1%}.",
-            f"- Strong scaling (the same job, global batch 32): {result['ddp_vs_2x_solo32']:.1%} of twice the 1-process rate at batch 32.",
-            f"- With 2 micro-batches per all-reduce: {result['ddp_accum2_vs_2x_solo_accum2']:.1%} of twice the solo rate with the same accumulation.",
+            (
+                f"- Strong scaling (the same job, global batch 32): {result['ddp_vs_2x_solo32']:.1%} of twice the "
+                "1-process rate at batch 32."
+            ),
+            (
+                f"- With 2 micro-batches per all-reduce: {result['ddp_accum2_vs_2x_solo_accum2']:.1%} of twice the "
+                "solo rate with the same accumulation."
+            ),
             "",
         ]
     )

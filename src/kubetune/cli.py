@@ -63,7 +63,10 @@ def run(
         bool,
         typer.Option(
             "--overwrite",
-            help="Write into a non-empty output that kubetune did not create, or replace a finished run there once this one finishes (only kubetune's own files are replaced).",
+            help=(
+                "Write into a non-empty output that kubetune did not create, or replace a finished run there once "
+                "this one finishes (only kubetune's own files are replaced)."
+            ),
         ),
     ] = False,
     local_addr: Annotated[
@@ -100,7 +103,10 @@ def run(
         # Ctrl-C before the workers started (reading the spec, checking model and data); once they
         # run, the elastic launcher takes the signal and the workers stop at a step boundary.
         typer.echo(
-            f"interrupted before training started; nothing was written{_where(job)} — run the same command again to start",
+            (
+                f"interrupted before training started; nothing was written{_where(job)} — run the same command again "
+                "to start"
+            ),
             err=True,
         )
         raise typer.Exit(130) from None
@@ -143,7 +149,10 @@ def _preflight(job) -> str:
             raise KubetuneError(
                 f"{job.lora.quantization} quantization (QLoRA) needs a CUDA GPU and this machine has none",
                 field="lora.quantization",
-                fix="remove lora.quantization to train LoRA unquantized, or run on a GPU machine / GPU nodes (resources.gpu)",
+                fix=(
+                    "remove lora.quantization to train LoRA unquantized, or run on a GPU machine / GPU nodes "
+                    "(resources.gpu)"
+                ),
             )
     providers.configure(job)
     artifacts.resolve_model(job)
@@ -211,7 +220,8 @@ def predict(
     ] = None,
     seed: Annotated[int | None, typer.Option("--seed", help="Causal LMs: seed for sampling (default 0).")] = None,
 ) -> None:
-    """Classify texts, or generate text for prompts, with an exported model (a directory, s3:// artifact or hf:// repo)."""
+    """Classify texts, or generate text for prompts, with an exported model (a directory, s3:// artifact or \
+hf:// repo)."""
     from kubetune.predict import CAUSAL_LM, generate, model_kind, model_path, read_texts
     from kubetune.predict import predict as run_predict
     from kubetune.providers import s3
@@ -518,7 +528,8 @@ def delete(
         ),
     ] = False,
 ) -> None:
-    """Delete the job (its ConfigMap and TensorBoard go with it; its workspace claim, which holds the output, only with --delete-storage)."""
+    """Delete the job (its ConfigMap and TensorBoard go with it; its workspace claim, which holds the output, \
+only with --delete-storage)."""
     try:
         notes = _job_backend(name, namespace, context, kubeconfig, target).delete(name, storage=delete_storage)
     except KubetuneError as e:
@@ -564,7 +575,10 @@ def pull(
         bool,
         typer.Option(
             "--overwrite",
-            help="Pull into a non-empty directory that kubetune did not write (files of the artifact replace same-named ones).",
+            help=(
+                "Pull into a non-empty directory that kubetune did not write (files of the artifact replace "
+                "same-named ones)."
+            ),
         ),
     ] = False,
 ) -> None:

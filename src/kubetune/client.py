@@ -134,5 +134,8 @@ class KubeflowJob:
         return self.backend.logs(self.name, follow=follow, rank=rank, all_ranks=all_ranks, tail=tail)
 
     def delete(self, storage: bool = False) -> list[str]:
-        """Delete the job; its workspace claim (the output) only with ``storage``. Returns notes on what was kept or removed."""
+        """Delete the job; its workspace claim (the output) only with ``storage``.
+
+        Returns notes on what was kept or removed.
+        """
         return self.backend.delete(self.name, storage=storage)

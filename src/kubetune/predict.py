@@ -115,7 +115,8 @@ def model_kind(path: Path) -> str:
     """What the model in ``path`` does, read from its config.json (which is checked).
 
     Returns:
-        ``"causal-lm"`` (architectures ``*ForCausalLM`` and the like) or ``"classifier"`` (``*ForSequenceClassification``).
+        ``"causal-lm"`` (architectures ``*ForCausalLM`` and the like) or ``"classifier"``
+        (``*ForSequenceClassification``).
 
     Raises:
         KubetuneError: config.json unreadable, not JSON, not an object, no or unknown ``model_type``,
@@ -318,7 +319,10 @@ def generate(
         if len(cut) == 1:
             which = f"prompt {cut[0][0]} has {cut[0][2]:,} tokens"
         else:
-            which = f"{len(cut)} prompts ({', '.join(str(c[0]) for c in cut[:5])}{', ...' if len(cut) > 5 else ''}) have up to {max(c[2] for c in cut):,} tokens"
+            which = (
+                f"{len(cut)} prompts ({', '.join(str(c[0]) for c in cut[:5])}{', ...' if len(cut) > 5 else ''}) "
+                f"have up to {max(c[2] for c in cut):,} tokens"
+            )
         (warn or _log_warning)(
             f"{which}, more than the model's {context}-token context leaves beside --max-new-tokens {max_new_tokens}; "
             f"kept the last {min(c[1] for c in cut):,} tokens of the text"
@@ -403,14 +407,16 @@ def _model(auto_class, path: Path):
     if mismatched:
         key, stored, expected = mismatched[0][:3]  # (name, shape in the weights, shape the config makes)
         raise KubetuneError(
-            f"the weights in {shown} do not fit its config.json: {_count(len(mismatched), 'tensor')} differ{'s' if len(mismatched) == 1 else ''} "
+            f"the weights in {shown} do not fit its config.json: "
+            f"{_count(len(mismatched), 'tensor')} differ{'s' if len(mismatched) == 1 else ''} "
             f"in shape (e.g. {_short(key, 80)} is {tuple(stored)} in the weights, {tuple(expected)} by config.json)",
             field="MODEL",
             fix=fix,
         )
     if missing:
         raise KubetuneError(
-            f"the weights in {shown} lack {_count(len(missing), 'tensor')} its config.json asks for (e.g. {_short(missing[0], 80)})",
+            f"the weights in {shown} lack {_count(len(missing), 'tensor')} its config.json asks for "
+            f"(e.g. {_short(missing[0], 80)})",
             field="MODEL",
             fix=fix,
         )
@@ -422,7 +428,8 @@ def _check_vocab(model, tokenizer, path: Path) -> None:
     rows = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > rows:
         raise KubetuneError(
-            f"the tokenizer in {_short(str(path))} has {len(tokenizer):,} tokens and the model's embeddings only {rows:,}",
+            f"the tokenizer in {_short(str(path))} has {len(tokenizer):,} tokens "
+            f"and the model's embeddings only {rows:,}",
             field="MODEL",
             fix="save the tokenizer the model was trained with beside it",
         )

@@ -13,13 +13,17 @@ def summary(out: Path) -> str:
     m = json.loads((out / "metrics.json").read_text())
     lines = [
         tasks.get(m.get("task", "sequence-classification")).present.summary(m),
-        f"trained on {m['train_samples']} samples in {m['train_runtime_s']:.0f} s ({m['train_samples_per_second']:.1f} samples/s, world size {m['world_size']})",
+        (
+            f"trained on {m['train_samples']} samples in {m['train_runtime_s']:.0f} s "
+            f"({m['train_samples_per_second']:.1f} samples/s, world size {m['world_size']})"
+        ),
     ]
     base = m.get("baseline")
     if base:
         lines.append(
             f"baseline {base['method']}: accuracy {base['accuracy']:.4f}, macro-F1 {base['f1_macro']:.4f} "
-            f"-> fine-tuned model {'beats' if m['eval_accuracy'] > base['accuracy'] else 'does NOT beat'} it by {100 * (m['eval_accuracy'] - base['accuracy']):+.1f} points"
+            f"-> fine-tuned model {'beats' if m['eval_accuracy'] > base['accuracy'] else 'does NOT beat'} it by "
+            f"{100 * (m['eval_accuracy'] - base['accuracy']):+.1f} points"
         )
     lines.append(f"report: {out / 'report.html'}")
     return "\n".join(lines)

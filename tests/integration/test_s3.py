@@ -119,11 +119,14 @@ def test_dataset_prefix_and_single_object(moto, s3, small_csv):
     for i, part in enumerate((df.iloc[:80], df.iloc[80:])):
         s3.put_object(Bucket=BUCKET, Key=f"datasets/sentiment/part-{i}.csv", Body=part.to_csv(index=False).encode())
     f = load_frames(
-        ClassificationData(train=f"s3://{BUCKET}/datasets/sentiment/", label_column="sentiment", eval_fraction=0.25), seed=0
+        ClassificationData(train=f"s3://{BUCKET}/datasets/sentiment/", label_column="sentiment", eval_fraction=0.25),
+        seed=0,
     )
     assert len(f.train) + len(f.eval) == 160
     f = load_frames(
-        ClassificationData(train=f"s3://{BUCKET}/datasets/sentiment/part-1.csv", label_column="sentiment", eval_fraction=0.25),
+        ClassificationData(
+            train=f"s3://{BUCKET}/datasets/sentiment/part-1.csv", label_column="sentiment", eval_fraction=0.25
+        ),
         seed=0,
     )
     assert len(f.train) + len(f.eval) == 80

@@ -60,7 +60,8 @@ def test_integer_labels_and_text_pairs(tmp_path):
     path = tmp_path / "nli.jsonl"
     df.to_json(path, orient="records", lines=True)
     f = load_frames(
-        ClassificationData(train=str(path), text_column="premise", text_pair_column="hypothesis", eval_fraction=0.2), seed=0
+        ClassificationData(train=str(path), text_column="premise", text_pair_column="hypothesis", eval_fraction=0.2),
+        seed=0,
     )
     assert f.labels == ["0", "1", "2"]
     assert set(f.train.columns) == {"text", "text_pair", "label"}

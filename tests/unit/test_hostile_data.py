@@ -26,10 +26,10 @@ from kubetune.errors import KubetuneError
 MAX_MESSAGE = 400  # characters: "one short line", whatever the input held
 
 
-
 def _data(loader):
     """The data section's model that ``loader`` reads."""
     return CausalLMData if loader is load_lm_frames else ClassificationData
+
 
 def _one_line(err: KubetuneError, *needles: str) -> str:
     msg = str(err)
@@ -400,7 +400,11 @@ def test_none_labels_in_a_directory_and_numeric_label_order(tmp_path):
     for name, labels in (("a", ["None", "10", "2"]), ("b", ["", "10", "2"])):
         (tmp_path / name).mkdir()
         (tmp_path / name / "train.csv").write_bytes(_csv([(f"t{i}", labels[i % 3]) for i in range(12)]))
-    assert load_frames(ClassificationData(train=str(tmp_path / "a"), eval_fraction=0.25), seed=0).labels == ["10", "2", "None"]
+    assert load_frames(ClassificationData(train=str(tmp_path / "a"), eval_fraction=0.25), seed=0).labels == [
+        "10",
+        "2",
+        "None",
+    ]
     frames = load_frames(ClassificationData(train=str(tmp_path / "b"), eval_fraction=0.25), seed=0)
     assert frames.labels == ["2", "10"] and frames.dropped == {"train": 4}
 

@@ -62,9 +62,11 @@ def check_model_weights(path: Path, shown: str, *, field: str) -> None:
     pickles = sorted(n for n in names if n.endswith(PICKLE_WEIGHTS))
     if pickles:
         raise KubetuneError(
-            f"{shown!r} holds its weights only as a pickle ({pickles[0]}); kubetune loads safetensors only, because unpickling runs code from the file",
+            f"{shown!r} holds its weights only as a pickle ({pickles[0]}); kubetune loads safetensors only, "
+            "because unpickling runs code from the file",
             field=field,
-            fix="convert it where you trust the file: AutoModel.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)",
+            fix="convert it where you trust the file: "
+            "AutoModel.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)",
         )
 
 

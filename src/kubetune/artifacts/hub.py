@@ -109,7 +109,8 @@ def model_card(spec: JobSpec, metrics: dict, present: Presentation) -> str:
         f"# {spec.name}",
         "",
         f"Fine-tuned from `{spec.model.uri}` on `{spec.data.train}` ({metrics.get('train_rows')} training rows, "
-        f"{metrics.get('eval_rows')} evaluation rows) with kubetune, {'LoRA r=' + str(spec.lora.r) + ' (merged)' if spec.lora else 'full fine-tune'}, "
+        f"{metrics.get('eval_rows')} evaluation rows) with kubetune, "
+        f"{'LoRA r=' + str(spec.lora.r) + ' (merged)' if spec.lora else 'full fine-tune'}, "
         f"world size {metrics.get('world_size')}.",
         "",
         "| metric | value |",

@@ -59,7 +59,10 @@ def refuse_special(uri: str, field: str = "output.uri") -> None:
     if problem is None and parsed.scheme == "file":
         resolved = Path(parsed.body).expanduser().resolve()
         if resolved == Path("/") or resolved == Path.home().resolve():
-            problem = f"{uri!r} is {resolved}, the filesystem root or your home directory itself — name a directory of its own, e.g. runs/NAME"
+            problem = (
+                f"{uri!r} is {resolved}, the filesystem root or your home directory itself — "
+                "name a directory of its own, e.g. runs/NAME"
+            )
     if problem:
         message, _, fix = problem.partition(" — ")
         if "; name" in message:
@@ -105,7 +108,8 @@ def inspect(spec: JobSpec, dest: Output | None = None) -> Plan:
         if spec.output.overwrite:
             return Plan(
                 "adopt",
-                f"--overwrite: writing into {path}, which kubetune did not create; only kubetune's own entries there are replaced",
+                f"--overwrite: writing into {path}, which kubetune did not create; "
+                "only kubetune's own entries there are replaced",
             )
         raise KubetuneError(
             f"{path} is not empty and was not created by kubetune ({_entries(entries)})", field="output.uri", fix=_FIX
@@ -144,10 +148,12 @@ def _inspect_s3(spec: JobSpec) -> Plan:
         if spec.output.overwrite:
             return Plan(
                 "adopt",
-                f"--overwrite: writing under {uri}/, which kubetune did not create; only objects kubetune's manifests list are replaced",
+                f"--overwrite: writing under {uri}/, which kubetune did not create; "
+                "only objects kubetune's manifests list are replaced",
             )
         raise KubetuneError(
-            f"{uri}/ holds {len(keys)}{'+' if len(keys) >= 1000 else ''} objects that kubetune did not write (no {MARKER}), e.g. {sorted(keys)[0]!r}",
+            f"{uri}/ holds {len(keys)}{'+' if len(keys) >= 1000 else ''} objects "
+            f"that kubetune did not write (no {MARKER}), e.g. {sorted(keys)[0]!r}",
             field="output.uri",
             fix=_FIX,
         )

@@ -85,19 +85,24 @@ def write_report(spec: JobSpec, metrics: dict, out: Path, present: Presentation,
         verdict = "beats" if metrics["eval_accuracy"] > base["accuracy"] else "does NOT beat"
         compare = (
             "<h2>Against a baseline on the same split</h2><table><tr><th></th><th>accuracy</th><th>macro-F1</th></tr>"
-            f"<tr><th>fine-tuned {html.escape(spec.model.uri)}</th><td>{_fmt(metrics['eval_accuracy'])}</td><td>{_fmt(metrics['eval_f1_macro'])}</td></tr>"
+            f"<tr><th>fine-tuned {html.escape(spec.model.uri)}</th>"
+            f"<td>{_fmt(metrics['eval_accuracy'])}</td><td>{_fmt(metrics['eval_f1_macro'])}</td></tr>"
             f"<tr><th>{html.escape(base['method'])}</th><td>{_fmt(base['accuracy'])}</td><td>{_fmt(base['f1_macro'])}</td></tr></table>"
-            f"<p>The fine-tuned model {verdict} the baseline by {100 * (metrics['eval_accuracy'] - base['accuracy']):+.1f} accuracy points.</p>"
+            f"<p>The fine-tuned model {verdict} the baseline by "
+            f"{100 * (metrics['eval_accuracy'] - base['accuracy']):+.1f} accuracy points.</p>"
         )
     confusion = _confusion_html(metrics.get("labels") or [], metrics.get("eval_confusion") or [])
     imgs = "".join(
         f'<img alt="{p.stem}" src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}">' for p in images
     )
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>kubetune report: {html.escape(spec.name)}</title>
-<style>body{{font-family:system-ui,sans-serif;max-width:60rem;margin:2rem auto;padding:0 1rem}}table{{border-collapse:collapse;margin:1rem 0}}
-th,td{{border:1px solid #ccc;padding:.3rem .6rem;text-align:left}}img{{max-width:100%;margin:.5rem 0}}pre{{background:#f5f5f5;padding:1rem;overflow:auto}}</style></head>
+<style>body{{font-family:system-ui,sans-serif;max-width:60rem;margin:2rem auto;padding:0 1rem}}\
+table{{border-collapse:collapse;margin:1rem 0}}
+th,td{{border:1px solid #ccc;padding:.3rem .6rem;text-align:left}}img{{max-width:100%;margin:.5rem 0}}\
+pre{{background:#f5f5f5;padding:1rem;overflow:auto}}</style></head>
 <body><h1>kubetune report: {html.escape(spec.name)}</h1>
-<p>Task {html.escape(spec.task)}, model {html.escape(spec.model.uri)}, {"LoRA r=" + str(spec.lora.r) if spec.lora else "full fine-tune"}.</p>
+<p>Task {html.escape(spec.task)}, model {html.escape(spec.model.uri)}, \
+{"LoRA r=" + str(spec.lora.r) if spec.lora else "full fine-tune"}.</p>
 <table>{table}</table>{compare}{confusion}<h2>Curves</h2>{imgs}
 <h2>Job spec</h2><pre>{html.escape(dump_spec(spec))}</pre></body></html>"""
     path = out / "report.html"
@@ -116,7 +121,10 @@ def _confusion_html(labels: list, cm: list[list[int]]) -> str:
             f"<p>{len(labels)} classes: no confusion matrix (kept up to 100 classes).</p>" if len(labels) > 100 else ""
         )
     if len(cm) > MAX_CONFUSION_TABLE:
-        return f"<p>{len(cm)} classes: the confusion matrix is in metrics.json (eval_confusion), too big for a table here.</p>"
+        return (
+            f"<p>{len(cm)} classes: the confusion matrix is in metrics.json (eval_confusion), "
+            "too big for a table here.</p>"
+        )
     if len(labels) != len(cm):
         labels = list(range(len(cm)))
     head = "".join(f"<th>{html.escape(str(lab))}</th>" for lab in labels)

@@ -157,7 +157,10 @@ class KubeflowBackend:
             fix = (
                 "install the Kubeflow Training Operator: deploy/install.sh"
                 if self.target == "pytorchjob"
-                else "install Kubeflow Trainer v2.3 or later with JobSet: deploy/install.sh --with trainer (or submit with --target pytorchjob)"
+                else (
+                    "install Kubeflow Trainer v2.3 or later with JobSet: deploy/install.sh --with trainer (or "
+                    "submit with --target pytorchjob)"
+                )
             )
             return KubetuneError(f"{resource} are not served by this cluster ({message})", fix=fix)
         if e.status == 404:
@@ -254,7 +257,10 @@ class KubeflowBackend:
             hint = "the cluster's Training Operator is older than the one kubetune renders for (v1.8.1+)"
             fix = "upgrade the Training Operator (deploy/install.sh), or remove the settings that need those fields"
         raise KubetuneError(
-            f"the cluster would drop {', '.join(dropped[:3])}{' ...' if len(dropped) > 3 else ''} from the {self.kind}: {hint}",
+            (
+                f"the cluster would drop {', '.join(dropped[:3])}{' ...' if len(dropped) > 3 else ''} from the "
+                f"{self.kind}: {hint}"
+            ),
             fix=fix,
         )
 
@@ -276,7 +282,10 @@ class KubeflowBackend:
             f"the cluster has no ClusterTrainingRuntime '{runtime}'"
             + (f" (it has: {', '.join(names)})" if names else ""),
             field="kubernetes.runtime",
-            fix="pick one that `kubetune runtimes` lists, or install Trainer's runtimes (deploy/install.sh --with trainer)",
+            fix=(
+                "pick one that `kubetune runtimes` lists, or install Trainer's runtimes (deploy/install.sh --with "
+                "trainer)"
+            ),
         )
 
     def runtimes(self) -> list[dict]:
@@ -310,7 +319,10 @@ class KubeflowBackend:
             existing = self.core.read_namespaced_persistent_volume_claim(name, self.namespace)
         if (existing.metadata.labels or {}).get(manifests.JOB_LABEL) != job:
             raise KubetuneError(
-                f"persistentvolumeclaim '{name}' already exists in namespace '{self.namespace}' and is not job '{job}''s workspace",
+                (
+                    f"persistentvolumeclaim '{name}' already exists in namespace '{self.namespace}' and is not job "
+                    f"'{job}''s workspace"
+                ),
                 field="kubernetes.storage",
                 fix="set kubernetes.storage.existing_claim to use it, or rename the job",
             )
@@ -570,7 +582,10 @@ class KubeflowBackend:
             return []
         if not storage:
             return [
-                f"kept persistentvolumeclaim '{claim}' (the job's output and checkpoints); `kubetune delete {name} --delete-storage` removes it"
+                (
+                    f"kept persistentvolumeclaim '{claim}' (the job's output and checkpoints); `kubetune delete "
+                    f"{name} --delete-storage` removes it"
+                )
             ]
         with self._errors("delete", "persistentvolumeclaims", claim):
             self.core.delete_namespaced_persistent_volume_claim(claim, self.namespace)
@@ -631,7 +646,10 @@ def output_location(spec: JobSpec) -> str:
     if spec.kubernetes.storage.mode == "pvc":
         full = path if path.startswith("/") else f"{manifests.WORKSPACE}/{path}"
         return f"persistentvolumeclaim/{manifests.pvc_name(spec)} at {full} (mounted at {manifests.WORKSPACE})"
-    return f"{path} inside the pods' node-local storage (lost with the pods; use s3://, hf:// or kubernetes.storage.mode: pvc)"
+    return (
+        f"{path} inside the pods' node-local storage (lost with the pods; use s3://, hf:// or "
+        "kubernetes.storage.mode: pvc)"
+    )
 
 
 def phase_of(job: dict) -> str:

@@ -339,9 +339,13 @@ TRAINJOB_UNSUPPORTED = {
     "backoff_limit": "the runtime's JobSet failure policy decides restarts",
     "ttl_seconds_after_finished": "a TrainJob has no TTL",
     "clean_pod_policy": "the runtime decides what happens to finished pods",
-    "image_pull_policy": "the runtime's container sets it (a TrainJob patch carries only env, volumeMounts and securityContext)",
+    "image_pull_policy": (
+        "the runtime's container sets it (a TrainJob patch carries only env, volumeMounts and securityContext)"
+    ),
     "elastic": "a TrainJob has no elastic policy",
-    "priority_class": "a TrainJob's pod patch has no priorityClassName; use kubernetes.queue with a Kueue WorkloadPriorityClass",
+    "priority_class": (
+        "a TrainJob's pod patch has no priorityClassName; use kubernetes.queue with a Kueue WorkloadPriorityClass"
+    ),
     "master_port": "the runtime sets the rendezvous port",
 }
 
@@ -552,14 +556,16 @@ def cluster_problems(spec: JobSpec) -> list[str]:
         if on_claim and (not path.startswith(("/", "~")) or path.startswith(WORKSPACE + "/")):
             continue
         out.append(
-            f"{field}: {uri!r} is a path on this machine, which the pods cannot read — use s3:// or hf://, pkg:// for files "
-            f"inside the image, or a path on a named claim (kubernetes.storage: {{mode: pvc, existing_claim: NAME}}, path relative to {WORKSPACE})"
+            f"{field}: {uri!r} is a path on this machine, which the pods cannot read — use s3:// or hf://, pkg:// "
+            "for files inside the image, or a path on a named claim (kubernetes.storage: "
+            f"{{mode: pvc, existing_claim: NAME}}, path relative to {WORKSPACE})"
         )
     endpoint = spec.s3.endpoint_url
     if endpoint and (urlsplit(endpoint).hostname or "").lower() in LOCAL_HOSTS:
         out.append(
             f"s3.endpoint_url: {endpoint!r} is this machine, not reachable from the pods — use the in-cluster address "
-            "(e.g. http://minio.minio.svc.cluster.local:9000), or leave it out and put AWS_ENDPOINT_URL in the Secret kubernetes.secrets.s3"
+            "(e.g. http://minio.minio.svc.cluster.local:9000), or leave it out and put AWS_ENDPOINT_URL in the "
+            "Secret kubernetes.secrets.s3"
         )
     return out
 
@@ -584,11 +590,13 @@ def warnings_for(spec: JobSpec) -> list[str]:
         )
     if spec.kubernetes.tensorboard and spec.kubernetes.storage.mode != "pvc":
         out.append(
-            "kubernetes.tensorboard: TensorBoard reads the event files from the shared PVC — set kubernetes.storage.mode: pvc"
+            "kubernetes.tensorboard: TensorBoard reads the event files from the shared PVC — set "
+            "kubernetes.storage.mode: pvc"
         )
     if spec.resources.gpu and spec.resources.gpu != spec.distributed.procs_per_node:
         out.append(
-            f"resources.gpu is {spec.resources.gpu} but distributed.procs_per_node is {spec.distributed.procs_per_node} — use one process per GPU"
+            f"resources.gpu is {spec.resources.gpu} but distributed.procs_per_node is "
+            f"{spec.distributed.procs_per_node} — use one process per GPU"
         )
     if (
         spec.kubernetes.storage.mode == "pvc"
@@ -596,7 +604,8 @@ def warnings_for(spec: JobSpec) -> list[str]:
         and spec.kubernetes.storage.access_modes == ["ReadWriteOnce"]
     ):
         out.append(
-            "kubernetes.storage.access_modes: ReadWriteOnce cannot be mounted by pods on different nodes — use ReadWriteMany or node-local mode"
+            "kubernetes.storage.access_modes: ReadWriteOnce cannot be mounted by pods on different nodes — use "
+            "ReadWriteMany or node-local mode"
         )
     return out
 

@@ -120,23 +120,30 @@ def check_compatible(saved: dict, current: dict, where: str) -> None:
             # A key the checkpoint lacks was not fingerprinted by the kubetune that wrote it: not checked.
             if key in (saved.get(section) or {}) and saved[section][key] != value:
                 raise KubetuneError(
-                    f"the checkpoint in {where} was written with {section}.{key} {(saved.get(section) or {}).get(key)!r}, this run has {value!r}",
+                    f"the checkpoint in {where} was written with "
+                    f"{section}.{key} {(saved.get(section) or {}).get(key)!r}, this run has {value!r}",
                     field=f"{section}.{key}" if key != "train_rows" else "data.train",
-                    fix="restore the original setting, use another output.uri, or pass --no-resume (training.resume: never)",
+                    fix="restore the original setting, use another output.uri, "
+                    "or pass --no-resume (training.resume: never)",
                 )
     for key, field in fields.items():
         if saved.get(key) != current.get(key):
             if key == "world_size":
                 msg = (
                     f"the checkpoint in {where} was written by {saved[key]} processes, this run has {current[key]}; "
-                    "the data order and global batch depend on the world size, so resuming would not continue the same run"
+                    "the data order and global batch depend on the world size, "
+                    "so resuming would not continue the same run"
                 )
             else:
-                msg = f"the checkpoint in {where} was written with {key} {saved.get(key)!r}, this run has {current.get(key)!r}"
+                msg = (
+                    f"the checkpoint in {where} was written with {key} {saved.get(key)!r}, "
+                    f"this run has {current.get(key)!r}"
+                )
             raise KubetuneError(
                 msg,
                 field=field,
-                fix="restore the original setting, use another output.uri, or pass --no-resume (training.resume: never)",
+                fix="restore the original setting, use another output.uri, "
+                "or pass --no-resume (training.resume: never)",
             )
 
 

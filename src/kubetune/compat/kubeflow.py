@@ -45,8 +45,8 @@ _PEFT_TASK_TYPES = {"sequence-classification": "SEQ_CLS", "causal-lm": "CAUSAL_L
 _SECRET_ENV = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|ACCESS_KEY|API_KEY|PRIVATE", re.IGNORECASE)
 _HF_TOKEN_FIX = (
     "create a Secret (kubectl create secret generic hf-secrets --from-env-file=.env) and pass env_vars=[V1EnvVar("
-    "name='HF_TOKEN', value_from=V1EnvVarSource(secret_key_ref=V1SecretKeySelector(name='hf-secrets', key='HF_TOKEN')))] "
-    "(the spec's kubernetes.secrets.hf_token); locally, export HF_TOKEN"
+    "name='HF_TOKEN', value_from=V1EnvVarSource(secret_key_ref=V1SecretKeySelector(name='hf-secrets', "
+    "key='HF_TOKEN')))] (the spec's kubernetes.secrets.hf_token); locally, export HF_TOKEN"
 )
 _S3_KEYS_FIX = (
     "put the keys in a Secret (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) and pass env_vars=[V1EnvFromSource("
@@ -235,7 +235,10 @@ def _model(params: Any, problems: _Problems) -> tuple[dict, str]:
         problems.add(
             f"{field}.transformer_type",
             f"{kind_name} is not supported",
-            "kubetune fine-tunes AutoModelForSequenceClassification (task sequence-classification) and AutoModelForCausalLM (task causal-lm)",
+            (
+                "kubetune fine-tunes AutoModelForSequenceClassification (task sequence-classification) and "
+                "AutoModelForCausalLM (task causal-lm)"
+            ),
         )
         task = "sequence-classification"
     if params.access_token:
@@ -489,7 +492,10 @@ def _training_arguments(args: Any, field: str, problems: _Problems) -> tuple[dic
     for name in sorted(set(changed) - handled):
         refuse(
             name,
-            "remove it (kubetune has no equivalent), or write a kubetune job spec; `kubetune explain` lists what a spec carries",
+            (
+                "remove it (kubetune has no equivalent), or write a kubetune job spec; `kubetune explain` lists "
+                "what a spec carries"
+            ),
         )
     return training, output, distributed
 
@@ -672,7 +678,10 @@ def _secrets(env_vars: Any, init_env_vars: Any, problems: _Problems) -> dict:
             else:
                 problems.add(
                     where,
-                    "is not supported: a kubetune spec carries Secret references (HF_TOKEN, envFrom one S3 Secret), not environment variables",
+                    (
+                        "is not supported: a kubetune spec carries Secret references (HF_TOKEN, envFrom one S3 "
+                        "Secret), not environment variables"
+                    ),
                     "remove it, or set the matching spec field (s3.endpoint_url, ...) in a kubetune spec",
                 )
     return secrets
@@ -768,7 +777,10 @@ class TrainingClient:
             problems.add(
                 "num_workers",
                 f"{num_workers} nodes cannot run on one machine",
-                "use num_workers=1 with backend='local' (num_procs_per_worker sets the processes), or backend='kubeflow'",
+                (
+                    "use num_workers=1 with backend='local' (num_procs_per_worker sets the processes), or "
+                    "backend='kubeflow'"
+                ),
             )
         problems.raise_any()
         spec = spec_from_train(

@@ -30,7 +30,11 @@ def qualified_name_problem(key: str) -> str | None:
     if sep and not _DNS_SUBDOMAIN.match(prefix):
         return f"key {_show(key)}: its prefix must be a DNS subdomain (lowercase letters, digits, '-', '.')"
     if not _NAME_PART.match(name):
-        return f"key {_show(key)} is not a valid Kubernetes key: at most 63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit (optionally after a DNS prefix and '/')"
+        return (
+            f"key {_show(key)} is not a valid Kubernetes key: "
+            "at most 63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit "
+            "(optionally after a DNS prefix and '/')"
+        )
     return None
 
 
@@ -41,7 +45,8 @@ def _labels(v: dict[str, str], what: str, values: bool) -> dict[str, str]:
             raise ValueError(problem)
         if values and value and not _NAME_PART.match(value):
             raise ValueError(
-                f"{what} value {_show(value)} (key {_show(key)}) must be at most 63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit"
+                f"{what} value {_show(value)} (key {_show(key)}) "
+                "must be at most 63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit"
             )
     return v
 
@@ -82,7 +87,8 @@ class ResourcesSpec(Section):
     gpu_resource: str = Field("nvidia.com/gpu", description="Extended resource name for GPUs.")
     shm_size: str = Field(
         "2Gi",
-        description="Size of /dev/shm (a memory-backed emptyDir); DataLoader workers and NCCL need more than Docker's 64Mi.",
+        description="Size of /dev/shm (a memory-backed emptyDir); "
+        "DataLoader workers and NCCL need more than Docker's 64Mi.",
     )
 
     @field_validator("cpu")
@@ -100,7 +106,8 @@ class StorageSpec(Section):
     mode: Literal["node-local", "pvc"] = Field(
         "node-local",
         description="node-local: every pod stages its own copy of model and data into an emptyDir (no shared storage "
-        "class needed). pvc: one PersistentVolumeClaim shared by all pods (needs ReadWriteMany for more than one node).",
+        "class needed). pvc: one PersistentVolumeClaim shared by all pods "
+        "(needs ReadWriteMany for more than one node).",
     )
     size: str = Field("50Gi", description="Size of the PVC (pvc mode) or the emptyDir limit (node-local mode).")
     storage_class: str | None = Field(
@@ -145,7 +152,8 @@ class SecretsSpec(Section):
     )
     s3: str | None = Field(
         None,
-        description="Name of a Secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and optionally AWS_ENDPOINT_URL); "
+        description="Name of a Secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY "
+        "(and optionally AWS_ENDPOINT_URL); "
         "exposed through envFrom.secretRef.",
     )
 
@@ -187,7 +195,8 @@ class KubernetesSpec(Section):
     )
     image: str | None = Field(
         None,
-        description="Trainer image; default: the pinned tag that docker/Dockerfile builds (CPU or CUDA by resources.gpu).",
+        description="Trainer image; default: "
+        "the pinned tag that docker/Dockerfile builds (CPU or CUDA by resources.gpu).",
     )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         "IfNotPresent", description="Image pull policy."
@@ -234,12 +243,14 @@ class KubernetesSpec(Section):
     master_port: int = Field(23456, ge=1024, le=65535, description="Rendezvous port on the master pod.")
     queue: str | None = Field(
         None,
-        description="Kueue LocalQueue to submit to: sets the kueue.x-k8s.io/queue-name label and creates the job suspended, "
+        description="Kueue LocalQueue to submit to: sets the kueue.x-k8s.io/queue-name label "
+        "and creates the job suspended, "
         "so that Kueue starts it when the queue admits it.",
     )
     priority_class: str | None = Field(
         None,
-        description="PriorityClass of the pods (PyTorchJob: pod priorityClassName and runPolicy.schedulingPolicy.priorityClass).",
+        description="PriorityClass of the pods (PyTorchJob: "
+        "pod priorityClassName and runPolicy.schedulingPolicy.priorityClass).",
     )
     runtime: str = Field(
         "torch-distributed",
@@ -247,7 +258,8 @@ class KubernetesSpec(Section):
     )
     affinity: dict | None = Field(
         None,
-        description="Pod affinity as in a Kubernetes pod spec (nodeAffinity, podAffinity, podAntiAffinity; camelCase keys), "
+        description="Pod affinity as in a Kubernetes pod spec "
+        "(nodeAffinity, podAffinity, podAntiAffinity; camelCase keys), "
         "checked against the Kubernetes typed model when rendered.",
     )
 
@@ -291,4 +303,7 @@ def namespace_problem(namespace: str) -> str | None:
     """Why ``namespace`` (e.g. from --namespace) is not a valid Kubernetes namespace, or None."""
     if _DNS_LABEL.match(namespace):
         return None
-    return f"{_show(namespace)} is not a valid namespace: a DNS label of lowercase letters, digits and '-', at most 63 characters"
+    return (
+        f"{_show(namespace)} is not a valid namespace: "
+        "a DNS label of lowercase letters, digits and '-', at most 63 characters"
+    )

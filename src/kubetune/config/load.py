@@ -37,7 +37,8 @@ def load_spec(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
         if len(data) > MAX_SPEC_BYTES:
             raise SpecError(
                 [
-                    f"spec: '{path}' is larger than {MAX_SPEC_BYTES // 1024} KiB; a job spec is a few hundred lines — pass the spec, not data"
+                    f"spec: '{path}' is larger than {MAX_SPEC_BYTES // 1024} KiB; "
+                    "a job spec is a few hundred lines — pass the spec, not data"
                 ],
                 str(path),
             )
@@ -125,14 +126,16 @@ def load_yaml(text: str, source: str) -> Any:
         except _Recursive:
             raise SpecError(
                 [
-                    f"spec: {source}: an alias refers to a node that contains it (a recursive structure) — write the values out"
+                    f"spec: {source}: an alias refers to a node that contains it "
+                    "(a recursive structure) — write the values out"
                 ],
                 source,
             ) from None
         if size > MAX_SPEC_NODES:
             raise SpecError(
                 [
-                    f"spec: {source}: its aliases expand to more than {MAX_SPEC_NODES:,} values — write the values out, or use fewer aliases"
+                    f"spec: {source}: its aliases expand to more than {MAX_SPEC_NODES:,} values "
+                    "— write the values out, or use fewer aliases"
                 ],
                 source,
             )

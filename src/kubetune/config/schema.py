@@ -67,8 +67,10 @@ class DataCommon(Section):
     )
     encoding: str = Field(
         "auto",
-        description="Text encoding of CSV/TSV/JSON(L) files. 'auto': UTF-8; a byte-order mark selects UTF-8/16/32; bytes that "
-        "are not valid UTF-8 are decoded as cp1252 with a warning (valid UTF-8 around them stays UTF-8). Any other value "
+        description="Text encoding of CSV/TSV/JSON(L) files. 'auto': UTF-8; "
+        "a byte-order mark selects UTF-8/16/32; bytes that "
+        "are not valid UTF-8 are decoded as cp1252 with a warning "
+        "(valid UTF-8 around them stays UTF-8). Any other value "
         "(latin-1, cp1252, utf-16, ...) is used as given.",
     )
     max_input_mb: int = Field(
@@ -98,7 +100,8 @@ class ClassificationData(DataCommon):
         1000,
         ge=2,
         le=100_000,
-        description="Most distinct labels a classification dataset may have; more is almost always the wrong label column.",
+        description="Most distinct labels a classification dataset may have; "
+        "more is almost always the wrong label column.",
     )
 
 
@@ -118,7 +121,8 @@ class CausalLMData(DataCommon):
     instruction_column: str = Field("instruction", description="causal-lm instruction format: the instruction column.")
     input_column: str | None = Field(
         "input",
-        description="causal-lm instruction format: optional extra input appended to the instruction (absent or empty = none).",
+        description="causal-lm instruction format: optional extra input "
+        "appended to the instruction (absent or empty = none).",
     )
     output_column: str = Field(
         "output", description="causal-lm instruction format: the response the model learns to produce."
@@ -128,7 +132,8 @@ class CausalLMData(DataCommon):
     )
     system_prompt: str | None = Field(
         None,
-        description="causal-lm instruction/chat formats: a system message put first in every conversation that has none.",
+        description="causal-lm instruction/chat formats: a system message "
+        "put first in every conversation that has none.",
     )
     train_on_prompt: bool = Field(
         False,
@@ -189,12 +194,14 @@ class TrainSpec(Section):
     eval_every: int | None = Field(
         None,
         ge=1,
-        description="Also evaluate every N optimizer steps (the eval set is always evaluated at the end of each epoch).",
+        description="Also evaluate every N optimizer steps "
+        "(the eval set is always evaluated at the end of each epoch).",
     )
     checkpoint_every: int | None = Field(
         None,
         ge=1,
-        description="Write a checkpoint every N optimizer steps (under <output>/checkpoints/); one is always written on SIGTERM/SIGINT.",
+        description="Write a checkpoint every N optimizer steps (under <output>/checkpoints/); "
+        "one is always written on SIGTERM/SIGINT.",
     )
     checkpoint_minutes: float | None = Field(
         None, gt=0, description="Also write a checkpoint every N minutes of training."
@@ -202,21 +209,25 @@ class TrainSpec(Section):
     keep_checkpoints: int = Field(2, ge=1, description="How many of the newest complete checkpoints to keep.")
     resume: Literal["auto", "never"] = Field(
         "auto",
-        description="auto: continue from the newest complete checkpoint under output.uri; never: start over (`kubetune run --no-resume`).",
+        description="auto: continue from the newest complete checkpoint under output.uri; "
+        "never: start over (`kubetune run --no-resume`).",
     )
     dataloader_workers: int | None = Field(
         None,
         ge=0,
         le=64,
-        description="DataLoader worker processes per training process (they build and pin batches ahead); default: 2 on a GPU, 0 on CPU, as measured in benchmarks/README.md.",
+        description="DataLoader worker processes per training process (they build and pin batches ahead); "
+        "default: 2 on a GPU, 0 on CPU, as measured in benchmarks/README.md.",
     )
     gradient_checkpointing: bool = Field(
         False,
-        description="Recompute activations in the backward pass: less memory for long sequences, about 30% more compute.",
+        description="Recompute activations in the backward pass: less memory for long sequences, "
+        "about 30% more compute.",
     )
     compile: bool = Field(
         False,
-        description="torch.compile the model (dynamic shapes). Pays a compile time up front; see benchmarks/README.md for when it helps.",
+        description="torch.compile the model (dynamic shapes). Pays a compile time up front; "
+        "see benchmarks/README.md for when it helps.",
     )
 
 
@@ -235,7 +246,8 @@ class DistributedSpec(Section):
     timeout_minutes: int = Field(
         60,
         ge=1,
-        description="How long ranks wait for each other in a collective (rank 0 alone tokenizes, saves and uploads meanwhile).",
+        description="How long ranks wait for each other in a collective "
+        "(rank 0 alone tokenizes, saves and uploads meanwhile).",
     )
     threads_per_proc: int | None = Field(
         None, ge=1, description="CPU threads per worker process; default: CPU cores / procs_per_node."
@@ -249,7 +261,8 @@ class DistributedSpec(Section):
 class S3Spec(Section):
     endpoint_url: str | None = Field(
         None,
-        description="S3 endpoint, e.g. http://minio.minio.svc:9000 for MinIO; default: $S3_ENDPOINT_URL, then $AWS_ENDPOINT_URL, then AWS.",
+        description="S3 endpoint, e.g. http://minio.minio.svc:9000 for MinIO; "
+        "default: $S3_ENDPOINT_URL, then $AWS_ENDPOINT_URL, then AWS.",
     )
     region: str | None = Field(None, description="S3 region; default: $AWS_REGION, then us-east-1.")
     addressing_style: Literal["auto", "path", "virtual"] = Field(
@@ -259,7 +272,8 @@ class S3Spec(Section):
 
 class OutputSpec(Section):
     uri: str = Field(
-        description="Where artifacts go: a local directory (plain path or file://), s3://bucket/prefix (uploaded with a "
+        description="Where artifacts go: a local directory (plain path or file://), "
+        "s3://bucket/prefix (uploaded with a "
         "completion manifest), or hf://org/repo (model, tokenizer and model card pushed to the Hub)."
     )
     hf_private: bool = Field(True, description="Create the hf:// output repo as private.")
@@ -271,8 +285,10 @@ class OutputSpec(Section):
     )
     overwrite: bool = Field(
         False,
-        description="Allow writing into a non-empty directory (or s3:// prefix) that kubetune did not create, and replacing "
-        "a finished run there once this run finishes (`kubetune run --overwrite`). kubetune still replaces only its own "
+        description="Allow writing into a non-empty directory (or s3:// prefix) that kubetune did not create, "
+        "and replacing "
+        "a finished run there once this run finishes (`kubetune run --overwrite`). "
+        "kubetune still replaces only its own "
         "entries (model/, metrics.json, ...), never other files.",
     )
 
@@ -302,13 +318,17 @@ def output_uri_problem(uri: str) -> str | None:
             "into its output — name a directory of its own, e.g. runs/NAME"
         )
     if scheme == "s3" and not rest.partition("/")[2].strip("/"):
-        return f"{uri!r} is a whole bucket — name a prefix inside it, e.g. s3://{rest.partition('/')[0] or 'BUCKET'}/runs/NAME"
+        return (
+            f"{uri!r} is a whole bucket — "
+            f"name a prefix inside it, e.g. s3://{rest.partition('/')[0] or 'BUCKET'}/runs/NAME"
+        )
     return None
 
 
 class JobSpec(Section):
     name: str = Field(
-        description="Job name: lowercase letters, digits and '-', a letter first, at most 52 characters (used for Kubernetes objects).",
+        description="Job name: lowercase letters, digits and '-', a letter first, at most 52 characters "
+        "(used for Kubernetes objects).",
     )
     task: Literal[tuple(DATA_SPECS)] = Field(  # type: ignore[valid-type]
         "sequence-classification",
@@ -338,8 +358,10 @@ class JobSpec(Section):
         # DNS-1035: the PyTorchJob webhook and the TrainJob CRD both require a letter first.
         if not re.fullmatch(r"[a-z]([-a-z0-9]{0,50}[a-z0-9])?", v):
             raise ValueError(
-                "must be 1-52 lowercase letters, digits or '-', starting with a letter and ending with a letter or digit "
-                "(it names Kubernetes objects, and the Training Operator and Trainer require a DNS-1035 name), e.g. 'sentiment-minilm'"
+                "must be 1-52 lowercase letters, digits or '-', starting with a letter "
+                "and ending with a letter or digit "
+                "(it names Kubernetes objects, and the Training Operator and Trainer require a DNS-1035 name), "
+                "e.g. 'sentiment-minilm'"
             )
         return v
 

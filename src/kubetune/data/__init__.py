@@ -100,7 +100,8 @@ class StepBatch:
     indices: np.ndarray
 
     def pin_memory(self) -> StepBatch:
-        """Called by the DataLoader's pinning thread (pin_memory=True): page-locked tensors copy to the GPU asynchronously."""
+        """Called by the DataLoader's pinning thread (pin_memory=True): page-locked tensors copy to the GPU
+        asynchronously."""
         return StepBatch([m.pin_memory() for m in self.micro], self.global_count, self.indices)
 
 

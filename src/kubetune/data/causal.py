@@ -105,7 +105,8 @@ def _normalize(
         if col not in df.columns:
             hint = "" if spec.format != "auto" else f" (data.format auto-detected as {fmt})"
             raise KubetuneError(
-                f"column '{short(col, 40)}' not found in {short(source)}{hint}; columns are {[short(c, 40) for c in df.columns[:20]]}",
+                f"column '{short(col, 40)}' not found in {short(source)}{hint}; "
+                f"columns are {[short(c, 40) for c in df.columns[:20]]}",
                 field=f"data.{key}",
                 fix=f"set data.{key}" + (" or data.format" if spec.format == "auto" else ""),
             )
@@ -184,7 +185,8 @@ def _messages(value, spec: DataSpec, source: str, i: int) -> list[dict] | None:
         value = value.tolist()
     if not isinstance(value, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
         raise KubetuneError(
-            f"row {i} of {source}: '{spec.messages_column}' must be a list of {{role, content}} objects, got {str(value)[:60]!r}",
+            f"row {i} of {source}: '{spec.messages_column}' must be a list of "
+            f"{{role, content}} objects, got {str(value)[:60]!r}",
             field="data.messages_column",
             fix='store a list like [{"role": "user", "content": "..."}, {"role": "assistant", ...}]',
         )

@@ -128,7 +128,8 @@ def load_frames(spec: DataSpec, seed: int) -> Frames:
         unseen = sorted(set(map(_label_key, evald[spec.label_column])) - set(labels))
         if unseen:
             raise KubetuneError(
-                f"labels {[short(u, 40) for u in unseen[:5]]} occur in {short(spec.eval)} but never in {short(spec.train)}",
+                f"labels {[short(u, 40) for u in unseen[:5]]} occur in {short(spec.eval)} "
+                f"but never in {short(spec.train)}",
                 field="data.eval",
                 fix="train on data that covers every eval label, or filter those rows out",
             )
@@ -318,7 +319,8 @@ def _sniff(path: Path, size: int, fmt: str, encoding: str, uri: str, field: str,
         fix = (
             f"set data.encoding: {bom} (or auto): the file starts with a {bom.upper()} byte-order mark"
             if bom in ("utf-16", "utf-32")
-            else "point it at a text table (or set data.encoding: utf-16-le / utf-16-be for UTF-16 without a byte-order mark)"
+            else "point it at a text table "
+            "(or set data.encoding: utf-16-le / utf-16-be for UTF-16 without a byte-order mark)"
         )
         raise KubetuneError(
             f"{short(uri)!r} holds NUL bytes in its first 64 KiB: binary data, not {fmt} text", field=field, fix=fix
@@ -476,7 +478,8 @@ def _read_dataset_dir(
         datasets.logging.set_verbosity(verbosity)
     if _fallback_used[0]:
         log.warning(
-            "%s: some bytes are not valid UTF-8; decoded them as cp1252 (set data.encoding to the files' encoding to silence this)",
+            "%s: some bytes are not valid UTF-8; decoded them as cp1252 "
+            "(set data.encoding to the files' encoding to silence this)",
             short(uri),
         )
     return ds.to_pandas()
@@ -534,7 +537,8 @@ def _normalize(df: pd.DataFrame, spec: DataSpec, field: str, dropped: dict[str, 
     for key, col in names.items():
         if col is not None and col not in df.columns:
             raise KubetuneError(
-                f"column '{short(col, 40)}' not found in {source}; columns are {available}{' ...' if len(df.columns) > 20 else ''}",
+                f"column '{short(col, 40)}' not found in {source}; "
+                f"columns are {available}{' ...' if len(df.columns) > 20 else ''}",
                 field=f"data.{key}",
                 fix=f"set data.{key}",
             )
@@ -552,7 +556,8 @@ def _normalize(df: pd.DataFrame, spec: DataSpec, field: str, dropped: dict[str, 
             )
     if df[spec.label_column].dtype == object and df[spec.label_column].map(_is_nested).any():
         raise KubetuneError(
-            f"column '{short(spec.label_column, 40)}' of {source} holds nested values (lists/structs), not class labels",
+            f"column '{short(spec.label_column, 40)}' of {source} "
+            "holds nested values (lists/structs), not class labels",
             field="data.label_column",
             fix="set data.label_column to the column that holds one class per row",
         )
@@ -582,9 +587,11 @@ def _check_labels(series: pd.Series, spec: DataSpec) -> None:
     n = keys.nunique()
     if n > spec.max_classes:
         raise KubetuneError(
-            f"column '{short(spec.label_column, 40)}' of {short(spec.train)} has {n} distinct labels, more than data.max_classes ({spec.max_classes})",
+            f"column '{short(spec.label_column, 40)}' of {short(spec.train)} has {n} distinct labels, "
+            f"more than data.max_classes ({spec.max_classes})",
             field="data.label_column",
-            fix="check that data.label_column is the class column (not an id or a free-text column), or raise data.max_classes",
+            fix="check that data.label_column is the class column (not an id or a free-text column), "
+            "or raise data.max_classes",
         )
     fractional = [
         v

@@ -154,7 +154,8 @@ def translate(e: Exception, loc: Location, field: str, action: str) -> KubetuneE
         )
     if isinstance(e, OSError):  # local disk: full, read-only, permissions
         return KubetuneError(
-            f"cannot {action.split()[0]} {getattr(e, 'filename', None) or 'a local file'} while transferring with {where}: {e.strerror or e}",
+            f"cannot {action.split()[0]} {getattr(e, 'filename', None) or 'a local file'} "
+            f"while transferring with {where}: {e.strerror or e}",
             field=field,
             fix="free disk space or fix the local directory's permissions",
         )
@@ -316,7 +317,8 @@ def download(uri: str, dest: Path, *, field: str, require_manifest: bool = False
             above = _artifact_above(s3, loc)
             if above is None:
                 raise KubetuneError(
-                    f"{uri} has no {MANIFEST}: the artifact is incomplete (an upload was interrupted) or not a kubetune artifact",
+                    f"{uri} has no {MANIFEST}: the artifact is incomplete "
+                    "(an upload was interrupted) or not a kubetune artifact",
                     field=field,
                     fix="re-run the export, or point at a complete artifact",
                 )

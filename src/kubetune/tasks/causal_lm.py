@@ -60,7 +60,10 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
     }
     if env.is_local_main:
         log.info(
-            "data: %d train / %d eval rows (%s format%s); %d tokens, %d with loss (%.0f%%), mean length %.0f, max %d; tokenization cache %s",
+            (
+                "data: %d train / %d eval rows (%s format%s); %d tokens, %d with loss (%.0f%%), mean length %.0f, "
+                "max %d; tokenization cache %s"
+            ),
             len(train_ds),
             len(eval_ds),
             frames.format,
@@ -136,7 +139,8 @@ def build_model(spec: JobSpec, model_dir, data: Prepared, device: torch.device, 
             p.requires_grad_(False)
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt_kwargs)
-            model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks still need an input that requires grad
+            # frozen embeddings: checkpointed blocks still need an input that requires grad
+            model.enable_input_require_grads()
     elif cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt_kwargs)
     if lora is not None:

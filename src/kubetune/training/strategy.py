@@ -57,7 +57,8 @@ class DDPStrategy:
         # before DDP: it takes the embedding out of DDP's buckets
         self._embedding_sync = distributed.row_sparse_embedding_sync(model, self.env) if self.sparse_embedding else None
         if self.env.distributed:
-            # gradient_as_bucket_view: gradients live in DDP's all-reduce buckets, saving a copy of every gradient each step.
+            # gradient_as_bucket_view: gradients live in DDP's all-reduce buckets, saving a copy of every gradient
+            # each step.
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             self.wrapped = DDP(model, device_ids=device_ids, gradient_as_bucket_view=self.bucket_view)
         else:

@@ -473,9 +473,15 @@ class Diverged(KubetuneError):
         steps = checkpoint.complete_steps(out / "checkpoints")
         kept = f"the checkpoint of step {steps[-1]} is kept" if steps else "no checkpoint had been written"
         super().__init__(
-            f"the loss or the gradient norm became non-finite (nan/inf) at {at}; training stopped on every rank and nothing was exported ({kept})",
+            (
+                f"the loss or the gradient norm became non-finite (nan/inf) at {at}; training stopped on every rank "
+                f"and nothing was exported ({kept})"
+            ),
             field="training",
-            fix="lower training.learning_rate or training.weight_decay, keep training.max_grad_norm set, or try precision: fp32",
+            fix=(
+                "lower training.learning_rate or training.weight_decay, keep training.max_grad_norm set, or try "
+                "precision: fp32"
+            ),
         )
 
 
