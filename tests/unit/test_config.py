@@ -57,8 +57,7 @@ def test_defaults_and_public_keys():
 
 
 def test_every_field_has_help_text():
-    from kubetune.config import DATA_SPECS
-    from kubetune.config.load import _submodel
+    from kubetune.config.load import _submodels
 
     seen = []
 
@@ -66,13 +65,11 @@ def test_every_field_has_help_text():
         for name, field in model.model_fields.items():
             seen.append(prefix + name)
             assert field.description, f"{prefix}{name} has no help text"
-            subs = DATA_SPECS.values() if (prefix, name) == ("", "data") else [_submodel(field.annotation)]
-            for sub in subs:  # the data section: every task's model
-                if sub is not None:
-                    walk(sub, f"{prefix}{name}.")
+            for sub in _submodels(field.annotation):  # the data section: every task's model
+                walk(sub, f"{prefix}{name}.")
 
     walk(JobSpec)
-    assert {"lora.r", "data.text_pair_column", "training.precision", "distributed.nodes"} <= set(seen)
+    assert {"lora.r", "data.text_pair_column", "data.packing", "training.precision", "distributed.nodes"} <= set(seen)
 
 
 @pytest.mark.parametrize(

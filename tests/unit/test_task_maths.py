@@ -114,3 +114,13 @@ def test_causal_loss_equals_a_direct_next_token_cross_entropy():
     assert int(units) == count == (9 - 4) + (5 - 2)
     assert float(loss_sum) == pytest.approx(direct, rel=1e-5)
     assert math.isfinite(direct) and direct > 0
+
+
+def test_every_task_has_a_data_section_and_every_data_section_a_task():
+    """The spec's `task` values (config.DATA_SPECS) and the task registry name the same tasks, and
+    each registered module defines a Task."""
+    from kubetune import tasks
+    from kubetune.config import DATA_SPECS
+
+    assert set(tasks.REGISTRY) == set(DATA_SPECS)
+    assert all(isinstance(tasks.get(name), tasks.Task) for name in tasks.REGISTRY)

@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from kubetune.backends.status import JobStatus, WaitTimeout
 from kubetune.config import JobSpec, dump_spec
@@ -227,15 +227,15 @@ class LocalBackend:
     def status(self, name: str) -> JobStatus:
         return self.job(name).status()
 
-    def logs(self, name: str, follow: bool = False, tail: int | None = None, **_: object) -> Iterator[str]:
-        return self.job(name).logs(follow=follow, tail=tail)
+    def logs(self, name: str, follow: bool = False, tail: int | None = None, **options: Any) -> Iterator[str]:
+        return self.job(name).logs(follow=follow, tail=tail, **options)  # rank/all_ranks checked by the handle
 
     def wait(self, name: str, timeout: float | None = None) -> JobStatus:
         return self.job(name).wait(timeout)
 
-    def delete(self, name: str, **_: object) -> list[str]:
+    def delete(self, name: str, timeout: float | None = None, **_: object) -> list[str]:
         job = self.job(name)
-        job.delete()
+        job.delete(timeout)  # a local run's output is never deleted (no storage option here)
         return [f"its output and checkpoints stay in {job.output}"]
 
     def list(self) -> list[dict]:

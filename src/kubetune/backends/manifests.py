@@ -163,6 +163,16 @@ def _resources(spec: JobSpec) -> k8s.V1ResourceRequirements:
     return k8s.V1ResourceRequirements(requests=amounts or None, limits=limits or None)
 
 
+def _tolerations(kube) -> list[k8s.V1Toleration]:
+    """kubernetes.tolerations as the pod spec's typed objects (PyTorchJob pods and the TrainJob patch)."""
+    return [
+        k8s.V1Toleration(
+            key=t.key, operator=t.operator, value=t.value, effect=t.effect, toleration_seconds=t.toleration_seconds
+        )
+        for t in kube.tolerations
+    ]
+
+
 def _volumes(spec: JobSpec) -> list[k8s.V1Volume]:
     st = spec.kubernetes.storage
     workspace = (
@@ -254,17 +264,7 @@ def build_pod_template(spec: JobSpec) -> k8s.V1PodTemplateSpec:
             volumes=_volumes(spec),
             service_account_name=kube.service_account,
             node_selector=kube.node_selector or None,
-            tolerations=[
-                k8s.V1Toleration(
-                    key=t.key,
-                    operator=t.operator,
-                    value=t.value,
-                    effect=t.effect,
-                    toleration_seconds=t.toleration_seconds,
-                )
-                for t in kube.tolerations
-            ]
-            or None,
+            tolerations=_tolerations(kube) or None,
             image_pull_secrets=[k8s.V1LocalObjectReference(name=n) for n in kube.image_pull_secrets] or None,
             termination_grace_period_seconds=kube.termination_grace_period_seconds,
             priority_class_name=kube.priority_class,
@@ -403,19 +403,7 @@ def build_trainjob(spec: JobSpec, namespace: str) -> dict:
                                 "containers": [{"name": "node", "volumeMounts": [_ser(m) for m in _mounts()]}],
                                 "serviceAccountName": kube.service_account,
                                 "nodeSelector": kube.node_selector or None,
-                                "tolerations": [
-                                    _ser(
-                                        k8s.V1Toleration(
-                                            key=t.key,
-                                            operator=t.operator,
-                                            value=t.value,
-                                            effect=t.effect,
-                                            toleration_seconds=t.toleration_seconds,
-                                        )
-                                    )
-                                    for t in kube.tolerations
-                                ]
-                                or None,
+                                "tolerations": [_ser(t) for t in _tolerations(kube)] or None,
                                 "imagePullSecrets": [{"name": n} for n in kube.image_pull_secrets] or None,
                                 "terminationGracePeriodSeconds": kube.termination_grace_period_seconds,
                                 "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000},

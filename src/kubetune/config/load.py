@@ -275,26 +275,24 @@ def _clip(text: str, limit: int) -> str:
 
 
 def _model_at(loc: list[str], task: str | None = None) -> type[BaseModel] | None:
-    """The section model at ``loc``; under ``data``, the data model of ``task``."""
+    """The section model at ``loc``; under ``data``, the data model of ``task`` (default: the spec's default task)."""
     model: type[BaseModel] | None = JobSpec
     for part in loc:
-        if model is None:
-            return None
-        field = model.model_fields.get(part)
+        field = model.model_fields.get(part) if model is not None else None
         if field is None:
             return None
-        model = DATA_SPECS.get(task or "sequence-classification") if model is JobSpec and part == "data" else None
-        model = model or _submodel(field.annotation)
+        if model is JobSpec and part == "data":
+            model = DATA_SPECS[task or JobSpec.model_fields["task"].default]
+        else:
+            model = next(iter(_submodels(field.annotation)), None)
     return model
 
 
-def _submodel(annotation: Any) -> type[BaseModel] | None:
+def _submodels(annotation: Any) -> list[type[BaseModel]]:
+    """The section models a field holds: the model itself, or each model of a union."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in getattr(annotation, "__args__", ()) or ():
-        if isinstance(arg, type) and issubclass(arg, BaseModel):
-            return arg
-    return None
+        return [annotation]
+    return [a for a in getattr(annotation, "__args__", ()) or () if isinstance(a, type) and issubclass(a, BaseModel)]
 
 
 def _suggest(loc: list[str], task: str | None = None) -> str | None:
@@ -324,33 +322,22 @@ def field_reference() -> list[tuple[str, str, str, str]]:
 
     def walk(model: type[BaseModel], prefix: str) -> None:
         for name, field in model.model_fields.items():
-            if field.exclude:  # internal (the data section's task tag)
+            key = prefix + name
+            if field.exclude or key in seen:  # internal (the data union's tag), or a key another task's section shares
                 continue
-            if model is JobSpec and name == "data":
-                # One section per task: the shared keys once, then each task's own.
-                rows.append(("data", "section", "(required)", field.description or ""))
-                seen: set[str] = set()
-                for data_model in DATA_SPECS.values():
-                    walk_new(data_model, "data.", seen)
-                continue
-            sub = _submodel(field.annotation)
+            seen.add(key)
+            subs = _submodels(field.annotation)
             if field.default is PydanticUndefined and field.default_factory is None:
                 default = "(required)"
             elif field.default_factory is not None:
                 default = "(section)"
             else:
                 default = repr(field.default) if field.default is not None else "null"
-            type_ = "section" if sub else _type_name(field.annotation)
-            rows.append((prefix + name, type_, default, field.description or ""))
-            if sub is not None:
-                walk(sub, f"{prefix}{name}.")
+            rows.append((key, "section" if subs else _type_name(field.annotation), default, field.description or ""))
+            for sub in subs:  # the data section: every task's model, its shared keys once
+                walk(sub, f"{key}.")
 
-    def walk_new(model: type[BaseModel], prefix: str, seen: set[str]) -> None:
-        before = len(rows)
-        walk(model, prefix)
-        rows[before:] = [r for r in rows[before:] if r[0] not in seen]
-        seen.update(r[0] for r in rows[before:])
-
+    seen: set[str] = set()
     walk(JobSpec, "")
     return rows
 

@@ -47,10 +47,6 @@ class Output:
         return self.uri.rstrip("/")
 
     @property
-    def remote(self) -> bool:
-        return self.scheme in REMOTE
-
-    @property
     def checkpoints(self) -> Path:
         return self.local / "checkpoints"
 

@@ -14,7 +14,6 @@ import torch
 from kubetune import distributed
 from kubetune.artifacts.presentation import Presentation
 from kubetune.config import JobSpec
-from kubetune.config.base import Section
 from kubetune.data import Batch
 from kubetune.distributed import DistEnv
 
@@ -38,10 +37,9 @@ class Prepared:
 
 @dataclass(frozen=True)
 class Task:
-    """One task; every field is a plain value or function (``tasks/__init__.py`` registers them)."""
+    """One task; every field is a plain value or function. ``tasks/__init__.py`` registers it under
+    the spec's ``task`` value, whose data section's model is ``config.DATA_SPECS[task]``."""
 
-    name: str  # the spec's `task` value
-    data_spec: type[Section]  # the `data` section's model for this task
     load_frames: Callable[[Any, int], Any]  # (data spec, seed) -> the checked tables (preflight, prepare)
     prepare: Callable[[JobSpec, DistEnv, Path, Any], Prepared]  # (spec, env, model_dir, tokenizer)
     build_model: Callable[[JobSpec, Path, Prepared, torch.device, torch.dtype], torch.nn.Module]

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kubetune import artifacts
-from kubetune.config import CausalLMData, JobSpec
+from kubetune.config import JobSpec
 from kubetune.data import Batch, collate_lm, tokenized
 from kubetune.data.causal import IGNORE, ensure_chat_template, load_lm_frames
 from kubetune.distributed import DistEnv
@@ -299,8 +299,6 @@ def _summary(m: dict) -> str:
 
 
 TASK = Task(
-    name="causal-lm",
-    data_spec=CausalLMData,
     load_frames=load_lm_frames,
     prepare=prepare,
     build_model=build_model,

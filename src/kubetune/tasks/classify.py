@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from kubetune import artifacts
-from kubetune.config import ClassificationData, JobSpec
+from kubetune.config import JobSpec
 from kubetune.data import Batch, collate, load_frames, tokenized
 from kubetune.distributed import DistEnv
 from kubetune.tasks.base import Prepared, Presentation, Task, tokenize_on_node
@@ -172,8 +172,6 @@ def _summary(m: dict) -> str:
 
 
 TASK = Task(
-    name="sequence-classification",
-    data_spec=ClassificationData,
     load_frames=load_frames,
     prepare=prepare,
     build_model=build_model,
