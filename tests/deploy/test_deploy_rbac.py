@@ -16,6 +16,7 @@ import pytest
 from deploy_support import render
 from fakes import kube_api
 from fakes.kube_api import FakeKubeAPI
+from fakes.objects import pod
 
 from kubetune import Client
 
@@ -120,27 +121,8 @@ def _spec(name):
 
 
 def _pod(name, job, rtype, index, failed=False):
-    state = {"terminated": {"exitCode": 1, "reason": "Error"}} if failed else {"running": {}}
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": name,
-            "namespace": NS,
-            "labels": {
-                "kubetune.io/job": job,
-                "training.kubeflow.org/replica-type": rtype,
-                "training.kubeflow.org/replica-index": str(index),
-            },
-        },
-        "spec": {"containers": [{"name": "pytorch", "image": "x"}]},
-        "status": {
-            "phase": "Failed" if failed else "Running",
-            "containerStatuses": [
-                {"name": "pytorch", "restartCount": 0, "ready": not failed, "image": "x", "imageID": "", "state": state}
-            ],
-        },
-    }
+    state = {"phase": "Failed", "container_state": {"terminated": {"exitCode": 1, "reason": "Error"}}} if failed else {}
+    return pod(name, job, rtype, index, NS, **state)
 
 
 def _finish_soon(server, group_version, plural, name, condition):

@@ -4,12 +4,14 @@ for the Training Operator too: tests set job conditions, pods and container logs
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
 import pytest
 from conftest import MINILM, kubetune
 from fakes.kube_api import FakeKubeAPI
+from fakes.objects import job_status, pod
 from typer.testing import CliRunner
 
 from kubetune.cli import app
@@ -47,45 +49,7 @@ def cli(cluster, *args):
     return result.exit_code, result.stdout, result.stderr
 
 
-def _conditions(*types_, failed_reason=None):
-    out = [{"type": t, "status": "True", "reason": f"PyTorchJob{t}", "message": f"job is {t.lower()}"} for t in types_]
-    if failed_reason:
-        out[-1]["message"] = failed_reason
-    return {"conditions": out}
-
-
-def _pod(name, job, rtype, index, phase="Running", container_state=None, last_state=None, conditions=None):
-    status = {
-        "phase": phase,
-        "containerStatuses": [
-            {
-                "name": "pytorch",
-                "restartCount": 1 if last_state else 0,
-                "ready": phase == "Running",
-                "image": "x",
-                "imageID": "",
-                "state": container_state or {"running": {}},
-                **({"lastState": last_state} if last_state else {}),
-            }
-        ],
-    }
-    if conditions:
-        status["conditions"] = conditions
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": name,
-            "namespace": NS,
-            "labels": {
-                "kubetune.io/job": job,
-                "training.kubeflow.org/replica-type": rtype,
-                "training.kubeflow.org/replica-index": str(index),
-            },
-        },
-        "spec": {"containers": [{"name": "pytorch", "image": "x"}]},
-        "status": status,
-    }
+_pod = functools.partial(pod, namespace=NS)
 
 
 def test_submit_creates_owned_objects_in_the_context_namespace(cluster, spec_file):
@@ -142,7 +106,7 @@ def test_a_claim_of_the_same_name_that_is_not_the_jobs_is_never_touched(cluster,
 
 def test_status_of_a_finished_job_says_where_the_model_is(cluster, spec_file):
     assert cli(cluster, "submit", str(spec_file))[0] == 0
-    cluster.set_status(*JOBS, NS, "demo", _conditions("Created", "Running", "Succeeded"))
+    cluster.set_status(*JOBS, NS, "demo", job_status("Created", "Running", "Succeeded"))
     code, out, _ = cli(cluster, "status", "demo")
     assert (
         code == 0
@@ -212,11 +176,11 @@ def test_unreachable_api_server(tmp_path, spec_file):
 
 def test_wait_succeeded_uses_a_watch_not_polling(cluster, spec_file):
     assert cli(cluster, "submit", str(spec_file))[0] == 0
-    cluster.set_status(*JOBS, NS, "demo", _conditions("Created", "Running"))
+    cluster.set_status(*JOBS, NS, "demo", job_status("Created", "Running"))
 
     def finish():
         time.sleep(1.0)
-        cluster.set_status(*JOBS, NS, "demo", _conditions("Created", "Running", "Succeeded"))
+        cluster.set_status(*JOBS, NS, "demo", job_status("Created", "Running", "Succeeded"))
 
     threading.Thread(target=finish).start()
     before = len(cluster.requests)
@@ -234,7 +198,7 @@ def test_wait_succeeded_uses_a_watch_not_polling(cluster, spec_file):
 
 def test_wait_timeout_exit_3(cluster, spec_file):
     assert cli(cluster, "submit", str(spec_file))[0] == 0
-    cluster.set_status(*JOBS, NS, "demo", _conditions("Created", "Running"))
+    cluster.set_status(*JOBS, NS, "demo", job_status("Created", "Running"))
     code, _, err = cli(cluster, "wait", "demo", "--timeout", "1")
     assert code == 3 and "still Running after 1 s" in err
 
@@ -260,11 +224,11 @@ def test_failed_with_oomkilled_reason_and_log_tail(cluster, spec_file):
         *JOBS,
         NS,
         "demo",
-        _conditions(
+        job_status(
             "Created",
             "Running",
             "Failed",
-            failed_reason="PyTorchJob demo is failed because 1 Worker replica(s) failed.",
+            message="PyTorchJob demo is failed because 1 Worker replica(s) failed.",
         ),
     )
     code, _, err = cli(cluster, "wait", "demo", "--timeout", "10")
@@ -338,7 +302,7 @@ def test_failed_with_oomkilled_reason_and_log_tail(cluster, spec_file):
 )
 def test_status_reads_failure_reasons_from_pods(cluster, spec_file, pod, reason):
     assert cli(cluster, "submit", str(spec_file))[0] == 0
-    cluster.set_status(*JOBS, NS, "demo", _conditions("Created"))
+    cluster.set_status(*JOBS, NS, "demo", job_status("Created"))
     cluster.put("v1", "pods", NS, pod)
     code, out, _ = cli(cluster, "status", "demo")
     assert code == 0
@@ -388,7 +352,7 @@ def test_list_and_python_client(cluster, spec_file):
 
     job = Client(backend="kubeflow", kubeconfig=cluster.kubeconfig).train(spec_file)
     assert job.name == "demo"
-    cluster.set_status(*JOBS, NS, "demo", _conditions("Created", "Running", "Succeeded"))
+    cluster.set_status(*JOBS, NS, "demo", job_status("Created", "Running", "Succeeded"))
     assert job.wait(timeout=10).phase == "Succeeded"
     code, out, _ = cli(cluster, "list")
     assert code == 0 and out.split()[:2] == ["demo", "Succeeded"]

@@ -23,6 +23,7 @@ import yaml
 from conftest import MINILM
 from conftest import seed004_call as seed_call
 from fakes.kube_api import FakeKubeAPI
+from fakes.objects import job_status, pod
 from kubeflow.storage_initializer.hugging_face import (
     HuggingFaceDatasetParams,
     HuggingFaceModelParams,
@@ -128,42 +129,8 @@ def cluster(tmp_path):
         yield server
 
 
-def _conditions(*types_, message=None):
-    out = [
-        {"type": t, "status": "True", "reason": f"PyTorchJob{t}", "message": message or f"job is {t.lower()}"}
-        for t in types_
-    ]
-    return {"conditions": out}
-
-
 def _pod(job: str, rtype: str, index: int) -> dict:
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": f"{job}-{rtype}-{index}",
-            "namespace": NS,
-            "labels": {
-                "kubetune.io/job": job,
-                "training.kubeflow.org/replica-type": rtype,
-                "training.kubeflow.org/replica-index": str(index),
-            },
-        },
-        "spec": {"containers": [{"name": "pytorch", "image": "x"}]},
-        "status": {
-            "phase": "Running",
-            "containerStatuses": [
-                {
-                    "name": "pytorch",
-                    "restartCount": 0,
-                    "ready": True,
-                    "image": "x",
-                    "imageID": "",
-                    "state": {"running": {}},
-                }
-            ],
-        },
-    }
+    return pod(f"{job}-{rtype}-{index}", job, rtype, index, NS)
 
 
 def test_seed_call_submits_a_pytorchjob_and_the_sdk_calls_answer(cluster):
@@ -190,7 +157,7 @@ def test_seed_call_submits_a_pytorchjob_and_the_sdk_calls_answer(cluster):
 
     # The test plays the operator: the job runs, its pods log, it succeeds.
     assert not client.is_job_running("fine-tune-bert")
-    cluster.set_status(*JOBS, NS, "fine-tune-bert", _conditions("Created", "Running"))
+    cluster.set_status(*JOBS, NS, "fine-tune-bert", job_status("Created", "Running"))
     assert client.is_job_created("fine-tune-bert") and client.is_job_running("fine-tune-bert")
     assert (
         client.wait_for_job_conditions("fine-tune-bert", expected_conditions={"Running"}, wait_timeout=5).metadata.name
@@ -202,7 +169,7 @@ def test_seed_call_submits_a_pytorchjob_and_the_sdk_calls_answer(cluster):
         NS, "fine-tune-bert-master-0", "pytorch", "[rank 0] INFO step 10 loss 1.21", "[rank 0] INFO done"
     )
     cluster.append_log(NS, "fine-tune-bert-worker-0", "pytorch", "[rank 2] INFO step 10")
-    cluster.set_status(*JOBS, NS, "fine-tune-bert", _conditions("Created", "Running", "Succeeded"))
+    cluster.set_status(*JOBS, NS, "fine-tune-bert", job_status("Created", "Running", "Succeeded"))
 
     job = client.wait_for_job_conditions("fine-tune-bert", wait_timeout=10, polling_interval=1)
     assert isinstance(job, KubeflowOrgV1PyTorchJob) and job.spec.nproc_per_node in (2, "2")
@@ -256,7 +223,7 @@ def test_storage_and_secret_references_reach_the_cluster_and_failure_raises(clus
         *JOBS,
         "team-b",
         "fine-tune-bert",
-        _conditions("Created", "Running", "Failed", message="1 Worker replica(s) failed"),
+        job_status("Created", "Running", "Failed", message="1 Worker replica(s) failed"),
     )
     with pytest.raises(
         JobError, match="fine-tune-bert is Failed: PyTorchJobFailed 1 Worker replica\\(s\\) failed"
