@@ -220,8 +220,7 @@ def predict(
     ] = None,
     seed: Annotated[int | None, typer.Option("--seed", help="Causal LMs: seed for sampling (default 0).")] = None,
 ) -> None:
-    """Classify texts, or generate text for prompts, with an exported model (a directory, s3:// artifact or \
-hf:// repo)."""
+    """Classify texts or generate text with an exported model (a directory, s3:// artifact or hf:// repo)."""
     from kubetune.predict import CAUSAL_LM, generate, model_kind, model_path, read_texts
     from kubetune.predict import predict as run_predict
     from kubetune.providers import s3
@@ -528,8 +527,7 @@ def delete(
         ),
     ] = False,
 ) -> None:
-    """Delete the job (its ConfigMap and TensorBoard go with it; its workspace claim, which holds the output, \
-only with --delete-storage)."""
+    """Delete the job, its ConfigMap and TensorBoard; its workspace claim (the output) only with --delete-storage."""
     try:
         notes = _job_backend(name, namespace, context, kubeconfig, target).delete(name, storage=delete_storage)
     except KubetuneError as e:
