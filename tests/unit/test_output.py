@@ -216,3 +216,19 @@ def test_the_same_job_finished_is_done_and_another_is_refused(tmp_path):
     with pytest.raises(KubetuneError, match="holds a finished run"):
         output.inspect(other)
     assert output.inspect(_spec(out, overwrite=True)).action == "replace"
+
+
+@pytest.mark.parametrize(
+    "uri, pod, remote",
+    [
+        ("runs/a", "/workspace/runs/a", False),
+        ("file://runs/a", "/workspace/runs/a", False),
+        ("/mnt/out/a", "/mnt/out/a", False),
+        ("file:///mnt/out/a", "/mnt/out/a", False),
+        ("s3://bucket/runs/a", None, True),
+        ("hf://org/repo", None, True),
+    ],
+)
+def test_the_pods_view_of_an_output_comes_from_the_output_object(uri, pod, remote):
+    out = Output.resolve(uri)
+    assert (out.pod_path("/workspace"), out.remote) == (pod, remote)

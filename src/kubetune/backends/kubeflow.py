@@ -637,17 +637,16 @@ def missing_paths(sent, stored, path: str) -> list[str]:
 
 def output_location(spec: JobSpec) -> str:
     """Where a cluster job's artifacts are: the remote URI, a path on its claim, or a warning."""
-    from kubetune import providers
+    from kubetune.providers.destination import Output
 
-    parsed = providers.parse_uri(spec.output.uri)
-    if parsed.scheme != "file":
+    out = Output.resolve(spec.output.uri)
+    if out.remote:
         return spec.output.uri
-    path = parsed.body
+    full = out.pod_path(manifests.WORKSPACE)
     if spec.kubernetes.storage.mode == "pvc":
-        full = path if path.startswith("/") else f"{manifests.WORKSPACE}/{path}"
         return f"persistentvolumeclaim/{manifests.pvc_name(spec)} at {full} (mounted at {manifests.WORKSPACE})"
     return (
-        f"{path} inside the pods' node-local storage (lost with the pods; use s3://, hf:// or "
+        f"{full} inside the pods' node-local storage (lost with the pods; use s3://, hf:// or "
         "kubernetes.storage.mode: pvc)"
     )
 

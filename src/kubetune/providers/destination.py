@@ -42,6 +42,19 @@ class Output:
         return cls(uri, parsed.scheme, local)
 
     @property
+    def remote(self) -> bool:
+        """Written to a local staging directory, then uploaded (s3://, hf://)."""
+        return self.scheme in REMOTE
+
+    def pod_path(self, workspace: str) -> str | None:
+        """Where a pod writes a local output: an absolute path as given, a relative one under the
+        pod's working directory ``workspace`` (None for a remote output)."""
+        if self.remote:
+            return None
+        body = parse_uri(self.uri).body
+        return body if body.startswith("/") else f"{workspace}/{body}"
+
+    @property
     def prefix(self) -> str:
         """The URI without a trailing slash, for building object keys under it."""
         return self.uri.rstrip("/")
