@@ -21,6 +21,12 @@ class KubetuneError(Exception):
         super().__init__(" ".join(text.split("\n")))
 
 
+class AgreedError(KubetuneError):
+    """A KubetuneError every rank raises together, from the same facts: said once, by rank 0."""
+
+    agreed = True
+
+
 class SpecError(KubetuneError):
     """The job spec is invalid; carries every problem found, one per line."""
 

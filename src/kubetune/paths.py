@@ -72,9 +72,10 @@ def write_atomic(path: Path, text: str | bytes) -> None:
         raise
 
 
-def replace_dir(build: Callable[[Path], object], dest: Path) -> None:
-    """Build a directory under a temporary name and swap it into place (``dest`` must be ours)."""
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+def replace_dir(build: Callable[[Path], object], dest: Path, tmp: Path | None = None) -> None:
+    """Build a directory under a temporary name and swap it into place (``dest`` must be ours).
+    ``tmp``: a temporary directory next to ``dest`` that already holds part of it."""
+    tmp = tmp or Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
     try:
         build(tmp)
         set_default_modes(tmp)

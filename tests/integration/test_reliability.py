@@ -170,7 +170,8 @@ def test_incompatible_checkpoints_are_one_line_errors(tmp_path, small_csv):
     assert proc.returncode == 143
     # Through the real CLI: the world-size branch (one worker) and a training/data field (two workers).
     cases = [
-        (["--set", "distributed.procs_per_node=1"], "error: distributed: the checkpoint in"),
+        # 2 processes × grad_accum 1 cannot keep the global batch on 3 (on 1 it resumes: test_fsdp.py)
+        (["--set", "distributed.procs_per_node=3"], "error: distributed: the checkpoint in"),
         (["--set", "training.learning_rate=0.001"], "error: training.learning_rate: the checkpoint in"),
     ]
     for args, expected in cases:

@@ -434,3 +434,54 @@ def test_s3_output_prefix_ownership(moto, s3, tmp_path, setup, overwrite, expect
         assert output.inspect(spec).action == expected
     if setup == "foreign":
         assert s3.get_object(Bucket=BUCKET, Key=f"{prefix}/thesis.tex")["Body"].read() == b"mine"
+
+
+def test_fsdp_checkpoint_shards_uploaded_by_every_rank_resume_on_a_new_machine(moto, s3, tmp_path):
+    """FSDP with an s3:// output: every rank uploads its own shard, the manifest (written last by
+    rank 0) lists them all, and a run whose local staging is gone resumes from the bucket."""
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    uri = f"s3://{BUCKET}/fsdp/{tmp_path.name}"
+    spec = {
+        "name": "fsdp-s3",
+        "task": "causal-lm",
+        "model": {"uri": "pkg://kubetune/assets/tiny-llama"},
+        "data": {
+            "train": "pkg://kubetune/assets/sentiment/sentiment-chat.jsonl",
+            "format": "chat",
+            "max_train_samples": 160,
+        },
+        "training": {"max_steps": 10, "batch_size": 4, "precision": "fp32", "checkpoint_every": 2, "log_every": 1},
+        "distributed": {"procs_per_node": 2, "strategy": "fsdp"},
+        "output": {"uri": uri},
+    }
+    path = write_spec(tmp_path / "job.yaml", spec)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kubetune", "run", str(path)],
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    key = f"fsdp/{tmp_path.name}/checkpoints/step-00000002/{s3p.MANIFEST}"
+    deadline = time.time() + 240
+    while "Contents" not in s3.list_objects_v2(Bucket=BUCKET, Prefix=key):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    manifest = json.loads(s3.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    assert {"shards/__0_0.distcp", "shards/__1_0.distcp", "shards/.metadata", "state.pt", "COMPLETE"} <= set(
+        manifest["files"]
+    )
+    shutil.rmtree(Output.resolve(uri).local)  # a new pod: nothing local
+    again = kubetune("run", str(path))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from checkpoint step" in again.stderr
+    assert "Contents" not in s3.list_objects_v2(Bucket=BUCKET, Prefix=f"fsdp/{tmp_path.name}/checkpoints/")

@@ -1,7 +1,8 @@
 """Checkpoints: everything needed to continue a run exactly, written atomically.
 
 A checkpoint is ``<output>/checkpoints/step-NNNNNNNN/`` holding ``state.pt`` (trainable weights,
-optimizer, scheduler, grad scaler, progress, the RNG states of every rank) and ``job.yaml``. It is
+optimizer, scheduler, grad scaler, progress, the RNG states of every rank) and ``job.yaml``; under
+a sharded strategy the weights and optimizer are every rank's DCP shards in ``shards/`` instead. It is
 built under a temporary name and renamed into place after its ``COMPLETE`` marker is written, so a
 crash mid-save leaves nothing that looks like a checkpoint. For an s3:// output the same directory
 is uploaded with the storage layer's manifest, which is written last and plays the same role.
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 from kubetune.config import JobSpec, dump_spec
-from kubetune.errors import KubetuneError
+from kubetune.errors import AgreedError, KubetuneError
 from kubetune.paths import replace_dir
 from kubetune.providers.destination import Output
 
@@ -85,9 +86,18 @@ _TRAJECTORY = (
 _DATA_LIMITS = ("max_classes", "max_input_mb")
 
 
-def fingerprint(spec: JobSpec, labels: list[str], world_size: int, train_rows: int = 0) -> dict:
+def fingerprint(
+    spec: JobSpec,
+    labels: list[str],
+    world_size: int,
+    train_rows: int = 0,
+    grad_accum: int | None = None,
+    group_unit: int | None = None,
+    strategy: str = "ddp",
+) -> dict:
     """What must match for a checkpoint to continue *this* run: anything that changes the
-    data order, the schedule or the model would make the result a different run."""
+    data order, the schedule or the model would make the result a different run. ``grad_accum``
+    and ``group_unit`` are the run's layout (``layout``), by default the spec's."""
     return {
         "model": spec.model.uri,
         "task": spec.task,
@@ -95,13 +105,66 @@ def fingerprint(spec: JobSpec, labels: list[str], world_size: int, train_rows: i
         "lora": spec.lora.model_dump() if spec.lora else None,
         "world_size": world_size,
         "batch_size": spec.training.batch_size,
-        "grad_accum": spec.training.grad_accum,
+        "grad_accum": grad_accum or spec.training.grad_accum,
+        # the length-grouping unit of the data order (epoch_order): the global micro-batch of the run's start
+        "group_unit": group_unit or spec.training.batch_size * world_size,
+        # what wrote the model state (``distributed.strategy: auto`` resumes with the same); not compared
+        "strategy": strategy,
         "training": {k: getattr(spec.training, k) for k in _TRAJECTORY},
         "data": {
             **{k: v for k, v in spec.data.model_dump(mode="json").items() if k not in _DATA_LIMITS},
             "train_rows": train_rows,
         },
     }
+
+
+def layout(saved: dict | None, world_size: int, batch_size: int, grad_accum: int, where: str) -> tuple[int, int]:
+    """This run's (grad_accum, length-grouping unit). A run resumed on another number of processes
+    keeps the global batch by adjusting grad_accum, and the grouping of the run's start, so every
+    example is trained at the same global step as without the interruption.
+
+    Raises:
+        KubetuneError: the global batch cannot be split over this many processes, or the spec's
+            grad_accum is neither the checkpoint's nor the adjusted one.
+    """
+    if saved is None:
+        return grad_accum, batch_size * world_size
+    saved_ws, saved_ga = saved["world_size"], saved["grad_accum"]
+    unit = saved.get("group_unit") or saved["batch_size"] * saved_ws
+    if saved_ws == world_size or saved["batch_size"] != batch_size:
+        return grad_accum, unit  # check_compatible names what differs
+    micro = saved_ws * saved_ga  # micro-batches of batch_size in one global step
+    if micro % world_size:
+        fits = ", ".join(str(n) for n in range(1, micro + 1) if micro % n == 0)
+        raise AgreedError(
+            f"the checkpoint in {where} was written by {saved_ws} processes × grad_accum {saved_ga}; its "
+            f"{micro} micro-batches per step cannot be split evenly over {world_size} processes, so the global "
+            "batch would change",
+            field="distributed",
+            fix=f"resume on {fits} processes, use another output.uri, or pass --no-resume (training.resume: never)",
+        )
+    adjusted = micro // world_size
+    if grad_accum not in (saved_ga, adjusted):
+        raise AgreedError(
+            f"the checkpoint in {where} was written with grad_accum {saved_ga} on {saved_ws} processes; on "
+            f"{world_size} processes the same global batch needs grad_accum {adjusted}, and this run has {grad_accum}",
+            field="training.grad_accum",
+            fix=f"set training.grad_accum to {saved_ga} or {adjusted}, or pass --no-resume (training.resume: never)",
+        )
+    if adjusted != grad_accum:
+        log.info(
+            "resuming a %d-process checkpoint on %d processes: grad_accum %d keeps the global batch of %d",
+            saved_ws,
+            world_size,
+            adjusted,
+            micro * batch_size,
+        )
+    return adjusted, unit
+
+
+def saved_fingerprint(found: Found) -> dict:
+    """A checkpoint's fingerprint, from its marker (without loading the state)."""
+    return json.loads((found.path / MARKER).read_text())["fingerprint"]
 
 
 def check_compatible(saved: dict, current: dict, where: str) -> None:
@@ -111,9 +174,7 @@ def check_compatible(saved: dict, current: dict, where: str) -> None:
         "task": "task",
         "labels": "data.label_column",
         "lora": "lora",
-        "world_size": "distributed",
         "batch_size": "training.batch_size",
-        "grad_accum": "training.grad_accum",
     }
     for section in ("training", "data"):
         for key, value in (current.get(section) or {}).items():
@@ -128,28 +189,70 @@ def check_compatible(saved: dict, current: dict, where: str) -> None:
                 )
     for key, field in fields.items():
         if saved.get(key) != current.get(key):
-            if key == "world_size":
-                msg = (
-                    f"the checkpoint in {where} was written by {saved[key]} processes, this run has {current[key]}; "
-                    "the data order and global batch depend on the world size, "
-                    "so resuming would not continue the same run"
-                )
-            else:
-                msg = (
-                    f"the checkpoint in {where} was written with {key} {saved.get(key)!r}, "
-                    f"this run has {current.get(key)!r}"
-                )
             raise KubetuneError(
-                msg,
+                f"the checkpoint in {where} was written with {key} {saved.get(key)!r}, "
+                f"this run has {current.get(key)!r}",
                 field=field,
                 fix="restore the original setting, use another output.uri, "
                 "or pass --no-resume (training.resume: never)",
             )
+    # The data order and the schedule depend on the global batch and the grouping unit, not on the
+    # number of processes itself (``layout`` adjusts grad_accum to keep them).
+    saved_micro, micro = saved["world_size"] * saved["grad_accum"], current["world_size"] * current["grad_accum"]
+    if saved_micro != micro or saved.get("group_unit", current["group_unit"]) != current["group_unit"]:
+        same = saved["world_size"] == current["world_size"]
+        raise KubetuneError(
+            f"the checkpoint in {where} was written by {saved['world_size']} processes × grad_accum "
+            f"{saved['grad_accum']}, this run has {current['world_size']} × {current['grad_accum']}; the data order "
+            "and global batch depend on them, so resuming would not continue the same run",
+            field="training.grad_accum" if same else "distributed",
+            fix="restore the original setting, use another output.uri, or pass --no-resume (training.resume: never)",
+        )
 
 
-def save(state: dict, spec: JobSpec, dest: Output, step: int, keep: int) -> Path:
+def staging(dest: Output, step: int) -> Path:
+    """A new temporary directory for checkpoint ``step`` (the writer rank), which a sharded strategy's
+    ranks write their shards into before ``save`` completes it. An older checkpoint of the same
+    step in an s3:// output stops looking complete first (its manifest goes), because the ranks
+    upload their shards there before ``save`` writes the new manifest."""
+    import tempfile
+
+    dest.checkpoints.mkdir(parents=True, exist_ok=True)
+    if dest.remote_checkpoints:
+        from kubetune.providers import s3
+
+        loc = s3.Location.parse(f"{dest.remote_checkpoints}/step-{step:08d}", "output.uri")
+        try:
+            s3.client().delete_object(Bucket=loc.bucket, Key=loc.join(s3.MANIFEST))
+        except Exception as e:
+            raise s3.translate(e, loc, "output.uri", "write a checkpoint to") from None
+    return Path(tempfile.mkdtemp(prefix=f".step-{step:08d}-", dir=dest.checkpoints))
+
+
+def upload_shards(dest: Output, staged: Path, step: int, files: list[Path]) -> dict:
+    """Every rank: upload the shard ``files`` it wrote under ``staged`` to checkpoint ``step`` of an
+    s3:// output (nodes need not share a filesystem). Returns their manifest entries ({} when the
+    output is not s3://), which the writer's ``save`` lists in the checkpoint's manifest."""
+    if not dest.remote_checkpoints or not files:
+        return {}
+    from kubetune.providers import s3
+
+    return s3.put_files(staged, files, f"{dest.remote_checkpoints}/step-{step:08d}", field="output.uri")
+
+
+def save(
+    state: dict,
+    spec: JobSpec,
+    dest: Output,
+    step: int,
+    keep: int,
+    staged: Path | None = None,
+    uploaded: dict | None = None,
+) -> Path:
     """Write checkpoint ``step`` (rank 0 only) under ``dest`` and prune to the newest ``keep``. A
-    copy of ``history.jsonl`` goes along, so a resumed run on a new machine keeps its curves."""
+    copy of ``history.jsonl`` goes along, so a resumed run on a new machine keeps its curves.
+    ``staged``: the ``staging`` directory already holding the ranks' shards, completed in place;
+    ``uploaded``: the manifest entries of the shards the ranks put into an s3:// output."""
     root, remote, local_out = dest.checkpoints, dest.remote_checkpoints, dest.local
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:08d}"
@@ -165,11 +268,11 @@ def save(state: dict, spec: JobSpec, dest: Output, step: int, keep: int) -> Path
     # they must not outrank, or prune away, the checkpoints of this run.
     for newer in [st for st in complete_steps(root) if st > step]:
         shutil.rmtree(root / f"step-{newer:08d}", ignore_errors=True)
-    replace_dir(build, final)
+    replace_dir(build, final, tmp=staged)
     if remote:
         from kubetune.providers import s3
 
-        s3.upload_dir(final, f"{remote}/{final.name}", field="output.uri")
+        s3.upload_dir(final, f"{remote}/{final.name}", field="output.uri", uploaded=uploaded)
     for old in complete_steps(root)[:-keep]:
         shutil.rmtree(root / f"step-{old:08d}", ignore_errors=True)
     if remote:  # prune by the remote listing: a re-created pod's local copy holds only what it downloaded

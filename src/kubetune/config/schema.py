@@ -231,7 +231,28 @@ class TrainSpec(Section):
     )
 
 
+class FSDPSpec(Section):
+    reshard_after_forward: bool = Field(
+        True,
+        description="Free each block's gathered weights after its forward pass and gather them again for the "
+        "backward (less memory); false keeps them until the backward (less communication).",
+    )
+    cpu_offload: bool = Field(
+        False,
+        description="Keep the sharded weights, gradients and optimizer state in host memory and run the optimizer "
+        "step on the CPU (GPU only): fits larger models, slower steps.",
+    )
+
+
 class DistributedSpec(Section):
+    strategy: Literal["auto", "ddp", "fsdp"] = Field(
+        "auto",
+        description="ddp: every process holds the whole model; fsdp: weights, gradients and optimizer state are "
+        "sharded over the processes (FSDP2, one unit per transformer block). auto: fsdp when the job has more than "
+        "one process and its full-precision training state (weights, gradients, AdamW moments) would take more "
+        "than half of one device's memory (a GPU's, or on CPU the host memory per process), else ddp.",
+    )
+    fsdp: FSDPSpec = Field(default_factory=FSDPSpec, description="Settings of the fsdp strategy.")
     nodes: int = Field(1, ge=1, description="Number of nodes (Kubernetes pods, or hosts running `kubetune run`).")
     procs_per_node: int = Field(1, ge=1, description="Worker processes per node (one per GPU on GPU nodes).")
     backend: Literal["auto", "gloo", "nccl"] = Field(

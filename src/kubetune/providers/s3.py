@@ -371,11 +371,35 @@ def download(uri: str, dest: Path, *, field: str, require_manifest: bool = False
         raise translate(e, loc, field, "read from") from None
 
 
-def upload_dir(local: Path, uri: str, *, field: str = "output.uri", exclude: tuple[str, ...] = ()) -> dict:
+def put_files(local: Path, files: list[Path], uri: str, *, field: str = "output.uri") -> dict:
+    """Upload ``files`` (under ``local``) to the prefix ``uri`` without a manifest: a part of an
+    artifact whose manifest another process writes (``upload_dir``'s ``uploaded``).
+
+    Returns:
+        Their manifest entries, by relative path.
+    """
+    loc = Location.parse(uri, field)
+    s3 = client()
+    try:
+        return dict(_put(s3, loc, local, p) for p in files)
+    except Exception as e:
+        raise translate(e, loc, field, "upload to") from None
+
+
+def _put(s3, loc: Location, local: Path, path: Path) -> tuple[str, dict]:
+    rel = path.relative_to(local).as_posix()
+    s3.upload_file(str(path), loc.bucket, loc.join(rel), Config=transfer_config())
+    return rel, {"size": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def upload_dir(
+    local: Path, uri: str, *, field: str = "output.uri", exclude: tuple[str, ...] = (), uploaded: dict | None = None
+) -> dict:
     """Upload every file under ``local`` (less the top-level names in ``exclude``) to the prefix
-    ``uri``, then the manifest (last). Files that the artifact's previous manifest listed and this
-    one does not are deleted afterwards: only keys that kubetune's own manifest names, never
-    anything else under the prefix.
+    ``uri``, then the manifest (last). ``uploaded``: manifest entries of files other processes put
+    there already (``put_files``), listed in the manifest and not uploaded again. Files that the
+    artifact's previous manifest listed and this one does not are deleted afterwards: only keys that
+    kubetune's own manifest names, never anything else under the prefix.
 
     Returns:
         The manifest written.
@@ -392,20 +416,15 @@ def upload_dir(local: Path, uri: str, *, field: str = "output.uri", exclude: tup
         and p.name != MANIFEST
         and not p.name.startswith(".kubetune-")
         and p.relative_to(local).parts[0] not in exclude
+        and p.relative_to(local).as_posix() not in (uploaded or {})
     )
     manifest = {"format": "kubetune-artifact/1", "files": {}}
     try:
         previous = _manifest_or_none(s3, loc, uri)
         # An older complete artifact at the same place must stop looking complete first.
         s3.delete_object(Bucket=loc.bucket, Key=loc.join(MANIFEST))
-
-        def put(path: Path) -> tuple[str, dict]:
-            rel = path.relative_to(local).as_posix()
-            s3.upload_file(str(path), loc.bucket, loc.join(rel), Config=transfer_config())
-            return rel, {"size": path.stat().st_size, "sha256": sha256_file(path)}
-
         with ThreadPoolExecutor(max_workers=4) as pool:
-            manifest["files"] = dict(pool.map(put, files))
+            manifest["files"] = {**(uploaded or {}), **dict(pool.map(lambda p: _put(s3, loc, local, p), files))}
         s3.put_object(
             Bucket=loc.bucket, Key=loc.join(MANIFEST), Body=json.dumps(manifest, indent=1, sort_keys=True).encode()
         )

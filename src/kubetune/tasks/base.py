@@ -42,7 +42,9 @@ class Task:
 
     load_frames: Callable[[Any, int], Any]  # (data spec, seed) -> the checked tables (preflight, prepare)
     prepare: Callable[[JobSpec, DistEnv, Path, Any], Prepared]  # (spec, env, model_dir, tokenizer)
-    build_model: Callable[[JobSpec, Path, Prepared, torch.device, torch.dtype], torch.nn.Module]
+    # (spec, model dir, data, training device, compute dtype, where the weights go: None = the device;
+    # meta = the modules without weights)
+    build_model: Callable[..., torch.nn.Module]
     loss: Callable[[torch.nn.Module, Batch, Any], tuple[torch.Tensor, torch.Tensor]]  # (loss sum, units)
     # Evaluation, run by ``evaluate`` below: one batch's statistics (a dict of tensors); the statistics
     # of this rank's batches -> one float64 vector that is summed over ranks; the sums -> metrics.
@@ -55,16 +57,25 @@ class Task:
 
 
 @torch.no_grad()
-def evaluate(task: Task, model, data: Prepared, env: DistEnv, device, autocast, batch_size: int) -> dict:
+def evaluate(
+    task: Task, model, data: Prepared, env: DistEnv, device, autocast, batch_size: int, lockstep: bool = False
+) -> dict:
     """The shared evaluation loop: the eval set in length order (little padding), each example on
-    exactly one rank, the task's statistics summed over ranks, then its metrics."""
+    exactly one rank, the task's statistics summed over ranks, then its metrics. ``lockstep``:
+    every rank makes the same number of forward passes (a sharded model's gather is collective),
+    a rank short of batches repeating one whose statistics it drops."""
     model.eval()
     lengths = np.asarray(data.eval_ds["length"])
-    order = np.argsort(lengths, kind="stable")[env.rank :: env.world_size]
+    everything = np.argsort(lengths, kind="stable")
+    order = everything[env.rank :: env.world_size]
     stats = [
         task.eval_step(model, data.collate_eval(order[start : start + batch_size]).to(device), autocast)
         for start in range(0, len(order), batch_size)
     ]
+    if lockstep:
+        most = -(-(-(-len(everything) // env.world_size)) // batch_size)  # the first rank's count of batches
+        for _ in range(most - len(stats)):
+            task.eval_step(model, data.collate_eval(everything[:1]).to(device), autocast)
     totals = distributed.all_reduce_sum(task.eval_totals(stats, data, device))
     model.train()
     return task.eval_metrics(totals.cpu().numpy(), data)

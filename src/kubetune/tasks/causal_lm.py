@@ -107,8 +107,9 @@ def _with_targets(ds, dropped: dict, key: str, max_length: int):
     return ds.select(keep)
 
 
-def build_model(spec: JobSpec, model_dir, data: Prepared, device: torch.device, dtype: torch.dtype):
-    """The pretrained decoder: full fine-tune, LoRA, or QLoRA (quantized frozen base + LoRA)."""
+def build_model(spec: JobSpec, model_dir, data: Prepared, device: torch.device, dtype: torch.dtype, where=None):
+    """The pretrained decoder: full fine-tune, LoRA, or QLoRA (quantized frozen base + LoRA); on
+    ``where`` (default: the training device; meta: the modules without weights)."""
     from transformers import AutoModelForCausalLM
 
     cfg, lora = spec.training, spec.lora
@@ -121,7 +122,8 @@ def build_model(spec: JobSpec, model_dir, data: Prepared, device: torch.device, 
         kwargs = {"dtype": dtype}
     else:
         kwargs = {"dtype": torch.float32}  # full fine-tune: fp32 master weights under autocast
-    model = load_pretrained(AutoModelForCausalLM, model_dir, **kwargs, **attention_kwargs(device, dtype))
+    where = where or device
+    model = load_pretrained(AutoModelForCausalLM, model_dir, where, **kwargs, **attention_kwargs(device, dtype))
     model.config.use_cache = False  # no KV cache while training
     # Non-reentrant checkpointing works under DDP and with frozen inputs (LoRA).
     ckpt_kwargs = {"use_reentrant": False}
@@ -156,7 +158,7 @@ def build_model(spec: JobSpec, model_dir, data: Prepared, device: torch.device, 
                 target_modules=lora.target_modules,
             ),
         )
-    return model if quant else model.to(device)  # a quantized model is already on its device
+    return model if quant else model.to(where)  # a quantized model is already on its device
 
 
 def _quantized_load(quant: str, device: torch.device, dtype: torch.dtype) -> dict:

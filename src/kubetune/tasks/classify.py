@@ -79,22 +79,25 @@ def export(spec: JobSpec, model, tokenizer, data: Prepared, out, metrics: dict) 
             )
 
 
-def build_model(spec: JobSpec, model_dir, data: Prepared, device: torch.device, dtype: torch.dtype):
-    """The pretrained encoder with a fresh classification head, wrapped with LoRA when asked."""
+def build_model(spec: JobSpec, model_dir, data: Prepared, device: torch.device, dtype: torch.dtype, where=None):
+    """The pretrained encoder with a fresh classification head, wrapped with LoRA when asked; on
+    ``where`` (default: the training device; meta: the modules without weights)."""
     from transformers import AutoModelForSequenceClassification
 
     from kubetune.tasks.common import attention_kwargs, load_pretrained
 
+    where = where or device
     model = load_pretrained(
         AutoModelForSequenceClassification,
         model_dir,
+        where,
         **attention_kwargs(device, dtype),
         num_labels=len(data.labels),
         id2label=dict(enumerate(data.labels)),
         label2id={name: i for i, name in enumerate(data.labels)},
     )
     if spec.lora is None:
-        return model.to(device)
+        return model.to(where)
     from peft import LoraConfig, TaskType, get_peft_model
 
     config = LoraConfig(
@@ -104,7 +107,7 @@ def build_model(spec: JobSpec, model_dir, data: Prepared, device: torch.device, 
         lora_dropout=spec.lora.dropout,
         target_modules=spec.lora.target_modules,
     )
-    return get_peft_model(model, config).to(device)
+    return get_peft_model(model, config).to(where)
 
 
 # A confusion matrix is returned (metrics.json, the report) only up to this many classes: it grows with

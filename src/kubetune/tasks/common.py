@@ -77,9 +77,22 @@ def load_tokenizer(model_dir: Path):
         ) from None
 
 
-def load_pretrained(auto_cls, model_dir: Path, **kwargs):
+# from_pretrained arguments that go to the model class; the rest go to its config.
+_MODEL_KWARGS = ("dtype", "attn_implementation")
+
+
+def load_pretrained(auto_cls, model_dir: Path, where: torch.device | None = None, **kwargs):
+    """The pretrained model; with ``where`` on the meta device, the same modules without weights
+    (built from the config: no file is read beyond it, no memory is taken)."""
     _quiet_transformers()
     try:
+        if where is not None and where.type == "meta":
+            from transformers import AutoConfig
+
+            model_kwargs = {k: kwargs.pop(k) for k in _MODEL_KWARGS if k in kwargs}
+            config = AutoConfig.from_pretrained(model_dir, **kwargs)
+            with torch.device("meta"):
+                return auto_cls.from_config(config, **model_kwargs)
         return auto_cls.from_pretrained(model_dir, **kwargs)
     except (OSError, ValueError) as e:
         raise KubetuneError(

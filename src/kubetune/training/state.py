@@ -61,8 +61,14 @@ class TrainState:
 
     @classmethod
     def from_state_dict(cls, state: dict, rank: int, world_size: int, device: torch.device) -> TrainState:
-        """This rank's state from a checkpoint's ``progress`` (the RNG is restored separately)."""
+        """This rank's state from a checkpoint's ``progress`` (the RNG is restored separately).
+        Written by another number of ranks: rank 0 takes the sums of every rank's accumulators."""
         p = state["progress"]
+        losses, tokens = p["log_loss"], p.get("tokens", [[0.0, 0.0]] * len(p["log_loss"]))
+        if len(losses) != world_size:
+            zero = [0.0, 0.0]
+            losses = [[sum(x) for x in zip(*losses)]] + [zero] * (world_size - 1)
+            tokens = [[sum(x) for x in zip(*tokens)]] + [zero] * (world_size - 1)
         return cls(
             epoch=p["epoch"],
             step_in_epoch=p["step_in_epoch"],
@@ -70,7 +76,7 @@ class TrainState:
             samples_seen=p["samples_seen"],
             train_time=p["train_time"],
             logged_losses=list(p["logged_losses"]),
-            log_loss=torch.tensor(p["log_loss"][rank], device=device, dtype=torch.float64),
-            tokens=list(p.get("tokens", [[0.0, 0.0]] * world_size)[rank]),
+            log_loss=torch.tensor(losses[rank], device=device, dtype=torch.float64),
+            tokens=list(tokens[rank]),
             logger_runs=dict(p.get("logger_runs", {})),
         )

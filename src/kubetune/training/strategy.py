@@ -1,20 +1,37 @@
-"""Parallelism strategies: how the model is wrapped, synchronized, clipped, checkpointed and
-exported. The trainer calls only this protocol, so a sharded strategy (FSDP2) slots in without
-touching the loop."""
+"""Parallelism strategies: how the model is built, wrapped, synchronized, clipped, checkpointed
+and exported. The trainer calls only this protocol; ``for_job`` picks one from the spec."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
 from typing import Protocol
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from kubetune import checkpoint, distributed
+from kubetune.config import JobSpec
 from kubetune.distributed import DistEnv
+from kubetune.errors import KubetuneError
+
+log = logging.getLogger(__name__)
+
+# make(where): the task's model with its weights on ``where`` (the meta device: the modules alone)
+MakeModel = Callable[[torch.device], torch.nn.Module]
+META = torch.device("meta")
 
 
 class Strategy(Protocol):
+    name: str
+    sharded: bool  # every rank writes its part of a checkpoint (into the directory the writer stages)
+
+    def build(self, make: MakeModel) -> torch.nn.Module:
+        """The model with this rank's weights (the whole model, or its shard)."""
+
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The module the forward and backward passes run on."""
 
@@ -25,24 +42,108 @@ class Strategy(Protocol):
         """Gradient work after the step's last backward (before clipping)."""
 
     def clip(self, max_norm: float) -> torch.Tensor:
-        """Clip the gradients to ``max_norm``; returns the total norm before clipping."""
+        """Clip the gradients to ``max_norm``; returns the total norm before clipping (every rank)."""
 
-    def model_state(self) -> dict[str, torch.Tensor]:
-        """What a checkpoint saves of the model (collective where sharded)."""
+    def grad_norm(self) -> torch.Tensor:
+        """The total gradient norm (every rank), without clipping."""
 
-    def load_model_state(self, state: dict[str, torch.Tensor]) -> None: ...
+    def save(self, directory: Path | None, optimizer: torch.optim.Optimizer) -> dict:
+        """All ranks: the model and optimizer state of a checkpoint. Returns what the writer puts
+        into the checkpoint's ``state.pt``; a sharded strategy writes its shards under ``directory``."""
 
-    def export_model(self) -> torch.nn.Module:
-        """The whole, unwrapped model for export on the writing rank (collective where sharded)."""
+    def shard_files(self, directory: Path) -> list[Path]:
+        """The files this rank wrote under ``directory`` in ``save`` (none unless sharded)."""
+
+    def load(self, directory: Path, saved: dict, optimizer: torch.optim.Optimizer) -> None:
+        """All ranks: restore the model and optimizer from a checkpoint (``saved``: its ``state.pt``)."""
+
+    def export_model(self) -> torch.nn.Module | None:
+        """The whole, unwrapped model on the writing rank, None elsewhere (collective where sharded)."""
 
     @property
     def is_writer(self) -> bool:
         """Whether this rank writes checkpoints and artifacts."""
 
 
+def for_job(
+    spec: JobSpec,
+    env: DistEnv,
+    device: torch.device,
+    dtype: torch.dtype,
+    make: MakeModel,
+    resumed: str | None = None,
+) -> Strategy:
+    """The strategy ``distributed.strategy`` names; ``auto``: the one that wrote the checkpoint
+    this run resumes (``resumed``), else fsdp when the job has more than one process and the
+    training state DDP would keep on every process (fp32 weights, gradients and two AdamW moments
+    for what trains, the stored bytes of what is frozen) exceeds half of one device's memory (the
+    GPU's, or on a CPU the host memory per process); otherwise ddp."""
+    kind = spec.distributed.strategy
+    quantized = bool(spec.lora and spec.lora.quantization)
+    if kind == "auto" and resumed:
+        kind = resumed
+        log.info("distributed.strategy auto: %s, as the checkpoint it resumes", kind)
+    elif kind == "auto":
+        kind = "ddp"
+        if env.world_size > 1 and not quantized:
+            need, budget = ddp_bytes(meta_model(make)), device_bytes(device, env)
+            if need > budget / 2:
+                kind = "fsdp"
+            log.info(
+                "distributed.strategy auto: %s (the training state takes %.1f GiB per process under ddp; "
+                "this device has %.1f GiB)",
+                kind,
+                need / 2**30,
+                budget / 2**30,
+            )
+    if kind == "ddp":
+        return DDPStrategy(env, device)
+    if quantized:
+        raise KubetuneError(
+            "QLoRA (lora.quantization) under distributed.strategy fsdp is not supported yet",
+            field="distributed.strategy",
+            fix="use distributed.strategy: ddp (every GPU holds the quantized base, which is what QLoRA saves)",
+        )
+    if spec.training.compile:
+        raise KubetuneError(
+            "training.compile under distributed.strategy fsdp is not supported yet",
+            field="training.compile",
+            fix="set training.compile: false, or distributed.strategy: ddp",
+        )
+    return FSDPStrategy(
+        env, device, dtype, spec.distributed.fsdp.reshard_after_forward, spec.distributed.fsdp.cpu_offload
+    )
+
+
+def meta_model(make: MakeModel) -> torch.nn.Module:
+    """``make(META)`` without moving any random generator: transformers and peft draw numbers even
+    for weights they do not materialize, and a fresh head or LoRA A must come out as under DDP."""
+    saved = checkpoint.rng_state()
+    try:
+        return make(META)
+    finally:
+        checkpoint.set_rng_state(saved)
+
+
+def ddp_bytes(model: torch.nn.Module) -> int:
+    """Bytes one DDP process keeps for ``model`` (built on the meta device): 16 per trainable
+    parameter (fp32 weight, gradient, two AdamW moments), the stored size of every frozen one."""
+    return sum(16 * p.numel() if p.requires_grad else p.numel() * p.element_size() for p in model.parameters())
+
+
+def device_bytes(device: torch.device, env: DistEnv) -> int:
+    """Memory of one process's device: the GPU's, or the host memory over the processes on this node."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, env.local_world_size)
+
+
 class DDPStrategy:
     """Data parallel: every rank holds the whole model; gradients are all-reduced in buckets,
     except a trainable input embedding, whose touched rows alone are averaged (row-sparse sync)."""
+
+    name = "ddp"
+    sharded = False
 
     def __init__(self, env: DistEnv, device: torch.device, *, bucket_view: bool = True, sparse_embedding: bool = True):
         """``bucket_view`` and ``sparse_embedding`` exist to measure them (benchmarks/step_ablation.py)."""
@@ -51,6 +152,9 @@ class DDPStrategy:
         self.model: torch.nn.Module | None = None
         self.wrapped: torch.nn.Module | None = None
         self._embedding_sync = None
+
+    def build(self, make: MakeModel) -> torch.nn.Module:
+        return make(self.device)
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         self.model = model
@@ -75,15 +179,209 @@ class DDPStrategy:
     def clip(self, max_norm: float) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
-    def model_state(self) -> dict[str, torch.Tensor]:
-        return checkpoint.trainable_state(self.model)
+    def grad_norm(self) -> torch.Tensor:
+        return torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
 
-    def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
-        self.model.load_state_dict(state, strict=False)
+    def save(self, directory: Path | None, optimizer: torch.optim.Optimizer) -> dict:
+        if not self.is_writer:
+            return {}
+        return {"model": checkpoint.trainable_state(self.model), "optimizer": optimizer.state_dict()}
 
-    def export_model(self) -> torch.nn.Module:
-        return self.model
+    def shard_files(self, directory: Path) -> list[Path]:
+        return []
+
+    def load(self, directory: Path, saved: dict, optimizer: torch.optim.Optimizer) -> None:
+        if saved.get("sharded"):
+            raise KubetuneError(
+                f"checkpoint {directory} was written by distributed.strategy fsdp",
+                field="distributed.strategy",
+                fix="resume it with distributed.strategy: fsdp (or auto), or pass --no-resume",
+            )
+        missing = set(checkpoint.trainable_state(self.model)) - set(saved.get("model") or {})
+        if missing:
+            raise KubetuneError(
+                f"checkpoint {directory} lacks {len(missing)} trainable tensors, e.g. {sorted(missing)[0]}",
+                field="output.uri",
+                fix="pass --no-resume",
+            )
+        self.model.load_state_dict(saved["model"], strict=False)
+        optimizer.load_state_dict(saved["optimizer"])
+
+    def export_model(self) -> torch.nn.Module | None:
+        return self.model if self.is_writer else None
 
     @property
     def is_writer(self) -> bool:
         return self.env.is_main
+
+
+class FSDPStrategy:
+    """Sharded data parallel (FSDP2, ``torch.distributed.fsdp.fully_shard``): each transformer
+    block is one unit whose weights, gradients and AdamW state are split over the ranks and gathered
+    for its forward and backward only; the rest of the model is the root unit.
+
+    The model is built on the meta device everywhere; rank 0 alone builds it with weights (on the
+    CPU) and broadcasts them tensor by tensor, each rank keeping its shard: a rank's host memory
+    never holds the whole model except rank 0's once, while loading. LoRA adapters are sharded with
+    their block (one all-gather per block carries base and adapter; they are a small fraction of
+    its bytes). Checkpoints are ``torch.distributed.checkpoint`` (DCP) shards, which load on any
+    number of ranks.
+    """
+
+    name = "fsdp"
+    sharded = True
+    SHARDS = "shards"  # the DCP directory inside a checkpoint
+
+    def __init__(
+        self,
+        env: DistEnv,
+        device: torch.device,
+        dtype: torch.dtype,
+        reshard_after_forward: bool = True,
+        cpu_offload: bool = False,
+    ):
+        if cpu_offload and device.type != "cuda":
+            raise KubetuneError(
+                f"FSDP CPU offload moves GPU state to the host, and this worker trains on {device.type}",
+                field="distributed.fsdp.cpu_offload",
+                fix="remove distributed.fsdp.cpu_offload, or run on GPU nodes (resources.gpu)",
+            )
+        self.env, self.device, self.dtype = env, device, dtype
+        self.reshard_after_forward, self.cpu_offload = reshard_after_forward, cpu_offload
+        self.model: torch.nn.Module | None = None
+        self.make: MakeModel | None = None
+
+    def build(self, make: MakeModel) -> torch.nn.Module:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        self.make = make
+        model = meta_model(make)
+        # rank 0 reads the weights (and makes the fresh head and adapters, from the same seed as DDP)
+        full = make(torch.device("cpu")) if self.env.is_main else None
+        self._shard(model)
+        model.to_empty(device="cpu" if self.cpu_offload else self.device)
+        set_model_state_dict(
+            model,
+            full.state_dict() if full is not None else {},
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+        )
+        # Buffers are not sharded and not all in the state dict (rotary frequencies): rank 0's, to all.
+        source = dict(full.named_buffers()) if full is not None else {}
+        for name, buf in model.named_buffers():
+            if full is not None:
+                buf.copy_(source[name])
+            if self.env.distributed:
+                torch.distributed.broadcast(buf, 0)
+        del full, source
+        self.model = model
+        return model
+
+    def _shard(self, model: torch.nn.Module) -> None:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        kwargs = {
+            "reshard_after_forward": self.reshard_after_forward,
+            "offload_policy": CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy(),
+        }
+        if self.device.type == "cuda" and self.dtype != torch.float32:
+            # compute in the autocast dtype, reduce gradients in fp32 (the sharded weights stay fp32)
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
+        for block in transformer_blocks(model):
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model  # sharded in build(): the hooks are on the model itself
+
+    @contextlib.contextmanager
+    def no_sync(self, last: bool):
+        # Accumulate unsharded gradients locally; the last micro-batch reduce-scatters their sum once.
+        self.model.set_requires_gradient_sync(last)
+        yield
+
+    def after_backward(self, input_ids: list[torch.Tensor]) -> None:
+        pass
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        return _full(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+
+    def grad_norm(self) -> torch.Tensor:
+        return _full(torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None]))
+
+    def _state(self, optimizer: torch.optim.Optimizer) -> dict:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        # frozen weights (a LoRA base) are not part of the checkpoint: they come from model.uri
+        model_sd, optim_sd = get_state_dict(self.model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+        return {"model": model_sd, "optimizer": optim_sd}
+
+    def save(self, directory: Path | None, optimizer: torch.optim.Optimizer) -> dict:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self._state(optimizer), checkpoint_id=directory / self.SHARDS)
+        return {"sharded": "dcp"}
+
+    def shard_files(self, directory: Path) -> list[Path]:
+        # DCP's file writer names each rank's files __<rank>_<n>.distcp; .metadata is the coordinator's
+        return sorted((directory / self.SHARDS).glob(f"__{self.env.rank}_*.distcp"))
+
+    def load(self, directory: Path, saved: dict, optimizer: torch.optim.Optimizer) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        if saved.get("sharded") != "dcp":
+            raise KubetuneError(
+                f"checkpoint {directory} was written by distributed.strategy ddp",
+                field="distributed.strategy",
+                fix="resume it with distributed.strategy: ddp (or auto), or pass --no-resume",
+            )
+        state = self._state(optimizer)
+        dcp.load(state, checkpoint_id=directory / self.SHARDS)
+        set_state_dict(
+            self.model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=StateDictOptions(ignore_frozen_params=True),
+        )
+
+    def export_model(self) -> torch.nn.Module | None:
+        """Gathers the full state dict (collective) into a fresh, unsharded model on rank 0's CPU."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not self.is_writer:
+            return None
+        model = meta_model(self.make)
+        model.load_state_dict(full, assign=True)
+        buffers = dict(self.model.named_buffers())
+        for name, buf in list(model.named_buffers()):
+            module, _, attr = name.rpartition(".")
+            owner = model.get_submodule(module) if module else model
+            owner._buffers[attr] = buffers[name].detach().cpu().clone()
+        if hasattr(model, "tie_weights"):
+            model.tie_weights()  # assign=True replaced tied parameters one by one
+        return model.train(False)
+
+    @property
+    def is_writer(self) -> bool:
+        return self.env.is_main
+
+
+def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks of a transformer: the ModuleList of same-typed modules holding the most
+    parameters (``model.layers`` of a Llama, ``encoder.layer`` of a BERT)."""
+    lists = [
+        m
+        for m in model.modules()
+        if isinstance(m, torch.nn.ModuleList) and len(m) > 0 and len({type(c) for c in m}) == 1
+    ]
+    if not lists:
+        return []
+    return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import resource
 import shutil
 import time
 from pathlib import Path
@@ -29,13 +30,14 @@ from kubetune.config import JobSpec
 from kubetune.data import Batch, StepBatch, batches
 from kubetune.data.sharding import epoch_order, rank_plan, steps_per_epoch
 from kubetune.distributed import DistEnv
-from kubetune.errors import KubetuneError
+from kubetune.errors import AgreedError, KubetuneError
 from kubetune.providers.destination import Output
 from kubetune.tasks import Task, base
 from kubetune.tasks.common import build_optimizer, load_tokenizer, resolve_precision, seed_everything
+from kubetune.training import strategy as strategies
 from kubetune.training.loggers import JSONLLogger, Loggers, TensorBoardLogger
 from kubetune.training.state import TrainState
-from kubetune.training.strategy import DDPStrategy, Strategy
+from kubetune.training.strategy import Strategy
 
 log = logging.getLogger(__name__)
 
@@ -92,21 +94,37 @@ class Trainer:
             device,
             precision,
         )
-        self._build(strategy or DDPStrategy(env, device))
-        found = self._resume()
+        # Found before the set-up: a checkpoint of another number of processes changes the layout.
+        found = _find_checkpoint(self.dest, env) if self.cfg.resume == "auto" else None
+        # The data layout: the spec's, or a resumed run's on another number of processes (same global batch).
+        self.grad_accum, self.group_unit = checkpoint.layout(
+            checkpoint.saved_fingerprint(found) if found else None,
+            env.world_size,
+            self.cfg.batch_size,
+            self.cfg.grad_accum,
+            str(found.path) if found else "",
+        )
+        self._build(strategy, found)
+        self._resume(found)
         self._start_logging(found, cleanup)
 
     # ---- set-up ----
-    def _build(self, strategy: Strategy) -> None:
+    def _build(self, strategy: Strategy | None, found: checkpoint.Found | None) -> None:
         spec, env, cfg, device = self.spec, self.env, self.cfg, self.device
         # data: read and split on every rank (cheap, deterministic); tokenize once per node
         self.model_dir = artifacts.resolve_model(spec)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.data = self.task.prepare(spec, env, self.model_dir, self.tokenizer)
         self.train_lengths = np.asarray(self.data.train_ds["length"])
-        # model: identical initialization on every rank (same seed), then the strategy wraps it
+        # model: identical initialization on every rank (same seed), built and wrapped by the strategy
+
+        def make(where: torch.device) -> torch.nn.Module:
+            return self.task.build_model(spec, self.model_dir, self.data, device, self.dtype, where)
+
         seed_everything(cfg.seed)
-        self.model = self.task.build_model(spec, self.model_dir, self.data, device, self.dtype)
+        resumed = checkpoint.saved_fingerprint(found).get("strategy", "ddp") if found else None
+        strategy = strategy or strategies.for_job(spec, env, device, self.dtype, make, resumed)
+        self.model = strategy.build(make)
         if cfg.compile:
             # In place (nn.Module.compile): parameter names and the exported state dict stay unchanged.
             # dynamic=True: length-grouped batches change the sequence length every step.
@@ -115,14 +133,22 @@ class Trainer:
         self.wrapped = strategy.wrap(self.model)
         # Dropout differs per rank; the stream is still a pure function of (seed, rank).
         seed_everything(cfg.seed + 1000 * (env.rank + 1))
-        self.per_epoch = steps_per_epoch(self.data.train_rows, env.world_size, cfg.batch_size, cfg.grad_accum)
+        self.per_epoch = steps_per_epoch(self.data.train_rows, env.world_size, cfg.batch_size, self.grad_accum)
         self.total_steps = min(self.per_epoch * cfg.epochs, cfg.max_steps or 10**12)
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg, self.total_steps, device)
         self.scaler = torch.amp.GradScaler(device.type, enabled=(self.dtype == torch.float16))
         # fp16: the grad scaler skips overflowing steps itself
         self.guard = _FiniteGuard(self.optimizer, device, enabled=not self.scaler.is_enabled())
         self.autocast = torch.autocast(device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
-        self.fingerprint = checkpoint.fingerprint(spec, self.data.labels, env.world_size, self.data.train_rows)
+        self.fingerprint = checkpoint.fingerprint(
+            spec,
+            self.data.labels,
+            env.world_size,
+            self.data.train_rows,
+            self.grad_accum,
+            self.group_unit,
+            strategy.name,
+        )
         # On a GPU, building batches in the training process leaves the GPU idle meanwhile (+20% samples/s
         # with 2 workers, BERT-base); on a CPU the workers would take cores from the compute.
         self.workers = (
@@ -130,27 +156,24 @@ class Trainer:
         )
         self.trace = _Trace(env.rank)  # records trained row ids when KUBETUNE_TRACE_DIR is set (tests)
 
-    def _resume(self) -> checkpoint.Found | None:
+    def _resume(self, found: checkpoint.Found | None) -> None:
         """The newest complete checkpoint restores weights, optimizer, schedule, position and RNG."""
         self.state = TrainState.fresh(self.device)
-        found = _find_checkpoint(self.dest, self.env) if self.cfg.resume == "auto" else None
         if not found:
-            return None
+            return
         saved = checkpoint.load(found)
         checkpoint.check_compatible(saved["fingerprint"], self.fingerprint, str(found.path))
-        missing = set(checkpoint.trainable_state(self.model)) - set(saved["model"])
-        if missing:
-            raise KubetuneError(
-                f"checkpoint {found.path} lacks {len(missing)} trainable tensors, e.g. {sorted(missing)[0]}",
-                field="output.uri",
-                fix="pass --no-resume",
-            )
-        self.strategy.load_model_state(saved["model"])
-        self.optimizer.load_state_dict(saved["optimizer"])
+        self.strategy.load(found.path, saved, self.optimizer)
         self.scheduler.load_state_dict(saved["scheduler"])
         self.scaler.load_state_dict(saved["scaler"])
         self.state = TrainState.from_state_dict(saved, self.env.rank, self.env.world_size, self.device)
-        checkpoint.set_rng_state(saved["rng"][self.env.rank])
+        if self.env.rank < len(saved["rng"]):
+            checkpoint.set_rng_state(saved["rng"][self.env.rank])
+        elif self.env.is_main or self.env.rank == len(saved["rng"]):
+            log.info(
+                "ranks from %d on had no RNG state in the checkpoint; they keep their seeded streams (dropout only)",
+                len(saved["rng"]),
+            )
         s = self.state
         log.info(
             "resumed from checkpoint step %d (epoch %d, step %d of %d in the epoch): %s",
@@ -160,7 +183,6 @@ class Trainer:
             self.per_epoch,
             found.path,
         )
-        return found
 
     def _start_logging(self, found: checkpoint.Found | None, cleanup: contextlib.ExitStack | None) -> None:
         resume_step = self.state.global_step if found else None
@@ -188,7 +210,7 @@ class Trainer:
             "training: %d steps (%d per epoch), global batch %d, %d trainable / %d parameters",
             self.total_steps,
             self.per_epoch,
-            cfg.batch_size * cfg.grad_accum * self.env.world_size,
+            cfg.batch_size * self.grad_accum * self.env.world_size,
             *_param_counts(self.model),
         )
 
@@ -245,9 +267,9 @@ class Trainer:
     def _batches(self, epoch: int):
         cfg, env = self.cfg, self.env
         lengths = self.train_lengths if cfg.group_by_length else None
-        order = epoch_order(self.data.train_rows, epoch, cfg.seed, lengths, cfg.batch_size * env.world_size)
+        order = epoch_order(self.data.train_rows, epoch, cfg.seed, lengths, self.group_unit)
         plan = rank_plan(
-            order, rank=env.rank, world_size=env.world_size, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum
+            order, rank=env.rank, world_size=env.world_size, batch_size=cfg.batch_size, grad_accum=self.grad_accum
         )
         pin = self.device.type == "cuda" and self.workers > 0
         return batches(plan, self.data.collate, self.workers, start=self.state.step_in_epoch, pin_memory=pin)
@@ -269,7 +291,7 @@ class Trainer:
             real, computed = micro.tokens
             s.tokens[0] += micro.weight * real
             s.tokens[1] += micro.weight * computed
-            self.trace.add(s.epoch, micro)
+            self.trace.add(s.epoch, s.global_step + 1, micro)
             micro = micro.to(self.device)
             # Gradients are reduced only on the last micro-batch of the step.
             with self.strategy.no_sync(last=i == len(step.micro) - 1):
@@ -285,7 +307,7 @@ class Trainer:
         if self.cfg.max_grad_norm:
             self.scaler.unscale_(self.optimizer)
             norm = self.strategy.clip(self.cfg.max_grad_norm)
-        self.guard.after_backward(self.model, norm, s.global_step + 1)
+        self.guard.after_backward(norm, self.strategy.grad_norm, s.global_step + 1)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.scheduler.step()
@@ -321,6 +343,7 @@ class Trainer:
             self.device,
             self.autocast,
             cfg.eval_batch_size or 2 * cfg.batch_size,
+            lockstep=self.strategy.sharded,
         )
         log.info(
             "epoch %d, step %d: %s",
@@ -339,19 +362,54 @@ class Trainer:
         return metrics
 
     def save_checkpoint(self) -> None:
-        """All ranks: gather every rank's RNG state and accumulators; the writer rank saves."""
-        s = self.state
+        """All ranks: gather every rank's RNG state and accumulators; the strategy saves the model and
+        optimizer (a sharded one: every rank its shard, into the directory the writer stages); the
+        writer rank completes the checkpoint."""
+        s, writer = self.state, self.strategy.is_writer
         per_rank = distributed.all_gather_object((checkpoint.rng_state(), s.log_loss.tolist(), list(s.tokens)))
-        if self.strategy.is_writer:
+        staged = None
+        if self.strategy.sharded:
+            made = str(checkpoint.staging(self.dest, s.global_step)) if writer else None
+            staged = Path(distributed.broadcast_object(made))
+            staged.mkdir(parents=True, exist_ok=True)  # a node without the writer's filesystem
+        entries = self.strategy.save(staged, self.optimizer)
+        uploaded = None
+        if staged is not None:
+            # Each rank uploads its own shards to an s3:// output (the nodes need not share a disk);
+            # the writer checks that every rank's shard is in the checkpoint, here or uploaded.
+            own = self.strategy.shard_files(staged)
+            parts = distributed.all_gather_object(
+                (
+                    [p.relative_to(staged).as_posix() for p in own],
+                    checkpoint.upload_shards(self.dest, staged, s.global_step, own),
+                )
+            )
+            uploaded = {k: v for _, part in parts for k, v in part.items()}
+            lost = [
+                r
+                for r, (names, _) in enumerate(parts)
+                for n in names
+                if n not in uploaded and not (staged / n).exists()
+            ]
+            lost = distributed.broadcast_object(sorted(set(lost)) if writer else None)  # the writer's view
+            if lost:  # every rank stops
+                raise AgreedError(
+                    f"the checkpoint shards of ranks {lost} are not in {staged}: those ranks write to "
+                    "another node's disk",
+                    field="output.uri",
+                    fix="on several nodes, put the output on storage every node shares (a ReadWriteMany PVC) or s3://",
+                )
+        if writer:
             state = {
-                "model": self.strategy.model_state(),
-                "optimizer": self.optimizer.state_dict(),
+                **entries,
                 "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict(),
                 **s.state_dict(s.train_time + (time.perf_counter() - self.t_epoch), per_rank),
                 "fingerprint": self.fingerprint,
             }
-            path = checkpoint.save(state, self.spec, self.dest, s.global_step, self.cfg.keep_checkpoints)
+            path = checkpoint.save(
+                state, self.spec, self.dest, s.global_step, self.cfg.keep_checkpoints, staged, uploaded
+            )
             log.info("checkpoint at step %d: %s", s.global_step, path)
         distributed.barrier()
 
@@ -392,9 +450,13 @@ class Trainer:
             "dropped_rows": data.dropped,
             **data.info,
         }
+        # every rank's peak resident host memory (ru_maxrss is in KiB on Linux)
+        peaks = distributed.all_gather_object(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+        metrics["peak_host_memory_gib"] = [round(p, 3) for p in peaks]
+        metrics["strategy"] = self.strategy.name
         if self.device.type == "cuda":
             metrics["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30  # rank 0's device
-        model = self.strategy.export_model()
+        model = self.strategy.export_model()  # collective where sharded
         if self.strategy.is_writer:
             self._export(model, metrics)
         distributed.barrier()
@@ -445,11 +507,12 @@ class _FiniteGuard:
         self.optimizer, self.enabled = optimizer, enabled
         self.first_bad = torch.full((), -1, dtype=torch.long, device=device)
 
-    def after_backward(self, model: torch.nn.Module, norm: torch.Tensor | None, step: int) -> None:
+    def after_backward(self, norm: torch.Tensor | None, grad_norm, step: int) -> None:
+        """``norm``: the step's gradient norm if clipping computed it; ``grad_norm()`` computes it otherwise."""
         if not self.enabled:
             return
         if norm is None:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+            norm = grad_norm()
         nonfinite = ~torch.isfinite(norm)
         self.optimizer.found_inf = nonfinite.float()
         self.first_bad = torch.where(nonfinite & (self.first_bad < 0), step, self.first_bad)
@@ -517,8 +580,9 @@ def _find_checkpoint(dest: Output, env: DistEnv) -> checkpoint.Found | None:
 
 
 class _Trace:
-    """Appends ``{"epoch", "rows"}`` lines to ``$KUBETUNE_TRACE_DIR/rank<R>.jsonl``: the proof
-    that every example is trained on exactly once per epoch across ranks."""
+    """Appends ``{"epoch", "step", "rows"}`` lines (one per micro-batch) to
+    ``$KUBETUNE_TRACE_DIR/rank<R>.jsonl``: the proof that every example is trained on exactly once
+    per epoch across ranks, and at which global step."""
 
     def __init__(self, rank: int):
         import os
@@ -529,14 +593,14 @@ class _Trace:
             Path(root).mkdir(parents=True, exist_ok=True)
             self.path = Path(root) / f"rank{rank}.jsonl"
 
-    def add(self, epoch: int, batch: Batch) -> None:
+    def add(self, epoch: int, step: int, batch: Batch) -> None:
         if self.path is None:
             return
         import json
 
         rows = batch.index.tolist() if batch.weight > 0 else []
         with self.path.open("a") as f:
-            f.write(json.dumps({"epoch": epoch, "rows": rows}) + "\n")
+            f.write(json.dumps({"epoch": epoch, "step": step, "rows": rows}) + "\n")
 
 
 def _param_counts(model) -> tuple[int, int]:
