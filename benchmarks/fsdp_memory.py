@@ -1,7 +1,7 @@
 """FSDP against DDP on this machine: per-rank peak host memory and seconds per step of a full
 fine-tune of Llama-shaped models (random init), at 1 and 2 processes.
 
-    python benchmarks/fsdp_memory.py [--limit-gib 21] [--steps 3] [--name fsdp-memory]
+    python benchmarks/fsdp_memory.py [--limit-gib 19.5] [--steps 3] [--name fsdp-memory]
 
 Every run is ``kubetune run`` (task causal-lm, full fine-tune, fp32, batch 1 × 128 tokens, AdamW)
 with ``distributed.strategy`` ddp or fsdp, in a memory cgroup of ``--limit-gib`` (cgroup v1, as
@@ -61,10 +61,13 @@ def make_model(root: Path, hidden: int, intermediate: int, layers: int) -> tuple
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     params = sum(p.numel() for p in model.parameters())
-    if not (path / "config.json").exists():
-        model.save_pretrained(path)
+    if not path.exists():
+        tmp = path.with_name(path.name + ".partial")  # renamed when complete: an interrupted run leaves no half model
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
         for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(ASSETS / "tiny-llama" / name, path / name)
+            shutil.copy(ASSETS / "tiny-llama" / name, tmp / name)
+        tmp.rename(path)
     return path, params
 
 
@@ -86,6 +89,14 @@ class MemoryCgroup:
 
     def enter(self) -> None:  # preexec_fn of the child
         (self.path / "tasks").write_text(str(os.getpid()))
+
+    def reset(self) -> None:
+        if self.ok:
+            (self.path / "memory.failcnt").write_text("0")
+
+    def hit_limit(self) -> bool:
+        """Whether an allocation failed at the limit since ``reset`` (the OOM killer then ran in the group)."""
+        return self.ok and int((self.path / "memory.failcnt").read_text()) > 0
 
     def close(self) -> None:
         if self.ok:
@@ -113,11 +124,12 @@ def run(work: Path, model: Path, strategy: str, procs: int, steps: int, group: M
             "eval_batch_size": 4,
         },
         "distributed": {"procs_per_node": procs, "strategy": strategy, "threads_per_proc": max(1, 2 // procs)},
-        "output": {"uri": str(out), "report": False},
+        "output": {"uri": str(out)},
     }
     path = work / f"{spec['name']}.yaml"
     path.write_text(yaml.safe_dump(spec))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    group.reset()
     proc = subprocess.run(
         [PY, "-m", "kubetune", "run", str(path)],
         cwd=ROOT,
@@ -127,8 +139,11 @@ def run(work: Path, model: Path, strategy: str, procs: int, steps: int, group: M
         preexec_fn=group.enter if group.ok else None,
     )
     if proc.returncode != 0:
-        tail = [line for line in proc.stderr.splitlines() if line.strip()][-1:]
-        return {"fits": False, "exit": proc.returncode, "error": tail[0] if tail else ""}
+        # killed at the group's limit, or by the kernel's own OOM killer first (a worker SIGKILLed)
+        if not (group.hit_limit() or "(SIGKILL)" in proc.stderr):
+            raise RuntimeError(f"{spec['name']} failed (exit {proc.returncode}): {proc.stderr[-3000:]}")
+        shutil.rmtree(out, ignore_errors=True)
+        return {"fits": False, "exit": proc.returncode}
     m = json.loads((out / "metrics.json").read_text())
     shutil.rmtree(out, ignore_errors=True)
     return {
@@ -141,7 +156,7 @@ def run(work: Path, model: Path, strategy: str, procs: int, steps: int, group: M
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--limit-gib", type=float, default=21.0)
+    ap.add_argument("--limit-gib", type=float, default=19.5)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--name", default="fsdp-memory")
     ap.add_argument("--work", type=Path, default=None)

@@ -103,6 +103,29 @@ def test_fsdp_trains_like_ddp_and_exports_a_model_transformers_loads(reference):
     ids = torch.tensor([[0, 5, 9, 11]])
     with torch.no_grad():
         assert torch.isfinite(model(input_ids=ids).logits).all()
+    r = kubetune("predict", str(fsdp), "What is the sentiment of this review? great seats", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "completion" in json.loads(r.stdout)[0]
+
+
+def test_lora_with_activation_checkpointing_under_fsdp_matches_ddp_and_exports_adapter_and_merged_model(tmp_path):
+    from safetensors.torch import load_file
+
+    outs = {}
+    for strategy in ("fsdp", "ddp"):
+        (tmp_path / strategy).mkdir()
+        spec = _spec(tmp_path / strategy / "out", strategy, max_steps=4, checkpoint_every=None)
+        spec["lora"] = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear"}
+        # activation checkpointing per block under FSDP (recomputing changes no number)
+        spec["training"]["gradient_checkpointing"] = strategy == "fsdp"
+        outs[strategy] = _run(tmp_path / strategy, spec)[0]
+    adapters = [load_file(outs[s] / "adapter" / "adapter_model.safetensors") for s in ("fsdp", "ddp")]
+    assert len(adapters[0]) == 2 * 2 * 7  # A and B of 7 linear layers in each of the 2 blocks
+    assert _max_diff(*adapters) < 1e-5
+    assert _max_diff(_weights(outs["fsdp"]), _weights(outs["ddp"])) < 1e-5  # merged
+    base = load_file(ROOT / "src/kubetune/assets/tiny-llama/model.safetensors")
+    merged = _weights(outs["fsdp"])
+    assert (merged["model.layers.0.mlp.up_proj.weight"] - base["model.layers.0.mlp.up_proj.weight"]).abs().max() > 0
 
 
 def _start(spec_path: Path, trace: Path) -> subprocess.Popen:

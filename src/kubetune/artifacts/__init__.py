@@ -28,6 +28,9 @@ __all__ = [
     "write_atomic",
 ]
 log = logging.getLogger(__name__)
+# Exported models above this size are split into safetensors shards plus model.safetensors.index.json
+# (transformers' default is 50GB: one 32 GB file for an 8B model in fp32, awkward to move and upload).
+SHARD_SIZE = "5GB"
 
 
 def resolve_model(spec: JobSpec) -> Path:
@@ -112,7 +115,7 @@ def export_classifier(spec: JobSpec, model, tokenizer, frames, out: Path) -> Non
         model = model.merge_and_unload()
 
     def save(d: Path) -> None:
-        model.save_pretrained(d)  # safetensors
+        model.save_pretrained(d, max_shard_size=SHARD_SIZE)  # safetensors
         tokenizer.save_pretrained(d)
 
     replace_dir(save, out / "model")

@@ -263,7 +263,7 @@ def export(spec: JobSpec, model, tokenizer, data: Prepared, out, metrics: dict) 
         merged.generation_config.pad_token_id = tokenizer.pad_token_id
 
     def save(d) -> None:
-        merged.save_pretrained(d)  # safetensors
+        merged.save_pretrained(d, max_shard_size=artifacts.SHARD_SIZE)  # safetensors, sharded above 5 GB
         tokenizer.save_pretrained(d)
 
     artifacts.replace_dir(save, out / "model")

@@ -169,7 +169,7 @@ class Trainer:
         self.state = TrainState.from_state_dict(saved, self.env.rank, self.env.world_size, self.device)
         if self.env.rank < len(saved["rng"]):
             checkpoint.set_rng_state(saved["rng"][self.env.rank])
-        elif self.env.is_main or self.env.rank == len(saved["rng"]):
+        elif self.env.rank == len(saved["rng"]):
             log.info(
                 "ranks from %d on had no RNG state in the checkpoint; they keep their seeded streams (dropout only)",
                 len(saved["rng"]),
@@ -367,38 +367,7 @@ class Trainer:
         writer rank completes the checkpoint."""
         s, writer = self.state, self.strategy.is_writer
         per_rank = distributed.all_gather_object((checkpoint.rng_state(), s.log_loss.tolist(), list(s.tokens)))
-        staged = None
-        if self.strategy.sharded:
-            made = str(checkpoint.staging(self.dest, s.global_step)) if writer else None
-            staged = Path(distributed.broadcast_object(made))
-            staged.mkdir(parents=True, exist_ok=True)  # a node without the writer's filesystem
-        entries = self.strategy.save(staged, self.optimizer)
-        uploaded = None
-        if staged is not None:
-            # Each rank uploads its own shards to an s3:// output (the nodes need not share a disk);
-            # the writer checks that every rank's shard is in the checkpoint, here or uploaded.
-            own = self.strategy.shard_files(staged)
-            parts = distributed.all_gather_object(
-                (
-                    [p.relative_to(staged).as_posix() for p in own],
-                    checkpoint.upload_shards(self.dest, staged, s.global_step, own),
-                )
-            )
-            uploaded = {k: v for _, part in parts for k, v in part.items()}
-            lost = [
-                r
-                for r, (names, _) in enumerate(parts)
-                for n in names
-                if n not in uploaded and not (staged / n).exists()
-            ]
-            lost = distributed.broadcast_object(sorted(set(lost)) if writer else None)  # the writer's view
-            if lost:  # every rank stops
-                raise AgreedError(
-                    f"the checkpoint shards of ranks {lost} are not in {staged}: those ranks write to "
-                    "another node's disk",
-                    field="output.uri",
-                    fix="on several nodes, put the output on storage every node shares (a ReadWriteMany PVC) or s3://",
-                )
+        staged, entries, uploaded = self._save_model_state()
         if writer:
             state = {
                 **entries,
@@ -412,6 +381,43 @@ class Trainer:
             )
             log.info("checkpoint at step %d: %s", s.global_step, path)
         distributed.barrier()
+
+    def _save_model_state(self) -> tuple[Path | None, dict, dict | None]:
+        """All ranks: the strategy saves the model and optimizer. A sharded strategy writes every
+        rank's shard into a directory the writer stages, each rank uploads its own shards to an
+        s3:// output (the nodes need not share a disk), and the writer checks that every rank's
+        shard is in the checkpoint, here or uploaded.
+
+        Returns:
+            The staged directory (None unless sharded), the entries for ``state.pt``, and the
+            manifest entries of the shards the ranks uploaded.
+        """
+        s, writer = self.state, self.strategy.is_writer
+        if not self.strategy.sharded:
+            return None, self.strategy.save(None, self.optimizer), None
+        made = str(checkpoint.staging(self.dest, s.global_step)) if writer else None
+        staged = Path(distributed.broadcast_object(made))
+        staged.mkdir(parents=True, exist_ok=True)  # a node without the writer's filesystem
+        entries = self.strategy.save(staged, self.optimizer)
+        own = self.strategy.shard_files(staged)
+        parts = distributed.all_gather_object(
+            (
+                [p.relative_to(staged).as_posix() for p in own],
+                checkpoint.upload_shards(self.dest, staged, s.global_step, own),
+            )
+        )
+        uploaded = {k: v for _, part in parts for k, v in part.items()}
+        lost = sorted(
+            {r for r, (names, _) in enumerate(parts) for n in names if n not in uploaded and not (staged / n).exists()}
+        )
+        lost = distributed.broadcast_object(lost if writer else None)  # the writer's view
+        if lost:  # every rank stops
+            raise AgreedError(
+                f"the checkpoint shards of ranks {lost} are not in {staged}: those ranks write to another node's disk",
+                field="output.uri",
+                fix="on several nodes, put the output on storage every node shares (a ReadWriteMany PVC) or s3://",
+            )
+        return staged, entries, uploaded
 
     def _preempted(self) -> None:
         self.bar.close()
@@ -456,6 +462,9 @@ class Trainer:
         metrics["strategy"] = self.strategy.name
         if self.device.type == "cuda":
             metrics["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30  # rank 0's device
+        # Training is over: AdamW's moments (8 bytes per trainable parameter, on every rank) make room
+        # for the export's full copy of the model; the checkpoints on disk still hold them.
+        self.optimizer.state.clear()
         model = self.strategy.export_model()  # collective where sharded
         if self.strategy.is_writer:
             self._export(model, metrics)
