@@ -4,6 +4,8 @@ refusals."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -176,3 +178,36 @@ def test_a_meta_build_draws_no_random_numbers():
     # (a bare meta build does draw: the reason meta_model exists)
     causal_lm.build_model(spec, TINY_LLAMA, None, CPU, torch.float32, META)
     assert not torch.equal(torch.get_rng_state(), state)
+
+
+HEAP_PROBE = """
+import sys
+import torch
+from kubetune.distributed import DistEnv
+from kubetune.training import strategy
+
+def rss_mib():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+if sys.argv[1] == "fsdp":
+    strategy.FSDPStrategy(DistEnv(), torch.device("cpu"), torch.float32)
+x = torch.ones(8 << 20, dtype=torch.uint8)  # one freed 8 MiB block: glibc's threshold grows past 4 MiB
+del x
+blocks = [torch.ones(4 << 20, dtype=torch.uint8) for _ in range(100)]
+peak = rss_mib()
+del blocks[::2]  # every other one: the heap cannot shrink from its top
+print(round(peak - rss_mib()))
+"""
+
+
+def test_fsdp_on_cpu_gives_freed_blocks_back_to_the_system():
+    # in a fresh process each: glibc's threshold is per process and cannot be unset
+    freed = {
+        case: int(
+            subprocess.run([sys.executable, "-c", HEAP_PROBE, case], check=True, capture_output=True, text=True).stdout
+        )
+        for case in ("fsdp", "none")
+    }
+    assert freed["fsdp"] >= 190  # the 50 freed 4 MiB blocks left the process
+    assert freed["none"] < 20  # glibc's default: they stay in its heap

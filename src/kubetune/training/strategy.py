@@ -4,6 +4,7 @@ and exported. The trainer calls only this protocol; ``for_job`` picks one from t
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 from collections.abc import Callable
@@ -248,6 +249,8 @@ class FSDPStrategy:
             )
         self.env, self.device, self.dtype = env, device, dtype
         self.reshard_after_forward, self.cpu_offload = reshard_after_forward, cpu_offload
+        if device.type == "cpu":
+            return_freed_memory()
         self.model: torch.nn.Module | None = None
         self.make: MakeModel | None = None
 
@@ -366,6 +369,27 @@ class FSDPStrategy:
     @property
     def is_writer(self) -> bool:
         return self.env.is_main
+
+
+# glibc's M_MMAP_THRESHOLD (malloc.h); a fixed value also turns off the threshold's growth
+M_MMAP_THRESHOLD = -3
+HEAP_LIMIT = 1 << 20
+
+
+def return_freed_memory() -> bool:
+    """Make glibc give every freed block of 1 MiB or more back to the system (False without glibc).
+
+    glibc serves a large allocation from its own mapping, but raises that threshold to the size of
+    each such block freed, so later blocks of that size (up to 32 MiB) come from the heap and stay in
+    the process after they are freed. FSDP allocates and frees a block's gathered weights and
+    gradients at every layer call, so on a CPU, where host memory is the device's, its resident peak
+    grew by about 0.5 GiB on a 0.4B-parameter Llama (benchmarks/fsdp_memory.py). Not set for DDP:
+    there it costs about 6% of the step time (more page faults) for 0.1 GiB on the demo."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False  # musl or another libc: its own policy
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, HEAP_LIMIT))
 
 
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
