@@ -124,3 +124,57 @@ def test_every_task_has_a_data_section_and_every_data_section_a_task():
 
     assert set(tasks.REGISTRY) == set(DATA_SPECS)
     assert all(isinstance(tasks.get(name), tasks.Task) for name in tasks.REGISTRY)
+
+
+def _full_logits_loss(model, batch):
+    """The computation before the loss kept only the target positions: every position's logits,
+    then the targets' rows upcast to fp32 in one cross-entropy."""
+    logits = model(**batch.inputs).logits
+    targets = batch.labels[:, 1:]
+    mask = targets != IGNORE
+    return F.cross_entropy(logits[:, :-1][mask].float(), targets[mask], reduction="sum"), mask.sum()
+
+
+@pytest.mark.parametrize("deferred", [True, False])
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_chunked_target_only_loss_equals_the_full_logits_loss_and_its_gradients(monkeypatch, packed, deferred):
+    from transformers import AutoModelForCausalLM
+
+    model_dir = providers.resolve("pkg://kubetune/assets/tiny-llama", kind="model", field="model.uri")
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(3, vocab, (n,), generator=gen) for n in (40, 23, 31)]
+    prompt = [7, 3, 12]
+    if packed:  # one row, position ids restarting per example, each example's first token no target
+        ids = torch.cat(seqs)[None]
+        inputs = {"input_ids": ids, "position_ids": torch.cat([torch.arange(len(s)) for s in seqs])[None]}
+        labels = torch.cat([torch.cat([torch.full((p,), IGNORE), s[p:]]) for s, p in zip(seqs, prompt)])[None]
+    else:
+        width = max(len(s) for s in seqs)
+        ids, attention = torch.zeros(3, width, dtype=torch.long), torch.zeros(3, width, dtype=torch.long)
+        labels = torch.full((3, width), IGNORE)
+        for i, (s, p) in enumerate(zip(seqs, prompt)):
+            ids[i, : len(s)], attention[i, : len(s)], labels[i, p : len(s)] = s, 1, s[p:]
+        inputs = {"input_ids": ids, "attention_mask": attention}
+    batch = Batch(inputs, labels)
+    # chunks smaller than the targets (71 of them): several checkpointed chunks, one partial
+    monkeypatch.setattr(causal_lm, "LOSS_CHUNK", 16)
+    # the path under test: the projection deferred into the chunks, or (a head that cannot be
+    # deferred) the full logits' target rows chunked
+    assert causal_lm._deferrable_head(model) is model.lm_head
+    if not deferred:
+        monkeypatch.setattr(causal_lm, "_deferrable_head", lambda model: None)
+
+    def run(fn):
+        model.zero_grad()
+        loss, count = fn(model, batch)
+        loss.backward()
+        return loss.detach(), int(count), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    new = run(lambda m, b: causal_lm.loss(m, b, NO_AUTOCAST))
+    old = run(_full_logits_loss)
+    assert new[1] == old[1] == sum(len(s) - p for s, p in zip(seqs, prompt))
+    assert float(new[0]) == pytest.approx(float(old[0]), rel=1e-5)
+    worst = max(float((new[2][n] - old[2][n]).abs().max() / old[2][n].abs().max().clamp_min(1e-12)) for n in old[2])
+    assert worst < 1e-5, worst

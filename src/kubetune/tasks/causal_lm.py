@@ -11,6 +11,7 @@ adapter merged into the base reloaded in full precision).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -189,32 +190,106 @@ def _quantized_load(quant: str, device: torch.device, dtype: torch.dtype) -> dic
     return {"quantization_config": config, "device_map": {"": device.index or 0}, "dtype": compute}
 
 
+# Target positions projected onto the vocabulary together: a chunk's logits, their fp32 copy and
+# softmax (about 10 bytes x LOSS_CHUNK x vocabulary) are the loss's transient peak.
+LOSS_CHUNK = 512
+
+
 def loss(model, batch: Batch, autocast) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token cross-entropy over the target tokens of a micro-batch, and their count."""
-    with autocast:
-        logits = model(**batch.inputs).logits
-    loss_sum, count, _ = token_loss(logits, batch.labels)
+    loss_sum, count, _ = _token_loss(model, batch, autocast)
     return loss_sum, count
 
 
-def token_loss(logits: torch.Tensor, labels: torch.Tensor, count_correct: bool = False):
+def eval_step(model, batch: Batch, autocast) -> dict:
+    loss_sum, count, correct = _token_loss(model, batch, autocast, count_correct=True)
+    return {"loss": loss_sum, "count": count, "correct": correct}
+
+
+def _token_loss(model, batch: Batch, autocast, count_correct: bool = False):
     """The causal token loss, shared by training and evaluation: next-token cross-entropy summed
     over the target tokens (labels not IGNORE), their count, and (``count_correct``, evaluation)
-    how many the argmax got right, else None."""
-    targets = labels[:, 1:]
+    how many the argmax got right, else None.
+
+    The logits of a whole micro-batch (length x vocabulary: 4 GB in bf16 for 16k tokens and a 128k
+    vocabulary) never exist. The model returns the final hidden states of the positions that
+    predict a target only (``logits_to_keep`` as a boolean mask, transformers' own argument, with
+    the output projection deferred, ``_deferred_head``); the loss then projects them onto the
+    vocabulary ``LOSS_CHUNK`` positions at a time, each chunk's logits recomputed in the backward
+    pass (activation checkpointing) instead of kept. A model that cannot defer its head (a
+    remote-code model without ``logits_to_keep``, a LoRA-adapted or biased head) keeps only the
+    target rows of its full logits, chunked the same way."""
+    targets = batch.labels[:, 1:]
     mask = targets != IGNORE
-    # Only positions that carry loss go through the (vocabulary-wide) softmax.
-    picked = logits[:, :-1][mask].float()
     chosen = targets[mask]
-    correct = (picked.argmax(-1) == chosen).sum() if count_correct else None
-    return F.cross_entropy(picked, chosen, reduction="sum"), mask.sum(), correct
-
-
-def eval_step(model, batch: Batch, autocast) -> dict:
+    # position t predicts token t + 1; the last position predicts nothing
+    keep = torch.cat([mask, mask.new_zeros(mask.shape[0], 1)], dim=1)
+    head = _deferrable_head(model)
     with autocast:
-        logits = model(**batch.inputs).logits
-    loss_sum, count, correct = token_loss(logits, batch.labels, count_correct=True)
-    return {"loss": loss_sum, "count": count, "correct": correct}
+        if head is not None:
+            with _deferred_head(head) as seen:
+                hidden = model(**batch.inputs, logits_to_keep=keep).logits  # (targets, hidden size)
+            project = functools.partial(_chunk_loss, weight=seen[0])
+        else:
+            hidden = model(**batch.inputs).logits[keep]  # already the logits: (targets, vocabulary)
+            project = _chunk_loss
+        total = hidden.new_zeros((), dtype=torch.float32)
+        correct = torch.zeros((), dtype=torch.long, device=hidden.device) if count_correct else None
+        for rows, ids in zip(hidden.split(LOSS_CHUNK), chosen.split(LOSS_CHUNK)):
+            if torch.is_grad_enabled():
+                chunk_sum, _ = torch.utils.checkpoint.checkpoint(project, rows, ids, use_reentrant=False)
+            else:
+                chunk_sum, hits = project(rows, ids, count_correct=count_correct)
+                if count_correct:
+                    correct += hits
+            total = total + chunk_sum
+    return total, mask.sum(), correct
+
+
+def _chunk_loss(rows: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor | None = None, count_correct=False):
+    """Summed cross-entropy of one chunk (projected by ``weight`` first when given hidden states),
+    and how many of its argmax guesses are right (``count_correct``), else None."""
+    logits = rows if weight is None else F.linear(rows, weight)
+    hits = (logits.argmax(-1) == ids).sum() if count_correct else None
+    return F.cross_entropy(logits.float(), ids, reduction="sum"), hits
+
+
+def _deferrable_head(model) -> torch.nn.Linear | None:
+    """The output projection of a transformers causal LM under its DDP, FSDP or PEFT wrapper, when
+    the model takes ``logits_to_keep`` and the projection is a plain bias-free linear layer (what
+    ``_chunk_loss`` recomputes); None otherwise."""
+    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    if hasattr(inner, "get_base_model"):  # PEFT passes the argument through to the base model
+        inner = inner.get_base_model()
+    if not _forward_takes(type(inner), "logits_to_keep") or not hasattr(inner, "get_output_embeddings"):
+        return None
+    head = inner.get_output_embeddings()
+    return head if type(head) is torch.nn.Linear and head.bias is None else None
+
+
+@functools.cache
+def _forward_takes(cls: type, name: str) -> bool:
+    import inspect
+
+    return name in inspect.signature(cls.forward).parameters
+
+
+@contextlib.contextmanager
+def _deferred_head(head: torch.nn.Linear):
+    """For one forward call, the output projection hands back its input; yields a list that then
+    holds the projection's weight as the forward saw it (under FSDP, the gathered weight: the root
+    unit keeps it gathered until the backward has used it)."""
+    seen: list[torch.Tensor] = []
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        seen.append(head.weight)
+        return x
+
+    head.forward = forward  # an instance attribute shadows the class's forward; removed below
+    try:
+        yield seen
+    finally:
+        del head.forward
 
 
 def eval_totals(stats: list[dict], data: Prepared, device) -> torch.Tensor:
