@@ -92,10 +92,18 @@ def test_fsdp_trains_like_ddp_and_exports_a_model_transformers_loads(reference):
     mf, md = (json.loads((o / "metrics.json").read_text()) for o in (fsdp, ddp))
     assert (mf["strategy"], md["strategy"]) == ("fsdp", "ddp")
     assert len(mf["peak_host_memory_gib"]) == 2 and min(mf["peak_host_memory_gib"]) > 0
-    # The same maths over the same rows; only the order of the reductions differs.
-    diff = _max_diff(_weights(fsdp), _weights(ddp))
-    print(f"fsdp vs ddp, 2 processes, uninterrupted: max |diff| {diff:.3g}")
-    assert diff < 1e-5, diff
+    # The same maths over the same rows; only the order of the reductions differs. The tied
+    # embedding and output projection differ most: most of its vocabulary rows get only the
+    # softmax's tiny probabilities as gradient, and AdamW turns their reduction-order noise into
+    # updates of lr's size (1.6e-5 here; 8.4e-6 when the loss took all the logits at once, every
+    # other tensor below 1e-6 in both). 5e-5 is 2.5 % of one step's lr.
+    wf, wd = _weights(fsdp), _weights(ddp)
+    tied = "model.embed_tokens.weight"
+    rest = _max_diff({k: v for k, v in wf.items() if k != tied}, {k: v for k, v in wd.items() if k != tied})
+    embedding = _max_diff({tied: wf[tied]}, {tied: wd[tied]})
+    print(f"fsdp vs ddp, 2 processes, uninterrupted: max |diff| {rest:.3g}, tied embedding {embedding:.3g}")
+    assert rest < 1e-5, rest
+    assert embedding < 5e-5, embedding
     assert abs(mf["eval_loss"] - md["eval_loss"]) < 1e-4
     assert not (fsdp / "checkpoints").exists()  # a finished run clears its checkpoints
     model = AutoModelForCausalLM.from_pretrained(fsdp / "model").eval()

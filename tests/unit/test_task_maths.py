@@ -135,9 +135,9 @@ def _full_logits_loss(model, batch):
     return F.cross_entropy(logits[:, :-1][mask].float(), targets[mask], reduction="sum"), mask.sum()
 
 
-@pytest.mark.parametrize("deferred", [True, False])
+@pytest.mark.parametrize("in_head", [True, False])
 @pytest.mark.parametrize("packed", [False, True])
-def test_the_chunked_target_only_loss_equals_the_full_logits_loss_and_its_gradients(monkeypatch, packed, deferred):
+def test_the_chunked_target_only_loss_equals_the_full_logits_loss_and_its_gradients(monkeypatch, packed, in_head):
     from transformers import AutoModelForCausalLM
 
     model_dir = providers.resolve("pkg://kubetune/assets/tiny-llama", kind="model", field="model.uri")
@@ -160,11 +160,11 @@ def test_the_chunked_target_only_loss_equals_the_full_logits_loss_and_its_gradie
     batch = Batch(inputs, labels)
     # chunks smaller than the targets (71 of them): several checkpointed chunks, one partial
     monkeypatch.setattr(causal_lm, "LOSS_CHUNK", 16)
-    # the path under test: the projection deferred into the chunks, or (a head that cannot be
-    # deferred) the full logits' target rows chunked
-    assert causal_lm._deferrable_head(model) is model.lm_head
-    if not deferred:
-        monkeypatch.setattr(causal_lm, "_deferrable_head", lambda model: None)
+    # the path under test: the loss in place of the output projection, or (a model whose head cannot
+    # be replaced) the target rows of the full logits, chunked
+    assert causal_lm._replaceable_head(model) is model.lm_head
+    if not in_head:
+        monkeypatch.setattr(causal_lm, "_replaceable_head", lambda model: None)
 
     def run(fn):
         model.zero_grad()

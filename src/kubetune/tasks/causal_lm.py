@@ -193,6 +193,10 @@ def _quantized_load(quant: str, device: torch.device, dtype: torch.dtype) -> dic
 # Target positions projected onto the vocabulary together: a chunk's logits, their fp32 copy and
 # softmax (about 10 bytes x LOSS_CHUNK x vocabulary) are the loss's transient peak.
 LOSS_CHUNK = 512
+# Causal LMs whose forward is ``lm_head(hidden_states[logits_to_keep])`` and nothing after it: the
+# projection can be replaced by the loss. Others scale or soft-cap their logits after the head
+# (Gemma 2, Cohere, Granite), so their loss is taken from their logits.
+PLAIN_HEAD = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3"})
 
 
 def loss(model, batch: Batch, autocast) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,82 +216,78 @@ def _token_loss(model, batch: Batch, autocast, count_correct: bool = False):
     how many the argmax got right, else None.
 
     The logits of a whole micro-batch (length x vocabulary: 4 GB in bf16 for 16k tokens and a 128k
-    vocabulary) never exist. The model returns the final hidden states of the positions that
-    predict a target only (``logits_to_keep`` as a boolean mask, transformers' own argument, with
-    the output projection deferred, ``_deferred_head``); the loss then projects them onto the
-    vocabulary ``LOSS_CHUNK`` positions at a time, each chunk's logits recomputed in the backward
-    pass (activation checkpointing) instead of kept. A model that cannot defer its head (a
-    remote-code model without ``logits_to_keep``, a LoRA-adapted or biased head) keeps only the
-    target rows of its full logits, chunked the same way."""
+    vocabulary) never exist. The model keeps the final hidden states of the positions that predict
+    a target only (``logits_to_keep`` as a boolean mask, transformers' own argument), and for this
+    one call its output projection is the loss itself (``_loss_as_head``): it projects those states
+    onto the vocabulary ``LOSS_CHUNK`` positions at a time, each chunk's logits recomputed in the
+    backward pass (activation checkpointing) instead of kept. Inside the model's forward, so DDP
+    and FSDP see the projection's weight used where they expect (FSDP gathers it again before the
+    backward reaches it). Other models' loss is taken from the target rows of their logits, chunked
+    the same way."""
     targets = batch.labels[:, 1:]
     mask = targets != IGNORE
     chosen = targets[mask]
     # position t predicts token t + 1; the last position predicts nothing
     keep = torch.cat([mask, mask.new_zeros(mask.shape[0], 1)], dim=1)
-    head = _deferrable_head(model)
+    head = _replaceable_head(model)
     with autocast:
         if head is not None:
-            with _deferred_head(head) as seen:
-                hidden = model(**batch.inputs, logits_to_keep=keep).logits  # (targets, hidden size)
-            project = functools.partial(_chunk_loss, weight=seen[0])
+            with _loss_as_head(head, chosen, count_correct) as hits:
+                total = model(**batch.inputs, logits_to_keep=keep).logits
+            correct = hits[0]
         else:
-            hidden = model(**batch.inputs).logits[keep]  # already the logits: (targets, vocabulary)
-            project = _chunk_loss
-        total = hidden.new_zeros((), dtype=torch.float32)
-        correct = torch.zeros((), dtype=torch.long, device=hidden.device) if count_correct else None
-        for rows, ids in zip(hidden.split(LOSS_CHUNK), chosen.split(LOSS_CHUNK)):
-            if torch.is_grad_enabled():
-                chunk_sum, _ = torch.utils.checkpoint.checkpoint(project, rows, ids, use_reentrant=False)
-            else:
-                chunk_sum, hits = project(rows, ids, count_correct=count_correct)
-                if count_correct:
-                    correct += hits
-            total = total + chunk_sum
+            total, correct = _chunked_loss(model(**batch.inputs).logits[keep], chosen, None, count_correct)
     return total, mask.sum(), correct
 
 
-def _chunk_loss(rows: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor | None = None, count_correct=False):
-    """Summed cross-entropy of one chunk (projected by ``weight`` first when given hidden states),
-    and how many of its argmax guesses are right (``count_correct``), else None."""
+def _chunked_loss(states: torch.Tensor, chosen: torch.Tensor, weight: torch.Tensor | None, count_correct: bool):
+    """Summed cross-entropy of ``states`` (logits, or hidden states that ``weight`` projects) against
+    ``chosen``, ``LOSS_CHUNK`` rows at a time, and how many argmax guesses are right (``count_correct``)."""
+    total = states.new_zeros((), dtype=torch.float32)
+    correct = torch.zeros((), dtype=torch.long, device=states.device) if count_correct else None
+    for rows, ids in zip(states.split(LOSS_CHUNK), chosen.split(LOSS_CHUNK)):
+        if torch.is_grad_enabled():
+            chunk_sum, _ = torch.utils.checkpoint.checkpoint(_chunk_loss, rows, ids, weight, use_reentrant=False)
+        else:
+            chunk_sum, hits = _chunk_loss(rows, ids, weight, count_correct)
+            if count_correct:
+                correct += hits
+        total = total + chunk_sum
+    return total, correct
+
+
+def _chunk_loss(rows: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor | None, count_correct: bool = False):
     logits = rows if weight is None else F.linear(rows, weight)
     hits = (logits.argmax(-1) == ids).sum() if count_correct else None
     return F.cross_entropy(logits.float(), ids, reduction="sum"), hits
 
 
-def _deferrable_head(model) -> torch.nn.Linear | None:
-    """The output projection of a transformers causal LM under its DDP, FSDP or PEFT wrapper, when
-    the model takes ``logits_to_keep`` and the projection is a plain bias-free linear layer (what
-    ``_chunk_loss`` recomputes); None otherwise."""
+def _replaceable_head(model) -> torch.nn.Linear | None:
+    """The output projection of a ``PLAIN_HEAD`` causal LM under its DDP, FSDP or PEFT wrapper, when
+    it is a bias-free linear layer (not LoRA-adapted: what ``_chunk_loss`` computes); else None."""
     inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-    if hasattr(inner, "get_base_model"):  # PEFT passes the argument through to the base model
+    if hasattr(inner, "get_base_model"):  # PEFT passes logits_to_keep through to the base model
         inner = inner.get_base_model()
-    if not _forward_takes(type(inner), "logits_to_keep") or not hasattr(inner, "get_output_embeddings"):
+    if getattr(getattr(inner, "config", None), "model_type", None) not in PLAIN_HEAD:
         return None
     head = inner.get_output_embeddings()
     return head if type(head) is torch.nn.Linear and head.bias is None else None
 
 
-@functools.cache
-def _forward_takes(cls: type, name: str) -> bool:
-    import inspect
-
-    return name in inspect.signature(cls.forward).parameters
-
-
 @contextlib.contextmanager
-def _deferred_head(head: torch.nn.Linear):
-    """For one forward call, the output projection hands back its input; yields a list that then
-    holds the projection's weight as the forward saw it (under FSDP, the gathered weight: the root
-    unit keeps it gathered until the backward has used it)."""
-    seen: list[torch.Tensor] = []
+def _loss_as_head(head: torch.nn.Linear, chosen: torch.Tensor, count_correct: bool):
+    """For one forward call, the output projection returns the chunked loss of the hidden states it
+    is given against ``chosen``; yields a list that then holds the count of right guesses (or None)."""
+    hits: list[torch.Tensor | None] = []
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        seen.append(head.weight)
-        return x
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        total, correct = _chunked_loss(hidden, chosen, head.weight, count_correct)
+        hits.append(correct)
+        return total
 
     head.forward = forward  # an instance attribute shadows the class's forward; removed below
     try:
-        yield seen
+        yield hits
     finally:
         del head.forward
 
