@@ -170,6 +170,10 @@ def _weights(out: Path) -> dict:
     return load_file(out / "model" / "model.safetensors")
 
 
+# slow: a killed worker's elastic restart runs on one host in test_reliability.py
+# (test_elastic_restart_after_sigkill_completes_in_one_run), two hosts training in
+# test_two_hosts_train_to_completion, and losing a host in the FSDP case below (also slow)
+@pytest.mark.slow
 def test_killed_host_agent_recovers_and_completes(hosts, two_node_run, tmp_path, small_csv):
     out = tmp_path / "out"
     spec = write_spec(tmp_path / "job.yaml", _spec(small_csv, out, hosts))
