@@ -163,26 +163,50 @@ def test_bad_causal_data_gives_one_line_errors(tmp_path, row, extra, field, need
     assert e.value.field == field and needle in str(e.value) and "\n" not in str(e.value)
 
 
-def test_packed_examples_do_not_attend_to_each_other(tok):
-    """An example's logits are the same packed with others as alone, within 1e-5."""
+PACKED_TEXTS = [
+    "the first example, a little longer than the others",
+    "second",
+    "and a third one here",
+    "a fourth: with more words than the second and the third, and the longest of the six",
+    "fifth",
+    "the sixth example",
+]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "kubetune"])
+def test_packed_examples_do_not_attend_to_each_other(tok, attn, monkeypatch):
+    """An example's logits are the same packed with others as alone, within 1e-5: with transformers'
+    dense block-diagonal mask (sdpa) and with kubetune's packed attention, which builds no mask."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
+    from kubetune.tasks import attention
+
+    impl = attention.register() if attn == "kubetune" else attn
+    model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32, attn_implementation=impl).eval()
     # As in training: without a KV cache, transformers reads packed sequences from the position ids.
     model.config.use_cache = False
-    texts = ["the first example, a little longer than the others", "second", "and a third one here"]
-    rows = [encode_record({"text": t}, tok, 64, train_on_prompt=False) for t in texts]
+    rows = [encode_record({"text": t}, tok, 64, train_on_prompt=False) for t in PACKED_TEXTS]
     ds = Dataset.from_dict({"input_ids": [r[0] for r in rows], "labels": [r[1] for r in rows]})
-    packed = collate_lm(ds, np.arange(3), tok.pad_token_id, packing=True)
+    n = len(rows)
+    packed = collate_lm(ds, np.arange(n), tok.pad_token_id, packing=True)
     assert packed.inputs["input_ids"].shape == (1, sum(len(r[0]) for r in rows))
     assert "attention_mask" not in packed.inputs
     starts = np.cumsum([0] + [len(r[0]) for r in rows])
     assert all(packed.labels[0, s].item() == IGNORE for s in starts[:-1])  # never predicted across examples
-    with torch.no_grad():
+    if attn == "kubetune":  # no (length)² mask is built for a packed row
+        import transformers.masking_utils as mu
+
+        def no_mask(*a, **k):
+            raise AssertionError("a dense mask was built for a packed row")
+
+        monkeypatch.setitem(mu.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, "sdpa", no_mask)
+    with torch.no_grad(), attention.packed_call():
         together = model(**packed.inputs).logits[0]
-        padded = collate_lm(ds, np.arange(3), tok.pad_token_id, packing=False)
-        batched = model(**padded.inputs).logits
+    monkeypatch.undo()
+    with torch.no_grad():
+        padded = collate_lm(ds, np.arange(n), tok.pad_token_id, packing=False)
+        batched = model(**padded.inputs).logits  # padded rows with a mask: the fallback attention
         for k, (ids, _) in enumerate(rows):
             alone = model(input_ids=torch.tensor([ids])).logits[0]
             assert torch.allclose(together[starts[k] : starts[k + 1]], alone, atol=1e-5), k
@@ -193,6 +217,36 @@ def test_packed_examples_do_not_attend_to_each_other(tok):
     assert not torch.allclose(
         leaky[starts[1] : starts[2]], model(input_ids=torch.tensor([rows[1][0]])).logits[0], atol=1e-3
     )
+
+
+def test_packed_attention_gradients_equal_the_dense_mask_ones(tok):
+    """Loss and every parameter's gradient of a packed row: kubetune's packed attention (documents
+    grouped by length, padded, causal SDPA) against transformers' dense-mask SDPA, within 1e-5;
+    grouped-query attention (2 kv heads for 4 query heads) included."""
+    from datasets import Dataset
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kubetune.tasks import attention
+
+    cfg = AutoConfig.from_pretrained(TINY)
+    cfg.num_key_value_heads = max(1, cfg.num_attention_heads // 2)
+    rows = [encode_record({"text": t}, tok, 64, train_on_prompt=False) for t in PACKED_TEXTS]
+    ds = Dataset.from_dict({"input_ids": [r[0] for r in rows], "labels": [r[1] for r in rows]})
+    batch = collate_lm(ds, np.arange(len(rows)), tok.pad_token_id, packing=True)
+    grads = {}
+    for impl in ("sdpa", attention.register()):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=impl, dtype=torch.float32)
+        model.config.use_cache = False
+        with attention.packed_call():
+            out = model(**batch.inputs, labels=batch.labels)
+        out.loss.backward()
+        grads[impl] = (out.loss.detach(), {k: p.grad for k, p in model.named_parameters()})
+    (loss_a, ga), (loss_b, gb) = grads.values()
+    assert abs(loss_a - loss_b) < 1e-5
+    worst = max((ga[k] - gb[k]).abs().max().item() for k in ga)
+    assert worst < 1e-5, worst
+    assert all(ga[k].abs().max() > 0 for k in ga if "embed" not in k)  # every weight took part
 
 
 def test_padding_collate_masks_padding(tok):

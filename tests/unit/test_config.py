@@ -94,6 +94,14 @@ def test_every_field_has_help_text():
         ({k: v for k, v in BASE.items() if k != "output"}, "output: required but missing — add it"),
         (_with(data__label_column="text"), "data.label_column must differ from the text columns"),
         (_with(lora={"r": 0}), "lora.r: Input should be greater than or equal to 1 (got 0)"),
+        (
+            _with(task="causal-lm", data__packing=True, data__max_length=512, data__max_tokens_per_batch=256),
+            "data.max_tokens_per_batch 256 is below data.max_length 512: raise it to at least data.max_length",
+        ),
+        (
+            _with(task="causal-lm", data__max_tokens_per_batch=4096),
+            "data.max_tokens_per_batch needs data.packing: true",
+        ),
     ],
 )
 def test_bad_spec_messages(raw, expected):

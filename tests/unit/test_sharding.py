@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
-from kubetune.data.sharding import epoch_order, rank_plan, steps_per_epoch
+from kubetune.data.sharding import epoch_order, rank_plan, steps_per_epoch, token_micro_batches, token_plan
 
 CASES = [
     # n, world, batch, accum
@@ -91,3 +91,31 @@ def test_grouped_steps_give_ranks_equal_work():
         for step in rank_plan(order, rank=r, world_size=world, batch_size=batch, grad_accum=1):
             padded[r] += lengths[step.micro[0]].max() * len(step.micro[0])
     assert padded.max() / padded.min() - 1 < 0.005
+
+
+@pytest.mark.parametrize("n, world, accum", [(53, 2, 2), (1, 2, 1), (999, 8, 4), (300, 3, 1), (17, 1, 3)])
+def test_token_budget_micro_batches_hold_every_example_once_within_the_budget(n, world, accum):
+    """data.max_tokens_per_batch: whole examples, each micro-batch at most the budget (and no smaller
+    than it minus the next example's length, so micro-batches do similar work), every example once,
+    the same step and micro-batch counts on every rank, and the same steps for any world size with the
+    same world size × grad_accum (what a resume on another number of processes relies on)."""
+    lengths = np.random.default_rng(n).integers(3, 200, size=n)
+    budget = 256
+    order = epoch_order(n, 0, seed=3)
+    micros = token_micro_batches(order, lengths, budget)
+    assert np.array_equal(np.concatenate(micros), order)  # consecutive pieces of the order
+    assert all(lengths[m].sum() <= budget for m in micros)
+    assert all(lengths[a].sum() + lengths[b[0]] > budget for a, b in zip(micros, micros[1:]))
+    plans = [token_plan(micros, rank=r, world_size=world, grad_accum=accum) for r in range(world)]
+    seen = [int(i) for plan in plans for step in plan for m in step.micro for i in m]
+    assert sorted(seen) == list(range(n))
+    assert len({len(p) for p in plans}) == 1 and all(len(st.micro) == accum for p in plans for st in p)
+    for steps in zip(*plans):
+        assert len({st.global_count for st in steps}) == 1
+        assert steps[0].global_count == sum(len(m) for st in steps for m in st.micro)
+    if world % 2 == 0:  # half the processes, twice the grad_accum: the same examples in every step
+        halved = [token_plan(micros, rank=r, world_size=world // 2, grad_accum=2 * accum) for r in range(world // 2)]
+        for k, steps in enumerate(zip(*halved)):
+            assert sorted(np.concatenate([m for st in steps for m in st.micro]).tolist()) == sorted(
+                plans[0][k].indices.tolist()
+            )

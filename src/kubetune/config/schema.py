@@ -145,6 +145,13 @@ class CausalLMData(DataCommon):
         description="causal-lm: padding-free packing: each micro-batch is one row of concatenated examples with "
         "per-example position ids, so examples cannot attend to each other and no compute goes to padding.",
     )
+    max_tokens_per_batch: int | None = Field(
+        None,
+        ge=8,
+        description="causal-lm with packing: fill each micro-batch with whole examples up to this many tokens "
+        "instead of taking training.batch_size examples, so every micro-batch does similar work; a global step is "
+        "then world size × training.grad_accum micro-batches. At least data.max_length. Absent: batch_size examples.",
+    )
 
 
 # The data section's model per task: the `task` field's values, and the union the spec's `data` is
@@ -402,6 +409,14 @@ class JobSpec(Section):
                 raise ValueError("data.text_pair_column must differ from data.text_column")
             if self.data.label_column in (self.data.text_column, self.data.text_pair_column):
                 raise ValueError("data.label_column must differ from the text columns")
+        if isinstance(self.data, CausalLMData) and self.data.max_tokens_per_batch is not None:
+            if not self.data.packing:
+                raise ValueError("data.max_tokens_per_batch needs data.packing: true (micro-batches of packed tokens)")
+            if self.data.max_tokens_per_batch < self.data.max_length:
+                raise ValueError(
+                    f"data.max_tokens_per_batch {self.data.max_tokens_per_batch} is below data.max_length "
+                    f"{self.data.max_length}: raise it to at least data.max_length, so the longest example fits"
+                )
         elastic = self.kubernetes.elastic
         if elastic and not elastic.min_nodes <= self.distributed.nodes <= elastic.max_nodes:
             raise ValueError("distributed.nodes must lie between kubernetes.elastic.min_nodes and max_nodes")

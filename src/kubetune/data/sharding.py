@@ -7,8 +7,12 @@ rank's share into ``grad_accum`` micro-batches. In the last, partial global batc
 an empty micro-batch: it then runs one example with loss weight 0, so every rank makes the same
 number of forward/backward calls (DDP's collectives stay matched) and no example counts twice.
 
-The plan is a pure function of (n, epoch, seed, world size, batch size, grad_accum), so a resumed
-run can skip to any step and see exactly the batches it would have seen.
+With a token budget (``data.max_tokens_per_batch``, packed causal-LM data) the epoch's order is cut
+into micro-batches of whole examples holding at most that many tokens instead, and each global step
+takes ``world_size × grad_accum`` of them, dealt round-robin (``token_plan``).
+
+The plan is a pure function of (n, epoch, seed, world size, batch size or token budget, grad_accum),
+so a resumed run can skip to any step and see exactly the batches it would have seen.
 """
 
 from __future__ import annotations
@@ -73,4 +77,33 @@ def rank_plan(order: np.ndarray, *, rank: int, world_size: int, batch_size: int,
             for m in range(grad_accum)
         ]
         steps.append(Step(micro=micro, global_count=len(chunk), indices=chunk))
+    return steps
+
+
+def token_micro_batches(order: np.ndarray, lengths: np.ndarray, budget: int) -> list[np.ndarray]:
+    """``order`` cut into consecutive micro-batches of whole examples holding at most ``budget`` tokens
+    each (an example longer than the budget goes alone)."""
+    micros, start, total = [], 0, 0
+    for i, n in enumerate(lengths[order].tolist()):
+        if total + n > budget and i > start:
+            micros.append(order[start:i])
+            start, total = i, 0
+        total += n
+    if start < len(order):
+        micros.append(order[start:])
+    return micros
+
+
+def token_plan(micros: list[np.ndarray], *, rank: int, world_size: int, grad_accum: int) -> list[Step]:
+    """This rank's steps for one epoch of token-budget micro-batches: each global step takes the next
+    ``world_size × grad_accum`` of them, rank r the r-th of every ``world_size``. The last step may
+    have fewer: a rank's missing micro-batches are empty (trained with weight 0, as in ``rank_plan``)."""
+    per_step = world_size * grad_accum
+    empty = np.zeros(0, dtype=np.int64)
+    steps = []
+    for start in range(0, len(micros), per_step):
+        group = micros[start : start + per_step]
+        group = group + [empty] * (per_step - len(group))
+        indices = np.concatenate(group)
+        steps.append(Step(micro=group[rank::world_size], global_count=len(indices), indices=indices))
     return steps

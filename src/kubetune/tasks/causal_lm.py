@@ -15,6 +15,7 @@ import contextlib
 import functools
 import logging
 import math
+import os
 
 import numpy as np
 import torch
@@ -26,6 +27,7 @@ from kubetune.data import Batch, collate_lm, tokenized
 from kubetune.data.causal import IGNORE, ensure_chat_template, load_lm_frames
 from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
+from kubetune.tasks import attention
 from kubetune.tasks.base import Prepared, Presentation, Task, tokenize_on_node
 from kubetune.tasks.common import attention_kwargs, load_pretrained
 
@@ -124,7 +126,12 @@ def build_model(spec: JobSpec, model_dir, data: Prepared, device: torch.device, 
     else:
         kwargs = {"dtype": torch.float32}  # full fine-tune: fp32 master weights under autocast
     where = where or device
-    model = load_pretrained(AutoModelForCausalLM, model_dir, where, **kwargs, **attention_kwargs(device, dtype))
+    attn = attention_kwargs(device, dtype)
+    # Packed rows: each document attends to itself only, no (length)² mask. KUBETUNE_PACKED_ATTENTION=0
+    # keeps transformers' dense-mask attention (benchmarks/sft_trl.py --ablations measures both).
+    if spec.data.packing and os.environ.get("KUBETUNE_PACKED_ATTENTION", "1") != "0":
+        attn = {"attn_implementation": attention.register(fallback=attn.get("attn_implementation", "sdpa"))}
+    model = load_pretrained(AutoModelForCausalLM, model_dir, where, **kwargs, **attn)
     model.config.use_cache = False  # no KV cache while training
     # Non-reentrant checkpointing works under DDP and with frozen inputs (LoRA).
     ckpt_kwargs = {"use_reentrant": False}
@@ -230,7 +237,8 @@ def _token_loss(model, batch: Batch, autocast, count_correct: bool = False):
     # position t predicts token t + 1; the last position predicts nothing
     keep = torch.cat([mask, mask.new_zeros(mask.shape[0], 1)], dim=1)
     head = _replaceable_head(model)
-    with autocast:
+    packed = "position_ids" in batch.inputs and "attention_mask" not in batch.inputs
+    with autocast, attention.packed_call() if packed else contextlib.nullcontext():
         if head is not None:
             with _loss_as_head(head, chosen, count_correct) as hits:
                 total = model(**batch.inputs, logits_to_keep=keep).logits

@@ -28,7 +28,7 @@ from kubetune import artifacts, checkpoint, distributed, providers
 from kubetune.artifacts import output
 from kubetune.config import JobSpec
 from kubetune.data import Batch, StepBatch, batches
-from kubetune.data.sharding import epoch_order, rank_plan, steps_per_epoch
+from kubetune.data.sharding import epoch_order, rank_plan, steps_per_epoch, token_micro_batches, token_plan
 from kubetune.distributed import DistEnv
 from kubetune.errors import AgreedError, KubetuneError
 from kubetune.providers.destination import Output
@@ -133,8 +133,14 @@ class Trainer:
         self.wrapped = strategy.wrap(self.model)
         # Dropout differs per rank; the stream is still a pure function of (seed, rank).
         seed_everything(cfg.seed + 1000 * (env.rank + 1))
-        self.per_epoch = steps_per_epoch(self.data.train_rows, env.world_size, cfg.batch_size, self.grad_accum)
-        self.total_steps = min(self.per_epoch * cfg.epochs, cfg.max_steps or 10**12)
+        self.token_budget = getattr(spec.data, "max_tokens_per_batch", None)
+        if self.token_budget:  # micro-batches by tokens: each epoch's order cuts into its own number of steps
+            self.epoch_steps = [len(self._plan(e)) for e in range(cfg.epochs)]
+        else:
+            n_steps = steps_per_epoch(self.data.train_rows, env.world_size, cfg.batch_size, self.grad_accum)
+            self.epoch_steps = [n_steps] * cfg.epochs
+        self.per_epoch = self.epoch_steps[0] if self.epoch_steps else 0
+        self.total_steps = min(sum(self.epoch_steps), cfg.max_steps or 10**12)
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg, self.total_steps, device)
         self.scaler = torch.amp.GradScaler(device.type, enabled=(self.dtype == torch.float16))
         # fp16: the grad scaler skips overflowing steps itself
@@ -206,11 +212,14 @@ class Trainer:
         if cleanup is not None:
             cleanup.callback(self.bar.close)  # however training ends, the bar's line ends before an error is printed
         cfg = self.cfg
+        n_micro = self.grad_accum * self.env.world_size
+        batch = f"{n_micro} micro-batches of up to {self.token_budget} tokens" if self.token_budget else n_micro
         log.info(
-            "training: %d steps (%d per epoch), global batch %d, %d trainable / %d parameters",
+            "training: %d steps (%d %s epoch), global batch %s, %d trainable / %d parameters",
             self.total_steps,
             self.per_epoch,
-            cfg.batch_size * self.grad_accum * self.env.world_size,
+            "in the first" if self.token_budget else "per",
+            batch if self.token_budget else cfg.batch_size * n_micro,
             *_param_counts(self.model),
         )
 
@@ -234,7 +243,7 @@ class Trainer:
                 if (
                     cfg.eval_every
                     and s.global_step % cfg.eval_every == 0
-                    and s.step_in_epoch < self.per_epoch
+                    and s.step_in_epoch < self.epoch_steps[epoch]
                     and s.global_step < self.total_steps
                 ):
                     t_eval = time.perf_counter()
@@ -264,14 +273,22 @@ class Trainer:
         self.bar.close()
         return self._finish(eval_metrics)
 
-    def _batches(self, epoch: int):
+    def _plan(self, epoch: int):
+        """This rank's steps of ``epoch``: a pure function of the seed, the epoch and the layout."""
         cfg, env = self.cfg, self.env
+        if self.token_budget:  # packed: lengths cost no padding, so the order is not grouped by length
+            order = epoch_order(self.data.train_rows, epoch, cfg.seed)
+            micros = token_micro_batches(order, self.train_lengths, self.token_budget)
+            return token_plan(micros, rank=env.rank, world_size=env.world_size, grad_accum=self.grad_accum)
         lengths = self.train_lengths if cfg.group_by_length else None
         order = epoch_order(self.data.train_rows, epoch, cfg.seed, lengths, self.group_unit)
-        plan = rank_plan(
+        return rank_plan(
             order, rank=env.rank, world_size=env.world_size, batch_size=cfg.batch_size, grad_accum=self.grad_accum
         )
+
+    def _batches(self, epoch: int):
         pin = self.device.type == "cuda" and self.workers > 0
+        plan = self._plan(epoch)
         return batches(plan, self.data.collate, self.workers, start=self.state.step_in_epoch, pin_memory=pin)
 
     # ---- one optimizer step ----
