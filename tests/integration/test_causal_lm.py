@@ -20,6 +20,10 @@ def _history(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
 
 
+def _trace(trace: Path) -> list[dict]:
+    return [json.loads(line) for f in sorted(trace.glob("rank*.jsonl")) for line in f.read_text().splitlines()]
+
+
 def test_tiny_chat_example_lora_two_processes(tmp_path):
     out = tmp_path / "run"
     canary = "hf_canaryTOKEN0123456789"  # a gated model's token: read from HF_TOKEN, never written anywhere
@@ -32,10 +36,17 @@ def test_tiny_chat_example_lora_two_processes(tmp_path):
         "training.epochs=2",
         "--set",
         "data.max_train_samples=600",
-        env={"HF_TOKEN": canary},
+        "--set",
+        "data.max_tokens_per_batch=1024",
+        env={"HF_TOKEN": canary, "KUBETUNE_TRACE_DIR": str(tmp_path / "trace")},
         timeout=600,
     )
     assert r.returncode == 0, r.stderr[-3000:]
+    # Token-budget micro-batches: none above the budget, every row once per epoch over both ranks.
+    micro = _trace(tmp_path / "trace")
+    assert all(0 < m["tokens"] <= 1024 for m in micro if m["rows"])
+    for epoch in (0, 1):
+        assert sorted(r for m in micro if m["epoch"] == epoch for r in m["rows"]) == list(range(600))
     assert canary not in r.stdout + r.stderr
     assert not [p for p in out.rglob("*") if p.is_file() and canary.encode() in p.read_bytes()]
     metrics = json.loads((out / "metrics.json").read_text())
@@ -144,3 +155,97 @@ def test_qlora_on_cpu_is_one_clear_line(tmp_path):
     lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "lora.quantization" in lines[0] and "CUDA" in lines[0], r.stderr
     assert not (tmp_path / "q" / "model").exists()
+
+
+def _budget_spec(out: Path, procs: int) -> dict:
+    return {
+        "name": "budget-tiny",
+        "task": "causal-lm",
+        "model": {"uri": "pkg://kubetune/assets/tiny-llama"},
+        "data": {
+            "train": "pkg://kubetune/assets/sentiment/sentiment-chat.jsonl",
+            "format": "chat",
+            "eval_fraction": 0.05,
+            "max_length": 96,
+            "max_train_samples": 160,
+            "packing": True,
+            "max_tokens_per_batch": 256,
+        },
+        "training": {
+            "epochs": 1,
+            "grad_accum": 1,
+            "learning_rate": 2e-3,
+            "precision": "fp32",
+            "log_every": 1,
+            "checkpoint_every": 2,
+            "seed": 3,
+        },
+        "distributed": {"procs_per_node": procs},
+        "output": {"uri": str(out)},
+    }
+
+
+@pytest.mark.slow  # the budget's plan for another world size is unit-tested (test_sharding), the layout's
+# resume on another number of processes is test_fsdp's, and a budget run is the tiny-chat test above
+def test_token_budget_micro_batches_resume_on_another_number_of_processes(tmp_path):
+    """data.max_tokens_per_batch: no micro-batch holds more than the budget, every row is trained
+    once; a 2-process run stopped by SIGTERM after a checkpoint resumes on 1 process (grad_accum
+    1 -> 2), trains every later step on exactly the rows the uninterrupted run trained in it, and ends
+    on its weights up to the order of the reductions."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import write_spec
+    from safetensors.torch import load_file
+
+    ref_trace = tmp_path / "trace-ref"
+    ref = kubetune(
+        "run",
+        str(write_spec(tmp_path / "ref.yaml", _budget_spec(tmp_path / "ref", 2))),
+        env={"KUBETUNE_TRACE_DIR": str(ref_trace)},
+    )
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    assert "micro-batches of up to 256 tokens" in ref.stderr
+    micro = _trace(ref_trace)
+    metrics = json.loads((tmp_path / "ref" / "metrics.json").read_text())
+    assert all(0 < m["tokens"] <= 256 for m in micro if m["rows"])
+    rows = [r for m in micro for r in m["rows"]]
+    assert sorted(rows) == list(range(metrics["train_rows"]))  # every row once
+    n_steps = metrics["global_step"]
+    assert n_steps == max(m["step"] for m in micro) and n_steps >= 8
+
+    out, trace = tmp_path / "out", tmp_path / "trace-1"
+    spec = write_spec(tmp_path / "job.yaml", _budget_spec(out, 2))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kubetune", "run", str(spec)],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**__import__("os").environ, "KUBETUNE_TRACE_DIR": str(tmp_path / "trace-0")},
+    )
+    deadline = time.time() + 180
+    while not (out / "checkpoints" / "step-00000004" / "COMPLETE").exists():
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    saved = max(int(p.name[5:]) for p in (out / "checkpoints").glob("step-*") if (p / "COMPLETE").exists())
+    again = kubetune(
+        "run", str(write_spec(tmp_path / "job.yaml", _budget_spec(out, 1))), env={"KUBETUNE_TRACE_DIR": str(trace)}
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from checkpoint step {saved} " in again.stderr and "grad_accum 2 keeps" in again.stderr
+    by_step: dict[int, list] = {}
+    for m in micro:
+        by_step.setdefault(m["step"], []).extend(m["rows"])
+    resumed: dict[int, list] = {}
+    for m in _trace(trace):
+        resumed.setdefault(m["step"], []).extend(m["rows"])
+    assert sorted(resumed) == list(range(saved + 1, n_steps + 1))
+    assert all(sorted(resumed[s]) == sorted(by_step[s]) for s in resumed)
+    a, b = load_file(out / "model" / "model.safetensors"), load_file(tmp_path / "ref" / "model" / "model.safetensors")
+    diff = max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+    print(f"token budget, 2 -> 1 processes: max |diff| {diff:.3g}")
+    assert diff < 5e-5, diff

@@ -153,11 +153,12 @@ def layout(saved: dict | None, world_size: int, batch_size: int, grad_accum: int
         )
     if adjusted != grad_accum:
         log.info(
-            "resuming a %d-process checkpoint on %d processes: grad_accum %d keeps the global batch of %d",
+            "resuming a %d-process checkpoint on %d processes: grad_accum %d keeps the global batch "
+            "(%d micro-batches per step)",
             saved_ws,
             world_size,
             adjusted,
-            micro * batch_size,
+            micro,
         )
     return adjusted, unit
 

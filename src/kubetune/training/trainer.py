@@ -606,7 +606,7 @@ def _find_checkpoint(dest: Output, env: DistEnv) -> checkpoint.Found | None:
 
 
 class _Trace:
-    """Appends ``{"epoch", "step", "rows"}`` lines (one per micro-batch) to
+    """Appends ``{"epoch", "step", "rows", "tokens"}`` lines (one per micro-batch) to
     ``$KUBETUNE_TRACE_DIR/rank<R>.jsonl``: the proof that every example is trained on exactly once
     per epoch across ranks, and at which global step."""
 
@@ -625,8 +625,9 @@ class _Trace:
         import json
 
         rows = batch.index.tolist() if batch.weight > 0 else []
+        tokens = int(batch.tokens[0]) if batch.weight > 0 else 0
         with self.path.open("a") as f:
-            f.write(json.dumps({"epoch": epoch, "step": step, "rows": rows}) + "\n")
+            f.write(json.dumps({"epoch": epoch, "step": step, "rows": rows, "tokens": tokens}) + "\n")
 
 
 def _param_counts(model) -> tuple[int, int]:
