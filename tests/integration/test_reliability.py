@@ -122,6 +122,10 @@ def test_sigkilled_worker_then_rerun_resumes_exactly(reference, tmp_path, small_
     ]
 
 
+# Slow: the SIGTERM path (checkpoint at the signal's step, exit 143, the next start resumes with nothing
+# lost or twice) is test_pod_exit_codes.py's, and a bit-identical resume from a checkpoint (the same
+# save_checkpoint) is the SIGKILL test's above.
+@pytest.mark.slow
 def test_sigterm_to_kubetune_run_checkpoints_exits_143_and_resumes_exactly(reference, tmp_path, small_csv):
     out = tmp_path / "out"
     spec = write_spec(tmp_path / "job.yaml", _spec(small_csv, out, checkpoint_every=100))
@@ -166,19 +170,11 @@ def test_incompatible_checkpoints_are_one_line_errors(tmp_path, small_csv):
     proc = _start(spec)  # interrupted (SIGTERM) so that its checkpoints stay; a finished run clears them
     _wait_for_checkpoint(out, 3, proc)
     proc.send_signal(signal.SIGTERM)
-    proc.communicate(timeout=120)
-    assert proc.returncode == 143
-    # Through the real CLI, a training field (the world-size branch through the CLI, a global batch
-    # that 3 processes cannot keep, is test_fsdp.py::test_a_global_batch_that_cannot_be_kept_is_one_line).
-    cases = [
-        (["--set", "training.learning_rate=0.001"], "error: training.learning_rate: the checkpoint in"),
-    ]
-    for args, expected in cases:
-        proc = kubetune("run", str(spec), *args)
-        assert proc.returncode == 2, proc.stderr[-2000:]
-        line = next(line for line in proc.stderr.splitlines() if "error:" in line)
-        assert expected in line and "--no-resume" in line
-        assert "Traceback" not in proc.stderr
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143  # `kubetune run` under SIGTERM (its resume: test_pod_exit_codes.py)
+    assert "stopped:" in err and "run the same command again to resume" in err
+    # Through the real CLI, the checkpoint's one-line error is test_fsdp.py's global-batch case
+    # (a CLI run per setting would cost a worker start-up each).
     # Every guarded setting, against the fingerprint the interrupted run saved (the same check the
     # worker makes; a CLI run per setting would cost a worker start-up each).
     from kubetune import checkpoint
