@@ -88,6 +88,17 @@ def tiny_spec(train: Path, out: Path, **overrides) -> dict:
     return spec
 
 
+def wait_for_checkpoint(out: Path, step: int, proc: subprocess.Popen, timeout: float = 180) -> None:
+    """Until ``out`` holds the complete checkpoint of ``step``; fails if ``proc`` exits first."""
+    import time
+
+    deadline = time.time() + timeout
+    while not (out / "checkpoints" / f"step-{step:08d}" / "COMPLETE").exists():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.time() < deadline, "no checkpoint in time"
+        time.sleep(0.05)
+
+
 def kubetune(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run the real CLI in a subprocess (as a user would)."""
     return subprocess.run(

@@ -192,12 +192,12 @@ def test_token_budget_micro_batches_resume_on_another_number_of_processes(tmp_pa
     once; a 2-process run stopped by SIGTERM after a checkpoint resumes on 1 process (grad_accum
     1 -> 2), trains every later step on exactly the rows the uninterrupted run trained in it, and ends
     on its weights up to the order of the reductions."""
+    import os
     import signal
     import subprocess
     import sys
-    import time
 
-    from conftest import write_spec
+    from conftest import wait_for_checkpoint, write_spec
     from safetensors.torch import load_file
 
     ref_trace = tmp_path / "trace-ref"
@@ -222,12 +222,9 @@ def test_token_budget_micro_batches_resume_on_another_number_of_processes(tmp_pa
         [sys.executable, "-m", "kubetune", "run", str(spec)],
         stderr=subprocess.PIPE,
         text=True,
-        env={**__import__("os").environ, "KUBETUNE_TRACE_DIR": str(tmp_path / "trace-0")},
+        env={**os.environ, "KUBETUNE_TRACE_DIR": str(tmp_path / "trace-0")},
     )
-    deadline = time.time() + 180
-    while not (out / "checkpoints" / "step-00000004" / "COMPLETE").exists():
-        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
-        time.sleep(0.05)
+    wait_for_checkpoint(out, 4, proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err[-3000:]

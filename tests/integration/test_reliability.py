@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, kubetune, tiny_spec, write_spec
+from conftest import ROOT, kubetune, tiny_spec, wait_for_checkpoint, write_spec
 
 from kubetune.errors import KubetuneError
 
@@ -65,14 +65,6 @@ def _start(spec_path: Path) -> subprocess.Popen:
     )
 
 
-def _wait_for_checkpoint(out: Path, step: int, proc: subprocess.Popen, timeout: float = 180) -> None:
-    deadline = time.time() + timeout
-    while not (out / "checkpoints" / f"step-{step:08d}" / "COMPLETE").exists():
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.time() < deadline, "no checkpoint in time"
-        time.sleep(0.05)
-
-
 def _worker_pids(launcher: int) -> dict[int, int]:
     """rank -> pid of the worker processes under a `kubetune run`."""
     ranks = {}
@@ -103,7 +95,7 @@ def test_sigkilled_worker_then_rerun_resumes_exactly(reference, tmp_path, small_
     out = tmp_path / "out"
     spec = write_spec(tmp_path / "job.yaml", _spec(small_csv, out))
     proc = _start(spec)
-    _wait_for_checkpoint(out, 6, proc)
+    wait_for_checkpoint(out, 6, proc)
     os.kill(_worker_pids(proc.pid)[1], signal.SIGKILL)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 1 and "worker rank 1 failed with exit code -9" in err
@@ -155,7 +147,7 @@ def test_elastic_restart_after_sigkill_completes_in_one_run(reference, tmp_path,
     spec = _spec(small_csv, out)
     spec["distributed"]["max_restarts"] = 2
     proc = _start(write_spec(tmp_path / "job.yaml", spec))
-    _wait_for_checkpoint(out, 9, proc)
+    wait_for_checkpoint(out, 9, proc)
     os.kill(_worker_pids(proc.pid)[0], signal.SIGKILL)
     _, err = proc.communicate(timeout=240)
     assert proc.returncode == 0, err[-3000:]
@@ -168,7 +160,7 @@ def test_incompatible_checkpoints_are_one_line_errors(tmp_path, small_csv):
     out = tmp_path / "out"
     spec = write_spec(tmp_path / "job.yaml", _spec(small_csv, out))
     proc = _start(spec)  # interrupted (SIGTERM) so that its checkpoints stay; a finished run clears them
-    _wait_for_checkpoint(out, 3, proc)
+    wait_for_checkpoint(out, 3, proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143  # `kubetune run` under SIGTERM (its resume: test_pod_exit_codes.py)

@@ -219,10 +219,11 @@ def test_packed_examples_do_not_attend_to_each_other(tok, attn, monkeypatch):
     )
 
 
-def test_packed_attention_gradients_equal_the_dense_mask_ones(tok):
+def test_packed_attention_gradients_equal_the_dense_mask_ones(tok, monkeypatch):
     """Loss and every parameter's gradient of a packed row: kubetune's packed attention (documents
     grouped by length, padded, causal SDPA) against transformers' dense-mask SDPA, within 1e-5;
-    grouped-query attention (2 kv heads for 4 query heads) included."""
+    grouped-query attention (2 kv heads for 4 query heads) included; the documents' layout is worked
+    out once per forward pass."""
     from datasets import Dataset
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -233,7 +234,14 @@ def test_packed_attention_gradients_equal_the_dense_mask_ones(tok):
     rows = [encode_record({"text": t}, tok, 64, train_on_prompt=False) for t in PACKED_TEXTS]
     ds = Dataset.from_dict({"input_ids": [r[0] for r in rows], "labels": [r[1] for r in rows]})
     batch = collate_lm(ds, np.arange(len(rows)), tok.pad_token_id, packing=True)
-    grads = {}
+    grads, calls = {}, []
+    documents = attention.documents
+
+    def counted(*args):
+        calls.append(1)
+        return documents(*args)
+
+    monkeypatch.setattr(attention, "documents", counted)
     for impl in ("sdpa", attention.register()):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation=impl, dtype=torch.float32)
@@ -242,6 +250,8 @@ def test_packed_attention_gradients_equal_the_dense_mask_ones(tok):
             out = model(**batch.inputs, labels=batch.labels)
         out.loss.backward()
         grads[impl] = (out.loss.detach(), {k: p.grad for k, p in model.named_parameters()})
+    # kubetune's run read the documents once for its forward pass, not once per layer
+    assert cfg.num_hidden_layers > 1 and len(calls) == 1
     (loss_a, ga), (loss_b, gb) = grads.values()
     assert abs(loss_a - loss_b) < 1e-5
     worst = max((ga[k] - gb[k]).abs().max().item() for k in ga)

@@ -32,8 +32,8 @@ ATTENTION = "kubetune_packed"
 # At most this many SDPA calls per layer: documents sorted by length, cut into groups of equal count.
 GROUPS = 4
 
-# Set (to the fallback's name) while a packed micro-batch runs through the model: the mask interface
-# then builds no (length)² mask, which ``packed_attention`` would ignore anyway.
+# True while a packed micro-batch runs through the model: the mask interface then builds no
+# (length)² mask, which ``packed_attention`` would ignore anyway.
 _PACKED = contextvars.ContextVar("kubetune_packed", default=False)
 _FALLBACK = {"name": "sdpa"}
 
@@ -86,16 +86,46 @@ def documents(position_ids: torch.Tensor | None, length: int) -> torch.Tensor | 
     return bounds.diff()
 
 
+def _layout(position_ids: torch.Tensor | None, length: int):
+    """For a packed row: per length group, the gather index (documents, padded length) and its
+    mask of real slots, and the permutation back to the row's order; None when not packed.
+
+    Every layer gets the same ``position_ids`` tensor (and so does the recomputation of a
+    checkpointed layer), so the layout is worked out once per forward pass and kept on that tensor:
+    its host syncs (the documents' count and lengths) happen once, not once per layer."""
+    cached = getattr(position_ids, "_kubetune_layout", None)
+    if cached is not None and cached[0] == length:
+        return cached[1]
+    lengths = documents(position_ids, length)
+    if lengths is None:
+        return None
+    starts = torch.cumsum(lengths, 0) - lengths
+    order = torch.argsort(lengths, stable=True)
+    groups, positions = [], []
+    for part in order.tensor_split(min(GROUPS, len(order))):
+        n = int(lengths[part].max())
+        steps = torch.arange(n, device=lengths.device)
+        valid = steps.unsqueeze(0) < lengths[part].unsqueeze(1)  # (docs, n)
+        # padded slots repeat the document's last token: only ever seen by padded queries (causal)
+        index = starts[part].unsqueeze(1) + torch.minimum(steps.unsqueeze(0), lengths[part].unsqueeze(1) - 1)
+        groups.append((index, valid))
+        positions.append(index[valid])
+    # back to the row's order: every position appears exactly once across the groups
+    layout = (groups, torch.argsort(torch.cat(positions)))
+    position_ids._kubetune_layout = (length, layout)
+    return layout
+
+
 def packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """Attention of a packed row, document by document; every other call goes to the fallback.
 
     query: (1, heads, length, dim); key, value: (1, kv heads, length, dim). Returns (1, length, heads, dim)
     and no weights, as transformers' attention functions do."""
-    lengths = None
+    layout = None
     plain = not any(kwargs.get(k) is not None for k in ("sliding_window", "softcap", "s_aux", "cache"))
     if plain and query.shape[0] == 1 and query.shape[2] == key.shape[2]:
-        lengths = documents(kwargs.get("position_ids"), query.shape[2])
-    if lengths is None:
+        layout = _layout(kwargs.get("position_ids"), query.shape[2])
+    if layout is None:
         if _PACKED.get() and attention_mask is None and not plain:
             # Cannot happen for the models the mask interface skips; never attend across documents.
             raise RuntimeError("packed attention: this model's attention needs its mask; set data.packing: false")
@@ -106,20 +136,11 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     if kv_heads != heads:  # grouped-query attention: each kv head serves heads // kv_heads query heads
         key = key.repeat_interleave(heads // kv_heads, dim=1)
         value = value.repeat_interleave(heads // kv_heads, dim=1)
-    starts = torch.cumsum(lengths, 0) - lengths
-    order = torch.argsort(lengths, stable=True)
+    groups, back = layout
     p = dropout if module.training else 0.0
-    positions, outputs = [], []
-    for part in order.tensor_split(min(GROUPS, len(order))):
-        n = int(lengths[part].max())
-        steps = torch.arange(n, device=query.device)
-        valid = steps.unsqueeze(0) < lengths[part].unsqueeze(1)  # (docs, n)
-        # padded slots repeat the document's last token: only ever seen by padded queries (causal)
-        index = starts[part].unsqueeze(1) + torch.minimum(steps.unsqueeze(0), lengths[part].unsqueeze(1) - 1)
+    outputs = []
+    for index, valid in groups:
         q, k, v = (t[0][:, index].transpose(0, 1) for t in (query, key, value))  # (docs, heads, n, dim)
         o = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=scaling)
-        positions.append(index[valid])
         outputs.append(o.transpose(1, 2)[valid])  # (real tokens, heads, dim)
-    # back to the row's order: every position appears exactly once across the groups
-    out = torch.cat(outputs)[torch.argsort(torch.cat(positions))]
-    return out.unsqueeze(0), None
+    return torch.cat(outputs)[back].unsqueeze(0), None

@@ -139,7 +139,7 @@ class Trainer:
         else:
             n_steps = steps_per_epoch(self.data.train_rows, env.world_size, cfg.batch_size, self.grad_accum)
             self.epoch_steps = [n_steps] * cfg.epochs
-        self.per_epoch = self.epoch_steps[0] if self.epoch_steps else 0
+        self.per_epoch = self.epoch_steps[0]  # training.epochs >= 1
         self.total_steps = min(sum(self.epoch_steps), cfg.max_steps or 10**12)
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg, self.total_steps, device)
         self.scaler = torch.amp.GradScaler(device.type, enabled=(self.dtype == torch.float16))
@@ -213,13 +213,16 @@ class Trainer:
             cleanup.callback(self.bar.close)  # however training ends, the bar's line ends before an error is printed
         cfg = self.cfg
         n_micro = self.grad_accum * self.env.world_size
-        batch = f"{n_micro} micro-batches of up to {self.token_budget} tokens" if self.token_budget else n_micro
+        if self.token_budget:
+            epoch, batch = "in the first epoch", f"{n_micro} micro-batches of up to {self.token_budget} tokens"
+        else:
+            epoch, batch = "per epoch", str(cfg.batch_size * n_micro)
         log.info(
-            "training: %d steps (%d %s epoch), global batch %s, %d trainable / %d parameters",
+            "training: %d steps (%d %s), global batch %s, %d trainable / %d parameters",
             self.total_steps,
             self.per_epoch,
-            "in the first" if self.token_budget else "per",
-            batch if self.token_budget else cfg.batch_size * n_micro,
+            epoch,
+            batch,
             *_param_counts(self.model),
         )
 
