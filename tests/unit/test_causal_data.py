@@ -173,16 +173,19 @@ PACKED_TEXTS = [
 ]
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "kubetune"])
-def test_packed_examples_do_not_attend_to_each_other(tok, attn, monkeypatch):
+@pytest.mark.parametrize("attn", ["sdpa", "kubetune", "kubetune-eager"])
+def test_packed_examples_do_not_attend_to_each_other(tok, attn, monkeypatch, request):
     """An example's logits are the same packed with others as alone, within 1e-5: with transformers'
-    dense block-diagonal mask (sdpa) and with kubetune's packed attention, which builds no mask."""
+    dense block-diagonal mask (sdpa) and with kubetune's packed attention, which builds no mask; the
+    padded batch goes to the fallback attention, sdpa or (bf16 on a CPU) the model's own eager one."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
 
     from kubetune.tasks import attention
 
-    impl = attention.register() if attn == "kubetune" else attn
+    fallback = "eager" if attn.endswith("eager") else "sdpa"
+    impl = attention.register(fallback) if attn.startswith("kubetune") else attn
+    request.addfinalizer(attention.register)  # the default fallback again for the tests after this one
     model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32, attn_implementation=impl).eval()
     # As in training: without a KV cache, transformers reads packed sequences from the position ids.
     model.config.use_cache = False
@@ -194,13 +197,13 @@ def test_packed_examples_do_not_attend_to_each_other(tok, attn, monkeypatch):
     assert "attention_mask" not in packed.inputs
     starts = np.cumsum([0] + [len(r[0]) for r in rows])
     assert all(packed.labels[0, s].item() == IGNORE for s in starts[:-1])  # never predicted across examples
-    if attn == "kubetune":  # no (length)² mask is built for a packed row
+    if attn != "sdpa":  # no (length)² mask is built for a packed row
         import transformers.masking_utils as mu
 
         def no_mask(*a, **k):
             raise AssertionError("a dense mask was built for a packed row")
 
-        monkeypatch.setitem(mu.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, "sdpa", no_mask)
+        monkeypatch.setitem(mu.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, fallback, no_mask)
     with torch.no_grad(), attention.packed_call():
         together = model(**packed.inputs).logits[0]
     monkeypatch.undo()

@@ -60,10 +60,21 @@ def packed_call():
         _PACKED.reset(token)
 
 
-def _fallback_attention():
+def _fallback_attention(module):
+    """The attention the model would run without kubetune. ``eager`` is not in transformers'
+    registry: each model file defines its own ``eager_attention_forward`` beside the attention
+    module, which is what transformers itself calls for it."""
+    import sys
+
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    return ALL_ATTENTION_FUNCTIONS[_FALLBACK["name"]]
+    name = _FALLBACK["name"]
+    if name == "eager":
+        eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        if eager is not None:
+            return eager
+        name = "sdpa"  # a model file without its own eager function: the same result through SDPA
+    return ALL_ATTENTION_FUNCTIONS[name]
 
 
 def _mask(*args, **kwargs):
@@ -129,7 +140,7 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         if _PACKED.get() and attention_mask is None and not plain:
             # Cannot happen for the models the mask interface skips; never attend across documents.
             raise RuntimeError("packed attention: this model's attention needs its mask; set data.packing: false")
-        return _fallback_attention()(
+        return _fallback_attention(module)(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     heads, kv_heads = query.shape[1], key.shape[1]
