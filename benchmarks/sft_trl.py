@@ -313,6 +313,7 @@ def main() -> None:
                 "kubetune, 17 examples per micro-batch (no token budget)",
                 {"data.max_tokens_per_batch": None, "training.batch_size": 17},
             ),
+            ("kubetune", "kubetune + compiled blocks (training.compile)", {"training.compile": True}),
         ]
     results: dict[str, list] = {label: [] for _, label, _ in runs}
     for r in range(a.rounds):

@@ -273,3 +273,48 @@ def test_padding_collate_masks_padding(tok):
     assert b.weight == 1.0 and b.index.tolist() == [0, 1]
     empty = collate_lm(ds, np.array([], dtype=np.int64), pad_id=0)
     assert empty.weight == 0.0 and empty.index.tolist() == [0]
+
+
+def test_compiled_blocks_equal_eager_and_compile_once_for_all_packed_lengths(tok):
+    """training.compile: every transformer block compiled in place. On packed rows of three lengths,
+    the loss and every gradient equal the eager model's within 1e-5, and the third length compiles
+    no new graph (dynamic shapes: no recompile per packed length). The backend is aot_eager: the
+    graph capture, its breaks around the packed attention and the recompiles are what kubetune
+    decides; inductor's code generation is torch's (timed in benchmarks/sft_trl.py --ablations)."""
+    import contextlib
+
+    from datasets import Dataset
+    from torch._dynamo.utils import counters
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kubetune.tasks import attention, causal_lm
+    from kubetune.training.strategy import compile_blocks
+
+    cfg = AutoConfig.from_pretrained(TINY)
+    rows = [encode_record({"text": t}, tok, 64, train_on_prompt=False) for t in PACKED_TEXTS]
+    ds = Dataset.from_dict({"input_ids": [r[0] for r in rows], "labels": [r[1] for r in rows]})
+    batches = [collate_lm(ds, np.arange(k), tok.pad_token_id, packing=True) for k in (6, 4, 2)]
+    assert len({b.inputs["input_ids"].shape[1] for b in batches}) == 3
+    results, graphs = {}, []
+    torch._dynamo.reset()
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attention.register(), dtype=torch.float32)
+        model.config.use_cache = False
+        if compiled:
+            assert compile_blocks(model, backend="aot_eager") == cfg.num_hidden_layers
+        out = []
+        for batch in batches:
+            loss_sum, count = causal_lm.loss(model, batch, contextlib.nullcontext())
+            (loss_sum / count).backward()
+            out.append(((loss_sum / count).detach(), {k: p.grad.clone() for k, p in model.named_parameters()}))
+            model.zero_grad()
+            graphs.append(counters["stats"]["unique_graphs"])
+        results[compiled] = out
+    for (loss_a, ga), (loss_b, gb) in zip(results[False], results[True]):
+        assert abs(loss_a - loss_b) < 1e-5
+        assert max((ga[k] - gb[k]).abs().max().item() for k in ga) < 1e-5
+    eager_graphs, compiled_graphs = graphs[:3], graphs[3:]
+    assert eager_graphs == [0, 0, 0] and compiled_graphs[0] > 0
+    assert compiled_graphs[2] == compiled_graphs[1], compiled_graphs  # the third length: no new graph
+    torch._dynamo.reset()

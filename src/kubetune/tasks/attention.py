@@ -127,6 +127,9 @@ def _layout(position_ids: torch.Tensor | None, length: int):
     return layout
 
 
+# Outside torch.compile (training.compile compiles each block around it): the layout's host syncs
+# and per-row shapes would break the graph or recompile it for every packed row.
+@torch.compiler.disable
 def packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """Attention of a packed row, document by document; every other call goes to the fallback.
 

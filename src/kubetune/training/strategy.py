@@ -392,6 +392,23 @@ def return_freed_memory() -> bool:
     return bool(libc.mallopt(M_MMAP_THRESHOLD, HEAP_LIMIT))
 
 
+def compile_blocks(model: torch.nn.Module, backend: str = "inductor") -> int:
+    """``torch.compile`` every transformer block in place (``nn.Module.compile``: parameter names and
+    the exported state dict stay unchanged); the whole model when it has no repeated blocks. Returns
+    how many modules were compiled.
+
+    Per block, not the whole model: one block's graph is compiled once and reused by every layer,
+    and the embedding, the chunked loss and the packed attention's data-dependent layout (compiled
+    out: ``attention.packed_attention`` is ``torch.compiler.disable``d) stay outside it. Dynamic
+    shapes, not length buckets: packed and length-grouped batches change their length every step,
+    and a dynamic graph compiles once for all of them (the test counts the graphs); padding rows up to
+    a bucket of 256 measured slower (benchmarks/README.md, compiled blocks)."""
+    blocks = transformer_blocks(model)
+    for module in blocks or [model]:
+        module.compile(dynamic=True, backend=backend)
+    return len(blocks) or 1
+
+
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated blocks of a transformer: the ModuleList of same-typed modules holding the most
     parameters (``model.layers`` of a Llama, ``encoder.layer`` of a BERT)."""

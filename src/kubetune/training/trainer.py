@@ -126,9 +126,7 @@ class Trainer:
         strategy = strategy or strategies.for_job(spec, env, device, self.dtype, make, resumed)
         self.model = strategy.build(make)
         if cfg.compile:
-            # In place (nn.Module.compile): parameter names and the exported state dict stay unchanged.
-            # dynamic=True: length-grouped batches change the sequence length every step.
-            self.model.compile(dynamic=True)
+            log.info("training.compile: compiled %d transformer blocks", strategies.compile_blocks(self.model))
         self.strategy = strategy
         self.wrapped = strategy.wrap(self.model)
         # Dropout differs per rank; the stream is still a pure function of (seed, rank).
