@@ -20,6 +20,13 @@ $(BIN)/.installed: pyproject.toml requirements.txt requirements-test.txt
 
 install: $(BIN)/.installed
 
+# The MLflow tracking server the MLflow tests start (a service of its own: requirements-mlflow-server.txt).
+MLFLOW_VENV := .venv-mlflow
+$(MLFLOW_VENV)/.installed: requirements-mlflow-server.txt
+	$(PYTHON) -m venv $(MLFLOW_VENV)
+	$(MLFLOW_VENV)/bin/python -m pip install -q -r requirements-mlflow-server.txt
+	touch $@
+
 seed-cache: install
 	$(BIN)/kubetune seed-hf-cache
 
@@ -29,13 +36,13 @@ demo: seed-cache
 	$(BIN)/kubetune predict runs/sentiment-minilm "I love how smooth this ride is" "I would never trust a self-driving car with my kids" "The car has four wheels"
 	$(BIN)/python -m kubetune.summary runs/sentiment-minilm
 
-test: install
+test: install $(MLFLOW_VENV)/.installed
 	# Formatting and lint first (seconds): ruff format and ruff check, 120 columns (pyproject.toml).
 	$(BIN)/ruff format --check --quiet .
 	$(BIN)/ruff check --quiet .
 	$(BIN)/python -m pytest -q
 
-test-all: install
+test-all: install $(MLFLOW_VENV)/.installed
 	$(BIN)/python -m pytest -q -m ""
 
 # kubetune against the seed loop and HF Trainer (about 12 minutes on 2 cores; results in benchmarks/results/)

@@ -7,6 +7,7 @@
 #      the JobSet it ships, then its ClusterTrainingRuntimes
 #   4. RBAC for notebooks, then JupyterHub                                 kustomize + helm
 #   5. TensorBoard over the shared workspace claim                         kustomize
+#   6. An MLflow tracking server (artifacts in the MinIO bucket)           kustomize
 # Namespaces and Secrets (from deploy/.env, through deploy/secrets.sh) come first.
 # Every step is idempotent (apply, helm upgrade --install): run it again after a change.
 #
@@ -15,7 +16,7 @@
 #   --overlay   deploy/overlays/NAME: storage classes and sizes (default: dev)
 #   --with      trainer: also install Kubeflow Trainer v2 and JobSet, for kubetune's
 #               --target trainjob (needs Kubernetes and kubectl >= 1.31)
-#   --skip      openebs | minio | training-operator | jupyterhub | tensorboard
+#   --skip      openebs | minio | training-operator | jupyterhub | tensorboard | mlflow
 #   --dry-run   check the prerequisites, then print every change instead of making it
 # Versions (environment): TRAINING_OPERATOR_REF (v1.8.1), TRAINER_REF (v2.3.0, which ships
 #   JobSet v0.12.0), OPENEBS_CHART_VERSION (4.1.1), JUPYTERHUB_CHART_VERSION (4.2.0).
@@ -55,7 +56,7 @@ SKIP=" "
 WITH=" "
 
 usage() {
-  sed -n '2,21p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+  sed -n '2,22p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
 }
 
 parse_args() {
@@ -67,7 +68,7 @@ parse_args() {
       --skip)
         [[ $# -ge 2 ]] || die "--skip needs a STEP"
         case $2 in
-          openebs | minio | training-operator | jupyterhub | tensorboard) SKIP+="$2 " ;;
+          openebs | minio | training-operator | jupyterhub | tensorboard | mlflow) SKIP+="$2 " ;;
           *) die "--skip '$2' is not a step — use openebs, minio, training-operator, jupyterhub or tensorboard" ;;
         esac
         shift 2
@@ -92,7 +93,7 @@ parse_args() {
   if wanted trainer; then
     PLAN+=" trainer"
   fi
-  PLAN+=" jupyterhub tensorboard"
+  PLAN+=" jupyterhub tensorboard mlflow"
 }
 
 skipped() {
@@ -284,6 +285,12 @@ step_tensorboard() {
   run kc -n kubetune rollout status deployment/tensorboard --timeout=5m
 }
 
+step_mlflow() {
+  step_title mlflow "MLflow tracking server"
+  apply_component mlflow
+  run kc -n kubetune rollout status deployment/mlflow --timeout=5m
+}
+
 print_access() {
   local ctx=""
   [[ -z $KUBE_CONTEXT ]] || ctx=" --context $KUBE_CONTEXT"
@@ -294,6 +301,7 @@ Reach the services from this machine (each command keeps running; one terminal e
   MinIO console     kubectl$ctx -n minio port-forward svc/minio 9001:9001        -> http://localhost:9001
   JupyterHub        kubectl$ctx -n jupyterhub port-forward svc/proxy-public 8080:80 -> http://localhost:8080
   TensorBoard       kubectl$ctx -n kubetune port-forward svc/tensorboard 6006:6006 -> http://localhost:6006
+  MLflow            kubectl$ctx -n kubetune port-forward svc/mlflow 5000:5000        -> http://localhost:5000
 Credentials stay in the cluster; read one when you need it, e.g.:
   kubectl$ctx -n minio get secret minio-root -o jsonpath='{.data.MINIO_ROOT_USER}' | base64 -d
 Jobs: kubetune submit job.yaml --namespace kubetune (set kubernetes.secrets.s3: minio-credentials,
@@ -323,6 +331,7 @@ main() {
   fi
   skipped jupyterhub || step_jupyterhub
   skipped tensorboard || step_tensorboard
+  skipped mlflow || step_mlflow
   print_access
 }
 

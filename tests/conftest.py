@@ -25,6 +25,7 @@ os.environ["HF_HOME"] = str(_CACHES / "hf")
 os.environ["HF_HUB_CACHE"] = str(_CACHES / "hf" / "hub")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["KUBETUNE_CACHE"] = str(_CACHES / "kubetune")
+os.environ["KUBETUNE_STATE_DIR"] = str(_CACHES / "state")  # `kubetune run`'s records, not the user's
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 

@@ -18,6 +18,27 @@ app = typer.Typer(
     help="Distributed fine-tuning of transformer models from one YAML job spec.",
 )
 
+# What pods, the launcher and the tests run: listed apart from the user's commands in --help.
+INTERNAL = "Internal (what pods and the launcher run)"
+
+
+def _version(value: bool) -> None:
+    if value:
+        from kubetune.version import __version__
+
+        typer.echo(f"kubetune {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Distributed fine-tuning of transformer models from one YAML job spec."""
+
+
 SetOpt = Annotated[
     list[str] | None,
     typer.Option("--set", help="Override a spec value: KEY=VALUE with a dotted key (repeatable).", metavar="KEY=VALUE"),
@@ -45,12 +66,62 @@ def validate(spec: SpecArg, set_: SetOpt = None) -> None:
 
 
 @app.command()
-def explain() -> None:
-    """Print every spec field with its type, default and help text."""
+def explain(
+    section: Annotated[
+        str | None, typer.Argument(help="A section or key, e.g. training, data or lora.r; default: every field.")
+    ] = None,
+) -> None:
+    """Print the spec's fields (every one, or a section's) with type, default and help text."""
     from kubetune.config.load import field_reference
 
-    for key, type_, default, help_ in field_reference():
+    rows = [r for r in field_reference() if section is None or r[0] == section or r[0].startswith(f"{section}.")]
+    if not rows:
+        sections = sorted({r[0].split(".")[0] for r in field_reference()})
+        _fail(
+            KubetuneError(f"no spec key or section {section!r}", field="section", fix=f"one of: {', '.join(sections)}")
+        )
+    for key, type_, default, help_ in rows:
         typer.echo(f"{key:<28} {type_:<22} {default:<14} {help_}")
+
+
+@app.command()
+def init(
+    task: Annotated[str, typer.Argument(help="sequence-classification or causal-lm.")],
+    out: Annotated[Path, typer.Option("--output", "-o", help="Where to write the spec.")] = Path("job.yaml"),
+) -> None:
+    """Write a commented starter job spec for TASK (job.yaml), never over an existing file."""
+    from importlib.resources import files
+
+    from kubetune.config.schema import DATA_SPECS
+
+    if task not in DATA_SPECS:
+        _fail(KubetuneError(f"no task {task!r}", field="task", fix=f"one of: {', '.join(DATA_SPECS)}"))
+    if out.exists() or out.is_symlink():
+        _fail(KubetuneError(f"{out} already exists", field="--output", fix="pass another path with --output"))
+    text = (files("kubetune") / "assets" / "starters" / f"{task}.yaml").read_text(encoding="utf-8")
+    try:
+        with out.open("x", encoding="utf-8") as f:  # "x": never replaces a file that appeared meanwhile
+            f.write(text)
+    except OSError as e:
+        _fail(KubetuneError(f"cannot write {out}: {e.strerror}", field="--output", fix="pass a writable path"))
+    typer.echo(f"wrote {out}: check it with `kubetune validate {out}`, run it with `kubetune run {out}`")
+
+
+@app.command()
+def schema(
+    out: Annotated[Path | None, typer.Option("--output", "-o", help="Write to this file instead of stdout.")] = None,
+) -> None:
+    """Write the job spec's JSON Schema, for editors: put `# yaml-language-server: $schema=PATH`
+    at the top of job.yaml."""
+    from kubetune.config.load import json_schema
+    from kubetune.paths import write_atomic
+
+    text = json.dumps(json_schema(), indent=1) + "\n"
+    if out is None:
+        typer.echo(text, nl=False)
+    else:
+        write_atomic(out, text)
+        typer.echo(f"wrote {out}")
 
 
 @app.command()
@@ -80,11 +151,12 @@ def run(
     import time
 
     from kubetune.config import load_spec
+    from kubetune.config.load import resolve_data_paths
 
     started = time.time()
-    job = None
+    job = record = None
     try:
-        from kubetune.backends import local
+        from kubetune.backends import local, local_runs
 
         job = load_spec(
             spec,
@@ -94,6 +166,8 @@ def run(
                 *(["output.overwrite=true"] if overwrite else []),
             ],
         )
+        job = resolve_data_paths(job, spec.parent)  # relative data paths: next to the spec file
+        record = local_runs.record_run(job)  # what `kubetune status NAME` reads from another shell
         if preflight and _preflight(job) == "done":
             return
         local.run(job, local_addr=local_addr)
@@ -116,6 +190,11 @@ def run(
     except local.Stopped as e:
         typer.echo(f"stopped: {e} — {_after_stop(job, started)}", err=True)
         raise typer.Exit(143) from None
+    finally:
+        if record is not None:
+            ended = sys.exc_info()[1]
+            code = 0 if ended is None else ended.exit_code if isinstance(ended, typer.Exit) else 1
+            local_runs.end_run(record, code)
 
 
 def _where(job) -> str:
@@ -155,6 +234,10 @@ def _preflight(job) -> str:
                 ),
             )
     providers.configure(job)
+    if job.tracking.mlflow:  # the tracking server is up and takes the credentials (one line if not)
+        from kubetune.training import tracking
+
+        tracking.connect(job)
     artifacts.resolve_model(job)
     tasks.get(job.task).load_frames(job.data, job.training.seed)
     plan = artifacts.check_output(job)
@@ -163,7 +246,7 @@ def _preflight(job) -> str:
     return plan.action
 
 
-@app.command()
+@app.command(rich_help_panel=INTERNAL)
 def launch(spec: SpecArg) -> None:
     """Run this pod's workers as torchrun would, from the operator's PET_* environment.
 
@@ -177,7 +260,7 @@ def launch(spec: SpecArg) -> None:
     raise typer.Exit(launch_main([str(spec)]))
 
 
-@app.command()
+@app.command(rich_help_panel=INTERNAL)
 def worker(spec: SpecArg) -> None:
     """Run one worker process (what torchrun starts in each pod; reads RANK, WORLD_SIZE, ...)."""
     from kubetune.worker import main as worker_main
@@ -292,7 +375,7 @@ def predict(
             typer.echo(f"{r['label']}\t{r['score']:.4f}\t{r['text']}")
 
 
-@app.command()
+@app.command(rich_help_panel=INTERNAL)
 def fetch(
     spec: SpecArg,
     dest: Annotated[Path, typer.Option("--dest", help="Directory to stage into (a pod's workspace).")],
@@ -425,18 +508,39 @@ def status(
     namespace: NsOpt = None,
     context: CtxOpt = None,
     kubeconfig: KcOpt = None,
-    target: JobTargetOpt = None,
+    target: Annotated[
+        str | None,
+        typer.Option("--target", help="local, pytorchjob or trainjob; default: see above."),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
-    """Phase, replicas, restarts, and why the job failed (with the failed container's last log lines)."""
+    """Phase, progress (step, loss, ETA, the last evaluation), and why the job failed (with its last log lines).
+
+    NAME is a `kubetune run` on this machine if one of that name ran here (unless --namespace,
+    --context, --kubeconfig or a cluster --target is given), else the job on the cluster."""
     import dataclasses
 
+    from kubetune.backends import local_runs
+
     try:
-        st = _job_backend(name, namespace, context, kubeconfig, target).status(name)
+        # a `kubetune run` of that name on this machine first, unless a cluster target is named
+        local = target == "local" or (target is None and not (namespace or context or kubeconfig))
+        st = local_runs.recorded_status(name) if local else None
+        if st is None and target == "local":
+            raise KubetuneError(
+                f"no `kubetune run` of job {name!r} on this machine",
+                field="name",
+                fix=f"check the name (the spec's `name`), or look in {local_runs.runs_dir()}",
+            )
+        if st is None:
+            st = _job_backend(name, namespace, context, kubeconfig, target).status(name)
     except KubetuneError as e:
         _fail(e)
     if as_json:
         typer.echo(json.dumps(dataclasses.asdict(st), indent=2))
+        return
+    if st.kind == "LocalRun":
+        _print_local_status(st)
         return
     typer.echo(f"{st.kind} {st.name} in {st.namespace}: {st.phase}")
     for rtype, counts in st.replicas.items():
@@ -452,15 +556,56 @@ def status(
         typer.echo("  last log lines:")
         for line in st.log_tail:
             typer.echo(f"    {line}")
+    _print_progress(st)
     if st.output:
         typer.echo(f"  output: {st.output}")
+
+
+def _print_local_status(st) -> None:
+    typer.echo(f"local run {st.name}: {st.phase}")
+    if st.reason:
+        typer.echo(f"  reason: {st.reason}" + (f": {st.message}" if st.message else ""))
+    _print_progress(st)
+    if st.output:
+        typer.echo(f"  output: {st.output}")
+
+
+def _print_progress(st) -> None:
+    """The progress lines of `status`: step/total, loss, ETA, the last evaluation; after success, the
+    headline metrics."""
+    import time
+
+    from kubetune.training.loggers import duration, format_line
+
+    p = st.progress or {}
+    if p.get("step") is not None and st.phase == "Running":
+        line = format_line(p).replace("eta=", "ETA ")
+        typer.echo(
+            f"  progress: {line}" + (f" ({duration(time.time() - p['updated'])} ago)" if p.get("updated") else "")
+        )
+    ev = p.get("last_eval")
+    if ev:
+        shown = " ".join(f"{k} {v:.4f}" for k, v in ev.items() if k != "step" and isinstance(v, float))
+        typer.echo(f"  last evaluation (step {ev['step']}): {shown}")
+    if st.phase == "Succeeded":
+        headline = (st.metrics or {}) or p.get("metrics") or {}
+        shown = " ".join(
+            f"{k} {headline[k]:.4f}"
+            for k in ("eval_loss", "eval_accuracy", "eval_f1_macro", "eval_perplexity", "train_loss")
+            if isinstance(headline.get(k), float)
+        )
+        if shown:
+            typer.echo(f"  metrics: {shown}")
 
 
 @app.command()
 def logs(
     name: NameArg,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Stream new lines until the pods finish.")] = False,
-    rank: Annotated[int | None, typer.Option("--rank", help="Node rank of the pod to read (0 = master).")] = None,
+    node: Annotated[int | None, typer.Option("--node", help="Node rank of the pod to read (0 = master).")] = None,
+    rank: Annotated[
+        int | None, typer.Option("--rank", help="The pod of process rank N (as in the `[rank N]` of its lines).")
+    ] = None,
     all_: Annotated[bool, typer.Option("--all", help="All pods, merged, each line prefixed with its node.")] = False,
     tail: Annotated[int | None, typer.Option("--tail", help="Only the last N lines of each pod.")] = None,
     namespace: NsOpt = None,
@@ -468,11 +613,18 @@ def logs(
     kubeconfig: KcOpt = None,
     target: JobTargetOpt = None,
 ) -> None:
-    """Print the job's logs, prefixed with the node rank of each pod."""
+    """Print the job's logs (the master's by default), prefixed `[node N]` with --all.
+
+    Each line from a worker process carries its process rank, `[rank R]`: --rank R picks the pod
+    that runs it (node R // procs_per_node), --node N the pod of node rank N."""
     try:
-        for line in _job_backend(name, namespace, context, kubeconfig, target).logs(
-            name, follow=follow, rank=rank, all_ranks=all_, tail=tail
-        ):
+        backend = _job_backend(name, namespace, context, kubeconfig, target)
+        if rank is not None:
+            if node is not None:
+                raise KubetuneError("pass --rank or --node, not both", field="--rank", fix="drop one of them")
+            spec = backend.spec_of(name)
+            node = rank // (spec.distributed.procs_per_node if spec is not None else 1)
+        for line in backend.logs(name, follow=follow, rank=node, all_ranks=all_, tail=tail):
             typer.echo(line)
     except KubetuneError as e:
         _fail(e)
@@ -550,13 +702,20 @@ def runtimes(namespace: NsOpt = None, context: CtxOpt = None, kubeconfig: KcOpt 
 
 @app.command("list")
 def list_jobs(
-    namespace: NsOpt = None, context: CtxOpt = None, kubeconfig: KcOpt = None, target: TargetOpt = "pytorchjob"
+    namespace: NsOpt = None,
+    context: CtxOpt = None,
+    kubeconfig: KcOpt = None,
+    target: TargetOpt = "pytorchjob",
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """List kubetune jobs in the namespace."""
     try:
         jobs = _backend(namespace, context, kubeconfig, target).list()
     except KubetuneError as e:
         _fail(e)
+    if as_json:
+        typer.echo(json.dumps(jobs, indent=2, default=str))
+        return
     for j in jobs:
         typer.echo(f"{j['name']:<40} {j['phase']:<12} {j['created']}")
 
@@ -599,7 +758,7 @@ def pull(
     typer.echo(str(path))
 
 
-@app.command("seed-hf-cache")
+@app.command("seed-hf-cache", rich_help_panel=INTERNAL)
 def seed_hf_cache() -> None:
     """Put the packaged all-MiniLM-L6-v2 into the Hugging Face cache (for offline hf:// use)."""
     from kubetune.providers.hf import SEED_REPO_ID, seed_cache

@@ -16,6 +16,7 @@ handles answer the same calls with the same types: ``status()`` and ``wait()`` r
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,28 @@ class KubeflowJob:
     def wait(self, timeout: float | None = None) -> JobStatus:
         """Block until Succeeded or Failed (a watch); raises ``WaitTimeout`` after ``timeout`` s."""
         return self.backend.wait(self.name, timeout)
+
+    def progress(self) -> dict | None:
+        """Rank 0's progress (step, total_steps, epoch, loss, lr, samples_per_s, eta_s, last_eval), read
+        from its log; None before its first progress line."""
+        return self.status().progress
+
+    def metrics(self) -> dict | None:
+        """A succeeded job's metrics: its whole metrics.json where the CLI can read the output (s3://),
+        else the headline metrics of rank 0's last log line; None before it succeeded."""
+        st = self.status()
+        if st.phase != "Succeeded":
+            return None
+        spec = self.backend.spec_of(self.name)
+        if spec is not None and spec.output.uri.startswith("s3://"):
+            from kubetune import providers
+            from kubetune.providers import s3
+
+            providers.configure(spec)  # the spec's endpoint (MinIO); credentials from the environment
+            text = s3.read_text(spec.output.uri.rstrip("/") + "/metrics.json", field="output.uri")
+            if text:
+                return json.loads(text)
+        return (st.progress or {}).get("metrics")
 
     def logs(
         self, follow: bool = False, rank: int | None = None, all_ranks: bool = False, tail: int | None = None

@@ -96,5 +96,31 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(USER_ERROR_EXIT)
 
 
+def _exit_now(code) -> None:
+    """Leave without the interpreter's finalization. Why: at exit, freeing DDP's Reducer drops the
+    last reference to the gloo process group, whose destructor (holding the GIL) waits for gloo's
+    worker thread, which may at that moment be freeing a finished collective's tensors and need the
+    GIL: a deadlock, until the launcher's teardown SIGKILLs the rank 30 s later (seen in the
+    diverged-run test: a killed rank 0 instead of its user error). Everything the run writes is
+    closed by then; only the standard streams are flushed here."""
+    code = 0 if code is None else code if isinstance(code, int) else 1
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SystemExit as e:
+        _exit_now(e.code)
+    except BaseException:  # what @record wrote to the error file, also on stderr as Python would print it
+        import traceback
+
+        traceback.print_exc()
+        _exit_now(1)
+    _exit_now(0)

@@ -54,6 +54,7 @@ STEPS = {
     ),
     "jupyterhub": lambda a: a[:3] == ["helm", "upgrade", "--install"] and "jupyterhub/jupyterhub" in a,
     "tensorboard": lambda a: a[:2] == ["kubectl", "apply"] and "kubetune.io/component=tensorboard" in a,
+    "mlflow": lambda a: a[:2] == ["kubectl", "apply"] and "kubetune.io/component=mlflow" in a,
 }
 
 
@@ -70,7 +71,10 @@ def test_installs_in_order_idempotently_and_never_shows_a_secret(tmp_path, env_f
         runs.append((proc, calls, delivered))
     (first, calls, delivered), (second, calls2, _) = runs
 
-    order = [_index(calls, STEPS[s], s) for s in ("openebs", "minio", "training-operator", "jupyterhub", "tensorboard")]
+    order = [
+        _index(calls, STEPS[s], s)
+        for s in ("openebs", "minio", "training-operator", "jupyterhub", "tensorboard", "mlflow")
+    ]
     assert order == sorted(order), order
     # namespaces and Secrets before anything that needs them
     assert (
@@ -85,7 +89,7 @@ def test_installs_in_order_idempotently_and_never_shows_a_secret(tmp_path, env_f
     assert any(x.endswith("overlays/standalone?ref=v1.8.1") for x in to)
     # Kubeflow Trainer (and JobSet) only when asked for: --with trainer
     assert not [a for a in calls if any("kubeflow/trainer.git" in x or "jobset" in x for x in a)]
-    assert "==> 4/5 RBAC for notebooks, then JupyterHub" in first.stdout and "--target trainjob" not in first.stdout
+    assert "==> 4/6 RBAC for notebooks, then JupyterHub" in first.stdout and "--target trainjob" not in first.stdout
 
     # idempotent: the second run makes exactly the same calls, all of them re-runnable. (The two
     # ends of a `create --dry-run | apply -f -` pipe start together and log in either order.)
@@ -119,6 +123,7 @@ def test_installs_in_order_idempotently_and_never_shows_a_secret(tmp_path, env_f
         "-n minio port-forward svc/minio 9001:9001",
         "-n jupyterhub port-forward svc/proxy-public 8080:80",
         "-n kubetune port-forward svc/tensorboard 6006:6006",
+        "-n kubetune port-forward svc/mlflow 5000:5000",
     ):
         assert f"kubectl {forward}" in first.stdout
 
@@ -144,6 +149,7 @@ def test_dry_run_changes_nothing_and_prints_the_plan_in_order(tmp_path, env_file
             "training-operator.git",
             "jupyterhub/jupyterhub",
             "kubetune.io/component=tensorboard",
+            "kubetune.io/component=mlflow",
         )
     ]
     assert positions == sorted(positions)
@@ -339,7 +345,7 @@ def test_with_trainer_installs_jobset_trainer_then_runtimes_in_order_idempotentl
     # after the Training Operator, before the notebooks' RBAC and JupyterHub
     order = [
         _index(calls, STEPS[s], s)
-        for s in ("openebs", "minio", "training-operator", "trainer", "jupyterhub", "tensorboard")
+        for s in ("openebs", "minio", "training-operator", "trainer", "jupyterhub", "tensorboard", "mlflow")
     ]
     assert order == sorted(order), order
     assert _index(calls, lambda a: "crd/pytorchjobs.kubeflow.org" in a, "TO crd wait") < order[3]
@@ -348,9 +354,9 @@ def test_with_trainer_installs_jobset_trainer_then_runtimes_in_order_idempotentl
     reads = [a for a in calls[:first_change] if "validatingwebhookconfigurations" in a or "--raw=/version" in a]
     assert len(reads) == 3, reads  # check_reachable's /version, the Trainer's version check, the webhooks
     # the steps are numbered for this run's plan; the end says how to submit a TrainJob
-    titles = [line for line in first.stdout.splitlines() if line.startswith("==> ") and "/6 " in line]
-    assert [t.split(" ", 2)[1] for t in titles] == ["1/6", "2/6", "3/6", "4/6", "5/6", "6/6"]
-    assert "==> 4/6 Kubeflow Trainer v2.3.0 with the JobSet it ships, then its ClusterTrainingRuntimes" in titles
+    titles = [line for line in first.stdout.splitlines() if line.startswith("==> ") and "/7 " in line]
+    assert [t.split(" ", 2)[1] for t in titles] == ["1/7", "2/7", "3/7", "4/7", "5/7", "6/7", "7/7"]
+    assert "==> 4/7 Kubeflow Trainer v2.3.0 with the JobSet it ships, then its ClusterTrainingRuntimes" in titles
     assert "--target trainjob" in first.stdout and "kubetune runtimes" in first.stdout
 
     # idempotent: the re-run, on a cluster holding what the first run installed, makes the same calls
@@ -366,8 +372,8 @@ def test_with_trainer_is_independent_of_the_training_operator(tmp_path, env_file
     assert proc.returncode == 0, proc.stderr
     assert not any(STEPS["training-operator"](a) for a in calls)
     assert _trainer_calls(calls) == TRAINER_STEP
-    assert "==> 3/6 Kubeflow Training Operator" not in proc.stdout  # skipped: no title, but it keeps its number
-    assert "==> 4/6 Kubeflow Trainer v2.3.0" in proc.stdout
+    assert "==> 3/7 Kubeflow Training Operator" not in proc.stdout  # skipped: no title, but it keeps its number
+    assert "==> 4/7 Kubeflow Trainer v2.3.0" in proc.stdout
 
 
 def test_with_trainer_dry_run_prints_the_step_and_changes_nothing(tmp_path, env_file):

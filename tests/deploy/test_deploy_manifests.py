@@ -21,7 +21,7 @@ from deploy_support import DEPLOY, KUSTOMIZATIONS, OVERLAYS, render, run_script,
 
 SCRIPTS = sorted(p.relative_to(DEPLOY).as_posix() for p in DEPLOY.rglob("*.sh"))
 # The components install.sh applies one at a time, with `-l kubetune.io/component=...`.
-COMPONENTS = {"namespaces", "minio", "rbac", "tensorboard"}
+COMPONENTS = {"namespaces", "minio", "rbac", "tensorboard", "mlflow"}
 
 
 def _shellcheck() -> str:
@@ -33,7 +33,9 @@ def _shellcheck() -> str:
 
 def test_there_is_something_to_check():
     assert {"install.sh", "secrets.sh", "lib/common.sh"} <= set(SCRIPTS)
-    assert {"namespaces", "minio", "rbac", "tensorboard", "overlays/dev", "overlays/nebius"} <= set(KUSTOMIZATIONS)
+    assert {"namespaces", "minio", "rbac", "tensorboard", "mlflow", "overlays/dev", "overlays/nebius"} <= set(
+        KUSTOMIZATIONS
+    )
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

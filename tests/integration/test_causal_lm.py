@@ -141,6 +141,8 @@ def test_full_finetune_on_instruction_data_without_packing(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["data_format"] == "instruction" and metrics["global_step"] == 12 and metrics["packing"] is False
+    # max_steps cut the one epoch short: no epoch completed (12 steps of 4 rows each cover 48 rows)
+    assert metrics["train_rows"] > 48 and metrics["epochs_completed"] == 0
     assert not (out / "adapter").exists() and (out / "model" / "model.safetensors").exists()
     losses = [h["loss"] for h in _history(out) if h["type"] == "train"]
     assert losses[-1] < losses[0]

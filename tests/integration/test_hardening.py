@@ -123,10 +123,11 @@ def test_a_full_disk_leaves_the_previous_run_intact(tmp_path):
         out = mnt / "out"
         first = _run(out, "--set", "lora=null")  # a full fine-tune: no adapter, only model/ (1.6 MB)
         assert first.returncode == 0, first.stderr[-3000:]
+        # the live files (history, progress, events) are the latest attempt's; the rest is the first run's
         before = {
             p.relative_to(out): p.read_bytes()
             for p in out.rglob("*")
-            if p.is_file() and p.parts[len(out.parts)] not in ("history.jsonl", "tensorboard")
+            if p.is_file() and p.parts[len(out.parts)] not in ("history.jsonl", "progress.json", "tensorboard")
         }
         second = _run(out, "--set", "lora=null", "--overwrite")
         assert second.returncode == 2, second.stderr[-3000:]
@@ -138,7 +139,7 @@ def test_a_full_disk_leaves_the_previous_run_intact(tmp_path):
         after = {
             p.relative_to(out): p.read_bytes()
             for p in out.rglob("*")
-            if p.is_file() and p.parts[len(out.parts)] not in ("history.jsonl", "tensorboard")
+            if p.is_file() and p.parts[len(out.parts)] not in ("history.jsonl", "progress.json", "tensorboard")
         }
         assert {k: v for k, v in after.items() if k.parts[0] != "checkpoints"} == before  # the first run, byte for byte
         assert not list(out.glob(".kubetune-staging-*"))

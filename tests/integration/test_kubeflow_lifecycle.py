@@ -5,6 +5,7 @@ for the Training Operator too: tests set job conditions, pods and container logs
 from __future__ import annotations
 
 import functools
+import json
 import threading
 import time
 
@@ -309,6 +310,45 @@ def test_status_reads_failure_reasons_from_pods(cluster, spec_file, pod, reason)
     assert f"reason: {reason} on demo-master-0" in out
 
 
+def test_status_of_a_running_job_shows_rank_0s_progress(cluster, spec_file):
+    """Progress reaches `status` through rank 0's log (its progress and evaluation lines), which
+    the CLI may already read: no annotation patched by the pods, no extra RBAC for them."""
+    import json
+
+    assert cli(cluster, "submit", str(spec_file))[0] == 0
+    cluster.set_status(*JOBS, NS, "demo", job_status("Created", "Running"))
+    for name, rtype in (("demo-master-0", "master"), ("demo-worker-0", "worker")):
+        cluster.put("v1", "pods", NS, _pod(name, "demo", rtype, 0))
+    cluster.append_log(
+        NS,
+        "demo-master-0",
+        "pytorch",
+        "12:00:01 [rank 0] INFO progress: step=10/30 epoch=1/1 loss=1.0986 lr=2.00e-05",
+        "12:00:04 [rank 0] INFO epoch 1, step 15: eval_loss 1.0500 eval_accuracy 0.4000 eval_f1_macro 0.3800",
+        "12:00:05 [rank 0] INFO progress: step=20/30 epoch=1/1 loss=1.0412 lr=1.00e-05 samples/s=91.5 eta=1m05s",
+    )
+    cluster.append_log(NS, "demo-worker-0", "pytorch", "12:00:05 [rank 1] INFO progress: step=99/99")  # not rank 0
+    code, out, err = cli(cluster, "status", "demo", "--json")
+    assert code == 0, err
+    st = json.loads(out)
+    assert st["phase"] == "Running"
+    assert st["progress"] == {
+        "phase": "training",
+        "step": 20,
+        "total_steps": 30,
+        "epoch": 1,
+        "epochs": 1,
+        "loss": 1.0412,
+        "lr": 1e-05,
+        "samples_per_s": 91.5,
+        "eta_s": 65.0,
+        "last_eval": {"step": 15, "eval_loss": 1.05, "eval_accuracy": 0.4, "eval_f1_macro": 0.38},
+    }
+    code, out, _ = cli(cluster, "status", "demo")
+    assert "  progress: step=20/30 epoch=1/1 loss=1.0412 lr=1.00e-05 samples/s=91.5 ETA 1m05s" in out.splitlines()
+    assert "  last evaluation (step 15): eval_loss 1.0500 eval_accuracy 0.4000 eval_f1_macro 0.3800" in out
+
+
 def test_logs_follow_all_ranks_streams_until_pods_finish(cluster, spec_file):
     assert cli(cluster, "submit", str(spec_file))[0] == 0
     for name, rtype in (("demo-master-0", "master"), ("demo-worker-0", "worker")):
@@ -343,8 +383,12 @@ def test_logs_follow_all_ranks_streams_until_pods_finish(cluster, spec_file):
         ["[node 0] [rank 0] INFO epoch 1", "[node 1] [rank 1] WARNING slow step", "[node 0] [rank 0] INFO done"]
     )
     assert lines.index("[node 0] [rank 0] INFO epoch 1") < lines.index("[node 0] [rank 0] INFO done")
-    code, out, _ = cli(cluster, "logs", "demo", "--rank", "1", "--tail", "1")
-    assert (code, out.strip()) == (0, "[node 1] [rank 1] WARNING slow step")
+    # --rank is the process rank the lines carry (1 process per node here: node 1), --node the pod's node rank
+    for option in ("--rank", "--node"):
+        code, out, _ = cli(cluster, "logs", "demo", option, "1", "--tail", "1")
+        assert (code, out.strip()) == (0, "[node 1] [rank 1] WARNING slow step"), option
+    code, _, err = cli(cluster, "logs", "demo", "--rank", "1", "--node", "1")
+    assert code == 2 and "pass --rank or --node, not both" in err
 
 
 def test_list_and_python_client(cluster, spec_file):
@@ -354,8 +398,22 @@ def test_list_and_python_client(cluster, spec_file):
     assert job.name == "demo"
     cluster.set_status(*JOBS, NS, "demo", job_status("Created", "Running", "Succeeded"))
     assert job.wait(timeout=10).phase == "Succeeded"
+    # the handle's progress() and metrics(): rank 0's last progress line and its `done:` line
+    cluster.put("v1", "pods", NS, _pod("demo-master-0", "demo", "master", 0, phase="Succeeded"))
+    cluster.append_log(
+        NS,
+        "demo-master-0",
+        "pytorch",
+        "[rank 0] INFO progress: step=30/30 epoch=1/1 loss=0.9000 lr=0.00e+00",
+        "[rank 0] INFO done: eval_accuracy 0.7133, eval_f1_macro 0.7100, 91.5 samples/s; artifacts in runs/demo",
+    )
+    assert job.progress()["step"] == 30 and job.progress()["output"] == "runs/demo"
+    assert job.metrics() == {"eval_accuracy": 0.7133, "eval_f1_macro": 0.71}
     code, out, _ = cli(cluster, "list")
     assert code == 0 and out.split()[:2] == ["demo", "Succeeded"]
+    code, out, _ = cli(cluster, "list", "--json")
+    listed = json.loads(out)
+    assert code == 0 and [(j["name"], j["phase"]) for j in listed] == [("demo", "Succeeded")]
     job.delete()
     assert cluster.objects(*JOBS, NS) == []
 

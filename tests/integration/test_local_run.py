@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -18,9 +19,12 @@ def full_run(tmp_path_factory, small_csv):
     """One 2-epoch, 2-process full fine-tune; several tests read its artifacts."""
     tmp = tmp_path_factory.mktemp("full")
     out, trace = tmp / "out", tmp / "trace"
-    spec = write_spec(
-        tmp / "job.yaml", tiny_spec(small_csv, out, training__epochs=2, training__grad_accum=2, training__eval_every=3)
-    )
+    raw = tiny_spec(small_csv, out, training__epochs=2, training__grad_accum=2, training__eval_every=3)
+    # a relative data path is read next to the spec file, not from the working directory (the repo root)
+    (tmp / "data").mkdir()
+    shutil.copy(small_csv, tmp / "data" / "small.csv")
+    raw["data"]["train"] = "data/small.csv"
+    spec = write_spec(tmp / "job.yaml", raw)
     proc = kubetune("run", str(spec), env={"KUBETUNE_TRACE_DIR": str(trace)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, trace, proc

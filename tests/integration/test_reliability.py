@@ -96,13 +96,26 @@ def test_sigkilled_worker_then_rerun_resumes_exactly(reference, tmp_path, small_
     spec = write_spec(tmp_path / "job.yaml", _spec(small_csv, out))
     proc = _start(spec)
     wait_for_checkpoint(out, 6, proc)
+    # `kubetune status` from another shell, while the run goes: its progress (rank 0's progress.json)
+    running = json.loads(kubetune("status", "tiny", "--json").stdout)
+    progress = running["progress"]
+    assert running["phase"] == "Running" and running["kind"] == "LocalRun", running
+    assert 6 <= progress["step"] <= 16 and progress["total_steps"] == 16 and progress["epochs"] == 2
+    assert progress["loss"] > 0 and progress["eta_s"] >= 0 and progress["samples_per_s"] > 0
     os.kill(_worker_pids(proc.pid)[1], signal.SIGKILL)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 1 and "worker rank 1 failed with exit code -9" in err
+    failed = kubetune("status", "tiny")
+    assert "local run tiny: Failed" in failed.stdout and "reason: WorkerFailed" in failed.stdout, failed.stdout
+    # the log of a run outside a terminal: plain progress lines, no bar redrawn with \r
+    assert "\r" not in err and "progress: step=1/16 epoch=1/2 loss=" in err
     steps = sorted(int(p.name[5:]) for p in (out / "checkpoints").glob("step-*") if (p / "COMPLETE").exists())
     again = kubetune("run", str(spec))
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed from checkpoint step {steps[-1]} " in again.stderr
+    assert "progress: step=16/16 epoch=2/2" in again.stderr and "\r" not in again.stderr
+    done = kubetune("status", "tiny")
+    assert "local run tiny: Succeeded" in done.stdout and "metrics: eval_loss" in done.stdout, done.stdout
     assert _max_diff(_weights(out), _weights(reference)) == 0.0
     assert _eval(out) == _eval(reference)
     history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -120,6 +121,26 @@ def test_all_errors_reported_together():
     assert fields == ["data.max_length", "output", "training.epochs", "training.learnign_rate"]
 
 
+def test_cross_field_problems_are_reported_with_field_errors():
+    """A problem between sections is not hidden by a field error elsewhere (pydantic stops before
+    the cross checks): both come in one report, and two cross problems come on two lines."""
+    raw = _with(task="causal-lm", training__epochs=0, data__max_tokens_per_batch=256, data__max_length=512)
+    with pytest.raises(SpecError) as e:
+        parse_spec(raw)
+    lines = e.value.lines()
+    assert any(line.startswith("training.epochs:") for line in lines), lines
+    assert any("data.max_tokens_per_batch needs data.packing: true" in line for line in lines), lines
+    assert any("data.max_tokens_per_batch 256 is below data.max_length 512" in line for line in lines), lines
+    with pytest.raises(SpecError) as e:  # without a field error: both cross problems, one per line
+        parse_spec(_with(task="causal-lm", data__max_tokens_per_batch=256, data__max_length=512))
+    assert len([line for line in e.value.lines() if "max_tokens_per_batch" in line]) == 2, e.value.lines()
+    with pytest.raises(SpecError) as e:  # an unknown key with no near match points at explain
+        parse_spec(_with(training__zzz=1))
+    assert e.value.lines() == [
+        "training.zzz: unknown key — remove it (`kubetune explain training` lists the valid keys)"
+    ]
+
+
 @pytest.mark.parametrize(
     "overrides, check",
     [
@@ -171,3 +192,27 @@ def test_dump_roundtrip():
     spec = parse_spec(_with(lora={"r": 4, "target_modules": ["query", "value"]}))
     again = parse_spec(yaml.safe_load(dump_spec(spec)))
     assert again == spec
+
+
+def test_the_json_schema_accepts_every_example_and_refuses_what_validate_refuses(tmp_path):
+    """`kubetune schema` (what yaml-language-server validates job.yaml with in an editor): every
+    shipped example passes; an unknown key, a wrong type and a value out of range do not."""
+    import jsonschema
+    import yaml
+    from typer.testing import CliRunner
+
+    from kubetune.cli import app
+
+    result = CliRunner().invoke(app, ["schema", "-o", str(tmp_path / "schema.json")])
+    assert result.exit_code == 0, result.output
+    validator = jsonschema.Draft202012Validator(json.loads((tmp_path / "schema.json").read_text()))
+    examples = sorted((ROOT / "examples").glob("*.yaml"))
+    assert len(examples) >= 5
+    for path in examples:
+        assert not list(validator.iter_errors(yaml.safe_load(path.read_text()))), path.name
+    base = yaml.safe_load((ROOT / "examples" / "sentiment-minilm.yaml").read_text())
+    for key, value in (("learnign_rate", 1e-4), ("epochs", "two"), ("epochs", -1)):
+        bad = {**base, "training": {**base.get("training", {}), key: value}}
+        assert list(validator.iter_errors(bad)), (key, value)
+        with pytest.raises(SpecError):
+            parse_spec(bad)

@@ -165,6 +165,27 @@ def test_trainjob_structure():
     assert job["spec"]["runtimeRef"]["name"] == "torch-distributed"
 
 
+def test_mlflow_on_kubernetes_needs_a_server_the_pods_reach_and_credentials_by_reference():
+    with pytest.raises(SpecError) as e:
+        manifests.render(_spec(tracking__mlflow={"experiment": "x"}), "ns")
+    assert e.value.lines()[0].startswith("tracking.mlflow.uri: required on Kubernetes")
+    with pytest.raises(SpecError) as e:
+        manifests.render(_spec(tracking__mlflow={"uri": "http://localhost:5000"}), "ns")
+    assert "'http://localhost:5000' is this machine, not reachable from the pods" in e.value.lines()[0]
+    spec = _spec(
+        tracking__mlflow={"uri": "http://mlflow.kubetune.svc.cluster.local:5000"},
+        kubernetes__secrets={"mlflow": "mlflow-credentials"},
+    )
+    main = manifests.render(spec, "ns").job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][
+        0
+    ]
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in main["env"] if e["name"].startswith("MLFLOW_")}
+    assert refs == {
+        key: {"name": "mlflow-credentials", "key": key, "optional": True}
+        for key in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
+    }
+
+
 @pytest.mark.parametrize("stem, target", sorted(REFUSED))
 def test_example_refused_for_a_target_says_why(stem, target):
     with pytest.raises(SpecError) as e:

@@ -83,6 +83,8 @@ _EVERY_FIELD = [
     "kubernetes.active_deadline_seconds=3600",
     "kubernetes.tensorboard=true",
     "kubernetes.runtime=torch-distributed",
+    "kubernetes.secrets.mlflow=mlflow-credentials",
+    "tracking.mlflow.uri=http://mlflow.kubetune.svc.cluster.local:5000",
 ]
 _PYTORCHJOB_ONLY = [
     "kubernetes.priority_class=high",
@@ -106,6 +108,12 @@ def test_every_kubernetes_field_set_is_admitted_whole_as_a_pytorchjob(example, r
 def test_every_kubernetes_field_a_trainjob_carries_is_admitted_whole():
     job = manifests.render(load_spec(ROOT / "examples" / "llama-lora.yaml", _EVERY_FIELD), "team-a", "trainjob").job
     assert job["spec"]["suspend"] is True
+    # the MLflow credentials by reference only, each key optional (a user and password, or a token)
+    env = job["spec"]["trainer"]["env"]
+    assert {
+        "name": "MLFLOW_TRACKING_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": "mlflow-credentials", "key": "MLFLOW_TRACKING_TOKEN", "optional": True}},
+    } in env
     assert admit(job, "trainjob", "v2.3.0") == ([], [])
 
 

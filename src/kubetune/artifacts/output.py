@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 MARKER = ".kubetune-output"
 # Swapped in together when a run finishes; metrics.json last, since it marks a finished run.
 FINAL = ("model", "adapter", "plots", "report.html", "job.yaml", "metrics.json")
-LIVE = ("history.jsonl", "tensorboard", "checkpoints")  # written while the run goes
+LIVE = ("history.jsonl", "progress.json", "tensorboard", "checkpoints")  # written while the run goes
 OWNED = FINAL + LIVE + (MARKER,)
 STAGING_PREFIX = ".kubetune-staging-"
 _FIX = "pick a new output.uri, or pass --overwrite (output.overwrite: true)"

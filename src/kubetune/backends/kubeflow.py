@@ -30,6 +30,9 @@ POD_FAILURES = (
     "InvalidImageName",
     "Error",
 )
+# The rank-0 log lines `status` reads for progress: the newest progress line is among the last few;
+# an evaluation older than this many lines (more than ~400 log steps ago) is not shown.
+PROGRESS_LINES = 400
 IN_CLUSTER_NS = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
@@ -403,11 +406,17 @@ class KubeflowBackend:
             cond = next((c for c in reversed(st.get("conditions") or []) if c.get("type") == "Failed"), {})
             result.reason, result.message = cond.get("reason"), cond.get("message")
         result.output = self._output_of(name)
+        # Progress from rank 0's log (its `progress:` and evaluation lines): the CLI may already read
+        # pod logs, so no annotation to patch and no extra RBAC for the pods.
+        master = next((p for p in result.pods if p.node_rank == 0 and p.phase in ("Running", "Succeeded")), None)
+        if master is not None:
+            from kubetune.training.loggers import progress_from_log
+
+            result.progress = progress_from_log(self._tail(master.name, PROGRESS_LINES))
         return result
 
-    def _output_of(self, name: str) -> str | None:
-        """Where the job writes its artifacts, read from its spec ConfigMap (None once the job,
-        and with it the ConfigMap, is gone)."""
+    def spec_of(self, name: str):
+        """The job's spec, read from its ConfigMap (None once the job, and with it the ConfigMap, is gone)."""
         import yaml
         from kubernetes.client.exceptions import ApiException
 
@@ -415,10 +424,14 @@ class KubeflowBackend:
 
         try:
             cm = self.core.read_namespaced_config_map(f"{name}-spec", self.namespace)
-            spec = parse_spec(yaml.safe_load((cm.data or {}).get("job.yaml", "")) or {})
+            return parse_spec(yaml.safe_load((cm.data or {}).get("job.yaml", "")) or {})
         except (ApiException, KubetuneError, ValueError, TypeError):
             return None
-        return output_location(spec)
+
+    def _output_of(self, name: str) -> str | None:
+        """Where the job writes its artifacts (None once the job is gone)."""
+        spec = self.spec_of(name)
+        return output_location(spec) if spec is not None else None
 
     def _pods(self, name: str) -> list[PodInfo]:
         with self._errors("list", "pods"):
@@ -459,7 +472,7 @@ class KubeflowBackend:
             if not pods:
                 raise KubetuneError(
                     f"no pod with node rank {want} in '{name}'",
-                    field="--rank",
+                    field="--node",
                     fix=f"use 0..{len(self._pods(name)) - 1} or --all",
                 )
         if len(pods) == 1:

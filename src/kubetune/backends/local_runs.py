@@ -68,7 +68,10 @@ class LocalJob:
             running.delete()
         workdir = Path(tempfile.mkdtemp(prefix=f"kubetune-{spec.name}-"))
         spec_file, log_path = workdir / "job.yaml", workdir / "job.log"
-        spec_file.write_text(dump_spec(spec))
+        from kubetune.config.load import resolve_data_paths
+
+        # the spec file is in a temporary directory: relative data paths are the caller's, from its directory
+        spec_file.write_text(dump_spec(resolve_data_paths(spec, Path.cwd())))
         with log_path.open("wb") as log:
             # A session of its own: a notebook's interrupt (SIGINT to the kernel's group) does not
             # stop the run, and delete() can kill the launcher and its workers together.
@@ -89,6 +92,9 @@ class LocalJob:
         code = self._proc.poll()
         phase = "Running" if code is None else "Succeeded" if code == 0 else "Failed"
         status = JobStatus(name=self.name, namespace="", kind=LOCAL_KIND, phase=phase)
+        from kubetune.training.loggers import read_progress
+
+        status.progress = read_progress(self.output)
         if code not in (None, 0):
             status.log_tail = list(self.logs(tail=_LOG_TAIL))
             said = [line for line in status.log_tail if line.startswith(("error: ", "stopped: "))]
@@ -199,6 +205,23 @@ class LocalJob:
             os.killpg(self._proc.pid, signal.SIGKILL)
             self._proc.wait()
 
+    def progress(self) -> dict | None:
+        """Rank 0's progress.json (step, total_steps, epoch, loss, lr, rates, eta_s, last_eval), or None."""
+        from kubetune.training.loggers import read_progress
+
+        return read_progress(self.output)
+
+    def metrics(self) -> dict | None:
+        """The finished run's metrics.json, or None before it succeeded."""
+        import json
+
+        if self.status().phase != "Succeeded":  # an earlier run's metrics.json may still be there
+            return None
+        try:
+            return json.loads((self.output / "metrics.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+
     @property
     def output(self) -> Path:
         return Output.resolve(self.spec.output.uri).local
@@ -244,3 +267,95 @@ class LocalBackend:
 
 def _decode(line: bytes) -> str:
     return line.removesuffix(b"\n").decode("utf-8", errors="replace")
+
+
+# ---- `kubetune run`'s record, for `kubetune status NAME` from another shell ----
+# Written by every `kubetune run` (the CLI's own process): its pid, its output and, once it
+# ends, its exit code. Only the run's own record file is ever replaced.
+
+
+def runs_dir() -> Path:
+    """``$KUBETUNE_STATE_DIR/runs``, else ``$XDG_STATE_HOME/kubetune/runs`` (``~/.local/state``)."""
+    base = os.environ.get("KUBETUNE_STATE_DIR")
+    if not base:
+        base = str(Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "kubetune")
+    return Path(base) / "runs"
+
+
+def record_run(spec: JobSpec) -> Path | None:
+    """Note that this process runs ``spec``; None where the state directory cannot be written
+    (status then does not know the run; training goes on)."""
+    import json
+
+    from kubetune.paths import write_atomic
+
+    path = runs_dir() / f"{spec.name}.json"
+    record = {
+        "name": spec.name,
+        "pid": os.getpid(),
+        "started": time.time(),
+        "output": spec.output.uri,
+        "local": str(Output.resolve(spec.output.uri).local),
+        "exit_code": None,
+    }
+    try:
+        write_atomic(path, json.dumps(record) + "\n")
+    except OSError:
+        return None
+    return path
+
+
+def end_run(path: Path, code: int) -> None:
+    import json
+
+    from kubetune.paths import write_atomic
+
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        if record.get("pid") == os.getpid():  # a later run of the same name owns the record now
+            write_atomic(path, json.dumps({**record, "exit_code": code, "ended": time.time()}) + "\n")
+    except (OSError, ValueError):
+        pass
+
+
+def recorded_status(name: str) -> JobStatus | None:
+    """The status of the newest `kubetune run` of job ``name`` on this machine, with its progress
+    (the run's ``progress.json``) and, once it succeeded, its headline metrics; None if none ran."""
+    import json
+
+    from kubetune.training.loggers import read_progress
+
+    try:
+        record = json.loads((runs_dir() / f"{name}.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    code = record.get("exit_code")
+    if code is None and not _alive(record.get("pid")):
+        code = -signal.SIGKILL  # gone without saying how it ended
+    phase = "Running" if code is None else "Succeeded" if code == 0 else "Failed"
+    status = JobStatus(name=name, namespace="", kind=LOCAL_KIND, phase=phase, output=record.get("output"))
+    if code not in (None, 0):
+        status.reason = _EXIT_REASONS.get(code, "Error")
+        status.message = f"kubetune run exited with code {code}" if code > 0 else "kubetune run was killed"
+    out = Path(record.get("local", ""))
+    status.progress = read_progress(out)
+    if phase == "Succeeded":
+        try:
+            status.metrics = json.loads((out / "metrics.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            pass
+    return status
+
+
+def _alive(pid) -> bool:
+    """Whether ``pid`` is still a kubetune process (not another one that reused the number)."""
+    try:
+        os.kill(int(pid), 0)
+    except (ProcessLookupError, TypeError, ValueError):
+        return False
+    except PermissionError:
+        pass
+    try:
+        return b"kubetune" in Path(f"/proc/{int(pid)}/cmdline").read_bytes()
+    except OSError:
+        return True  # no /proc (macOS): trust the signal check

@@ -122,7 +122,8 @@ def build_pvc(spec: JobSpec, namespace: str) -> dict | None:
 
 
 def secret_env(spec: JobSpec) -> tuple[list[k8s.V1EnvVar], list[k8s.V1EnvFromSource]]:
-    """Secrets only by reference: HF_TOKEN via secretKeyRef, S3 credentials via envFrom.secretRef."""
+    """Secrets only by reference: HF_TOKEN and the MLflow credentials via secretKeyRef, S3 credentials
+    via envFrom.secretRef."""
     s = spec.kubernetes.secrets
     env = []
     if s.hf_token:
@@ -134,8 +135,21 @@ def secret_env(spec: JobSpec) -> tuple[list[k8s.V1EnvVar], list[k8s.V1EnvFromSou
                 ),
             )
         )
+    env += [
+        k8s.V1EnvVar(
+            name=key,
+            value_from=k8s.V1EnvVarSource(
+                secret_key_ref=k8s.V1SecretKeySelector(name=s.mlflow, key=key, optional=True)
+            ),
+        )
+        for key in (MLFLOW_SECRET_KEYS if s.mlflow else ())
+    ]
     env_from = [k8s.V1EnvFromSource(secret_ref=k8s.V1SecretEnvSource(name=s.s3))] if s.s3 else []
     return env, env_from
+
+
+# The MLflow client's credential variables: a Secret may hold a user and password, or a token.
+MLFLOW_SECRET_KEYS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
 
 
 def _common_env(spec: JobSpec) -> list[k8s.V1EnvVar]:
@@ -525,9 +539,10 @@ LOCAL_HOSTS = ("localhost", "127.0.0.1", "0.0.0.0", "::1", "[::1]")
 
 
 def cluster_problems(spec: JobSpec) -> list[str]:
-    """What makes a spec fail only inside a pod: model or data paths on this machine, and an S3
-    endpoint on localhost. Local paths work on a named claim that holds them (pvc mode with
-    existing_claim; relative paths and paths under /workspace are on it)."""
+    """What makes a spec fail only inside a pod: model or data paths on this machine, an S3
+    endpoint or MLflow server on localhost (or no MLflow server named). Local paths work on a named
+    claim that holds them (pvc mode with existing_claim; relative paths and paths under /workspace
+    are on it)."""
     from urllib.parse import urlsplit
 
     st = spec.kubernetes.storage
@@ -551,6 +566,17 @@ def cluster_problems(spec: JobSpec) -> list[str]:
             f"s3.endpoint_url: {endpoint!r} is this machine, not reachable from the pods — use the in-cluster address "
             "(e.g. http://minio.minio.svc.cluster.local:9000), or leave it out and put AWS_ENDPOINT_URL in the "
             "Secret kubernetes.secrets.s3"
+        )
+    mlflow = spec.tracking.mlflow
+    if mlflow is not None and not mlflow.uri:
+        out.append(
+            "tracking.mlflow.uri: required on Kubernetes (the pods do not see this machine's MLFLOW_TRACKING_URI) — "
+            "set it to the server's in-cluster address, e.g. http://mlflow.mlflow.svc.cluster.local:5000"
+        )
+    elif mlflow is not None and (urlsplit(mlflow.uri).hostname or "").lower() in LOCAL_HOSTS:
+        out.append(
+            f"tracking.mlflow.uri: {mlflow.uri!r} is this machine, not reachable from the pods — use the server's "
+            "in-cluster address, e.g. http://mlflow.mlflow.svc.cluster.local:5000"
         )
     return out
 

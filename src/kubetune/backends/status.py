@@ -36,6 +36,8 @@ class JobStatus:
     log_tail: list[str] = field(default_factory=list)
     pods: list[PodInfo] = field(default_factory=list)
     output: str | None = None  # where the job's artifacts are (or will be)
+    progress: dict | None = None  # step, total_steps, epoch, loss, lr, rates, eta_s, last_eval (rank 0's)
+    metrics: dict | None = None  # a succeeded job's metrics.json, where it can be read
 
     @property
     def done(self) -> bool:

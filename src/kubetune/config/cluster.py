@@ -157,7 +157,13 @@ class SecretsSpec(Section):
         "exposed through envFrom.secretRef.",
     )
 
-    @field_validator("s3")
+    mlflow: str | None = Field(
+        None,
+        description="Name of a Secret with MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD or "
+        "MLFLOW_TRACKING_TOKEN (each optional); each key exposed through an optional secretKeyRef.",
+    )
+
+    @field_validator("s3", "mlflow")
     @classmethod
     def _s3(cls, v):
         return _dns_subdomain(v, "Secret")

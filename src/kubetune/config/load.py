@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from kubetune.config.schema import DATA_SPECS, JobSpec
+from kubetune.config.schema import CROSS_SEPARATOR, DATA_SPECS, JobSpec
 from kubetune.errors import SpecError
 
 
@@ -174,8 +174,52 @@ def parse_spec(raw: Any, overrides: list[str] | None = None, source: str = "spec
     try:
         return JobSpec.model_validate(raw)
     except ValidationError as e:
-        problems = [line for line in map(_format_error, e.errors()) if line is not None]
+        problems = []
+        for err in e.errors():
+            if not err["loc"] and err["type"] == "value_error":  # the cross checks: one line each
+                msg = err["msg"].removeprefix("Value error, ")
+                problems += [f"spec: {line}" for line in msg.split(CROSS_SEPARATOR)]
+            elif (line := _format_error(err)) is not None:
+                problems.append(line)
+        if not any(p.startswith("spec: ") for p in problems):
+            # field errors stop pydantic before the cross checks: run them on the sections that are valid
+            problems += [f"spec: {line}" for line in _cross_problems_of(raw)]
         raise SpecError(problems, source) from None
+
+
+def _cross_problems_of(raw: dict) -> list[str]:
+    """``schema.cross_problems`` of the sections of ``raw`` that validate on their own."""
+    from kubetune.config.schema import DistributedSpec, KubernetesSpec, OutputSpec, TrackingSpec, cross_problems
+
+    def section(model, value):
+        try:
+            return model.model_validate(value if value is not None else {})
+        except (ValidationError, ValueError, TypeError):
+            return None
+
+    task = raw.get("task", "sequence-classification")
+    data = raw.get("data")
+    data = section(DATA_SPECS[task], {**data, "task": task}) if task in DATA_SPECS and isinstance(data, dict) else None
+    return cross_problems(
+        data,
+        section(DistributedSpec, raw.get("distributed")),
+        section(KubernetesSpec, raw.get("kubernetes")),
+        section(OutputSpec, raw.get("output")) if raw.get("output") is not None else None,
+        section(TrackingSpec, raw.get("tracking")),
+    )
+
+
+def resolve_data_paths(spec: JobSpec, base: Path) -> JobSpec:
+    """``spec`` with its relative local data paths (data.train, data.eval) made absolute against
+    ``base``: the spec file's directory for `kubetune run`, so a spec and its data move together
+    and run from any directory; the working directory for a spec object from Python. Not in a pod:
+    there a relative path is on the workspace claim (README, "Paths")."""
+    update = {}
+    for key in ("train", "eval"):
+        value = getattr(spec.data, key, None)
+        if isinstance(value, str) and value and "://" not in value and not value.startswith(("/", "~")):
+            update[key] = str(base.resolve() / value)
+    return spec.model_copy(update={"data": spec.data.model_copy(update=update)}) if update else spec
 
 
 def dump_spec(spec: JobSpec) -> str:
@@ -235,7 +279,8 @@ def _format_error(err: dict) -> str | None:
     got = err.get("input")
     if kind == "extra_forbidden":
         hint = _suggest(loc, task)
-        fix = f"did you mean '{hint}'?" if hint else "remove it (see `kubetune validate --help` for the schema)"
+        where = f"kubetune explain {loc[0]}" if len(loc) > 1 else "kubetune explain"
+        fix = f"did you mean '{hint}'?" if hint else f"remove it (`{where}` lists the valid keys)"
         return f"{field}: unknown key — {fix}"
     if kind == "missing":
         desc = _describe(loc, task)
@@ -312,6 +357,20 @@ def _describe(loc: list[str], task: str | None = None) -> str:
 def _fix_for(loc: list[str], task: str | None = None) -> str:
     desc = _describe(loc, task)
     return f"expected: {desc}" if desc else "see the schema in README.md"
+
+
+def json_schema() -> dict:
+    """The spec's JSON Schema for editors (yaml-language-server). The data section is one model per
+    task, told apart by the job's top-level ``task``, which JSON Schema's discriminator cannot read
+    (it wants the tag inside ``data``): there the section may be any task's (``anyOf``), and
+    ``kubetune validate`` checks that it is the job's task's."""
+    schema = JobSpec.model_json_schema()
+    data = schema["properties"]["data"]
+    data.pop("discriminator", None)
+    data["anyOf"] = data.pop("oneOf")
+    for ref in data["anyOf"]:
+        schema["$defs"][ref["$ref"].rsplit("/", 1)[-1]]["properties"].pop("task", None)  # internal tag
+    return schema
 
 
 def field_reference() -> list[tuple[str, str, str, str]]:

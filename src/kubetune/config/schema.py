@@ -298,6 +298,37 @@ class S3Spec(Section):
     )
 
 
+class MLflowSpec(Section):
+    uri: str | None = Field(
+        None,
+        description="The MLflow tracking server (http(s)://HOST:PORT); absent: MLFLOW_TRACKING_URI. Credentials come "
+        "from MLFLOW_TRACKING_USERNAME/PASSWORD or MLFLOW_TRACKING_TOKEN in the environment (on Kubernetes: "
+        "kubernetes.secrets.mlflow), never from the spec.",
+    )
+    experiment: str = Field("kubetune", min_length=1, description="The MLflow experiment (created if missing).")
+    run_name: str | None = Field(None, description="The MLflow run's name; absent: the job's name.")
+    tags: dict[str, str] = Field(default_factory=dict, description="Extra tags on the MLflow run.")
+    register_model: str | None = Field(
+        None,
+        description="Register the exported model (by its output.uri) under this name in the model registry.",
+    )
+
+    @field_validator("uri")
+    @classmethod
+    def _http(cls, v):
+        if v is not None and not v.startswith(("http://", "https://")):
+            raise ValueError("must be an http:// or https:// URL of an MLflow tracking server, e.g. http://mlflow:5000")
+        return v
+
+
+class TrackingSpec(Section):
+    mlflow: MLflowSpec | None = Field(
+        None,
+        description="Log params, metrics, system facts and artifacts to an MLflow tracking server (rank 0 only); "
+        "a resumed run continues the same MLflow run.",
+    )
+
+
 class OutputSpec(Section):
     uri: str = Field(
         description="Where artifacts go: a local directory (plain path or file://), "
@@ -369,6 +400,7 @@ class JobSpec(Section):
     training: TrainSpec = Field(default_factory=TrainSpec, description="The training recipe.")
     distributed: DistributedSpec = Field(default_factory=DistributedSpec, description="Nodes × processes per node.")
     output: OutputSpec = Field(description="Where the exported model, metrics and report are written.")
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec, description="Experiment trackers (MLflow).")
     s3: S3Spec = Field(
         default_factory=S3Spec,
         description="S3 / MinIO connection settings (credentials come from the environment, never the spec).",
@@ -404,20 +436,46 @@ class JobSpec(Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> JobSpec:
-        if isinstance(self.data, ClassificationData):
-            if self.data.text_pair_column and self.data.text_pair_column == self.data.text_column:
-                raise ValueError("data.text_pair_column must differ from data.text_column")
-            if self.data.label_column in (self.data.text_column, self.data.text_pair_column):
-                raise ValueError("data.label_column must differ from the text columns")
-        if isinstance(self.data, CausalLMData) and self.data.max_tokens_per_batch is not None:
-            if not self.data.packing:
-                raise ValueError("data.max_tokens_per_batch needs data.packing: true (micro-batches of packed tokens)")
-            if self.data.max_tokens_per_batch < self.data.max_length:
-                raise ValueError(
-                    f"data.max_tokens_per_batch {self.data.max_tokens_per_batch} is below data.max_length "
-                    f"{self.data.max_length}: raise it to at least data.max_length, so the longest example fits"
-                )
-        elastic = self.kubernetes.elastic
-        if elastic and not elastic.min_nodes <= self.distributed.nodes <= elastic.max_nodes:
-            raise ValueError("distributed.nodes must lie between kubernetes.elastic.min_nodes and max_nodes")
+        problems = cross_problems(self.data, self.distributed, self.kubernetes, self.output, self.tracking)
+        if problems:
+            raise ValueError(CROSS_SEPARATOR.join(problems))  # parse_spec reports each on its own line
         return self
+
+
+CROSS_SEPARATOR = "\n"
+
+
+def cross_problems(
+    data,
+    distributed: DistributedSpec | None,
+    kubernetes: KubernetesSpec | None,
+    output: OutputSpec | None = None,
+    tracking: TrackingSpec | None = None,
+) -> list[str]:
+    """The problems between fields of different sections (each section valid on its own); ``None``
+    for a section that is not valid (its checks are skipped). Also run by ``load.parse_spec`` when
+    other fields fail, so that every problem of a spec is reported at once."""
+    out = []
+    if isinstance(data, ClassificationData):
+        if data.text_pair_column and data.text_pair_column == data.text_column:
+            out.append("data.text_pair_column must differ from data.text_column")
+        if data.label_column in (data.text_column, data.text_pair_column):
+            out.append("data.label_column must differ from the text columns")
+    if isinstance(data, CausalLMData) and data.max_tokens_per_batch is not None:
+        if not data.packing:
+            out.append("data.max_tokens_per_batch needs data.packing: true (micro-batches of packed tokens)")
+        if data.max_tokens_per_batch < data.max_length:
+            out.append(
+                f"data.max_tokens_per_batch {data.max_tokens_per_batch} is below data.max_length "
+                f"{data.max_length}: raise it to at least data.max_length, so the longest example fits"
+            )
+    mlflow = tracking.mlflow if tracking is not None else None
+    if mlflow and mlflow.register_model and output is not None and not output.uri.startswith("s3://"):
+        out.append(
+            f"tracking.mlflow.register_model needs output.uri on s3:// (the registry references the model where it "
+            f"is, and refuses a local path such as {output.uri!r}) — write the output to s3://, or drop register_model"
+        )
+    elastic = kubernetes.elastic if kubernetes is not None else None
+    if elastic and distributed is not None and not elastic.min_nodes <= distributed.nodes <= elastic.max_nodes:
+        out.append("distributed.nodes must lie between kubernetes.elastic.min_nodes and max_nodes")
+    return out

@@ -6,10 +6,17 @@
 
 from __future__ import annotations
 
+import json
+import logging
+import time
 from pathlib import Path
 from typing import Protocol
 
 from kubetune import artifacts
+
+log = logging.getLogger("kubetune.progress")
+
+PROGRESS = "progress.json"
 
 
 class MetricLogger(Protocol):
@@ -57,5 +64,167 @@ class Loggers:
             logger.log(kind, step, metrics, context or {})
 
     def close(self) -> None:
-        for logger in self.loggers:
+        """Close every logger once (the export closes them; so does any other way training ends)."""
+        loggers, self.loggers = self.loggers, []
+        for logger in loggers:
             logger.close()
+
+
+class ProgressLogger:
+    """Readable progress: a plain log line per logged step, whether or not stderr is a terminal (no
+    ``\\r``; the tqdm bar is drawn on a terminal only), and ``progress.json``, atomically replaced,
+    with the same fields and the last evaluation: what ``kubetune status`` shows.
+
+    The line is ``progress: step=40/200 epoch=1/3 loss=0.6931 lr=2.00e-05 samples/s=91.2
+    tokens/s=5400 eta=1m32s``: key=value pairs, so ``parse_line`` reads it back from a pod's log
+    (how a cluster job's progress reaches ``kubetune status``, with no extra RBAC)."""
+
+    def __init__(self, out: Path, total_steps: int, epochs: int, start_step: int, train_s: float = 0.0):
+        self.path = out / PROGRESS
+        self.total, self.epochs = total_steps, epochs
+        # rates over the last interval; the ETA from this session's steps (a resumed run's first
+        # steps are not slowed by the earlier session's)
+        self.t0, self.step0 = time.monotonic(), start_step
+        self.last = (self.t0, None, None)
+        self.record: dict = {"phase": "training", "step": start_step, "total_steps": total_steps}
+        previous = _read(self.path)
+        if previous.get("last_eval"):
+            self.record["last_eval"] = previous["last_eval"]
+
+    def log(self, kind: str, step: int, metrics: dict, context: dict) -> None:
+        now = time.monotonic()
+        if kind == "eval":
+            self.record["last_eval"] = {"step": step, **{k: v for k, v in metrics.items() if isinstance(v, float)}}
+            self.record["phase"] = "training" if step < self.total else "finishing"
+            self._write()
+            return
+        t, samples, tokens = self.last
+        dt = max(now - t, 1e-9)
+        rec = self.record
+        rec.update(step=step, epoch=context.get("epoch"), epochs=self.epochs, loss=metrics.get("loss"))
+        rec["lr"] = metrics.get("lr")
+        rec["samples_per_s"] = (context["samples"] - samples) / dt if samples is not None else None
+        rec["tokens_per_s"] = (context["tokens"] - tokens) / dt if tokens is not None and "tokens" in context else None
+        done = step - self.step0
+        rec["eta_s"] = (self.total - step) * (now - self.t0) / done if done > 0 else None
+        rec["phase"] = "training" if step < self.total else "finishing"
+        rec["updated"] = time.time()
+        self.last = (now, context.get("samples"), context.get("tokens"))
+        log.info("progress: %s", format_line(rec))
+        self._write()
+
+    def finish(self, phase: str, **extra) -> None:
+        self.record.update(phase=phase, updated=time.time(), **extra)
+        self._write()
+
+    def _write(self) -> None:
+        artifacts.write_atomic(self.path, json.dumps(self.record, indent=1) + "\n")
+
+    def close(self) -> None:
+        pass
+
+
+def format_line(rec: dict) -> str:
+    parts = [f"step={rec['step']}/{rec['total_steps']}"]
+    if rec.get("epoch") is not None:
+        parts.append(f"epoch={rec['epoch']}/{rec['epochs']}")
+    if rec.get("loss") is not None:
+        parts.append(f"loss={rec['loss']:.4f}")
+    if rec.get("lr") is not None:
+        parts.append(f"lr={rec['lr']:.2e}")
+    if rec.get("samples_per_s") is not None:
+        parts.append(f"samples/s={rec['samples_per_s']:.1f}")
+    if rec.get("tokens_per_s") is not None:
+        parts.append(f"tokens/s={rec['tokens_per_s']:.0f}")
+    if rec.get("eta_s") is not None:
+        parts.append(f"eta={duration(rec['eta_s'])}")
+    return " ".join(parts)
+
+
+def duration(seconds: float) -> str:
+    s = int(round(seconds))
+    h, m, s = s // 3600, s // 60 % 60, s % 60
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+def _seconds(text: str) -> float:
+    total, num = 0.0, ""
+    for ch in text:
+        if ch.isdigit() or ch == ".":
+            num += ch
+        else:
+            total += float(num or 0) * {"h": 3600, "m": 60, "s": 1}[ch]
+            num = ""
+    return total
+
+
+def parse_line(line: str) -> dict | None:
+    """The progress record of a ``progress:`` log line (as written by ``ProgressLogger``), else None."""
+    _, sep, rest = line.partition("progress: ")
+    if not sep:
+        return None
+    rec: dict = {"phase": "training"}
+    try:
+        for pair in rest.split():
+            key, _, value = pair.partition("=")
+            if key in ("step", "epoch"):
+                done, _, total = value.partition("/")
+                rec[key] = int(done)
+                rec["total_steps" if key == "step" else "epochs"] = int(total)
+            elif key == "eta":
+                rec["eta_s"] = _seconds(value)
+            elif key in ("loss", "lr"):
+                rec[key] = float(value)
+            elif key in ("samples/s", "tokens/s"):
+                rec[key.replace("/", "_per_")] = float(value)
+    except (ValueError, KeyError):
+        return None
+    return rec if "step" in rec else None
+
+
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+
+
+def read_progress(out: Path) -> dict | None:
+    """``progress.json`` of an output directory, or None."""
+    return _read(out / PROGRESS) or None
+
+
+def progress_from_log(lines: list[str]) -> dict | None:
+    """Rank 0's progress read back from its log: the last ``progress:`` line, with the last
+    evaluation line (``epoch E, step S: eval_loss X ...``) as ``last_eval`` and, once the run is
+    done, the headline ``metrics`` and ``output`` of its ``done:`` line; None without any."""
+    import re
+
+    record, last_eval, done = None, None, None
+    evaluation = re.compile(r"epoch \d+, step (\d+): ((?:eval_\w+ \S+ ?)+)$")
+    finished = re.compile(r"done: ((?:\w+ [-+.\deE]+, )+)[\d.]+ samples/s; artifacts in (\S+)")
+    for line in lines:
+        m = finished.search(line)
+        if m:
+            pairs = [p.split() for p in m.group(1).rstrip(", ").split(", ")]
+            done = {"metrics": {k: float(v) for k, v in pairs}, "output": m.group(2)}
+            continue
+        found = parse_line(line)
+        if found:
+            record = found
+            continue
+        m = evaluation.search(line.rstrip())
+        if m:
+            pairs = m.group(2).split()
+            try:
+                last_eval = {"step": int(m.group(1)), **{k: float(v) for k, v in zip(pairs[::2], pairs[1::2])}}
+            except ValueError:
+                pass
+    if record is None and last_eval is None and done is None:
+        return None
+    record = record or {}
+    if last_eval:
+        record["last_eval"] = last_eval
+    if done:
+        record.update(phase="succeeded", **done)
+    return record

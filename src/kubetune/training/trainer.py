@@ -35,7 +35,7 @@ from kubetune.providers.destination import Output
 from kubetune.tasks import Task, base
 from kubetune.tasks.common import build_optimizer, load_tokenizer, resolve_precision, seed_everything
 from kubetune.training import strategy as strategies
-from kubetune.training.loggers import JSONLLogger, Loggers, TensorBoardLogger
+from kubetune.training.loggers import JSONLLogger, Loggers, ProgressLogger, TensorBoardLogger
 from kubetune.training.state import TrainState
 from kubetune.training.strategy import Strategy
 
@@ -190,25 +190,48 @@ class Trainer:
 
     def _start_logging(self, found: checkpoint.Found | None, cleanup: contextlib.ExitStack | None) -> None:
         resume_step = self.state.global_step if found else None
-        writers = []
+        writers: list = []
+        self.progress = self.mlflow = None
+        self._tokens_seen = torch.zeros(1, dtype=torch.float64, device=self.device)
         if self.env.is_main:
+            self.progress = ProgressLogger(self.out, self.total_steps, self.cfg.epochs, self.state.global_step)
             writers = [
                 JSONLLogger(self.out, resume_step, found.path / "history.jsonl" if found else None),
                 TensorBoardLogger(self.out, resume_step),
+                self.progress,
             ]
+            if self.spec.tracking.mlflow:
+                from kubetune.training.tracking import MLflowLogger
+                from kubetune.version import __version__
+
+                facts = {
+                    "world_size": self.env.world_size,
+                    "device": self.device.type,
+                    "precision": str(self.dtype).removeprefix("torch."),
+                    "strategy": self.strategy.name,
+                    "version": __version__,
+                }
+                # its run id goes into the trainer state, so the next checkpoint carries it to a resumed run
+                self.mlflow = MLflowLogger(self.spec, self.state.logger_runs, facts)
+                writers.append(self.mlflow)
         self.loggers = Loggers(writers)
-        interval = 1.0 if _tty() else 30.0
+        # The bar on a terminal only: elsewhere (a pod's log, a file) it would redraw with \r into the
+        # log lines; the progress lines say the same there.
         self.bar = tqdm(
             total=self.total_steps,
             initial=self.state.global_step,
             desc="train",
             unit="step",
-            disable=not self.env.is_main,
+            disable=not (self.env.is_main and _tty()),
             dynamic_ncols=True,
-            mininterval=interval,
+            mininterval=1.0,
         )
         if cleanup is not None:
             cleanup.callback(self.bar.close)  # however training ends, the bar's line ends before an error is printed
+            # However training ends: TensorBoard's writer thread is not a daemon, and left open after
+            # an error it kept rank 0's process from exiting until the launcher's teardown SIGKILLed
+            # it 30 s later (the diverged-run test then saw a killed rank, exit 1, not the user error).
+            cleanup.callback(self.loggers.close)
         cfg = self.cfg
         n_micro = self.grad_accum * self.env.world_size
         if self.token_budget:
@@ -342,11 +365,19 @@ class Trainer:
         loss = (s.log_loss[0] / s.log_loss[1].clamp(min=1)).item()
         s.log_loss.zero_()
         self.guard.check(s.global_step, self.out, self.spec, loss)
+        # every rank's real tokens so far, for the progress line's tokens/s (one small reduction per log
+        # line), into a buffer that lives as long as the trainer: a temporary one could be freed last by
+        # gloo's thread, which needs the GIL for that (see worker._exit_now)
+        self._tokens_seen.fill_(s.tokens[0])
+        tokens = distributed.all_reduce_sum(self._tokens_seen)
         s.logged_losses.append(loss)
         lr = self.scheduler.get_last_lr()[0]
         self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
         self.loggers.log(
-            "train", s.global_step, {"loss": loss, "lr": lr}, {"epoch": s.epoch + 1, "samples": s.samples_seen}
+            "train",
+            s.global_step,
+            {"loss": loss, "lr": lr},
+            {"epoch": s.epoch + 1, "samples": s.samples_seen, "tokens": int(tokens.item())},
         )
 
     # ---- evaluation and checkpoints ----
@@ -439,6 +470,10 @@ class Trainer:
 
     def _preempted(self) -> None:
         self.bar.close()
+        if self.progress:
+            self.progress.finish("stopped")
+        if self.mlflow:
+            self.mlflow.finish(self.out, status="KILLED")
         if self.env.is_main:
             log.warning(
                 "stopped on signal after step %d; checkpoint written — run the same job again to resume",
@@ -468,7 +503,8 @@ class Trainer:
             "total_runtime_s": None,
             "world_size": env.world_size,
             "global_step": s.global_step,
-            "epochs_completed": s.epoch + 1,
+            # an epoch cut short by training.max_steps is not a completed one
+            "epochs_completed": s.epoch + int(s.step_in_epoch >= self.epoch_steps[s.epoch]),
             "train_rows": data.train_rows,
             "eval_rows": data.eval_rows,
             "dropped_rows": data.dropped,
@@ -511,6 +547,12 @@ class Trainer:
         finally:
             shutil.rmtree(staged, ignore_errors=True)
         artifacts.publish(spec, self.dest, metrics, self.task.present)
+        if self.progress:
+            self.progress.finish(
+                "succeeded", metrics={k: metrics[k] for k in self.task.headline}, output=spec.output.uri
+            )
+        if self.mlflow:
+            self.mlflow.finish(out)
         # Only now that the artifact is safely in place: a failed upload can still resume. A rerun
         # then starts a new run, and predict/pull never fetch optimizer state.
         checkpoint.clear(self.dest)

@@ -1,0 +1,251 @@
+"""MLflow tracking against a real `mlflow server` (sqlite backend store, local artifact root) that
+this module starts on 127.0.0.1 and stops; the run is read back through MLflow's own client."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import ROOT, kubetune, tiny_spec, wait_for_checkpoint, write_spec
+
+from kubetune.training.tracking import MLflowLogger
+
+pytestmark = pytest.mark.integration
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mlflow")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    # the server runs from its own environment (`make test` makes it: requirements-mlflow-server.txt)
+    server = Path(os.environ.get("KUBETUNE_MLFLOW_SERVER") or ROOT / ".venv-mlflow" / "bin" / "mlflow")
+    assert server.exists(), f"no MLflow server at {server}: run `make test` (it installs one into .venv-mlflow)"
+    proc = subprocess.Popen(
+        [
+            str(server),
+            "server",
+            "--backend-store-uri",
+            f"sqlite:///{root / 'mlflow.db'}",
+            "--artifacts-destination",
+            str(root / "artifacts"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=open(root / "server.log", "w"),
+        start_new_session=True,
+    )
+    deadline = time.time() + 120
+    while True:
+        try:
+            if urllib.request.urlopen(f"{url}/health", timeout=2).read().strip() == b"OK":
+                break
+        except OSError:
+            pass
+        assert proc.poll() is None, (root / "server.log").read_text()[-3000:]
+        assert time.time() < deadline, "mlflow server did not start"
+        time.sleep(0.5)
+    yield url
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _spec(small_csv, out: Path, uri: str, experiment: str) -> dict:
+    spec = tiny_spec(
+        small_csv,
+        out,
+        training={"epochs": 2, "batch_size": 8, "log_every": 1, "checkpoint_every": 3, "seed": 5, "eval_every": 4},
+    )
+    spec["output"]["report_baseline"] = False
+    spec["tracking"] = {"mlflow": {"uri": uri, "experiment": experiment, "tags": {"team": "nlp"}}}
+    return spec
+
+
+def _history(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
+
+
+def test_a_run_stopped_by_sigterm_and_resumed_is_one_mlflow_run_with_every_step_once(
+    mlflow_server, tmp_path, small_csv
+):
+    from mlflow.tracking import MlflowClient
+
+    out = tmp_path / "out"
+    spec = write_spec(tmp_path / "job.yaml", _spec(small_csv, out, mlflow_server, "resume"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kubetune", "run", str(spec)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    wait_for_checkpoint(out, 6, proc)
+    os.kill(proc.pid, signal.SIGTERM)  # preemption: a checkpoint at the next step, exit 143
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    again = kubetune("run", str(spec))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "MLflow: continuing run" in again.stderr
+
+    client = MlflowClient(tracking_uri=mlflow_server)
+    experiment = client.get_experiment_by_name("resume")
+    runs = client.search_runs([experiment.experiment_id])
+    assert len(runs) == 1  # the resumed run continued the same MLflow run
+    run = runs[0]
+    assert run.info.status == "FINISHED" and run.info.run_name == "tiny"
+    history = _history(out)
+    train = {h["step"]: h for h in history if h["type"] == "train"}
+    evals = {h["step"]: h for h in history if h["type"] == "eval"}
+    losses = client.get_metric_history(run.info.run_id, "train/loss")
+    steps = [m.step for m in losses]
+    assert sorted(steps) == list(range(1, 17)) == sorted(train)  # no gap, no duplicate
+    assert all(abs(m.value - train[m.step]["loss"]) < 1e-9 for m in losses)
+    lrs = client.get_metric_history(run.info.run_id, "train/lr")
+    assert sorted(m.step for m in lrs) == steps
+    accuracy = client.get_metric_history(run.info.run_id, "eval/accuracy")
+    assert sorted(m.step for m in accuracy) == sorted(evals) and len(evals) >= 3
+    assert all(abs(m.value - evals[m.step]["eval_accuracy"]) < 1e-9 for m in accuracy)
+    params, tags = run.data.params, run.data.tags
+    resolved = yaml.safe_load((out / "job.yaml").read_text())  # the resolved spec, flattened into params
+    assert float(params["training.learning_rate"]) == resolved["training"]["learning_rate"]
+    assert params["distributed.procs_per_node"] == "2" and params["task"] == "sequence-classification"
+    assert tags["kubetune.world_size"] == "2" and tags["kubetune.device"] == "cpu" and tags["team"] == "nlp"
+    assert tags["kubetune.output_uri"] == str(out)
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"metrics.json", "job.yaml", "report.html", "plots"} <= artifacts
+    local = client.download_artifacts(run.info.run_id, "metrics.json", str(tmp_path))
+    assert json.loads(Path(local).read_text()) == json.loads((out / "metrics.json").read_text())
+
+
+class _Refusing(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(401)
+        self.send_header("WWW-Authenticate", 'Basic realm="mlflow"')
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_POST = do_GET
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_server_that_is_down_or_refuses_the_credentials_is_one_line_before_training(tmp_path, small_csv):
+    """Down: a port nothing listens on. Refusing: a stand-in answering 401 as an MLflow server
+    with basic auth does (its auth app needs a user database set up; the client sees only the 401)."""
+    down = f"http://127.0.0.1:{_free_port()}"
+    spec = write_spec(tmp_path / "down.yaml", _spec(small_csv, tmp_path / "out1", down, "x"))
+    r = kubetune("run", str(spec))
+    lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
+    assert lines[0].startswith(f"error: tracking.mlflow.uri: cannot reach the MLflow server at {down}")
+    assert not (tmp_path / "out1").exists()  # nothing written: it failed before the workers started
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Refusing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        uri = f"http://127.0.0.1:{server.server_address[1]}"
+        spec = write_spec(tmp_path / "refused.yaml", _spec(small_csv, tmp_path / "out2", uri, "x"))
+        r = kubetune("run", str(spec), env={"MLFLOW_TRACKING_USERNAME": "u", "MLFLOW_TRACKING_PASSWORD": "s3cr3t-pw"})
+    finally:
+        server.shutdown()
+    lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
+    assert f"the MLflow server at {uri} refused the credentials (HTTP 401)" in lines[0]
+    assert "MLFLOW_TRACKING_PASSWORD" in lines[0] and "s3cr3t-pw" not in r.stderr
+
+
+def test_a_server_lost_mid_run_does_not_stop_training_and_the_gap_is_reported(mlflow_server, tmp_path):
+    """The logger alone (rank 0's), against the real server, which then goes away: each failed
+    send costs no retries, training goes on, and the end says which steps are missing."""
+    import logging
+
+    from kubetune.config import parse_spec
+
+    spec = parse_spec(
+        {
+            "name": "lost",
+            "model": {"uri": "m"},
+            "data": {"train": "t.csv"},
+            "output": {"uri": str(tmp_path / "out")},
+            "tracking": {"mlflow": {"uri": mlflow_server, "experiment": "lost"}},
+        }
+    )
+    runs: dict = {}
+    logger = MLflowLogger(spec, runs, {"world_size": 1})
+    logger.log("train", 1, {"loss": 1.0, "lr": 0.1}, {})
+    from mlflow.tracking import MlflowClient
+
+    # the server goes away: its address answers nothing from now on
+    logger.client = MlflowClient(tracking_uri=f"http://127.0.0.1:{_free_port()}")
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("kubetune.training.tracking").addHandler(handler)
+    try:
+        t = time.perf_counter()
+        for step in (2, 3, 4):
+            logger.log("train", step, {"loss": 0.5, "lr": 0.1}, {})
+        assert time.perf_counter() - t < 10  # no retries with back-off
+        logger.finish(tmp_path, status="FINISHED")
+    finally:
+        logging.getLogger("kubetune.training.tracking").removeHandler(handler)
+    said = [r.getMessage() for r in records]
+    assert any("could not send the metrics of step 2" in m for m in said), said
+    assert any("the metrics of 3 log steps (2..4) did not reach" in m for m in said), said
+    kept = MlflowClient(tracking_uri=mlflow_server).get_metric_history(runs["mlflow"], "train/loss")
+    assert [m.step for m in kept] == [1]
+
+
+def test_the_model_is_registered_by_its_output_uri(mlflow_server, tmp_path):
+    """tracking.mlflow.register_model: a registry version whose source is the s3:// output (the
+    model is referenced where it is, not copied); a local output is refused by the spec."""
+    from mlflow.tracking import MlflowClient
+
+    from kubetune.config import parse_spec
+    from kubetune.errors import SpecError
+
+    raw = {
+        "name": "reg",
+        "model": {"uri": "m"},
+        "data": {"train": "t.csv"},
+        "output": {"uri": "s3://models/reg"},
+        "tracking": {"mlflow": {"uri": mlflow_server, "experiment": "reg", "register_model": "reg-model"}},
+    }
+    runs: dict = {}
+    logger = MLflowLogger(parse_spec(raw), runs, {"world_size": 1})
+    logger.finish(tmp_path)  # nothing to upload in tmp_path: the registration and the run's end only
+    client = MlflowClient(tracking_uri=mlflow_server)
+    versions = client.search_model_versions("name='reg-model'")
+    assert [(v.version, v.source, v.run_id) for v in versions] == [("1", "s3://models/reg", runs["mlflow"])]
+    assert client.get_run(runs["mlflow"]).info.status == "FINISHED"
+    with pytest.raises(SpecError) as e:
+        parse_spec({**raw, "output": {"uri": str(tmp_path / "out")}})
+    assert "tracking.mlflow.register_model needs output.uri on s3://" in " ".join(e.value.lines())

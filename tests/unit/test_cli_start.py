@@ -1,0 +1,62 @@
+"""Starting points after `pip install`: init, explain, --version, --help's grouping, relative data paths."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kubetune.cli import app
+from kubetune.config import load_spec
+from kubetune.config.load import resolve_data_paths
+from kubetune.version import __version__
+
+
+def cli(*args):
+    result = CliRunner().invoke(app, list(args))
+    return result.exit_code, result.stdout, result.stderr
+
+
+@pytest.mark.parametrize("task", ["sequence-classification", "causal-lm"])
+def test_init_writes_a_commented_starter_that_validates_and_never_overwrites(tmp_path, task):
+    path = tmp_path / "job.yaml"
+    code, out, _ = cli("init", task, "-o", str(path))
+    assert code == 0 and f"wrote {path}" in out
+    text = path.read_text()
+    assert text.startswith("# A starter job spec") and text.count("#") > 10
+    spec = load_spec(path)
+    assert spec.task == task
+    path.write_text("mine\n")
+    code, _, err = cli("init", task, "-o", str(path))
+    assert code == 2 and err.strip() == f"error: --output: {path} already exists — pass another path with --output"
+    assert path.read_text() == "mine\n"
+    code, _, err = cli("init", "dpo", "-o", str(tmp_path / "x.yaml"))
+    assert code == 2 and "no task 'dpo'" in err and "sequence-classification, causal-lm" in err
+
+
+def test_version_explain_and_help_groups():
+    code, out, _ = cli("--version")
+    assert code == 0 and out.strip() == f"kubetune {__version__}"
+    code, out, _ = cli("explain", "training")
+    keys = [line.split()[0] for line in out.splitlines()]
+    assert code == 0 and "training.learning_rate" in keys and all(k.startswith("training") for k in keys)
+    code, _, err = cli("explain", "trainin")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "one of: data, distributed" in err
+    code, out, _ = cli("--help")
+    user, internal = out.split("Internal (what pods and the launcher run)")
+    assert "worker" in internal and "launch" in internal and " run " in user and " worker " not in user
+
+
+def test_relative_data_paths_resolve_against_the_given_directory(tmp_path):
+    (tmp_path / "sub").mkdir()
+    path = tmp_path / "sub" / "job.yaml"
+    path.write_text(
+        "name: j\nmodel: {uri: m}\noutput: {uri: runs/j}\n"
+        "data: {train: data/train.csv, eval: s3://b/eval.csv, text_column: t, label_column: l}\n"
+    )
+    spec = resolve_data_paths(load_spec(path), path.parent)
+    assert spec.data.train == str(tmp_path / "sub" / "data" / "train.csv")
+    assert spec.data.eval == "s3://b/eval.csv" and spec.output.uri == "runs/j" and spec.model.uri == "m"
+    absolute = resolve_data_paths(spec, Path("/elsewhere"))
+    assert absolute.data.train == spec.data.train  # absolute already: unchanged

@@ -1,0 +1,55 @@
+"""Rank 0's progress: the plain log line, progress.json, and reading both back (status)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from kubetune.training.loggers import ProgressLogger, format_line, parse_line, progress_from_log, read_progress
+
+
+def test_the_progress_line_reads_back_what_it_says(tmp_path, caplog):
+    logger = ProgressLogger(tmp_path, total_steps=200, epochs=3, start_step=0)
+    with caplog.at_level(logging.INFO, logger="kubetune.progress"):
+        logger.log("train", 10, {"loss": 0.69314, "lr": 2e-5}, {"epoch": 1, "samples": 320, "tokens": 9000})
+        logger.log("train", 20, {"loss": 0.61, "lr": 1.9e-5}, {"epoch": 1, "samples": 640, "tokens": 18000})
+        logger.log("eval", 20, {"eval_loss": 0.58, "eval_accuracy": 0.71, "eval_confusion": [[1]]}, {})
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].startswith("progress: step=10/200 epoch=1/3 loss=0.6931 lr=2.00e-05")
+    assert "samples/s" not in lines[0]  # no interval yet to measure a rate over
+    assert "samples/s=" in lines[1] and "tokens/s=" in lines[1] and "eta=" in lines[1]
+    back = parse_line("12:00:01 [rank 0] INFO " + lines[1])
+    saved = read_progress(tmp_path)
+    assert back["step"] == saved["step"] == 20 and back["total_steps"] == saved["total_steps"] == 200
+    assert back["epoch"] == 1 and back["epochs"] == 3 and back["loss"] == 0.61
+    assert abs(back["samples_per_s"] - saved["samples_per_s"]) <= 0.05 * saved["samples_per_s"] + 0.1
+    assert abs(back["eta_s"] - saved["eta_s"]) <= 1
+    assert saved["last_eval"] == {"step": 20, "eval_loss": 0.58, "eval_accuracy": 0.71}  # scalars only
+    assert not list(tmp_path.glob(".progress.json-*"))  # replaced atomically, no temporary left
+    logger.finish("succeeded", output="s3://b/run")
+    assert read_progress(tmp_path)["phase"] == "succeeded"
+    assert parse_line("INFO loading the model") is None and parse_line("progress: step=x/y") is None
+
+
+def test_a_resumed_run_keeps_the_last_evaluation_and_measures_its_eta_from_its_own_steps(tmp_path):
+    (tmp_path / "progress.json").write_text(json.dumps({"step": 40, "last_eval": {"step": 40, "eval_loss": 0.5}}))
+    logger = ProgressLogger(tmp_path, total_steps=100, epochs=1, start_step=40)
+    logger.log("train", 50, {"loss": 0.4, "lr": 1e-5}, {"epoch": 1, "samples": 1600})
+    rec = read_progress(tmp_path)
+    assert rec["last_eval"] == {"step": 40, "eval_loss": 0.5}
+    assert rec["eta_s"] is not None and rec["eta_s"] >= 0 and rec["step"] == 50
+
+
+def test_progress_from_a_pod_log():
+    log = [
+        "12:00:00 [rank 0] INFO job demo (classification): world size 2, device cpu, precision fp32",
+        "12:00:05 [rank 0] INFO progress: step=10/30 epoch=1/1 loss=1.0986 lr=2.00e-05",
+        "12:00:09 [rank 0] INFO epoch 1, step 15: eval_loss 1.0500 eval_accuracy 0.4000 eval_f1_macro 0.3800",
+        "12:00:10 [rank 0] INFO progress: step=20/30 epoch=1/1 loss=1.0412 lr=1.00e-05 samples/s=91.5 eta=1m05s",
+        "12:00:11 [rank 1] some other line",
+    ]
+    rec = progress_from_log(log)
+    assert rec["step"] == 20 and rec["total_steps"] == 30 and rec["eta_s"] == 65 and rec["samples_per_s"] == 91.5
+    assert rec["last_eval"] == {"step": 15, "eval_loss": 1.05, "eval_accuracy": 0.4, "eval_f1_macro": 0.38}
+    assert progress_from_log(log[:1]) is None
+    assert format_line(rec).startswith("step=20/30 epoch=1/1 loss=1.0412")
