@@ -249,3 +249,29 @@ def test_the_model_is_registered_by_its_output_uri(mlflow_server, tmp_path):
     with pytest.raises(SpecError) as e:
         parse_spec({**raw, "output": {"uri": str(tmp_path / "out")}})
     assert "tracking.mlflow.register_model needs output.uri on s3://" in " ".join(e.value.lines())
+
+
+def test_a_checkpoints_run_that_the_server_no_longer_has_starts_a_new_one(mlflow_server, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from kubetune.config import parse_spec
+
+    spec = parse_spec(
+        {
+            "name": "gone",
+            "model": {"uri": "m"},
+            "data": {"train": "t.csv"},
+            "output": {"uri": str(tmp_path / "out")},
+            "tracking": {"mlflow": {"uri": mlflow_server, "experiment": "gone"}},
+        }
+    )
+    client = MlflowClient(tracking_uri=mlflow_server)
+    first: dict = {}
+    MLflowLogger(spec, first, {}).finish(tmp_path, status="KILLED")
+    client.delete_run(first["mlflow"])  # someone deleted it in the UI before the job resumed
+    runs = dict(first)
+    MLflowLogger(spec, runs, {})
+    assert runs["mlflow"] != first["mlflow"] and client.get_run(runs["mlflow"]).info.status == "RUNNING"
+    runs = {"mlflow": "0" * 32}  # never on this server
+    MLflowLogger(spec, runs, {})
+    assert runs["mlflow"] != "0" * 32

@@ -150,6 +150,13 @@ class MLflowLogger:
         self.sent = 0
         self.skip: dict[str, int] = {}
         run_id = run_ids.get("mlflow")
+        if run_id and not self._exists(run_id):
+            log.warning(
+                "MLflow: run %s of the checkpoint is not on %s (deleted?); starting a new run",
+                run_id,
+                self.client.tracking_uri,
+            )
+            run_id = None
         if run_id:  # a resumed run: the same MLflow run, without the steps the server already has
             self.run_id = run_id
             for kind in ("train", "eval"):
@@ -173,6 +180,16 @@ class MLflowLogger:
         for i in range(0, len(params), BATCH):
             self.client.log_batch(self.run_id, params=params[i : i + BATCH])
         log.info("MLflow: run %s in experiment %r (%s)", self.run_id, self.cfg.experiment, self._url())
+
+    def _exists(self, run_id: str) -> bool:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return self.client.get_run(run_id).info.lifecycle_stage != "deleted"
+        except MlflowException as e:
+            if "RESOURCE_DOES_NOT_EXIST" in str(e.error_code):
+                return False
+            raise
 
     def _url(self) -> str:
         return f"{self.client.tracking_uri.rstrip('/')}/#/experiments/runs/{self.run_id}"
