@@ -100,6 +100,19 @@ def wait_for_checkpoint(out: Path, step: int, proc: subprocess.Popen, timeout: f
         time.sleep(0.05)
 
 
+def start_run(spec_path: Path, env: dict | None = None) -> subprocess.Popen:
+    """`kubetune run` in the background, in a session of its own (a test may signal it or its workers)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "kubetune", "run", str(spec_path)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, **(env or {})},
+    )
+
+
 def kubetune(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run the real CLI in a subprocess (as a user would)."""
     return subprocess.run(

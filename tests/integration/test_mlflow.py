@@ -9,7 +9,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, kubetune, tiny_spec, wait_for_checkpoint, write_spec
+from conftest import ROOT, kubetune, start_run, tiny_spec, wait_for_checkpoint, write_spec
 
 from kubetune.training.tracking import MLflowLogger
 
@@ -87,6 +86,21 @@ def _spec(small_csv, out: Path, uri: str, experiment: str) -> dict:
     return spec
 
 
+def _logger_spec(name: str, uri: str, output: str, **mlflow):
+    """A spec for MLflowLogger alone (no training): the server, an experiment named after the job."""
+    from kubetune.config import parse_spec
+
+    return parse_spec(
+        {
+            "name": name,
+            "model": {"uri": "m"},
+            "data": {"train": "t.csv"},
+            "output": {"uri": output},
+            "tracking": {"mlflow": {"uri": uri, "experiment": name, **mlflow}},
+        }
+    )
+
+
 def _history(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
 
@@ -98,14 +112,7 @@ def test_a_run_stopped_by_sigterm_and_resumed_is_one_mlflow_run_with_every_step_
 
     out = tmp_path / "out"
     spec = write_spec(tmp_path / "job.yaml", _spec(small_csv, out, mlflow_server, "resume"))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kubetune", "run", str(spec)],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    proc = start_run(spec)
     wait_for_checkpoint(out, 6, proc)
     os.kill(proc.pid, signal.SIGTERM)  # preemption: a checkpoint at the next step, exit 143
     _, err = proc.communicate(timeout=120)
@@ -187,17 +194,8 @@ def test_a_server_lost_mid_run_does_not_stop_training_and_the_gap_is_reported(ml
     send costs no retries, training goes on, and the end says which steps are missing."""
     import logging
 
-    from kubetune.config import parse_spec
 
-    spec = parse_spec(
-        {
-            "name": "lost",
-            "model": {"uri": "m"},
-            "data": {"train": "t.csv"},
-            "output": {"uri": str(tmp_path / "out")},
-            "tracking": {"mlflow": {"uri": mlflow_server, "experiment": "lost"}},
-        }
-    )
+    spec = _logger_spec("lost", mlflow_server, str(tmp_path / "out"))
     runs: dict = {}
     logger = MLflowLogger(spec, runs, {"world_size": 1})
     logger.log("train", 1, {"loss": 1.0, "lr": 0.1}, {})
@@ -254,17 +252,8 @@ def test_the_model_is_registered_by_its_output_uri(mlflow_server, tmp_path):
 def test_a_checkpoints_run_that_the_server_no_longer_has_starts_a_new_one(mlflow_server, tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from kubetune.config import parse_spec
 
-    spec = parse_spec(
-        {
-            "name": "gone",
-            "model": {"uri": "m"},
-            "data": {"train": "t.csv"},
-            "output": {"uri": str(tmp_path / "out")},
-            "tracking": {"mlflow": {"uri": mlflow_server, "experiment": "gone"}},
-        }
-    )
+    spec = _logger_spec("gone", mlflow_server, str(tmp_path / "out"))
     client = MlflowClient(tracking_uri=mlflow_server)
     first: dict = {}
     MLflowLogger(spec, first, {}).finish(tmp_path, status="KILLED")

@@ -6,13 +6,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, kubetune, tiny_spec, wait_for_checkpoint, write_spec
+from conftest import kubetune, start_run, tiny_spec, wait_for_checkpoint, write_spec
 
 from kubetune.errors import KubetuneError
 
@@ -54,17 +52,6 @@ def reference(tmp_path_factory, small_csv):
     return tmp / "out"
 
 
-def _start(spec_path: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "kubetune", "run", str(spec_path)],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-
-
 def _worker_pids(launcher: int) -> dict[int, int]:
     """rank -> pid of the worker processes under a `kubetune run`."""
     ranks = {}
@@ -94,7 +81,7 @@ def _descendants(pid: int) -> list[int]:
 def test_sigkilled_worker_then_rerun_resumes_exactly(reference, tmp_path, small_csv):
     out = tmp_path / "out"
     spec = write_spec(tmp_path / "job.yaml", _spec(small_csv, out))
-    proc = _start(spec)
+    proc = start_run(spec)
     wait_for_checkpoint(out, 6, proc)
     # `kubetune status` from another shell, while the run goes: its progress (rank 0's progress.json)
     running = json.loads(kubetune("status", "tiny", "--json").stdout)
@@ -134,7 +121,7 @@ def test_sigkilled_worker_then_rerun_resumes_exactly(reference, tmp_path, small_
 def test_sigterm_to_kubetune_run_checkpoints_exits_143_and_resumes_exactly(reference, tmp_path, small_csv):
     out = tmp_path / "out"
     spec = write_spec(tmp_path / "job.yaml", _spec(small_csv, out, checkpoint_every=100))
-    proc = _start(spec)
+    proc = start_run(spec)
     deadline = time.time() + 180
     while (
         not list((out / "history.jsonl").parent.glob("history.jsonl"))
@@ -159,7 +146,7 @@ def test_elastic_restart_after_sigkill_completes_in_one_run(reference, tmp_path,
     out = tmp_path / "out"
     spec = _spec(small_csv, out)
     spec["distributed"]["max_restarts"] = 2
-    proc = _start(write_spec(tmp_path / "job.yaml", spec))
+    proc = start_run(write_spec(tmp_path / "job.yaml", spec))
     wait_for_checkpoint(out, 9, proc)
     os.kill(_worker_pids(proc.pid)[0], signal.SIGKILL)
     _, err = proc.communicate(timeout=240)
@@ -172,7 +159,7 @@ def test_elastic_restart_after_sigkill_completes_in_one_run(reference, tmp_path,
 def test_incompatible_checkpoints_are_one_line_errors(tmp_path, small_csv):
     out = tmp_path / "out"
     spec = write_spec(tmp_path / "job.yaml", _spec(small_csv, out))
-    proc = _start(spec)  # interrupted (SIGTERM) so that its checkpoints stay; a finished run clears them
+    proc = start_run(spec)  # interrupted (SIGTERM) so that its checkpoints stay; a finished run clears them
     wait_for_checkpoint(out, 3, proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)

@@ -124,18 +124,23 @@ class ProgressLogger:
         pass
 
 
+# The progress line's fields after step (and epoch): record key, label, format; parse_line reads them back.
+_LINE_FIELDS = (
+    ("loss", "loss", "{:.4f}"),
+    ("lr", "lr", "{:.2e}"),
+    ("samples_per_s", "samples/s", "{:.1f}"),
+    ("tokens_per_s", "tokens/s", "{:.0f}"),
+)
+
+
+_LABELS = {label: key for key, label, _ in _LINE_FIELDS}
+
+
 def format_line(rec: dict) -> str:
     parts = [f"step={rec['step']}/{rec['total_steps']}"]
     if rec.get("epoch") is not None:
         parts.append(f"epoch={rec['epoch']}/{rec['epochs']}")
-    if rec.get("loss") is not None:
-        parts.append(f"loss={rec['loss']:.4f}")
-    if rec.get("lr") is not None:
-        parts.append(f"lr={rec['lr']:.2e}")
-    if rec.get("samples_per_s") is not None:
-        parts.append(f"samples/s={rec['samples_per_s']:.1f}")
-    if rec.get("tokens_per_s") is not None:
-        parts.append(f"tokens/s={rec['tokens_per_s']:.0f}")
+    parts += [f"{label}={fmt.format(rec[key])}" for key, label, fmt in _LINE_FIELDS if rec.get(key) is not None]
     if rec.get("eta_s") is not None:
         parts.append(f"eta={duration(rec['eta_s'])}")
     return " ".join(parts)
@@ -173,10 +178,8 @@ def parse_line(line: str) -> dict | None:
                 rec["total_steps" if key == "step" else "epochs"] = int(total)
             elif key == "eta":
                 rec["eta_s"] = _seconds(value)
-            elif key in ("loss", "lr"):
-                rec[key] = float(value)
-            elif key in ("samples/s", "tokens/s"):
-                rec[key.replace("/", "_per_")] = float(value)
+            elif key in _LABELS:
+                rec[_LABELS[key]] = float(value)
     except (ValueError, KeyError):
         return None
     return rec if "step" in rec else None

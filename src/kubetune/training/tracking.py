@@ -147,7 +147,6 @@ class MLflowLogger:
         self.spec, self.cfg = spec, spec.tracking.mlflow
         self.client = connect(spec)
         self.failed: list[int] = []  # the steps whose metrics did not reach the server
-        self.sent = 0
         self.skip: dict[str, int] = {}
         run_id = run_ids.get("mlflow")
         if run_id and not self._exists(run_id):
@@ -207,7 +206,6 @@ class MLflowLogger:
         ]
         try:
             self.client.log_batch(self.run_id, metrics=batch)
-            self.sent += 1
         except Exception as e:  # the server went away: training goes on, the gap is reported at the end
             if not self.failed:
                 log.warning("MLflow: could not send the metrics of step %d (%s); training goes on", step, _short(e))
