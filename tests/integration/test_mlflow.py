@@ -194,7 +194,6 @@ def test_a_server_lost_mid_run_does_not_stop_training_and_the_gap_is_reported(ml
     send costs no retries, training goes on, and the end says which steps are missing."""
     import logging
 
-
     spec = _logger_spec("lost", mlflow_server, str(tmp_path / "out"))
     runs: dict = {}
     logger = MLflowLogger(spec, runs, {"world_size": 1})
@@ -251,7 +250,6 @@ def test_the_model_is_registered_by_its_output_uri(mlflow_server, tmp_path):
 
 def test_a_checkpoints_run_that_the_server_no_longer_has_starts_a_new_one(mlflow_server, tmp_path):
     from mlflow.tracking import MlflowClient
-
 
     spec = _logger_spec("gone", mlflow_server, str(tmp_path / "out"))
     client = MlflowClient(tracking_uri=mlflow_server)
