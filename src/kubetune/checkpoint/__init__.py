@@ -103,6 +103,7 @@ def fingerprint(
         "task": spec.task,
         "labels": list(labels),
         "lora": spec.lora.model_dump() if spec.lora else None,
+        "dpo": spec.dpo.model_dump() if spec.dpo else None,  # the preference loss (task dpo)
         "world_size": world_size,
         "batch_size": spec.training.batch_size,
         "grad_accum": grad_accum or spec.training.grad_accum,
@@ -175,6 +176,7 @@ def check_compatible(saved: dict, current: dict, where: str) -> None:
         "task": "task",
         "labels": "data.label_column",
         "lora": "lora",
+        "dpo": "dpo",
         "batch_size": "training.batch_size",
     }
     for section in ("training", "data"):

@@ -189,7 +189,14 @@ def parse_spec(raw: Any, overrides: list[str] | None = None, source: str = "spec
 
 def _cross_problems_of(raw: dict) -> list[str]:
     """``schema.cross_problems`` of the sections of ``raw`` that validate on their own."""
-    from kubetune.config.schema import DistributedSpec, KubernetesSpec, OutputSpec, TrackingSpec, cross_problems
+    from kubetune.config.schema import (
+        DistributedSpec,
+        DPOSpec,
+        KubernetesSpec,
+        OutputSpec,
+        TrackingSpec,
+        cross_problems,
+    )
 
     def section(model, value):
         try:
@@ -206,6 +213,7 @@ def _cross_problems_of(raw: dict) -> list[str]:
         section(KubernetesSpec, raw.get("kubernetes")),
         section(OutputSpec, raw.get("output")) if raw.get("output") is not None else None,
         section(TrackingSpec, raw.get("tracking")),
+        section(DPOSpec, raw.get("dpo")) if raw.get("dpo") is not None else None,
     )
 
 

@@ -154,10 +154,47 @@ class CausalLMData(DataCommon):
     )
 
 
+class PreferenceData(DataCommon):
+    """``data`` for task: dpo (preference pairs, TRL's conventions)."""
+
+    task: Literal["dpo"] = Field("dpo", exclude=True, description="(internal) the job's task, set from `task`")
+    format: Literal["auto", "text", "chat"] = Field(
+        "auto",
+        description="dpo data layout. text: prompt, chosen and rejected are strings, joined as they are (the "
+        "chosen and rejected answers end with the EOS token), as TRL's standard format. chat: rendered with the chat "
+        "template; the columns hold {role, content} message lists (TRL's conversational format: answers that start "
+        "with the prompt's turns need no prompt column, the prompt is the turns they share), or strings, which "
+        "become a user turn and an "
+        "assistant turn. auto: chat when the chosen column holds message lists, else text.",
+    )
+    prompt_column: str = Field("prompt", description="dpo: the prompt column (string or message list).")
+    chosen_column: str = Field("chosen", description="dpo: the preferred answer (string or message list).")
+    rejected_column: str = Field("rejected", description="dpo: the dispreferred answer (string or message list).")
+    system_prompt: str | None = Field(
+        None, description="dpo chat format: a system message put first in every prompt that has none."
+    )
+    chat_template: str | None = Field(
+        None,
+        description="dpo chat format: a Jinja chat template used instead of the tokenizer's (saved with the exported "
+        "tokenizer). Absent: the tokenizer's, else kubetune's fallback template (as for causal-lm).",
+    )
+    max_length: int = Field(
+        512,
+        ge=8,
+        le=32768,
+        description="Token limit of prompt + answer; longer sequences lose their end (TRL's keep_start), and pairs "
+        "whose prompt alone fills it are dropped (counted).",
+    )
+
+
 # The data section's model per task: the `task` field's values, and the union the spec's `data` is
 # validated as. A new task adds its data model here and its module to kubetune.tasks.
-DATA_SPECS: dict[str, type[DataCommon]] = {"sequence-classification": ClassificationData, "causal-lm": CausalLMData}
-DataSpec = Annotated[ClassificationData | CausalLMData, Field(discriminator="task")]
+DATA_SPECS: dict[str, type[DataCommon]] = {
+    "sequence-classification": ClassificationData,
+    "causal-lm": CausalLMData,
+    "dpo": PreferenceData,
+}
+DataSpec = Annotated[ClassificationData | CausalLMData | PreferenceData, Field(discriminator="task")]
 
 
 class LoraSpec(Section):
@@ -173,6 +210,29 @@ class LoraSpec(Section):
         None,
         description="QLoRA: load the frozen base model quantized with bitsandbytes, 4bit (NF4, double quantization) "
         "or 8bit (LLM.int8); needs CUDA GPUs. Absent: the base model keeps its precision.",
+    )
+
+
+class DPOSpec(Section):
+    """The preference loss of task: dpo (the names of TRL's DPOConfig)."""
+
+    beta: float = Field(
+        0.1,
+        gt=0,
+        description="How far the policy may move from the reference model: the reward of an answer is beta × (its "
+        "log-probability under the policy − under the reference). Lower: further.",
+    )
+    loss_type: Literal["sigmoid", "ipo"] = Field(
+        "sigmoid",
+        description="sigmoid: the DPO loss −log σ(beta × (chosen reward margin)); ipo: the IPO squared loss on "
+        "per-token log-ratios, (margin − 1/(2·beta))².",
+    )
+    label_smoothing: float = Field(
+        0.0,
+        ge=0,
+        lt=0.5,
+        description="sigmoid only: the assumed fraction of pairs whose preference is flipped (conservative DPO): "
+        "−(1−ε) log σ(βΔ) − ε log σ(−βΔ).",
     )
 
 
@@ -391,12 +451,14 @@ class JobSpec(Section):
     )
     task: Literal[tuple(DATA_SPECS)] = Field(  # type: ignore[valid-type]
         "sequence-classification",
-        description="What to fine-tune for: sequence-classification (a label per text; BERT-class encoders) or "
-        "causal-lm (next-token prediction on text, instruction or chat data; Llama-class decoders).",
+        description="What to fine-tune for: sequence-classification (a label per text; BERT-class encoders), "
+        "causal-lm (next-token prediction on text, instruction or chat data; Llama-class decoders) or dpo "
+        "(preference tuning of a causal LM on chosen/rejected answer pairs, Direct Preference Optimization).",
     )
     model: ModelSpec = Field(description="The base model.")
     data: DataSpec = Field(description="Training and evaluation data.")
     lora: LoraSpec | None = Field(None, description="LoRA settings; absent = full fine-tune.")
+    dpo: DPOSpec | None = Field(None, description="task dpo: the preference loss; absent = its defaults.")
     training: TrainSpec = Field(default_factory=TrainSpec, description="The training recipe.")
     distributed: DistributedSpec = Field(default_factory=DistributedSpec, description="Nodes × processes per node.")
     output: OutputSpec = Field(description="Where the exported model, metrics and report are written.")
@@ -436,7 +498,7 @@ class JobSpec(Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> JobSpec:
-        problems = cross_problems(self.data, self.distributed, self.kubernetes, self.output, self.tracking)
+        problems = cross_problems(self.data, self.distributed, self.kubernetes, self.output, self.tracking, self.dpo)
         if problems:
             raise ValueError(CROSS_SEPARATOR.join(problems))  # parse_spec reports each on its own line
         return self
@@ -451,6 +513,7 @@ def cross_problems(
     kubernetes: KubernetesSpec | None,
     output: OutputSpec | None = None,
     tracking: TrackingSpec | None = None,
+    dpo: DPOSpec | None = None,
 ) -> list[str]:
     """The problems between fields of different sections (each section valid on its own); ``None``
     for a section that is not valid (its checks are skipped). Also run by ``load.parse_spec`` when
@@ -469,6 +532,12 @@ def cross_problems(
                 f"data.max_tokens_per_batch {data.max_tokens_per_batch} is below data.max_length "
                 f"{data.max_length}: raise it to at least data.max_length, so the longest example fits"
             )
+    if dpo is not None and data is not None and data.task != "dpo":
+        out.append(
+            f"dpo: applies to task dpo, and this job's task is {data.task} — remove the dpo section, or set task: dpo"
+        )
+    if dpo is not None and dpo.label_smoothing and dpo.loss_type != "sigmoid":
+        out.append(f"dpo.label_smoothing applies to dpo.loss_type sigmoid, not {dpo.loss_type} — remove it")
     mlflow = tracking.mlflow if tracking is not None else None
     if mlflow and mlflow.register_model and output is not None and not output.uri.startswith("s3://"):
         out.append(

@@ -66,6 +66,15 @@ def load_lm_frames(spec: DataSpec, seed: int) -> LMFrames:
         )
         evald = _normalize(eval_raw, spec, fmt, "data.eval", dropped, "eval")
     else:
+        evald = None
+    train, evald = split_rows(train, evald, spec, seed)
+    return LMFrames(train, evald, fmt, dropped)
+
+
+def split_rows(train: pd.DataFrame, evald: pd.DataFrame | None, spec: DataSpec, seed: int):
+    """(train, eval) rows: without eval rows, data.eval_fraction of the train rows held out (seeded);
+    then each capped at data.max_train_samples / max_eval_samples (a seeded subset, in file order)."""
+    if evald is None:
         n_eval = max(1, round(len(train) * spec.eval_fraction))
         if n_eval >= len(train):
             raise KubetuneError(
@@ -79,7 +88,7 @@ def load_lm_frames(spec: DataSpec, seed: int) -> LMFrames:
         train = train.sample(n=spec.max_train_samples, random_state=seed).sort_index()
     if spec.max_eval_samples and len(evald) > spec.max_eval_samples:
         evald = evald.sample(n=spec.max_eval_samples, random_state=seed).sort_index()
-    return LMFrames(train.reset_index(drop=True), evald.reset_index(drop=True), fmt, dropped)
+    return train.reset_index(drop=True), evald.reset_index(drop=True)
 
 
 def detect_format(df: pd.DataFrame, spec: DataSpec) -> str:

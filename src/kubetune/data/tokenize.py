@@ -48,7 +48,7 @@ def cache_key(frame: pd.DataFrame, tokenizer_fp: str, max_length: int, mode: str
     return h.hexdigest()[:32]
 
 
-def tokenized(frame: pd.DataFrame, tokenizer, max_length: int, *, build: bool, mode: str = "classify"):
+def tokenized(frame: pd.DataFrame, tokenizer, max_length: int, *, build: bool, mode: str = "classify", encode=None):
     """Return the tokenized ``frame`` as a ``datasets.Dataset``.
 
     Args:
@@ -56,7 +56,11 @@ def tokenized(frame: pd.DataFrame, tokenizer, max_length: int, *, build: bool, m
             columns (→ input ids, mask, label, length); for causal-LM, a ``record`` column
             (→ input_ids, labels, length, n_targets; see ``kubetune.data.causal``).
         build: when True, tokenize on a cache miss (local rank 0); when False, the cache must exist.
-        mode: "classify", or "causal-lm" / "causal-lm+prompt" (loss on prompt tokens too).
+        mode: "classify", or "causal-lm" / "causal-lm+prompt" (loss on prompt tokens too); another
+            task's name with ``encode``. Part of the cache key.
+        encode: a task's own tokenization, a DataFrame of the frame's rows -> columns (with ``length``),
+            instead of the built-in ones; what it produces must depend only on the rows, the tokenizer,
+            ``max_length`` and ``mode``.
 
     Returns:
         (dataset, hit): hit is True when the cache already held this exact input.
@@ -73,7 +77,9 @@ def tokenized(frame: pd.DataFrame, tokenizer, max_length: int, *, build: bool, m
 
     pair = "text_pair" in frame.columns
 
-    def encode(batch):
+    def builtin(batch):
+        if encode is not None:
+            return encode(pd.DataFrame(dict(batch)))
         if mode.startswith("causal-lm"):
             from kubetune.data.causal import tokenize_frame
 
@@ -88,7 +94,7 @@ def tokenized(frame: pd.DataFrame, tokenizer, max_length: int, *, build: bool, m
         return enc
 
     ds = datasets.Dataset.from_pandas(frame, preserve_index=False)
-    ds = ds.map(encode, batched=True, batch_size=1000, remove_columns=[c for c in ds.column_names if c != "label"])
+    ds = ds.map(builtin, batched=True, batch_size=1000, remove_columns=[c for c in ds.column_names if c != "label"])
     path.parent.mkdir(parents=True, exist_ok=True)
     # Write to a temporary sibling and rename, so a crash never leaves a half-written cache entry.
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=path.parent))

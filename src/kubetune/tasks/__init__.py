@@ -14,6 +14,7 @@ __all__ = ["REGISTRY", "Prepared", "Presentation", "Task", "get"]
 REGISTRY = {
     "sequence-classification": "kubetune.tasks.classify",
     "causal-lm": "kubetune.tasks.causal_lm",
+    "dpo": "kubetune.tasks.dpo",
 }
 
 

@@ -54,6 +54,12 @@ class Task:
     export: Callable[[JobSpec, torch.nn.Module, Any, Prepared, Path, dict], None]  # rank 0, adds to metrics
     headline: tuple[str, ...]  # metrics for the per-epoch and final log lines
     present: Presentation  # how the results read: report, model card, summary
+    # Training metrics beyond the loss: ``loss`` then returns a third value, a vector of their sums over
+    # the micro-batch's units; the log lines report each sum over the units since the last line.
+    train_metrics: tuple[str, ...] = ()
+    # (spec, model, data, env, device, autocast, lockstep) -> None, on every rank once the model is built
+    # and before a checkpoint is loaded (the model still holds the base weights): e.g. the DPO reference.
+    setup: Callable[..., None] | None = None
 
 
 @torch.no_grad()

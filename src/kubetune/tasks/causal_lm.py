@@ -129,7 +129,7 @@ def build_model(spec: JobSpec, model_dir, data: Prepared, device: torch.device, 
     attn = attention_kwargs(device, dtype)
     # Packed rows: each document attends to itself only, no (length)² mask. KUBETUNE_PACKED_ATTENTION=0
     # keeps transformers' dense-mask attention (benchmarks/sft_trl.py --ablations measures both).
-    if spec.data.packing and os.environ.get("KUBETUNE_PACKED_ATTENTION", "1") != "0":
+    if getattr(spec.data, "packing", False) and os.environ.get("KUBETUNE_PACKED_ATTENTION", "1") != "0":
         attn = {"attn_implementation": attention.register(fallback=attn.get("attn_implementation", "sdpa"))}
     model = load_pretrained(AutoModelForCausalLM, model_dir, where, **kwargs, **attn)
     model.config.use_cache = False  # no KV cache while training
@@ -217,7 +217,14 @@ def eval_step(model, batch: Batch, autocast) -> dict:
     return {"loss": loss_sum, "count": count, "correct": correct}
 
 
-def _token_loss(model, batch: Batch, autocast, count_correct: bool = False):
+def target_logps(model, batch: Batch, autocast) -> torch.Tensor:
+    """The log-probability (fp32) of every target token of a micro-batch (labels not IGNORE), in
+    row-major order, computed as the loss is (no full logits): what the DPO task sums per answer."""
+    nll, _, _ = _token_loss(model, batch, autocast, per_token=True)
+    return -nll
+
+
+def _token_loss(model, batch: Batch, autocast, count_correct: bool = False, per_token: bool = False):
     """The causal token loss, shared by training and evaluation: next-token cross-entropy summed
     over the target tokens (labels not IGNORE), their count, and (``count_correct``, evaluation)
     how many the argmax got right, else None.
@@ -230,7 +237,7 @@ def _token_loss(model, batch: Batch, autocast, count_correct: bool = False):
     backward pass (activation checkpointing) instead of kept. Inside the model's forward, so DDP
     and FSDP see the projection's weight used where they expect (FSDP gathers it again before the
     backward reaches it). Other models' loss is taken from the target rows of their logits, chunked
-    the same way."""
+    the same way. ``per_token``: the cross-entropy of each target token instead of their sum."""
     targets = batch.labels[:, 1:]
     mask = targets != IGNORE
     chosen = targets[mask]
@@ -240,34 +247,54 @@ def _token_loss(model, batch: Batch, autocast, count_correct: bool = False):
     packed = "position_ids" in batch.inputs and "attention_mask" not in batch.inputs
     with autocast, attention.packed_call() if packed else contextlib.nullcontext():
         if head is not None:
-            with _loss_as_head(head, chosen, count_correct) as hits:
+            with _loss_as_head(head, chosen, count_correct, per_token) as hits:
                 total = model(**batch.inputs, logits_to_keep=keep).logits
             correct = hits[0]
         else:
-            total, correct = _chunked_loss(model(**batch.inputs).logits[keep], chosen, None, count_correct)
+            total, correct = _chunked_loss(model(**batch.inputs).logits[keep], chosen, None, count_correct, per_token)
     return total, mask.sum(), correct
 
 
-def _chunked_loss(states: torch.Tensor, chosen: torch.Tensor, weight: torch.Tensor | None, count_correct: bool):
+def _chunked_loss(
+    states: torch.Tensor,
+    chosen: torch.Tensor,
+    weight: torch.Tensor | None,
+    count_correct: bool,
+    per_token: bool = False,
+):
     """Summed cross-entropy of ``states`` (logits, or hidden states that ``weight`` projects) against
-    ``chosen``, ``LOSS_CHUNK`` rows at a time, and how many argmax guesses are right (``count_correct``)."""
-    total = states.new_zeros((), dtype=torch.float32)
+    ``chosen`` (``per_token``: each row's), ``LOSS_CHUNK`` rows at a time, and how many argmax
+    guesses are right (``count_correct``)."""
+    parts = []
     correct = torch.zeros((), dtype=torch.long, device=states.device) if count_correct else None
     for rows, ids in zip(states.split(LOSS_CHUNK), chosen.split(LOSS_CHUNK)):
         if torch.is_grad_enabled():
-            chunk_sum, _ = torch.utils.checkpoint.checkpoint(_chunk_loss, rows, ids, weight, use_reentrant=False)
+            part, _ = torch.utils.checkpoint.checkpoint(
+                _chunk_loss, rows, ids, weight, False, per_token, use_reentrant=False
+            )
         else:
-            chunk_sum, hits = _chunk_loss(rows, ids, weight, count_correct)
+            part, hits = _chunk_loss(rows, ids, weight, count_correct, per_token)
             if count_correct:
                 correct += hits
-        total = total + chunk_sum
+        parts.append(part)
+    if per_token:
+        return (torch.cat(parts) if parts else states.new_zeros(0, dtype=torch.float32)), correct
+    total = states.new_zeros((), dtype=torch.float32)
+    for part in parts:
+        total = total + part
     return total, correct
 
 
-def _chunk_loss(rows: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor | None, count_correct: bool = False):
+def _chunk_loss(
+    rows: torch.Tensor,
+    ids: torch.Tensor,
+    weight: torch.Tensor | None,
+    count_correct: bool = False,
+    per_token: bool = False,
+):
     logits = rows if weight is None else F.linear(rows, weight)
     hits = (logits.argmax(-1) == ids).sum() if count_correct else None
-    return F.cross_entropy(logits.float(), ids, reduction="sum"), hits
+    return F.cross_entropy(logits.float(), ids, reduction="none" if per_token else "sum"), hits
 
 
 def _replaceable_head(model) -> torch.nn.Linear | None:
@@ -283,13 +310,13 @@ def _replaceable_head(model) -> torch.nn.Linear | None:
 
 
 @contextlib.contextmanager
-def _loss_as_head(head: torch.nn.Linear, chosen: torch.Tensor, count_correct: bool):
+def _loss_as_head(head: torch.nn.Linear, chosen: torch.Tensor, count_correct: bool, per_token: bool = False):
     """For one forward call, the output projection returns the chunked loss of the hidden states it
     is given against ``chosen``; yields a list that then holds the count of right guesses (or None)."""
     hits: list[torch.Tensor | None] = []
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
-        total, correct = _chunked_loss(hidden, chosen, head.weight, count_correct)
+        total, correct = _chunked_loss(hidden, chosen, head.weight, count_correct, per_token)
         hits.append(correct)
         return total
 

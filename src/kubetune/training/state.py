@@ -20,7 +20,8 @@ class TrainState:
         samples_seen: training examples consumed (all ranks).
         train_time: seconds spent training in finished epochs (evaluation excluded).
         logged_losses: the loss of every log line so far (the final train_loss is their tail's mean).
-        log_loss: this rank's [loss sum, loss units] since the last log line (float64, on the device).
+        log_loss: this rank's [loss sum, loss units, the task's train_metrics sums...] since the last log
+            line (float64, on the device).
         tokens: this rank's [real, padded] tokens trained on.
         logger_runs: run ids of the metric loggers that have one, so a resumed run continues them.
     """
@@ -56,8 +57,9 @@ class TrainState:
         return {"progress": progress, "rng": [rng for rng, _, _ in per_rank]}
 
     @classmethod
-    def fresh(cls, device: torch.device) -> TrainState:
-        return cls(log_loss=torch.zeros(2, device=device, dtype=torch.float64))
+    def fresh(cls, device: torch.device, metrics: int = 0) -> TrainState:
+        """A new run's state; ``metrics``: how many training metrics the task sums beside the loss."""
+        return cls(log_loss=torch.zeros(2 + metrics, device=device, dtype=torch.float64))
 
     @classmethod
     def from_state_dict(cls, state: dict, rank: int, world_size: int, device: torch.device) -> TrainState:
@@ -66,9 +68,8 @@ class TrainState:
         p = state["progress"]
         losses, tokens = p["log_loss"], p.get("tokens", [[0.0, 0.0]] * len(p["log_loss"]))
         if len(losses) != world_size:
-            zero = [0.0, 0.0]
-            losses = [[sum(x) for x in zip(*losses)]] + [zero] * (world_size - 1)
-            tokens = [[sum(x) for x in zip(*tokens)]] + [zero] * (world_size - 1)
+            losses = [[sum(x) for x in zip(*losses)]] + [[0.0] * len(losses[0])] * (world_size - 1)
+            tokens = [[sum(x) for x in zip(*tokens)]] + [[0.0, 0.0]] * (world_size - 1)
         return cls(
             epoch=p["epoch"],
             step_in_epoch=p["step_in_epoch"],

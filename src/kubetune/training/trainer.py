@@ -105,6 +105,8 @@ class Trainer:
             str(found.path) if found else "",
         )
         self._build(strategy, found)
+        if task.setup is not None:  # before the checkpoint's weights replace the base's
+            task.setup(spec, self.model, self.data, env, device, self.autocast, self.strategy.sharded)
         self._resume(found)
         self._start_logging(found, cleanup)
 
@@ -162,7 +164,7 @@ class Trainer:
 
     def _resume(self, found: checkpoint.Found | None) -> None:
         """The newest complete checkpoint restores weights, optimizer, schedule, position and RNG."""
-        self.state = TrainState.fresh(self.device)
+        self.state = TrainState.fresh(self.device, len(self.task.train_metrics))
         if not found:
             return
         saved = checkpoint.load(found)
@@ -336,13 +338,15 @@ class Trainer:
             micro = micro.to(self.device)
             # Gradients are reduced only on the last micro-batch of the step.
             with self.strategy.no_sync(last=i == len(step.micro) - 1):
-                loss_sum, units = self.task.loss(self.wrapped, micro, self.autocast)
+                loss_sum, units, *extra = self.task.loss(self.wrapped, micro, self.autocast)
                 loss_sum, units = loss_sum * micro.weight, units * micro.weight  # weight 0: a rank's empty share
                 # Times world size because DDP averages over ranks: the gradient is the exact
                 # mean over the global step's units.
                 self.scaler.scale(loss_sum * env.world_size / max(step_units, 1.0)).backward()
             s.log_loss[0] += loss_sum.detach().double()
             s.log_loss[1] += units.double()
+            if extra:  # the task's train_metrics sums
+                s.log_loss[2:] += extra[0].detach().double() * micro.weight
         self.strategy.after_backward(step_ids)
         norm = None
         if self.cfg.max_grad_norm:
@@ -362,7 +366,8 @@ class Trainer:
     def _log_train(self) -> None:
         s = self.state
         distributed.all_reduce_sum(s.log_loss)
-        loss = (s.log_loss[0] / s.log_loss[1].clamp(min=1)).item()
+        means = (s.log_loss / s.log_loss[1].clamp(min=1)).tolist()
+        loss, extra = means[0], dict(zip(self.task.train_metrics, means[2:]))
         s.log_loss.zero_()
         self.guard.check(s.global_step, self.out, self.spec, loss)
         # every rank's real tokens so far, for the progress line's tokens/s (one small reduction per log
@@ -376,7 +381,7 @@ class Trainer:
         self.loggers.log(
             "train",
             s.global_step,
-            {"loss": loss, "lr": lr},
+            {"loss": loss, "lr": lr, **extra},
             {"epoch": s.epoch + 1, "samples": s.samples_seen, "tokens": int(tokens.item())},
         )
 
