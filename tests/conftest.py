@@ -113,6 +113,27 @@ def start_run(spec_path: Path, env: dict | None = None) -> subprocess.Popen:
     )
 
 
+def worker_pid(launcher: int, rank: int) -> int:
+    """The pid of the worker process of ``rank`` under a `kubetune run` launcher (its own session:
+    killing the launcher's process group leaves the workers)."""
+
+    def descendants(pid: int) -> list[int]:
+        out = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            for child in (task / "children").read_text().split():
+                out += [int(child), *descendants(int(child))]
+        return out
+
+    for pid in descendants(launcher):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"kubetune.worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return pid
+    raise AssertionError(f"no worker of rank {rank}")
+
+
 def kubetune(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run the real CLI in a subprocess (as a user would)."""
     return subprocess.run(

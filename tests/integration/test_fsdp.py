@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, kubetune, write_spec
+from conftest import ROOT, kubetune, worker_pid, write_spec
 
 pytestmark = pytest.mark.integration
 CHAT = "pkg://kubetune/assets/sentiment/sentiment-chat.jsonl"
@@ -157,24 +157,6 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
         time.sleep(0.05)
 
 
-def _worker(launcher: int, rank: int) -> int:
-    def descendants(pid: int) -> list[int]:
-        out = []
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            for child in (task / "children").read_text().split():
-                out += [int(child), *descendants(int(child))]
-        return out
-
-    for pid in descendants(launcher):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in env and b"kubetune.worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
-            return pid
-    raise AssertionError(f"no worker of rank {rank}")
-
-
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory):
     """strategy -> a 2-process run whose rank 1 was SIGKILLed after its step-4 checkpoint: the
@@ -185,7 +167,7 @@ def killed(tmp_path_factory):
         out, trace = tmp / "out", tmp / "trace"
         proc = _start(write_spec(tmp / "job.yaml", _spec(out, strategy)), trace)
         _wait_for(out / "checkpoints" / "step-00000004" / "COMPLETE", proc)
-        os.kill(_worker(proc.pid, 1), signal.SIGKILL)
+        os.kill(worker_pid(proc.pid, 1), signal.SIGKILL)
         proc.communicate(timeout=120)
         assert proc.returncode != 0
         steps = [int(p.name[5:]) for p in (out / "checkpoints").glob("step-*") if (p / "COMPLETE").exists()]

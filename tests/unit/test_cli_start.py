@@ -18,7 +18,7 @@ def cli(*args):
     return result.exit_code, result.stdout, result.stderr
 
 
-@pytest.mark.parametrize("task", ["sequence-classification", "causal-lm"])
+@pytest.mark.parametrize("task", ["sequence-classification", "causal-lm", "dpo"])
 def test_init_writes_a_commented_starter_that_validates_and_never_overwrites(tmp_path, task):
     path = tmp_path / "job.yaml"
     code, out, _ = cli("init", task, "-o", str(path))
@@ -31,8 +31,8 @@ def test_init_writes_a_commented_starter_that_validates_and_never_overwrites(tmp
     code, _, err = cli("init", task, "-o", str(path))
     assert code == 2 and err.strip() == f"error: --output: {path} already exists — pass another path with --output"
     assert path.read_text() == "mine\n"
-    code, _, err = cli("init", "dpo", "-o", str(tmp_path / "x.yaml"))
-    assert code == 2 and "no task 'dpo'" in err and "sequence-classification, causal-lm" in err
+    code, _, err = cli("init", "rlhf", "-o", str(tmp_path / "x.yaml"))
+    assert code == 2 and "no task 'rlhf'" in err and "sequence-classification, causal-lm, dpo" in err
 
 
 def test_version_explain_and_help_groups():
