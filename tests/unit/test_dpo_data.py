@@ -1,7 +1,7 @@
-"""DPO data: TRL's formats (text pairs, conversational with an explicit or an implicit prompt, strings
+"""DPO data and spec: TRL's formats (text pairs, conversational with an explicit or an implicit prompt, strings
 rendered as chat), any column names, a system prompt, the batch layout (chosen rows then rejected
 rows, labels on answer tokens only, keep_start truncation), what is dropped and counted, and one-line
-errors for a missing column or malformed messages."""
+errors for a missing column or malformed messages, the dpo section's checks, and the model card."""
 
 from __future__ import annotations
 
@@ -164,3 +164,34 @@ def test_the_dpo_section_belongs_to_task_dpo(tmp_path):
             {**base, "task": "dpo", "data": {"train": "t.jsonl"}, "dpo": {"loss_type": "ipo", "label_smoothing": 0.1}}
         )
     assert "dpo.label_smoothing applies to dpo.loss_type sigmoid" in str(e.value)
+
+
+def test_the_model_card_says_dpo_and_from_which_base(tmp_path):
+    from kubetune.artifacts.hub import model_card
+    from kubetune.config import parse_spec
+
+    spec = parse_spec(
+        {
+            "name": "my-dpo",
+            "task": "dpo",
+            "model": {"uri": "hf://org/my-sft-model"},
+            "data": {"train": "pairs.jsonl"},
+            "lora": {"r": 8},
+            "dpo": {"beta": 0.2},
+            "output": {"uri": "hf://org/my-dpo"},
+        }
+    )
+    metrics = {
+        "eval_reward_accuracy": 0.95,
+        "eval_reward_margin": 1.5,
+        "eval_loss": 0.2,
+        "eval_pairs": 40,
+        "dpo_loss": "sigmoid",
+        "dpo_beta": 0.2,
+        "dpo_reference": "the base model (LoRA adapter disabled)",
+        "data_format": "chat",
+        "chat_template": "tokenizer",
+    }
+    card = model_card(spec, metrics, dpo.TASK.present)
+    assert "base_model: org/my-sft-model" in card and "pipeline_tag: text-generation" in card
+    assert "Preference-tuned with DPO (sigmoid loss, beta 0.2)" in card and "reward accuracy is 0.9500" in card
