@@ -251,7 +251,9 @@ class TrainSpec(Section):
     max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient clipping norm; null disables clipping.")
     seed: int = Field(42, ge=0, description="Seed for data order, initialization and dropout.")
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
-        "auto", description="Compute precision: auto = bf16 autocast on a GPU that supports it, else fp32."
+        "auto",
+        description="Compute precision: auto = bf16 autocast on a GPU that supports it or a CPU with AMX or "
+        "AVX512-BF16 (native bf16), else fp32.",
     )
     eval_batch_size: int | None = Field(None, ge=1, description="Eval micro-batch per process; default 2 × batch_size.")
     group_by_length: bool = Field(
