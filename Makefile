@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install seed-cache demo test test-all bench image clean
+.PHONY: install seed-cache demo test test-all bench image image-test clean
 
 $(BIN)/.installed: pyproject.toml requirements.txt requirements-test.txt
 	$(PYTHON) -m venv $(VENV)
@@ -51,10 +51,23 @@ bench: seed-cache
 
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 IMAGE   ?= ghcr.io/kubetune/trainer
+# docker or podman. BASE_IMAGE and TORCH_INDEX: empty = the Dockerfile's production defaults
+# (python:3.11-slim-bookworm, the PyTorch index of the variant); image-test sets both for a host
+# without Docker Hub and the PyTorch index.
+ENGINE      ?= docker
+BASE_IMAGE  ?=
+TORCH_INDEX ?=
+IMAGE_ARGS  := $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) $(if $(TORCH_INDEX),--build-arg TORCH_INDEX=$(TORCH_INDEX))
 # The tags rendered manifests use by default (kubetune.config.cluster.default_image).
 image:
-	docker build -f docker/Dockerfile --build-arg VARIANT=cpu -t $(IMAGE):$(VERSION)-cpu .
-	docker build -f docker/Dockerfile --build-arg VARIANT=cuda -t $(IMAGE):$(VERSION)-cuda .
+	$(ENGINE) build -f docker/Dockerfile --build-arg VARIANT=cpu $(IMAGE_ARGS) -t $(IMAGE):$(VERSION)-cpu .
+	$(ENGINE) build -f docker/Dockerfile --build-arg VARIANT=cuda $(IMAGE_ARGS) -t $(IMAGE):$(VERSION)-cuda .
+
+# The CPU image built for real with podman (tools installed when missing, a debootstrapped base),
+# smoke-tested as uid 1000 without network, the CUDA build's check, and a rendered PyTorchJob's pods
+# run as containers (scripts/image_test.py). Needs root (apt-get, podman); about 5 minutes cold.
+image-test: install
+	ENGINE=podman $(BIN)/python scripts/image_test.py
 
 clean:
 	rm -rf runs .pytest_cache
