@@ -16,6 +16,7 @@ import torch
 
 from kubetune.config.schema import DPOSpec, PreferenceData
 from kubetune.data.causal import ensure_chat_template
+from kubetune.distributed import DistEnv
 from kubetune.tasks import dpo
 
 trl = pytest.importorskip("trl")  # requirements-test.txt pins it: this skip only guards a partial install
@@ -111,12 +112,12 @@ def _kubetune(policy, reference, tokenizer, rows, dpo_spec: DPOSpec, tmp_path):
     import datasets
 
     ds = datasets.Dataset.from_dict(cols)
-    collate = dpo.Collate(ds, tokenizer.pad_token_id, spec.max_length, dpo_spec)
+    collate = dpo.Collate(ds, tokenizer.pad_token_id, spec.max_length, dpo_spec, key="")
     off = torch.autocast("cpu", enabled=False)
     batch = collate(list(range(N)))
     if reference is not None:  # full fine-tune: the reference pass, as setup() makes it
-        env = _Env()
-        collate.reference = dpo._reference_pass(reference, collate, env, torch.device("cpu"), off, _spec(), False)
+        # in batches of 4, unlike the training batch of 6
+        collate.reference = dpo._reference_pass(reference, collate, DistEnv(), torch.device("cpu"), off, 4, False)
         batch = collate(list(range(N)))
     policy.train()
     loss_sum, pairs, stats = dpo.loss(policy, batch, off)
@@ -127,20 +128,6 @@ def _kubetune(policy, reference, tokenizer, rows, dpo_spec: DPOSpec, tmp_path):
 def _record(row: dict, spec: PreferenceData) -> dict:
     fmt = "chat" if isinstance(row["chosen"], list) else "text"
     return dpo._text_record(row, spec) if fmt == "text" else dpo._chat_record(row, spec, "rows", 0)
-
-
-class _Env:
-    rank, world_size, is_main, is_local_main = 0, 1, True, True
-
-
-def _spec():
-    class _Training:
-        eval_batch_size, batch_size = 4, 2  # the reference pass in batches unlike the training batch
-
-    class _S:
-        training = _Training()
-
-    return _S()
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from typing import Any
 class Presentation:
     pipeline_tag: str  # the transformers pipeline that serves the exported model (and the card's tag)
     report_rows: Callable[[dict], list[tuple[str, Any]]]  # metrics.json -> the report's first rows
-    eval_curves: tuple[str, ...]  # history keys plotted per epoch in the report
+    eval_curves: tuple[str, ...]  # history keys of the evaluations plotted over steps in the report (none: no plot)
     eval_log_scale: bool  # plot them on a log axis (perplexity) or on [0, 1] (scores)
     card_usage: Callable[[str], list[str]]  # repo id -> Python lines that use the exported model
     card_about: Callable[[dict], list[str]]  # metrics -> lines about the data

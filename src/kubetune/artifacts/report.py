@@ -19,7 +19,8 @@ def _read_history(path: Path) -> list[dict]:
 
 
 def plot(history: list[dict], out: Path, present: Presentation, baseline: dict | None = None) -> list[Path]:
-    """Write plots/train_loss.png and plots/eval_metrics.png; return their paths."""
+    """Write plots/train_loss.png, plots/eval_metrics.png (the task's eval curves, if any) and one
+    PNG per step plot; return their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -43,23 +44,24 @@ def plot(history: list[dict], out: Path, present: Presentation, baseline: dict |
     fig.savefig(paths[-1])
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
-    for key in present.eval_curves:
-        ax.plot([h["epoch"] for h in evals], [h[key] for h in evals], "o-", label=key.removeprefix("eval_"))
-    if present.eval_log_scale:
-        ax.set_yscale("log")
-    else:
-        ax.set_ylim(0, 1)
-    if baseline:
-        ax.axhline(baseline["accuracy"], color="grey", linestyle="--", label="baseline accuracy (TF-IDF + LR)")
-    ax.set_xlabel("epoch")
-    ax.set_title("Evaluation")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    paths.append(out / "plots" / "eval_metrics.png")
-    fig.savefig(paths[-1])
-    plt.close(fig)
+    if present.eval_curves:
+        fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
+        for key in present.eval_curves:  # at their step: evaluations within an epoch (eval_every) too
+            ax.plot([h["step"] for h in evals], [h[key] for h in evals], "o-", label=key.removeprefix("eval_"))
+        if present.eval_log_scale:
+            ax.set_yscale("log")
+        else:
+            ax.set_ylim(0, 1)
+        if baseline:
+            ax.axhline(baseline["accuracy"], color="grey", linestyle="--", label="baseline accuracy (TF-IDF + LR)")
+        ax.set_xlabel("optimizer step")
+        ax.set_title("Evaluation")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        paths.append(out / "plots" / "eval_metrics.png")
+        fig.savefig(paths[-1])
+        plt.close(fig)
 
     for title, keys in present.step_plots:
         fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)

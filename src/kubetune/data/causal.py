@@ -54,21 +54,26 @@ def load_lm_frames(spec: DataSpec, seed: int) -> LMFrames:
     Raises:
         KubetuneError: missing columns, a text column that holds no text, malformed messages, no usable rows.
     """
+    return LMFrames(*read_rows(spec, seed, detect_format, _normalize))
+
+
+def read_rows(spec: DataSpec, seed: int, detect, normalize) -> tuple[pd.DataFrame, pd.DataFrame, str, dict[str, int]]:
+    """(train, eval, format, dropped): data.train read and its format detected (``detect(table,
+    spec)``), data.train and data.eval normalized alike (``normalize(table, spec, format, field,
+    dropped, "train" | "eval")``, which counts what it drops into ``dropped``), then ``split_rows``."""
     dropped: dict[str, int] = {}
-    train_raw = read_table(
-        spec.train, field="data.train", split=spec.train_split, encoding=spec.encoding, max_input_mb=spec.max_input_mb
-    )
-    fmt = detect_format(train_raw, spec)
-    train = _normalize(train_raw, spec, fmt, "data.train", dropped, "train")
-    if spec.eval:
-        eval_raw = read_table(
-            spec.eval, field="data.eval", split=spec.eval_split, encoding=spec.encoding, max_input_mb=spec.max_input_mb
-        )
-        evald = _normalize(eval_raw, spec, fmt, "data.eval", dropped, "eval")
-    else:
-        evald = None
-    train, evald = split_rows(train, evald, spec, seed)
-    return LMFrames(train, evald, fmt, dropped)
+    tables = {}
+    for which in ("train", "eval"):
+        uri = getattr(spec, which)
+        if uri:
+            split = spec.train_split if which == "train" else spec.eval_split
+            tables[which] = read_table(
+                uri, field=f"data.{which}", split=split, encoding=spec.encoding, max_input_mb=spec.max_input_mb
+            )
+    fmt = detect(tables["train"], spec)
+    rows = {which: normalize(t, spec, fmt, f"data.{which}", dropped, which) for which, t in tables.items()}
+    train, evald = split_rows(rows["train"], rows.get("eval"), spec, seed)
+    return train, evald, fmt, dropped
 
 
 def split_rows(train: pd.DataFrame, evald: pd.DataFrame | None, spec: DataSpec, seed: int):

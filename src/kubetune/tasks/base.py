@@ -3,6 +3,7 @@ the CLI, and what every task shares (the evaluation loop, tokenizing on a node).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,26 +63,29 @@ class Task:
     setup: Callable[..., None] | None = None
 
 
+def rank_batches(lengths, env: DistEnv, batch_size: int, lockstep: bool) -> tuple[list[np.ndarray], int]:
+    """This rank's share of a dataset for a pass without gradients: the rows in length order (little
+    padding), each on exactly one rank, cut into batches of row ids; and, with ``lockstep`` (a sharded
+    model, whose every forward is collective), how many extra forwards this rank makes so that every
+    rank makes as many as the first (repeating one row whose result it drops)."""
+    everything = np.argsort(np.asarray(lengths), kind="stable")
+    mine = everything[env.rank :: env.world_size]
+    batches = [mine[start : start + batch_size] for start in range(0, len(mine), batch_size)]
+    most = math.ceil(math.ceil(len(everything) / env.world_size) / batch_size)  # the first rank's count
+    return batches, (most - len(batches)) if lockstep else 0
+
+
 @torch.no_grad()
 def evaluate(
     task: Task, model, data: Prepared, env: DistEnv, device, autocast, batch_size: int, lockstep: bool = False
 ) -> dict:
-    """The shared evaluation loop: the eval set in length order (little padding), each example on
-    exactly one rank, the task's statistics summed over ranks, then its metrics. ``lockstep``:
-    every rank makes the same number of forward passes (a sharded model's gather is collective),
-    a rank short of batches repeating one whose statistics it drops."""
+    """The shared evaluation loop: the eval set split by ``rank_batches``, the task's statistics
+    summed over ranks, then its metrics."""
     model.eval()
-    lengths = np.asarray(data.eval_ds["length"])
-    everything = np.argsort(lengths, kind="stable")
-    order = everything[env.rank :: env.world_size]
-    stats = [
-        task.eval_step(model, data.collate_eval(order[start : start + batch_size]).to(device), autocast)
-        for start in range(0, len(order), batch_size)
-    ]
-    if lockstep:
-        most = -(-(-(-len(everything) // env.world_size)) // batch_size)  # the first rank's count of batches
-        for _ in range(most - len(stats)):
-            task.eval_step(model, data.collate_eval(everything[:1]).to(device), autocast)
+    batches, extra = rank_batches(data.eval_ds["length"], env, batch_size, lockstep)
+    stats = [task.eval_step(model, data.collate_eval(rows).to(device), autocast) for rows in batches]
+    for _ in range(extra):
+        task.eval_step(model, data.collate_eval(np.zeros(1, dtype=np.int64)).to(device), autocast)
     totals = distributed.all_reduce_sum(task.eval_totals(stats, data, device))
     model.train()
     return task.eval_metrics(totals.cpu().numpy(), data)

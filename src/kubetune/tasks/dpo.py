@@ -17,6 +17,7 @@ Export, ``predict`` and the Hub push are the causal-LM task's.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -35,14 +36,14 @@ from kubetune import distributed
 from kubetune.config import JobSpec
 from kubetune.config.schema import DPOSpec, PreferenceData
 from kubetune.data import Batch, tokenized
-from kubetune.data.causal import IGNORE, ROLES, ensure_chat_template, split_rows
-from kubetune.data.tables import describe_non_text, read_table, short
+from kubetune.data.causal import IGNORE, ROLES, ensure_chat_template, read_rows
+from kubetune.data.tables import describe_non_text, short
 from kubetune.data.tokenize import cache_key, tokenizer_fingerprint
 from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
 from kubetune.paths import cache_root, set_default_modes
 from kubetune.tasks import causal_lm
-from kubetune.tasks.base import Prepared, Presentation, Task, tokenize_on_node
+from kubetune.tasks.base import Prepared, Presentation, Task, rank_batches, tokenize_on_node
 
 log = logging.getLogger(__name__)
 
@@ -70,20 +71,7 @@ def load_pair_frames(spec: PreferenceData, seed: int) -> PairFrames:
     Raises:
         KubetuneError: a missing column, a column without text or messages, malformed messages, no usable pair.
     """
-    dropped: dict[str, int] = {}
-    train_raw = read_table(
-        spec.train, field="data.train", split=spec.train_split, encoding=spec.encoding, max_input_mb=spec.max_input_mb
-    )
-    fmt = _detect_format(train_raw, spec)
-    train = _normalize(train_raw, spec, fmt, "data.train", dropped, "train")
-    evald = None
-    if spec.eval:
-        eval_raw = read_table(
-            spec.eval, field="data.eval", split=spec.eval_split, encoding=spec.encoding, max_input_mb=spec.max_input_mb
-        )
-        evald = _normalize(eval_raw, spec, fmt, "data.eval", dropped, "eval")
-    train, evald = split_rows(train, evald, spec, seed)
-    return PairFrames(train, evald, fmt, dropped)
+    return PairFrames(*read_rows(spec, seed, _detect_format, _normalize))
 
 
 def _detect_format(df: pd.DataFrame, spec: PreferenceData) -> str:
@@ -188,9 +176,7 @@ def _chat_record(row: dict, spec: PreferenceData, source: str, i: int) -> dict |
     if not chosen or not rejected:
         return None
     if chosen[0]["role"] != "assistant" or rejected[0]["role"] != "assistant":
-        n = 0
-        while n < min(len(chosen), len(rejected)) - 1 and chosen[n] == rejected[n]:
-            n += 1
+        n = min(_shared_prefix(chosen, rejected), len(chosen) - 1, len(rejected) - 1)
         prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
     elif spec.prompt_column in row:
         prompt = _messages(row[spec.prompt_column], "user", "data.prompt_column", spec.prompt_column, source, i)
@@ -235,11 +221,10 @@ def _messages(value, role: str, key: str, col: str, source: str, i: int) -> list
     return out
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
+def _shared_prefix(a: list, b: list) -> int:
+    """How many leading items ``a`` and ``b`` share (os.path.commonprefix orders its items, which
+    message dicts cannot be)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def encode_pairs(frame: pd.DataFrame, tokenizer, max_length: int) -> dict[str, list]:
@@ -260,7 +245,7 @@ def encode_pairs(frame: pd.DataFrame, tokenizer, max_length: int) -> dict[str, l
         else:
             prompt_ids = _chat_ids(tokenizer, r["prompt"], add_generation_prompt=True)
             full = [_chat_ids(tokenizer, r["prompt"] + r[k]) for k in ("chosen", "rejected")]
-        n = min(_common_prefix(prompt_ids, ids) for ids in full)
+        n = min(_shared_prefix(prompt_ids, ids) for ids in full)
         cols["prompt_ids"].append(prompt_ids[:n])
         cols["chosen_ids"].append(full[0][n:])
         cols["rejected_ids"].append(full[1][n:])
@@ -284,7 +269,6 @@ class PairBatch(Batch):
     labels are the answer tokens (IGNORE elsewhere)."""
 
     reference: torch.Tensor | None = None  # [pairs, 2] the reference log-probabilities, when precomputed
-    answer_tokens: torch.Tensor | None = None  # [2 × pairs] answer tokens per sequence (IPO's length normalization)
     dpo: DPOSpec = field(default_factory=DPOSpec)  # the loss's settings (the trainer passes no spec to the loss)
 
     def to(self, device: torch.device) -> PairBatch:
@@ -292,14 +276,12 @@ class PairBatch(Batch):
             return self
         moved = super().to(device)
         ref = self.reference.to(device, non_blocking=True) if self.reference is not None else None
-        answers = self.answer_tokens.to(device, non_blocking=True)
-        return PairBatch(moved.inputs, moved.labels, self.weight, self.index, ref, answers, self.dpo)
+        return PairBatch(moved.inputs, moved.labels, self.weight, self.index, ref, self.dpo)
 
     def pin_memory(self) -> PairBatch:
         pinned = super().pin_memory()
         ref = self.reference.pin_memory() if self.reference is not None else None
-        answers = self.answer_tokens.pin_memory()
-        return PairBatch(pinned.inputs, pinned.labels, self.weight, self.index, ref, answers, self.dpo)
+        return PairBatch(pinned.inputs, pinned.labels, self.weight, self.index, ref, self.dpo)
 
 
 class Collate:
@@ -307,10 +289,10 @@ class Collate:
     right-padded. ``reference``: the precomputed reference log-probabilities of every row (set by
     ``setup`` before training; None: the reference is computed on the fly)."""
 
-    def __init__(self, ds, pad_id: int, max_length: int, dpo: DPOSpec):
+    def __init__(self, ds, pad_id: int, max_length: int, dpo: DPOSpec, key: str):
         self.ds, self.pad_id, self.max_length, self.dpo = ds, pad_id, max_length, dpo
+        self.key = key  # what the reference log-probabilities of these rows depend on (their cache's key)
         self.reference: np.ndarray | None = None
-        self.key = ""  # the tokenized data's identity (the reference cache's key)
 
     def __call__(self, indices: np.ndarray) -> PairBatch:
         weight = 1.0
@@ -337,7 +319,6 @@ class Collate:
             weight,
             torch.as_tensor(indices, dtype=torch.long),
             ref,
-            torch.tensor(answers, dtype=torch.float32),
             self.dpo,
         )
 
@@ -357,8 +338,7 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked out; any id will do
     max_length = spec.data.max_length
 
-    def encode(frame: pd.DataFrame) -> dict:
-        return encode_pairs(frame, tokenizer, max_length)
+    encode = functools.partial(encode_pairs, tokenizer=tokenizer, max_length=max_length)
 
     def build(create: bool):
         train_ds, hit = tokenized(frames.train, tokenizer, max_length, build=create, mode="dpo", encode=encode)
@@ -392,11 +372,12 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
             lengths.mean(),
             "hit" if hit else "miss (tokenized and cached)",
         )
-    pad_id = tokenizer.pad_token_id
-    collate, collate_eval = Collate(train_ds, pad_id, max_length, dpo), Collate(eval_ds, pad_id, max_length, dpo)
+    pad_id, model = tokenizer.pad_token_id, _model_identity(spec, model_dir)
     tok = tokenizer_fingerprint(tokenizer)
-    collate.key = cache_key(frames.train, tok, max_length, "dpo")
-    collate_eval.key = cache_key(frames.eval, tok, max_length, "dpo")
+    collate, collate_eval = (
+        Collate(ds, pad_id, max_length, dpo, f"{model}:{cache_key(frame, tok, max_length, 'dpo')}")
+        for ds, frame in ((train_ds, frames.train), (eval_ds, frames.eval))
+    )
     return Prepared(
         train_ds=train_ds,
         eval_ds=eval_ds,
@@ -447,64 +428,53 @@ def setup(spec: JobSpec, model, data: Prepared, env: DistEnv, device, autocast, 
     local rank 0 caches them). With LoRA the reference is the adapter-less model, on the fly."""
     if spec.lora is not None:
         return
-    key = _reference_key(spec, data, device)
-    path = cache_root() / "reference" / key
+    collates = (data.collate, data.collate_eval)
+    key = f"{data.collate.key}:{data.collate_eval.key}:{spec.training.precision}:{device.type}"
+    path = cache_root() / "reference" / hashlib.sha256(key.encode()).hexdigest()[:32]
     names = ("train", "eval")
     (missing,) = distributed.any_rank(not all((path / f"{n}.npy").exists() for n in names), device=device)
     if missing:
-        values = [_reference_pass(model, c, env, device, autocast, spec, lockstep) for c in _collates(data)]
+        size = spec.training.eval_batch_size or 2 * spec.training.batch_size
+        values = [_reference_pass(model, c, env, device, autocast, size, lockstep) for c in collates]
         if env.is_local_main:
             _write_cache(path, dict(zip(names, values)))
         how = "computed and cached"
     else:
         values = [np.load(path / f"{n}.npy") for n in names]
         how = "read from the cache"
-    for c, v in zip(_collates(data), values):
+    for c, v in zip(collates, values):
         c.reference = v
     if env.is_main:
         log.info("dpo reference log-probabilities of %d + %d pairs %s: %s", len(values[0]), len(values[1]), how, path)
 
 
-def _collates(data: Prepared) -> tuple[Collate, Collate]:
-    return data.collate, data.collate_eval
-
-
-def _reference_key(spec: JobSpec, data: Prepared, device) -> str:
-    """The model (its config and weight files, which a new download changes), the tokenized data and
-    template, the precision and the device kind: what the reference log-probabilities depend on."""
-    h = hashlib.sha256(b"kubetune-dpo-reference-v1")
-    from kubetune import artifacts
-
-    model_dir = Path(artifacts.resolve_model(spec))
-    h.update(f"{spec.model.uri}@{spec.model.revision}:{spec.training.precision}:{device.type}".encode())
-    for f in sorted(model_dir.iterdir()):
+def _model_identity(spec: JobSpec, model_dir) -> str:
+    """What names the base model's weights: its URI, its config and its weight files (name, size,
+    modification time: a new download changes them), without reading the weights."""
+    h = hashlib.sha256(f"kubetune-dpo-reference-v1:{spec.model.uri}@{spec.model.revision}".encode())
+    for f in sorted(Path(model_dir).iterdir()):
         if f.name == "config.json":
             h.update(f.read_bytes())
         elif f.suffix in (".safetensors", ".bin") and f.is_file():
             st = f.stat()
             h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    h.update(f"{data.collate.key}:{data.collate_eval.key}".encode())
     return h.hexdigest()[:32]
 
 
 @torch.no_grad()
-def _reference_pass(model, collate: Collate, env: DistEnv, device, autocast, spec: JobSpec, lockstep: bool):
+def _reference_pass(model, collate: Collate, env: DistEnv, device, autocast, batch_size: int, lockstep: bool):
     """[rows, 2] log-probabilities (chosen, rejected) of ``collate``'s dataset under ``model``."""
-    lengths = np.asarray(collate.ds["length"])
-    everything = np.argsort(lengths, kind="stable")
-    mine = everything[env.rank :: env.world_size]
-    size = spec.training.eval_batch_size or 2 * spec.training.batch_size
+    batches, extra = rank_batches(collate.ds["length"], env, batch_size, lockstep)
     model.eval()
-    parts = []
-    for start in range(0, len(mine), size):
-        batch = collate(mine[start : start + size]).to(device)
-        parts.append(_sequence_logps(model, batch, autocast).view(2, -1).T.double().cpu().numpy())
-    if lockstep:  # a sharded model's forward is collective: every rank makes as many
-        most = -(-(-(-len(everything) // env.world_size)) // size)
-        for _ in range(most - len(parts)):
-            _sequence_logps(model, collate(everything[:1]).to(device), autocast)
+    parts = [
+        _sequence_logps(model, collate(rows).to(device), autocast).view(2, -1).T.double().cpu().numpy()
+        for rows in batches
+    ]
+    for _ in range(extra):
+        _sequence_logps(model, collate(np.zeros(1, dtype=np.int64)).to(device), autocast)
     model.train()
-    out = np.zeros((len(lengths), 2), dtype=np.float64)
+    mine = np.concatenate(batches) if batches else np.zeros(0, dtype=np.int64)
+    out = np.zeros((len(collate.ds), 2), dtype=np.float64)
     for rows, vals in distributed.all_gather_object((mine, np.concatenate(parts) if parts else np.zeros((0, 2)))):
         out[rows] = vals
     return out
@@ -590,7 +560,8 @@ def pair_losses(
 def _pairs(model, batch: PairBatch, autocast) -> tuple[torch.Tensor, torch.Tensor]:
     ref_chosen, ref_rejected = _reference_logps(model, batch, autocast)  # first: no graph is held meanwhile
     chosen, rejected = _sequence_logps(model, batch, autocast).chunk(2)
-    return pair_losses(chosen, rejected, ref_chosen, ref_rejected, batch.dpo, batch.answer_tokens)
+    answer_tokens = (batch.labels != IGNORE).sum(dim=1).float()  # IPO's length normalization
+    return pair_losses(chosen, rejected, ref_chosen, ref_rejected, batch.dpo, answer_tokens)
 
 
 def loss(model, batch: PairBatch, autocast):
@@ -672,7 +643,7 @@ TASK = Task(
     present=Presentation(
         pipeline_tag="text-generation",
         report_rows=_report_rows,
-        eval_curves=("eval_reward_accuracy",),
+        eval_curves=(),  # the step plots show the evaluations beside the training values
         eval_log_scale=False,
         card_usage=causal_lm.TASK.present.card_usage,
         card_about=_card_about,
