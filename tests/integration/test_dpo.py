@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, kubetune, start_run, worker_pid, write_spec
+from conftest import ROOT, kubetune, start_run, wait_for_checkpoint, worker_pid, write_spec
 
 pytestmark = pytest.mark.integration
 PAIRS = "pkg://kubetune/assets/sentiment/sentiment-preferences.jsonl"
@@ -87,9 +87,7 @@ def test_full_finetune_resumes_bit_identically_after_sigkill_with_the_reference_
     cache = Path(os.environ["KUBETUNE_CACHE"]) / "reference"
     out = tmp_path / "out"
     proc = start_run(write_spec(tmp_path / "job.yaml", _spec(out)))
-    marker = out / "checkpoints" / "step-00000002" / "COMPLETE"
-    while not marker.exists():
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
+    wait_for_checkpoint(out, 2, proc)
     os.kill(worker_pid(proc.pid, 1), signal.SIGKILL)  # as the OOM killer would; 18 steps were left
     proc.communicate(timeout=120)
     assert proc.returncode != 0
@@ -157,7 +155,8 @@ def test_sft_then_dpo_example_learns_the_preference_and_predicts(tmp_path):
     assert evals[-1]["eval_reward_margin"] > evals[0]["eval_reward_margin"] > 0
     assert metrics["dpo_reference"].startswith("the base model")
     assert (out / "adapter" / "adapter_config.json").exists() and (out / "model" / "config.json").exists()
-    assert {"reward_accuracy.png", "rewards.png"} <= {p.name for p in (out / "plots").iterdir()}
+    plots = {p.name for p in (out / "plots").iterdir()}
+    assert {"reward_accuracy.png", "rewards.png"} <= plots and "eval_metrics.png" not in plots  # no empty plot
     assert "reward accuracy" in (out / "report.html").read_text()
     r = kubetune("predict", str(out), "What is the sentiment of this review? The crew was lovely", "--json")
     assert r.returncode == 0, r.stderr[-2000:]

@@ -9,14 +9,12 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, kubetune, worker_pid, write_spec
+from conftest import ROOT, kubetune, start_run, wait_for_checkpoint, worker_pid, write_spec
 
 pytestmark = pytest.mark.integration
 CHAT = "pkg://kubetune/assets/sentiment/sentiment-chat.jsonl"
@@ -137,26 +135,6 @@ def test_lora_with_activation_checkpointing_under_fsdp_matches_ddp_and_exports_a
     assert (merged["model.layers.0.mlp.up_proj.weight"] - base["model.layers.0.mlp.up_proj.weight"]).abs().max() > 0
 
 
-def _start(spec_path: Path, trace: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "kubetune", "run", str(spec_path)],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        env={**os.environ, "KUBETUNE_TRACE_DIR": str(trace)},
-    )
-
-
-def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
-    deadline = time.time() + timeout
-    while not path.exists():
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.time() < deadline, f"no {path} in time"
-        time.sleep(0.05)
-
-
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory):
     """strategy -> a 2-process run whose rank 1 was SIGKILLed after its step-4 checkpoint: the
@@ -165,8 +143,8 @@ def killed(tmp_path_factory):
     def kill(strategy: str) -> tuple[Path, Path, int]:
         tmp = tmp_path_factory.mktemp(f"killed-{strategy}")
         out, trace = tmp / "out", tmp / "trace"
-        proc = _start(write_spec(tmp / "job.yaml", _spec(out, strategy)), trace)
-        _wait_for(out / "checkpoints" / "step-00000004" / "COMPLETE", proc)
+        proc = start_run(write_spec(tmp / "job.yaml", _spec(out, strategy)), {"KUBETUNE_TRACE_DIR": str(trace)})
+        wait_for_checkpoint(out, 4, proc, timeout=240)
         os.kill(worker_pid(proc.pid, 1), signal.SIGKILL)
         proc.communicate(timeout=120)
         assert proc.returncode != 0
