@@ -218,7 +218,6 @@ class Pods:
         for key, text in rendered.config_map["data"].items():
             (self.etc / key).write_text(text)
         self.net = f"kt-{self.name}"
-        run(ENGINE, "network", "create", "--internal", self.net)
         self.replicas = self.job["spec"]["pytorchReplicaSpecs"]
         nodes = sum(r["replicas"] for r in self.replicas.values())
         nproc = self.job["spec"]["nprocPerNode"]
@@ -247,6 +246,8 @@ class Pods:
             "PET_NPROC_PER_NODE": str(nproc),
             "PET_NODE_RANK": str(rank),
         }
+        # last: a failure above leaves nothing to remove (close() runs only for a constructed Pods)
+        run(ENGINE, "network", "create", "--internal", self.net)
 
     def _args(self, name: str, container: dict, pod: dict, ws: Path, rank: int | None) -> list[str]:
         user = pod.get("securityContext", {}).get("runAsUser", 1000)

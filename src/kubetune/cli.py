@@ -86,7 +86,7 @@ def explain(
 
 @app.command()
 def init(
-    task: Annotated[str, typer.Argument(help="sequence-classification or causal-lm.")],
+    task: Annotated[str, typer.Argument(help="sequence-classification, causal-lm or dpo.")],
     out: Annotated[Path, typer.Option("--output", "-o", help="Where to write the spec.")] = Path("job.yaml"),
 ) -> None:
     """Write a commented starter job spec for TASK (job.yaml), never over an existing file."""
@@ -588,11 +588,15 @@ def _print_progress(st) -> None:
         shown = " ".join(f"{k} {v:.4f}" for k, v in ev.items() if k != "step" and isinstance(v, float))
         typer.echo(f"  last evaluation (step {ev['step']}): {shown}")
     if st.phase == "Succeeded":
-        headline = (st.metrics or {}) or p.get("metrics") or {}
+        # the task's headline: what the finished run recorded as such (progress.json, the `done:` line)
+        # beside the eval and train loss; without that record, every eval metric
+        headline = p.get("metrics") or {}
+        metrics = {**headline, **(st.metrics or {})}
+        names = tuple(headline) or tuple(k for k in metrics if k.startswith("eval_"))
         shown = " ".join(
-            f"{k} {headline[k]:.4f}"
-            for k in ("eval_loss", "eval_accuracy", "eval_f1_macro", "eval_perplexity", "train_loss")
-            if isinstance(headline.get(k), float)
+            f"{k} {metrics[k]:.4f}"
+            for k in dict.fromkeys(("eval_loss", *names, "train_loss"))
+            if isinstance(metrics.get(k), float)
         )
         if shown:
             typer.echo(f"  metrics: {shown}")

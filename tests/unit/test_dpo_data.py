@@ -194,3 +194,13 @@ def test_the_model_card_says_dpo_and_from_which_base(tmp_path):
     card = model_card(spec, metrics, dpo.TASK.present)
     assert "base_model: org/my-sft-model" in card and "pipeline_tag: text-generation" in card
     assert "Preference-tuned with DPO (sigmoid loss, beta 0.2)" in card and "reward accuracy is 0.9500" in card
+
+
+def test_a_task_that_is_not_a_name_is_one_field_error():
+    from kubetune.config import parse_spec
+
+    with pytest.raises(KubetuneError) as e:  # was: TypeError (unhashable) from the cross-section checks
+        parse_spec(
+            {"name": "x", "task": ["dpo"], "model": {"uri": "m"}, "data": {"train": "t"}, "output": {"uri": "o"}}
+        )
+    assert "task" in str(e.value) and "unhashable" not in str(e.value)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 
+from kubetune.training import loggers
 from kubetune.training.loggers import ProgressLogger, format_line, parse_line, progress_from_log, read_progress
 
 
@@ -31,13 +32,17 @@ def test_the_progress_line_reads_back_what_it_says(tmp_path, caplog):
     assert parse_line("INFO loading the model") is None and parse_line("progress: step=x/y") is None
 
 
-def test_a_resumed_run_keeps_the_last_evaluation_and_measures_its_eta_from_its_own_steps(tmp_path):
+def test_a_resumed_run_keeps_the_last_evaluation_and_measures_its_eta_from_its_own_steps(tmp_path, monkeypatch):
     (tmp_path / "progress.json").write_text(json.dumps({"step": 40, "last_eval": {"step": 40, "eval_loss": 0.5}}))
+    clock = [1000.0]
+    monkeypatch.setattr(loggers.time, "monotonic", lambda: clock[0])
     logger = ProgressLogger(tmp_path, total_steps=100, epochs=1, start_step=40)
+    clock[0] += 20.0  # this session's 10 steps took 20 s
     logger.log("train", 50, {"loss": 0.4, "lr": 1e-5}, {"epoch": 1, "samples": 1600})
     rec = read_progress(tmp_path)
     assert rec["last_eval"] == {"step": 40, "eval_loss": 0.5}
-    assert rec["eta_s"] is not None and rec["eta_s"] >= 0 and rec["step"] == 50
+    # 50 steps left at 2 s a step; measured from step 0 it would be 50 × 20/50 = 20 s
+    assert rec["eta_s"] == 100.0 and rec["step"] == 50
 
 
 def test_progress_from_a_pod_log():
@@ -53,3 +58,29 @@ def test_progress_from_a_pod_log():
     assert rec["last_eval"] == {"step": 15, "eval_loss": 1.05, "eval_accuracy": 0.4, "eval_f1_macro": 0.38}
     assert progress_from_log(log[:1]) is None
     assert format_line(rec).startswith("step=20/30 epoch=1/1 loss=1.0412")
+
+
+def test_an_mlflow_run_that_finish_did_not_end_is_marked_failed():
+    """However training ends (an error, a diverged loss), the loggers are closed: an MLflow run that
+    finish() did not end is FAILED, not left RUNNING; after finish(), close() sends nothing more.
+    (The client is a stand-in recording its calls; tests/integration/test_mlflow.py runs the real server.)"""
+    from kubetune.training.tracking import MLflowLogger
+
+    calls = []
+
+    class Client:
+        tracking_uri = "http://mlflow:5000"
+
+        def set_terminated(self, run_id, status):
+            calls.append((run_id, status))
+
+    logger = MLflowLogger.__new__(MLflowLogger)
+    logger.client, logger.run_id, logger.failed, logger.ended = Client(), "r1", [], False
+    logger.close()
+    logger.close()
+    assert calls == [("r1", "FAILED")]
+    calls.clear()
+    logger.ended = False
+    logger.finish(None, status="KILLED")  # preempted: ended as KILLED, which a resumed run reopens
+    logger.close()
+    assert calls == [("r1", "KILLED")]

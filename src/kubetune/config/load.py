@@ -206,7 +206,8 @@ def _cross_problems_of(raw: dict) -> list[str]:
 
     task = raw.get("task", "sequence-classification")
     data = raw.get("data")
-    data = section(DATA_SPECS[task], {**data, "task": task}) if task in DATA_SPECS and isinstance(data, dict) else None
+    known = isinstance(task, str) and task in DATA_SPECS  # a list or a mapping is the task field's own error
+    data = section(DATA_SPECS[task], {**data, "task": task}) if known and isinstance(data, dict) else None
     return cross_problems(
         data,
         section(DistributedSpec, raw.get("distributed")),

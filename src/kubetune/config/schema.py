@@ -495,7 +495,8 @@ class JobSpec(Section):
         # The data section's model is the task's (DATA_SPECS): its hidden `task` tag selects it.
         if isinstance(raw, dict) and isinstance(raw.get("data"), dict):
             task = raw.get("task", "sequence-classification")
-            raw = {**raw, "data": {**raw["data"], "task": task if task in DATA_SPECS else ""}}
+            known = isinstance(task, str) and task in DATA_SPECS  # a list or a mapping: the task field's own error
+            raw = {**raw, "data": {**raw["data"], "task": task if known else ""}}
         return raw
 
     @model_validator(mode="after")

@@ -79,7 +79,7 @@ class ProgressLogger:
     tokens/s=5400 eta=1m32s``: key=value pairs, so ``parse_line`` reads it back from a pod's log
     (how a cluster job's progress reaches ``kubetune status``, with no extra RBAC)."""
 
-    def __init__(self, out: Path, total_steps: int, epochs: int, start_step: int, train_s: float = 0.0):
+    def __init__(self, out: Path, total_steps: int, epochs: int, start_step: int):
         self.path = out / PROGRESS
         self.total, self.epochs = total_steps, epochs
         # rates over the last interval; the ETA from this session's steps (a resumed run's first

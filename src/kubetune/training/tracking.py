@@ -147,6 +147,7 @@ class MLflowLogger:
         self.spec, self.cfg = spec, spec.tracking.mlflow
         self.client = connect(spec)
         self.failed: list[int] = []  # the steps whose metrics did not reach the server
+        self.ended = False  # finish() ended the run; otherwise close() marks it FAILED
         self.skip: dict[str, int] = {}
         run_id = run_ids.get("mlflow")
         if run_id and not self._exists(run_id):
@@ -214,6 +215,7 @@ class MLflowLogger:
     def finish(self, out: Path, status: str = "FINISHED") -> None:
         """Log the run's artifacts from ``out`` (the finished output), register the model if asked,
         and end the MLflow run; report what could not be sent."""
+        self.ended = True
         if status == "FINISHED":
             self._attempt("log the artifacts", lambda: self._artifacts(out))
             if self.cfg.register_model:
@@ -257,7 +259,11 @@ class MLflowLogger:
         log.info("MLflow: registered model %r version %s (source %s)", name, version.version, self.spec.output.uri)
 
     def close(self) -> None:
-        pass
+        """However training ends: a run that finish() did not end (an error, a diverged loss) is marked
+        FAILED rather than left RUNNING; a resumed run sets it RUNNING again."""
+        if not self.ended:
+            self.ended = True
+            self._attempt("end the run", lambda: self.client.set_terminated(self.run_id, "FAILED"))
 
 
 def _short(e: Exception) -> str:
