@@ -52,8 +52,8 @@ bench: seed-cache
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 IMAGE   ?= ghcr.io/kubetune/trainer
 # docker or podman. BASE_IMAGE and TORCH_INDEX: empty = the Dockerfile's production defaults
-# (python:3.11-slim-bookworm, the PyTorch index of the variant); image-test sets both for a host
-# without Docker Hub and the PyTorch index.
+# (python:3.11-slim-bookworm, the PyTorch index of the variant); scripts/image_test.py passes both
+# on a host without Docker Hub and the PyTorch index.
 ENGINE      ?= docker
 BASE_IMAGE  ?=
 TORCH_INDEX ?=
@@ -65,7 +65,7 @@ image:
 
 # The CPU image built for real with podman (tools installed when missing, a debootstrapped base),
 # smoke-tested as uid 1000 without network, the CUDA build's check, and a rendered PyTorchJob's pods
-# run as containers (scripts/image_test.py). Needs root (apt-get, podman); about 5 minutes cold.
+# run as containers (scripts/image_test.py). Needs root (apt-get, podman); 5 min 11 s cold here.
 image-test: install
 	ENGINE=podman $(BIN)/python scripts/image_test.py
 

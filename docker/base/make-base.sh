@@ -19,7 +19,7 @@ fi
 command -v debootstrap > /dev/null || { echo "error: debootstrap is not installed (apt-get install debootstrap)" >&2; exit 2; }
 
 root=$(mktemp -d /var/tmp/kubetune-base.XXXXXX)
-trap 'rm -rf "$root"' EXIT
+trap 'rm -rf "$root" "$root.log"' EXIT
 start=$(date +%s)
 debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,ca-certificates,tini \
   bookworm "$root" "$MIRROR" > "$root.log" 2>&1 || { tail -20 "$root.log" >&2; exit 1; }
