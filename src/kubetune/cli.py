@@ -15,6 +15,7 @@ app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",
     help="Distributed fine-tuning of transformer models from one YAML job spec.",
 )
 
