@@ -678,3 +678,26 @@ def test_baseline_skipped_where_it_cannot_fit(monkeypatch, caplog, tmp_path, cau
     monkeypatch.undo()
     normal = artifacts.tfidf_baseline(_frames(3, 6))
     assert normal["method"].startswith("TF-IDF") and 0 <= normal["accuracy"] <= 1
+
+
+def test_baseline_is_cached_under_its_split_and_refits_when_the_split_or_the_cache_changes(monkeypatch, tmp_path):
+    from sklearn.linear_model import LogisticRegression
+
+    from kubetune.artifacts import baseline
+
+    monkeypatch.setenv("KUBETUNE_CACHE", str(tmp_path))
+    frames = _frames(3, 6)
+    first = baseline.tfidf_baseline(frames)
+    (entry,) = (tmp_path / "baseline").iterdir()
+    fits = []
+    real_fit = LogisticRegression.fit
+    monkeypatch.setattr(LogisticRegression, "fit", lambda self, *a, **k: fits.append(1) or real_fit(self, *a, **k))
+    assert baseline.tfidf_baseline(frames) == first and fits == []  # read, not fitted
+    entry.write_text('{"method": "something else", "accuracy": 2}')  # not ours: fitted again
+    assert baseline.tfidf_baseline(frames) == first and fits == [1]
+    entry.write_text("[1, 2")  # unreadable: fitted again
+    assert baseline.tfidf_baseline(frames) == first and fits == [1, 1]
+    other = _frames(3, 6)
+    other.eval["label"] = (other.eval["label"] + 1) % 3  # another split: its own entry
+    baseline.tfidf_baseline(other)
+    assert fits == [1, 1, 1] and len(list((tmp_path / "baseline").iterdir())) == 2

@@ -45,6 +45,20 @@ def test_a_resumed_run_keeps_the_last_evaluation_and_measures_its_eta_from_its_o
     assert rec["eta_s"] == 100.0 and rec["step"] == 50
 
 
+def test_the_rates_after_an_evaluation_leave_its_time_out(tmp_path, monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr(loggers.time, "monotonic", lambda: clock[0])
+    logger = ProgressLogger(tmp_path, total_steps=100, epochs=1, start_step=0)
+    logger.log("train", 10, {"loss": 0.5, "lr": 1e-5}, {"epoch": 1, "samples": 320, "tokens": 3200})
+    clock[0] += 10.0  # 10 steps of training in 10 s, then a 30 s evaluation
+    clock[0] += 30.0
+    logger.log("eval", 20, {"eval_loss": 0.4}, {"epoch": 1, "samples": 640, "train_s": 20.0, "eval_s": 30.0})
+    logger.log("train", 20, {"loss": 0.4, "lr": 1e-5}, {"epoch": 1, "samples": 640, "tokens": 6400})
+    rec = read_progress(tmp_path)
+    assert rec["samples_per_s"] == 32.0 and rec["tokens_per_s"] == 320.0  # not 8 and 80 (40 s of wall time)
+    assert rec["eta_s"] == 80 * 40.0 / 20  # the ETA stays wall time: evaluations recur
+
+
 def test_progress_from_a_pod_log():
     log = [
         "12:00:00 [rank 0] INFO job demo (classification): world size 2, device cpu, precision fp32",

@@ -20,64 +20,75 @@ def _read_history(path: Path) -> list[dict]:
 
 def plot(history: list[dict], out: Path, present: Presentation, baseline: dict | None = None) -> list[Path]:
     """Write plots/train_loss.png, plots/eval_metrics.png (the task's eval curves, if any) and one
-    PNG per step plot; return their paths."""
+    PNG per step plot; return their paths. Every plot spans the run from step 0 to its last step, so
+    a run that evaluated once shows one labelled point where it stands, not a lone dot on a zoomed axis."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     (out / "plots").mkdir(exist_ok=True)
-    paths = []
+    last = max((h["step"] for h in history), default=1)
     train = [h for h in history if h["type"] == "train"]
     evals = [h for h in history if h["type"] == "eval"]
-    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
-    ax.plot([h["step"] for h in train], [h["loss"] for h in train], label="train loss")
-    if evals:
-        ax.plot([h["step"] for h in evals], [h["eval_loss"] for h in evals], "o-", label="eval loss")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel(present.loss_label)
-    ax.set_title("Loss")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    paths.append(out / "plots" / "train_loss.png")
-    fig.savefig(paths[-1])
-    plt.close(fig)
 
-    if present.eval_curves:
+    def figure(name: str, title: str, curves: list[tuple[str, list, list, str]], ylabel: str = "", style=None) -> Path:
         fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
-        for key in present.eval_curves:  # at their step: evaluations within an epoch (eval_every) too
-            ax.plot([h["step"] for h in evals], [h[key] for h in evals], "o-", label=key.removeprefix("eval_"))
-        if present.eval_log_scale:
-            ax.set_yscale("log")
-        else:
-            ax.set_ylim(0, 1)
-        if baseline:
-            ax.axhline(baseline["accuracy"], color="grey", linestyle="--", label="baseline accuracy (TF-IDF + LR)")
+        for label, xs, ys, fmt in curves:
+            if len(xs) == 1:  # one point: its value and step in the legend
+                label = f"{label}: {ys[0]:.4g} at step {xs[0]}"
+            if xs:
+                ax.plot(xs, ys, fmt, label=label)
+        if style:
+            style(ax)
+        ax.set_xlim(0, last * 1.03)
         ax.set_xlabel("optimizer step")
-        ax.set_title("Evaluation")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        paths.append(out / "plots" / "eval_metrics.png")
-        fig.savefig(paths[-1])
-        plt.close(fig)
-
-    for title, keys in present.step_plots:
-        fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
-        for key in keys:
-            points = [(h["step"], h[key]) for h in history if isinstance(h.get(key), (int, float))]
-            if points:
-                style = "o-" if key.startswith("eval_") else "-"
-                ax.plot(*zip(*points), style, label=key.replace("eval_", "eval ").replace("_", " "))
-        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(ylabel)
         ax.set_title(title)
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
         fig.tight_layout()
-        paths.append(out / "plots" / f"{title.lower().replace(' ', '_')}.png")
-        fig.savefig(paths[-1])
+        path = out / "plots" / f"{name}.png"
+        fig.savefig(path)
         plt.close(fig)
+        return path
+
+    def steps(records: list[dict], key: str) -> tuple[list, list]:
+        points = [(h["step"], h[key]) for h in records if isinstance(h.get(key), (int, float))]
+        return [p[0] for p in points], [p[1] for p in points]
+
+    paths = [
+        figure(
+            "train_loss",
+            "Loss",
+            [("train loss", *steps(train, "loss"), "-"), ("eval loss", *steps(evals, "eval_loss"), "o-")],
+            present.loss_label,
+        )
+    ]
+    if present.eval_curves:
+
+        def style(ax) -> None:
+            if present.eval_log_scale:
+                ax.set_yscale("log")
+            else:
+                ax.set_ylim(0, 1)
+            if baseline:
+                ax.axhline(baseline["accuracy"], color="grey", linestyle="--", label="baseline accuracy (TF-IDF + LR)")
+
+        # at their step: evaluations within an epoch (eval_every) too
+        curves = [(key.removeprefix("eval_"), *steps(evals, key), "o-") for key in present.eval_curves]
+        paths.append(figure("eval_metrics", "Evaluation", curves, style=style))
+    for title, keys in present.step_plots:
+        curves = [
+            (
+                key.replace("eval_", "eval ").replace("_", " "),
+                *steps(history, key),
+                "o-" if key.startswith("eval_") else "-",
+            )
+            for key in keys
+        ]
+        paths.append(figure(title.lower().replace(" ", "_"), title, curves))
     return paths
 
 

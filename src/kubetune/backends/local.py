@@ -56,7 +56,9 @@ def launch_config(
         rdzv_endpoint=endpoint,
         rdzv_configs=rdzv_configs,
         max_restarts=dist.max_restarts,
-        monitor_interval=0.5,
+        # how often the agent polls its workers: a finished run's launcher exits within this (torch's
+        # default is 0.1 s; the polling costs nothing measurable)
+        monitor_interval=0.1,
         **_shutdown_grace(),
         # The address other nodes reach this one at (MASTER_ADDR when it holds rank 0).
         local_addr=local_addr or ("127.0.0.1" if dist.nodes == 1 else None),

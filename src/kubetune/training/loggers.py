@@ -94,6 +94,9 @@ class ProgressLogger:
     def log(self, kind: str, step: int, metrics: dict, context: dict) -> None:
         now = time.monotonic()
         if kind == "eval":
+            # the next line's samples/s and tokens/s are training rates: the evaluation's time is not in them
+            t, samples, tokens = self.last
+            self.last = (t + context.get("eval_s", 0.0), samples, tokens)
             self.record["last_eval"] = {"step": step, **{k: v for k, v in metrics.items() if isinstance(v, float)}}
             self.record["phase"] = "training" if step < self.total else "finishing"
             self._write()

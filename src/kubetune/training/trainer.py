@@ -389,6 +389,7 @@ class Trainer:
     def evaluate(self, train_s: float) -> dict:
         """All ranks: evaluate; rank 0 logs and records it with the training time and samples so far."""
         s, cfg = self.state, self.cfg
+        t_eval = time.perf_counter()
         metrics = base.evaluate(
             self.task,
             self.model,
@@ -411,7 +412,12 @@ class Trainer:
             "eval",
             s.global_step,
             scalars,
-            {"epoch": s.epoch + 1, "samples": s.samples_seen, "train_s": round(train_s, 3)},
+            {
+                "epoch": s.epoch + 1,
+                "samples": s.samples_seen,
+                "train_s": round(train_s, 3),
+                "eval_s": round(time.perf_counter() - t_eval, 3),
+            },
         )
         return metrics
 
