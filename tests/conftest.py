@@ -89,6 +89,37 @@ def tiny_spec(train: Path, out: Path, **overrides) -> dict:
     return spec
 
 
+TOKEN_CANARY = "hf_canaryTOKEN0123456789"  # a gated model's token: read from HF_TOKEN, never written anywhere
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_sft(tmp_path_factory):
+    """examples/causal-tiny-chat.yaml (LoRA, 2 processes) shortened to 600 rows x 2 epochs with a token
+    budget, traced, with a token in HF_TOKEN: one run that test_causal_lm.py asserts on and whose merged
+    model test_dpo.py's SFT -> DPO test starts from.
+
+    Returns:
+        (output directory, trace directory, the finished CompletedProcess)
+    """
+    tmp = tmp_path_factory.mktemp("tiny-chat-sft")
+    r = kubetune(
+        "run",
+        str(ROOT / "examples" / "causal-tiny-chat.yaml"),
+        "--set",
+        f"output.uri={tmp / 'run'}",
+        "--set",
+        "training.epochs=2",
+        "--set",
+        "data.max_train_samples=600",
+        "--set",
+        "data.max_tokens_per_batch=1024",
+        env={"HF_TOKEN": TOKEN_CANARY, "KUBETUNE_TRACE_DIR": str(tmp / "trace")},
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return tmp / "run", tmp / "trace", r
+
+
 def wait_for_checkpoint(out: Path, step: int, proc: subprocess.Popen, timeout: float = 180) -> None:
     """Until ``out`` holds the complete checkpoint of ``step``; fails if ``proc`` exits first."""
     import time

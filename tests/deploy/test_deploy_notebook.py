@@ -35,11 +35,11 @@ def test_notebook_runs_on_the_local_backend_and_predicts(tmp_path, monkeypatch):
     import nbformat
     from nbclient import NotebookClient
 
-    # CI budget: ~10 optimizer steps on 400 rows, 2 CPU processes; the HF cache is conftest's
+    # CI budget: 4 optimizer steps on 400 rows, 2 CPU processes; the HF cache is conftest's
     # offline one (the kernel inherits this process's environment).
     for key, value in {
         "KUBETUNE_BACKEND": "local",
-        "KUBETUNE_MAX_STEPS": "10",
+        "KUBETUNE_MAX_STEPS": "4",
         "KUBETUNE_MAX_TRAIN_SAMPLES": "400",
         "KUBETUNE_MAX_EVAL_SAMPLES": "100",
         "HF_HUB_OFFLINE": "1",
@@ -51,7 +51,7 @@ def test_notebook_runs_on_the_local_backend_and_predicts(tmp_path, monkeypatch):
 
     outputs = {i: _text(c) for i, c in enumerate(nb.cells) if c.cell_type == "code"}
     everything = "\n".join(outputs.values())
-    assert "backend=local max_steps=10 max_train_samples=400" in everything
+    assert "backend=local max_steps=4 max_train_samples=400" in everything
     assert re.search(r"\d[\d,]* rows; columns \[.*'sentiment'.*'text'.*\]", everything)
     assert "Succeeded" in everything
     assert re.search(r"\[rank 0\] INFO done: eval_accuracy", everything)

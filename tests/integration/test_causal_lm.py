@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import kubetune
+from conftest import TOKEN_CANARY, kubetune
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,26 +24,11 @@ def _trace(trace: Path) -> list[dict]:
     return [json.loads(line) for f in sorted(trace.glob("rank*.jsonl")) for line in f.read_text().splitlines()]
 
 
-def test_tiny_chat_example_lora_two_processes(tmp_path):
-    out = tmp_path / "run"
-    canary = "hf_canaryTOKEN0123456789"  # a gated model's token: read from HF_TOKEN, never written anywhere
-    r = kubetune(
-        "run",
-        str(EXAMPLE),
-        "--set",
-        f"output.uri={out}",
-        "--set",
-        "training.epochs=2",
-        "--set",
-        "data.max_train_samples=600",
-        "--set",
-        "data.max_tokens_per_batch=1024",
-        env={"HF_TOKEN": canary, "KUBETUNE_TRACE_DIR": str(tmp_path / "trace")},
-        timeout=600,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
+def test_tiny_chat_example_lora_two_processes(tiny_chat_sft):
+    out, trace, r = tiny_chat_sft
+    canary = TOKEN_CANARY
     # Token-budget micro-batches: none above the budget, every row once per epoch over both ranks.
-    micro = _trace(tmp_path / "trace")
+    micro = _trace(trace)
     assert all(0 < m["tokens"] <= 1024 for m in micro if m["rows"])
     for epoch in (0, 1):
         assert sorted(r for m in micro if m["epoch"] == epoch for r in m["rows"]) == list(range(600))

@@ -65,7 +65,7 @@ def mlflow_server(tmp_path_factory):
             pass
         assert proc.poll() is None, (root / "server.log").read_text()[-3000:]
         assert time.time() < deadline, "mlflow server did not start"
-        time.sleep(0.5)
+        time.sleep(0.1)
     yield url
     os.killpg(proc.pid, signal.SIGTERM)
     try:
@@ -79,7 +79,7 @@ def _spec(small_csv, out: Path, uri: str, experiment: str) -> dict:
     spec = tiny_spec(
         small_csv,
         out,
-        training={"epochs": 2, "batch_size": 8, "log_every": 1, "checkpoint_every": 3, "seed": 5, "eval_every": 4},
+        training={"epochs": 2, "batch_size": 8, "log_every": 1, "checkpoint_every": 6, "seed": 5, "eval_every": 4},
     )
     spec["output"]["report_baseline"] = False
     spec["tracking"] = {"mlflow": {"uri": uri, "experiment": experiment, "tags": {"team": "nlp"}}}
@@ -117,6 +117,7 @@ def test_a_run_stopped_by_sigterm_and_resumed_is_one_mlflow_run_with_every_step_
     os.kill(proc.pid, signal.SIGTERM)  # preemption: a checkpoint at the next step, exit 143
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err[-3000:]
+    assert "stopped:" in err and "run the same command again to resume" in err  # `kubetune run`'s stop message
     again = kubetune("run", str(spec))
     assert again.returncode == 0, again.stderr[-3000:]
     assert "MLflow: continuing run" in again.stderr

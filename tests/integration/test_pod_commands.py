@@ -119,6 +119,10 @@ def test_fetch_is_idempotent_and_marks_completion_last(tmp_path, monkeypatch):
     assert stage(spec, dest) == staged and (dest / MARKER).exists()
 
 
+# Slow: a real Client("local") run (train, wait, logs, the output) is the notebook test's
+# (tests/deploy/test_deploy_notebook.py) and test_seed004.py's; the handle's calls are unit-tested
+# (tests/unit/test_client_api.py).
+@pytest.mark.slow
 def test_local_client_api(tmp_path, small_csv):
     from kubetune import Client
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import yaml
 from conftest import kubetune, start_run, tiny_spec, wait_for_checkpoint, write_spec
 
 from kubetune.errors import KubetuneError
@@ -47,7 +50,9 @@ def _eval(out: Path) -> dict:
 def reference(tmp_path_factory, small_csv):
     """The uninterrupted run every interrupted one must match exactly."""
     tmp = tmp_path_factory.mktemp("ref")
-    proc = kubetune("run", str(write_spec(tmp / "job.yaml", _spec(small_csv, tmp / "out"))))
+    # No checkpoints: writing them changes nothing a resumed run must match (the weights are compared bit
+    # for bit against runs that checkpoint every 6 and every 9 steps).
+    proc = kubetune("run", str(write_spec(tmp / "job.yaml", _spec(small_csv, tmp / "out", checkpoint_every=None))))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return tmp / "out"
 
@@ -78,22 +83,33 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def test_sigkilled_worker_then_rerun_resumes_exactly(reference, tmp_path, small_csv):
-    out = tmp_path / "out"
-    spec = write_spec(tmp_path / "job.yaml", _spec(small_csv, out))
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory, small_csv):
+    """A run whose rank 1 was SIGKILLed after its step-6 checkpoint, with `kubetune status` read while it
+    ran and once it had failed; and a copy of its output as the kill left it (checkpoints included)."""
+    tmp = tmp_path_factory.mktemp("killed")
+    out = tmp / "out"
+    spec = write_spec(tmp / "job.yaml", _spec(small_csv, out, checkpoint_every=6))
     proc = start_run(spec)
     wait_for_checkpoint(out, 6, proc)
     # `kubetune status` from another shell, while the run goes: its progress (rank 0's progress.json)
     running = json.loads(kubetune("status", "tiny", "--json").stdout)
-    progress = running["progress"]
-    assert running["phase"] == "Running" and running["kind"] == "LocalRun", running
-    assert 6 <= progress["step"] <= 16 and progress["total_steps"] == 16 and progress["epochs"] == 2
-    assert progress["loss"] > 0 and progress["eta_s"] >= 0 and progress["samples_per_s"] > 0
     os.kill(_worker_pids(proc.pid)[1], signal.SIGKILL)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 1 and "worker rank 1 failed with exit code -9" in err
-    failed = kubetune("status", "tiny")
-    assert "local run tiny: Failed" in failed.stdout and "reason: WorkerFailed" in failed.stdout, failed.stdout
+    failed = kubetune("status", "tiny").stdout
+    shutil.copytree(out, tmp / "copy")
+    return SimpleNamespace(
+        out=out, spec=spec, copy=tmp / "copy", code=proc.returncode, err=err, running=running, failed=failed
+    )
+
+
+def test_sigkilled_worker_then_rerun_resumes_exactly(reference, killed):
+    out, spec, err, progress = killed.out, killed.spec, killed.err, killed.running["progress"]
+    assert killed.running["phase"] == "Running" and killed.running["kind"] == "LocalRun", killed.running
+    assert 6 <= progress["step"] <= 16 and progress["total_steps"] == 16 and progress["epochs"] == 2
+    assert progress["loss"] > 0 and progress["eta_s"] >= 0 and progress["samples_per_s"] > 0
+    assert killed.code == 1 and "worker rank 1 failed with exit code -9" in err
+    assert "local run tiny: Failed" in killed.failed and "reason: WorkerFailed" in killed.failed, killed.failed
     # the log of a run outside a terminal: plain progress lines, no bar redrawn with \r
     assert "\r" not in err and "progress: step=1/16 epoch=1/2 loss=" in err
     steps = sorted(int(p.name[5:]) for p in (out / "checkpoints").glob("step-*") if (p / "COMPLETE").exists())
@@ -144,7 +160,7 @@ def test_sigterm_to_kubetune_run_checkpoints_exits_143_and_resumes_exactly(refer
 
 def test_elastic_restart_after_sigkill_completes_in_one_run(reference, tmp_path, small_csv):
     out = tmp_path / "out"
-    spec = _spec(small_csv, out)
+    spec = _spec(small_csv, out, checkpoint_every=9)
     spec["distributed"]["max_restarts"] = 2
     proc = start_run(write_spec(tmp_path / "job.yaml", spec))
     wait_for_checkpoint(out, 9, proc)
@@ -156,15 +172,13 @@ def test_elastic_restart_after_sigkill_completes_in_one_run(reference, tmp_path,
     assert _eval(out) == _eval(reference)
 
 
-def test_incompatible_checkpoints_are_one_line_errors(tmp_path, small_csv):
-    out = tmp_path / "out"
-    spec = write_spec(tmp_path / "job.yaml", _spec(small_csv, out))
-    proc = start_run(spec)  # interrupted (SIGTERM) so that its checkpoints stay; a finished run clears them
-    wait_for_checkpoint(out, 3, proc)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143  # `kubetune run` under SIGTERM (its resume: test_pod_exit_codes.py)
-    assert "stopped:" in err and "run the same command again to resume" in err
+def test_incompatible_checkpoints_are_one_line_errors(killed):
+    """Against the checkpoints the killed run left (a copy of them: the resume test clears its own)."""
+    out = killed.copy
+    spec = write_spec(
+        out.parent / "copy.yaml", {**yaml.safe_load(killed.spec.read_text()), "output": {"uri": str(out)}}
+    )
+    # `kubetune run`'s stop message under SIGTERM is asserted by test_mlflow.py's SIGTERM test
     # Through the real CLI, the checkpoint's one-line error is test_fsdp.py's global-batch case
     # (a CLI run per setting would cost a worker start-up each).
     # Every guarded setting, against the fingerprint the interrupted run saved (the same check the

@@ -3,7 +3,7 @@ call, with the SDK's own parameter classes, run through kubetune.compat.kubeflow
 
 (a) backend="local": the call adapted only in sizes (the packaged MiniLM instead of BERT, a
     120-row Hub dataset from the offline cache instead of Yelp's 3000, 1 worker × 2 CPU processes,
-    6 steps) trains for real, and the SDK's job calls answer; the exported model loads.
+    3 steps) trains for real, and the SDK's job calls answer; the exported model loads.
 (b) backend="kubeflow" against the fake API server (tests/fakes/kube_api.py): the seed call as it
     is creates a PyTorchJob of 4 nodes × 2 processes with its resources; the test plays the
     operator (conditions, pods, logs), and the SDK's job calls answer from the cluster.
@@ -74,7 +74,7 @@ def test_seed_call_trains_locally_and_the_sdk_calls_answer(tmp_path, hub_dataset
                 do_eval=False,
                 disable_tqdm=True,
                 log_level="info",
-                max_steps=6,
+                max_steps=3,
                 per_device_train_batch_size=8,
                 logging_steps=2,
             ),
@@ -106,7 +106,7 @@ def test_seed_call_trains_locally_and_the_sdk_calls_answer(tmp_path, hub_dataset
     assert "[rank 0]" in text and "loss" in text
 
     metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["global_step"] == 6 and metrics["world_size"] == 2
+    assert metrics["global_step"] == 3 and metrics["world_size"] == 2
     model = transformers.AutoModelForSequenceClassification.from_pretrained(out / "model")
     tokenizer = transformers.AutoTokenizer.from_pretrained(out / "model")
     assert set(model.config.id2label.values()) == {"negative", "neutral", "positive"}

@@ -10,6 +10,7 @@ import inspect
 import os
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -179,6 +180,13 @@ def test_delete_kills_the_whole_process_group_when_sigterm_is_ignored(fake_run, 
         time.sleep(0.05)
     else:
         pytest.fail(f"worker process {child} survived delete()")
+
+
+def test_a_local_handle_says_where_its_output_is(fake_run, tmp_path):
+    job = Client("local").train({**SPEC, "output": {"uri": str(tmp_path / "out")}})
+    assert job.wait(timeout=30).phase == "Succeeded" and job.output == tmp_path / "out"
+    relative = Client("local").train({**SPEC, "name": "rel"})  # runs/demo: as `kubetune run` resolves it
+    assert relative.output == Path("runs/demo")
 
 
 def test_local_client_takes_no_backend_options():
