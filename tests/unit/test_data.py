@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from unittest import mock
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -163,3 +164,35 @@ def test_tokenization_cache(tmp_path, frame, monkeypatch):
     # A different max_length or different data is a different cache entry.
     assert tokenized(df, tok, 8, build=True)[1] is False
     assert tokenized(df.iloc[:-1], tok, 16, build=True)[1] is False
+
+
+def test_the_eval_split_is_scikit_learns_train_test_split_draw_for_draw():
+    """kubetune carves data.eval_fraction without importing scikit-learn (seconds per run); the rows,
+    and their order, must be exactly what train_test_split gives for the same seed."""
+    from sklearn.model_selection import train_test_split
+
+    from kubetune.data.tables import split_indices
+
+    rng = np.random.default_rng(0)
+    cases = 0
+    for n, n_classes in [(6, 3), (10, 2), (37, 3), (200, 5), (1000, 3), (333, 7), (50, 1)]:
+        for skew in (False, True):
+            p = rng.dirichlet(np.ones(n_classes) * (0.3 if skew else 5))
+            labels = rng.choice(n_classes, size=n, p=p)
+            # every class twice at least, as the carve requires for stratifying
+            labels[: 2 * n_classes] = np.repeat(np.arange(n_classes), 2)
+            for n_test in {1, n_classes, max(n_classes, n // 20), n // 3, n - n_classes}:
+                if not 1 <= n_test < n:
+                    continue
+                for seed in (0, 42, 2**31 - 1):
+                    rows = np.arange(n)
+                    for stratify in (False, True):
+                        if stratify and (n_test < n_classes or n - n_test < n_classes):
+                            continue
+                        want = train_test_split(
+                            rows, test_size=n_test, random_state=seed, stratify=labels if stratify else None
+                        )
+                        got = split_indices(labels, n_test, seed, stratify)
+                        assert [a.tolist() for a in got] == [a.tolist() for a in want], (n, n_test, seed, stratify)
+                        cases += 1
+    assert cases > 150
