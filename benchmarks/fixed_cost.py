@@ -4,10 +4,12 @@ on), split into phases by the arrival time of its log lines, beside Hugging Face
 process on the same rows (benchmarks/hf_trainer.py, evaluation at the end only). Rounds alternate
 the systems; medians are reported.
 
-    python benchmarks/fixed_cost.py [--rounds 3] [--name NAME]
+    python benchmarks/fixed_cost.py [--rounds 3] [--name NAME] [--before SRC] [--no-hf]
 
 Results: results/fixed-cost[-NAME].json and .md. The first kubetune round tokenizes and fits the
-baseline (cold caches); the table shows the cold round and the median of the warm ones.
+baseline (cold caches); the table shows the cold round and the median of the warm ones. ``--before
+SRC`` also runs the kubetune whose package is in SRC (e.g. ``git worktree add /tmp/old HEAD~3``,
+then ``--before /tmp/old/src``) in the same rounds, each with its own caches, for a before/after.
 """
 
 from __future__ import annotations
@@ -53,8 +55,10 @@ def spec(train: Path, evald: Path, out: Path) -> dict:
     }
 
 
-def run_kubetune(spec_path: Path, out: Path, cache: Path) -> dict:
+def run_kubetune(spec_path: Path, out: Path, cache: Path, src: str | None = None) -> dict:
     env = {**os.environ, "KUBETUNE_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    if src:  # another checkout's package first on the path (the workers inherit it)
+        env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [os.environ.get("PYTHONPATH")])])
     cmd = [sys.executable, "-m", "kubetune", "run", str(spec_path), "--overwrite"]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
@@ -92,19 +96,24 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--name", default="")
     ap.add_argument("--no-hf", action="store_true", help="kubetune only")
+    ap.add_argument("--before", help="the src/ directory of another kubetune checkout, run in the same rounds")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kubetune-fixed-cost-"))
     train, evald = write_split(work / "data", 1920, 600)
-    out = work / "out"
-    spec_path = work / "spec.yaml"
-    spec_path.write_text(yaml.safe_dump(spec(train, evald, out), sort_keys=False))
-    cache = work / "cache"
+    systems = {"kubetune": None, **({"before": args.before} if args.before else {})}
+    specs = {}
+    for name in systems:
+        specs[name] = work / f"{name}.yaml"
+        specs[name].write_text(yaml.safe_dump(spec(train, evald, work / f"out-{name}"), sort_keys=False))
     rounds: list[dict] = []
     for r in range(args.rounds):
-        k = run_kubetune(spec_path, out, cache)
-        h = None if args.no_hf else run_hf(train, evald, work)
-        rounds.append({"kubetune": k, "hf_trainer": h})
-        print(f"round {r + 1}: kubetune {k['total_s']:.1f} s" + (f", HF Trainer {h['total_s']:.1f} s" if h else ""))
+        row = {
+            name: run_kubetune(specs[name], work / f"out-{name}", work / f"cache-{name}", src)
+            for name, src in systems.items()
+        }
+        row["hf_trainer"] = None if args.no_hf else run_hf(train, evald, work)
+        rounds.append(row)
+        print(f"round {r + 1}: " + ", ".join(f"{k} {v['total_s']:.1f} s" for k, v in row.items() if v))
     results = ROOT / "benchmarks" / "results"
     stem = "fixed-cost" + (f"-{args.name}" if args.name else "")
     (results / f"{stem}.json").write_text(json.dumps(rounds, indent=2) + "\n")
@@ -112,18 +121,29 @@ def main() -> None:
     print(table(rounds))
 
 
+def med(values) -> float:
+    return statistics.median(values)
+
+
 def table(rounds: list[dict]) -> str:
-    cold, warm = rounds[0]["kubetune"], [r["kubetune"] for r in rounds[1:]] or [rounds[0]["kubetune"]]
-
-    def med(values) -> float:
-        return statistics.median(values)
-
-    rows = ["| phase | cold (round 1), s | warm (median of the others), s |", "| --- | --- | --- |"]
-    for name in cold["phases_s"]:
-        rows.append(f"| {name} | {cold['phases_s'][name]:.2f} | {med([w['phases_s'][name] for w in warm]):.2f} |")
-    rows.append(f"| **whole process** | **{cold['total_s']:.2f}** | **{med([w['total_s'] for w in warm]):.2f}** |")
-    fixed = [w["total_s"] - w["train_runtime_s"] for w in warm]
-    rows.append(f"| of which not training (total − train_runtime_s) | — | {med(fixed):.2f} |")
+    names = [n for n in ("before", "kubetune") if rounds[0].get(n)]
+    cols = {n: (rounds[0][n], [r[n] for r in rounds[1:]] or [rounds[0][n]]) for n in names}
+    label = {"before": "before", "kubetune": "this tree" if len(names) > 1 else ""}
+    head = " | ".join(
+        f"{label[n]} cold (round 1), s | {label[n]} warm (median of the others), s".strip() for n in names
+    )
+    rows = [f"| phase | {head} |", "| --- |" + " --- | --- |" * len(names)]
+    for phase in rounds[0]["kubetune"]["phases_s"]:
+        cells = [
+            f"{cold['phases_s'][phase]:.2f} | {med([w['phases_s'][phase] for w in warm]):.2f}"
+            for cold, warm in cols.values()
+        ]
+        rows.append(f"| {phase} | {' | '.join(cells)} |")
+    cells = [f"**{cold['total_s']:.2f}** | **{med([w['total_s'] for w in warm]):.2f}**" for cold, warm in cols.values()]
+    rows.append(f"| **whole process** | {' | '.join(cells)} |")
+    cells = [f"— | {med([w['total_s'] - w['train_runtime_s'] for w in warm]):.2f}" for _, warm in cols.values()]
+    rows.append(f"| of which not training (total − train_runtime_s) | {' | '.join(cells)} |")
+    warm = cols["kubetune"][1]
     hf = [r["hf_trainer"] for r in rounds if r["hf_trainer"]]
     if hf:
         rows.append(

@@ -110,7 +110,8 @@ def _wait(procs, timeout=300):
 @pytest.fixture(scope="module")
 def two_node_run(hosts, tmp_path_factory, small_csv):
     tmp = tmp_path_factory.mktemp("mn")
-    # no checkpoints: none is asserted here (the host-loss tests checkpoint and resume)
+    # no checkpoints: none is asserted here (the host-loss tests, which compare their weights with
+    # this run's, checkpoint and resume)
     spec = write_spec(tmp / "job.yaml", _spec(small_csv, tmp / "out", hosts, checkpoint_every=None))
     logs = [tmp / "a.log", tmp / "b.log"]
     procs = [_agent(h, spec, log) for h, log in zip(hosts, logs)]
