@@ -80,9 +80,8 @@ def _fit(frames) -> dict | None:
                 available / 2**30,
             )
             return None
-        # One BLAS thread: L-BFGS's update over the (classes x features) weights is 1.6x faster on one
-        # thread than on two here (measured on the demo's split), and the solver's path, and so the
-        # accuracy in the last digits, no longer depends on the machine's core count.
+        # One BLAS thread: the fit is faster on one than on two (benchmarks/README.md, a short run's fixed
+        # cost), and the solver's path, so the accuracy's last digits, no longer depends on the core count.
         with threadpool_limits(1):
             clf = LogisticRegression(max_iter=1000, C=10.0).fit(x_train, frames.train["label"])
         pred = clf.predict(vec.transform(texts(frames.eval)))

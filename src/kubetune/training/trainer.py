@@ -272,10 +272,7 @@ class Trainer:
                     and s.step_in_epoch < self.epoch_steps[epoch]
                     and s.global_step < self.total_steps
                 ):
-                    t_eval = time.perf_counter()
-                    eval_metrics = self.evaluate(s.train_time + t_eval - self.t_epoch)
-                    self.wrapped.train()
-                    self.t_epoch += time.perf_counter() - t_eval  # evaluation time is not training time
+                    eval_metrics = self.evaluate(s.train_time + time.perf_counter() - self.t_epoch)
                 # Every rank must agree, at the same step, on stopping and on checkpointing.
                 timed = (
                     bool(cfg.checkpoint_minutes)
@@ -387,7 +384,9 @@ class Trainer:
 
     # ---- evaluation and checkpoints ----
     def evaluate(self, train_s: float) -> dict:
-        """All ranks: evaluate; rank 0 logs and records it with the training time and samples so far."""
+        """All ranks: evaluate, then back to training mode; rank 0 logs and records it with the training
+        time and samples so far, and its own duration. Its time is not training time (``t_epoch`` moves
+        past it)."""
         s, cfg = self.state, self.cfg
         t_eval = time.perf_counter()
         metrics = base.evaluate(
@@ -419,6 +418,8 @@ class Trainer:
                 "eval_s": round(time.perf_counter() - t_eval, 3),
             },
         )
+        self.wrapped.train()
+        self.t_epoch += time.perf_counter() - t_eval
         return metrics
 
     def save_checkpoint(self) -> None:
