@@ -640,8 +640,6 @@ def _with_ids(df: pd.DataFrame, spec: DataSpec, label2id: dict[str, int]) -> pd.
 
 
 def _carve_eval(train: pd.DataFrame, fraction: float, seed: int) -> tuple[pd.DataFrame, pd.DataFrame]:
-    from sklearn.model_selection import train_test_split
-
     counts = train["label"].value_counts()
     n_eval = max(1, round(len(train) * fraction))
     if len(train) < 2 or n_eval >= len(train):
@@ -653,6 +651,49 @@ def _carve_eval(train: pd.DataFrame, fraction: float, seed: int) -> tuple[pd.Dat
     # Stratify when every class can be split and each side can hold every class (a class with a single
     # row cannot be split; scikit-learn refuses a side smaller than the number of classes).
     can_stratify = counts.min() >= 2 and min(n_eval, len(train) - n_eval) >= len(counts)
-    stratify = train["label"] if can_stratify else None
-    tr, ev = train_test_split(train, test_size=n_eval, stratify=stratify, random_state=seed)
-    return tr.sort_index(), ev.sort_index()
+    tr, ev = split_indices(train["label"].to_numpy(), n_eval, seed, can_stratify)
+    return train.iloc[tr].sort_index(), train.iloc[ev].sort_index()
+
+
+def split_indices(labels: np.ndarray, n_test: int, seed: int, stratify: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Row positions of a seeded train/test split: exactly scikit-learn's ``train_test_split(...,
+    test_size=n_test, random_state=seed, stratify=labels if stratify else None)`` (ShuffleSplit, or
+    StratifiedShuffleSplit with its approximate-mode allocation), draw for draw.
+
+    Why our own: importing scikit-learn for this one call takes 0.55-0.85 s in every worker of every
+    classification run, before its first step (benchmarks/README.md, "A short run's fixed cost");
+    tests/unit/test_data.py compares this with scikit-learn's function over many label sets, sizes and seeds.
+    """
+    rng = np.random.RandomState(seed)
+    n_train = len(labels) - n_test
+    if not stratify:
+        permutation = rng.permutation(len(labels))
+        return permutation[n_test:], permutation[:n_test]
+    _, inverse, class_counts = np.unique(labels, return_inverse=True, return_counts=True)
+    class_rows = np.split(np.argsort(inverse.reshape(-1), kind="stable"), np.cumsum(class_counts)[:-1])
+    n_i = _approximate_mode(class_counts, n_train, rng)
+    t_i = _approximate_mode(class_counts - n_i, n_test, rng)
+    train, test = [], []
+    for i, rows in enumerate(class_rows):
+        shuffled = rows.take(rng.permutation(class_counts[i]))
+        train.extend(shuffled[: n_i[i]])
+        test.extend(shuffled[n_i[i] : n_i[i] + t_i[i]])
+    return rng.permutation(train), rng.permutation(test)
+
+
+def _approximate_mode(class_counts: np.ndarray, n_draws: int, rng: np.random.RandomState) -> np.ndarray:
+    """How many of ``n_draws`` each class gets: its proportional share rounded down, the rest handed
+    out by the largest remainders, ties broken at random (scikit-learn's ``_approximate_mode``)."""
+    continuous = class_counts / class_counts.sum() * n_draws
+    floored = np.floor(continuous)
+    need = int(n_draws - floored.sum())
+    if need > 0:
+        remainder = continuous - floored
+        for value in np.sort(np.unique(remainder))[::-1]:
+            (candidates,) = np.where(remainder == value)
+            take = min(len(candidates), need)
+            floored[rng.choice(candidates, size=take, replace=False)] += 1
+            need -= take
+            if need == 0:
+                break
+    return floored.astype(int)
