@@ -61,10 +61,35 @@ def validate(spec: SpecArg, set_: SetOpt = None) -> None:
     from kubetune.config import load_spec
 
     try:
-        load_spec(spec, set_)
+        job = load_spec(spec, set_)
+        if not job.resources.gpu:  # no GPU pods either: the job can only run on a machine like this one
+            _check_this_machine(job)
     except KubetuneError as e:
         _fail(e)
     typer.echo("ok")
+
+
+def _check_this_machine(job) -> None:
+    """Refuse what needs a CUDA GPU (QLoRA, FSDP CPU offload) on a machine without one, before any
+    worker starts (they failed 20 s into start-up)."""
+    needs = (
+        ("lora.quantization", f"{job.lora.quantization} quantization (QLoRA)")
+        if job.lora and job.lora.quantization
+        else ("distributed.fsdp.cpu_offload", "FSDP CPU offload (it moves GPU state to the host)")
+        if job.distributed.fsdp.cpu_offload
+        else None
+    )
+    if needs is None:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        field, what = needs
+        raise KubetuneError(
+            f"{what} needs a CUDA GPU and this machine has none",
+            field=field,
+            fix=f"remove {field}, or run on a GPU machine / GPU nodes (resources.gpu)",
+        )
 
 
 @app.command()
@@ -122,7 +147,16 @@ def schema(
     if out is None:
         typer.echo(text, nl=False)
     else:
-        write_atomic(out, text)
+        try:
+            write_atomic(out, text)
+        except OSError as e:  # a directory, a path under a file, /proc, a read-only place
+            under = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+            why = f"{under} is not a directory" if under else e.strerror or str(e)
+            _fail(
+                KubetuneError(
+                    f"cannot write {out}: {why}", field="--output", fix="give a file path in a writable directory"
+                )
+            )
         typer.echo(f"wrote {out}")
 
 
@@ -223,18 +257,7 @@ def _preflight(job) -> str:
     run will do with its output (``done``: this job already finished there)."""
     from kubetune import artifacts, providers, tasks
 
-    if job.lora and job.lora.quantization:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise KubetuneError(
-                f"{job.lora.quantization} quantization (QLoRA) needs a CUDA GPU and this machine has none",
-                field="lora.quantization",
-                fix=(
-                    "remove lora.quantization to train LoRA unquantized, or run on a GPU machine / GPU nodes "
-                    "(resources.gpu)"
-                ),
-            )
+    _check_this_machine(job)
     providers.configure(job)
     if job.tracking.mlflow:  # the tracking server is up and takes the credentials (one line if not)
         from kubetune.training import tracking
@@ -711,19 +734,26 @@ def list_jobs(
     namespace: NsOpt = None,
     context: CtxOpt = None,
     kubeconfig: KcOpt = None,
-    target: TargetOpt = "pytorchjob",
+    target: Annotated[
+        str, typer.Option("--target", help="pytorchjob, trainjob, or local (the `kubetune run`s of this machine).")
+    ] = "pytorchjob",
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
-    """List kubetune jobs in the namespace."""
+    """List kubetune jobs in the namespace; `--target local`: every `kubetune run` recorded on this machine."""
+    from kubetune.backends import local_runs
+
     try:
-        jobs = _backend(namespace, context, kubeconfig, target).list()
+        if target == "local":
+            jobs = local_runs.recorded_runs()
+        else:
+            jobs = _backend(namespace, context, kubeconfig, target).list()
     except KubetuneError as e:
         _fail(e)
     if as_json:
         typer.echo(json.dumps(jobs, indent=2, default=str))
         return
     for j in jobs:
-        typer.echo(f"{j['name']:<40} {j['phase']:<12} {j['created']}")
+        typer.echo(f"{j['name']:<40} {j['phase']:<12} {j.get('problem') or j['created'] or ''}")
 
 
 @app.command()

@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+import re
+
 USER_ERROR_EXIT = 2
+
+# scheme://user:password@ in a URL anywhere in a text (a message, a log line)
+_CREDENTIALS = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)[^/?#@\s'\"]+@")
+
+
+def redact(text: str) -> str:
+    """``text`` with the user name and password of every URL in it replaced by ``***``: what
+    kubetune prints, logs or records never holds credentials, whichever input carried them."""
+    return _CREDENTIALS.sub(r"\1***@", text)
 
 
 class KubetuneError(Exception):
@@ -18,7 +29,7 @@ class KubetuneError(Exception):
         text = f"{field}: {message}" if field else message
         if fix:
             text = f"{text} — {fix}"
-        super().__init__(" ".join(text.split("\n")))
+        super().__init__(redact(" ".join(text.split("\n"))))
 
 
 class AgreedError(KubetuneError):
@@ -35,14 +46,14 @@ class SpecError(KubetuneError):
     def __init__(self, problems: list[str], source: str = "spec"):
         # one line per problem, whatever the input held; a spec with thousands of bad keys shows
         # the first MAX_SHOWN and a count
-        lines = [" ".join(str(p).splitlines()) for p in problems]
+        lines = [redact(" ".join(str(p).splitlines())) for p in problems]
         if len(lines) > self.MAX_SHOWN:
             lines = lines[: self.MAX_SHOWN] + [
                 f"spec: ... and {len(lines) - self.MAX_SHOWN} more problems — fix the ones above first"
             ]
         self.problems = lines
         self.source = source
-        head = problems[0] if len(problems) == 1 else f"{len(problems)} problems in {source}"
+        head = lines[0] if len(problems) == 1 else f"{len(problems)} problems in {redact(source)}"
         Exception.__init__(self, head)
 
     def lines(self) -> list[str]:

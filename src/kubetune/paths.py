@@ -10,12 +10,16 @@ uid), not the 0600/0700 of ``mkstemp``/``mkdtemp``.
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import shutil
+import stat
 import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 from kubetune.errors import KubetuneError
 
@@ -147,3 +151,46 @@ def check_tree_inside(root: Path, *, what: str) -> None:
                         f"{what}: {p.relative_to(root)} is a link to {target}, outside the download",
                         fix="refusing to use it; the source was tampered with",
                     )
+
+
+# Records kubetune reads back (a run's record, progress.json, metrics.json) are data from disk that
+# anyone who can write there shapes: read as regular files of bounded size.
+MAX_RECORD_BYTES = 64 * 1024
+
+
+class BrokenRecord(ValueError):
+    """A run record or progress file that is not what kubetune writes."""
+
+
+def read_bounded_json(path: Path, limit: int = MAX_RECORD_BYTES, constants: bool = False) -> Any:
+    """The JSON value in ``path``, a regular file (not a link, FIFO or device) of at most ``limit``
+    bytes; without NaN or Infinity unless ``constants`` (the caller then checks every number).
+
+    Raises:
+        FileNotFoundError: there is no such file.
+        BrokenRecord: anything else (what is wrong, in words).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as e:  # ELOOP: a symbolic link
+        raise BrokenRecord("a symbolic link" if e.errno == errno.ELOOP else (e.strerror or str(e))) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise BrokenRecord("not a regular file")
+        data = os.read(fd, limit + 1)
+    except OSError as e:
+        raise BrokenRecord(e.strerror or str(e)) from None
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise BrokenRecord(f"larger than {limit // 1024} KiB")
+
+    def no_constant(name: str):
+        raise BrokenRecord(f"holds {name}, which is not JSON")
+
+    try:
+        return json.loads(data.decode("utf-8"), parse_constant=None if constants else no_constant)
+    except (UnicodeDecodeError, RecursionError, ValueError) as e:
+        raise BrokenRecord(e.args[0] if isinstance(e, BrokenRecord) else "not JSON") from None

@@ -13,13 +13,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kubetune import providers
+from kubetune.artifacts import MAX_CONFIG_BYTES
 from kubetune.errors import KubetuneError
 
 CAUSAL_LM = "causal-lm"
 CLASSIFIER = "classifier"
 
 # A model config is a few KB; a --file of texts is read whole, so both are bounded.
-MAX_CONFIG_BYTES = 4 << 20
 MAX_TEXT_FILE_BYTES = 64 << 20
 # Files of which at least one is in any tokenizer directory save_pretrained writes.
 TOKENIZER_FILES = (

@@ -21,6 +21,7 @@ from conftest import ROOT, kubetune, start_run, tiny_spec, wait_for_checkpoint, 
 from kubetune.training.tracking import MLflowLogger
 
 pytestmark = pytest.mark.integration
+SECRET = "S3CRETpw9"  # a password in MLFLOW_TRACKING_URI: must not reach any log, file or the MLflow run
 
 
 def _free_port() -> int:
@@ -111,16 +112,24 @@ def test_a_run_stopped_by_sigterm_and_resumed_is_one_mlflow_run_with_every_step_
     from mlflow.tracking import MlflowClient
 
     out = tmp_path / "out"
-    spec = write_spec(tmp_path / "job.yaml", _spec(small_csv, out, mlflow_server, "resume"))
-    proc = start_run(spec)
+    raw = _spec(small_csv, out, mlflow_server, "resume")
+    del raw["tracking"]["mlflow"]["uri"]  # the server from the environment, with credentials in its URL
+    spec = write_spec(tmp_path / "job.yaml", raw)
+    host = mlflow_server.removeprefix("http://")
+    env = {"MLFLOW_TRACKING_URI": f"http://alice:{SECRET}@{host}"}
+    proc = start_run(spec, env)
     wait_for_checkpoint(out, 6, proc)
     os.kill(proc.pid, signal.SIGTERM)  # preemption: a checkpoint at the next step, exit 143
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err[-3000:]
     assert "stopped:" in err and "run the same command again to resume" in err  # `kubetune run`'s stop message
-    again = kubetune("run", str(spec))
+    again = kubetune("run", str(spec), env=env)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "MLflow: continuing run" in again.stderr
+    assert f"(http://***@{host}/#/experiments/runs/" in again.stderr  # the run's address, its password left out
+    # The password is nowhere: not in the log, any file the run wrote, or the MLflow run.
+    assert SECRET not in err + again.stdout + again.stderr
+    assert not [p for p in out.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
 
     client = MlflowClient(tracking_uri=mlflow_server)
     experiment = client.get_experiment_by_name("resume")
@@ -150,6 +159,10 @@ def test_a_run_stopped_by_sigterm_and_resumed_is_one_mlflow_run_with_every_step_
     assert {"metrics.json", "job.yaml", "report.html", "plots"} <= artifacts
     local = client.download_artifacts(run.info.run_id, "metrics.json", str(tmp_path))
     assert json.loads(Path(local).read_text()) == json.loads((out / "metrics.json").read_text())
+    recorded = json.dumps([run.data.params, run.data.tags, run.data.metrics, run.info.to_proto().__str__()])
+    downloaded = Path(client.download_artifacts(run.info.run_id, "", str(tmp_path / "all")))
+    assert SECRET not in recorded
+    assert not [p for p in downloaded.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
 
 
 class _Refusing(http.server.BaseHTTPRequestHandler):

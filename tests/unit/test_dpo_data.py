@@ -86,8 +86,16 @@ def test_strings_as_chat_and_a_system_prompt(tmp_path):
 def test_pairs_without_a_preference_or_an_answer_are_dropped_and_counted(tmp_path):
     rows = [{"prompt": f"p{i}", "chosen": "a", "rejected": "b"} for i in range(6)]
     rows += [{"prompt": "same", "chosen": "a", "rejected": "a"}, {"prompt": "empty", "chosen": " ", "rejected": "b"}]
+    # an empty prompt, text or chat: dropped, as the warning says (issue 30: they were trained on)
+    rows += [{"prompt": "", "chosen": "a", "rejected": "b"}, {"prompt": "  ", "chosen": "a", "rejected": "b"}]
     frames = _frames(tmp_path, rows)
-    assert frames.dropped == {"train": 2} and len(frames.train) + len(frames.eval) == 6
+    assert frames.dropped == {"train": 4} and len(frames.train) + len(frames.eval) == 6
+    assert all(r["prompt"].strip() for r in _records(frames))
+    chat = [{"prompt": [_user(f"Hi {i}")], "chosen": [_bot("Hello!")], "rejected": [_bot("Go.")]} for i in range(4)]
+    chat += [{"prompt": [_user("")], "chosen": [_bot("Hello!")], "rejected": [_bot("Go.")]}]
+    chat += [{"prompt": [], "chosen": [_bot("Hello!")], "rejected": [_bot("Go.")]}]
+    frames = _frames(tmp_path, chat)
+    assert frames.dropped == {"train": 2} and len(frames.train) + len(frames.eval) == 4
 
 
 def test_a_missing_column_is_one_line_naming_the_field(tmp_path):
@@ -147,6 +155,11 @@ def test_prompts_that_fill_max_length_are_dropped(tok):
     with pytest.raises(KubetuneError) as e:
         dpo._with_answers(ds.select([0]), {}, "train_truncated", 16)
     assert e.value.field == "data.max_length"
+    # the split is named: a 2-pair eval split all over max_length said "every prompt" of a train split that was fine
+    with pytest.raises(KubetuneError) as e:
+        dpo._with_answers(ds.select([0]), {}, "eval_truncated", 16)
+    assert "every prompt of the 1 eval pairs takes 16 tokens or more" in str(e.value)
+    assert "give data.eval pairs with shorter prompts" in str(e.value)
 
 
 def test_the_dpo_section_belongs_to_task_dpo(tmp_path):

@@ -101,7 +101,36 @@ CASES = [
         GOOD + "kubernetes: {secrets: {hf_token: {name: 'HF Secret', key: t}}}\n",
         "'HF Secret' is not a valid Secret name",
     ),
+    # issue 30: integers that size memory or loops, nesting, checks the workers made 20 s later
+    (
+        "epochs 10^30",
+        GOOD + "training: {epochs: " + "1" + "0" * 30 + "}\n",
+        "training.epochs: must be at most 2,147,483,647",
+    ),
+    ("batch 2^63", GOOD + "training: {batch_size: 9223372036854775808}\n", "training.batch_size: must be at most"),
+    ("nested 1000 deep", GOOD + "x: " + "{a: " * 1000 + "1" + "}" * 1000 + "\n", "nested deeper than 32 levels"),
+    ("nested list 1000 deep", GOOD + "x: " + "[" * 1000 + "]" * 1000 + "\n", "nested deeper than 32 levels"),
+    (
+        "fsdp with compile",
+        GOOD + "distributed: {strategy: fsdp}\ntraining: {compile: true}\n",
+        "spec: training.compile under distributed.strategy fsdp is not supported yet — set training.compile: false",
+    ),
+    (
+        "fsdp with QLoRA",
+        GOOD + "distributed: {strategy: fsdp}\nlora: {quantization: 4bit}\n",
+        "spec: lora.quantization (QLoRA) under distributed.strategy fsdp is not supported yet",
+    ),
 ]
+
+# Every field that holds a URL (tests below check that each refuses credentials).
+URL_FIELDS = {
+    "model.uri": "model: {{uri: '{}'}}",
+    "data.train": "data: {{train: '{}'}}",
+    "data.eval": "data: {{train: t.csv, eval: '{}'}}",
+    "output.uri": "output: {{uri: '{}'}}",
+    "s3.endpoint_url": "s3: {{endpoint_url: '{}'}}",
+    "tracking.mlflow.uri": "tracking: {{mlflow: {{uri: '{}'}}}}",
+}
 
 
 @pytest.mark.parametrize("what, text, expected", CASES, ids=[c[0] for c in CASES])
@@ -190,3 +219,69 @@ def test_render_refuses_an_invalid_namespace(tmp_path):
         "error: --namespace: 'Team_A' is not a valid namespace: a DNS label of lowercase letters, digits and '-', "
         "at most 63 characters — pass a valid namespace, e.g. -n kubeflow"
     )
+
+
+@pytest.mark.parametrize("key", list(URL_FIELDS))
+@pytest.mark.parametrize(
+    "url", ["http://alice:PASSWORD@host:5000/x", "s3://AKIAKEY:PASSWORD@bucket/p", "hf://PASSWORD@o/m"]
+)
+def test_credentials_in_a_url_field_are_refused_without_being_shown(tmp_path, key, url):
+    section = key.split(".")[0]
+    base = "\n".join(line for line in GOOD.splitlines() if not line.startswith(section + ":"))
+    lines = _problems(tmp_path, base + "\n" + URL_FIELDS[key].format(url) + "\n")
+    assert len(lines) == 1 and lines[0].startswith(f"{key}: holds a user name or password"), lines
+    assert "credentials never go in the spec" in lines[0] and "S3CRETpw" not in lines[0]
+    assert "***@" in lines[0]  # the value is shown, its credentials are not
+
+
+def test_every_url_field_of_the_spec_refuses_credentials():
+    """The mechanism, not the cases: every field named like a URL, in every section and every
+    task's data section, has the Uri type (a new URL field without it fails here)."""
+    from pydantic import BaseModel
+
+    from kubetune.config import JobSpec
+    from kubetune.config.base import _no_userinfo
+    from kubetune.config.load import _submodels
+
+    found = {}
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            subs = _submodels(field.annotation)
+            for sub in subs:
+                walk(sub, f"{prefix}{name}.")
+            if not subs and (name in ("uri", "train", "eval") or name.endswith(("_url", "_uri"))):
+                found[prefix + name] = any(getattr(m, "func", None) is _no_userinfo for m in field.metadata) or any(
+                    getattr(m, "func", None) is _no_userinfo
+                    for a in getattr(field.annotation, "__args__", ())
+                    for m in getattr(a, "__metadata__", ())
+                )
+
+    walk(JobSpec, "")
+    assert set(URL_FIELDS) <= set(found), found
+    assert all(found.values()), [k for k, ok in found.items() if not ok]
+
+
+def test_validate_refuses_what_needs_a_gpu_on_a_machine_without_one(tmp_path):
+    import torch
+    from typer.testing import CliRunner
+
+    from kubetune.cli import app
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU: the job can run here")
+    for extra, field in [
+        ("distributed: {strategy: fsdp, fsdp: {cpu_offload: true}}\n", "distributed.fsdp.cpu_offload"),
+        ("lora: {quantization: 4bit}\n", "lora.quantization"),
+    ]:
+        spec = tmp_path / "job.yaml"
+        spec.write_text(GOOD + extra)
+        r = CliRunner().invoke(app, ["validate", str(spec)])
+        assert r.exit_code == 2 and r.stderr.splitlines() == [
+            f"error: {field}: {r.stderr.split(': ', 2)[2].strip()}"
+        ], r.stderr
+        assert "needs a CUDA GPU and this machine has none" in r.stderr
+        # GPU pods (resources.gpu) can run it: validate says ok on any machine
+        spec.write_text(GOOD + extra + "resources: {gpu: 1}\n")
+        r = CliRunner().invoke(app, ["validate", str(spec)])
+        assert r.exit_code == 0 and r.stdout == "ok\n", r.stderr

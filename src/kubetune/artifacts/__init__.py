@@ -42,8 +42,19 @@ def resolve_model(spec: JobSpec) -> Path:
             field="model.uri",
             fix="point it at a directory saved with save_pretrained, or hf://ORG/NAME",
         )
+    size = (path / "config.json").stat().st_size
+    if size > MAX_CONFIG_BYTES:  # predict refuses such an export: refuse the base model before training on it
+        raise KubetuneError(
+            f"the config.json of {spec.model.uri!r} is {size:,} bytes; a model config is a few KB",
+            field="model.uri",
+            fix="point it at a model saved with save_pretrained",
+        )
     check_model_weights(path, spec.model.uri, field="model.uri")
     return path
+
+
+# The largest config.json kubetune reads (a real one is a few KB; transformers reads it whole).
+MAX_CONFIG_BYTES = 4 << 20
 
 
 PICKLE_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")

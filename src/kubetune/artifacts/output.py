@@ -57,7 +57,23 @@ def refuse_special(uri: str, field: str = "output.uri") -> None:
     problem = output_uri_problem(uri)
     parsed = providers.parse_uri(uri)
     if problem is None and parsed.scheme == "file":
-        resolved = Path(parsed.body).expanduser().resolve()
+        path = Path(parsed.body).expanduser()
+        try:
+            resolved = path.resolve()
+        except (RuntimeError, OSError):  # Python 3.11 raises RuntimeError on a symbolic link loop
+            resolved = None
+        if resolved is None or (path.is_symlink() and not path.exists()):
+            what = (
+                f"is a symbolic link to {os.readlink(path)!r}, which "
+                + ("is a loop of links" if resolved is None else "does not exist")
+                if path.is_symlink()
+                else "lies under a loop of symbolic links"
+            )
+            raise KubetuneError(
+                f"{uri!r} {what}",
+                field=field,
+                fix="point output.uri at a directory (or a link to an existing one)",
+            )
         if resolved == Path("/") or resolved == Path.home().resolve():
             problem = (
                 f"{uri!r} is {resolved}, the filesystem root or your home directory itself — "

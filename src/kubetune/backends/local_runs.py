@@ -4,7 +4,9 @@ process on this machine, as a handle (``LocalJob``) and behind the ``Backend`` p
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +21,7 @@ from typing import IO, Any
 from kubetune.backends.status import JobStatus, WaitTimeout
 from kubetune.config import JobSpec, dump_spec
 from kubetune.errors import KubetuneError
+from kubetune.paths import BrokenRecord, read_bounded_json
 from kubetune.providers.destination import Output
 
 LOCAL_KIND = "LocalRun"
@@ -213,8 +216,6 @@ class LocalJob:
 
     def metrics(self) -> dict | None:
         """The finished run's metrics.json, or None before it succeeded."""
-        import json
-
         if self.status().phase != "Succeeded":  # an earlier run's metrics.json may still be there
             return None
         try:
@@ -285,8 +286,6 @@ def runs_dir() -> Path:
 def record_run(spec: JobSpec) -> Path | None:
     """Note that this process runs ``spec``; None where the state directory cannot be written
     (status then does not know the run; training goes on)."""
-    import json
-
     from kubetune.paths import write_atomic
 
     path = runs_dir() / f"{spec.name}.json"
@@ -306,56 +305,139 @@ def record_run(spec: JobSpec) -> Path | None:
 
 
 def end_run(path: Path, code: int) -> None:
-    import json
-
     from kubetune.paths import write_atomic
 
     try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-        if record.get("pid") == os.getpid():  # a later run of the same name owns the record now
+        record = read_bounded_json(path)
+        if (
+            isinstance(record, dict) and record.get("pid") == os.getpid()
+        ):  # a later run of the same name owns the record now
             write_atomic(path, json.dumps({**record, "exit_code": code, "ended": time.time()}) + "\n")
-    except (OSError, ValueError):
+    except (OSError, BrokenRecord):
         pass
+
+
+# Records and progress files are data from disk, which anyone who can write the state directory
+# (or the output) shapes: read as regular files of bounded size, checked field by field.
+_PID_MAX = 1 << 22  # Linux's PID_MAX_LIMIT
+_JOB_NAME = re.compile(r"[a-z]([-a-z0-9]{0,50}[a-z0-9])?")  # the spec's name rule (config/schema.py)
+
+
+def check_job_name(name: str) -> None:
+    """Raises KubetuneError unless ``name`` is a job name (what names a record: never a path)."""
+    if not _JOB_NAME.fullmatch(name):
+        raise KubetuneError(
+            f"{name[:60]!r} is not a job name (1-52 lowercase letters, digits or '-', a letter first)",
+            field="name",
+            fix="give the job's name, the `name` of its spec",
+        )
+
+
+def _record(name: str) -> dict | None:
+    """Run ``name``'s record, checked; None if there is none.
+
+    Raises:
+        KubetuneError: the name is not a job name, or the record is broken (one line that names it).
+    """
+    check_job_name(name)
+    path = runs_dir() / f"{name}.json"
+    try:
+        record = read_bounded_json(path)
+        problem = _record_problem(record)
+    except FileNotFoundError:
+        return None
+    except BrokenRecord as e:
+        problem = str(e)
+    if problem:
+        raise KubetuneError(
+            f"the record of `kubetune run` {name} ({path}) is broken: {problem}",
+            field="name",
+            fix=f"delete {path} (kubetune writes it again on the next run; the run's output is not in it)",
+        )
+    return record
+
+
+def _record_problem(record: Any) -> str | None:
+    if not isinstance(record, dict):
+        return f"a JSON {type(record).__name__}, not an object"
+    pid, code = record.get("pid"), record.get("exit_code")
+    if type(pid) is not int or not 0 < pid < _PID_MAX:
+        return f"pid {str(pid)[:30]} is not a process id"
+    if code is not None and (type(code) is not int or not -255 <= code <= 255):
+        return f"exit_code {str(code)[:30]} is not an exit code"
+    for key in ("local", "output"):
+        if not isinstance(record.get(key), str) or not record[key] or len(record[key]) > 4096:
+            return f"{key} is not a path"
+    return None
 
 
 def recorded_status(name: str) -> JobStatus | None:
     """The status of the newest `kubetune run` of job ``name`` on this machine, with its progress
-    (the run's ``progress.json``) and, once it succeeded, its headline metrics; None if none ran."""
-    import json
+    (the run's ``progress.json``) and, once it succeeded, its headline metrics; None if none ran.
 
+    Raises:
+        KubetuneError: ``name`` is not a job name, or its record is broken.
+    """
     from kubetune.training.loggers import read_progress
 
-    try:
-        record = json.loads((runs_dir() / f"{name}.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    record = _record(name)
+    if record is None:
         return None
-    code = record.get("exit_code")
-    if code is None and not _alive(record.get("pid")):
+    code = record["exit_code"]
+    if code is None and not _alive(record["pid"]):
         code = -signal.SIGKILL  # gone without saying how it ended
     phase = "Running" if code is None else "Succeeded" if code == 0 else "Failed"
-    status = JobStatus(name=name, namespace="", kind=LOCAL_KIND, phase=phase, output=record.get("output"))
+    status = JobStatus(name=name, namespace="", kind=LOCAL_KIND, phase=phase, output=record["output"])
     if code not in (None, 0):
         status.reason = _EXIT_REASONS.get(code, "Error")
         status.message = f"kubetune run exited with code {code}" if code > 0 else "kubetune run was killed"
-    out = Path(record.get("local", ""))
+    out = Path(record["local"])
     status.progress = read_progress(out)
     if phase == "Succeeded":
         try:
-            status.metrics = json.loads((out / "metrics.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            metrics = read_bounded_json(out / "metrics.json", 1 << 20)
+            status.metrics = {k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bool))}
+        except (OSError, BrokenRecord, AttributeError):
             pass
     return status
 
 
-def _alive(pid) -> bool:
-    """Whether ``pid`` is still a kubetune process (not another one that reused the number)."""
+def recorded_runs() -> list[dict]:
+    """Every `kubetune run` recorded on this machine: name, phase and when it started; a broken
+    record is listed with phase Unknown and what is wrong with it."""
+    runs = []
     try:
-        os.kill(int(pid), 0)
-    except (ProcessLookupError, TypeError, ValueError):
+        names = sorted(p.stem for p in runs_dir().glob("*.json") if _JOB_NAME.fullmatch(p.stem))
+    except OSError:
+        return []
+    for name in names:
+        try:
+            st = recorded_status(name)
+        except KubetuneError as e:
+            runs.append({"name": name, "phase": "Unknown", "created": None, "problem": str(e)})
+            continue
+        if st is not None:
+            started = _record(name).get("started")
+            created = (
+                datetime.fromtimestamp(started, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+                if isinstance(started, (int, float)) and 0 <= started < 1e11
+                else None
+            )
+            runs.append({"name": name, "phase": st.phase, "created": created})
+    return runs
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` (a checked process id, > 0) is still a kubetune process (not another one
+    that reused the number)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
         return False
     except PermissionError:
         pass
     try:
-        return b"kubetune" in Path(f"/proc/{int(pid)}/cmdline").read_bytes()
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"kubetune" in f.read(1 << 16)
     except OSError:
         return True  # no /proc (macOS): trust the signal check

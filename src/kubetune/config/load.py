@@ -59,6 +59,10 @@ MAX_SPEC_BYTES = 1 << 20
 # The most values a spec may hold once its aliases are expanded. A real spec has a few hundred; a
 # YAML "billion laughs" of nine aliases nested nine deep has 9⁹ (and hung `validate` at 2.7 GB).
 MAX_SPEC_NODES = 100_000
+# The deepest nesting a spec may have: a real one is 4 levels deep. Why a bound: 1,000 nested
+# mappings in a 2 KB spec (or a --set value) ended in RecursionError, a traceback.
+MAX_SPEC_DEPTH = 32
+_TOO_DEEP = f"is nested deeper than {MAX_SPEC_DEPTH} levels; a job spec is a few levels deep — write it out flat"
 
 
 class _SpecLoader(yaml.SafeLoader):
@@ -86,7 +90,7 @@ class _SpecLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def _expanded_size(node, memo: dict, active: set) -> int:
+def _expanded_size(node, memo: dict, active: set, depth: int = 0) -> int:
     """Values in the node once aliases are expanded; shared nodes are counted once per use, each
     computed once (so a bomb is measured in microseconds)."""
     key = id(node)
@@ -94,11 +98,16 @@ def _expanded_size(node, memo: dict, active: set) -> int:
         return memo[key]
     if key in active:
         raise _Recursive()
+    if depth > MAX_SPEC_DEPTH:
+        raise _TooDeep()
     active.add(key)
     if isinstance(node, yaml.SequenceNode):
-        size = 1 + sum(_expanded_size(v, memo, active) for v in node.value)
+        size = 1 + sum(_expanded_size(v, memo, active, depth + 1) for v in node.value)
     elif isinstance(node, yaml.MappingNode):
-        size = 1 + sum(_expanded_size(k, memo, active) + _expanded_size(v, memo, active) for k, v in node.value)
+        size = 1 + sum(
+            _expanded_size(k, memo, active, depth + 1) + _expanded_size(v, memo, active, depth + 1)
+            for k, v in node.value
+        )
     else:
         size = 1
     active.discard(key)
@@ -107,6 +116,10 @@ def _expanded_size(node, memo: dict, active: set) -> int:
 
 
 class _Recursive(Exception):
+    pass
+
+
+class _TooDeep(Exception):
     pass
 
 
@@ -123,6 +136,8 @@ def load_yaml(text: str, source: str) -> Any:
             return None
         try:
             size = _expanded_size(node, {}, set())
+        except _TooDeep:
+            raise SpecError([f"spec: {source} {_TOO_DEEP}"], source) from None
         except _Recursive:
             raise SpecError(
                 [
@@ -145,6 +160,8 @@ def load_yaml(text: str, source: str) -> Any:
         where = f" line {mark.line + 1} column {mark.column + 1}" if mark else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise SpecError([f"spec: {source}{where}: {_clip(problem, 200)} — fix the YAML syntax"], source) from None
+    except RecursionError:  # PyYAML's composer recurses per level, before the depth above is measured
+        raise SpecError([f"spec: {source} {_TOO_DEEP}"], source) from None
     except (ValueError, OverflowError) as e:  # e.g. an integer of more than 4,300 digits
         raise SpecError(
             [f"spec: {source}: a value cannot be read: {_clip(str(e).splitlines()[0], 120)} — fix the value"], source
@@ -162,7 +179,10 @@ def parse_spec(raw: Any, overrides: list[str] | None = None, source: str = "spec
         raise SpecError(
             [f"spec: top level must be a mapping of sections, got {type(raw).__name__} — see examples/"], source
         )
-    raw = _deep_copy(raw)
+    try:
+        raw = _deep_copy(raw)
+    except _TooDeep:
+        raise SpecError([f"spec: {source} {_TOO_DEEP}"], source) from None
     problems: list[str] = []
     for item in overrides or []:
         try:
@@ -193,8 +213,10 @@ def _cross_problems_of(raw: dict) -> list[str]:
         DistributedSpec,
         DPOSpec,
         KubernetesSpec,
+        LoraSpec,
         OutputSpec,
         TrackingSpec,
+        TrainSpec,
         cross_problems,
     )
 
@@ -215,6 +237,8 @@ def _cross_problems_of(raw: dict) -> list[str]:
         section(OutputSpec, raw.get("output")) if raw.get("output") is not None else None,
         section(TrackingSpec, raw.get("tracking")),
         section(DPOSpec, raw.get("dpo")) if raw.get("dpo") is not None else None,
+        section(TrainSpec, raw.get("training")),
+        section(LoraSpec, raw.get("lora")) if raw.get("lora") is not None else None,
     )
 
 
@@ -236,11 +260,13 @@ def dump_spec(spec: JobSpec) -> str:
     return yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False)
 
 
-def _deep_copy(obj: Any) -> Any:
+def _deep_copy(obj: Any, depth: int = 0) -> Any:
+    if depth > MAX_SPEC_DEPTH:
+        raise _TooDeep()
     if isinstance(obj, dict):
-        return {k: _deep_copy(v) for k, v in obj.items()}
+        return {k: _deep_copy(v, depth + 1) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_deep_copy(v) for v in obj]
+        return [_deep_copy(v, depth + 1) for v in obj]
     return obj
 
 
@@ -252,7 +278,7 @@ def _apply_override(raw: dict, item: str) -> None:
     try:
         parsed = load_yaml(value, f"--set {key.strip()}") if value.strip() else ""
     except SpecError as e:
-        if "aliases" in e.problems[0] or "recursive" in e.problems[0]:
+        if any(word in e.problems[0] for word in ("aliases", "recursive", "nested deeper")):
             raise ValueError(e.problems[0]) from None
         parsed = value
     node = raw

@@ -10,12 +10,12 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from kubetune.config.base import Section
+from kubetune.config.base import Section, Uri
 from kubetune.config.cluster import KubernetesSpec, ResourcesSpec
 
 
 class ModelSpec(Section):
-    uri: str = Field(
+    uri: Uri = Field(
         description="Base model: hf://org/name (Hugging Face Hub or its local cache), s3://bucket/prefix, "
         "file:///path or a plain local path to a save_pretrained directory.",
     )
@@ -29,12 +29,12 @@ class DataCommon(Section):
 
     task: str = Field("", exclude=True, description="(internal) the job's task, which selects the data section's model")
 
-    train: str = Field(
+    train: Uri = Field(
         description="Training data: a CSV/TSV/JSONL/Parquet file (plain path or file://), a directory of "
         "such files, hf://org/dataset (Hugging Face dataset), or pkg://package/path (a file shipped "
         "inside an installed Python package).",
     )
-    eval: str | None = Field(
+    eval: Uri | None = Field(
         None,
         description="Evaluation data, same forms as data.train. Absent: carve data.eval_fraction out of data.train.",
     )
@@ -349,7 +349,7 @@ class DistributedSpec(Section):
 
 
 class S3Spec(Section):
-    endpoint_url: str | None = Field(
+    endpoint_url: Uri | None = Field(
         None,
         description="S3 endpoint, e.g. http://minio.minio.svc:9000 for MinIO; "
         "default: $S3_ENDPOINT_URL, then $AWS_ENDPOINT_URL, then AWS.",
@@ -361,7 +361,7 @@ class S3Spec(Section):
 
 
 class MLflowSpec(Section):
-    uri: str | None = Field(
+    uri: Uri | None = Field(
         None,
         description="The MLflow tracking server (http(s)://HOST:PORT); absent: MLFLOW_TRACKING_URI. Credentials come "
         "from MLFLOW_TRACKING_USERNAME/PASSWORD or MLFLOW_TRACKING_TOKEN in the environment (on Kubernetes: "
@@ -392,7 +392,7 @@ class TrackingSpec(Section):
 
 
 class OutputSpec(Section):
-    uri: str = Field(
+    uri: Uri = Field(
         description="Where artifacts go: a local directory (plain path or file://), "
         "s3://bucket/prefix (uploaded with a "
         "completion manifest), or hf://org/repo (model, tokenizer and model card pushed to the Hub)."
@@ -501,7 +501,9 @@ class JobSpec(Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> JobSpec:
-        problems = cross_problems(self.data, self.distributed, self.kubernetes, self.output, self.tracking, self.dpo)
+        problems = cross_problems(
+            self.data, self.distributed, self.kubernetes, self.output, self.tracking, self.dpo, self.training, self.lora
+        )
         if problems:
             raise ValueError(CROSS_SEPARATOR.join(problems))  # parse_spec reports each on its own line
         return self
@@ -517,6 +519,8 @@ def cross_problems(
     output: OutputSpec | None = None,
     tracking: TrackingSpec | None = None,
     dpo: DPOSpec | None = None,
+    training: TrainSpec | None = None,
+    lora: LoraSpec | None = None,
 ) -> list[str]:
     """The problems between fields of different sections (each section valid on its own); ``None``
     for a section that is not valid (its checks are skipped). Also run by ``load.parse_spec`` when
@@ -547,6 +551,18 @@ def cross_problems(
             f"tracking.mlflow.register_model needs output.uri on s3:// (the registry references the model where it "
             f"is, and refuses a local path such as {output.uri!r}) — write the output to s3://, or drop register_model"
         )
+    if distributed is not None and distributed.strategy == "fsdp":
+        # refused here rather than by every worker after start-up (strategy.for_job says the same)
+        if training is not None and training.compile:
+            out.append(
+                "training.compile under distributed.strategy fsdp is not supported yet — set training.compile: false, "
+                "or distributed.strategy: ddp"
+            )
+        if lora is not None and lora.quantization:
+            out.append(
+                "lora.quantization (QLoRA) under distributed.strategy fsdp is not supported yet — use "
+                "distributed.strategy: ddp (every GPU holds the quantized base, which is what QLoRA saves)"
+            )
     elastic = kubernetes.elastic if kubernetes is not None else None
     if elastic and distributed is not None and not elastic.min_nodes <= distributed.nodes <= elastic.max_nodes:
         out.append("distributed.nodes must lie between kubernetes.elastic.min_nodes and max_nodes")

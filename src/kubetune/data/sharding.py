@@ -18,6 +18,7 @@ so a resumed run can skip to any step and see exactly the batches it would have 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +36,39 @@ class Step:
 def steps_per_epoch(n: int, world_size: int, batch_size: int, grad_accum: int) -> int:
     """Optimizer steps in one epoch of ``n`` examples."""
     return math.ceil(n / (world_size * batch_size * grad_accum))
+
+
+def plan_epochs(
+    epochs: int, max_steps: int | None, *, n_steps: int | None = None, steps_of: Callable[[int], int] | None = None
+) -> tuple[Sequence[int], int]:
+    """(the optimizer steps of each epoch the run reaches, the run's total steps): ``epochs`` of
+    ``n_steps`` each, or of ``steps_of(epoch)`` each (micro-batches by tokens), stopped at
+    ``max_steps``. Only the epochs reached are planned, and equal epochs are not listed one by one:
+    `epochs: 1000000000` with `max_steps: 2` built a list of a billion counts (8.9 GB) before."""
+    limit = max_steps or 2**63
+    if steps_of is not None:
+        steps: list[int] = []
+        while len(steps) < epochs and sum(steps) < limit:
+            steps.append(steps_of(len(steps)))
+        return steps, min(sum(steps), limit)
+    assert n_steps is not None and n_steps > 0
+    reached = _Repeated(n_steps, min(epochs, -(-limit // n_steps)))
+    return reached, min(n_steps * len(reached), limit)
+
+
+class _Repeated(Sequence):
+    """``count`` epochs of ``n`` steps each, without a list of ``count`` entries."""
+
+    def __init__(self, n: int, count: int):
+        self.n, self.count = n, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, epoch):
+        if not isinstance(epoch, int) or not 0 <= epoch < self.count:
+            raise IndexError(epoch)
+        return self.n
 
 
 def epoch_order(n: int, epoch: int, seed: int, lengths: np.ndarray | None = None, batch_size: int = 1) -> np.ndarray:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from kubetune.errors import redact
+
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -147,6 +149,15 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
+def _redacted(record: logging.LogRecord) -> bool:
+    """No log line shows a URL's user name or password, whichever library logged it."""
+    message = record.getMessage()
+    clean = redact(message)
+    if clean != message:
+        record.msg, record.args = clean, None
+    return True
+
+
 def setup_logging(env: DistEnv, level: int = logging.INFO) -> None:
     """Every log line says its rank; ranks other than 0 log warnings and errors only."""
     # Stamp the rank on every record (not on a handler), so handlers swapped in later
@@ -161,6 +172,7 @@ def setup_logging(env: DistEnv, level: int = logging.INFO) -> None:
     logging.setLogRecordFactory(with_rank)
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s [rank %(rank)d] %(levelname)s %(message)s", "%H:%M:%S"))
+    handler.addFilter(_redacted)
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level if env.is_main else logging.WARNING)

@@ -160,7 +160,7 @@ def _text(value) -> str | None:
 def _text_record(row: dict, spec: PreferenceData) -> dict | None:
     prompt = row[spec.prompt_column]
     chosen, rejected = _text(row[spec.chosen_column]), _text(row[spec.rejected_column])
-    if not isinstance(prompt, str) or not chosen or not rejected:
+    if not _text(prompt) or not chosen or not rejected:  # an empty prompt is dropped, as the warning says
         return None
     return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
 
@@ -188,6 +188,8 @@ def _chat_record(row: dict, spec: PreferenceData, source: str, i: int) -> dict |
             field="data.prompt_column",
             fix="set data.prompt_column, or store whole conversations (prompt turns first) in the answer columns",
         )
+    if not any(_text(m.get("content")) for m in prompt):  # an empty prompt is dropped, as the warning says
+        return None
     if spec.system_prompt and (not prompt or prompt[0]["role"] != "system"):
         prompt = [{"role": "system", "content": spec.system_prompt}, *prompt]
     return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
@@ -397,14 +399,20 @@ def _with_answers(ds, dropped: dict, key: str, max_length: int):
     if len(keep) == len(ds):
         return ds
     dropped[key] = len(ds) - len(keep)
+    split = key.split("_")[0]  # train | eval
     log.warning(
-        "%d pairs have prompts of data.max_length %d tokens or more; they are skipped", dropped[key], max_length
+        "%d %s pairs have prompts of data.max_length %d tokens or more; they are skipped",
+        dropped[key],
+        split,
+        max_length,
     )
     if len(keep) == 0:
         raise KubetuneError(
-            f"every prompt takes {max_length} tokens or more, which leaves no answer token",
+            f"every prompt of the {len(ds)} {split} pairs takes {max_length} tokens or more, which leaves no "
+            "answer token",
             field="data.max_length",
-            fix="raise data.max_length, or check data.prompt_column",
+            fix="raise data.max_length, or check data.prompt_column"
+            + (", or give data.eval pairs with shorter prompts" if split == "eval" else ""),
         )
     return ds.select(keep)
 

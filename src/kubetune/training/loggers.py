@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Protocol
@@ -189,14 +190,50 @@ def parse_line(line: str) -> dict | None:
 
 
 def _read(path: Path) -> dict:
+    """The progress record in ``path``, checked field by field (what status prints and sends as JSON):
+    {} when there is none, or it is not a bounded regular file holding a JSON object."""
+    from kubetune.paths import BrokenRecord, read_bounded_json
+
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        raw = read_bounded_json(path, constants=True)  # Infinity in one field leaves the others
+    except (OSError, BrokenRecord):
         return {}
+    return _checked_progress(raw) if isinstance(raw, dict) else {}
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _checked_progress(raw: dict) -> dict:
+    """The fields of a progress record that have the types ProgressLogger writes; others are dropped."""
+    counts = ("step", "total_steps", "epoch", "epochs")
+    rec = {k: raw[k] for k in counts if type(raw.get(k)) is int and 0 <= raw[k] < 2**63}
+    rec.update({k: raw[k] for k in ("loss", "lr", "samples_per_s", "tokens_per_s", "updated") if _number(raw.get(k))})
+    if _number(raw.get("eta_s")) and 0 <= raw["eta_s"] < 1e9:  # 30 years
+        rec["eta_s"] = raw["eta_s"]
+    if isinstance(raw.get("phase"), str):
+        rec["phase"] = raw["phase"][:40]
+    if isinstance(raw.get("output"), str):
+        rec["output"] = raw["output"][:4096]
+    for key in ("last_eval", "metrics"):
+        value = raw.get(key)
+        if isinstance(value, dict):
+            metrics = {str(k)[:80]: v for k, v in list(value.items())[:64] if _number(v) and k != "step"}
+            if key == "last_eval":
+                if type(value.get("step")) is not int:
+                    continue
+                metrics = {"step": value["step"], **{k: float(v) for k, v in metrics.items()}}
+            rec[key] = metrics
+    if "step" in rec and "total_steps" not in rec:  # the progress line needs both
+        del rec["step"]
+    if "epoch" in rec and "epochs" not in rec:
+        del rec["epoch"]
+    return rec
 
 
 def read_progress(out: Path) -> dict | None:
-    """``progress.json`` of an output directory, or None."""
+    """``progress.json`` of an output directory, checked, or None."""
     return _read(out / PROGRESS) or None
 
 

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from kubetune.config import JobSpec
-from kubetune.errors import KubetuneError
+from kubetune.errors import KubetuneError, redact
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ class MLflowLogger:
             log.warning(
                 "MLflow: run %s of the checkpoint is not on %s (deleted?); starting a new run",
                 run_id,
-                self.client.tracking_uri,
+                redact(self.client.tracking_uri),
             )
             run_id = None
         if run_id:  # a resumed run: the same MLflow run, without the steps the server already has
@@ -192,7 +192,7 @@ class MLflowLogger:
             raise
 
     def _url(self) -> str:
-        return f"{self.client.tracking_uri.rstrip('/')}/#/experiments/runs/{self.run_id}"
+        return redact(f"{self.client.tracking_uri.rstrip('/')}/#/experiments/runs/{self.run_id}")
 
     def log(self, kind: str, step: int, metrics: dict, context: dict) -> None:
         from mlflow.entities import Metric
@@ -229,7 +229,7 @@ class MLflowLogger:
             log.warning(
                 "MLflow: %s did not reach %s (history.jsonl in the output has every metric)",
                 where,
-                self.client.tracking_uri,
+                redact(self.client.tracking_uri),
             )
 
     def _attempt(self, what: str, call) -> None:

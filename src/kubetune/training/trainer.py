@@ -28,7 +28,14 @@ from kubetune import artifacts, checkpoint, distributed, providers
 from kubetune.artifacts import output
 from kubetune.config import JobSpec
 from kubetune.data import Batch, StepBatch, batches
-from kubetune.data.sharding import epoch_order, rank_plan, steps_per_epoch, token_micro_batches, token_plan
+from kubetune.data.sharding import (
+    epoch_order,
+    plan_epochs,
+    rank_plan,
+    steps_per_epoch,
+    token_micro_batches,
+    token_plan,
+)
 from kubetune.distributed import DistEnv
 from kubetune.errors import AgreedError, KubetuneError
 from kubetune.providers.destination import Output
@@ -135,12 +142,13 @@ class Trainer:
         seed_everything(cfg.seed + 1000 * (env.rank + 1))
         self.token_budget = getattr(spec.data, "max_tokens_per_batch", None)
         if self.token_budget:  # micro-batches by tokens: each epoch's order cuts into its own number of steps
-            self.epoch_steps = [len(self._plan(e)) for e in range(cfg.epochs)]
+            self.epoch_steps, self.total_steps = plan_epochs(
+                cfg.epochs, cfg.max_steps, steps_of=lambda e: len(self._plan(e))
+            )
         else:
             n_steps = steps_per_epoch(self.data.train_rows, env.world_size, cfg.batch_size, self.grad_accum)
-            self.epoch_steps = [n_steps] * cfg.epochs
+            self.epoch_steps, self.total_steps = plan_epochs(cfg.epochs, cfg.max_steps, n_steps=n_steps)
         self.per_epoch = self.epoch_steps[0]  # training.epochs >= 1
-        self.total_steps = min(sum(self.epoch_steps), cfg.max_steps or 10**12)
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg, self.total_steps, device)
         self.scaler = torch.amp.GradScaler(device.type, enabled=(self.dtype == torch.float16))
         # fp16: the grad scaler skips overflowing steps itself
@@ -255,7 +263,7 @@ class Trainer:
         eval_metrics: dict = {}
         last_checkpoint = time.monotonic()
         start_epoch, start_step = s.epoch, s.step_in_epoch
-        for epoch in range(start_epoch, cfg.epochs):
+        for epoch in range(start_epoch, len(self.epoch_steps)):
             s.epoch, s.step_in_epoch = epoch, start_step if epoch == start_epoch else 0
             self.wrapped.train()
             self.t_epoch = time.perf_counter()
