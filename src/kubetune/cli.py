@@ -735,7 +735,10 @@ def list_jobs(
     context: CtxOpt = None,
     kubeconfig: KcOpt = None,
     target: Annotated[
-        str, typer.Option("--target", help="pytorchjob, trainjob, or local (the `kubetune run`s of this machine).")
+        str,
+        typer.Option(
+            "--target", help="pytorchjob, trainjob, or local (every `kubetune run` recorded on this machine)."
+        ),
     ] = "pytorchjob",
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:

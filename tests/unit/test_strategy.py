@@ -88,7 +88,10 @@ def test_fsdp_refusals_are_one_line():
     with pytest.raises(KubetuneError) as e:
         strategy.FSDPStrategy(env, torch.device("cpu"), torch.float32, cpu_offload=True)
     assert str(e.value).startswith("distributed.fsdp.cpu_offload: FSDP CPU offload moves GPU state to the host")
-    spec = _spec(distributed__strategy="fsdp", lora__quantization="4bit")
+    # validate refuses fsdp with QLoRA (test_hostile_spec); the worker's own check stays for auto,
+    # which may pick fsdp at run time: a spec that validated as ddp, switched after validation
+    spec = _spec(lora__quantization="4bit")
+    spec.distributed.strategy = "fsdp"
     with pytest.raises(KubetuneError) as e:
         strategy.for_job(spec, env, torch.device("cpu"), torch.float32, lambda where: None)
     assert str(e.value).startswith("distributed.strategy: QLoRA (lora.quantization) under distributed.strategy fsdp")

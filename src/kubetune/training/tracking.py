@@ -44,6 +44,9 @@ def _quiet_client() -> None:
     """No retries with back-off (MLflow's default: 7 tries over minutes per call), a short timeout."""
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", REQUEST_TIMEOUT_S)
+    # MLflow prints the run's address to stdout at its end, credentials and all (a URL given in
+    # MLFLOW_TRACKING_URI may hold them); kubetune logs the address itself, redacted.
+    os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
     logging.getLogger("mlflow").setLevel(logging.ERROR)
 
 
