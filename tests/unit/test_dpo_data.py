@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from kubetune.config.schema import DPOSpec, PreferenceData
-from kubetune.data.causal import IGNORE, ensure_chat_template
+from kubetune.data.causal import IGNORE, RecordFrames, ensure_chat_template
 from kubetune.errors import KubetuneError
 from kubetune.tasks import dpo
 
@@ -34,12 +34,12 @@ def _write(tmp_path: Path, rows: list[dict], name: str = "pairs.jsonl") -> Path:
     return path
 
 
-def _frames(tmp_path, rows, **data) -> dpo.PairFrames:
+def _frames(tmp_path, rows, **data) -> RecordFrames:
     spec = PreferenceData(train=str(_write(tmp_path, rows)), eval_fraction=0.25, **data)
     return dpo.load_pair_frames(spec, 0)
 
 
-def _records(frames: dpo.PairFrames) -> list[dict]:
+def _records(frames: RecordFrames) -> list[dict]:
     return [json.loads(r) for r in pd.concat([frames.train, frames.eval])["record"]]
 
 

@@ -39,8 +39,9 @@ ROLES = ("system", "user", "assistant", "tool")
 
 
 @dataclass
-class LMFrames:
-    """Normalized causal-LM data: a ``record`` column (JSON text of the row: a document or messages)."""
+class RecordFrames:
+    """Normalized rows as a ``record`` column of JSON text: a causal-LM row's document or messages
+    (``load_lm_frames``), or a DPO pair's {prompt, chosen, rejected} (``tasks/dpo.load_pair_frames``)."""
 
     train: pd.DataFrame
     eval: pd.DataFrame
@@ -48,13 +49,13 @@ class LMFrames:
     dropped: dict[str, int] = field(default_factory=dict)
 
 
-def load_lm_frames(spec: DataSpec, seed: int) -> LMFrames:
+def load_lm_frames(spec: DataSpec, seed: int) -> RecordFrames:
     """Read, normalize and split causal-LM data (read as ``read_table`` reads: "None" or "NA" is text).
 
     Raises:
         KubetuneError: missing columns, a text column that holds no text, malformed messages, no usable rows.
     """
-    return LMFrames(*read_rows(spec, seed, detect_format, _normalize))
+    return RecordFrames(*read_rows(spec, seed, detect_format, _normalize))
 
 
 def read_rows(spec: DataSpec, seed: int, detect, normalize) -> tuple[pd.DataFrame, pd.DataFrame, str, dict[str, int]]:

@@ -36,7 +36,7 @@ from kubetune import distributed
 from kubetune.config import JobSpec
 from kubetune.config.schema import DPOSpec, PreferenceData
 from kubetune.data import Batch, tokenized
-from kubetune.data.causal import IGNORE, ROLES, ensure_chat_template, read_rows
+from kubetune.data.causal import IGNORE, ROLES, RecordFrames, ensure_chat_template, read_rows
 from kubetune.data.tables import describe_non_text, short
 from kubetune.data.tokenize import cache_key, tokenizer_fingerprint
 from kubetune.distributed import DistEnv
@@ -55,23 +55,13 @@ METRICS = ("reward_accuracy", "reward_chosen", "reward_rejected", "reward_margin
 # ---------------------------------------------------------------- data
 
 
-@dataclass
-class PairFrames:
-    """Normalized pairs: a ``record`` column, the JSON of {prompt, chosen, rejected} (strings, or message lists)."""
-
-    train: pd.DataFrame
-    eval: pd.DataFrame
-    format: str
-    dropped: dict[str, int] = field(default_factory=dict)
-
-
-def load_pair_frames(spec: PreferenceData, seed: int) -> PairFrames:
+def load_pair_frames(spec: PreferenceData, seed: int) -> RecordFrames:
     """Read, check, normalize and split preference pairs.
 
     Raises:
         KubetuneError: a missing column, a column without text or messages, malformed messages, no usable pair.
     """
-    return PairFrames(*read_rows(spec, seed, _detect_format, _normalize))
+    return RecordFrames(*read_rows(spec, seed, _detect_format, _normalize))
 
 
 def _detect_format(df: pd.DataFrame, spec: PreferenceData) -> str:

@@ -289,15 +289,14 @@ class Trainer:
                 )
                 stop, timed = distributed.any_rank(distributed.STOP.is_set(), timed, device=self.device)
                 if stop or timed or (cfg.checkpoint_every and s.global_step % cfg.checkpoint_every == 0):
-                    self.guard.check(
-                        s.global_step, self.out, self.spec
-                    )  # a checkpoint holds only weights trained on finite gradients
+                    # a checkpoint holds only weights trained on finite gradients
+                    self.guard.check(s.global_step, self.out)
                     self.save_checkpoint()
                     last_checkpoint = time.monotonic()
                 if stop:
                     self._preempted()
             s.train_time += time.perf_counter() - self.t_epoch
-            self.guard.check(s.global_step, self.out, self.spec)
+            self.guard.check(s.global_step, self.out)
             eval_metrics = self.evaluate(s.train_time)
             if s.global_step >= self.total_steps:
                 break
@@ -374,7 +373,7 @@ class Trainer:
         means = (s.log_loss / s.log_loss[1].clamp(min=1)).tolist()
         loss, extra = means[0], dict(zip(self.task.train_metrics, means[2:]))
         s.log_loss.zero_()
-        self.guard.check(s.global_step, self.out, self.spec, loss)
+        self.guard.check(s.global_step, self.out, loss)
         # every rank's real tokens so far, for the progress line's tokens/s (one small reduction per log
         # line), into a buffer that lives as long as the trainer: a temporary one could be freed last by
         # gloo's thread, which needs the GIL for that (see worker._exit_now)
@@ -547,7 +546,7 @@ class Trainer:
 
     def _export(self, model: torch.nn.Module, metrics: dict) -> None:
         spec, out = self.spec, self.out
-        _check_weights_finite(model, self.state.global_step, out, spec)
+        _check_weights_finite(model, self.state.global_step, out)
         self.loggers.close()
         # Everything final is built aside and swapped in at the end: a failure here (export, the
         # baseline, the report) leaves the previous state of the output, never half of this run's.
@@ -606,14 +605,14 @@ class _FiniteGuard:
         self.optimizer.found_inf = nonfinite.float()
         self.first_bad = torch.where(nonfinite & (self.first_bad < 0), step, self.first_bad)
 
-    def check(self, step: int, out: Path, spec: JobSpec, loss: float | None = None) -> None:
+    def check(self, step: int, out: Path, loss: float | None = None) -> None:
         """All ranks, at the same step."""
         if not self.enabled:
             return
         bad = int(distributed.all_reduce_max(self.first_bad.clone()).item())
         if bad >= 0 or (loss is not None and not math.isfinite(loss)):
             at = f"step {bad}" if bad >= 0 else f"the steps up to {step} (mean loss {loss})"
-            raise Diverged(at, out, spec)
+            raise Diverged(at, out)
 
 
 class Diverged(KubetuneError):
@@ -621,7 +620,7 @@ class Diverged(KubetuneError):
 
     agreed = True  # every rank raises it at the same step
 
-    def __init__(self, at: str, out: Path, spec: JobSpec):
+    def __init__(self, at: str, out: Path):
         steps = checkpoint.complete_steps(out / "checkpoints")
         kept = f"the checkpoint of step {steps[-1]} is kept" if steps else "no checkpoint had been written"
         super().__init__(
@@ -637,10 +636,10 @@ class Diverged(KubetuneError):
         )
 
 
-def _check_weights_finite(model: torch.nn.Module, step: int, out: Path, spec: JobSpec) -> None:
+def _check_weights_finite(model: torch.nn.Module, step: int, out: Path) -> None:
     bad = next((n for n, p in model.named_parameters() if p.requires_grad and not torch.isfinite(p).all()), None)
     if bad is not None:
-        raise Diverged(f"or before step {step} (weight {bad} is not finite)", out, spec)
+        raise Diverged(f"or before step {step} (weight {bad} is not finite)", out)
 
 
 class Preempted(Exception):
