@@ -249,8 +249,6 @@ class FSDPStrategy:
             )
         self.env, self.device, self.dtype = env, device, dtype
         self.reshard_after_forward, self.cpu_offload = reshard_after_forward, cpu_offload
-        if device.type == "cpu":
-            return_freed_memory()
         self.model: torch.nn.Module | None = None
         self.make: MakeModel | None = None
 
@@ -374,6 +372,13 @@ class FSDPStrategy:
 # glibc's M_MMAP_THRESHOLD (malloc.h); a fixed value also turns off the threshold's growth
 M_MMAP_THRESHOLD = -3
 HEAP_LIMIT = 1 << 20
+
+
+def allocator_policy(strategy: str, device: torch.device) -> bool:
+    """Set the process's allocator policy for the chosen strategy, once, where the run chooses it
+    (the trainer), not in a strategy's constructor: FSDP on a CPU gives freed blocks back to the
+    system (``return_freed_memory``); anything else keeps glibc's default. Returns whether it changed."""
+    return strategy == "fsdp" and device.type == "cpu" and return_freed_memory()
 
 
 def return_freed_memory() -> bool:

@@ -133,6 +133,7 @@ class Trainer:
         seed_everything(cfg.seed)
         resumed = checkpoint.saved_fingerprint(found).get("strategy", "ddp") if found else None
         strategy = strategy or strategies.for_job(spec, env, device, self.dtype, make, resumed)
+        strategies.allocator_policy(strategy.name, device)  # before the model's first allocation
         self.model = strategy.build(make)
         if cfg.compile:
             log.info("training.compile: compiled %d transformer blocks", strategies.compile_blocks(self.model))
