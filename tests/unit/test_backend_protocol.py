@@ -12,7 +12,7 @@ from kubetune.backends import base
 from kubetune.client import Client
 from kubetune.errors import KubetuneError
 
-METHODS = ["submit", "status", "logs", "wait", "delete", "list"]
+METHODS = ["submit", "status", "logs", "wait", "delete", "list", "spec_of"]
 
 
 def _cls(name: str):

@@ -31,6 +31,9 @@ class Backend(Protocol):
     def list(self) -> list[dict]:
         """The jobs: ``[{"name", "phase", "created"}]``."""
 
+    def spec_of(self, name: str) -> JobSpec | None:
+        """The job's spec as it was submitted (None once the job is gone)."""
+
 
 # name -> "module:class" (imported on first use: the cluster backends load the Kubernetes client)
 REGISTRY = {

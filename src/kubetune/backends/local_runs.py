@@ -265,6 +265,10 @@ class LocalBackend:
     def list(self) -> list[dict]:
         return [{"name": j.name, "phase": j.status().phase, "created": j.created} for j in _LOCAL_JOBS.values()]
 
+    def spec_of(self, name: str) -> JobSpec | None:
+        job = _LOCAL_JOBS.get(name)
+        return job.spec if job is not None else None
+
 
 def _decode(line: bytes) -> str:
     return line.removesuffix(b"\n").decode("utf-8", errors="replace")
