@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -72,19 +71,17 @@ def validate(spec: SpecArg, set_: SetOpt = None) -> None:
 def _check_this_machine(job) -> None:
     """Refuse what needs a CUDA GPU (QLoRA, FSDP CPU offload) on a machine without one, before any
     worker starts (they failed 20 s into start-up)."""
-    needs = (
-        ("lora.quantization", f"{job.lora.quantization} quantization (QLoRA)")
-        if job.lora and job.lora.quantization
-        else ("distributed.fsdp.cpu_offload", "FSDP CPU offload (it moves GPU state to the host)")
-        if job.distributed.fsdp.cpu_offload
-        else None
-    )
-    if needs is None:
+    needs = []
+    if job.lora and job.lora.quantization:
+        needs.append(("lora.quantization", f"{job.lora.quantization} quantization (QLoRA)"))
+    if job.distributed.fsdp.cpu_offload:
+        needs.append(("distributed.fsdp.cpu_offload", "FSDP CPU offload (it moves GPU state to the host)"))
+    if not needs:
         return
     import torch
 
     if not torch.cuda.is_available():
-        field, what = needs
+        field, what = needs[0]
         raise KubetuneError(
             f"{what} needs a CUDA GPU and this machine has none",
             field=field,
@@ -859,13 +856,10 @@ def _leave(code: int) -> None:
         sys.exit(code)
     import atexit
 
+    from kubetune.errors import exit_now
+
     atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
+    exit_now(code)
 
 
 def _click_exceptions():

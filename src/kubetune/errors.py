@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 
 USER_ERROR_EXIT = 2
 
@@ -58,3 +60,15 @@ class SpecError(KubetuneError):
 
     def lines(self) -> list[str]:
         return list(self.problems)
+
+
+def exit_now(code: int) -> None:
+    """Flush the standard streams and leave with ``code`` without the interpreter's finalization
+    (``os._exit``); the caller runs what must run first (the CLI: the atexit handlers; a worker:
+    logging's shutdown only, see ``kubetune.worker``)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

@@ -32,7 +32,7 @@ from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E40
 
 from kubetune import distributed  # noqa: E402
 from kubetune.config import JobSpec, load_spec  # noqa: E402
-from kubetune.errors import USER_ERROR_EXIT, KubetuneError  # noqa: E402
+from kubetune.errors import USER_ERROR_EXIT, KubetuneError, exit_now  # noqa: E402
 
 log = logging.getLogger("kubetune.worker")
 
@@ -105,12 +105,7 @@ def _exit_now(code) -> None:
     closed by then; only the standard streams are flushed here."""
     code = 0 if code is None else code if isinstance(code, int) else 1
     logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
+    exit_now(code)
 
 
 if __name__ == "__main__":

@@ -65,7 +65,8 @@ def test_schema_output_onto_what_is_not_a_writable_file_is_one_line(tmp_path, wh
     (tmp_path / "f").write_text("mine")
     target = {"a directory": tmp_path, "under a file": tmp_path / "f" / "schema.json", "/proc": "/proc/x.json"}[where]
     r = CliRunner().invoke(app, ["schema", "-o", str(target)])
-    assert r.exit_code == 2 and r.exception is None or isinstance(r.exception, SystemExit), r.exception
+    assert r.exit_code == 2, (r.exit_code, r.exception)
+    assert r.exception is None or isinstance(r.exception, SystemExit), r.exception  # no traceback
     assert len(r.stderr.splitlines()) == 1 and r.stderr.startswith(f"error: --output: cannot write {target}: ")
     assert (tmp_path / "f").read_text() == "mine"
 

@@ -387,10 +387,7 @@ def recorded_status(name: str) -> JobStatus | None:
     record = _record(name)
     if record is None:
         return None
-    code = record["exit_code"]
-    if code is None and not _alive(record["pid"]):
-        code = -signal.SIGKILL  # gone without saying how it ended
-    phase = "Running" if code is None else "Succeeded" if code == 0 else "Failed"
+    phase, code = _phase(record)
     status = JobStatus(name=name, namespace="", kind=LOCAL_KIND, phase=phase, output=record["output"])
     if code not in (None, 0):
         status.reason = _EXIT_REASONS.get(code, "Error")
@@ -416,19 +413,27 @@ def recorded_runs() -> list[dict]:
         return []
     for name in names:
         try:
-            st = recorded_status(name)
+            record = _record(name)  # read once; a listing needs no progress or metrics
         except KubetuneError as e:
             runs.append({"name": name, "phase": "Unknown", "created": None, "problem": str(e)})
             continue
-        if st is not None:
-            started = _record(name).get("started")
+        if record is not None:
+            started = record.get("started")
             created = (
                 datetime.fromtimestamp(started, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
                 if isinstance(started, (int, float)) and 0 <= started < 1e11
                 else None
             )
-            runs.append({"name": name, "phase": st.phase, "created": created})
+            runs.append({"name": name, "phase": _phase(record)[0], "created": created})
     return runs
+
+
+def _phase(record: dict) -> tuple[str, int | None]:
+    """(phase, exit code) of a checked record; a run gone without saying how it ended was killed."""
+    code = record["exit_code"]
+    if code is None and not _alive(record["pid"]):
+        code = -signal.SIGKILL
+    return ("Running" if code is None else "Succeeded" if code == 0 else "Failed"), code
 
 
 def _alive(pid: int) -> bool:
