@@ -1,5 +1,5 @@
 """Peak host memory of the causal-LM loss, before and after it kept only the target positions'
-logits and took the fp32 softmax in checkpointed chunks (``kubetune.tasks.causal_lm.loss``).
+logits and took the fp32 softmax in checkpointed chunks (``kubetune.tasks.causal_lm.task.loss``).
 
     python benchmarks/loss_memory.py [--vocab 131072] [--tokens 4096 16384] [--dtype fp32|bf16] [--limit-gib 19.5]
 
@@ -45,7 +45,7 @@ def before(model, inputs: dict, labels):
     """The loss as kubetune computed it before this change."""
     import torch.nn.functional as F
 
-    from kubetune.data.causal import IGNORE
+    from kubetune.tasks.causal_lm.data import IGNORE
 
     logits = model(**inputs).logits
     targets = labels[:, 1:]
@@ -58,8 +58,8 @@ def child(mode: str, tokens: int, share: float, vocab: int, dtype: str) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from kubetune.data import Batch
-    from kubetune.data.causal import IGNORE
-    from kubetune.tasks import causal_lm
+    from kubetune.tasks.causal_lm import task as causal_lm
+    from kubetune.tasks.causal_lm.data import IGNORE
 
     torch.manual_seed(0)
     config = LlamaConfig(

@@ -48,7 +48,7 @@ def make_model(dest: Path) -> None:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from kubetune.data.causal import FALLBACK_CHAT_TEMPLATE
+    from kubetune.tasks.causal_lm.data import FALLBACK_CHAT_TEMPLATE
 
     cfg = LlamaConfig(
         vocab_size=32000,
@@ -251,7 +251,7 @@ def run_hf_flatten(work: Path, out: Path, variant: dict) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorWithFlattening, Trainer, TrainingArguments
 
-    from kubetune.data.causal import encode_record
+    from kubetune.tasks.causal_lm.data import encode_record
 
     torch.set_num_threads(os.cpu_count())
     tok = AutoTokenizer.from_pretrained(work / "model")

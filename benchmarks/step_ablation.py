@@ -31,7 +31,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, model_path, write_split  # noqa: E402
 
-from kubetune.tasks.classify import TASK  # noqa: E402
+from kubetune.tasks.classify.task import TASK  # noqa: E402
 
 KUBETUNE = {"precision": "bf16", "attn": "eager", "fused": True, "bucket_view": True, "sparse_embedding": True}
 VARIANTS = {

@@ -9,22 +9,19 @@ from pathlib import Path
 
 def summary(out: Path) -> str:
     from kubetune import tasks
+    from kubetune.config.tasks import default_task
 
     m = json.loads((out / "metrics.json").read_text())
+    # metrics.json has named its task since the second task landed; older ones are the default task's.
+    present = tasks.get(m.get("task") or default_task()).present
     lines = [
-        tasks.get(m.get("task", "sequence-classification")).present.summary(m),
+        present.summary(m),
         (
             f"trained on {m['train_samples']} samples in {m['train_runtime_s']:.0f} s "
             f"({m['train_samples_per_second']:.1f} samples/s, world size {m['world_size']})"
         ),
     ]
-    base = m.get("baseline")
-    if base:
-        lines.append(
-            f"baseline {base['method']}: accuracy {base['accuracy']:.4f}, macro-F1 {base['f1_macro']:.4f} "
-            f"-> fine-tuned model {'beats' if m['eval_accuracy'] > base['accuracy'] else 'does NOT beat'} it by "
-            f"{100 * (m['eval_accuracy'] - base['accuracy']):+.1f} points"
-        )
+    lines += present.reference_summary(m)
     lines.append(f"report: {out / 'report.html'}")
     return "\n".join(lines)
 

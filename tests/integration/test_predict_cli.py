@@ -98,7 +98,7 @@ from pathlib import Path
 from kubetune.artifacts import hub
 from kubetune.config import load_spec
 from kubetune.errors import KubetuneError
-from kubetune.tasks import classify
+from kubetune.tasks.classify import task as classify
 try:
     hub.push(load_spec(sys.argv[1]), Path(sys.argv[2]), {"eval_accuracy": 0.5}, classify.TASK.present)
 except KubetuneError as e:

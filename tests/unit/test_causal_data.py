@@ -10,9 +10,9 @@ import pandas as pd
 import pytest
 import torch
 
-from kubetune.config import CausalLMData
-from kubetune.data import collate_lm
-from kubetune.data.causal import (
+from kubetune.errors import KubetuneError
+from kubetune.tasks.causal_lm import CausalLMData
+from kubetune.tasks.causal_lm.data import (
     FALLBACK_CHAT_TEMPLATE,
     IGNORE,
     encode_record,
@@ -20,7 +20,7 @@ from kubetune.data.causal import (
     load_lm_frames,
     tokenize_frame,
 )
-from kubetune.errors import KubetuneError
+from kubetune.tasks.causal_lm.data import collate as collate_lm
 
 TINY = Path(__file__).resolve().parents[2] / "src" / "kubetune" / "assets" / "tiny-llama"
 # A Llama-3-style template (header markers, end-of-turn token) to check spans with a template
@@ -287,7 +287,8 @@ def test_compiled_blocks_equal_eager_and_compile_once_for_all_packed_lengths(tok
     from torch._dynamo.utils import counters
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from kubetune.tasks import attention, causal_lm
+    from kubetune.tasks import attention
+    from kubetune.tasks.causal_lm import task as causal_lm
     from kubetune.training.strategy import compile_blocks
 
     cfg = AutoConfig.from_pretrained(TINY)

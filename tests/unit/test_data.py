@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+from functools import partial
 from unittest import mock
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from kubetune.config import ClassificationData
 from kubetune.data import load_frames, tokenized
 from kubetune.errors import KubetuneError
+from kubetune.tasks.classify import ClassificationData
 
 
 def _spec(train, **kw) -> ClassificationData:
@@ -173,14 +174,21 @@ def test_tokenization_cache(tmp_path, frame, monkeypatch):
         )
     )
     df = pd.DataFrame({"text": frame.review, "label": [i % 2 for i in range(40)]})
-    ds1, hit1 = tokenized(df, tok, 16, build=True)
+    from kubetune.tasks.classify.task import MODE, encode_texts
+
+    def tok_call(frame, tok, n, build):
+        return tokenized(
+            frame, tok, n, build=build, mode=MODE, encode=partial(encode_texts, tokenizer=tok, max_length=n)
+        )
+
+    ds1, hit1 = tok_call(df, tok, 16, build=True)
     with mock.patch.object(type(tok), "__call__", side_effect=AssertionError("tokenized again")):
-        ds2, hit2 = tokenized(df, tok, 16, build=True)
+        ds2, hit2 = tok_call(df, tok, 16, build=True)
     assert (hit1, hit2) == (False, True)
     assert ds1["input_ids"] == ds2["input_ids"] and max(ds1["length"]) <= 16
     # A different max_length or different data is a different cache entry.
-    assert tokenized(df, tok, 8, build=True)[1] is False
-    assert tokenized(df.iloc[:-1], tok, 16, build=True)[1] is False
+    assert tok_call(df, tok, 8, build=True)[1] is False
+    assert tok_call(df.iloc[:-1], tok, 16, build=True)[1] is False
 
 
 def test_an_eval_fraction_that_leaves_fewer_training_rows_than_classes_splits_without_stratifying(tmp_path):

@@ -11,10 +11,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from kubetune.config.schema import DPOSpec, PreferenceData
-from kubetune.data.causal import IGNORE, RecordFrames, ensure_chat_template
 from kubetune.errors import KubetuneError
-from kubetune.tasks import dpo
+from kubetune.tasks.causal_lm.data import IGNORE, RecordFrames, ensure_chat_template
+from kubetune.tasks.dpo import DPOSpec, PreferenceData
+from kubetune.tasks.dpo import data as dpo_data
+from kubetune.tasks.dpo import task as dpo
 
 TINY = Path(__file__).resolve().parents[2] / "src" / "kubetune" / "assets" / "tiny-llama"
 
@@ -36,7 +37,7 @@ def _write(tmp_path: Path, rows: list[dict], name: str = "pairs.jsonl") -> Path:
 
 def _frames(tmp_path, rows, **data) -> RecordFrames:
     spec = PreferenceData(train=str(_write(tmp_path, rows)), eval_fraction=0.25, **data)
-    return dpo.load_pair_frames(spec, 0)
+    return dpo_data.load_pair_frames(spec, 0)
 
 
 def _records(frames: RecordFrames) -> list[dict]:
@@ -124,13 +125,13 @@ def test_batch_layout_labels_and_truncation(tok):
         {"prompt": [_user("Rate: " + "cold soup " * 20)], "chosen": [_bot("negative")], "rejected": [_bot("Maybe.")]},
     ]
     frame = pd.DataFrame({"record": [json.dumps(r) for r in records]})
-    cols = dpo.encode_pairs(frame, tok, 512)
+    cols = dpo_data.encode_pairs(frame, tok, 512)
     # the prompt ends with the generation prompt; the answers hold the reply and its end of turn
     assert tok.decode(cols["prompt_ids"][0]).endswith("<|assistant|>\n")
     assert tok.decode(cols["chosen_ids"][0]) == "positive" + tok.eos_token
     ds = datasets.Dataset.from_dict(cols)
     short = len(cols["prompt_ids"][1]) + 2  # the long pair keeps 2 answer tokens at this length
-    batch = dpo.Collate(ds, tok.pad_token_id, short, DPOSpec(), key="")([0, 1])
+    batch = dpo_data.Collate(ds, tok.pad_token_id, short, DPOSpec(), key="")([0, 1])
     ids, labels = batch.inputs["input_ids"], batch.labels
     assert ids.shape[0] == 4  # chosen 0, chosen 1, rejected 0, rejected 1
     for row, (pair, key) in enumerate([(0, "chosen_ids"), (1, "chosen_ids"), (0, "rejected_ids"), (1, "rejected_ids")]):
@@ -147,7 +148,7 @@ def test_prompts_that_fill_max_length_are_dropped(tok):
 
     records = [{"prompt": "x " * (60 if i == 0 else 2), "chosen": "a", "rejected": "b"} for i in range(4)]
     frame = pd.DataFrame({"record": [json.dumps(r) for r in records]})
-    ds = datasets.Dataset.from_dict(dpo.encode_pairs(frame, tok, 16))
+    ds = datasets.Dataset.from_dict(dpo_data.encode_pairs(frame, tok, 16))
     dropped: dict = {}
     kept = dpo._with_answers(ds, dropped, "train_truncated", 16)
     assert dropped == {"train_truncated": 1} and len(kept) == 3

@@ -14,10 +14,11 @@ import pandas as pd
 import pytest
 import torch
 
-from kubetune.config.schema import DPOSpec, PreferenceData
-from kubetune.data.causal import ensure_chat_template
 from kubetune.distributed import DistEnv
-from kubetune.tasks import dpo
+from kubetune.tasks.causal_lm.data import ensure_chat_template
+from kubetune.tasks.dpo import DPOSpec, PreferenceData
+from kubetune.tasks.dpo import data as dpo_data
+from kubetune.tasks.dpo import task as dpo
 
 trl = pytest.importorskip("trl")  # requirements-test.txt pins it: this skip only guards a partial install
 
@@ -108,11 +109,11 @@ def _trl(trainer):
 def _kubetune(policy, reference, tokenizer, rows, dpo_spec: DPOSpec, tmp_path):
     spec = PreferenceData(train=str(tmp_path / "pairs.jsonl"), max_length=MAX_LENGTH, eval_fraction=0.5)
     frame = pd.DataFrame({"record": [json.dumps(r) for r in (_record(r, spec) for r in rows)]})
-    cols = dpo.encode_pairs(frame, tokenizer, spec.max_length)
+    cols = dpo_data.encode_pairs(frame, tokenizer, spec.max_length)
     import datasets
 
     ds = datasets.Dataset.from_dict(cols)
-    collate = dpo.Collate(ds, tokenizer.pad_token_id, spec.max_length, dpo_spec, key="")
+    collate = dpo_data.Collate(ds, tokenizer.pad_token_id, spec.max_length, dpo_spec, key="")
     off = torch.autocast("cpu", enabled=False)
     batch = collate(list(range(N)))
     if reference is not None:  # full fine-tune: the reference pass, as setup() makes it
@@ -127,7 +128,7 @@ def _kubetune(policy, reference, tokenizer, rows, dpo_spec: DPOSpec, tmp_path):
 
 def _record(row: dict, spec: PreferenceData) -> dict:
     fmt = "chat" if isinstance(row["chosen"], list) else "text"
-    return dpo._text_record(row, spec) if fmt == "text" else dpo._chat_record(row, spec, "rows", 0)
+    return dpo_data._text_record(row, spec) if fmt == "text" else dpo_data._chat_record(row, spec, "rows", 0)
 
 
 @pytest.mark.parametrize(

@@ -18,10 +18,11 @@ import pandas as pd
 import pytest
 import torch
 
-from kubetune.config import CausalLMData, ClassificationData
 from kubetune.data import load_frames, read_table
-from kubetune.data.causal import load_lm_frames
 from kubetune.errors import KubetuneError
+from kubetune.tasks.causal_lm import CausalLMData
+from kubetune.tasks.causal_lm.data import load_lm_frames
+from kubetune.tasks.classify import ClassificationData
 
 MAX_MESSAGE = 400  # characters: "one short line", whatever the input held
 
@@ -100,7 +101,7 @@ def test_evaluate_counts_once_and_keeps_confusion_small(monkeypatch, num_labels,
     from kubetune.data import collate
     from kubetune.distributed import DistEnv
     from kubetune.tasks import base as loop
-    from kubetune.tasks import classify
+    from kubetune.tasks.classify import task as classify
 
     rng = np.random.default_rng(num_labels)
     n = 301
@@ -174,7 +175,7 @@ def test_evaluate_counts_once_and_keeps_confusion_small(monkeypatch, num_labels,
 def test_report_without_or_with_a_big_confusion_matrix(tmp_path):
     from kubetune.artifacts.report import write_report
     from kubetune.config import parse_spec
-    from kubetune.tasks import classify
+    from kubetune.tasks.classify import task as classify
 
     spec = parse_spec(
         {
@@ -645,17 +646,16 @@ def _frames(n_classes: int, rows_per_class: int = 3):
 def test_baseline_skipped_where_it_cannot_fit(monkeypatch, caplog, tmp_path, cause):
     from sklearn.linear_model import LogisticRegression
 
-    from kubetune import artifacts
-    from kubetune.artifacts import baseline
     from kubetune.config import parse_spec
     from kubetune.tasks import base as loop
-    from kubetune.tasks import classify
+    from kubetune.tasks.classify import baseline
+    from kubetune.tasks.classify import task as classify
 
     if cause == "estimate":
         monkeypatch.setattr(baseline, "available_memory", lambda: 64 * 2**20, raising=False)
     else:
         monkeypatch.setattr(LogisticRegression, "fit", lambda *a, **k: (_ for _ in ()).throw(MemoryError()))
-    monkeypatch.setattr(artifacts, "export_classifier", lambda *a, **k: None)
+    monkeypatch.setattr(classify, "_export_model", lambda *a, **k: None)
     spec = parse_spec(
         {
             "name": "b",
@@ -676,14 +676,14 @@ def test_baseline_skipped_where_it_cannot_fit(monkeypatch, caplog, tmp_path, cau
         assert "GiB" in lines[0]
     # Normal data keeps its baseline, unchanged.
     monkeypatch.undo()
-    normal = artifacts.tfidf_baseline(_frames(3, 6))
+    normal = baseline.tfidf_baseline(_frames(3, 6))
     assert normal["method"].startswith("TF-IDF") and 0 <= normal["accuracy"] <= 1
 
 
 def test_baseline_is_cached_under_its_split_and_refits_when_the_split_or_the_cache_changes(monkeypatch, tmp_path):
     from sklearn.linear_model import LogisticRegression
 
-    from kubetune.artifacts import baseline
+    from kubetune.tasks.classify import baseline
 
     monkeypatch.setenv("KUBETUNE_CACHE", str(tmp_path))
     frames = _frames(3, 6)

@@ -10,9 +10,10 @@ import pandas as pd
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from kubetune.config import ClassificationData, parse_spec
+from kubetune.config import parse_spec
 from kubetune.data import load_frames
 from kubetune.errors import KubetuneError, SpecError
+from kubetune.tasks.classify import ClassificationData
 
 VALID = {
     "name": "job",

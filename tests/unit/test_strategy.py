@@ -15,7 +15,8 @@ from kubetune import checkpoint
 from kubetune.config import parse_spec
 from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
-from kubetune.tasks import causal_lm, classify
+from kubetune.tasks.causal_lm import task as causal_lm
+from kubetune.tasks.classify import task as classify
 from kubetune.training import strategy
 from kubetune.training.state import TrainState
 

@@ -20,10 +20,11 @@ from conftest import tiny_spec
 from kubetune import providers
 from kubetune.config import parse_spec
 from kubetune.data import Batch
-from kubetune.data.causal import IGNORE
 from kubetune.distributed import DistEnv
-from kubetune.tasks import causal_lm, classify
 from kubetune.tasks.base import evaluate
+from kubetune.tasks.causal_lm import task as causal_lm
+from kubetune.tasks.causal_lm.data import IGNORE
+from kubetune.tasks.classify import task as classify
 from kubetune.tasks.common import load_tokenizer
 
 CPU = torch.device("cpu")
@@ -117,13 +118,18 @@ def test_causal_loss_equals_a_direct_next_token_cross_entropy():
 
 
 def test_every_task_has_a_data_section_and_every_data_section_a_task():
-    """The spec's `task` values (config.DATA_SPECS) and the task registry name the same tasks, and
-    each registered module defines a Task."""
+    """The spec's `task` values (config.DATA_SPECS) and the task registry name the same tasks, each
+    entry's data model is tagged with its own name, and each registered runtime is a Task."""
+    import typing
+
     from kubetune import tasks
     from kubetune.config import DATA_SPECS
+    from kubetune.tasks.base import Task
 
-    assert set(tasks.REGISTRY) == set(DATA_SPECS)
-    assert all(isinstance(tasks.get(name), tasks.Task) for name in tasks.REGISTRY)
+    assert tasks.names() == list(DATA_SPECS) and len(DATA_SPECS) >= 3
+    for name, model in DATA_SPECS.items():
+        assert typing.get_args(model.model_fields["task"].annotation) == (name,)
+    assert all(isinstance(tasks.get(name), Task) for name in tasks.names())
 
 
 def _full_logits_loss(model, batch):

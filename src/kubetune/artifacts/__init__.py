@@ -7,7 +7,6 @@ import logging
 from pathlib import Path
 
 from kubetune import providers
-from kubetune.artifacts.baseline import tfidf_baseline
 from kubetune.artifacts.presentation import Presentation
 from kubetune.config import JobSpec, dump_spec
 from kubetune.errors import KubetuneError
@@ -18,13 +17,11 @@ __all__ = [
     "History",
     "check_model_weights",
     "check_output",
-    "export_classifier",
     "finish",
     "publish",
     "replace_dir",
     "resolve_model",
     "tensorboard_writer",
-    "tfidf_baseline",
     "write_atomic",
 ]
 log = logging.getLogger(__name__)
@@ -117,20 +114,6 @@ def tensorboard_writer(out: Path, purge_step: int | None = None):
 
     # purge_step hides events an interrupted run logged after the checkpoint we resume from.
     return SummaryWriter(log_dir=str(out / "tensorboard"), purge_step=purge_step)
-
-
-def export_classifier(spec: JobSpec, model, tokenizer, frames, out: Path) -> None:
-    """Save ``model/`` (merged for LoRA; loadable by transformers.pipeline) and ``adapter/`` for LoRA."""
-    if spec.lora is not None:
-        replace_dir(lambda d: model.save_pretrained(d), out / "adapter")
-        model = model.merge_and_unload()
-
-    def save(d: Path) -> None:
-        model.save_pretrained(d, max_shard_size=SHARD_SIZE)  # safetensors
-        tokenizer.save_pretrained(d)
-
-    replace_dir(save, out / "model")
-    log.info("exported the model%s", " and the adapter" if spec.lora is not None else "")
 
 
 def check_output(spec: JobSpec):

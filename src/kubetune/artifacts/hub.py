@@ -92,7 +92,6 @@ def check_can_push(spec: JobSpec) -> None:
 
 
 def model_card(spec: JobSpec, metrics: dict, present: Presentation) -> str:
-    base = metrics.get("baseline") or {}
     pipeline_tag = present.pipeline_tag
     usage = present.card_usage(repo_id(spec))
     about = present.card_about(metrics)
@@ -115,19 +114,8 @@ def model_card(spec: JobSpec, metrics: dict, present: Presentation) -> str:
         "",
         "| metric | value |",
         "| --- | --- |",
-        *[
-            f"| {k} | {metrics[k]:.4f} |"
-            for k in (
-                "eval_accuracy",
-                "eval_f1_macro",
-                "eval_perplexity",
-                "eval_token_accuracy",
-                "eval_loss",
-                "train_loss",
-            )
-            if isinstance(metrics.get(k), float)
-        ],
-        *([f"| baseline accuracy ({base['method']}) | {base['accuracy']:.4f} |"] if base else []),
+        *[f"| {k} | {metrics[k]:.4f} |" for k in present.card_metrics if isinstance(metrics.get(k), float)],
+        *present.reference_card(metrics),
         "",
         *about,
         "",

@@ -22,3 +22,11 @@ class Presentation:
     # records that hold it (e.g. DPO's rewards)
     step_plots: tuple[tuple[str, tuple[str, ...]], ...] = ()
     loss_label: str = "cross-entropy"  # the loss plot's y axis
+    card_metrics: tuple[str, ...] = ("eval_loss", "train_loss")  # metrics.json keys in the model card's table
+    # A reference result on the same split (e.g. a baseline model), where the task has one; each takes
+    # metrics.json. The eval plot's reference line (value, label); the report's HTML section (given the
+    # fine-tuned model's name); the summary's lines; the model card's table rows.
+    reference_line: Callable[[dict], tuple[float, str] | None] = lambda m: None
+    reference_html: Callable[[dict, str], str] = lambda m, model: ""
+    reference_summary: Callable[[dict], list[str]] = lambda m: []
+    reference_card: Callable[[dict], list[str]] = lambda m: []

@@ -18,7 +18,7 @@ def _read_history(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def plot(history: list[dict], out: Path, present: Presentation, baseline: dict | None = None) -> list[Path]:
+def plot(history: list[dict], out: Path, present: Presentation, metrics: dict | None = None) -> list[Path]:
     """Write plots/train_loss.png, plots/eval_metrics.png (the task's eval curves, if any) and one
     PNG per step plot; return their paths. Every plot spans the run from step 0 to its last step, so
     a run that evaluated once shows one labelled point where it stands, not a lone dot on a zoomed axis."""
@@ -67,14 +67,15 @@ def plot(history: list[dict], out: Path, present: Presentation, baseline: dict |
         )
     ]
     if present.eval_curves:
+        reference = present.reference_line(metrics or {})
 
         def style(ax) -> None:
             if present.eval_log_scale:
                 ax.set_yscale("log")
             else:
                 ax.set_ylim(0, 1)
-            if baseline:
-                ax.axhline(baseline["accuracy"], color="grey", linestyle="--", label="baseline accuracy (TF-IDF + LR)")
+            if reference is not None:
+                ax.axhline(reference[0], color="grey", linestyle="--", label=reference[1])
 
         # at their step: evaluations within an epoch (eval_every) too
         curves = [(key.removeprefix("eval_"), *steps(evals, key), "o-") for key in present.eval_curves]
@@ -94,7 +95,7 @@ def plot(history: list[dict], out: Path, present: Presentation, baseline: dict |
 
 def write_report(spec: JobSpec, metrics: dict, out: Path, present: Presentation, history: Path | None = None) -> Path:
     """Write ``report.html`` (self-contained: the PNGs are embedded as data URIs)."""
-    images = plot(_read_history(history or out / "history.jsonl"), out, present, metrics.get("baseline"))
+    images = plot(_read_history(history or out / "history.jsonl"), out, present, metrics)
     head = present.report_rows(metrics)
     rows = [
         *head,
@@ -107,19 +108,8 @@ def write_report(spec: JobSpec, metrics: dict, out: Path, present: Presentation,
         ("train / eval rows", f"{metrics.get('train_rows')} / {metrics.get('eval_rows')}"),
         ("dropped rows", metrics.get("dropped_rows") or "none"),
     ]
-    table = "".join(f"<tr><th>{html.escape(k)}</th><td>{_fmt(v)}</td></tr>" for k, v in rows)
-    base = metrics.get("baseline")
-    compare = ""
-    if base:
-        verdict = "beats" if metrics["eval_accuracy"] > base["accuracy"] else "does NOT beat"
-        compare = (
-            "<h2>Against a baseline on the same split</h2><table><tr><th></th><th>accuracy</th><th>macro-F1</th></tr>"
-            f"<tr><th>fine-tuned {html.escape(spec.model.uri)}</th>"
-            f"<td>{_fmt(metrics['eval_accuracy'])}</td><td>{_fmt(metrics['eval_f1_macro'])}</td></tr>"
-            f"<tr><th>{html.escape(base['method'])}</th><td>{_fmt(base['accuracy'])}</td><td>{_fmt(base['f1_macro'])}</td></tr></table>"
-            f"<p>The fine-tuned model {verdict} the baseline by "
-            f"{100 * (metrics['eval_accuracy'] - base['accuracy']):+.1f} accuracy points.</p>"
-        )
+    table = "".join(f"<tr><th>{html.escape(k)}</th><td>{fmt(v)}</td></tr>" for k, v in rows)
+    compare = present.reference_html(metrics, spec.model.uri)
     confusion = _confusion_html(metrics.get("labels") or [], metrics.get("eval_confusion") or [])
     imgs = "".join(
         f'<img alt="{p.stem}" src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}">' for p in images
@@ -164,7 +154,7 @@ def _confusion_html(labels: list, cm: list[list[int]]) -> str:
     return f"<h2>Confusion matrix (rows: true, columns: predicted)</h2><table><tr><th></th>{head}</tr>{body}</table>"
 
 
-def _fmt(v) -> str:
+def fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.4f}" if abs(v) < 100 else f"{v:.1f}"
     return html.escape(str(v))

@@ -103,7 +103,7 @@ def fingerprint(
         "task": spec.task,
         "labels": list(labels),
         "lora": spec.lora.model_dump() if spec.lora else None,
-        "dpo": spec.dpo.model_dump() if spec.dpo else None,  # the preference loss (task dpo)
+        **_own_section(spec),
         "world_size": world_size,
         "batch_size": spec.training.batch_size,
         "grad_accum": grad_accum or spec.training.grad_accum,
@@ -117,6 +117,17 @@ def fingerprint(
             "train_rows": train_rows,
         },
     }
+
+
+def _own_section(spec: JobSpec) -> dict:
+    """The task's own spec section (e.g. its loss's settings), keyed by the task's name; {} for a
+    task without one. None when the spec leaves it out (its defaults)."""
+    from kubetune.config.schema import TASK_SECTIONS
+
+    if spec.task not in TASK_SECTIONS:
+        return {}
+    section = getattr(spec, spec.task)
+    return {spec.task: section.model_dump() if section is not None else None}
 
 
 def layout(saved: dict | None, world_size: int, batch_size: int, grad_accum: int, where: str) -> tuple[int, int]:
@@ -176,7 +187,7 @@ def check_compatible(saved: dict, current: dict, where: str) -> None:
         "task": "task",
         "labels": "data.label_column",
         "lora": "lora",
-        "dpo": "dpo",
+        **({current["task"]: current["task"]} if current.get("task") in current else {}),  # _own_section
         "batch_size": "training.batch_size",
     }
     for section in ("training", "data"):

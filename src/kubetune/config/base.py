@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 # The largest integer any spec field takes. Why: a count sizes memory or a loop, and Python's
 # integers have no bound of their own: `epochs: 10**30` validated and ended in an OverflowError
@@ -50,3 +50,61 @@ class Section(BaseModel):
         if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_SPEC_INT:
             raise ValueError(f"must be at most {MAX_SPEC_INT:,} (2^31 - 1)")
         return value
+
+
+class DataCommon(Section):
+    """The ``data`` fields every task has; each task's data model (``config.tasks.TaskEntry.data``) adds its own
+    and fixes ``task`` to its name with a ``Literal``."""
+
+    task: str = Field("", exclude=True, description="(internal) the job's task, which selects the data section's model")
+
+    train: Uri = Field(
+        description="Training data: a CSV/TSV/JSONL/Parquet file (plain path or file://), a directory of "
+        "such files, hf://org/dataset (Hugging Face dataset), or pkg://package/path (a file shipped "
+        "inside an installed Python package).",
+    )
+    eval: Uri | None = Field(
+        None,
+        description="Evaluation data, same forms as data.train. Absent: carve data.eval_fraction out of data.train.",
+    )
+    eval_fraction: float = Field(
+        0.1,
+        gt=0,
+        lt=1,
+        description="Fraction of data.train held out (stratified by label, fixed seed) when data.eval is absent.",
+    )
+    train_split: str = Field(
+        "train", description="Split (with optional slice, e.g. 'train[:3000]') for hf:// and directory datasets."
+    )
+    eval_split: str = Field(
+        "validation", description="Split (with optional slice) of data.eval for hf:// and directory datasets."
+    )
+    text_column: str = Field("text", description="Column holding the input text.")
+    max_length: int = Field(
+        128,
+        ge=8,
+        le=32768,
+        description="Token limit per example; longer texts are truncated. Batches are padded dynamically.",
+    )
+    max_train_samples: int | None = Field(
+        None,
+        ge=1,
+        description="Use at most this many training rows (a seeded random subset), after the eval carve-out.",
+    )
+    max_eval_samples: int | None = Field(
+        None, ge=1, description="Use at most this many evaluation rows (a seeded random subset)."
+    )
+    encoding: str = Field(
+        "auto",
+        description="Text encoding of CSV/TSV/JSON(L) files. 'auto': UTF-8; "
+        "a byte-order mark selects UTF-8/16/32; bytes that "
+        "are not valid UTF-8 are decoded as cp1252 with a warning "
+        "(valid UTF-8 around them stays UTF-8). Any other value "
+        "(latin-1, cp1252, utf-16, ...) is used as given.",
+    )
+    max_input_mb: int = Field(
+        1024,
+        ge=1,
+        description="Largest data file (or directory, or dataset) read into memory, in MiB; pandas holds several times "
+        "the file size. Raise it for bigger data.",
+    )

@@ -11,6 +11,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from kubetune.config.schema import CROSS_SEPARATOR, DATA_SPECS, JobSpec
+from kubetune.config.tasks import default_task
 from kubetune.errors import SpecError
 
 
@@ -210,8 +211,8 @@ def parse_spec(raw: Any, overrides: list[str] | None = None, source: str = "spec
 def _cross_problems_of(raw: dict) -> list[str]:
     """``schema.cross_problems`` of the sections of ``raw`` that validate on their own."""
     from kubetune.config.schema import (
+        TASK_SECTIONS,
         DistributedSpec,
-        DPOSpec,
         KubernetesSpec,
         LoraSpec,
         OutputSpec,
@@ -226,7 +227,7 @@ def _cross_problems_of(raw: dict) -> list[str]:
         except (ValidationError, ValueError, TypeError):
             return None
 
-    task = raw.get("task", "sequence-classification")
+    task = raw.get("task", default_task())
     data = raw.get("data")
     known = isinstance(task, str) and task in DATA_SPECS  # a list or a mapping is the task field's own error
     data = section(DATA_SPECS[task], {**data, "task": task}) if known and isinstance(data, dict) else None
@@ -236,7 +237,10 @@ def _cross_problems_of(raw: dict) -> list[str]:
         section(KubernetesSpec, raw.get("kubernetes")),
         section(OutputSpec, raw.get("output")) if raw.get("output") is not None else None,
         section(TrackingSpec, raw.get("tracking")),
-        section(DPOSpec, raw.get("dpo")) if raw.get("dpo") is not None else None,
+        {
+            name: section(model, raw[name]) if raw.get(name) is not None else None
+            for name, model in TASK_SECTIONS.items()
+        },
         section(TrainSpec, raw.get("training")),
         section(LoraSpec, raw.get("lora")) if raw.get("lora") is not None else None,
     )

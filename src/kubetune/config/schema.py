@@ -6,12 +6,15 @@ Unknown keys are errors; every field carries help text in ``description``.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Annotated, Literal, Union
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, create_model, field_validator, model_validator
 
-from kubetune.config.base import Section, Uri
+from kubetune.config.base import DataCommon, Section, Uri
 from kubetune.config.cluster import KubernetesSpec, ResourcesSpec
+from kubetune.config.tasks import default_task, entries
 
 
 class ModelSpec(Section):
@@ -22,179 +25,6 @@ class ModelSpec(Section):
     revision: str | None = Field(
         None, description="Hub revision (branch, tag or commit) for hf:// models; default: main."
     )
-
-
-class DataCommon(Section):
-    """The ``data`` fields every task has; each task's section adds its own (``DATA_SPECS``)."""
-
-    task: str = Field("", exclude=True, description="(internal) the job's task, which selects the data section's model")
-
-    train: Uri = Field(
-        description="Training data: a CSV/TSV/JSONL/Parquet file (plain path or file://), a directory of "
-        "such files, hf://org/dataset (Hugging Face dataset), or pkg://package/path (a file shipped "
-        "inside an installed Python package).",
-    )
-    eval: Uri | None = Field(
-        None,
-        description="Evaluation data, same forms as data.train. Absent: carve data.eval_fraction out of data.train.",
-    )
-    eval_fraction: float = Field(
-        0.1,
-        gt=0,
-        lt=1,
-        description="Fraction of data.train held out (stratified by label, fixed seed) when data.eval is absent.",
-    )
-    train_split: str = Field(
-        "train", description="Split (with optional slice, e.g. 'train[:3000]') for hf:// and directory datasets."
-    )
-    eval_split: str = Field(
-        "validation", description="Split (with optional slice) of data.eval for hf:// and directory datasets."
-    )
-    text_column: str = Field("text", description="Column holding the input text.")
-    max_length: int = Field(
-        128,
-        ge=8,
-        le=32768,
-        description="Token limit per example; longer texts are truncated. Batches are padded dynamically.",
-    )
-    max_train_samples: int | None = Field(
-        None,
-        ge=1,
-        description="Use at most this many training rows (a seeded random subset), after the eval carve-out.",
-    )
-    max_eval_samples: int | None = Field(
-        None, ge=1, description="Use at most this many evaluation rows (a seeded random subset)."
-    )
-    encoding: str = Field(
-        "auto",
-        description="Text encoding of CSV/TSV/JSON(L) files. 'auto': UTF-8; "
-        "a byte-order mark selects UTF-8/16/32; bytes that "
-        "are not valid UTF-8 are decoded as cp1252 with a warning "
-        "(valid UTF-8 around them stays UTF-8). Any other value "
-        "(latin-1, cp1252, utf-16, ...) is used as given.",
-    )
-    max_input_mb: int = Field(
-        1024,
-        ge=1,
-        description="Largest data file (or directory, or dataset) read into memory, in MiB; pandas holds several times "
-        "the file size. Raise it for bigger data.",
-    )
-    # ---- causal-lm only ----
-
-
-class ClassificationData(DataCommon):
-    """``data`` for task: sequence-classification."""
-
-    task: Literal["sequence-classification"] = Field(
-        "sequence-classification", exclude=True, description="(internal) the job's task, set from `task`"
-    )
-    text_pair_column: str | None = Field(
-        None, description="Optional second text column (sentence pairs, e.g. NLI); encoded as [CLS] a [SEP] b [SEP]."
-    )
-    label_column: str = Field(
-        "label",
-        description="Column holding the class label: strings or numbers; mapped to ids in sorted order (numerically "
-        "when every label is a number). None/NA/null are labels, not missing.",
-    )
-    max_classes: int = Field(
-        1000,
-        ge=2,
-        le=100_000,
-        description="Most distinct labels a classification dataset may have; "
-        "more is almost always the wrong label column.",
-    )
-
-
-class CausalLMData(DataCommon):
-    """``data`` for task: causal-lm."""
-
-    task: Literal["causal-lm"] = Field(
-        "causal-lm", exclude=True, description="(internal) the job's task, set from `task`"
-    )
-    format: Literal["auto", "text", "instruction", "chat"] = Field(
-        "auto",
-        description="causal-lm data layout: text = one document per row (data.text_column); instruction = alpaca-style "
-        "records (data.instruction_column, data.input_column, data.output_column); chat = a list of {role, content} "
-        "messages per row (data.messages_column). auto: chat if the messages column exists, else instruction if the "
-        "instruction and output columns exist, else text.",
-    )
-    instruction_column: str = Field("instruction", description="causal-lm instruction format: the instruction column.")
-    input_column: str | None = Field(
-        "input",
-        description="causal-lm instruction format: optional extra input "
-        "appended to the instruction (absent or empty = none).",
-    )
-    output_column: str = Field(
-        "output", description="causal-lm instruction format: the response the model learns to produce."
-    )
-    messages_column: str = Field(
-        "messages", description="causal-lm chat format: column holding the list of {role, content} messages."
-    )
-    system_prompt: str | None = Field(
-        None,
-        description="causal-lm instruction/chat formats: a system message "
-        "put first in every conversation that has none.",
-    )
-    train_on_prompt: bool = Field(
-        False,
-        description="causal-lm: also compute the loss on prompt tokens (instruction, user and system turns). Default: "
-        "loss on response (assistant) tokens only; text-format rows are all response.",
-    )
-    packing: bool = Field(
-        False,
-        description="causal-lm: padding-free packing: each micro-batch is one row of concatenated examples with "
-        "per-example position ids, so examples cannot attend to each other and no compute goes to padding.",
-    )
-    max_tokens_per_batch: int | None = Field(
-        None,
-        ge=8,
-        description="causal-lm with packing: fill each micro-batch with whole examples up to this many tokens "
-        "instead of taking training.batch_size examples, so every micro-batch does similar work; a global step is "
-        "then world size × training.grad_accum micro-batches. At least data.max_length. Absent: batch_size examples.",
-    )
-
-
-class PreferenceData(DataCommon):
-    """``data`` for task: dpo (preference pairs, TRL's conventions)."""
-
-    task: Literal["dpo"] = Field("dpo", exclude=True, description="(internal) the job's task, set from `task`")
-    format: Literal["auto", "text", "chat"] = Field(
-        "auto",
-        description="dpo data layout. text: prompt, chosen and rejected are strings, joined as they are (the "
-        "chosen and rejected answers end with the EOS token), as TRL's standard format. chat: rendered with the chat "
-        "template; the columns hold {role, content} message lists (TRL's conversational format: answers that start "
-        "with the prompt's turns need no prompt column, the prompt is the turns they share), or strings, which "
-        "become a user turn and an "
-        "assistant turn. auto: chat when the chosen column holds message lists, else text.",
-    )
-    prompt_column: str = Field("prompt", description="dpo: the prompt column (string or message list).")
-    chosen_column: str = Field("chosen", description="dpo: the preferred answer (string or message list).")
-    rejected_column: str = Field("rejected", description="dpo: the dispreferred answer (string or message list).")
-    system_prompt: str | None = Field(
-        None, description="dpo chat format: a system message put first in every prompt that has none."
-    )
-    chat_template: str | None = Field(
-        None,
-        description="dpo chat format: a Jinja chat template used instead of the tokenizer's (saved with the exported "
-        "tokenizer). Absent: the tokenizer's, else kubetune's fallback template (as for causal-lm).",
-    )
-    max_length: int = Field(
-        512,
-        ge=8,
-        le=32768,
-        description="Token limit of prompt + answer; longer sequences lose their end (TRL's keep_start), and pairs "
-        "whose prompt alone fills it are dropped (counted).",
-    )
-
-
-# The data section's model per task: the `task` field's values, and the union the spec's `data` is
-# validated as. A new task adds its data model here and its module to kubetune.tasks.
-DATA_SPECS: dict[str, type[DataCommon]] = {
-    "sequence-classification": ClassificationData,
-    "causal-lm": CausalLMData,
-    "dpo": PreferenceData,
-}
-DataSpec = Annotated[ClassificationData | CausalLMData | PreferenceData, Field(discriminator="task")]
 
 
 class LoraSpec(Section):
@@ -210,29 +40,6 @@ class LoraSpec(Section):
         None,
         description="QLoRA: load the frozen base model quantized with bitsandbytes, 4bit (NF4, double quantization) "
         "or 8bit (LLM.int8); needs CUDA GPUs. Absent: the base model keeps its precision.",
-    )
-
-
-class DPOSpec(Section):
-    """The preference loss of task: dpo (the names of TRL's DPOConfig)."""
-
-    beta: float = Field(
-        0.1,
-        gt=0,
-        description="How far the policy may move from the reference model: the reward of an answer is beta × (its "
-        "log-probability under the policy − under the reference). Lower: further.",
-    )
-    loss_type: Literal["sigmoid", "ipo"] = Field(
-        "sigmoid",
-        description="sigmoid: the DPO loss −log σ(beta × (chosen reward margin)); ipo: the IPO squared loss on "
-        "per-token log-ratios, (margin − 1/(2·beta))².",
-    )
-    label_smoothing: float = Field(
-        0.0,
-        ge=0,
-        lt=0.5,
-        description="sigmoid only: the assumed fraction of pairs whose preference is flipped (conservative DPO): "
-        "−(1−ε) log σ(βΔ) − ε log σ(−βΔ).",
     )
 
 
@@ -446,35 +253,10 @@ def output_uri_problem(uri: str) -> str | None:
     return None
 
 
-class JobSpec(Section):
-    name: str = Field(
-        description="Job name: lowercase letters, digits and '-', a letter first, at most 52 characters "
-        "(used for Kubernetes objects).",
-    )
-    task: Literal[tuple(DATA_SPECS)] = Field(  # type: ignore[valid-type]
-        "sequence-classification",
-        description="What to fine-tune for: sequence-classification (a label per text; BERT-class encoders), "
-        "causal-lm (next-token prediction on text, instruction or chat data; Llama-class decoders) or dpo "
-        "(preference tuning of a causal LM on chosen/rejected answer pairs, Direct Preference Optimization).",
-    )
-    model: ModelSpec = Field(description="The base model.")
-    data: DataSpec = Field(description="Training and evaluation data.")
-    lora: LoraSpec | None = Field(None, description="LoRA settings; absent = full fine-tune.")
-    dpo: DPOSpec | None = Field(None, description="task dpo: the preference loss; absent = its defaults.")
-    training: TrainSpec = Field(default_factory=TrainSpec, description="The training recipe.")
-    distributed: DistributedSpec = Field(default_factory=DistributedSpec, description="Nodes × processes per node.")
-    output: OutputSpec = Field(description="Where the exported model, metrics and report are written.")
-    tracking: TrackingSpec = Field(default_factory=TrackingSpec, description="Experiment trackers (MLflow).")
-    s3: S3Spec = Field(
-        default_factory=S3Spec,
-        description="S3 / MinIO connection settings (credentials come from the environment, never the spec).",
-    )
-    resources: ResourcesSpec = Field(
-        default_factory=ResourcesSpec, description="Per-node (pod) resources on Kubernetes."
-    )
-    kubernetes: KubernetesSpec = Field(default_factory=KubernetesSpec, description="How the job runs on Kubernetes.")
+class _JobSpecBase(Section):
+    """The job spec's checks; ``JobSpec`` adds the fields, which depend on the registered tasks."""
 
-    @field_validator("name")
+    @field_validator("name", check_fields=False)
     @classmethod
     def _dns_name(cls, v: str) -> str:
         import re
@@ -494,19 +276,83 @@ class JobSpec(Section):
     def _data_for_task(cls, raw):
         # The data section's model is the task's (DATA_SPECS): its hidden `task` tag selects it.
         if isinstance(raw, dict) and isinstance(raw.get("data"), dict):
-            task = raw.get("task", "sequence-classification")
+            task = raw.get("task", default_task())
             known = isinstance(task, str) and task in DATA_SPECS  # a list or a mapping: the task field's own error
             raw = {**raw, "data": {**raw["data"], "task": task if known else ""}}
         return raw
 
     @model_validator(mode="after")
-    def _cross_checks(self) -> JobSpec:
+    def _cross_checks(self):
+        own = {name: getattr(self, name) for name in TASK_SECTIONS}
         problems = cross_problems(
-            self.data, self.distributed, self.kubernetes, self.output, self.tracking, self.dpo, self.training, self.lora
+            self.data, self.distributed, self.kubernetes, self.output, self.tracking, own, self.training, self.lora
         )
         if problems:
             raise ValueError(CROSS_SEPARATOR.join(problems))  # parse_spec reports each on its own line
         return self
+
+
+TASKS = entries()
+if not TASKS:
+    raise ImportError(
+        "no kubetune task is registered (entry points of kubetune.tasks): kubetune is not installed — "
+        "pip install -e . (or pip install kubetune)"
+    )
+# The data section's model per task: the `task` field's values, and the union the spec's `data` is validated as.
+DATA_SPECS: Mapping[str, type[DataCommon]] = MappingProxyType({name: entry.data for name, entry in TASKS.items()})
+_DATA_MODELS = tuple(DATA_SPECS.values())
+DataSpec = Annotated[Union[_DATA_MODELS], Field(discriminator="task")] if len(_DATA_MODELS) > 1 else _DATA_MODELS[0]  # noqa: UP007
+# The tasks that have a top-level section of their own, keyed by the task's name.
+TASK_SECTIONS: Mapping[str, type[Section]] = MappingProxyType(
+    {name: entry.section for name, entry in TASKS.items() if entry.section is not None}
+)
+
+# The fields in the order a dumped spec lists them (job.yaml, the ConfigMap): the tasks' own sections after lora.
+JobSpec = create_model(
+    "JobSpec",
+    __base__=_JobSpecBase,
+    __module__=__name__,
+    __doc__="A job spec: the model, the data, the task, the training recipe, where it runs and what it writes.",
+    name=(
+        str,
+        Field(
+            description="Job name: lowercase letters, digits and '-', a letter first, at most 52 characters "
+            "(used for Kubernetes objects).",
+        ),
+    ),
+    task=(
+        Literal[tuple(DATA_SPECS)],  # type: ignore[valid-type]
+        Field(
+            default_task(),
+            description="What to fine-tune for: "
+            + "; ".join(f"{name} ({entry.summary})" for name, entry in TASKS.items())
+            + ".",
+        ),
+    ),
+    model=(ModelSpec, Field(description="The base model.")),
+    data=(DataSpec, Field(description="Training and evaluation data.")),
+    lora=(LoraSpec | None, Field(None, description="LoRA settings; absent = full fine-tune.")),
+    **{
+        name: (model | None, Field(None, description=f"task {name}: {model.__doc__ or ''} Absent: its defaults."))
+        for name, model in TASK_SECTIONS.items()
+    },
+    training=(TrainSpec, Field(default_factory=TrainSpec, description="The training recipe.")),
+    distributed=(DistributedSpec, Field(default_factory=DistributedSpec, description="Nodes × processes per node.")),
+    output=(OutputSpec, Field(description="Where the exported model, metrics and report are written.")),
+    tracking=(TrackingSpec, Field(default_factory=TrackingSpec, description="Experiment trackers (MLflow).")),
+    s3=(
+        S3Spec,
+        Field(
+            default_factory=S3Spec,
+            description="S3 / MinIO connection settings (credentials come from the environment, never the spec).",
+        ),
+    ),
+    resources=(
+        ResourcesSpec,
+        Field(default_factory=ResourcesSpec, description="Per-node (pod) resources on Kubernetes."),
+    ),
+    kubernetes=(KubernetesSpec, Field(default_factory=KubernetesSpec, description="How the job runs on Kubernetes.")),
+)
 
 
 CROSS_SEPARATOR = "\n"
@@ -518,33 +364,24 @@ def cross_problems(
     kubernetes: KubernetesSpec | None,
     output: OutputSpec | None = None,
     tracking: TrackingSpec | None = None,
-    dpo: DPOSpec | None = None,
+    own: Mapping[str, Section | None] | None = None,
     training: TrainSpec | None = None,
     lora: LoraSpec | None = None,
 ) -> list[str]:
     """The problems between fields of different sections (each section valid on its own); ``None``
-    for a section that is not valid (its checks are skipped). Also run by ``load.parse_spec`` when
-    other fields fail, so that every problem of a spec is reported at once."""
+    for a section that is not valid (its checks are skipped); ``own``: the tasks' own sections by
+    task name (None: absent or not valid). Also run by ``load.parse_spec`` when other fields fail,
+    so that every problem of a spec is reported at once."""
     out = []
-    if isinstance(data, ClassificationData):
-        if data.text_pair_column and data.text_pair_column == data.text_column:
-            out.append("data.text_pair_column must differ from data.text_column")
-        if data.label_column in (data.text_column, data.text_pair_column):
-            out.append("data.label_column must differ from the text columns")
-    if isinstance(data, CausalLMData) and data.max_tokens_per_batch is not None:
-        if not data.packing:
-            out.append("data.max_tokens_per_batch needs data.packing: true (micro-batches of packed tokens)")
-        if data.max_tokens_per_batch < data.max_length:
-            out.append(
-                f"data.max_tokens_per_batch {data.max_tokens_per_batch} is below data.max_length "
-                f"{data.max_length}: raise it to at least data.max_length, so the longest example fits"
-            )
-    if dpo is not None and data is not None and data.task != "dpo":
-        out.append(
-            f"dpo: applies to task dpo, and this job's task is {data.task} — remove the dpo section, or set task: dpo"
-        )
-    if dpo is not None and dpo.label_smoothing and dpo.loss_type != "sigmoid":
-        out.append(f"dpo.label_smoothing applies to dpo.loss_type sigmoid, not {dpo.loss_type} — remove it")
+    own = own or {}
+    if data is not None:
+        out += TASKS[data.task].checks(data, own.get(data.task))
+        out += [
+            f"{name}: applies to task {name}, and this job's task is {data.task} — remove the {name} section, "
+            f"or set task: {name}"
+            for name, section in own.items()
+            if section is not None and name != data.task
+        ]
     mlflow = tracking.mlflow if tracking is not None else None
     if mlflow and mlflow.register_model and output is not None and not output.uri.startswith("s3://"):
         out.append(

@@ -11,7 +11,7 @@ from kubetune.data.sharding import Step
 from kubetune.data.tables import Frames, load_frames, read_table
 from kubetune.data.tokenize import tokenized
 
-__all__ = ["Batch", "Frames", "StepBatch", "batches", "collate", "collate_lm", "load_frames", "read_table", "tokenized"]
+__all__ = ["Batch", "Frames", "StepBatch", "batches", "collate", "load_frames", "read_table", "tokenized"]
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
@@ -60,37 +60,6 @@ def collate(ds, indices: np.ndarray, tokenizer) -> Batch:
     batch = tokenizer.pad(features, return_tensors="pt")
     labels = torch.as_tensor(rows["label"], dtype=torch.long)
     return Batch(dict(batch.items()), labels, weight, torch.as_tensor(indices, dtype=torch.long))
-
-
-def collate_lm(ds, indices: np.ndarray, pad_id: int, packing: bool = False) -> Batch:
-    """Causal-LM micro-batch: right-padded rows, or with ``packing`` one row of the examples
-    concatenated, with position ids restarting at 0 for each (transformers then builds a
-    block-diagonal causal mask, so packed examples cannot attend to each other; it does so only
-    when no attention mask and no KV cache are passed, hence ``use_cache=False`` in training).
-
-    Labels are -100 on padding, on prompt tokens (set at tokenization) and, when packed, on each
-    example's first token, which would otherwise be predicted from the previous example.
-    An empty ``indices`` yields example 0 with ``weight`` 0, as in ``collate``.
-    """
-    weight = 1.0
-    if len(indices) == 0:
-        indices, weight = np.zeros(1, dtype=np.int64), 0.0
-    rows = ds[[int(i) for i in indices]]
-    ids, labels = rows["input_ids"], rows["labels"]
-    if packing:
-        inputs = {
-            "input_ids": torch.tensor([t for seq in ids for t in seq]).unsqueeze(0),
-            "position_ids": torch.cat([torch.arange(len(seq)) for seq in ids]).unsqueeze(0),
-        }
-        targets = torch.tensor([-100 if j == 0 else t for seq in labels for j, t in enumerate(seq)]).unsqueeze(0)
-    else:
-        width = max(len(seq) for seq in ids)
-        inputs = {
-            "input_ids": torch.tensor([seq + [pad_id] * (width - len(seq)) for seq in ids]),
-            "attention_mask": torch.tensor([[1] * len(seq) + [0] * (width - len(seq)) for seq in ids]),
-        }
-        targets = torch.tensor([seq + [-100] * (width - len(seq)) for seq in labels])
-    return Batch(inputs, targets, weight, torch.as_tensor(indices, dtype=torch.long))
 
 
 @dataclass

@@ -41,26 +41,24 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()
 
 
-def cache_key(frame: pd.DataFrame, tokenizer_fp: str, max_length: int, mode: str = "classify") -> str:
+def cache_key(frame: pd.DataFrame, tokenizer_fp: str, max_length: int, mode: str) -> str:
     h = hashlib.sha256()
     h.update(f"v{CACHE_VERSION}:{mode}:{max_length}:{tokenizer_fp}:{list(frame.columns)}".encode())
     h.update(pd.util.hash_pandas_object(frame, index=False).to_numpy().tobytes())
     return h.hexdigest()[:32]
 
 
-def tokenized(frame: pd.DataFrame, tokenizer, max_length: int, *, build: bool, mode: str = "classify", encode=None):
-    """Return the tokenized ``frame`` as a ``datasets.Dataset``.
+def tokenized(frame: pd.DataFrame, tokenizer, max_length: int, *, build: bool, mode: str, encode):
+    """Return the tokenized ``frame`` as a ``datasets.Dataset``, from the on-disk cache when it
+    holds this exact input.
 
     Args:
-        frame: for classification, normalized ``text`` (optional ``text_pair``) and ``label``
-            columns (→ input ids, mask, label, length); for causal-LM, a ``record`` column
-            (→ input_ids, labels, length, n_targets; see ``kubetune.data.causal``).
+        frame: the task's normalized rows; a ``label`` column is kept as it is.
         build: when True, tokenize on a cache miss (local rank 0); when False, the cache must exist.
-        mode: "classify", or "causal-lm" / "causal-lm+prompt" (loss on prompt tokens too); another
-            task's name with ``encode``. Part of the cache key.
-        encode: a task's own tokenization, a DataFrame of the frame's rows -> columns (with ``length``),
-            instead of the built-in ones; what it produces must depend only on the rows, the tokenizer,
-            ``max_length`` and ``mode``.
+        mode: the task's name for its tokenization (with any setting that changes it); part of the
+            cache key.
+        encode: the task's tokenization, a DataFrame of the frame's rows -> columns (with ``length``);
+            what it produces must depend only on the rows, the tokenizer, ``max_length`` and ``mode``.
 
     Returns:
         (dataset, hit): hit is True when the cache already held this exact input.
@@ -75,23 +73,8 @@ def tokenized(frame: pd.DataFrame, tokenizer, max_length: int, *, build: bool, m
     if not build:
         raise FileNotFoundError(f"tokenization cache {path} missing (local rank 0 should have built it)")
 
-    pair = "text_pair" in frame.columns
-
     def builtin(batch):
-        if encode is not None:
-            return encode(pd.DataFrame(dict(batch)))
-        if mode.startswith("causal-lm"):
-            from kubetune.data.causal import tokenize_frame
-
-            return tokenize_frame(
-                pd.DataFrame({"record": batch["record"]}),
-                tokenizer,
-                max_length,
-                train_on_prompt=mode.endswith("+prompt"),
-            )
-        enc = tokenizer(batch["text"], batch["text_pair"] if pair else None, truncation=True, max_length=max_length)
-        enc["length"] = [len(ids) for ids in enc["input_ids"]]
-        return enc
+        return encode(pd.DataFrame(dict(batch)))
 
     ds = datasets.Dataset.from_pandas(frame, preserve_index=False)
     ds = ds.map(builtin, batched=True, batch_size=1000, remove_columns=[c for c in ds.column_names if c != "label"])

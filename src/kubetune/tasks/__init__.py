@@ -1,23 +1,33 @@
-"""The tasks: one self-contained module per task, each defining a ``TASK`` (``tasks/base.py``),
-and the registry that maps the spec's ``task`` value to it. A new task is its module, its line in
-``REGISTRY`` and its data section's model in ``config.schema.DATA_SPECS``."""
+"""The tasks: one package per task, each with its spec half in ``__init__.py`` (an ``ENTRY``,
+``config.tasks.TaskEntry``: pydantic only) and its training half in ``task.py`` (a ``TASK``,
+``tasks.base.Task``), registered by one entry point line (pyproject.toml, group ``kubetune.tasks``).
+Nothing outside this package names a task; what every task shares is ``base`` and ``common``.
+
+This module stays light (no torch): importing a task's spec half imports it first."""
 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
-from kubetune.tasks.base import Prepared, Presentation, Task
+from kubetune.config.tasks import entries
 
-__all__ = ["REGISTRY", "Prepared", "Presentation", "Task", "get"]
+if TYPE_CHECKING:
+    from kubetune.tasks.base import Task
 
-# task name -> the module that defines its TASK (imported on first use: each pulls in torch and transformers)
-REGISTRY = {
-    "sequence-classification": "kubetune.tasks.classify",
-    "causal-lm": "kubetune.tasks.causal_lm",
-    "dpo": "kubetune.tasks.dpo",
-}
+__all__ = ["get", "names"]
+
+
+def names() -> list[str]:
+    """The registered tasks' names, in listing order."""
+    return list(entries())
 
 
 def get(name: str) -> Task:
-    """The task registered as ``name`` (a validated spec's ``task``)."""
-    return importlib.import_module(REGISTRY[name]).TASK
+    """The training half of the task registered as ``name`` (a validated spec's ``task``).
+
+    Raises:
+        KeyError: no task of that name is registered.
+    """
+    module, _, attr = entries()[name].runtime.partition(":")
+    return getattr(importlib.import_module(module), attr)

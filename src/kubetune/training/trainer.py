@@ -39,7 +39,8 @@ from kubetune.data.sharding import (
 from kubetune.distributed import DistEnv
 from kubetune.errors import AgreedError, KubetuneError
 from kubetune.providers.destination import Output
-from kubetune.tasks import Task, base
+from kubetune.tasks import base
+from kubetune.tasks.base import Task
 from kubetune.tasks.common import build_optimizer, load_tokenizer, resolve_precision, seed_everything
 from kubetune.training import strategy as strategies
 from kubetune.training.loggers import JSONLLogger, Loggers, ProgressLogger, TensorBoardLogger

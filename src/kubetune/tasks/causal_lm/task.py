@@ -1,6 +1,6 @@
 """Causal-LM fine-tuning (Llama-class decoders): the task's pieces for the shared trainer (``training/trainer.py``).
 
-Data: text, instruction or chat rows → token ids with response-only labels (``data/causal.py``),
+Data: text, instruction or chat rows → token ids with response-only labels (``data.py``),
 optionally packed padding-free; model: ``AutoModelForCausalLM``, full fine-tune, LoRA, or QLoRA
 (bitsandbytes 4-bit NF4 / 8-bit, GPU only, each rank loading its quantized copy on its own
 device); loss: next-token cross-entropy summed over target tokens (the loop divides by the
@@ -18,20 +18,25 @@ import math
 import os
 
 import numpy as np
+import pandas as pd
 import torch
 import torch.nn.functional as F
 
 from kubetune import artifacts
 from kubetune.config import JobSpec
-from kubetune.data import Batch, collate_lm, tokenized
-from kubetune.data.causal import IGNORE, ensure_chat_template, load_lm_frames
+from kubetune.data import Batch, tokenized
 from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
 from kubetune.tasks import attention
 from kubetune.tasks.base import Prepared, Presentation, Task, tokenize_on_node
+from kubetune.tasks.causal_lm.data import IGNORE, collate, ensure_chat_template, load_lm_frames, tokenize_frame
 from kubetune.tasks.common import attention_kwargs, load_pretrained
 
 log = logging.getLogger(__name__)
+
+
+def _encode(frame: pd.DataFrame, tokenizer, max_length: int, train_on_prompt: bool) -> dict[str, list]:
+    return tokenize_frame(frame[["record"]], tokenizer, max_length, train_on_prompt=train_on_prompt)
 
 
 def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
@@ -40,10 +45,13 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked out; any id will do
     mode = "causal-lm+prompt" if spec.data.train_on_prompt else "causal-lm"
+    encode = functools.partial(
+        _encode, tokenizer=tokenizer, max_length=spec.data.max_length, train_on_prompt=spec.data.train_on_prompt
+    )
 
     def build(create: bool):
-        train_ds, hit = tokenized(frames.train, tokenizer, spec.data.max_length, build=create, mode=mode)
-        eval_ds, _ = tokenized(frames.eval, tokenizer, spec.data.max_length, build=create, mode=mode)
+        train_ds, hit = tokenized(frames.train, tokenizer, spec.data.max_length, build=create, mode=mode, encode=encode)
+        eval_ds, _ = tokenized(frames.eval, tokenizer, spec.data.max_length, build=create, mode=mode, encode=encode)
         return train_ds, eval_ds, hit
 
     train_ds, eval_ds, hit = tokenize_on_node(env, build)
@@ -81,8 +89,8 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
     return Prepared(
         train_ds=train_ds,
         eval_ds=eval_ds,
-        collate=functools.partial(collate_lm, train_ds, pad_id=tokenizer.pad_token_id, packing=spec.data.packing),
-        collate_eval=functools.partial(collate_lm, eval_ds, pad_id=tokenizer.pad_token_id),
+        collate=functools.partial(collate, train_ds, pad_id=tokenizer.pad_token_id, packing=spec.data.packing),
+        collate_eval=functools.partial(collate, eval_ds, pad_id=tokenizer.pad_token_id),
         train_rows=len(train_ds),
         eval_rows=len(eval_ds),
         units=units,
@@ -434,5 +442,6 @@ TASK = Task(
         ],
         headline=lambda m: f"eval perplexity {m.get('eval_perplexity', float('nan')):.2f}",
         summary=_summary,
+        card_metrics=("eval_perplexity", "eval_token_accuracy", "eval_loss", "train_loss"),
     ),
 )

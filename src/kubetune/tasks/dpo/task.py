@@ -19,31 +19,28 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 import torch
 import torch.nn.functional as F
 
 from kubetune import distributed
 from kubetune.config import JobSpec
-from kubetune.config.schema import DPOSpec, PreferenceData
-from kubetune.data import Batch, tokenized
-from kubetune.data.causal import IGNORE, ROLES, RecordFrames, ensure_chat_template, read_rows
-from kubetune.data.tables import describe_non_text, short
+from kubetune.data import tokenized
 from kubetune.data.tokenize import cache_key, tokenizer_fingerprint
 from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
 from kubetune.paths import cache_root, set_default_modes
-from kubetune.tasks import causal_lm
 from kubetune.tasks.base import Prepared, Presentation, Task, rank_batches, tokenize_on_node
+from kubetune.tasks.causal_lm import task as causal_lm
+from kubetune.tasks.causal_lm.data import IGNORE, ensure_chat_template
+from kubetune.tasks.dpo import DPOSpec
+from kubetune.tasks.dpo.data import Collate, PairBatch, encode_pairs, load_pair_frames
 
 log = logging.getLogger(__name__)
 
@@ -53,266 +50,6 @@ log = logging.getLogger(__name__)
 METRICS = ("reward_accuracy", "reward_chosen", "reward_rejected", "reward_margin", "logps_chosen", "logps_rejected")
 
 # ---------------------------------------------------------------- data
-
-
-def load_pair_frames(spec: PreferenceData, seed: int) -> RecordFrames:
-    """Read, check, normalize and split preference pairs.
-
-    Raises:
-        KubetuneError: a missing column, a column without text or messages, malformed messages, no usable pair.
-    """
-    return RecordFrames(*read_rows(spec, seed, _detect_format, _normalize))
-
-
-def _detect_format(df: pd.DataFrame, spec: PreferenceData) -> str:
-    if spec.format != "auto":
-        return spec.format
-    if spec.chosen_column not in df.columns:
-        return "text"  # _normalize names the missing column
-    values = df[spec.chosen_column].dropna()
-    return "chat" if len(values) and _as_messages(values.iloc[0]) is not None else "text"
-
-
-def _as_messages(value) -> list | None:
-    """``value`` as a list (of would-be messages) when it is one: a list, an Arrow array, a JSON list."""
-    if isinstance(value, np.ndarray):
-        value = value.tolist()
-    if isinstance(value, str) and value.lstrip().startswith("["):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError:
-            return None
-    return value if isinstance(value, list) else None
-
-
-def _normalize(
-    df: pd.DataFrame, spec: PreferenceData, fmt: str, field_name: str, dropped: dict[str, int], which: str
-) -> pd.DataFrame:
-    source = getattr(spec, field_name.split(".")[1])
-    needed = {"chosen_column": spec.chosen_column, "rejected_column": spec.rejected_column}
-    if fmt == "text" or spec.prompt_column in df.columns:  # chat: the prompt may be implicit
-        needed = {"prompt_column": spec.prompt_column, **needed}
-    for key, col in needed.items():
-        if col not in df.columns:
-            hint = f" (data.format {'auto-detected as ' if spec.format == 'auto' else ''}{fmt})"
-            raise KubetuneError(
-                f"column '{short(col, 40)}' not found in {short(source)}{hint}; "
-                f"columns are {[short(c, 40) for c in df.columns[:20]]}",
-                field=f"data.{key}",
-                fix=f"set data.{key} to the column that holds the "
-                + {"prompt_column": "prompt", "chosen_column": "preferred answer"}.get(key, "dispreferred answer"),
-            )
-    if len(df) == 0:
-        raise KubetuneError(f"{source} has no rows", field=field_name, fix="point it at data with at least one row")
-    if fmt == "text":
-        for key, col in needed.items():
-            what = describe_non_text(df[col])
-            if what:
-                raise KubetuneError(
-                    f"column '{short(col, 40)}' of {short(source)} holds {what}, not text",
-                    field=f"data.{key}",
-                    fix=f"set data.{key} to a text column, or data.format: chat for message lists",
-                )
-    records, reasons = [], {"missing": 0, "same": 0}
-    for i, row in enumerate(df.to_dict("records")):
-        record = _text_record(row, spec) if fmt == "text" else _chat_record(row, spec, source, i)
-        if record is not None and record["chosen"] == record["rejected"]:
-            reasons["same"] += 1  # no preference to learn: its loss is constant
-            record = None
-        elif record is None:
-            reasons["missing"] += 1
-        records.append(record)
-    n_drop = sum(reasons.values())
-    if n_drop:
-        dropped[which] = n_drop
-        log.warning(
-            "%s: dropped %d of %d pairs (%d with a missing or empty prompt or answer, %d whose chosen and rejected "
-            "answers are the same)",
-            field_name,
-            n_drop,
-            len(df),
-            reasons["missing"],
-            reasons["same"],
-        )
-    if n_drop == len(df):
-        raise KubetuneError(
-            f"no usable preference pairs in {source} (format {fmt})",
-            field=field_name,
-            fix="check the data and the data.*_column settings",
-        )
-    return pd.DataFrame({"record": [json.dumps(r) for r in records if r is not None]})
-
-
-def _text(value) -> str | None:
-    return value if isinstance(value, str) and value.strip() else None
-
-
-def _text_record(row: dict, spec: PreferenceData) -> dict | None:
-    prompt = row[spec.prompt_column]
-    chosen, rejected = _text(row[spec.chosen_column]), _text(row[spec.rejected_column])
-    if not _text(prompt) or not chosen or not rejected:  # an empty prompt is dropped, as the warning says
-        return None
-    return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
-
-
-def _chat_record(row: dict, spec: PreferenceData, source: str, i: int) -> dict | None:
-    """{prompt, chosen, rejected} message lists. Strings become a user turn (prompt) or an assistant
-    turn (answers). Answers that start with a turn not the assistant's hold the whole conversation:
-    the prompt is then the turns they share (TRL's implicit prompt), else the prompt column's."""
-    chosen = _messages(row[spec.chosen_column], "assistant", "data.chosen_column", spec.chosen_column, source, i)
-    rejected = _messages(
-        row[spec.rejected_column], "assistant", "data.rejected_column", spec.rejected_column, source, i
-    )
-    if not chosen or not rejected:
-        return None
-    if chosen[0]["role"] != "assistant" or rejected[0]["role"] != "assistant":
-        n = min(_shared_prefix(chosen, rejected), len(chosen) - 1, len(rejected) - 1)
-        prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
-    elif spec.prompt_column in row:
-        prompt = _messages(row[spec.prompt_column], "user", "data.prompt_column", spec.prompt_column, source, i)
-        if prompt is None:
-            return None
-    else:
-        raise KubetuneError(
-            f"row {i} of {short(source)}: the answers hold no prompt and there is no column '{spec.prompt_column}'",
-            field="data.prompt_column",
-            fix="set data.prompt_column, or store whole conversations (prompt turns first) in the answer columns",
-        )
-    if not any(_text(m.get("content")) for m in prompt):  # an empty prompt is dropped, as the warning says
-        return None
-    if spec.system_prompt and (not prompt or prompt[0]["role"] != "system"):
-        prompt = [{"role": "system", "content": spec.system_prompt}, *prompt]
-    return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
-
-
-def _messages(value, role: str, key: str, col: str, source: str, i: int) -> list[dict] | None:
-    if value is None or (isinstance(value, float) and np.isnan(value)):
-        return None
-    messages = _as_messages(value)
-    if messages is None:
-        text = _text(value)
-        return [{"role": role, "content": text}] if text else None
-    if not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
-        raise KubetuneError(
-            f"row {i} of {short(source)}: '{short(col, 40)}' must be text or a list of {{role, content}} objects, "
-            f"got {short(value, 60)!r}",
-            field=key,
-            fix='store a list like [{"role": "assistant", "content": "..."}], or plain text',
-        )
-    out = []
-    for m in messages:
-        if str(m["role"]) not in ROLES:
-            raise KubetuneError(
-                f"row {i} of {short(source)}: unknown message role {short(m['role'], 30)!r} in '{short(col, 40)}'",
-                field=key,
-                fix=f"use one of {list(ROLES)}",
-            )
-        if not isinstance(m["content"], str):
-            return None
-        out.append({"role": str(m["role"]), "content": m["content"]})
-    return out
-
-
-def _shared_prefix(a: list, b: list) -> int:
-    """How many leading items ``a`` and ``b`` share (os.path.commonprefix orders its items, which
-    message dicts cannot be)."""
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-def encode_pairs(frame: pd.DataFrame, tokenizer, max_length: int) -> dict[str, list]:
-    """Token ids of each pair as TRL's DPOTrainer makes them: the prompt, and prompt + answer (text:
-    joined as strings, the answer ending with EOS; chat: the template, the prompt with the generation
-    prompt); each answer starts where its tokens leave the prompt's. Columns prompt_ids, chosen_ids,
-    rejected_ids, length (the longer sequence, up to ``max_length``)."""
-    cols: dict[str, list] = {"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "length": []}
-    eos = tokenizer.eos_token or ""
-    for rec in frame["record"]:
-        r = json.loads(rec)
-        if isinstance(r["prompt"], str):
-            prompt_ids = tokenizer(r["prompt"])["input_ids"]
-            full = [
-                tokenizer(r["prompt"] + (a if a.endswith(eos) else a + eos))["input_ids"]
-                for a in (r["chosen"], r["rejected"])
-            ]
-        else:
-            prompt_ids = _chat_ids(tokenizer, r["prompt"], add_generation_prompt=True)
-            full = [_chat_ids(tokenizer, r["prompt"] + r[k]) for k in ("chosen", "rejected")]
-        n = min(_shared_prefix(prompt_ids, ids) for ids in full)
-        cols["prompt_ids"].append(prompt_ids[:n])
-        cols["chosen_ids"].append(full[0][n:])
-        cols["rejected_ids"].append(full[1][n:])
-        cols["length"].append(min(max_length, max(len(full[0]), len(full[1]))))
-    return cols
-
-
-def _chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
-    out = tokenizer.apply_chat_template(
-        messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=True
-    )
-    return list(out["input_ids"])
-
-
-# ---------------------------------------------------------------- batches
-
-
-@dataclass
-class PairBatch(Batch):
-    """A micro-batch of pairs: rows 0..n-1 the chosen sequences, rows n..2n-1 the rejected ones;
-    labels are the answer tokens (IGNORE elsewhere)."""
-
-    reference: torch.Tensor | None = None  # [pairs, 2] the reference log-probabilities, when precomputed
-    dpo: DPOSpec = field(default_factory=DPOSpec)  # the loss's settings (the trainer passes no spec to the loss)
-
-    def to(self, device: torch.device) -> PairBatch:
-        if device.type == "cpu":
-            return self
-        moved = super().to(device)
-        ref = self.reference.to(device, non_blocking=True) if self.reference is not None else None
-        return PairBatch(moved.inputs, moved.labels, self.weight, self.index, ref, self.dpo)
-
-    def pin_memory(self) -> PairBatch:
-        pinned = super().pin_memory()
-        ref = self.reference.pin_memory() if self.reference is not None else None
-        return PairBatch(pinned.inputs, pinned.labels, self.weight, self.index, ref, self.dpo)
-
-
-class Collate:
-    """Dataset row ids -> a ``PairBatch``: prompt + answer cut to ``max_length`` (TRL's keep_start),
-    right-padded. ``reference``: the precomputed reference log-probabilities of every row (set by
-    ``setup`` before training; None: the reference is computed on the fly)."""
-
-    def __init__(self, ds, pad_id: int, max_length: int, dpo: DPOSpec, key: str):
-        self.ds, self.pad_id, self.max_length, self.dpo = ds, pad_id, max_length, dpo
-        self.key = key  # what the reference log-probabilities of these rows depend on (their cache's key)
-        self.reference: np.ndarray | None = None
-
-    def __call__(self, indices: np.ndarray) -> PairBatch:
-        weight = 1.0
-        if len(indices) == 0:  # a rank's empty share of the last step: computed, weighs nothing
-            indices, weight = np.zeros(1, dtype=np.int64), 0.0
-        rows = self.ds[[int(i) for i in indices]]
-        seqs, answers = [], []
-        for key in ("chosen_ids", "rejected_ids"):
-            for prompt, answer in zip(rows["prompt_ids"], rows[key]):
-                seqs.append((prompt + answer)[: self.max_length])
-                answers.append(min(len(answer), max(self.max_length - len(prompt), 0)))
-        width = max(len(s) for s in seqs)
-        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        labels = torch.full((len(seqs), width), IGNORE, dtype=torch.long)
-        for k, (seq, n) in enumerate(zip(seqs, answers)):
-            ids[k, : len(seq)] = torch.tensor(seq)
-            mask[k, : len(seq)] = 1
-            labels[k, len(seq) - n : len(seq)] = ids[k, len(seq) - n : len(seq)]
-        ref = torch.as_tensor(self.reference[indices], dtype=torch.float32) if self.reference is not None else None
-        return PairBatch(
-            {"input_ids": ids, "attention_mask": mask},
-            labels,
-            weight,
-            torch.as_tensor(indices, dtype=torch.long),
-            ref,
-            self.dpo,
-        )
 
 
 # ---------------------------------------------------------------- prepare and model

@@ -8,27 +8,46 @@ confusion matrix; export: the (merged) model, plus the adapter for LoRA, and a T
 from __future__ import annotations
 
 import functools
+import html
 import logging
+from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import torch
 import torch.nn.functional as F
 
 from kubetune import artifacts
+from kubetune.artifacts.report import fmt
 from kubetune.config import JobSpec
 from kubetune.data import Batch, collate, load_frames, tokenized
 from kubetune.distributed import DistEnv
 from kubetune.tasks.base import Prepared, Presentation, Task, tokenize_on_node
+from kubetune.tasks.classify.baseline import tfidf_baseline
 
 log = logging.getLogger(__name__)
+
+
+# The tokenization's name in the cache key (data/tokenize.py).
+MODE = "classify"
+
+
+def encode_texts(frame: pd.DataFrame, tokenizer, max_length: int) -> dict:
+    """Token ids, attention mask and ``length`` of each row's ``text`` (and ``text_pair``, a second
+    segment), truncated to ``max_length``."""
+    pair = list(frame["text_pair"]) if "text_pair" in frame.columns else None
+    enc = tokenizer(list(frame["text"]), pair, truncation=True, max_length=max_length)
+    enc["length"] = [len(ids) for ids in enc["input_ids"]]
+    return enc
 
 
 def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
     frames = load_frames(spec.data, spec.training.seed)
 
     def build(create: bool):
-        train_ds, hit = tokenized(frames.train, tokenizer, spec.data.max_length, build=create)
-        eval_ds, _ = tokenized(frames.eval, tokenizer, spec.data.max_length, build=create)
+        encode = functools.partial(encode_texts, tokenizer=tokenizer, max_length=spec.data.max_length)
+        train_ds, hit = tokenized(frames.train, tokenizer, spec.data.max_length, build=create, mode=MODE, encode=encode)
+        eval_ds, _ = tokenized(frames.eval, tokenizer, spec.data.max_length, build=create, mode=MODE, encode=encode)
         return train_ds, eval_ds, hit
 
     train_ds, eval_ds, hit = tokenize_on_node(env, build)
@@ -67,9 +86,9 @@ def loss(model, batch: Batch, autocast) -> tuple[torch.Tensor, torch.Tensor]:
 
 def export(spec: JobSpec, model, tokenizer, data: Prepared, out, metrics: dict) -> None:
     frames = data.raw[0]
-    artifacts.export_classifier(spec, model, tokenizer, frames, out)
+    _export_model(spec, model, tokenizer, out)
     if spec.output.report_baseline:
-        baseline = artifacts.tfidf_baseline(frames)  # None where it cannot fit in memory (it logs why)
+        baseline = tfidf_baseline(frames)  # None where it cannot fit in memory (it logs why)
         if baseline is not None:
             metrics["baseline"] = baseline
             log.info(
@@ -77,6 +96,20 @@ def export(spec: JobSpec, model, tokenizer, data: Prepared, out, metrics: dict) 
                 baseline["accuracy"],
                 baseline["f1_macro"],
             )
+
+
+def _export_model(spec: JobSpec, model, tokenizer, out: Path) -> None:
+    """Save ``model/`` (merged for LoRA; loadable by transformers.pipeline) and ``adapter/`` for LoRA."""
+    if spec.lora is not None:
+        artifacts.replace_dir(lambda d: model.save_pretrained(d), out / "adapter")
+        model = model.merge_and_unload()
+
+    def save(d: Path) -> None:
+        model.save_pretrained(d, max_shard_size=artifacts.SHARD_SIZE)  # safetensors
+        tokenizer.save_pretrained(d)
+
+    artifacts.replace_dir(save, out / "model")
+    log.info("exported the model%s", " and the adapter" if spec.lora is not None else "")
 
 
 def build_model(spec: JobSpec, model_dir, data: Prepared, device: torch.device, dtype: torch.dtype, where=None):
@@ -174,6 +207,43 @@ def _summary(m: dict) -> str:
     )
 
 
+def _reference_line(m: dict) -> tuple[float, str] | None:
+    base = m.get("baseline")
+    return (base["accuracy"], "baseline accuracy (TF-IDF + LR)") if base else None
+
+
+def _reference_html(m: dict, model: str) -> str:
+    base = m.get("baseline")
+    if not base:
+        return ""
+    verdict = "beats" if m["eval_accuracy"] > base["accuracy"] else "does NOT beat"
+    return (
+        "<h2>Against a baseline on the same split</h2><table><tr><th></th><th>accuracy</th><th>macro-F1</th></tr>"
+        f"<tr><th>fine-tuned {html.escape(model)}</th>"
+        f"<td>{fmt(m['eval_accuracy'])}</td><td>{fmt(m['eval_f1_macro'])}</td></tr>"
+        f"<tr><th>{html.escape(base['method'])}</th><td>{fmt(base['accuracy'])}</td><td>{fmt(base['f1_macro'])}</td>"
+        "</tr></table>"
+        f"<p>The fine-tuned model {verdict} the baseline by "
+        f"{100 * (m['eval_accuracy'] - base['accuracy']):+.1f} accuracy points.</p>"
+    )
+
+
+def _reference_summary(m: dict) -> list[str]:
+    base = m.get("baseline")
+    if not base:
+        return []
+    return [
+        f"baseline {base['method']}: accuracy {base['accuracy']:.4f}, macro-F1 {base['f1_macro']:.4f} "
+        f"-> fine-tuned model {'beats' if m['eval_accuracy'] > base['accuracy'] else 'does NOT beat'} it by "
+        f"{100 * (m['eval_accuracy'] - base['accuracy']):+.1f} points"
+    ]
+
+
+def _reference_card(m: dict) -> list[str]:
+    base = m.get("baseline")
+    return [f"| baseline accuracy ({base['method']}) | {base['accuracy']:.4f} |"] if base else []
+
+
 TASK = Task(
     load_frames=load_frames,
     prepare=prepare,
@@ -193,5 +263,10 @@ TASK = Task(
         card_about=lambda m: [f"Labels: {', '.join(map(str, m.get('labels') or []))}."],
         headline=lambda m: f"eval accuracy {m.get('eval_accuracy', float('nan')):.4f}",
         summary=_summary,
+        card_metrics=("eval_accuracy", "eval_f1_macro", "eval_loss", "train_loss"),
+        reference_line=_reference_line,
+        reference_html=_reference_html,
+        reference_summary=_reference_summary,
+        reference_card=_reference_card,
     ),
 )

@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
+import torch
 
 from kubetune.config import DataSpec
+from kubetune.data import Batch
 from kubetune.data.tables import describe_non_text, read_table, short
 from kubetune.errors import KubetuneError
 
@@ -298,3 +300,34 @@ def tokenize_frame(frame: pd.DataFrame, tokenizer, max_length: int, train_on_pro
         cols["length"].append(len(ids))
         cols["n_targets"].append(sum(1 for x in labels[1:] if x != IGNORE))
     return cols
+
+
+def collate(ds, indices: np.ndarray, pad_id: int, packing: bool = False) -> Batch:
+    """Causal-LM micro-batch: right-padded rows, or with ``packing`` one row of the examples
+    concatenated, with position ids restarting at 0 for each (transformers then builds a
+    block-diagonal causal mask, so packed examples cannot attend to each other; it does so only
+    when no attention mask and no KV cache are passed, hence ``use_cache=False`` in training).
+
+    Labels are -100 on padding, on prompt tokens (set at tokenization) and, when packed, on each
+    example's first token, which would otherwise be predicted from the previous example.
+    An empty ``indices`` yields example 0 with ``weight`` 0, as in ``collate``.
+    """
+    weight = 1.0
+    if len(indices) == 0:
+        indices, weight = np.zeros(1, dtype=np.int64), 0.0
+    rows = ds[[int(i) for i in indices]]
+    ids, labels = rows["input_ids"], rows["labels"]
+    if packing:
+        inputs = {
+            "input_ids": torch.tensor([t for seq in ids for t in seq]).unsqueeze(0),
+            "position_ids": torch.cat([torch.arange(len(seq)) for seq in ids]).unsqueeze(0),
+        }
+        targets = torch.tensor([-100 if j == 0 else t for seq in labels for j, t in enumerate(seq)]).unsqueeze(0)
+    else:
+        width = max(len(seq) for seq in ids)
+        inputs = {
+            "input_ids": torch.tensor([seq + [pad_id] * (width - len(seq)) for seq in ids]),
+            "attention_mask": torch.tensor([[1] * len(seq) + [0] * (width - len(seq)) for seq in ids]),
+        }
+        targets = torch.tensor([seq + [-100] * (width - len(seq)) for seq in labels])
+    return Batch(inputs, targets, weight, torch.as_tensor(indices, dtype=torch.long))
