@@ -110,7 +110,7 @@ def explain(
 
 @app.command()
 def init(
-    task: Annotated[str, typer.Argument(help="sequence-classification, causal-lm or dpo.")],
+    task: Annotated[str, typer.Argument(help="The task: `kubetune explain task` lists them.")],
     out: Annotated[Path, typer.Option("--output", "-o", help="Where to write the spec.")] = Path("job.yaml"),
 ) -> None:
     """Write a commented starter job spec for TASK (job.yaml), never over an existing file."""
@@ -326,75 +326,72 @@ def predict(
     seed: Annotated[int | None, typer.Option("--seed", help="Causal LMs: seed for sampling (default 0).")] = None,
 ) -> None:
     """Classify texts or generate text with an exported model (a directory, s3:// artifact or hf:// repo)."""
-    from kubetune.predict import CAUSAL_LM, generate, model_kind, model_path, read_texts
-    from kubetune.predict import predict as run_predict
+    from kubetune.predict import model_kind, model_path, read_texts
     from kubetune.providers import s3
 
     s3.configure(endpoint_url)
     items = list(texts or [])
+    given = {"max_new_tokens": max_new_tokens, "temperature": temperature, "chat": chat, "seed": seed}
+    given = {name: value for name, value in given.items() if value is not None}
     try:
-        for number, text in enumerate(items, 1):
-            which = "the text argument" if len(items) == 1 else f"text argument {number} of {len(items)}"
-            if not text.strip():
-                raise KubetuneError(
-                    f"{which} is empty", field="TEXTS", fix="pass the text itself, or drop the empty argument"
-                )
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as e:  # bytes the shell passed that are not UTF-8 arrive as lone surrogates
-                raise KubetuneError(
-                    f"{which} is not UTF-8 (byte 0x{ord(text[e.start]) & 0xFF:02x} at character {e.start})",
-                    field="TEXTS",
-                    fix="pass UTF-8 text (check the terminal's encoding)",
-                ) from None
+        _check_texts(items)
         if file is not None:
             items += read_texts(file)
         if not items:
             raise KubetuneError("no texts given", field="TEXTS", fix="pass texts as arguments or --file texts.txt")
         local = model_path(model)  # s3:// and hf:// artifacts are downloaded and checked once
-        causal = model_kind(local) == CAUSAL_LM
-        if causal:
-            results = generate(
-                str(local),
-                items,
-                max_new_tokens=64 if max_new_tokens is None else max_new_tokens,
-                temperature=temperature or 0.0,
-                chat=chat,
-                seed=seed or 0,
-                warn=lambda line: typer.echo(f"warning: {line}", err=True),
-            )
-        else:
-            given = [
-                name
-                for name, value in (
-                    ("--max-new-tokens", max_new_tokens),
-                    ("--temperature", temperature),
-                    ("--chat" if chat else "--no-chat", chat),
-                    ("--seed", seed),
-                )
-                if value is not None
-            ]
-            if given:
-                raise KubetuneError(
-                    f"{'applies' if len(given) == 1 else 'apply'} to causal LMs only, and {model} is a text classifier",
-                    field=", ".join(given),
-                    fix=f"drop {' and '.join(given)}",
-                )
-            results = run_predict(str(local), items)
+        task = _predicting_task(model_kind(local))
+        _check_predict_options(task, given, model)
+        results = task.predict(str(local), items, given, lambda line: typer.echo(f"warning: {line}", err=True))
     except KubetuneError as e:
         _fail(e)
-    if causal:
-        if as_json:
-            typer.echo(json.dumps(results, ensure_ascii=False, indent=2))
-        else:
-            for r in results:
-                typer.echo(f">>> {r['prompt']}\n{r['completion']}\n")
-        return
     if as_json:
         typer.echo(json.dumps(results, ensure_ascii=False, indent=2))
     else:
         for r in results:
-            typer.echo(f"{r['label']}\t{r['score']:.4f}\t{r['text']}")
+            typer.echo(task.show(r))
+
+
+def _check_texts(items: list[str]) -> None:
+    for number, text in enumerate(items, 1):
+        which = "the text argument" if len(items) == 1 else f"text argument {number} of {len(items)}"
+        if not text.strip():
+            raise KubetuneError(
+                f"{which} is empty", field="TEXTS", fix="pass the text itself, or drop the empty argument"
+            )
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # bytes the shell passed that are not UTF-8 arrive as lone surrogates
+            raise KubetuneError(
+                f"{which} is not UTF-8 (byte 0x{ord(text[e.start]) & 0xFF:02x} at character {e.start})",
+                field="TEXTS",
+                fix="pass UTF-8 text (check the terminal's encoding)",
+            ) from None
+
+
+def _predicting_task(kind: str):
+    """The task that predicts with a model of this kind (its pipeline): the first registered."""
+    from kubetune import tasks
+
+    return next(t for t in map(tasks.get, tasks.names()) if t.predict is not None and t.present.pipeline_tag == kind)
+
+
+def _check_predict_options(task, given: dict, model: str) -> None:
+    """Refuse the options the model's task does not take, naming the kind of model that does."""
+    from kubetune import tasks
+    from kubetune.predict import NOUNS
+
+    refused = [name for name in given if name not in task.predict_options]
+    if not refused:
+        return
+    flags = [f"--{n.replace('_', '-')}" if n != "chat" or given[n] else "--no-chat" for n in refused]
+    takers = {t.present.pipeline_tag for t in map(tasks.get, tasks.names()) if refused[0] in t.predict_options}
+    raise KubetuneError(
+        f"{'applies' if len(flags) == 1 else 'apply'} to {' and '.join(NOUNS[k] + 's' for k in sorted(takers))} "
+        f"only, and {model} is a {NOUNS[task.present.pipeline_tag]}",
+        field=", ".join(flags),
+        fix=f"drop {' and '.join(flags)}",
+    )
 
 
 @app.command(rich_help_panel=INTERNAL)

@@ -16,8 +16,10 @@ from kubetune import providers
 from kubetune.artifacts import MAX_CONFIG_BYTES
 from kubetune.errors import KubetuneError
 
-CAUSAL_LM = "causal-lm"
-CLASSIFIER = "classifier"
+# What a model does, as the transformers pipeline that serves it (a task's Presentation.pipeline_tag).
+GENERATOR = "text-generation"
+CLASSIFIER = "text-classification"
+NOUNS = {GENERATOR: "causal LM", CLASSIFIER: "text classifier"}
 
 # A model config is a few KB; a --file of texts is read whole, so both are bounded.
 MAX_TEXT_FILE_BYTES = 64 << 20
@@ -86,7 +88,7 @@ def check_model(path: Path) -> str:
     sequence classifier or a causal LM, safetensors weights (never only a pickle), and a tokenizer.
 
     Returns:
-        ``"causal-lm"`` or ``"classifier"``.
+        ``GENERATOR`` or ``CLASSIFIER`` (the pipeline that serves it).
 
     Raises:
         KubetuneError: names the directory and what is wrong with it.
@@ -115,7 +117,7 @@ def model_kind(path: Path) -> str:
     """What the model in ``path`` does, read from its config.json (which is checked).
 
     Returns:
-        ``"causal-lm"`` (architectures ``*ForCausalLM`` and the like) or ``"classifier"``
+        ``GENERATOR`` (architectures ``*ForCausalLM`` and the like) or ``CLASSIFIER``
         (``*ForSequenceClassification``).
 
     Raises:
@@ -163,7 +165,7 @@ def model_kind(path: Path) -> str:
         raise bad("names no architectures, so it is unclear whether the model classifies or generates")
     # by name: GPT2LMHeadModel generates too
     if any(a.endswith("ForCausalLM") or a in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() for a in archs):
-        kind = CAUSAL_LM
+        kind = GENERATOR
     elif any(
         a.endswith("ForSequenceClassification") or a in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.values()
         for a in archs
@@ -258,7 +260,7 @@ def generate(
             f"{temperature} is not a finite number >= 0", field="--temperature", fix="pass e.g. 0 (greedy) or 0.7"
         )
     path = model_path(uri)
-    _expect(path, CAUSAL_LM)
+    _expect(path, GENERATOR)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = _tokenizer(path)
     model = _model(AutoModelForCausalLM, path)
@@ -358,7 +360,7 @@ def _expect(path: Path, kind: str) -> None:
     found = check_model(path)
     if found != kind:
         raise KubetuneError(
-            f"{_short(str(path))!r} is a {found}, not a {kind}",
+            f"{_short(str(path))!r} is a {NOUNS[found]}, not a {NOUNS[kind]}",
             field="MODEL",
             fix="generate() takes a causal LM, predict() a classifier",
         )

@@ -112,8 +112,8 @@ def test_model_directory_round_trip_and_no_second_download(moto, s3, tmp_path, m
 def test_dataset_prefix_and_single_object(moto, s3, small_csv):
     import pandas as pd
 
-    from kubetune.data import load_frames
     from kubetune.tasks.classify import ClassificationData
+    from kubetune.tasks.classify.data import load_frames
 
     df = pd.read_csv(small_csv)
     for i, part in enumerate((df.iloc[:80], df.iloc[80:])):

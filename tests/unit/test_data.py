@@ -9,9 +9,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from kubetune.data import load_frames, tokenized
+from kubetune.data import tokenized
 from kubetune.errors import KubetuneError
 from kubetune.tasks.classify import ClassificationData
+from kubetune.tasks.classify.data import load_frames
 
 
 def _spec(train, **kw) -> ClassificationData:

@@ -18,11 +18,12 @@ import pandas as pd
 import pytest
 import torch
 
-from kubetune.data import load_frames, read_table
+from kubetune.data import read_table
 from kubetune.errors import KubetuneError
 from kubetune.tasks.causal_lm import CausalLMData
 from kubetune.tasks.causal_lm.data import load_lm_frames
 from kubetune.tasks.classify import ClassificationData
+from kubetune.tasks.classify.data import load_frames
 
 MAX_MESSAGE = 400  # characters: "one short line", whatever the input held
 
@@ -98,10 +99,10 @@ def test_evaluate_counts_once_and_keeps_confusion_small(monkeypatch, num_labels,
     from sklearn.metrics import accuracy_score, confusion_matrix, f1_score
 
     from kubetune import distributed
-    from kubetune.data import collate
     from kubetune.distributed import DistEnv
     from kubetune.tasks import base as loop
     from kubetune.tasks.classify import task as classify
+    from kubetune.tasks.classify.data import collate
 
     rng = np.random.default_rng(num_labels)
     n = 301
@@ -633,7 +634,7 @@ def test_fifo_or_device_is_not_a_regular_file(tmp_path, make, expected):
 
 
 def _frames(n_classes: int, rows_per_class: int = 3):
-    from kubetune.data.tables import Frames
+    from kubetune.tasks.classify.data import Frames
 
     rows = [
         (f"class {c} example {k} word{c} filler{c % 7}", c) for c in range(n_classes) for k in range(rows_per_class)

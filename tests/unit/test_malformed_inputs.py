@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from kubetune.config import parse_spec
-from kubetune.data import load_frames
 from kubetune.errors import KubetuneError, SpecError
 from kubetune.tasks.classify import ClassificationData
+from kubetune.tasks.classify.data import load_frames
 
 VALID = {
     "name": "job",

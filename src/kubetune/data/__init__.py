@@ -8,12 +8,10 @@ import numpy as np
 import torch
 
 from kubetune.data.sharding import Step
-from kubetune.data.tables import Frames, load_frames, read_table
+from kubetune.data.tables import read_table
 from kubetune.data.tokenize import tokenized
 
-__all__ = ["Batch", "Frames", "StepBatch", "batches", "collate", "load_frames", "read_table", "tokenized"]
-
-MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+__all__ = ["Batch", "StepBatch", "batches", "read_table", "tokenized"]
 
 
 @dataclass
@@ -44,22 +42,6 @@ class Batch:
         ids = self.inputs["input_ids"]
         mask = self.inputs.get("attention_mask")
         return float(mask.sum() if mask is not None else ids.numel()), float(ids.numel())
-
-
-def collate(ds, indices: np.ndarray, tokenizer) -> Batch:
-    """Pad the examples at ``indices`` to the longest one (dynamic padding).
-
-    An empty ``indices`` (a rank's share of the last, partial step) yields example 0 with
-    ``weight`` 0, so the rank still runs forward/backward but contributes nothing.
-    """
-    weight = 1.0
-    if len(indices) == 0:
-        indices, weight = np.zeros(1, dtype=np.int64), 0.0
-    rows = ds[[int(i) for i in indices]]
-    features = {k: rows[k] for k in MODEL_INPUTS if k in rows}
-    batch = tokenizer.pad(features, return_tensors="pt")
-    labels = torch.as_tensor(rows["label"], dtype=torch.long)
-    return Batch(dict(batch.items()), labels, weight, torch.as_tensor(indices, dtype=torch.long))
 
 
 @dataclass

@@ -1,8 +1,6 @@
-"""Read labeled text tables (CSV/TSV/JSONL/Parquet files, dataset directories, hf:// datasets).
-
-Produces ``Frames``: train and eval pandas frames with normalized columns ``text`` (and
-``text_pair``) and integer ``label``, plus the sorted label names. Every user error names the
-field, the value and the fix.
+"""Read data tables (CSV/TSV/JSONL/Parquet files, dataset directories, hf:// datasets) into pandas,
+and the splits every task shares (``read_rows``, ``split_rows``, ``split_indices``); each task
+normalizes the columns it needs. Every user error names the field, the value and the fix.
 
 Before anything is parsed, the input is checked where a careless or hostile file would otherwise
 cost memory or produce garbage: only regular files, a size limit (``data.max_input_mb``), one kind
@@ -14,11 +12,9 @@ from __future__ import annotations
 
 import codecs
 import logging
-import math
 import os
 import stat
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -84,64 +80,6 @@ def _cp1252_fallback(err: UnicodeError) -> tuple[str, int]:
 
 
 codecs.register_error(FALLBACK_ERRORS, _cp1252_fallback)
-
-
-@dataclass
-class Frames:
-    """Normalized training and evaluation data."""
-
-    train: pd.DataFrame
-    eval: pd.DataFrame
-    labels: list[str]
-    dropped: dict[str, int] = field(default_factory=dict)
-
-
-def load_frames(spec: DataSpec, seed: int) -> Frames:
-    """Load, validate and split the data described by ``spec``.
-
-    Raises:
-        KubetuneError: missing, oversized or non-tabular files or columns, a text column that holds
-            no text, empty data, a single class or more than ``data.max_classes``, eval labels
-            unseen in training.
-    """
-    dropped: dict[str, int] = {}
-    train_raw = read_table(
-        spec.train, field="data.train", split=spec.train_split, encoding=spec.encoding, max_input_mb=spec.max_input_mb
-    )
-    train = _normalize(train_raw, spec, "data.train", dropped, "train")
-    _check_labels(train[spec.label_column], spec)
-    labels = _label_names(train[spec.label_column], spec)
-    if len(labels) < 2:
-        raise KubetuneError(
-            f"only one class ({short(labels[0])!r}) in column '{short(spec.label_column)}' of {short(spec.train)}",
-            field="data.label_column",
-            fix="classification needs at least two classes; check the label column or the data",
-        )
-    label2id = {name: i for i, name in enumerate(labels)}
-    train = _with_ids(train, spec, label2id)
-
-    if spec.eval:
-        eval_raw = read_table(
-            spec.eval, field="data.eval", split=spec.eval_split, encoding=spec.encoding, max_input_mb=spec.max_input_mb
-        )
-        evald = _normalize(eval_raw, spec, "data.eval", dropped, "eval")
-        unseen = sorted(set(map(_label_key, evald[spec.label_column])) - set(labels))
-        if unseen:
-            raise KubetuneError(
-                f"labels {[short(u, 40) for u in unseen[:5]]} occur in {short(spec.eval)} "
-                f"but never in {short(spec.train)}",
-                field="data.eval",
-                fix="train on data that covers every eval label, or filter those rows out",
-            )
-        evald = _with_ids(evald, spec, label2id)
-    else:
-        train, evald = _carve_eval(train, spec.eval_fraction, seed)
-
-    if spec.max_train_samples and len(train) > spec.max_train_samples:
-        train = train.sample(n=spec.max_train_samples, random_state=seed).sort_index()
-    if spec.max_eval_samples and len(evald) > spec.max_eval_samples:
-        evald = evald.sample(n=spec.max_eval_samples, random_state=seed).sort_index()
-    return Frames(train.reset_index(drop=True), evald.reset_index(drop=True), labels, dropped)
 
 
 def read_table(
@@ -516,143 +454,13 @@ def describe_non_text(series: pd.Series) -> str | None:
         return f"numbers ({series.dtype})"
     if any(isinstance(v, str) for v in values):
         return None
-    if any(_is_nested(v) for v in values):
+    if any(is_nested(v) for v in values):
         return "nested values (lists/structs)"
     return f"{type(values.iloc[0]).__name__} values"
 
 
-def _is_nested(value) -> bool:
+def is_nested(value) -> bool:
     return isinstance(value, (list, tuple, dict, np.ndarray))
-
-
-def _normalize(df: pd.DataFrame, spec: DataSpec, field: str, dropped: dict[str, int], which: str) -> pd.DataFrame:
-    source = short(getattr(spec, field.split(".")[1]))
-    columns = [spec.text_column] + ([spec.text_pair_column] if spec.text_pair_column else []) + [spec.label_column]
-    names = {
-        "text_column": spec.text_column,
-        "text_pair_column": spec.text_pair_column,
-        "label_column": spec.label_column,
-    }
-    available = [short(c, 40) for c in df.columns[:20]]
-    for key, col in names.items():
-        if col is not None and col not in df.columns:
-            raise KubetuneError(
-                f"column '{short(col, 40)}' not found in {source}; "
-                f"columns are {available}{' ...' if len(df.columns) > 20 else ''}",
-                field=f"data.{key}",
-                fix=f"set data.{key}",
-            )
-    if len(df) == 0:
-        raise KubetuneError(f"{source} has no rows", field=field, fix="point it at data with at least one labeled row")
-    df = df[columns].copy()
-    for key in ("text_column", "text_pair_column"):
-        col = names[key]
-        what = describe_non_text(df[col]) if col else None
-        if what:
-            raise KubetuneError(
-                f"column '{short(col, 40)}' of {source} holds {what}, not text",
-                field=f"data.{key}",
-                fix=f"set data.{key} to the text column",
-            )
-    if df[spec.label_column].dtype == object and df[spec.label_column].map(_is_nested).any():
-        raise KubetuneError(
-            f"column '{short(spec.label_column, 40)}' of {source} "
-            "holds nested values (lists/structs), not class labels",
-            field="data.label_column",
-            fix="set data.label_column to the column that holds one class per row",
-        )
-    keep = np.ones(len(df), dtype=bool)
-    for col in columns[:-1]:
-        text = df[col]
-        ok = text.notna() & text.map(lambda v: isinstance(v, str) and v.strip() != "")
-        keep &= ok.to_numpy()
-    keep &= df[spec.label_column].notna().to_numpy()
-    n_drop = int((~keep).sum())
-    if n_drop:
-        dropped[which] = n_drop
-        log.warning("%s: dropped %d of %d rows with a missing/empty text or label", field, n_drop, len(df))
-    df = df[keep]
-    if len(df) == 0:
-        raise KubetuneError(
-            f"no usable rows in {source}: every row lacks a text or label",
-            field=field,
-            fix="check data.text_column and data.label_column",
-        )
-    return df
-
-
-def _check_labels(series: pd.Series, spec: DataSpec) -> None:
-    """Refuse more classes than data.max_classes; warn on fractional numbers (a regression target)."""
-    keys = series.map(_label_key)
-    n = keys.nunique()
-    if n > spec.max_classes:
-        raise KubetuneError(
-            f"column '{short(spec.label_column, 40)}' of {short(spec.train)} has {n} distinct labels, "
-            f"more than data.max_classes ({spec.max_classes})",
-            field="data.label_column",
-            fix="check that data.label_column is the class column (not an id or a free-text column), "
-            "or raise data.max_classes",
-        )
-    fractional = [
-        v
-        for v in series.unique()
-        if isinstance(v, (float, np.floating)) and math.isfinite(v) and not float(v).is_integer()
-    ]
-    if fractional:
-        log.warning(
-            "data.label_column: column '%s' holds fractional numbers (e.g. %s): this looks like a regression target; "
-            "kubetune classifies, so each of the %d distinct values becomes a class",
-            short(spec.label_column, 40),
-            ", ".join(f"{v:g}" for v in sorted(fractional)[:3]),
-            n,
-        )
-
-
-def _label_key(value) -> str:
-    if isinstance(value, (float, np.floating)) and float(value).is_integer():
-        value = int(value)
-    return str(value)
-
-
-def _number(key: str) -> float:
-    value = float(key)
-    if not math.isfinite(value):
-        raise ValueError(key)
-    return value
-
-
-def _label_names(series: pd.Series, spec: DataSpec) -> list[str]:
-    """Distinct labels in sorted order: numerically when every label is a number (2 before 10),
-    whether the column was read as numbers or as strings, else as strings."""
-    values = series.map(_label_key).unique().tolist()
-    try:
-        return sorted(values, key=lambda v: (_number(v), v))
-    except ValueError:
-        return sorted(values)
-
-
-def _with_ids(df: pd.DataFrame, spec: DataSpec, label2id: dict[str, int]) -> pd.DataFrame:
-    out = pd.DataFrame({"text": df[spec.text_column].astype(str).to_numpy()})
-    if spec.text_pair_column:
-        out["text_pair"] = df[spec.text_pair_column].astype(str).to_numpy()
-    out["label"] = df[spec.label_column].map(lambda v: label2id[_label_key(v)]).astype("int64").to_numpy()
-    return out
-
-
-def _carve_eval(train: pd.DataFrame, fraction: float, seed: int) -> tuple[pd.DataFrame, pd.DataFrame]:
-    counts = train["label"].value_counts()
-    n_eval = max(1, round(len(train) * fraction))
-    if len(train) < 2 or n_eval >= len(train):
-        raise KubetuneError(
-            f"{len(train)} rows are too few to hold out {fraction:.0%} for evaluation",
-            field="data.eval_fraction",
-            fix="add data, lower data.eval_fraction, or give data.eval",
-        )
-    # Stratify when every class can be split and each side can hold every class (a class with a single
-    # row cannot be split; scikit-learn refuses a side smaller than the number of classes).
-    can_stratify = counts.min() >= 2 and min(n_eval, len(train) - n_eval) >= len(counts)
-    tr, ev = split_indices(train["label"].to_numpy(), n_eval, seed, can_stratify)
-    return train.iloc[tr].sort_index(), train.iloc[ev].sort_index()
 
 
 def split_indices(labels: np.ndarray, n_test: int, seed: int, stratify: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -697,3 +505,42 @@ def _approximate_mode(class_counts: np.ndarray, n_draws: int, rng: np.random.Ran
             if need == 0:
                 break
     return floored.astype(int)
+
+
+def read_rows(spec: DataSpec, seed: int, detect, normalize) -> tuple[pd.DataFrame, pd.DataFrame, str, dict[str, int]]:
+    """(train, eval, format, dropped): data.train read and its format detected (``detect(table,
+    spec)``), data.train and data.eval normalized alike (``normalize(table, spec, format, field,
+    dropped, "train" | "eval")``, which counts what it drops into ``dropped``), then ``split_rows``."""
+    dropped: dict[str, int] = {}
+    tables = {}
+    for which in ("train", "eval"):
+        uri = getattr(spec, which)
+        if uri:
+            split = spec.train_split if which == "train" else spec.eval_split
+            tables[which] = read_table(
+                uri, field=f"data.{which}", split=split, encoding=spec.encoding, max_input_mb=spec.max_input_mb
+            )
+    fmt = detect(tables["train"], spec)
+    rows = {which: normalize(t, spec, fmt, f"data.{which}", dropped, which) for which, t in tables.items()}
+    train, evald = split_rows(rows["train"], rows.get("eval"), spec, seed)
+    return train, evald, fmt, dropped
+
+
+def split_rows(train: pd.DataFrame, evald: pd.DataFrame | None, spec: DataSpec, seed: int):
+    """(train, eval) rows: without eval rows, data.eval_fraction of the train rows held out (seeded);
+    then each capped at data.max_train_samples / max_eval_samples (a seeded subset, in file order)."""
+    if evald is None:
+        n_eval = max(1, round(len(train) * spec.eval_fraction))
+        if n_eval >= len(train):
+            raise KubetuneError(
+                f"{len(train)} rows are too few to hold out {spec.eval_fraction:.0%} for evaluation",
+                field="data.eval_fraction",
+                fix="add data, lower data.eval_fraction, or give data.eval",
+            )
+        perm = np.random.default_rng(seed).permutation(len(train))
+        evald, train = train.iloc[np.sort(perm[:n_eval])], train.iloc[np.sort(perm[n_eval:])]
+    if spec.max_train_samples and len(train) > spec.max_train_samples:
+        train = train.sample(n=spec.max_train_samples, random_state=seed).sort_index()
+    if spec.max_eval_samples and len(evald) > spec.max_eval_samples:
+        evald = evald.sample(n=spec.max_eval_samples, random_state=seed).sort_index()
+    return train.reset_index(drop=True), evald.reset_index(drop=True)

@@ -61,6 +61,12 @@ class Task:
     # (spec, model, data, env, device, autocast, lockstep) -> None, on every rank once the model is built
     # and before a checkpoint is loaded (the model still holds the base weights): e.g. the DPO reference.
     setup: Callable[..., None] | None = None
+    # `kubetune predict` on a model this task exported (``present.pipeline_tag`` tells which task a model
+    # directory is for): (model directory, texts, the options given by name, warn) -> JSON-able results;
+    # the option names it takes (the CLI's, without -- and with _); one result as text.
+    predict: Callable[[str, list[str], dict[str, Any], Callable[[str], None]], list[dict]] | None = None
+    predict_options: tuple[str, ...] = ()
+    show: Callable[[dict], str] = str
 
 
 def rank_batches(lengths, env: DistEnv, batch_size: int, lockstep: bool) -> tuple[list[np.ndarray], int]:

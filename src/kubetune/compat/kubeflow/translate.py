@@ -11,11 +11,14 @@ from typing import Any
 
 from kubetune.compat.kubeflow.errors import HF_TOKEN_FIX, S3_KEYS_FIX, Problems
 from kubetune.compat.kubeflow.training_arguments import changed_fields, plain, training_arguments
+from kubetune.config.tasks import default_task, entries
 
 # kubeflow.training.constants: what train() passes when the caller gives no storage_config.
 SDK_DEFAULT_STORAGE = {"size": "10Gi", "storage_class": None, "access_modes": ["ReadWriteOnce", "ReadOnlyMany"]}
-_TASKS = {"AutoModelForSequenceClassification": "sequence-classification", "AutoModelForCausalLM": "causal-lm"}
-_PEFT_TASK_TYPES = {"sequence-classification": "SEQ_CLS", "causal-lm": "CAUSAL_LM"}
+# The SDK's transformer_type -> the task, and the task -> the peft TaskType a LoRA config implies:
+# what each registered task declares (config.tasks.TaskEntry.auto_model / peft_task_type).
+_TASKS = {entry.auto_model: name for name, entry in entries().items() if entry.auto_model}
+_PEFT_TASK_TYPES = {name: entry.peft_task_type for name, entry in entries().items() if entry.peft_task_type}
 _SECRET_ENV = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|ACCESS_KEY|API_KEY|PRIVATE", re.IGNORECASE)
 # LoraConfig fields that describe the config rather than the adapter (peft fills them in itself).
 _LORA_IGNORED = {"peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision", "inference_mode"}
@@ -108,7 +111,7 @@ def _model(params: Any, problems: Problems) -> tuple[dict, str]:
     field = "model_provider_parameters"
     if not isinstance(params, hf_model):
         problems.wrong_type(field, params, "pass kubeflow.storage_initializer.hugging_face.HuggingFaceModelParams")
-        return {}, "sequence-classification"
+        return {}, default_task()
     uri = str(params.model_uri).strip()
     scheme, sep, body = uri.partition("://")
     if not sep:
@@ -125,7 +128,7 @@ def _model(params: Any, problems: Problems) -> tuple[dict, str]:
     if task is None:
         tasks = " and ".join(f"{model_class} (task {name})" for model_class, name in _TASKS.items())
         problems.add(f"{field}.transformer_type", f"{kind_name} is not supported", f"kubetune fine-tunes {tasks}")
-        task = "sequence-classification"
+        task = default_task()
     if params.access_token:
         problems.token(f"{field}.access_token")
     if params.num_labels is not None:
@@ -206,7 +209,7 @@ def _lora(config: Any, task: str, field: str, problems: Problems) -> dict | None
     elif targets:
         lora["target_modules"] = sorted(targets)
     task_type = plain(config.task_type)
-    if task_type is not None and task_type != _PEFT_TASK_TYPES[task]:
+    if task_type is not None and task_type != _PEFT_TASK_TYPES.get(task):
         problems.add(
             f"{field}.task_type",
             f"{task_type!r} does not match the model's task {task}",

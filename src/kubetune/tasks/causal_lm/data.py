@@ -19,7 +19,7 @@ import torch
 
 from kubetune.config import DataSpec
 from kubetune.data import Batch
-from kubetune.data.tables import describe_non_text, read_table, short
+from kubetune.data.tables import describe_non_text, read_rows, short
 from kubetune.errors import KubetuneError
 
 log = logging.getLogger(__name__)
@@ -58,45 +58,6 @@ def load_lm_frames(spec: DataSpec, seed: int) -> RecordFrames:
         KubetuneError: missing columns, a text column that holds no text, malformed messages, no usable rows.
     """
     return RecordFrames(*read_rows(spec, seed, detect_format, _normalize))
-
-
-def read_rows(spec: DataSpec, seed: int, detect, normalize) -> tuple[pd.DataFrame, pd.DataFrame, str, dict[str, int]]:
-    """(train, eval, format, dropped): data.train read and its format detected (``detect(table,
-    spec)``), data.train and data.eval normalized alike (``normalize(table, spec, format, field,
-    dropped, "train" | "eval")``, which counts what it drops into ``dropped``), then ``split_rows``."""
-    dropped: dict[str, int] = {}
-    tables = {}
-    for which in ("train", "eval"):
-        uri = getattr(spec, which)
-        if uri:
-            split = spec.train_split if which == "train" else spec.eval_split
-            tables[which] = read_table(
-                uri, field=f"data.{which}", split=split, encoding=spec.encoding, max_input_mb=spec.max_input_mb
-            )
-    fmt = detect(tables["train"], spec)
-    rows = {which: normalize(t, spec, fmt, f"data.{which}", dropped, which) for which, t in tables.items()}
-    train, evald = split_rows(rows["train"], rows.get("eval"), spec, seed)
-    return train, evald, fmt, dropped
-
-
-def split_rows(train: pd.DataFrame, evald: pd.DataFrame | None, spec: DataSpec, seed: int):
-    """(train, eval) rows: without eval rows, data.eval_fraction of the train rows held out (seeded);
-    then each capped at data.max_train_samples / max_eval_samples (a seeded subset, in file order)."""
-    if evald is None:
-        n_eval = max(1, round(len(train) * spec.eval_fraction))
-        if n_eval >= len(train):
-            raise KubetuneError(
-                f"{len(train)} rows are too few to hold out {spec.eval_fraction:.0%} for evaluation",
-                field="data.eval_fraction",
-                fix="add data, lower data.eval_fraction, or give data.eval",
-            )
-        perm = np.random.default_rng(seed).permutation(len(train))
-        evald, train = train.iloc[np.sort(perm[:n_eval])], train.iloc[np.sort(perm[n_eval:])]
-    if spec.max_train_samples and len(train) > spec.max_train_samples:
-        train = train.sample(n=spec.max_train_samples, random_state=seed).sort_index()
-    if spec.max_eval_samples and len(evald) > spec.max_eval_samples:
-        evald = evald.sample(n=spec.max_eval_samples, random_state=seed).sort_index()
-    return train.reset_index(drop=True), evald.reset_index(drop=True)
 
 
 def detect_format(df: pd.DataFrame, spec: DataSpec) -> str:

@@ -418,6 +418,20 @@ def _summary(m: dict) -> str:
     )
 
 
+def _predict(path: str, prompts: list[str], options: dict, warn) -> list[dict]:
+    from kubetune import predict
+
+    return predict.generate(
+        path,
+        prompts,
+        max_new_tokens=options.get("max_new_tokens", 64),
+        temperature=options.get("temperature") or 0.0,
+        chat=options.get("chat"),
+        seed=options.get("seed") or 0,
+        warn=warn,
+    )
+
+
 TASK = Task(
     load_frames=load_lm_frames,
     prepare=prepare,
@@ -428,6 +442,9 @@ TASK = Task(
     eval_metrics=eval_metrics,
     export=export,
     headline=("eval_perplexity",),
+    predict=_predict,
+    predict_options=("max_new_tokens", "temperature", "chat", "seed"),
+    show=lambda r: f">>> {r['prompt']}\n{r['completion']}\n",
     present=Presentation(
         pipeline_tag="text-generation",
         report_rows=_report_rows,

@@ -20,10 +20,11 @@ import torch.nn.functional as F
 from kubetune import artifacts
 from kubetune.artifacts.report import fmt
 from kubetune.config import JobSpec
-from kubetune.data import Batch, collate, load_frames, tokenized
+from kubetune.data import Batch, tokenized
 from kubetune.distributed import DistEnv
 from kubetune.tasks.base import Prepared, Presentation, Task, tokenize_on_node
 from kubetune.tasks.classify.baseline import tfidf_baseline
+from kubetune.tasks.classify.data import collate, load_frames
 
 log = logging.getLogger(__name__)
 
@@ -244,6 +245,12 @@ def _reference_card(m: dict) -> list[str]:
     return [f"| baseline accuracy ({base['method']}) | {base['accuracy']:.4f} |"] if base else []
 
 
+def _predict(path: str, texts: list[str], options: dict, warn) -> list[dict]:
+    from kubetune import predict
+
+    return predict.predict(path, texts)
+
+
 TASK = Task(
     load_frames=load_frames,
     prepare=prepare,
@@ -254,6 +261,8 @@ TASK = Task(
     eval_metrics=eval_metrics,
     export=export,
     headline=("eval_accuracy", "eval_f1_macro"),
+    predict=_predict,
+    show=lambda r: f"{r['label']}\t{r['score']:.4f}\t{r['text']}",
     present=Presentation(
         pipeline_tag="text-classification",
         report_rows=_report_rows,
