@@ -86,7 +86,7 @@ def child(mode: str, tokens: int, share: float, vocab: int, dtype: str) -> dict:
         with autocast:
             loss = before(model, inputs, labels)
     else:
-        loss, _ = causal_lm.loss(model, Batch(inputs, labels), autocast)
+        loss = causal_lm.loss(model, Batch(inputs, labels), autocast).loss_sum
     loss.backward()
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

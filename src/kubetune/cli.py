@@ -326,7 +326,7 @@ def predict(
     seed: Annotated[int | None, typer.Option("--seed", help="Causal LMs: seed for sampling (default 0).")] = None,
 ) -> None:
     """Classify texts or generate text with an exported model (a directory, s3:// artifact or hf:// repo)."""
-    from kubetune.predict import model_kind, model_path, read_texts
+    from kubetune.predict import model_path, read_texts
     from kubetune.providers import s3
 
     s3.configure(endpoint_url)
@@ -340,7 +340,7 @@ def predict(
         if not items:
             raise KubetuneError("no texts given", field="TEXTS", fix="pass texts as arguments or --file texts.txt")
         local = model_path(model)  # s3:// and hf:// artifacts are downloaded and checked once
-        task = _predicting_task(model_kind(local))
+        task = _predicting_task(local)
         _check_predict_options(task, given, model)
         results = task.predict(str(local), items, given, lambda line: typer.echo(f"warning: {line}", err=True))
     except KubetuneError as e:
@@ -369,10 +369,16 @@ def _check_texts(items: list[str]) -> None:
             ) from None
 
 
-def _predicting_task(kind: str):
-    """The task that predicts with a model of this kind (its pipeline): the first registered."""
+def _predicting_task(local: Path):
+    """The task that predicts with the model in ``local``: the task of the job that exported it, else
+    the first registered task whose models are of its kind (the pipeline that serves it)."""
     from kubetune import tasks
+    from kubetune.predict import model_kind, run_task
 
+    name = run_task(local)
+    if name in tasks.names() and tasks.get(name).predict is not None:
+        return tasks.get(name)
+    kind = model_kind(local)
     return next(t for t in map(tasks.get, tasks.names()) if t.predict is not None and t.present.pipeline_tag == kind)
 
 

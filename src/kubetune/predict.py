@@ -83,6 +83,21 @@ def model_path(uri: str) -> Path:
     return path
 
 
+def run_task(path: Path) -> str | None:
+    """The task of the job that exported the model in ``path`` (a job output's ``model/``), from the
+    job's metrics.json beside it; None when there is none or it does not say."""
+    from kubetune.paths import BrokenRecord, read_bounded_json
+
+    if path.name != "model":
+        return None
+    try:
+        metrics = read_bounded_json(path.parent / "metrics.json", limit=MAX_CONFIG_BYTES, constants=True)
+    except (OSError, BrokenRecord):
+        return None
+    task = metrics.get("task") if isinstance(metrics, dict) else None
+    return task if isinstance(task, str) else None
+
+
 def check_model(path: Path) -> str:
     """Check that ``path`` holds a model ``predict`` can load: a config transformers knows naming a
     sequence classifier or a causal LM, safetensors weights (never only a pickle), and a tokenizer.

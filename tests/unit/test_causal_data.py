@@ -306,7 +306,7 @@ def test_compiled_blocks_equal_eager_and_compile_once_for_all_packed_lengths(tok
             assert compile_blocks(model, backend="aot_eager") == cfg.num_hidden_layers
         out = []
         for batch in batches:
-            loss_sum, count = causal_lm.loss(model, batch, contextlib.nullcontext())
+            loss_sum, count, _ = causal_lm.loss(model, batch, contextlib.nullcontext())
             (loss_sum / count).backward()
             out.append(((loss_sum / count).detach(), {k: p.grad.clone() for k, p in model.named_parameters()}))
             model.zero_grad()

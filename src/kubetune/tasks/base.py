@@ -7,7 +7,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -36,6 +36,14 @@ class Prepared:
     raw: Any = None  # the task's own frames (for the baseline, the export)
 
 
+class LossOutput(NamedTuple):
+    """One micro-batch's loss, as ``Task.loss`` returns it."""
+
+    loss_sum: torch.Tensor  # the loss summed over the micro-batch's units
+    units: torch.Tensor  # how many units (examples, target tokens, pairs) it sums over
+    metrics: torch.Tensor | None = None  # the sums of the task's ``train_metrics`` over the units, in order
+
+
 @dataclass(frozen=True)
 class Task:
     """One task; every field is a plain value or function. ``tasks/__init__.py`` registers it under
@@ -46,17 +54,17 @@ class Task:
     # (spec, model dir, data, training device, compute dtype, where the weights go: None = the device;
     # meta = the modules without weights)
     build_model: Callable[..., torch.nn.Module]
-    loss: Callable[[torch.nn.Module, Batch, Any], tuple[torch.Tensor, torch.Tensor]]  # (loss sum, units)
+    loss: Callable[[torch.nn.Module, Batch, Any], LossOutput]  # (model, micro-batch, autocast)
     # Evaluation, run by ``evaluate`` below: one batch's statistics (a dict of tensors); the statistics
-    # of this rank's batches -> one float64 vector that is summed over ranks; the sums -> metrics.
+    # of this rank's batches -> named float64 totals (each summed over ranks); the sums -> metrics.
     eval_step: Callable[[torch.nn.Module, Batch, Any], dict]
-    eval_totals: Callable[[list[dict], Prepared, torch.device], torch.Tensor]
-    eval_metrics: Callable[[np.ndarray, Prepared], dict]
+    eval_totals: Callable[[list[dict], Prepared, torch.device], dict[str, torch.Tensor]]
+    eval_metrics: Callable[[dict[str, np.ndarray], Prepared], dict]
     export: Callable[[JobSpec, torch.nn.Module, Any, Prepared, Path, dict], None]  # rank 0, adds to metrics
     headline: tuple[str, ...]  # metrics for the per-epoch and final log lines
     present: Presentation  # how the results read: report, model card, summary
-    # Training metrics beyond the loss: ``loss`` then returns a third value, a vector of their sums over
-    # the micro-batch's units; the log lines report each sum over the units since the last line.
+    # Training metrics beyond the loss: ``loss`` then returns their sums over the micro-batch's units
+    # (``LossOutput.metrics``); the log lines report each sum over the units since the last line.
     train_metrics: tuple[str, ...] = ()
     # (spec, model, data, env, device, autocast, lockstep) -> None, on every rank once the model is built
     # and before a checkpoint is loaded (the model still holds the base weights): e.g. the DPO reference.
@@ -92,9 +100,16 @@ def evaluate(
     stats = [task.eval_step(model, data.collate_eval(rows).to(device), autocast) for rows in batches]
     for _ in range(extra):
         task.eval_step(model, data.collate_eval(np.zeros(1, dtype=np.int64)).to(device), autocast)
-    totals = distributed.all_reduce_sum(task.eval_totals(stats, data, device))
+    totals = task.eval_totals(stats, data, device)
+    # one reduction for every total: concatenated, summed over ranks, cut back into the named parts
+    flat = distributed.all_reduce_sum(torch.cat([t.reshape(-1).to(torch.float64) for t in totals.values()]))
+    parts = flat.cpu().numpy()
+    sums, start = {}, 0
+    for name, t in totals.items():
+        sums[name] = parts[start : start + t.numel()].reshape(t.shape)
+        start += t.numel()
     model.train()
-    return task.eval_metrics(totals.cpu().numpy(), data)
+    return task.eval_metrics(sums, data)
 
 
 def tokenize_on_node(env: DistEnv, build) -> Any:

@@ -344,15 +344,15 @@ class Trainer:
             micro = micro.to(self.device)
             # Gradients are reduced only on the last micro-batch of the step.
             with self.strategy.no_sync(last=i == len(step.micro) - 1):
-                loss_sum, units, *extra = self.task.loss(self.wrapped, micro, self.autocast)
-                loss_sum, units = loss_sum * micro.weight, units * micro.weight  # weight 0: a rank's empty share
+                out = self.task.loss(self.wrapped, micro, self.autocast)
+                loss_sum, units = out.loss_sum * micro.weight, out.units * micro.weight  # weight 0: an empty share
                 # Times world size because DDP averages over ranks: the gradient is the exact
                 # mean over the global step's units.
                 self.scaler.scale(loss_sum * env.world_size / max(step_units, 1.0)).backward()
             s.log_loss[0] += loss_sum.detach().double()
             s.log_loss[1] += units.double()
-            if extra:  # the task's train_metrics sums
-                s.log_loss[2:] += extra[0].detach().double() * micro.weight
+            if out.metrics is not None:  # the task's train_metrics sums
+                s.log_loss[2:] += out.metrics.detach().double() * micro.weight
         self.strategy.after_backward(step_ids)
         norm = None
         if self.cfg.max_grad_norm:

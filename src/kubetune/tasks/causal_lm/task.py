@@ -28,7 +28,7 @@ from kubetune.data import Batch, tokenized
 from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
 from kubetune.tasks import attention
-from kubetune.tasks.base import Prepared, Presentation, Task, tokenize_on_node
+from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task, tokenize_on_node
 from kubetune.tasks.causal_lm.data import IGNORE, collate, ensure_chat_template, load_lm_frames, tokenize_frame
 from kubetune.tasks.common import attention_kwargs, load_pretrained
 
@@ -214,10 +214,10 @@ LOSS_CHUNK = 512
 PLAIN_HEAD = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3"})
 
 
-def loss(model, batch: Batch, autocast) -> tuple[torch.Tensor, torch.Tensor]:
+def loss(model, batch: Batch, autocast) -> LossOutput:
     """Summed next-token cross-entropy over the target tokens of a micro-batch, and their count."""
     loss_sum, count, _ = _token_loss(model, batch, autocast)
-    return loss_sum, count
+    return LossOutput(loss_sum, count)
 
 
 def eval_step(model, batch: Batch, autocast) -> dict:
@@ -335,24 +335,25 @@ def _loss_as_head(head: torch.nn.Linear, chosen: torch.Tensor, count_correct: bo
         del head.forward
 
 
-def eval_totals(stats: list[dict], data: Prepared, device) -> torch.Tensor:
-    totals = torch.zeros(3, device=device, dtype=torch.float64)  # loss sum, target tokens, correct next-token guesses
+def eval_totals(stats: list[dict], data: Prepared, device) -> dict[str, torch.Tensor]:
+    """The loss sum, the target tokens and the correct greedy next-token guesses among them."""
+    totals = {name: torch.zeros((), device=device, dtype=torch.float64) for name in ("loss", "tokens", "correct")}
     for st in stats:
-        totals[0] += st["loss"].double()
-        totals[1] += st["count"]
-        totals[2] += st["correct"]
+        totals["loss"] += st["loss"].double()
+        totals["tokens"] += st["count"]
+        totals["correct"] += st["correct"]
     return totals
 
 
-def eval_metrics(totals: np.ndarray, data: Prepared) -> dict:
+def eval_metrics(totals: dict[str, np.ndarray], data: Prepared) -> dict:
     """Token-level loss and perplexity over the whole eval set, and the greedy next-token accuracy."""
-    n = max(float(totals[1]), 1.0)
-    eval_loss = float(totals[0]) / n
+    n = max(float(totals["tokens"]), 1.0)
+    eval_loss = float(totals["loss"]) / n
     return {
         "eval_loss": eval_loss,
         "eval_perplexity": math.exp(min(eval_loss, 50.0)),
-        "eval_token_accuracy": float(totals[2]) / n,  # greedy next-token matches on target tokens
-        "eval_tokens": int(totals[1]),
+        "eval_token_accuracy": float(totals["correct"]) / n,  # greedy next-token matches on target tokens
+        "eval_tokens": int(totals["tokens"]),
         "eval_samples": data.eval_rows,
     }
 

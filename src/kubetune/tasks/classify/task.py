@@ -22,7 +22,7 @@ from kubetune.artifacts.report import fmt
 from kubetune.config import JobSpec
 from kubetune.data import Batch, tokenized
 from kubetune.distributed import DistEnv
-from kubetune.tasks.base import Prepared, Presentation, Task, tokenize_on_node
+from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task, tokenize_on_node
 from kubetune.tasks.classify.baseline import tfidf_baseline
 from kubetune.tasks.classify.data import collate, load_frames
 
@@ -75,13 +75,13 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
     )
 
 
-def loss(model, batch: Batch, autocast) -> tuple[torch.Tensor, torch.Tensor]:
+def loss(model, batch: Batch, autocast) -> LossOutput:
     """Summed cross-entropy over the micro-batch's examples, and their count."""
     with autocast:
         logits = model(**batch.inputs).logits
     labels = batch.labels
-    return F.cross_entropy(logits.float(), labels, reduction="sum"), torch.tensor(
-        float(len(labels)), device=labels.device
+    return LossOutput(
+        F.cross_entropy(logits.float(), labels, reduction="sum"), torch.tensor(float(len(labels)), device=labels.device)
     )
 
 
@@ -156,7 +156,7 @@ def eval_step(model, batch: Batch, autocast) -> dict:
     return {"loss": loss_sum, "true": batch.labels, "pred": logits.argmax(-1)}
 
 
-def eval_totals(stats: list[dict], data: Prepared, device) -> torch.Tensor:
+def eval_totals(stats: list[dict], data: Prepared, device) -> dict[str, torch.Tensor]:
     """The loss sum and, per class, the true positives, the true and the predicted counts (all the
     metrics need); the confusion matrix too for at most ``MAX_CONFUSION_CLASSES`` classes."""
     num_labels = len(data.labels)
@@ -166,35 +166,35 @@ def eval_totals(stats: list[dict], data: Prepared, device) -> torch.Tensor:
     empty = torch.zeros(0, dtype=torch.long, device=device)
     y = torch.cat([empty, *(st["true"] for st in stats)])
     p = torch.cat([empty, *(st["pred"] for st in stats)])
-    counts = [
-        loss_sum.view(1),
-        torch.bincount(y[y == p], minlength=num_labels).double(),
-        torch.bincount(y, minlength=num_labels).double(),
-        torch.bincount(p, minlength=num_labels).double(),
-    ]
-    if num_labels <= MAX_CONFUSION_CLASSES:  # the same on every rank: the same tensor size
-        counts.append(torch.bincount(y * num_labels + p, minlength=num_labels**2).double())
-    return torch.cat(counts)
+    totals = {
+        "loss": loss_sum,
+        "tp": torch.bincount(y[y == p], minlength=num_labels).double(),
+        "true": torch.bincount(y, minlength=num_labels).double(),
+        "pred": torch.bincount(p, minlength=num_labels).double(),
+    }
+    if num_labels <= MAX_CONFUSION_CLASSES:  # the same on every rank: the same totals
+        totals["confusion"] = torch.bincount(y * num_labels + p, minlength=num_labels**2).double()
+    return totals
 
 
-def eval_metrics(totals: np.ndarray, data: Prepared) -> dict:
+def eval_metrics(totals: dict[str, np.ndarray], data: Prepared) -> dict:
     """Loss, accuracy and macro-F1 (scikit-learn's definition) over the whole eval set, and the
     confusion matrix (``eval_confusion``, rows true, columns predicted) when it was counted."""
     num_labels = len(data.labels)
-    tp, true, pred = (totals[1 + k * num_labels : 1 + (k + 1) * num_labels] for k in range(3))
+    tp, true, pred = totals["tp"], totals["true"], totals["pred"]
     n = true.sum()
     precision = np.divide(tp, pred, out=np.zeros_like(tp), where=pred > 0)
     recall = np.divide(tp, true, out=np.zeros_like(tp), where=true > 0)
     f1 = np.divide(2 * precision * recall, precision + recall, out=np.zeros_like(tp), where=(precision + recall) > 0)
     present = (pred + true) > 0  # sklearn's macro average: classes that are true or predicted
     metrics = {
-        "eval_loss": float(totals[0] / max(n, 1)),
+        "eval_loss": float(totals["loss"] / max(n, 1)),
         "eval_accuracy": float(tp.sum() / max(n, 1)),
         "eval_f1_macro": float(f1[present].mean()) if present.any() else 0.0,
         "eval_samples": int(n),
     }
-    if num_labels <= MAX_CONFUSION_CLASSES:
-        metrics["eval_confusion"] = totals[1 + 3 * num_labels :].reshape(num_labels, num_labels).astype(int).tolist()
+    if "confusion" in totals:
+        metrics["eval_confusion"] = totals["confusion"].reshape(num_labels, num_labels).astype(int).tolist()
     return metrics
 
 

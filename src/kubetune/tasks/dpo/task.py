@@ -36,7 +36,7 @@ from kubetune.data.tokenize import cache_key, tokenizer_fingerprint
 from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
 from kubetune.paths import cache_root, set_default_modes
-from kubetune.tasks.base import Prepared, Presentation, Task, rank_batches, tokenize_on_node
+from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task, rank_batches, tokenize_on_node
 from kubetune.tasks.causal_lm import task as causal_lm
 from kubetune.tasks.causal_lm.data import IGNORE, ensure_chat_template
 from kubetune.tasks.dpo import DPOSpec
@@ -299,10 +299,10 @@ def _pairs(model, batch: PairBatch, autocast) -> tuple[torch.Tensor, torch.Tenso
     return pair_losses(chosen, rejected, ref_chosen, ref_rejected, batch.dpo, answer_tokens)
 
 
-def loss(model, batch: PairBatch, autocast):
+def loss(model, batch: PairBatch, autocast) -> LossOutput:
     """The pairs' summed loss, their count, and the sums of ``METRICS``."""
     losses, stats = _pairs(model, batch, autocast)
-    return losses.sum(), torch.tensor(float(len(losses)), device=losses.device), stats.sum(dim=0)
+    return LossOutput(losses.sum(), torch.tensor(float(len(losses)), device=losses.device), stats.sum(dim=0))
 
 
 def eval_step(model, batch: PairBatch, autocast) -> dict:
@@ -310,21 +310,26 @@ def eval_step(model, batch: PairBatch, autocast) -> dict:
     return {"loss": losses.sum(), "pairs": len(losses), "stats": stats.sum(dim=0)}
 
 
-def eval_totals(stats: list[dict], data: Prepared, device) -> torch.Tensor:
-    totals = torch.zeros(2 + len(METRICS), device=device, dtype=torch.float64)  # loss sum, pairs, METRICS sums
+def eval_totals(stats: list[dict], data: Prepared, device) -> dict[str, torch.Tensor]:
+    """The loss sum, the pairs and the sums of ``METRICS``."""
+    totals = {
+        "loss": torch.zeros((), device=device, dtype=torch.float64),
+        "pairs": torch.zeros((), device=device, dtype=torch.float64),
+        "metrics": torch.zeros(len(METRICS), device=device, dtype=torch.float64),
+    }
     for st in stats:
-        totals[0] += st["loss"].double()
-        totals[1] += st["pairs"]
-        totals[2:] += st["stats"].double()
+        totals["loss"] += st["loss"].double()
+        totals["pairs"] += st["pairs"]
+        totals["metrics"] += st["stats"].double()
     return totals
 
 
-def eval_metrics(totals: np.ndarray, data: Prepared) -> dict:
+def eval_metrics(totals: dict[str, np.ndarray], data: Prepared) -> dict:
     """Means over the held-out pairs: the loss, the reward accuracy, the rewards and their margin."""
-    n = max(float(totals[1]), 1.0)
-    out = {"eval_loss": float(totals[0]) / n}
-    out.update({f"eval_{k}": float(v) / n for k, v in zip(METRICS, totals[2:])})
-    out["eval_pairs"] = int(totals[1])
+    n = max(float(totals["pairs"]), 1.0)
+    out = {"eval_loss": float(totals["loss"]) / n}
+    out.update({f"eval_{k}": float(v) / n for k, v in zip(METRICS, totals["metrics"])})
+    out["eval_pairs"] = int(totals["pairs"])
     out["eval_samples"] = data.eval_rows
     return out
 
