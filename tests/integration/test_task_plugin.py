@@ -1,0 +1,94 @@
+"""A task added from outside src/: tests/toy_task holds a regression task (a number per text)
+that no file in src/ names. An entry point of the group ``kubetune.tasks`` (a ``.dist-info``
+directory on PYTHONPATH, as an installed plugin distribution has) registers it, and the real CLI
+then validates its spec, trains it on 2 processes, exports it, writes its report and predicts
+with it, as for a built-in task."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import MINILM, ROOT, kubetune, write_spec
+
+pytestmark = pytest.mark.integration
+
+TOY = ROOT / "tests" / "toy_task"
+
+
+@pytest.fixture(scope="module")
+def plugin_env(tmp_path_factory) -> dict:
+    site = tmp_path_factory.mktemp("site")
+    info = site / "kubetune_toy_regression-0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kubetune-toy-regression\nVersion: 0\n")
+    (info / "entry_points.txt").write_text("[kubetune.tasks]\nregression = kubetune_toy_regression:ENTRY\n")
+    path = os.pathsep.join(p for p in (str(site), str(TOY), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path}
+
+
+def _spec(train: Path, out: Path, **extra) -> dict:
+    return {
+        "name": "toy-regression",
+        "task": "regression",
+        "model": {"uri": MINILM},
+        "data": {"train": str(train), "target_column": "confidence", "eval_fraction": 0.25, "max_length": 32},
+        "training": {"epochs": 1, "batch_size": 8, "learning_rate": 1e-4, "log_every": 2, "seed": 7},
+        "distributed": {"nodes": 1, "procs_per_node": 2},
+        "output": {"uri": str(out)},
+        **extra,
+    }
+
+
+def test_nothing_in_src_names_the_toy_task():
+    from kubetune.config.tasks import entries
+
+    assert "regression" not in entries()  # this process has no plugin: the task comes only from outside
+    for path in (ROOT / "src").rglob("*.py"):
+        assert "toy_regression" not in path.read_text(encoding="utf-8"), path
+
+
+def test_its_spec_is_validated_with_its_own_sections(plugin_env, small_csv, tmp_path):
+    good = write_spec(tmp_path / "good.yaml", _spec(small_csv, tmp_path / "out", regression={"target_scale": 2.0}))
+    proc = kubetune("validate", str(good), env=plugin_env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    bad = _spec(small_csv, tmp_path / "out", regression={"target_scale": 0})
+    bad["data"]["label_column"] = "sentiment"  # a classification key: not the regression task's
+    proc = kubetune("validate", str(write_spec(tmp_path / "bad.yaml", bad)), env=plugin_env)
+    assert proc.returncode == 2
+    assert "regression.target_scale" in proc.stderr and "data.label_column" in proc.stderr, proc.stderr
+    # the task's own cross check, and the task unknown without the plugin
+    same = _spec(small_csv, tmp_path / "out")
+    same["data"]["text_column"] = "confidence"
+    proc = kubetune("validate", str(write_spec(tmp_path / "same.yaml", same)), env=plugin_env)
+    assert "data.target_column must differ from data.text_column" in proc.stderr, proc.stderr
+    proc = kubetune("validate", str(good))
+    assert proc.returncode == 2 and "task" in proc.stderr and "regression" in proc.stderr, proc.stderr
+
+
+def test_it_trains_on_two_processes_exports_reports_and_predicts(plugin_env, small_csv, tmp_path):
+    out = tmp_path / "out"
+    spec = write_spec(tmp_path / "job.yaml", _spec(small_csv, out, regression={"target_scale": 2.0}))
+    proc = kubetune("run", str(spec), env=plugin_env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["task"] == "regression" and metrics["world_size"] == 2
+    assert metrics["eval_mse"] > 0 and metrics["eval_mae"] > 0 and metrics["eval_samples"] == metrics["eval_rows"]
+    # the targets (confidence in [0, 1]) were doubled by the task's own section
+    assert 2 * 0.3 < metrics["target_mean"] <= 2.0
+    saved = yaml.safe_load((out / "job.yaml").read_text())
+    assert saved["task"] == "regression" and saved["regression"] == {"target_scale": 2.0}
+    assert (out / "model" / "model.safetensors").exists() and (out / "plots" / "eval_metrics.png").exists()
+    assert "eval MSE" in (out / "report.html").read_text()
+
+    proc = kubetune("predict", str(out), "--json", "great flight, thanks", "lost my bag again", env=plugin_env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads(proc.stdout)
+    assert [r["text"] for r in results] == ["great flight, thanks", "lost my bag again"]
+    assert all(isinstance(r["value"], float) for r in results)
+    # the task's own options: a generation option is refused for this model
+    proc = kubetune("predict", str(out), "--seed", "3", "a text", env=plugin_env)
+    assert proc.returncode == 2 and "--seed" in proc.stderr, proc.stderr
