@@ -183,14 +183,15 @@ def run(
     checkpoint (run the same command again to resume)."""
     import time
 
+    from kubetune.backends import base
     from kubetune.config import load_spec
     from kubetune.config.load import resolve_data_paths
+    from kubetune.launch import Stopped, WorkerFailed
 
     started = time.time()
     job = record = None
+    backend = base.get("local")  # `kubetune run` is the local backend's run, in the foreground
     try:
-        from kubetune.backends import local, local_runs
-
         job = load_spec(
             spec,
             [
@@ -200,13 +201,13 @@ def run(
             ],
         )
         job = resolve_data_paths(job, spec.parent)  # relative data paths: next to the spec file
-        record = local_runs.record_run(job)  # what `kubetune status NAME` reads from another shell
+        record = backend.record_run(job)  # what `kubetune status NAME` reads from another shell
         if preflight and _preflight(job) == "done":
             return
-        local.run(job, local_addr=local_addr)
+        backend.run(job, local_addr=local_addr)
     except KubetuneError as e:
         _fail(e)
-    except Interrupted:  # first: `local` may not be imported yet
+    except Interrupted:
         # Ctrl-C before the workers started (reading the spec, checking model and data); once they
         # run, the elastic launcher takes the signal and the workers stop at a step boundary.
         typer.echo(
@@ -217,17 +218,17 @@ def run(
             err=True,
         )
         raise typer.Exit(130) from None
-    except local.WorkerFailed as e:
+    except WorkerFailed as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None
-    except local.Stopped as e:
+    except Stopped as e:
         typer.echo(f"stopped: {e} — {_after_stop(job, started)}", err=True)
         raise typer.Exit(143) from None
     finally:
         if record is not None:
             ended = sys.exc_info()[1]
             code = 0 if ended is None else ended.exit_code if isinstance(ended, typer.Exit) else 1
-            local_runs.end_run(record, code)
+            backend.end_run(record, code)
 
 
 def _where(job) -> str:
@@ -435,12 +436,12 @@ def render(
     ] = None,
 ) -> None:
     """Print the Kubernetes objects for a job spec (multi-document YAML); touches no cluster."""
-    from kubetune.backends import manifests
+    from kubetune.backends import base, manifests
     from kubetune.config import load_spec
 
     try:
-        if target not in ("pytorchjob", "trainjob"):
-            raise KubetuneError(f"unknown target {target!r}", field="--target", fix="use pytorchjob or trainjob")
+        if target not in base.CLUSTER:
+            raise KubetuneError(f"unknown target {target!r}", field="--target", fix=f"use {' or '.join(base.CLUSTER)}")
         _check_namespace(namespace)
         job = load_spec(spec, set_)
         rendered = manifests.render(job, namespace or job.kubernetes.namespace or "default", target)
@@ -482,24 +483,33 @@ def _check_namespace(namespace: str | None) -> None:
         raise KubetuneError(problem, field="--namespace", fix="pass a valid namespace, e.g. -n kubeflow")
 
 
-def _backend(namespace, context, kubeconfig, target="pytorchjob"):
-    """The cluster backend registered as ``target`` (the local one runs through `kubetune run`)."""
+def _backend(namespace, context, kubeconfig, target, here=False):
+    """The backend registered as ``target`` as this command line reaches it: a cluster backend with
+    these connection options; ``here``: also a backend on this machine, over the runs recorded there
+    (a `kubetune run` is driven from its own terminal, so submit, logs, wait and delete refuse it)."""
     from kubetune.backends import base
 
+    if here and target in base.REGISTRY and target not in base.CLUSTER:
+        return base.reach(target)
     _check_namespace(namespace)
-    if target == "local" or target not in base.REGISTRY:
-        raise KubetuneError(f"unknown target {target!r}", field="--target", fix="use pytorchjob or trainjob")
-    return base.get(target, namespace=namespace, kubeconfig=kubeconfig, context=context)
+    if target not in base.CLUSTER:
+        raise KubetuneError(f"unknown target {target!r}", field="--target", fix=f"use {' or '.join(base.CLUSTER)}")
+    return base.reach(target, namespace=namespace, kubeconfig=kubeconfig, context=context)
 
 
-def _job_backend(name, namespace, context, kubeconfig, target):
-    """The backend of the job called ``name``: its kind as given, else as found on the cluster."""
+def _job_backend(name, namespace, context, kubeconfig, target, here=False):
+    """The backend of the job called ``name``: ``target``'s; without one, (``here``) a `kubetune run`
+    of that name recorded on this machine unless a cluster option is given, else the cluster backend
+    of the job's kind as found on the cluster."""
+    from kubetune.backends import base
+
     if target is not None:
-        return _backend(namespace, context, kubeconfig, target)
-    from kubetune.backends.kubeflow import KubeflowBackend
-
+        return _backend(namespace, context, kubeconfig, target, here)
+    found = base.recorded(name) if here and not (namespace or context or kubeconfig) else None
+    if found is not None:
+        return found
     _check_namespace(namespace)
-    return KubeflowBackend.of_job(name, namespace=namespace, kubeconfig=kubeconfig, context=context)
+    return base.of_job(name, namespace=namespace, kubeconfig=kubeconfig, context=context)
 
 
 @app.command()
@@ -545,20 +555,8 @@ def status(
     --context, --kubeconfig or a cluster --target is given), else the job on the cluster."""
     import dataclasses
 
-    from kubetune.backends import local_runs
-
     try:
-        # a `kubetune run` of that name on this machine first, unless a cluster target is named
-        local = target == "local" or (target is None and not (namespace or context or kubeconfig))
-        st = local_runs.recorded_status(name) if local else None
-        if st is None and target == "local":
-            raise KubetuneError(
-                f"no `kubetune run` of job {name!r} on this machine",
-                field="name",
-                fix=f"check the name (the spec's `name`), or look in {local_runs.runs_dir()}",
-            )
-        if st is None:
-            st = _job_backend(name, namespace, context, kubeconfig, target).status(name)
+        st = _job_backend(name, namespace, context, kubeconfig, target, here=True).status(name)
     except KubetuneError as e:
         _fail(e)
     if as_json:
@@ -743,13 +741,8 @@ def list_jobs(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """List kubetune jobs in the namespace; `--target local`: every `kubetune run` recorded on this machine."""
-    from kubetune.backends import local_runs
-
     try:
-        if target == "local":
-            jobs = local_runs.recorded_runs()
-        else:
-            jobs = _backend(namespace, context, kubeconfig, target).list()
+        jobs = _backend(namespace, context, kubeconfig, target, here=True).list()
     except KubetuneError as e:
         _fail(e)
     if as_json:

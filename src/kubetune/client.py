@@ -3,25 +3,26 @@
     from kubetune import Client
     client = Client(backend="local")            # or "kubeflow", with namespace= / context= / kubeconfig=
     job = client.train("examples/sentiment-minilm.yaml", overrides=["training.max_steps=20"])
-    status = job.wait()                         # a JobStatus on both backends: .phase, .reason, .log_tail
+    status = job.wait()                         # a JobStatus on every backend: .phase, .reason, .log_tail
     print(status.phase, *job.logs(tail=5), sep="\\n")
     client.list()                               # [{"name", "phase", "created"}, ...]
 
 The local backend runs ``kubetune run`` in a background process; the cluster backends submit
-a PyTorchJob (or TrainJob) and reads its status, logs and completion from the cluster. Both
-handles answer the same calls with the same types: ``status()`` and ``wait()`` return a
-:class:`~kubetune.backends.kubeflow.JobStatus`, ``logs()`` takes ``follow``, ``rank``,
+a PyTorchJob (or TrainJob) and read its status, logs and completion from the cluster. Every
+backend hands back the same handle, :class:`Job`, whose calls go through the backend protocol
+(``kubetune.backends.base.Backend``): ``status()`` and ``wait()`` return a
+:class:`~kubetune.backends.status.JobStatus`, ``logs()`` takes ``follow``, ``rank``,
 ``all_ranks`` and ``tail``, and ``wait(timeout)`` raises ``WaitTimeout``.
 """
 
 from __future__ import annotations
 
 import json
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kubetune.backends.local_runs import LocalJob
 from kubetune.backends.status import JobStatus
 from kubetune.config import JobSpec, load_spec, parse_spec
 from kubetune.errors import KubetuneError
@@ -36,42 +37,50 @@ def _as_spec(spec: JobSpec | dict | str | Path, overrides: list[str] | None) -> 
 class Client:
     """Entry point: ``Client(backend="local" | "kubeflow" | "pytorchjob" | "trainjob", **backend_options)``.
 
-    The backends are those of ``kubetune.backends.base.REGISTRY``. Cluster options are
-    ``namespace`` (default: the spec's ``kubernetes.namespace`` for ``train``, else the
-    context's), ``kubeconfig`` and ``context``; ``kubeflow`` also takes ``target``
-    (``pytorchjob`` or ``trainjob``; default: PyTorchJob at ``train``, the job's kind as found on
-    the cluster at ``get``). The local backend takes none.
+    The backends are those of ``kubetune.backends.base.REGISTRY``; ``kubeflow`` (the Kubeflow SDK's
+    name) stands for its cluster backends. Cluster options are ``namespace`` (default: the spec's
+    ``kubernetes.namespace`` for ``train``, else the context's), ``kubeconfig`` and ``context``;
+    ``kubeflow`` also takes ``target`` (``pytorchjob`` or ``trainjob``; default: PyTorchJob at
+    ``train``, the job's kind as found on the cluster at ``get``). The local backend takes none.
     """
 
     def __init__(self, backend: str = "local", **options: Any):
-        from kubetune.backends.base import REGISTRY
+        from kubetune.backends import base
 
-        if backend not in (*REGISTRY, "kubeflow"):
+        known = [*base.REGISTRY, *base.GROUPS]
+        if backend not in known:
+            raise KubetuneError(f"unknown backend {backend!r}", field="backend", fix=f"use one of {', '.join(known)}")
+        if options and not set(base.GROUPS.get(backend, (backend,))) <= set(base.CLUSTER):
             raise KubetuneError(
-                f"unknown backend {backend!r}", field="backend", fix=f"use one of {', '.join([*REGISTRY, 'kubeflow'])}"
-            )
-        if backend == "local" and options:
-            raise KubetuneError(
-                f"the local backend takes no options, got {sorted(options)}",
+                f"the {backend} backend takes no options, got {sorted(options)}",
                 field="backend",
                 fix="drop them, or use backend='kubeflow'",
             )
-        if backend in REGISTRY and backend != "local":  # the target is the backend's name
+        if backend in base.CLUSTER:  # the target is the backend's name
             options = {**options, "target": backend}
-        self.backend = "local" if backend == "local" else "kubeflow"
+        self.backend = backend
         self.options = options
 
-    def _backend(self, namespace: str | None = None, target: str | None = None):
+    def _names(self) -> tuple[str, ...]:
+        """The registered backends this client's jobs may be on: its target's, or its group's."""
         from kubetune.backends import base
 
-        if self.backend == "local":
-            return base.get("local")
-        options = {"namespace": namespace, **self.options}
-        return base.get(target or options.pop("target", "pytorchjob"), **options)
+        target = self.options.get("target")
+        return (target,) if target else base.GROUPS.get(self.backend, (self.backend,))
+
+    def _backend(self, namespace: str | None = None):
+        """The backend new jobs go to (the first of ``_names``), with this client's options."""
+        from kubetune.backends import base
+
+        name = self._names()[0]
+        options = {k: v for k, v in self.options.items() if k != "target"}
+        if name in base.CLUSTER:
+            options = {"namespace": namespace, **options}
+        return base.get(name, **options)
 
     def train(
         self, spec: JobSpec | dict | str | Path, overrides: list[str] | None = None, replace: bool = False
-    ) -> LocalJob | KubeflowJob:
+    ) -> Job:
         """Start a job from a spec object, a dict or a YAML path; returns a handle at once.
 
         Args:
@@ -87,25 +96,22 @@ class Client:
         job_spec = _as_spec(spec, overrides)
         backend = self._backend(job_spec.kubernetes.namespace)
         name = backend.submit(job_spec, replace=replace)
-        return backend.job(name) if self.backend == "local" else KubeflowJob(backend, name, spec=job_spec)
+        return _handle(backend.for_job(name), name, job_spec)
 
-    def get(self, name: str) -> LocalJob | KubeflowJob:
+    def get(self, name: str) -> Job:
         """A handle on an existing job: one on the cluster (kubeflow), or one started from this
-        Python process (local).
+        Python process (local; the handle ``train`` returned while it is referenced).
 
         Raises:
             KubetuneError: no such job.
         """
-        if self.backend == "local":
-            return self._backend().job(name)
-        if "target" in self.options:
+        from kubetune.backends import base
+
+        if len(self._names()) == 1:
             backend = self._backend()
         else:  # the job's kind as found on the cluster
-            from kubetune.backends.kubeflow import KubeflowBackend
-
-            backend = KubeflowBackend.of_job(name, **{"namespace": None, **self.options})
-        backend.get(name)  # a clear not-found error now, not at the first status()
-        return KubeflowJob(backend, name)
+            backend = base.of_job(name, **{"namespace": None, **self.options})
+        return _handle(backend.for_job(name), name)  # for_job: a clear not-found error now
 
     def list(self) -> list[dict[str, str]]:
         """The jobs: ``[{"name", "phase", "created"}]``, as `kubetune list` prints them; on the
@@ -113,31 +119,66 @@ class Client:
         return self._backend().list()
 
 
-class KubeflowJob:
-    """A submitted PyTorchJob/TrainJob."""
+# One handle per job while it is referenced: Client.get of a local run gives back the handle
+# train() returned (a backend's for_job gives one backend object per local run).
+_HANDLES: weakref.WeakValueDictionary[tuple[Any, str], Job] = weakref.WeakValueDictionary()
+
+
+def _handle(backend, name: str, spec: JobSpec | None = None) -> Job:
+    job = _HANDLES.get((backend, name))
+    if job is None:
+        job = _HANDLES[(backend, name)] = Job(backend, name, spec)
+    return job
+
+
+class Job:
+    """A handle on one job, whichever backend runs it (what ``Client.train`` and ``Client.get``
+    return): each call is the backend protocol's call on the job's name, on ``backend`` (the one
+    the backend's ``for_job`` gave: a local run's handle keeps answering for that run after a
+    later run took its name)."""
 
     def __init__(self, backend, name: str, spec: JobSpec | None = None):
-        self.backend, self.name, self.spec = backend, name, spec
+        self.backend, self.name, self._spec = backend, name, spec
+
+    @property
+    def spec(self) -> JobSpec | None:
+        """The spec the job was started with (None once the job is gone)."""
+        if self._spec is None:
+            self._spec = self.backend.spec_of(self.name)
+        return self._spec
+
+    @property
+    def output(self) -> Path | None:
+        """The directory on this machine the job writes its output to (a local run's); None for a
+        cluster job, whose ``status().output`` says where its artifacts are."""
+        return self.backend.output_dir(self.name)
 
     def status(self) -> JobStatus:
-        """Phase, replica counts, restarts, pods, and why a pod failed (with its log tail)."""
+        """Phase, replica counts, restarts, pods, and why the job failed (with its log tail)."""
         return self.backend.status(self.name)
 
     def wait(self, timeout: float | None = None) -> JobStatus:
-        """Block until Succeeded or Failed (a watch); raises ``WaitTimeout`` after ``timeout`` s."""
+        """Block until Succeeded or Failed; raises ``WaitTimeout`` after ``timeout`` s."""
         return self.backend.wait(self.name, timeout)
 
     def progress(self) -> dict | None:
-        """Rank 0's progress (step, total_steps, epoch, loss, lr, samples_per_s, eta_s, last_eval), read
-        from its log; None before its first progress line."""
+        """Rank 0's progress (step, total_steps, epoch, loss, lr, samples_per_s, eta_s, last_eval);
+        None before its first progress line."""
         return self.status().progress
 
     def metrics(self) -> dict | None:
-        """A succeeded job's metrics: its whole metrics.json where the CLI can read the output (s3://),
-        else the headline metrics of rank 0's last log line; None before it succeeded."""
+        """A succeeded job's metrics: its whole metrics.json where this machine can read the output
+        (a local run's directory, s3://), else the headline metrics of rank 0's last log line; None
+        before it succeeded."""
         st = self.status()
-        if st.phase != "Succeeded":
+        if st.phase != "Succeeded":  # an earlier run's metrics.json may still be there
             return None
+        here = self.backend.output_dir(self.name)
+        if here is not None:
+            try:
+                return json.loads((here / "metrics.json").read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                return None
         spec = self.backend.spec_of(self.name)
         if spec is not None and spec.output.uri.startswith("s3://"):
             from kubetune import providers
@@ -152,13 +193,21 @@ class KubeflowJob:
     def logs(
         self, follow: bool = False, rank: int | None = None, all_ranks: bool = False, tail: int | None = None
     ) -> Iterator[str]:
-        """Lines of the pod with node rank ``rank`` (default 0), or of every pod (``all_ranks``),
-        each prefixed ``[node N]``; ``tail``: only the last N lines of each pod."""
+        """The job's lines: on a cluster, those of the pod with node rank ``rank`` (default 0) or of
+        every pod (``all_ranks``), each prefixed ``[node N]``; a local run's one log holds every
+        process's (its only node rank is 0). ``follow``: until the job ends; ``tail``: only the
+        last N lines of each log.
+
+        Raises:
+            KubetuneError: no such rank, or ``tail`` is negative.
+        """
         return self.backend.logs(self.name, follow=follow, rank=rank, all_ranks=all_ranks, tail=tail)
 
-    def delete(self, storage: bool = False) -> list[str]:
-        """Delete the job; its workspace claim (the output) only with ``storage``.
+    def delete(self, storage: bool = False, timeout: float | None = None) -> list[str]:
+        """Delete the job; a cluster job's workspace claim (the output) only with ``storage`` (a
+        local run's output is never deleted). A local run gets SIGTERM, so it writes a
+        checkpoint, and is killed after ``timeout`` seconds (default: its shutdown grace plus 10 s).
 
         Returns notes on what was kept or removed.
         """
-        return self.backend.delete(self.name, storage=storage)
+        return self.backend.delete(self.name, storage=storage, timeout=timeout)

@@ -1,5 +1,5 @@
-"""The Python client's local handle answers like the Kubeflow one: status()/wait() return a
-JobStatus, logs() takes follow/rank/all_ranks/tail, Client.list/get see the runs, and
+"""The Python client's handle on a local run answers like one on a cluster job (it is the same
+class, Job): status()/wait() return a JobStatus, logs() takes follow/rank/all_ranks/tail, Client.list/get see the runs, and
 train(replace=...) refuses or replaces a run of the same name. A small Python script stands in
 for `kubetune run` (backends.local_runs.run_command), so these run in a second; the real run is covered by
 tests/integration/test_pod_commands.py and the notebook test."""
@@ -16,7 +16,7 @@ import pytest
 
 from kubetune.backends import local_runs as client_mod
 from kubetune.backends.status import JobStatus, WaitTimeout
-from kubetune.client import Client, KubeflowJob, LocalJob
+from kubetune.client import Client, Job
 from kubetune.errors import KubetuneError
 
 SPEC = {"name": "demo", "model": {"uri": "m"}, "data": {"train": "train.csv"}, "output": {"uri": "runs/demo"}}
@@ -34,7 +34,7 @@ def fake_run(monkeypatch, tmp_path):
         job.delete(timeout=5)
 
 
-def _train(script, body: str, name: str = "demo", **kwargs) -> LocalJob:
+def _train(script, body: str, name: str = "demo", **kwargs) -> Job:
     # Replaced, not rewritten in place: a run started just before may still be starting up, and
     # would read a truncated script (and exit 0) if the file were rewritten under it.
     staged = script.with_suffix(".new")
@@ -194,15 +194,11 @@ def test_local_client_takes_no_backend_options():
         Client("local", namespace="team-a")
 
 
-@pytest.mark.parametrize("method", ["status", "wait", "logs", "delete"])
-def test_both_handles_have_the_same_calls(method):
-    local, kubeflow = inspect.signature(getattr(LocalJob, method)), inspect.signature(getattr(KubeflowJob, method))
-    if (
-        method == "delete"
-    ):  # the local one may be given how long to wait before killing; the cluster one whether to delete the workspace claim
-        assert list(kubeflow.parameters) == ["self", "storage"] and list(local.parameters) == ["self", "timeout"]
-        assert kubeflow.parameters["storage"].default is False  # the output outlives the job unless asked
-        return
-    assert local.parameters.keys() == kubeflow.parameters.keys()
-    assert [p.default for p in local.parameters.values()] == [p.default for p in kubeflow.parameters.values()]
-    assert local.return_annotation == kubeflow.return_annotation
+def test_one_handle_class_has_every_backends_calls():
+    # What LocalJob and KubeflowJob were is one class: its delete takes the cluster's storage (the
+    # output outlives the job unless asked) and the local run's timeout (how long to wait before
+    # killing it); train and get return it on every backend (tests/unit/test_backend_protocol.py).
+    delete = inspect.signature(Job.delete)
+    assert list(delete.parameters) == ["self", "storage", "timeout"]
+    assert delete.parameters["storage"].default is False and delete.parameters["timeout"].default is None
+    assert inspect.signature(Client.train).return_annotation == inspect.signature(Client.get).return_annotation == "Job"

@@ -1,10 +1,14 @@
 """The backend seam: one protocol every place a job can run implements, and the name registry the
-CLI and the Python client pick a backend from. A new backend is one module and one line here."""
+CLI and the Python client pick a backend from. A new backend is one module and one line here.
+What differs between backends for their callers (which take cluster connection options, which
+a command line reaches a job of by name) is said here too, so that the CLI and the client never
+branch on a backend's name."""
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Protocol
 
 from kubetune.backends.status import JobStatus
@@ -34,6 +38,15 @@ class Backend(Protocol):
     def spec_of(self, name: str) -> JobSpec | None:
         """The job's spec as it was submitted (None once the job is gone)."""
 
+    def for_job(self, name: str) -> Backend:
+        """The backend a handle on job ``name`` holds (``kubetune.client.Job``): it answers for
+        that job from then on, also where a later job takes the name (a replaced local run).
+        Raises ``KubetuneError`` when there is no job of that name."""
+
+    def output_dir(self, name: str) -> Path | None:
+        """The directory on this machine the job writes its output to; None for a job that runs
+        elsewhere (its ``status().output`` says where its artifacts are)."""
+
 
 # name -> "module:class" (imported on first use: the cluster backends load the Kubernetes client)
 REGISTRY = {
@@ -41,6 +54,14 @@ REGISTRY = {
     "pytorchjob": "kubetune.backends.kubeflow:PyTorchJobBackend",
     "trainjob": "kubetune.backends.kubeflow:TrainJobBackend",
 }
+# The backends whose jobs are on a cluster: they take the connection options (namespace,
+# kubeconfig, context), and any process reaches their jobs by name (`kubetune submit`, `logs`,
+# `wait`, `delete`). The others run jobs on this machine: such a run belongs to the process that
+# started it, and a command line in another shell reads its record (`status`, `list`).
+CLUSTER = ("pytorchjob", "trainjob")
+# Client(backend="kubeflow"), the Kubeflow SDK's name: the cluster backends (its ``target`` option
+# picks one; without it a job's kind is found on the cluster, and new jobs are PyTorchJobs).
+GROUPS = {"kubeflow": CLUSTER}
 
 
 def get(name: str, **options: Any) -> Backend:
@@ -55,3 +76,46 @@ def get(name: str, **options: Any) -> Backend:
         )
     module, _, cls = REGISTRY[name].partition(":")
     return getattr(importlib.import_module(module), cls)(**options)
+
+
+def reach(
+    name: str, namespace: str | None = None, kubeconfig: str | None = None, context: str | None = None
+) -> Backend:
+    """The backend registered as ``name`` as a command line reaches it: a cluster backend with
+    these connection options; a backend on this machine over the runs recorded there (the
+    connection options mean nothing to it).
+
+    Raises:
+        KubetuneError: no backend of that name.
+    """
+    if name in CLUSTER:
+        return get(name, namespace=namespace, kubeconfig=kubeconfig, context=context)
+    return get(name, recorded=True)
+
+
+def recorded(name: str) -> Backend | None:
+    """The backend on this machine (as ``reach`` makes it) with a run of job ``name`` recorded, or
+    None.
+
+    Raises:
+        KubetuneError: ``name`` is not a job name, or its record is broken.
+    """
+    for here in [n for n in REGISTRY if n not in CLUSTER]:
+        backend = reach(here)
+        if backend.has(name):
+            return backend
+    return None
+
+
+def of_job(
+    name: str, namespace: str | None = None, kubeconfig: str | None = None, context: str | None = None
+) -> Backend:
+    """The cluster backend of job ``name``'s kind, as found on the cluster (a PyTorchJob or a
+    TrainJob); the PyTorchJob backend when there is no such job, whose calls then say so.
+
+    Raises:
+        KubetuneError: both kinds have a job of that name, or the cluster cannot be reached.
+    """
+    from kubetune.backends.kubeflow import KubeflowBackend
+
+    return KubeflowBackend.of_job(name, namespace=namespace, kubeconfig=kubeconfig, context=context)

@@ -415,6 +415,20 @@ class KubeflowBackend:
             result.progress = progress_from_log(self._tail(master.name, PROGRESS_LINES))
         return result
 
+    def for_job(self, name: str) -> KubeflowBackend:
+        """This backend, once job ``name`` is found: a cluster job is its name, so a handle follows
+        whichever job has it.
+
+        Raises:
+            KubetuneError: no such job (or the cluster cannot be read).
+        """
+        self.get(name)
+        return self
+
+    def output_dir(self, name: str) -> None:
+        """None: a cluster job writes its output in its pods (``status().output`` says where)."""
+        return None
+
     def spec_of(self, name: str):
         """The job's spec, read from its ConfigMap (None once the job, and with it the ConfigMap, is gone)."""
         import yaml
@@ -569,10 +583,11 @@ class KubeflowBackend:
         return self.status(name)
 
     # ---- delete / list ----
-    def delete(self, name: str, storage: bool = False) -> list[str]:
+    def delete(self, name: str, storage: bool = False, **_: object) -> list[str]:
         """Delete the job (its ConfigMap and TensorBoard go with it). The workspace claim kubetune
         created for it, which holds the output, stays unless ``storage`` (a claim named by
-        ``existing_claim`` is never deleted).
+        ``existing_claim`` is never deleted). The deletion goes on in the background: a local
+        run's ``timeout`` means nothing here.
 
         Returns:
             What was kept or removed, one line each (for the CLI to print).

@@ -1,6 +1,8 @@
-"""The local backend of the Python client and notebooks: a `kubetune run` of a spec in a background
-process on this machine, as a handle (``LocalJob``) and behind the ``Backend`` protocol
-(``LocalBackend``). The launcher that run uses is ``backends/local.py``."""
+"""The local backend (``LocalBackend``, registered as ``local``): jobs on this machine behind the
+``Backend`` protocol. The Python client's runs are `kubetune run` in a background process
+(``_LocalRun``, one per run started from this Python process); `kubetune run` itself, in the
+foreground, is the backend's ``run`` (its launcher is ``backends/local.py``) and leaves a record
+that ``LocalBackend(recorded=True)`` reads from another shell (`kubetune status`, `list`)."""
 
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ _LOG_TAIL = 20
 
 # Local runs started from this Python process, by job name: what Client.list/get and
 # train(replace=...) see on the local backend (a notebook often makes a new Client per cell).
-_LOCAL_JOBS: dict[str, LocalJob] = {}
+_LOCAL_JOBS: dict[str, _LocalRun] = {}
 
 
 def run_command(spec_file: Path) -> list[str]:
@@ -46,15 +48,18 @@ def run_command(spec_file: Path) -> list[str]:
     return [sys.executable, "-m", "kubetune", "run", str(spec_file)]
 
 
-class LocalJob:
-    """A `kubetune run` in a background process on this machine (its own process group)."""
+class _LocalRun:
+    """A `kubetune run` in a background process on this machine (its own process group): what the
+    local backend keeps of each run it started. Not a handle: handles are ``kubetune.client.Job``,
+    which hold ``backend`` (the local backend bound to this run)."""
 
     def __init__(self, spec: JobSpec, proc: subprocess.Popen, log_path: Path):
         self.spec, self.name, self._proc, self.log_path = spec, spec.name, proc, log_path
         self.created = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        self.backend = _RunBackend(self)
 
     @classmethod
-    def start(cls, spec: JobSpec, replace: bool = False) -> LocalJob:
+    def start(cls, spec: JobSpec, replace: bool = False) -> _LocalRun:
         """Start ``kubetune run`` on ``spec`` in the background.
 
         Raises:
@@ -126,8 +131,7 @@ class LocalJob:
 
         Args:
             follow: keep yielding new lines until the run ends.
-            rank: node rank; a local run is one node, 0 (the argument exists for the kubeflow
-                handle's signature).
+            rank: node rank; a local run is one node, 0 (the argument is the cluster backends').
             all_ranks: accepted for the same reason: the one log already holds every local process.
             tail: start with only the last ``tail`` lines written so far.
 
@@ -208,38 +212,24 @@ class LocalJob:
             os.killpg(self._proc.pid, signal.SIGKILL)
             self._proc.wait()
 
-    def progress(self) -> dict | None:
-        """Rank 0's progress.json (step, total_steps, epoch, loss, lr, rates, eta_s, last_eval), or None."""
-        from kubetune.training.loggers import read_progress
-
-        return read_progress(self.output)
-
-    def metrics(self) -> dict | None:
-        """The finished run's metrics.json, or None before it succeeded."""
-        if self.status().phase != "Succeeded":  # an earlier run's metrics.json may still be there
-            return None
-        try:
-            return json.loads((self.output / "metrics.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return None
-
     @property
     def output(self) -> Path:
         return Output.resolve(self.spec.output.uri).local
 
 
 class LocalBackend:
-    """The ``Backend`` protocol over the runs started from this Python process, by job name."""
+    """The ``Backend`` protocol on this machine, by job name: the runs started from this Python
+    process (``submit`` starts `kubetune run` in the background); with ``recorded``, ``status`` and
+    ``list`` answer from the records every `kubetune run` on this machine leaves instead (what a
+    command line in another shell reads: `kubetune status`, `list --target local`).
 
-    def submit(self, spec: JobSpec, replace: bool = False) -> str:
-        return LocalJob.start(spec, replace=replace).name
+    Beside the protocol, ``run``, ``record_run`` and ``end_run`` are `kubetune run` itself: the
+    job in the foreground, and its record."""
 
-    def job(self, name: str) -> LocalJob:
-        """The handle of run ``name``.
+    def __init__(self, recorded: bool = False):
+        self.recorded = recorded
 
-        Raises:
-            KubetuneError: no run of that name was started from this process.
-        """
+    def _run(self, name: str) -> _LocalRun:
         if name not in _LOCAL_JOBS:
             started = ", ".join(sorted(_LOCAL_JOBS)) or "none"
             raise KubetuneError(
@@ -248,26 +238,97 @@ class LocalBackend:
             )
         return _LOCAL_JOBS[name]
 
+    def submit(self, spec: JobSpec, replace: bool = False) -> str:
+        return _LocalRun.start(spec, replace=replace).name
+
+    def for_job(self, name: str) -> LocalBackend:
+        """The backend bound to run ``name``: it answers for that run also after another run of
+        the same name replaced it, or after it was deleted.
+
+        Raises:
+            KubetuneError: no run of that name was started from this process.
+        """
+        return self._run(name).backend
+
+    def has(self, name: str) -> bool:
+        """Whether there is a run of that name (``recorded``: a record of it on this machine).
+
+        Raises:
+            KubetuneError: ``recorded``, and ``name`` is not a job name or its record is broken.
+        """
+        return _record(name) is not None if self.recorded else name in _LOCAL_JOBS
+
     def status(self, name: str) -> JobStatus:
-        return self.job(name).status()
+        if not self.recorded:
+            return self._run(name).status()
+        status = recorded_status(name)
+        if status is None:
+            raise KubetuneError(
+                f"no `kubetune run` of job {name!r} on this machine",
+                field="name",
+                fix=f"check the name (the spec's `name`), or look in {runs_dir()}",
+            )
+        return status
 
     def logs(self, name: str, follow: bool = False, tail: int | None = None, **options: Any) -> Iterator[str]:
-        return self.job(name).logs(follow=follow, tail=tail, **options)  # rank/all_ranks checked by the handle
+        return self._run(name).logs(follow=follow, tail=tail, **options)  # rank/all_ranks checked by the run
 
     def wait(self, name: str, timeout: float | None = None) -> JobStatus:
-        return self.job(name).wait(timeout)
+        return self._run(name).wait(timeout)
 
     def delete(self, name: str, timeout: float | None = None, **_: object) -> list[str]:
-        job = self.job(name)
-        job.delete(timeout)  # a local run's output is never deleted (no storage option here)
-        return [f"its output and checkpoints stay in {job.output}"]
+        run = self._run(name)
+        run.delete(timeout)  # a local run's output is never deleted (no storage option here)
+        return [f"its output and checkpoints stay in {run.output}"]
 
     def list(self) -> list[dict]:
-        return [{"name": j.name, "phase": j.status().phase, "created": j.created} for j in _LOCAL_JOBS.values()]
+        if self.recorded:
+            return recorded_runs()
+        return [{"name": r.name, "phase": r.status().phase, "created": r.created} for r in _LOCAL_JOBS.values()]
 
     def spec_of(self, name: str) -> JobSpec | None:
-        job = _LOCAL_JOBS.get(name)
-        return job.spec if job is not None else None
+        try:
+            return self._run(name).spec
+        except KubetuneError:
+            return None
+
+    def output_dir(self, name: str) -> Path:
+        """Where run ``name`` writes its output on this machine (the staging directory of an
+        s3:// or hf:// output)."""
+        return self._run(name).output
+
+    # ---- `kubetune run`: the job in the foreground, and its record ----
+    def run(self, spec: JobSpec, local_addr: str | None = None) -> dict[int, object]:
+        """Run ``spec`` on this machine under torch elastic; blocks until the workers finish.
+
+        Raises:
+            KubetuneError: a worker stopped on a user error.
+            Stopped: SIGTERM/SIGINT stopped the run after a checkpoint.
+            WorkerFailed: a worker crashed or was killed (names the rank and its exit code).
+        """
+        from kubetune.backends import local  # torch's elastic launcher: imported only to run
+
+        return local.run(spec, local_addr=local_addr)
+
+    def record_run(self, spec: JobSpec) -> Path | None:
+        """Record that this process runs ``spec`` (what `kubetune status NAME` reads from another
+        shell); returns the record's path, None where the state directory cannot be written."""
+        return record_run(spec)
+
+    def end_run(self, record: Path, code: int) -> None:
+        """Note in ``record`` that the run exited with ``code``."""
+        end_run(record, code)
+
+
+class _RunBackend(LocalBackend):
+    """The local backend bound to one run: what a handle on that run holds (``for_job``)."""
+
+    def __init__(self, run: _LocalRun):
+        super().__init__()
+        self._own = run
+
+    def _run(self, name: str) -> _LocalRun:
+        return self._own if name == self._own.name else super()._run(name)
 
 
 def _decode(line: bytes) -> str:
