@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from kubetune.backends.status import WaitTimeout
-from kubetune.client import Client, KubeflowJob, LocalJob
+from kubetune.client import Client, Job
 from kubetune.compat.kubeflow.errors import JobError, JobTimeout, Problems, UnsupportedParameter, job_errors, refuse
 from kubetune.compat.kubeflow.translate import spec_from_train
 from kubetune.errors import SpecError
@@ -88,7 +88,7 @@ class TrainingClient:
         self.job_kind = JOB_KIND
         self._options = {k: v for k, v in (("kubeconfig", config_file), ("context", context)) if v is not None}
         self._clients: dict[str | None, Client] = {}
-        self._jobs: dict[tuple[str | None, str], LocalJob | KubeflowJob] = {}
+        self._jobs: dict[tuple[str | None, str], Job] = {}
 
     # ---- train
 
@@ -157,7 +157,7 @@ class TrainingClient:
             handle = self._client(ns).train(job_spec)  # validated above, overrides applied
         self._jobs[(ns, job_spec.name)] = handle
 
-    def kubetune_job(self, name: str, namespace: str | None = None) -> LocalJob | KubeflowJob:
+    def kubetune_job(self, name: str, namespace: str | None = None) -> Job:
         """kubetune's own handle on a job (``status()``, ``wait()``, ``logs()``, ``output``).
 
         Raises:
@@ -194,7 +194,7 @@ class TrainingClient:
         _raise_kind(job_kind)
         handle = self.kubetune_job(name, namespace)
         with job_errors():
-            if isinstance(handle, LocalJob):
+            if self.backend == "local":
                 return _job_model(_local_object(handle))
             return _job_model(handle.backend.get(name))
 
@@ -336,7 +336,7 @@ class TrainingClient:
 
         logs: dict[str, list[str]] = {}
         with job_errors():
-            for pod, line in _pod_lines(handle, name, wanted, follow):
+            for pod, line in _pod_lines(handle, name, wanted, follow, local=self.backend == "local"):
                 if follow:
                     print(f"[Pod {pod}]: {line}", flush=True)  # what the SDK prints while following
                 logs.setdefault(pod, []).append(line)
@@ -406,10 +406,11 @@ def _validate(spec: dict, overrides: list[str] | None):
 
 
 def _pod_lines(
-    handle: LocalJob | KubeflowJob, name: str, wanted: Callable[[str], bool], follow: bool
+    handle: Job, name: str, wanted: Callable[[str], bool], follow: bool, local: bool
 ) -> Iterator[tuple[str, str]]:
-    """(pod name, log line) of every wanted pod of the job, as the lines arrive when ``follow``."""
-    if isinstance(handle, LocalJob):
+    """(pod name, log line) of every wanted pod of the job, as the lines arrive when ``follow``
+    (``local``: a local run, one "pod" that holds every process's lines)."""
+    if local:
         pod = f"{name}-master-0"
         if wanted(pod):
             for line in handle.logs(follow=follow):
@@ -431,10 +432,11 @@ def _has(conditions: list[Any], kind: str) -> bool:
     return any(c.type == kind and c.status == "True" for c in conditions)
 
 
-def _local_object(job: LocalJob) -> dict:
+def _local_object(job: Job) -> dict:
     """A local run as a PyTorchJob object: Created, then Running, then Succeeded or Failed."""
     status = job.status()
-    conditions = [{"type": "Created", "status": "True", "reason": "LocalRunCreated", "lastTransitionTime": job.created}]
+    created = next((j["created"] for j in job.backend.list() if j["name"] == job.name), None)
+    conditions = [{"type": "Created", "status": "True", "reason": "LocalRunCreated", "lastTransitionTime": created}]
     running = status.phase == "Running"
     conditions.append({"type": "Running", "status": str(running), "reason": "LocalRunRunning"})
     if not running:
@@ -449,8 +451,8 @@ def _local_object(job: LocalJob) -> dict:
     return {
         "apiVersion": "kubeflow.org/v1",
         "kind": JOB_KIND,
-        "metadata": {"name": job.name, "creationTimestamp": job.created},
-        "status": {"conditions": conditions, "startTime": job.created},
+        "metadata": {"name": job.name, "creationTimestamp": created},
+        "status": {"conditions": conditions, "startTime": created},
     }
 
 
