@@ -142,7 +142,8 @@ class Job:
 
     @property
     def spec(self) -> JobSpec | None:
-        """The spec the job was started with (None once the job is gone)."""
+        """The spec the job was started with: the one ``train`` was given, else the backend's
+        (``spec_of``: None once the job is gone)."""
         if self._spec is None:
             self._spec = self.backend.spec_of(self.name)
         return self._spec

@@ -156,3 +156,23 @@ def test_the_cli_and_the_client_never_branch_on_a_backend_name(module):
 def test_the_branch_finder_finds_branches():
     code = 'if t == "local": pass\nx = {"trainjob": 1}\ny = a if b in ("kubeflow",) else c\nz = get("local")\n'
     assert _branches_on_backend_names(ast.parse(code)) == [1, 2, 3]
+
+
+def test_a_command_line_reaches_the_local_backend_over_the_records_of_this_machine(tmp_path, monkeypatch):
+    # What `kubetune status` and `list --target local` read from another shell: the record every
+    # `kubetune run` leaves (the connection options mean nothing to a local run).
+    from kubetune.config import parse_spec
+
+    monkeypatch.setenv("KUBETUNE_STATE_DIR", str(tmp_path))
+    record = local_runs.record_run(parse_spec({**SPEC, "output": {"uri": str(tmp_path / "out")}}))
+    local_runs.end_run(record, 0)
+    here = base.reach("local", namespace="team-a")
+    assert base.recorded("demo") is not None and base.recorded("other") is None
+    assert here.status("demo").phase == "Succeeded" and here.output_dir("demo") == tmp_path / "out"
+    assert [j["name"] for j in here.list()] == ["demo"]
+    with pytest.raises(KubetuneError) as e:
+        here.status("other")
+    assert str(e.value) == (
+        "name: no `kubetune run` of job 'other' on this machine — check the name (the spec's `name`), "
+        f"or look in {tmp_path / 'runs'}"
+    )

@@ -219,9 +219,9 @@ class _LocalRun:
 
 class LocalBackend:
     """The ``Backend`` protocol on this machine, by job name: the runs started from this Python
-    process (``submit`` starts `kubetune run` in the background); with ``recorded``, ``status`` and
-    ``list`` answer from the records every `kubetune run` on this machine leaves instead (what a
-    command line in another shell reads: `kubetune status`, `list --target local`).
+    process (``submit`` starts `kubetune run` in the background); with ``recorded``, ``status``,
+    ``list`` and ``output_dir`` answer from the records every `kubetune run` on this machine leaves
+    instead (what a command line in another shell reads: `kubetune status`, `list --target local`).
 
     Beside the protocol, ``run``, ``record_run`` and ``end_run`` are `kubetune run` itself: the
     job in the foreground, and its record."""
@@ -263,11 +263,7 @@ class LocalBackend:
             return self._run(name).status()
         status = recorded_status(name)
         if status is None:
-            raise KubetuneError(
-                f"no `kubetune run` of job {name!r} on this machine",
-                field="name",
-                fix=f"check the name (the spec's `name`), or look in {runs_dir()}",
-            )
+            raise _not_recorded(name)
         return status
 
     def logs(self, name: str, follow: bool = False, tail: int | None = None, **options: Any) -> Iterator[str]:
@@ -295,7 +291,12 @@ class LocalBackend:
     def output_dir(self, name: str) -> Path:
         """Where run ``name`` writes its output on this machine (the staging directory of an
         s3:// or hf:// output)."""
-        return self._run(name).output
+        if not self.recorded:
+            return self._run(name).output
+        record = _record(name)
+        if record is None:
+            raise _not_recorded(name)
+        return Path(record["local"])
 
     # ---- `kubetune run`: the job in the foreground, and its record ----
     def run(self, spec: JobSpec, local_addr: str | None = None) -> dict[int, object]:
@@ -329,6 +330,14 @@ class _RunBackend(LocalBackend):
 
     def _run(self, name: str) -> _LocalRun:
         return self._own if name == self._own.name else super()._run(name)
+
+
+def _not_recorded(name: str) -> KubetuneError:
+    return KubetuneError(
+        f"no `kubetune run` of job {name!r} on this machine",
+        field="name",
+        fix=f"check the name (the spec's `name`), or look in {runs_dir()}",
+    )
 
 
 def _decode(line: bytes) -> str:
