@@ -256,13 +256,12 @@ def _preflight(job) -> str:
     from kubetune import artifacts, providers, tasks
 
     _check_this_machine(job)
-    providers.configure(job)
     if job.tracking.mlflow:  # the tracking server is up and takes the credentials (one line if not)
         from kubetune.training import tracking
 
         tracking.connect(job)
     artifacts.resolve_model(job)
-    tasks.get(job.task).load_frames(job.data, job.training.seed)
+    tasks.get(job.task).load_frames(job.data, job.training.seed, providers.S3Settings.from_spec(job))
     plan = artifacts.check_output(job)
     if plan.action == "done":
         typer.echo(f"output {job.output.uri}: {plan.detail}", err=True)
@@ -328,9 +327,9 @@ def predict(
 ) -> None:
     """Classify texts or generate text with an exported model (a directory, s3:// artifact or hf:// repo)."""
     from kubetune.predict import model_path, read_texts
-    from kubetune.providers import s3
+    from kubetune.providers import S3Settings
 
-    s3.configure(endpoint_url)
+    s3 = S3Settings(endpoint_url=endpoint_url)
     items = list(texts or [])
     given = {"max_new_tokens": max_new_tokens, "temperature": temperature, "chat": chat, "seed": seed}
     given = {name: value for name, value in given.items() if value is not None}
@@ -340,7 +339,7 @@ def predict(
             items += read_texts(file)
         if not items:
             raise KubetuneError("no texts given", field="TEXTS", fix="pass texts as arguments or --file texts.txt")
-        local = model_path(model)  # s3:// and hf:// artifacts are downloaded and checked once
+        local = model_path(model, s3)  # s3:// and hf:// artifacts are downloaded and checked once
         task = _predicting_task(local)
         _check_predict_options(task, given, model)
         results = task.predict(str(local), items, given, lambda line: typer.echo(f"warning: {line}", err=True))
@@ -774,12 +773,12 @@ def pull(
     """Download an exported artifact and verify it against its manifest (sizes and sha256)."""
     from kubetune.artifacts import output
     from kubetune.predict import pull as do_pull
-    from kubetune.providers import s3
+    from kubetune.providers import S3Settings
 
-    s3.configure(endpoint_url)
+    s3 = S3Settings(endpoint_url=endpoint_url)
     try:
         output.check_pull_dest(dest, overwrite)
-        path = do_pull(uri, dest)
+        path = do_pull(uri, dest, s3)
         output.mark_pulled(dest, uri)
     except KubetuneError as e:
         _fail(e)

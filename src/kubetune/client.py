@@ -185,8 +185,8 @@ class Job:
             from kubetune import providers
             from kubetune.providers import s3
 
-            providers.configure(spec)  # the spec's endpoint (MinIO); credentials from the environment
-            text = s3.read_text(spec.output.uri.rstrip("/") + "/metrics.json", field="output.uri")
+            settings = providers.S3Settings.from_spec(spec)  # the spec's endpoint (MinIO); credentials: the environment
+            text = s3.read_text(spec.output.uri.rstrip("/") + "/metrics.json", field="output.uri", settings=settings)
             if text:
                 return json.loads(text)
         return (st.progress or {}).get("metrics")

@@ -11,6 +11,7 @@ uid), not the 0600/0700 of ``mkstemp``/``mkdtemp``.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
 import shutil
@@ -24,7 +25,6 @@ from typing import Any
 from kubetune.errors import KubetuneError
 
 _umask_lock = threading.Lock()
-_umask: int | None = None
 
 
 def cache_root() -> Path:
@@ -32,14 +32,13 @@ def cache_root() -> Path:
     return Path(os.environ.get("KUBETUNE_CACHE") or Path.home() / ".cache" / "kubetune")
 
 
+@functools.cache
 def umask() -> int:
     """The process umask (read once: reading it means setting it, which is not thread-safe)."""
-    global _umask
     with _umask_lock:
-        if _umask is None:
-            _umask = os.umask(0o022)
-            os.umask(_umask)
-        return _umask
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
 
 
 def set_default_mode(path: Path) -> None:

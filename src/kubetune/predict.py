@@ -37,8 +37,9 @@ TOKENIZER_FILES = (
 CONTEXT_ATTRS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 
 
-def pull(uri: str, dest: Path | None = None) -> Path:
-    """Download and verify an exported artifact (s3:// needs its complete manifest; hf:// a repo).
+def pull(uri: str, dest: Path | None = None, s3: providers.S3Settings = providers.S3Settings()) -> Path:
+    """Download and verify an exported artifact (s3:// needs its complete manifest, and is reached
+    with ``s3``; hf:// a repo).
 
     Returns:
         The local directory.
@@ -46,23 +47,23 @@ def pull(uri: str, dest: Path | None = None) -> Path:
     scheme = providers.parse_uri(uri).scheme
     if scheme == "s3":
         from kubetune.paths import cache_root
-        from kubetune.providers import s3
+        from kubetune.providers.s3 import Location, download
 
-        loc = s3.Location.parse(uri, "MODEL")
+        loc = Location.parse(uri, "MODEL")
         dest = dest or cache_root() / "pulled" / loc.bucket / loc.key.strip("/")
-        return s3.download(uri.rstrip("/") + "/", dest, field="MODEL", require_manifest=True)
+        return download(uri.rstrip("/") + "/", dest, field="MODEL", settings=s3, require_manifest=True)
     if scheme == "hf" and dest is not None:
         from kubetune.artifacts import hub
 
         return hub.pull(uri, dest)
     if dest is not None:
         raise KubetuneError(f"{uri!r} is already local", field="URI", fix="pull takes s3:// or hf:// URIs")
-    return providers.resolve(uri, kind="model", field="MODEL")
+    return providers.resolve(uri, kind="model", field="MODEL", s3=s3)
 
 
-def model_path(uri: str) -> Path:
-    """Accept a job's output (uses its ``model/``) or a model directory itself; s3:// and hf://
-    artifacts are downloaded (and verified) first.
+def model_path(uri: str, s3: providers.S3Settings = providers.S3Settings()) -> Path:
+    """Accept a job's output (uses its ``model/``) or a model directory itself; s3:// (reached with
+    ``s3``) and hf:// artifacts are downloaded (and verified) first.
 
     Returns:
         The model directory, checked by ``check_model``.
@@ -70,7 +71,7 @@ def model_path(uri: str) -> Path:
     Raises:
         KubetuneError: no exported model there, or one ``predict`` cannot load (see ``check_model``).
     """
-    path = pull(uri)
+    path = pull(uri, s3=s3)
     if (path / "model" / "config.json").exists():
         path = path / "model"
     elif not (path / "config.json").exists():

@@ -41,7 +41,7 @@ def stage(spec: JobSpec, dest: Path) -> Path:
     Raises:
         KubetuneError: an input cannot be fetched (names the field, the URI and the fix).
     """
-    providers.configure(spec)
+    s3 = providers.S3Settings.from_spec(spec)
     dest.mkdir(parents=True, exist_ok=True)
     staged, marker = dest / "job.yaml", dest / MARKER
     key = stage_key(spec)
@@ -52,7 +52,7 @@ def stage(spec: JobSpec, dest: Path) -> Path:
     for field, uri, kind, revision in _inputs(spec):
         if uri is None or providers.parse_uri(uri).scheme in LOCAL_SCHEMES:
             continue
-        path = providers.resolve(uri, kind=kind, field=field, revision=revision)
+        path = providers.resolve(uri, kind=kind, field=field, revision=revision, s3=s3)
         section, name = field.split(".")
         raw[section][name] = str(path)
         if field == "model.uri":

@@ -45,13 +45,13 @@ def run_worker(spec: JobSpec) -> dict:
     task = tasks.get(spec.task)
     env = distributed.read_env()
     distributed.setup_logging(env)
-    distributed.install_signal_handlers()
+    stop = distributed.install_signal_handlers()
     _limit_threads(spec, env)
     # peft reads transformers' deprecated `is_gradient_checkpointing` alias inside
     # get_peft_model; the FutureWarning is about peft's code, not the user's job.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     try:
-        metrics = trainer.train(spec, env, task)
+        metrics = trainer.train(spec, env, task, stop)
     except BaseException as e:
         from kubetune.launch import is_infrastructure
 

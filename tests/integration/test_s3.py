@@ -18,12 +18,14 @@ import pytest
 from conftest import MINILM, ROOT, kubetune, tiny_spec, write_spec
 
 from kubetune.errors import KubetuneError
+from kubetune.providers import S3Settings
 from kubetune.providers import s3 as s3p
 from kubetune.providers.destination import Output
 
 pytestmark = pytest.mark.integration
 BUCKET = "kubeflow-examples"
 FAKE_SECRET = "moto-secret-value-0123456789"  # a credential value that must never be printed
+ENV = S3Settings()  # nothing from a spec: the environment (S3_ENDPOINT_URL: the moto server) decides
 
 
 def _free_port() -> int:
@@ -72,7 +74,6 @@ def moto():
     server = Moto()
     server.start()
     os.environ.update(env, S3_ENDPOINT_URL=server.url)
-    s3p.configure()
     boto3.client("s3", endpoint_url=server.url).create_bucket(Bucket=BUCKET)
     yield server
     server.stop()
@@ -96,7 +97,7 @@ def _minilm_dir() -> Path:
 
 def test_model_directory_round_trip_and_no_second_download(moto, s3, tmp_path, monkeypatch):
     src = _minilm_dir()
-    manifest = s3p.upload_dir(src, f"s3://{BUCKET}/models/minilm")
+    manifest = s3p.upload_dir(src, f"s3://{BUCKET}/models/minilm", settings=ENV)
     keys = {o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix="models/minilm/")["Contents"]}
     assert f"models/minilm/{s3p.MANIFEST}" in keys and "models/minilm/model.safetensors" in keys
     assert manifest["files"]["model.safetensors"]["size"] == (src / "model.safetensors").stat().st_size
@@ -133,7 +134,7 @@ def test_dataset_prefix_and_single_object(moto, s3, small_csv):
 
 
 def test_end_to_end_s3_in_s3_out_then_predict_and_pull(moto, s3, tmp_path, small_csv):
-    s3p.upload_dir(_minilm_dir(), f"s3://{BUCKET}/models/minilm-e2e")
+    s3p.upload_dir(_minilm_dir(), f"s3://{BUCKET}/models/minilm-e2e", settings=ENV)
     s3.upload_file(str(small_csv), BUCKET, "datasets/small.csv")
     spec = tiny_spec(
         f"s3://{BUCKET}/datasets/small.csv",
@@ -162,10 +163,28 @@ def test_end_to_end_s3_in_s3_out_then_predict_and_pull(moto, s3, tmp_path, small
     assert json.loads((tmp_path / "pulled" / "metrics.json").read_text())["global_step"] == 3
 
 
+def test_each_call_reaches_the_endpoint_its_settings_name(moto, s3, tmp_path, monkeypatch):
+    """The settings are passed, not set for the process: the endpoint they name wins over the
+    environment's, and a call with other settings in between changes nothing for the next one."""
+    from kubetune import providers
+
+    s3.put_object(Bucket=BUCKET, Key="settings/a.csv", Body=b"text,label\nhi,a\n")
+    dead = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    monkeypatch.setenv("S3_ENDPOINT_URL", dead)
+    monkeypatch.setenv("KUBETUNE_S3_MAX_ATTEMPTS", "1")
+    spec = S3Settings(endpoint_url=moto.url)
+    uri = f"s3://{BUCKET}/settings/a.csv"
+    assert s3p.read_text(uri, field="data.train", settings=spec) == "text,label\nhi,a\n"
+    with pytest.raises(KubetuneError, match=f"cannot reach the S3 endpoint to read from bucket '{BUCKET}' at {dead}"):
+        s3p.read_text(uri, field="data.train", settings=ENV)
+    local = providers.resolve(uri, kind="dataset", field="data.train", s3=spec)
+    assert local.read_bytes() == b"text,label\nhi,a\n"
+
+
 def test_reader_refuses_an_artifact_without_manifest(moto, s3, tmp_path):
     s3.put_object(Bucket=BUCKET, Key="runs/partial/model/config.json", Body=b"{}")
     with pytest.raises(KubetuneError, match="has no _kubetune_manifest.json: the artifact is incomplete"):
-        s3p.download(f"s3://{BUCKET}/runs/partial/", tmp_path / "p", field="MODEL", require_manifest=True)
+        s3p.download(f"s3://{BUCKET}/runs/partial/", tmp_path / "p", field="MODEL", settings=ENV, require_manifest=True)
 
 
 def test_server_stopped_mid_upload_errors_after_retries_and_leaves_no_manifest(moto, s3, tmp_path, monkeypatch):
@@ -189,7 +208,7 @@ def test_server_stopped_mid_upload_errors_after_retries_and_leaves_no_manifest(m
     t0 = time.monotonic()
     try:
         with pytest.raises(KubetuneError) as e:
-            s3p.upload_dir(src, f"s3://{BUCKET}/runs/crash")
+            s3p.upload_dir(src, f"s3://{BUCKET}/runs/crash", settings=ENV)
     finally:
         stopped.wait(10)
         moto.start()  # same port, same in-process data: as if the server came back
@@ -202,7 +221,7 @@ def test_server_stopped_mid_upload_errors_after_retries_and_leaves_no_manifest(m
     assert f"runs/crash/{s3p.MANIFEST}" not in keys
     assert 0 < len(keys) < 40  # a partial upload, which readers refuse:
     with pytest.raises(KubetuneError, match="incomplete"):
-        s3p.download(f"s3://{BUCKET}/runs/crash/", tmp_path / "r", field="MODEL", require_manifest=True)
+        s3p.download(f"s3://{BUCKET}/runs/crash/", tmp_path / "r", field="MODEL", settings=ENV, require_manifest=True)
 
 
 def test_wrong_credentials_one_line(moto, tmp_path, small_csv):
@@ -249,8 +268,8 @@ def _large_download_peak_rss(moto, s3, tmp_path, size_mb: int) -> tuple[int, int
     # Peak memory from the child's own VmHWM: getrusage's ru_maxrss survives exec on Linux and
     # would report this (large, moto-holding) parent's peak instead.
     script = (
-        "import re, sys; from pathlib import Path; from kubetune.providers import s3\n"
-        f"p = s3.download('s3://{BUCKET}/{key}', Path(sys.argv[1]), field='data.train')\n"
+        "import re, sys; from pathlib import Path; from kubetune.providers import S3Settings, s3\n"
+        f"p = s3.download('s3://{BUCKET}/{key}', Path(sys.argv[1]), field='data.train', settings=S3Settings())\n"
         "hwm = int(re.search(r'VmHWM:\\s+(\\d+) kB', Path('/proc/self/status').read_text()).group(1)) * 1024\n"
         "print(p.stat().st_size, hwm)\n"
     )
@@ -339,7 +358,9 @@ def test_a_manifest_listing_a_path_outside_is_refused_by_pull_and_predict(moto, 
         s3, prefix + "-2", {"model/config.json": b"{}"}, listed={"model/config.json": b"{}", rel: b"pwned"}
     )
     with pytest.raises(KubetuneError, match=f"_kubetune_manifest.json of bucket '{BUCKET}' lists: the name '../../"):
-        s3p.download(f"s3://{BUCKET}/{prefix}-2/", tmp_path / "pulled2", field="MODEL", require_manifest=True)
+        s3p.download(
+            f"s3://{BUCKET}/{prefix}-2/", tmp_path / "pulled2", field="MODEL", settings=ENV, require_manifest=True
+        )
     assert (
         not (tmp_path / "escaped").exists()
         and not (tmp_path / "pulled").exists()
@@ -352,7 +373,7 @@ def test_a_tampered_file_never_takes_its_name(moto, s3, tmp_path):
     _artifact_with_manifest(s3, prefix, {"model/config.json": b"{}"}, listed={"model/config.json": b'{"x": 1}'})
     s3.put_object(Bucket=BUCKET, Key=f"{prefix}/model/config.json", Body=b'{"y": 2}')  # same size, other content
     with pytest.raises(KubetuneError, match="sha256 does not match the artifact's manifest"):
-        s3p.download(f"s3://{BUCKET}/{prefix}/", tmp_path / "dl", field="MODEL", require_manifest=True)
+        s3p.download(f"s3://{BUCKET}/{prefix}/", tmp_path / "dl", field="MODEL", settings=ENV, require_manifest=True)
     assert not (tmp_path / "dl" / "model" / "config.json").exists()
 
 
@@ -361,7 +382,9 @@ def test_the_model_directory_inside_an_artifact_is_accepted(moto, s3, tmp_path):
     _artifact_with_manifest(
         s3, prefix, {"model/config.json": b'{"a": 1}', "model/tokenizer.json": b"{}", "metrics.json": b"{}"}
     )
-    got = s3p.download(f"s3://{BUCKET}/{prefix}/model/", tmp_path / "m", field="MODEL", require_manifest=True)
+    got = s3p.download(
+        f"s3://{BUCKET}/{prefix}/model/", tmp_path / "m", field="MODEL", settings=ENV, require_manifest=True
+    )
     assert sorted(p.name for p in got.iterdir() if not p.name.startswith(".")) == [
         "_kubetune_manifest.json",
         "config.json",
@@ -377,7 +400,7 @@ def test_remote_checkpoint_clearing_deletes_only_what_its_manifest_lists(moto, s
     step = f"ckpt/{tmp_path.name}/checkpoints/step-00000003"
     _artifact_with_manifest(s3, step, {"state.pt": b"state", "COMPLETE": b"{}"})
     s3.put_object(Bucket=BUCKET, Key=f"{step}/notes-of-a-colleague.txt", Body=b"keep me")
-    assert checkpoint.remote_steps(f"{out}/checkpoints") == [3]
+    assert checkpoint.remote_steps(f"{out}/checkpoints", ENV) == [3]
     checkpoint.clear(Output(out, "s3", tmp_path / "local"))
     left = {o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix=f"ckpt/{tmp_path.name}/").get("Contents", [])}
     assert left == {f"{step}/notes-of-a-colleague.txt"}

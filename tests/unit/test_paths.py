@@ -71,7 +71,7 @@ def test_written_files_and_directories_honour_the_umask(tmp_path, mask):
     import kubetune.paths as paths
 
     old = os.umask(mask)
-    paths._umask = None  # read afresh
+    paths.umask.cache_clear()  # read afresh
     try:
         write_atomic(tmp_path / "metrics.json", "{}")
 
@@ -87,4 +87,4 @@ def test_written_files_and_directories_honour_the_umask(tmp_path, mask):
         assert stat.S_IMODE((tmp_path / "model" / "sub").stat().st_mode) == 0o777 & ~mask
     finally:
         os.umask(old)
-        paths._umask = None
+        paths.umask.cache_clear()

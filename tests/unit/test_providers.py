@@ -81,3 +81,73 @@ def test_hf_dataset_by_name_with_split_slice(tmp_path):
     assert len(read_table("hf://acme/reviews", field="data.eval", split="validation")) == 7
     with pytest.raises(KubetuneError, match="data.train_split: cannot load split 'test'"):
         read_table("hf://acme/reviews", field="data.train", split="test")
+
+
+S3_ENV = ("S3_ENDPOINT_URL", "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION")
+
+
+@pytest.mark.parametrize(
+    "settings, environ, endpoint, region, style",
+    [
+        (providers.S3Settings(), {}, None, "us-east-1", "auto"),
+        (
+            providers.S3Settings(),
+            {"AWS_ENDPOINT_URL": "http://b:9000", "AWS_DEFAULT_REGION": "eu-west-2"},
+            "http://b:9000",
+            "eu-west-2",
+            "path",
+        ),
+        (
+            providers.S3Settings(),
+            {
+                "S3_ENDPOINT_URL": "http://a:9000",
+                "AWS_ENDPOINT_URL": "http://b:9000",
+                "AWS_REGION": "eu-west-1",
+                "AWS_DEFAULT_REGION": "eu-west-2",
+            },
+            "http://a:9000",
+            "eu-west-1",
+            "path",
+        ),
+        (
+            providers.S3Settings("http://spec:9000", "ap-south-1", "virtual"),
+            {"S3_ENDPOINT_URL": "http://a:9000", "AWS_REGION": "eu-west-1"},
+            "http://spec:9000",
+            "ap-south-1",
+            "virtual",
+        ),
+    ],
+    ids=["nothing", "aws-variables", "s3-variable-first", "settings-first"],
+)
+def test_s3_settings_leave_only_gaps_to_the_environment(monkeypatch, settings, environ, endpoint, region, style):
+    from kubetune.providers import s3
+
+    for name in S3_ENV:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    assert (settings.endpoint(), settings.region_name()) == (endpoint, region)
+    client = s3.client(settings)
+    assert client.meta.region_name == region
+    assert client.meta.config.s3["addressing_style"] == style
+    if endpoint:
+        assert client.meta.endpoint_url == endpoint
+
+
+def test_s3_settings_come_from_the_spec_and_travel_with_the_output():
+    from kubetune.config import parse_spec
+    from kubetune.providers.destination import Output
+
+    spec = parse_spec(
+        {
+            "name": "t",
+            "model": {"uri": "hf://o/m"},
+            "data": {"train": "t.csv"},
+            "output": {"uri": "s3://b/runs/t"},
+            "s3": {"endpoint_url": "http://minio:9000", "region": "eu-west-1", "addressing_style": "path"},
+        }
+    )
+    expected = providers.S3Settings("http://minio:9000", "eu-west-1", "path")
+    assert providers.S3Settings.from_spec(spec) == expected
+    assert Output.for_spec(spec).s3 == expected
+    assert Output.resolve("s3://b/runs/t").s3 == providers.S3Settings()  # nothing given: the environment decides

@@ -32,7 +32,13 @@ SHARD_SIZE = "5GB"
 
 def resolve_model(spec: JobSpec) -> Path:
     """Local directory of the base model (downloaded through its provider when remote)."""
-    path = providers.resolve(spec.model.uri, kind="model", field="model.uri", revision=spec.model.revision)
+    path = providers.resolve(
+        spec.model.uri,
+        kind="model",
+        field="model.uri",
+        revision=spec.model.revision,
+        s3=providers.S3Settings.from_spec(spec),
+    )
     if not (path / "config.json").exists():
         raise KubetuneError(
             f"{spec.model.uri!r} has no config.json",
@@ -125,11 +131,11 @@ def check_output(spec: JobSpec):
     """
     from kubetune.artifacts import output
 
-    dest = Output.resolve(spec.output.uri)
+    dest = Output.for_spec(spec)
     if dest.scheme == "s3":
         from kubetune.providers import s3
 
-        s3.check_bucket(spec.output.uri, field="output.uri")
+        s3.check_bucket(spec.output.uri, field="output.uri", settings=dest.s3)
     elif dest.scheme == "hf":
         from kubetune.artifacts import hub
 
@@ -143,7 +149,7 @@ def publish(spec: JobSpec, dest: Output, metrics: dict, present: Presentation) -
     if dest.scheme == "s3":
         from kubetune.providers import s3
 
-        s3.upload_dir(dest.local, dest.uri, exclude=("checkpoints",))
+        s3.upload_dir(dest.local, dest.uri, settings=dest.s3, exclude=("checkpoints",))
     elif dest.scheme == "hf":
         from kubetune.artifacts import hub
 

@@ -96,11 +96,11 @@ def inspect(spec: JobSpec, dest: Output | None = None) -> Plan:
     """
     uri = spec.output.uri
     refuse_special(uri)
-    dest = dest or Output.resolve(uri)
+    dest = dest or Output.for_spec(spec)
     if dest.scheme == "hf":  # a push is one new commit on top of the repo's history: nothing is lost
         return Plan("new", f"pushing to {uri} when the run finishes")
     if dest.scheme == "s3":
-        return _inspect_s3(spec)
+        return _inspect_s3(spec, dest)
     path = dest.local
     if not path.exists():
         parent = next((p for p in path.parents if p.exists()), None)
@@ -150,14 +150,14 @@ def _made_by_kubetune(path: Path) -> bool:
     return finished or bool(checkpoint.complete_steps(path / "checkpoints"))
 
 
-def _inspect_s3(spec: JobSpec) -> Plan:
+def _inspect_s3(spec: JobSpec, dest: Output) -> Plan:
     from kubetune.providers import s3
 
     uri = spec.output.uri.rstrip("/")
-    keys = s3.list_keys(uri, field="output.uri", limit=1000)
+    keys = s3.list_keys(uri, field="output.uri", settings=dest.s3, limit=1000)
     if not keys:
         return Plan("new", f"new output prefix {uri}/")
-    steps = tuple(checkpoint.remote_steps(f"{uri}/checkpoints"))
+    steps = tuple(checkpoint.remote_steps(f"{uri}/checkpoints", dest.s3))
     # An artifact or a checkpoint under kubetune's manifest is kubetune's, also from a version
     # that wrote no marker.
     if MARKER not in keys and s3.MANIFEST not in keys and not steps:
@@ -174,7 +174,11 @@ def _inspect_s3(spec: JobSpec) -> Plan:
             fix=_FIX,
         )
     finished = s3.MANIFEST in keys
-    saved = s3.read_text(f"{uri}/job.yaml", field="output.uri") if finished and "job.yaml" in keys else None
+    saved = (
+        s3.read_text(f"{uri}/job.yaml", field="output.uri", settings=dest.s3)
+        if finished and "job.yaml" in keys
+        else None
+    )
     return _decide(spec, uri, steps, finished=finished, saved_job=saved)
 
 
@@ -251,7 +255,7 @@ def claim(spec: JobSpec, dest: Output) -> Plan:
         from kubetune.providers import s3
 
         if plan.action in ("new", "adopt"):
-            s3.write_text(f"{uri}/{MARKER}", marker, field="output.uri")
+            s3.write_text(f"{uri}/{MARKER}", marker, field="output.uri", settings=dest.s3)
     if plan.action == "restart" and plan.steps:
         checkpoint.clear(dest)
     log.info("output %s: %s", dest.uri, plan.detail)
@@ -266,7 +270,7 @@ def finished_metrics(dest: Output) -> dict:
         if dest.scheme == "s3":
             from kubetune.providers import s3
 
-            return json.loads(s3.read_text(f"{dest.prefix}/metrics.json", field="output.uri") or "{}")
+            return json.loads(s3.read_text(f"{dest.prefix}/metrics.json", field="output.uri", settings=dest.s3) or "{}")
     except (OSError, ValueError, KubetuneError):
         pass
     return {}
@@ -298,7 +302,7 @@ def commit(out: Path, staged: Path) -> None:
 def state_after_stop(spec: JobSpec, since: float) -> str:
     """After a stop signal reached the launcher: ``finished`` (this run's artifacts are complete),
     ``checkpoint`` (a run again resumes) or ``nothing`` (a run again starts over)."""
-    dest = Output.resolve(spec.output.uri)
+    dest = Output.for_spec(spec)
     metrics = dest.local / "metrics.json"
     if metrics.exists() and metrics.stat().st_mtime >= since:
         return "finished"
@@ -306,7 +310,7 @@ def state_after_stop(spec: JobSpec, since: float) -> str:
         return "checkpoint"
     if dest.remote_checkpoints:
         try:
-            if checkpoint.remote_steps(dest.remote_checkpoints):
+            if checkpoint.remote_steps(dest.remote_checkpoints, dest.s3):
                 return "checkpoint"
         except KubetuneError:
             pass

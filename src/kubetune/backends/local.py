@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -104,7 +105,6 @@ def run(spec: JobSpec, local_addr: str | None = None) -> dict[int, object]:
     """
     # Every node of a multi-node job must use the same run id; a single node gets a fresh one.
     run_id = spec.name if spec.distributed.nodes > 1 else f"{spec.name}-{uuid.uuid4().hex[:8]}"
-    os.environ.update(worker_env(spec))
     # The elastic agent logs every restart and shutdown at WARNING; our workers already say why.
     for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")] + [
         "torch.distributed.elastic"
@@ -115,10 +115,31 @@ def run(spec: JobSpec, local_addr: str | None = None) -> dict[int, object]:
     try:
         config = launch_config(spec, run_id=run_id, local_addr=local_addr, log_dir=workdir / "elastic")
         spec_file.write_text(dump_spec(spec))
-        with translated_failures():
+        with translated_failures(), _launcher_environment(worker_env(spec)):
             return elastic_launch(config, entrypoint=sys.executable)("-u", "-m", WORKER_MODULE, str(spec_file))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _launcher_environment(additions: dict[str, str]):
+    """This process's environment with ``additions`` while the launch runs, restored afterwards.
+
+    Why this process's own environment and not a dict passed down: torch's elastic launcher takes
+    none (``LaunchConfig`` has no field for it). Each worker's environment is a copy of the
+    launching process's plus the per-rank variables the agent adds, and the agent's rendezvous
+    handler reads TORCH_DISABLE_SHARE_RDZV_TCP_STORE from this process's environment itself.
+    """
+    saved = {name: os.environ.get(name) for name in additions}
+    os.environ.update(additions)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _free_port() -> int:

@@ -25,6 +25,7 @@ import torch
 from kubetune.config import JobSpec, dump_spec
 from kubetune.errors import AgreedError, KubetuneError
 from kubetune.paths import replace_dir
+from kubetune.providers import S3Settings
 from kubetune.providers.destination import Output
 
 log = logging.getLogger(__name__)
@@ -237,9 +238,9 @@ def staging(dest: Output, step: int) -> Path:
 
         loc = s3.Location.parse(f"{dest.remote_checkpoints}/step-{step:08d}", "output.uri")
         try:
-            s3.client().delete_object(Bucket=loc.bucket, Key=loc.join(s3.MANIFEST))
+            s3.client(dest.s3).delete_object(Bucket=loc.bucket, Key=loc.join(s3.MANIFEST))
         except Exception as e:
-            raise s3.translate(e, loc, "output.uri", "write a checkpoint to") from None
+            raise s3.translate(e, loc, "output.uri", "write a checkpoint to", dest.s3) from None
     return Path(tempfile.mkdtemp(prefix=f".step-{step:08d}-", dir=dest.checkpoints))
 
 
@@ -251,7 +252,9 @@ def upload_shards(dest: Output, staged: Path, step: int, files: list[Path]) -> d
         return {}
     from kubetune.providers import s3
 
-    return s3.put_files(staged, files, f"{dest.remote_checkpoints}/step-{step:08d}", field="output.uri")
+    return s3.put_files(
+        staged, files, f"{dest.remote_checkpoints}/step-{step:08d}", field="output.uri", settings=dest.s3
+    )
 
 
 def save(
@@ -286,14 +289,13 @@ def save(
     if remote:
         from kubetune.providers import s3
 
-        s3.upload_dir(final, f"{remote}/{final.name}", field="output.uri", uploaded=uploaded)
+        s3.upload_dir(final, f"{remote}/{final.name}", field="output.uri", settings=dest.s3, uploaded=uploaded)
     for old in complete_steps(root)[:-keep]:
         shutil.rmtree(root / f"step-{old:08d}", ignore_errors=True)
     if remote:  # prune by the remote listing: a re-created pod's local copy holds only what it downloaded
-        for old in [st for st in remote_steps(remote) if st > step] + [st for st in remote_steps(remote) if st <= step][
-            :-keep
-        ]:
-            _delete_remote(f"{remote}/step-{old:08d}")
+        steps = remote_steps(remote, dest.s3)
+        for old in [st for st in steps if st > step] + [st for st in steps if st <= step][:-keep]:
+            _delete_remote(f"{remote}/step-{old:08d}", dest.s3)
     return final
 
 
@@ -309,8 +311,8 @@ def clear(dest: Output) -> None:
         with contextlib.suppress(OSError):
             root.rmdir()  # only when nothing else is left in it
     if remote:
-        for step in remote_steps(remote):
-            _delete_remote(f"{remote}/step-{step:08d}")
+        for step in remote_steps(remote, dest.s3):
+            _delete_remote(f"{remote}/step-{step:08d}", dest.s3)
 
 
 def complete_steps(root: Path) -> list[int]:
@@ -323,13 +325,13 @@ def latest(dest: Output) -> Found | None:
     """The newest complete checkpoint (downloaded first when output.uri is s3://)."""
     root, remote = dest.checkpoints, dest.remote_checkpoints
     if remote:
-        step = _latest_remote(remote)
+        step = _latest_remote(remote, dest.s3)
         if step is None:
             return None
         from kubetune.providers import s3
 
         path = root / f"step-{step:08d}"
-        s3.download(f"{remote}/step-{step:08d}/", path, field="output.uri", require_manifest=True)
+        s3.download(f"{remote}/step-{step:08d}/", path, field="output.uri", settings=dest.s3, require_manifest=True)
         return Found(step, path)
     steps = complete_steps(root)
     return Found(steps[-1], root / f"step-{steps[-1]:08d}") if steps else None
@@ -340,17 +342,17 @@ def load(found: Found) -> dict:
     return torch.load(found.path / "state.pt", map_location="cpu", weights_only=True)
 
 
-def _latest_remote(prefix: str) -> int | None:
-    steps = remote_steps(prefix)
+def _latest_remote(prefix: str, settings: S3Settings) -> int | None:
+    steps = remote_steps(prefix, settings)
     return max(steps) if steps else None
 
 
-def remote_steps(prefix: str) -> list[int]:
+def remote_steps(prefix: str, settings: S3Settings) -> list[int]:
     """Steps of the complete checkpoints under an s3:// prefix (those with a manifest)."""
     from kubetune.providers import s3
 
     loc = s3.Location.parse(prefix, "output.uri")
-    client = s3.client()
+    client = s3.client(settings)
     steps = []
     try:
         pages = client.get_paginator("list_objects_v2").paginate(Bucket=loc.bucket, Prefix=loc.key.rstrip("/") + "/")
@@ -360,13 +362,13 @@ def remote_steps(prefix: str) -> list[int]:
                 if len(parts) == 2 and parts[1] == s3.MANIFEST and (m := _NAME.match(parts[0])):
                     steps.append(int(m.group(1)))
     except Exception as e:
-        raise s3.translate(e, loc, "output.uri", "list checkpoints in") from None
+        raise s3.translate(e, loc, "output.uri", "list checkpoints in", settings) from None
     return sorted(steps)
 
 
-def _delete_remote(prefix: str) -> None:
+def _delete_remote(prefix: str, settings: S3Settings) -> None:
     from kubetune.providers import s3
 
     # Manifest first (a half-deleted checkpoint must not look complete), then exactly the keys it
     # lists: never whatever else a listing of the prefix shows.
-    s3.delete_artifact(prefix, field="output.uri")
+    s3.delete_artifact(prefix, field="output.uri", settings=settings)

@@ -83,7 +83,13 @@ codecs.register_error(FALLBACK_ERRORS, _cp1252_fallback)
 
 
 def read_table(
-    uri: str, *, field: str, split: str | None = None, encoding: str = "auto", max_input_mb: int = 1024
+    uri: str,
+    *,
+    field: str,
+    split: str | None = None,
+    encoding: str = "auto",
+    max_input_mb: int = 1024,
+    s3: providers.S3Settings = providers.S3Settings(),
 ) -> pd.DataFrame:
     """Read one table from a file, a directory of files or an hf:// dataset.
 
@@ -97,12 +103,13 @@ def read_table(
         encoding: the text encoding of CSV/TSV/JSON files, or ``auto`` (UTF-8; a byte-order mark
             is honoured, bytes that are not valid UTF-8 are decoded as cp1252 with a warning).
         max_input_mb: the largest file (or directory's data files together) read, in MiB.
+        s3: how to reach S3 for an s3:// URI (the job's; the default leaves it all to the environment).
 
     Raises:
         KubetuneError: not a regular file, too large, of an unknown or mixed format, binary, or
             unparseable; the message is one short line.
     """
-    path = providers.resolve(uri, kind="dataset", field=field)
+    path = providers.resolve(uri, kind="dataset", field=field, s3=s3)
     if path.is_dir():
         kind, files = _dir_data_files(path, uri, field)
         _check_size(sum(size for _, size in files), uri, field, max_input_mb, what="the data files in ")
@@ -507,10 +514,13 @@ def _approximate_mode(class_counts: np.ndarray, n_draws: int, rng: np.random.Ran
     return floored.astype(int)
 
 
-def read_rows(spec: DataSpec, seed: int, detect, normalize) -> tuple[pd.DataFrame, pd.DataFrame, str, dict[str, int]]:
-    """(train, eval, format, dropped): data.train read and its format detected (``detect(table,
-    spec)``), data.train and data.eval normalized alike (``normalize(table, spec, format, field,
-    dropped, "train" | "eval")``, which counts what it drops into ``dropped``), then ``split_rows``."""
+def read_rows(
+    spec: DataSpec, seed: int, detect, normalize, *, s3: providers.S3Settings = providers.S3Settings()
+) -> tuple[pd.DataFrame, pd.DataFrame, str, dict[str, int]]:
+    """(train, eval, format, dropped): data.train read (s3:// as ``s3`` says) and its format detected
+    (``detect(table, spec)``), data.train and data.eval normalized alike (``normalize(table, spec,
+    format, field, dropped, "train" | "eval")``, which counts what it drops into ``dropped``), then
+    ``split_rows``."""
     dropped: dict[str, int] = {}
     tables = {}
     for which in ("train", "eval"):
@@ -518,7 +528,7 @@ def read_rows(spec: DataSpec, seed: int, detect, normalize) -> tuple[pd.DataFram
         if uri:
             split = spec.train_split if which == "train" else spec.eval_split
             tables[which] = read_table(
-                uri, field=f"data.{which}", split=split, encoding=spec.encoding, max_input_mb=spec.max_input_mb
+                uri, field=f"data.{which}", split=split, encoding=spec.encoding, max_input_mb=spec.max_input_mb, s3=s3
             )
     fmt = detect(tables["train"], spec)
     rows = {which: normalize(t, spec, fmt, f"data.{which}", dropped, which) for which, t in tables.items()}

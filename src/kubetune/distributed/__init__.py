@@ -56,12 +56,19 @@ def pick_device(env: DistEnv) -> torch.device:
     return torch.device("cpu")
 
 
-def setup(env: DistEnv, device: torch.device, backend: str = "auto", timeout_minutes: int = 60) -> None:
-    """Join the process group (gloo on CPU, NCCL on GPU unless ``backend`` says otherwise)."""
+def setup(
+    env: DistEnv, device: torch.device, backend: str = "auto", timeout_minutes: int = 60
+) -> dist.ProcessGroup | None:
+    """Join the process group (gloo on CPU, NCCL on GPU unless ``backend`` says otherwise).
+
+    Returns:
+        The group for small control messages (``any_rank``'s ``group``): a gloo group when training
+        runs over NCCL, else None (the default group serves).
+    """
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not env.distributed or dist.is_initialized():
-        return
+        return None
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
     from datetime import timedelta
@@ -69,13 +76,9 @@ def setup(env: DistEnv, device: torch.device, backend: str = "auto", timeout_min
     dist.init_process_group(
         backend=backend, timeout=timedelta(minutes=timeout_minutes), device_id=device if backend == "nccl" else None
     )
-    global _CONTROL
     # Per-step agreement (stop? checkpoint?) goes over gloo on the CPU: over NCCL it would need a
     # GPU tensor and a device sync every step, stalling the queue of GPU work the CPU runs ahead of.
-    _CONTROL = dist.new_group(backend="gloo") if backend == "nccl" else None
-
-
-_CONTROL = None  # the CPU (gloo) group for small control messages when training runs over NCCL
+    return dist.new_group(backend="gloo") if backend == "nccl" else None
 
 
 def barrier() -> None:
@@ -115,33 +118,38 @@ def broadcast_object(obj):
     return box[0]
 
 
-def any_rank(*flags: bool, device: torch.device) -> tuple[bool, ...]:
-    """For each flag: is it set on any rank? One small all-reduce."""
+def any_rank(*flags: bool, device: torch.device, group: dist.ProcessGroup | None = None) -> tuple[bool, ...]:
+    """For each flag: is it set on any rank? One small all-reduce, over ``group`` (``setup``'s
+    control group; None: the default group, on ``device`` unless that group is gloo)."""
     if not dist.is_initialized():
         return tuple(bool(f) for f in flags)
-    on_cpu = _CONTROL is not None or dist.get_backend() == "gloo"
+    on_cpu = group is not None or dist.get_backend() == "gloo"
     t = torch.tensor([float(f) for f in flags], device="cpu" if on_cpu else device)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=_CONTROL)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return tuple(bool(v > 0) for v in t.tolist())
 
 
-# Set by SIGTERM/SIGINT; the training loop checks it at every step boundary.
-STOP = threading.Event()
 EXIT_PREEMPTED = 143  # a worker's "stopped after a checkpoint" (128 + SIGTERM)
 
 
-def install_signal_handlers() -> None:
-    """SIGTERM (eviction, preemption) and SIGINT (Ctrl-C) ask for a checkpoint and a clean stop."""
+def install_signal_handlers() -> threading.Event:
+    """SIGTERM (eviction, preemption) and SIGINT (Ctrl-C) ask for a checkpoint and a clean stop.
+
+    Returns:
+        The event the handlers set, for the training loop to check at every step boundary.
+    """
+    stop = threading.Event()
 
     def handler(signum, frame):
-        if not STOP.is_set():
+        if not stop.is_set():
             logging.getLogger(__name__).warning(
                 "received %s: finishing the current step, then writing a checkpoint", signal.Signals(signum).name
             )
-        STOP.set()
+        stop.set()
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
+    return stop
 
 
 def teardown() -> None:

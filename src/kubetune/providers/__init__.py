@@ -1,9 +1,10 @@
 """URI schemes for models, datasets and artifacts, behind one registry.
 
-``resolve(uri, kind=..., field=...)`` turns a URI into a local path, downloading when the scheme
-is remote. The schemes are ``file`` (and plain paths), ``pkg`` (files inside an installed package),
-``hf`` and ``s3``; a scheme is added by decorating a resolver with ``@register("scheme")`` in a
-module that imports only ``providers.base``, and importing that module below.
+``resolve(uri, kind=..., field=..., s3=...)`` turns a URI into a local path, downloading when the
+scheme is remote (s3:// through the job's ``S3Settings``, built by ``S3Settings.from_spec``). The
+schemes are ``file`` (and plain paths), ``pkg`` (files inside an installed package), ``hf`` and
+``s3``; a scheme is added by decorating a resolver with ``@register("scheme")`` in a module that
+imports only ``providers.base``, and importing that module below.
 """
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from kubetune.errors import KubetuneError
-from kubetune.providers.base import _RESOLVERS, Kind, Uri, parse_uri, register, sha256_file
+from kubetune.providers.base import _RESOLVERS, Kind, S3Settings, Uri, parse_uri, register, sha256_file
 
-__all__ = ["Kind", "Uri", "configure", "parse_uri", "register", "resolve", "sha256_file"]
+__all__ = ["Kind", "S3Settings", "Uri", "parse_uri", "register", "resolve", "sha256_file"]
 
 
-def resolve(uri: str, *, kind: Kind, field: str, revision: str | None = None) -> Path:
+def resolve(uri: str, *, kind: Kind, field: str, revision: str | None = None, s3: S3Settings = S3Settings()) -> Path:
     """Return a local path for ``uri``, fetching it first when the scheme is remote.
 
     Args:
@@ -24,6 +25,7 @@ def resolve(uri: str, *, kind: Kind, field: str, revision: str | None = None) ->
         kind: ``model`` or ``dataset`` (selects the Hub repo type for hf://).
         field: the spec field the URI came from, named in error messages.
         revision: optional Hub revision.
+        s3: how to reach S3 for s3:// (the job's; the default leaves it all to the environment).
 
     Raises:
         KubetuneError: unknown scheme, or the target does not exist / cannot be fetched.
@@ -37,14 +39,7 @@ def resolve(uri: str, *, kind: Kind, field: str, revision: str | None = None) ->
             field=field,
             fix=f"use one of {known} or a plain path",
         )
-    return resolver(parsed, kind, field, revision)
-
-
-def configure(spec) -> None:
-    """Apply the spec's provider settings (S3 endpoint, region, addressing) for this process."""
-    from kubetune.providers import s3
-
-    s3.configure(spec.s3.endpoint_url, spec.s3.region, spec.s3.addressing_style)
+    return resolver(parsed, kind, field, revision, s3)
 
 
 # Register the built-in schemes (import for side effect).

@@ -1,6 +1,7 @@
 """The output location of a run, resolved once from ``output.uri`` and passed down to everything
-that writes there (the staging directory, the checkpoint store, the publisher), so that nothing
-else parses the URI. What may be written there is ``artifacts/output.py``'s decision."""
+that writes there (the staging directory, the checkpoint store, the publisher), with the S3
+settings an s3:// output is reached with, so that nothing else parses the URI. What may be
+written there is ``artifacts/output.py``'s decision."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 from kubetune.errors import KubetuneError
 from kubetune.paths import cache_root
-from kubetune.providers.base import parse_uri
+from kubetune.providers.base import S3Settings, parse_uri
 
 REMOTE = ("s3", "hf")  # outputs written to a local staging directory, then uploaded
 
@@ -20,10 +21,17 @@ class Output:
     uri: str  # output.uri as the spec gives it
     scheme: str  # file | s3 | hf
     local: Path  # where this machine writes: output.uri itself, or the staging directory of a remote output
+    s3: S3Settings = S3Settings()  # how an s3:// output is reached (the job's s3: section)
 
     @classmethod
-    def resolve(cls, uri: str) -> Output:
-        """Parse ``uri`` (not touching the filesystem or the network).
+    def for_spec(cls, spec) -> Output:
+        """The output of a job spec: its ``output.uri``, reached with its ``s3:`` settings (see ``resolve``)."""
+        return cls.resolve(spec.output.uri, S3Settings.from_spec(spec))
+
+    @classmethod
+    def resolve(cls, uri: str, s3: S3Settings = S3Settings()) -> Output:
+        """Parse ``uri`` (not touching the filesystem or the network); ``s3``: how to reach an s3://
+        output (the default leaves it all to the environment).
 
         Raises:
             KubetuneError: an output scheme kubetune cannot write to.
@@ -39,7 +47,7 @@ class Output:
                 field="output.uri",
                 fix="use a local directory, s3://BUCKET/PREFIX or hf://ORG/REPO",
             )
-        return cls(uri, parsed.scheme, local)
+        return cls(uri, parsed.scheme, local, s3)
 
     @property
     def remote(self) -> bool:

@@ -13,13 +13,13 @@ from pathlib import Path
 
 from kubetune.errors import KubetuneError
 from kubetune.paths import check_tree_inside
-from kubetune.providers.base import Kind, Uri, register, sha256_file
+from kubetune.providers.base import Kind, S3Settings, Uri, register, sha256_file
 
 SEED_REPO_ID = "sentence-transformers/all-MiniLM-L6-v2"
 
 
 @register("hf")
-def resolve_hf(uri: Uri, kind: Kind, field: str, revision: str | None) -> Path:
+def resolve_hf(uri: Uri, kind: Kind, field: str, revision: str | None, s3: S3Settings) -> Path:
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub import errors as hf_errors
 

@@ -6,11 +6,11 @@ import importlib.util
 from pathlib import Path
 
 from kubetune.errors import KubetuneError
-from kubetune.providers.base import Kind, Uri, register
+from kubetune.providers.base import Kind, S3Settings, Uri, register
 
 
 @register("file")
-def resolve_file(uri: Uri, kind: Kind, field: str, revision: str | None) -> Path:
+def resolve_file(uri: Uri, kind: Kind, field: str, revision: str | None, s3: S3Settings) -> Path:
     path = Path(uri.body).expanduser()
     if not path.exists():
         what = "model directory" if kind == "model" else "data file or directory"
@@ -23,7 +23,7 @@ def resolve_file(uri: Uri, kind: Kind, field: str, revision: str | None) -> Path
 
 
 @register("pkg")
-def resolve_pkg(uri: Uri, kind: Kind, field: str, revision: str | None) -> Path:
+def resolve_pkg(uri: Uri, kind: Kind, field: str, revision: str | None, s3: S3Settings) -> Path:
     package, _, inner = uri.body.partition("/")
     try:
         spec = importlib.util.find_spec(package)

@@ -5,7 +5,7 @@ memory); sizes are verified after every download. An uploaded directory counts a
 when its manifest (every file with size and sha256) exists: the manifest is deleted first and
 written last, so a partial or interrupted upload never looks complete, and readers of artifacts
 refuse a prefix without one. Errors are translated here into one line naming the bucket and the
-endpoint, never a credential.
+endpoint, never a credential. Every function that makes a client takes the job's ``S3Settings``.
 """
 
 from __future__ import annotations
@@ -20,29 +20,19 @@ from pathlib import Path, PurePosixPath
 
 from kubetune.errors import KubetuneError
 from kubetune.paths import cache_root, check_relative, safe_join, set_default_mode, write_atomic
-from kubetune.providers.base import Kind, Uri, register, sha256_file
+from kubetune.providers.base import Kind, S3Settings, Uri, register, sha256_file
 
 log = logging.getLogger(__name__)
 MANIFEST = "_kubetune_manifest.json"
-_settings: dict[str, str | None] = {"endpoint_url": None, "region": None, "addressing_style": "auto"}
 
 
-def configure(endpoint_url: str | None = None, region: str | None = None, addressing_style: str = "auto") -> None:
-    """Set the endpoint/region from the job spec (``s3:`` section); the environment fills gaps."""
-    _settings.update(endpoint_url=endpoint_url, region=region, addressing_style=addressing_style)
-
-
-def endpoint() -> str | None:
-    """Spec, then S3_ENDPOINT_URL, then AWS_ENDPOINT_URL (None: AWS's own endpoint)."""
-    return _settings["endpoint_url"] or os.environ.get("S3_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL")
-
-
-def client():
+def client(settings: S3Settings):
+    """A boto3 S3 client for ``settings`` (the environment fills what they leave unset)."""
     import boto3
     from botocore.config import Config
 
-    url = endpoint()
-    style = _settings["addressing_style"]
+    url = settings.endpoint()
+    style = settings.addressing_style
     if style == "auto" and url:
         style = "path"  # MinIO and most S3-compatible servers want path-style addressing
     config = Config(
@@ -52,8 +42,7 @@ def client():
         read_timeout=60,
         signature_version="s3v4",
     )
-    region = _settings["region"] or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-    return boto3.client("s3", endpoint_url=url, region_name=region, config=config)
+    return boto3.client("s3", endpoint_url=url, region_name=settings.region_name(), config=config)
 
 
 def transfer_config():
@@ -82,11 +71,11 @@ class Location:
         return f"{self.key.rstrip('/')}/{rel}" if self.key else rel
 
 
-def translate(e: Exception, loc: Location, field: str, action: str) -> KubetuneError:
-    """One line naming the bucket and endpoint; never a key or secret."""
+def translate(e: Exception, loc: Location, field: str, action: str, settings: S3Settings) -> KubetuneError:
+    """One line naming the bucket and endpoint (``settings``'); never a key or secret."""
     from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError
 
-    where = f"bucket '{loc.bucket}' at {endpoint() or 'AWS S3'}"
+    where = f"bucket '{loc.bucket}' at {settings.endpoint() or 'AWS S3'}"
     if isinstance(e, NoCredentialsError):
         return KubetuneError(
             f"no S3 credentials found to {action} {where}",
@@ -122,7 +111,7 @@ def translate(e: Exception, loc: Location, field: str, action: str) -> KubetuneE
             )
         if code in ("NoSuchKey", "404", "NotFound"):
             return KubetuneError(
-                f"s3://{loc.bucket}/{loc.key} not found at {endpoint() or 'AWS S3'}",
+                f"s3://{loc.bucket}/{loc.key} not found at {settings.endpoint() or 'AWS S3'}",
                 field=field,
                 fix="check the key or prefix",
             )
@@ -130,13 +119,13 @@ def translate(e: Exception, loc: Location, field: str, action: str) -> KubetuneE
     from boto3.exceptions import RetriesExceededError, S3UploadFailedError
 
     if isinstance(e, RetriesExceededError) and e.last_exception is not None:
-        return translate(e.last_exception, loc, field, action)
+        return translate(e.last_exception, loc, field, action, settings)
     if isinstance(e, S3UploadFailedError):
         # boto3 flattens the ClientError into text; recover the code for the usual causes.
         text = str(e)
         for code in ("NoSuchBucket", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied"):
             if code in text:
-                return translate(ClientError({"Error": {"Code": code}}, "PutObject"), loc, field, action)
+                return translate(ClientError({"Error": {"Code": code}}, "PutObject"), loc, field, action, settings)
         return KubetuneError(
             f"S3 upload to {where} failed after retries",
             field=field,
@@ -227,6 +216,13 @@ def read_manifest(s3, bucket: str, key: str, shown: str) -> dict:
     return manifest
 
 
+def _not_found(e: Exception) -> bool:
+    """Is ``e`` S3's answer that no object has the key?"""
+    from botocore.exceptions import ClientError
+
+    return isinstance(e, ClientError) and e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound")
+
+
 def _artifact_above(s3, loc: Location) -> tuple[str, dict] | None:
     """For ``s3://b/run/model/``: the artifact at an enclosing prefix (up to 3 levels up) whose
     manifest lists files under ``model/``, as (the enclosing prefix, a manifest of just those files
@@ -241,13 +237,7 @@ def _artifact_above(s3, loc: Location) -> tuple[str, dict] | None:
         except KubetuneError:
             raise
         except Exception as e:
-            from botocore.exceptions import ClientError
-
-            if isinstance(e, ClientError) and e.response.get("Error", {}).get("Code") in (
-                "404",
-                "NoSuchKey",
-                "NotFound",
-            ):
+            if _not_found(e):
                 continue
             raise
         files = {rel[len(sub) :]: meta for rel, meta in manifest["files"].items() if rel.startswith(sub)}
@@ -256,7 +246,7 @@ def _artifact_above(s3, loc: Location) -> tuple[str, dict] | None:
     return None
 
 
-def download(uri: str, dest: Path, *, field: str, require_manifest: bool = False) -> Path:
+def download(uri: str, dest: Path, *, field: str, settings: S3Settings, require_manifest: bool = False) -> Path:
     """Download an object (to ``dest``) or every object under a prefix (into ``dest/``).
 
     Every object key and manifest entry must name a file inside ``dest`` (no ``..``, no absolute
@@ -269,97 +259,14 @@ def download(uri: str, dest: Path, *, field: str, require_manifest: bool = False
         The local file or directory.
     """
     loc = Location.parse(uri, field)
-    shown = f"bucket '{loc.bucket}'"
-    s3 = client()
+    s3 = client(settings)
     try:
-        objects = _list(s3, loc) if loc.key == "" or loc.key.endswith("/") else None
-        if objects is None:
-            try:
-                head = s3.head_object(Bucket=loc.bucket, Key=loc.key)
-                if require_manifest:
-                    raise KubetuneError(
-                        f"{uri} is a single object, not a kubetune artifact",
-                        field=field,
-                        fix="pass the artifact's prefix",
-                    )
-                name = PurePosixPath(loc.key).name
-                check_relative(name, what=f"{shown}, key {loc.key!r}")
-                target = dest if dest.suffix else safe_join(dest, name, what=f"{shown}, key {loc.key!r}")
-                if not (
-                    target.exists()
-                    and target.stat().st_size == head["ContentLength"]
-                    and _etag_ok(target, head["ETag"])
-                ):
-                    _download(s3, loc.bucket, loc.key, target, head["ContentLength"])
-                    _remember_etag(target, head["ETag"])
+        if loc.key and not loc.key.endswith("/"):
+            target = _download_object(s3, loc, uri, dest, field, require_manifest)
+            if target is not None:
                 return target
-            except KubetuneError:
-                raise
-            except Exception as e:  # a 404 on head means: maybe a prefix
-                from botocore.exceptions import ClientError
-
-                if not (
-                    isinstance(e, ClientError)
-                    and e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound")
-                ):
-                    raise
-            objects = _list(s3, loc)
-        prefix = loc.key.rstrip("/") + "/" if loc.key else ""
-        names = {}
-        for o in objects:
-            rel = o["Key"][len(prefix) :]
-            check_relative(rel, what=f"{shown}, key {o['Key']!r} under s3://{loc.bucket}/{prefix}")
-            names[rel] = o
-        manifest = None
-        if MANIFEST in names:
-            manifest = read_manifest(s3, loc.bucket, names[MANIFEST]["Key"], uri)
-        elif require_manifest:
-            above = _artifact_above(s3, loc)
-            if above is None:
-                raise KubetuneError(
-                    f"{uri} has no {MANIFEST}: the artifact is incomplete "
-                    "(an upload was interrupted) or not a kubetune artifact",
-                    field=field,
-                    fix="re-run the export, or point at a complete artifact",
-                )
-            root, manifest = above
-            sub = manifest["subdir"] + "/"
-            listing = {o["Key"]: o for o in _list(s3, Location(loc.bucket, root + sub))}
-            names = {rel: listing[root + sub + rel] for rel in manifest["files"] if root + sub + rel in listing}
-        if not names and manifest is None:
-            raise KubetuneError(
-                f"nothing at {uri} ({endpoint() or 'AWS S3'})", field=field, fix="check the bucket and prefix"
-            )
-        if manifest is not None:
-            missing = sorted(set(manifest["files"]) - set(names))
-            if missing:
-                raise KubetuneError(
-                    f"{uri}: manifest lists {len(missing)} file(s) that are missing, e.g. {missing[0]}",
-                    field=field,
-                    fix="re-run the export",
-                )
-            names = {rel: names[rel] for rel in manifest["files"]}  # only what the artifact contains
-        targets = {
-            rel: safe_join(dest, rel, what=f"{shown}, key {obj['Key']!r}")
-            for rel, obj in names.items()
-            if rel != MANIFEST
-        }
-
-        def fetch(rel: str) -> None:
-            obj, target = names[rel], targets[rel]
-            sha = manifest["files"][rel]["sha256"] if manifest is not None else None
-            if (
-                target.exists()
-                and target.stat().st_size == obj["Size"]
-                and _etag_ok(target, obj["ETag"])
-                and (sha is None or sha256_file(target) == sha)
-            ):
-                return
-            _download(s3, loc.bucket, obj["Key"], target, obj["Size"], sha)
-            _remember_etag(target, obj["ETag"])
-
-        with ThreadPoolExecutor(max_workers=4) as pool:
-            list(pool.map(fetch, targets))
+        names, manifest = _prefix_files(s3, loc, uri, field, require_manifest, settings)
+        _fetch_all(s3, loc, dest, names, manifest)
         if manifest is not None:
             write_atomic(dest / MANIFEST, json.dumps(manifest))
         return dest
@@ -368,10 +275,105 @@ def download(uri: str, dest: Path, *, field: str, require_manifest: bool = False
             raise KubetuneError(str(e), field=field) from None
         raise
     except Exception as e:
-        raise translate(e, loc, field, "read from") from None
+        raise translate(e, loc, field, "read from", settings) from None
 
 
-def put_files(local: Path, files: list[Path], uri: str, *, field: str = "output.uri") -> dict:
+def _download_object(s3, loc: Location, uri: str, dest: Path, field: str, require_manifest: bool) -> Path | None:
+    """The object ``loc.key`` names, downloaded to ``dest`` (into it when ``dest`` has no suffix)
+    unless unchanged there; None when there is no such object (the key may be a prefix)."""
+    shown = f"bucket '{loc.bucket}'"
+    try:
+        head = s3.head_object(Bucket=loc.bucket, Key=loc.key)
+        if require_manifest:
+            raise KubetuneError(
+                f"{uri} is a single object, not a kubetune artifact", field=field, fix="pass the artifact's prefix"
+            )
+        name = PurePosixPath(loc.key).name
+        check_relative(name, what=f"{shown}, key {loc.key!r}")
+        target = dest if dest.suffix else safe_join(dest, name, what=f"{shown}, key {loc.key!r}")
+        if not (target.exists() and target.stat().st_size == head["ContentLength"] and _etag_ok(target, head["ETag"])):
+            _download(s3, loc.bucket, loc.key, target, head["ContentLength"])
+            _remember_etag(target, head["ETag"])
+        return target
+    except KubetuneError:
+        raise
+    except Exception as e:  # a 404 on head means: maybe a prefix
+        if not _not_found(e):
+            raise
+    return None
+
+
+def _prefix_files(
+    s3, loc: Location, uri: str, field: str, require_manifest: bool, settings: S3Settings
+) -> tuple[dict[str, dict], dict | None]:
+    """The objects to download under the prefix ``loc`` (by path relative to it), and the
+    artifact's manifest (None when there is none and ``require_manifest`` is not set); with a
+    manifest, exactly the files it lists."""
+    shown = f"bucket '{loc.bucket}'"
+    prefix = loc.key.rstrip("/") + "/" if loc.key else ""
+    names = {}
+    for o in _list(s3, loc):
+        rel = o["Key"][len(prefix) :]
+        check_relative(rel, what=f"{shown}, key {o['Key']!r} under s3://{loc.bucket}/{prefix}")
+        names[rel] = o
+    manifest = None
+    if MANIFEST in names:
+        manifest = read_manifest(s3, loc.bucket, names[MANIFEST]["Key"], uri)
+    elif require_manifest:
+        above = _artifact_above(s3, loc)
+        if above is None:
+            raise KubetuneError(
+                f"{uri} has no {MANIFEST}: the artifact is incomplete "
+                "(an upload was interrupted) or not a kubetune artifact",
+                field=field,
+                fix="re-run the export, or point at a complete artifact",
+            )
+        root, manifest = above
+        sub = manifest["subdir"] + "/"
+        listing = {o["Key"]: o for o in _list(s3, Location(loc.bucket, root + sub))}
+        names = {rel: listing[root + sub + rel] for rel in manifest["files"] if root + sub + rel in listing}
+    if not names and manifest is None:
+        raise KubetuneError(
+            f"nothing at {uri} ({settings.endpoint() or 'AWS S3'})", field=field, fix="check the bucket and prefix"
+        )
+    if manifest is not None:
+        missing = sorted(set(manifest["files"]) - set(names))
+        if missing:
+            raise KubetuneError(
+                f"{uri}: manifest lists {len(missing)} file(s) that are missing, e.g. {missing[0]}",
+                field=field,
+                fix="re-run the export",
+            )
+        names = {rel: names[rel] for rel in manifest["files"]}  # only what the artifact contains
+    return names, manifest
+
+
+def _fetch_all(s3, loc: Location, dest: Path, names: dict[str, dict], manifest: dict | None) -> None:
+    """Download ``names`` (objects by relative path) into ``dest``, four at a time, skipping files
+    already there unchanged (and, with a manifest, matching its sha256)."""
+    shown = f"bucket '{loc.bucket}'"
+    targets = {
+        rel: safe_join(dest, rel, what=f"{shown}, key {obj['Key']!r}") for rel, obj in names.items() if rel != MANIFEST
+    }
+
+    def fetch(rel: str) -> None:
+        obj, target = names[rel], targets[rel]
+        sha = manifest["files"][rel]["sha256"] if manifest is not None else None
+        if (
+            target.exists()
+            and target.stat().st_size == obj["Size"]
+            and _etag_ok(target, obj["ETag"])
+            and (sha is None or sha256_file(target) == sha)
+        ):
+            return
+        _download(s3, loc.bucket, obj["Key"], target, obj["Size"], sha)
+        _remember_etag(target, obj["ETag"])
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        list(pool.map(fetch, targets))
+
+
+def put_files(local: Path, files: list[Path], uri: str, *, settings: S3Settings, field: str = "output.uri") -> dict:
     """Upload ``files`` (under ``local``) to the prefix ``uri`` without a manifest: a part of an
     artifact whose manifest another process writes (``upload_dir``'s ``uploaded``).
 
@@ -379,11 +381,11 @@ def put_files(local: Path, files: list[Path], uri: str, *, field: str = "output.
         Their manifest entries, by relative path.
     """
     loc = Location.parse(uri, field)
-    s3 = client()
+    s3 = client(settings)
     try:
         return dict(_put(s3, loc, local, p) for p in files)
     except Exception as e:
-        raise translate(e, loc, field, "upload to") from None
+        raise translate(e, loc, field, "upload to", settings) from None
 
 
 def _put(s3, loc: Location, local: Path, path: Path) -> tuple[str, dict]:
@@ -393,7 +395,13 @@ def _put(s3, loc: Location, local: Path, path: Path) -> tuple[str, dict]:
 
 
 def upload_dir(
-    local: Path, uri: str, *, field: str = "output.uri", exclude: tuple[str, ...] = (), uploaded: dict | None = None
+    local: Path,
+    uri: str,
+    *,
+    settings: S3Settings,
+    field: str = "output.uri",
+    exclude: tuple[str, ...] = (),
+    uploaded: dict | None = None,
 ) -> dict:
     """Upload every file under ``local`` (less the top-level names in ``exclude``) to the prefix
     ``uri``, then the manifest (last). ``uploaded``: manifest entries of files other processes put
@@ -408,7 +416,7 @@ def upload_dir(
         KubetuneError: after retries; the destination then has no manifest.
     """
     loc = Location.parse(uri, field)
-    s3 = client()
+    s3 = client(settings)
     files = sorted(
         p
         for p in local.rglob("*")
@@ -433,7 +441,7 @@ def upload_dir(
     except KubetuneError:
         raise
     except Exception as e:
-        raise translate(e, loc, field, "upload to") from None
+        raise translate(e, loc, field, "upload to", settings) from None
     log.info("uploaded %d files to %s", len(files), uri)
     return manifest
 
@@ -447,12 +455,12 @@ def _manifest_or_none(s3, loc: Location, uri: str) -> dict | None:
         log.warning("ignoring %s: %s", loc.join(MANIFEST), e)
         return None
     except ClientError as e:
-        if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+        if _not_found(e):
             return None
         raise
 
 
-def delete_artifact(uri: str, *, field: str = "output.uri") -> int:
+def delete_artifact(uri: str, *, settings: S3Settings, field: str = "output.uri") -> int:
     """Delete a kubetune artifact: its manifest first (it stops looking complete), then exactly
     the keys that manifest lists. Other objects under the prefix are not kubetune's and stay.
 
@@ -460,7 +468,7 @@ def delete_artifact(uri: str, *, field: str = "output.uri") -> int:
         The number of objects deleted (0 when there is no manifest).
     """
     loc = Location.parse(uri, field)
-    s3 = client()
+    s3 = client(settings)
     try:
         manifest = _manifest_or_none(s3, loc, uri)
         if manifest is None:
@@ -472,54 +480,51 @@ def delete_artifact(uri: str, *, field: str = "output.uri") -> int:
     except KubetuneError:
         raise
     except Exception as e:
-        raise translate(e, loc, field, "delete from") from None
+        raise translate(e, loc, field, "delete from", settings) from None
 
 
-def list_keys(uri: str, *, field: str, limit: int = 1000) -> list[str]:
+def list_keys(uri: str, *, field: str, settings: S3Settings, limit: int = 1000) -> list[str]:
     """Up to ``limit`` keys under the prefix ``uri``, relative to it."""
     loc = Location.parse(uri, field)
     prefix = loc.key.rstrip("/") + "/" if loc.key else ""
     try:
         out: list[str] = []
         for page in (
-            client()
+            client(settings)
             .get_paginator("list_objects_v2")
             .paginate(Bucket=loc.bucket, Prefix=prefix, PaginationConfig={"MaxItems": limit})
         ):
             out += [o["Key"][len(prefix) :] for o in page.get("Contents", [])]
         return out
     except Exception as e:
-        raise translate(e, loc, field, "list") from None
+        raise translate(e, loc, field, "list", settings) from None
 
 
-def read_text(uri: str, *, field: str) -> str | None:
+def read_text(uri: str, *, field: str, settings: S3Settings) -> str | None:
     """A small object's text, or None when it does not exist."""
-    from botocore.exceptions import ClientError
-
     loc = Location.parse(uri, field)
     try:
-        return client().get_object(Bucket=loc.bucket, Key=loc.key)["Body"].read(1 << 20).decode("utf-8", "replace")
-    except ClientError as e:
-        if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+        s3 = client(settings)
+        return s3.get_object(Bucket=loc.bucket, Key=loc.key)["Body"].read(1 << 20).decode("utf-8", "replace")
+    except Exception as e:
+        if _not_found(e):
             return None
-        raise translate(e, loc, field, "read from") from None
-    except Exception as e:
-        raise translate(e, loc, field, "read from") from None
+        raise translate(e, loc, field, "read from", settings) from None
 
 
-def write_text(uri: str, text: str, *, field: str) -> None:
+def write_text(uri: str, text: str, *, field: str, settings: S3Settings) -> None:
     loc = Location.parse(uri, field)
     try:
-        client().put_object(Bucket=loc.bucket, Key=loc.key, Body=text.encode())
+        client(settings).put_object(Bucket=loc.bucket, Key=loc.key, Body=text.encode())
     except Exception as e:
-        raise translate(e, loc, field, "write to") from None
+        raise translate(e, loc, field, "write to", settings) from None
 
 
-def check_bucket(uri: str, *, field: str) -> None:
+def check_bucket(uri: str, *, field: str, settings: S3Settings) -> None:
     """Raise the one-line error now if the bucket is missing or the credentials are refused."""
     loc = Location.parse(uri, field)
     try:
-        client().head_bucket(Bucket=loc.bucket)
+        client(settings).head_bucket(Bucket=loc.bucket)
     except Exception as e:
         from botocore.exceptions import ClientError
 
@@ -529,17 +534,17 @@ def check_bucket(uri: str, *, field: str) -> None:
             "NotFound",
         ):
             e.response["Error"]["Code"] = "NoSuchBucket"  # head_bucket reports a bare 404
-        raise translate(e, loc, field, "write to") from None
+        raise translate(e, loc, field, "write to", settings) from None
 
 
 @register("s3")
-def resolve_s3(uri: Uri, kind: Kind, field: str, revision: str | None) -> Path:
+def resolve_s3(uri: Uri, kind: Kind, field: str, revision: str | None, s3: S3Settings) -> Path:
     """Download to the local cache (``$KUBETUNE_CACHE/s3/BUCKET/KEY``), reusing unchanged files."""
     loc = Location.parse(uri.raw, field)
     dest = safe_join(
         cache_root() / "s3", f"{loc.bucket}/{loc.key.rstrip('/')}".rstrip("/"), what=f"{field}: {uri.raw!r}"
     )
-    return download(uri.raw, dest, field=field)
+    return download(uri.raw, dest, field=field, settings=s3)
 
 
 def _etag_file(path: Path) -> Path:

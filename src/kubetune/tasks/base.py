@@ -17,6 +17,7 @@ from kubetune.artifacts.presentation import Presentation
 from kubetune.config import JobSpec
 from kubetune.data import Batch
 from kubetune.distributed import DistEnv
+from kubetune.providers import S3Settings
 
 
 @dataclass
@@ -49,7 +50,8 @@ class Task:
     """One task; every field is a plain value or function. ``tasks/__init__.py`` registers it under
     the spec's ``task`` value, whose data section's model is ``config.DATA_SPECS[task]``."""
 
-    load_frames: Callable[[Any, int], Any]  # (data spec, seed) -> the checked tables (preflight, prepare)
+    # (data spec, seed, S3Settings) -> the checked tables (preflight, prepare)
+    load_frames: Callable[[Any, int, S3Settings], Any]
     prepare: Callable[[JobSpec, DistEnv, Path, Any], Prepared]  # (spec, env, model_dir, tokenizer)
     # (spec, model dir, data, training device, compute dtype, where the weights go: None = the device;
     # meta = the modules without weights)

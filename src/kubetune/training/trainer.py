@@ -15,6 +15,7 @@ import logging
 import math
 import resource
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from safetensors import SafetensorError
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from kubetune import artifacts, checkpoint, distributed, providers
+from kubetune import artifacts, checkpoint, distributed
 from kubetune.artifacts import output
 from kubetune.config import JobSpec
 from kubetune.data import Batch, StepBatch, batches
@@ -50,15 +51,17 @@ from kubetune.training.strategy import Strategy
 log = logging.getLogger(__name__)
 
 
-def train(spec: JobSpec, env: DistEnv, task: Task) -> dict:
-    """Fine-tune as described by ``spec``; rank 0 exports the artifacts.
+def train(spec: JobSpec, env: DistEnv, task: Task, stop: threading.Event | None = None) -> dict:
+    """Fine-tune as described by ``spec``; rank 0 exports the artifacts. ``stop``, once set (by
+    the signal handlers ``distributed.install_signal_handlers`` installed), ends the run after a
+    checkpoint at the next step boundary.
 
     Returns:
         The final metrics (identical on every rank).
     """
     # Log lines go through tqdm.write so they never land in the middle of the progress bar.
     with logging_redirect_tqdm(), contextlib.ExitStack() as cleanup:
-        trainer = Trainer(spec, env, task, cleanup)
+        trainer = Trainer(spec, env, task, cleanup, stop=stop)
         return trainer.finished if trainer.finished is not None else trainer.train()
 
 
@@ -73,18 +76,19 @@ class Trainer:
         task: Task,
         cleanup: contextlib.ExitStack | None = None,
         strategy: Strategy | None = None,
+        stop: threading.Event | None = None,
     ):
         self.t_start = time.perf_counter()
         self.spec, self.env, self.task, self.cfg = spec, env, task, spec.training
         self.device = device = distributed.pick_device(env)
-        distributed.setup(env, device, spec.distributed.backend, spec.distributed.timeout_minutes)
+        self.control_group = distributed.setup(env, device, spec.distributed.backend, spec.distributed.timeout_minutes)
+        self.stop = stop if stop is not None else threading.Event()  # once set: a checkpoint, then stop
         self.dtype = resolve_precision(self.cfg.precision, device)
-        providers.configure(spec)
         # Rank 0 checks the destination (refusing someone else's directory or a finished run), marks
         # it as kubetune's, and logs whether this run resumes or starts over; every rank then reads
         # checkpoints from the same place.
         # The output location, resolved once: the staging directory, the checkpoint store, the publisher.
-        self.dest = Output.resolve(spec.output.uri)
+        self.dest = Output.for_spec(spec)
         self.out = self.dest.local
         plan = output.claim(spec, self.dest) if env.is_main else None
         # this job already finished into this output: nothing to train
@@ -289,7 +293,9 @@ class Trainer:
                     and env.is_main
                     and time.monotonic() - last_checkpoint >= 60 * cfg.checkpoint_minutes
                 )
-                stop, timed = distributed.any_rank(distributed.STOP.is_set(), timed, device=self.device)
+                stop, timed = distributed.any_rank(
+                    self.stop.is_set(), timed, device=self.device, group=self.control_group
+                )
                 if stop or timed or (cfg.checkpoint_every and s.global_step % cfg.checkpoint_every == 0):
                     # a checkpoint holds only weights trained on finite gradients
                     self.guard.check(s.global_step, self.out)

@@ -1,6 +1,7 @@
 """The toy regression task's training half, written against kubetune's public task seam only:
 ``kubetune.tasks.base`` (Task, Prepared, LossOutput, tokenize_on_node), ``kubetune.data``
-(tables, the tokenization cache, Batch) and ``kubetune.artifacts`` (replace_dir, Presentation)."""
+(tables, the tokenization cache, Batch), ``kubetune.artifacts`` (replace_dir, Presentation) and
+``kubetune.providers`` (S3Settings, which ``load_frames`` takes for s3:// data)."""
 
 from __future__ import annotations
 
@@ -16,13 +17,14 @@ from kubetune.artifacts.presentation import Presentation
 from kubetune.data import Batch, tokenized
 from kubetune.data.tables import read_rows
 from kubetune.errors import KubetuneError
+from kubetune.providers import S3Settings
 from kubetune.tasks.base import LossOutput, Prepared, Task, tokenize_on_node
 from kubetune.tasks.common import load_pretrained
 
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
 
-def load_frames(data, seed: int, scale: float = 1.0):
+def load_frames(data, seed: int, s3: S3Settings = S3Settings(), scale: float = 1.0):
     def detect(table: pd.DataFrame, spec) -> str:
         for key in ("text_column", "target_column"):
             if getattr(spec, key) not in table.columns:
@@ -45,7 +47,7 @@ def load_frames(data, seed: int, scale: float = 1.0):
             dropped[f"{which}_no_target"] = int(bad.sum())
         return out[~bad].reset_index(drop=True)
 
-    train, evald, _, dropped = read_rows(data, seed, detect, normalize)
+    train, evald, _, dropped = read_rows(data, seed, detect, normalize, s3=s3)
     return train, evald, dropped
 
 
@@ -67,7 +69,9 @@ def _collate(ds, indices: np.ndarray, tokenizer) -> Batch:
 
 def prepare(spec, env, model_dir, tokenizer) -> Prepared:
     own = spec.regression  # the task's own section (None: its defaults)
-    train, evald, dropped = load_frames(spec.data, spec.training.seed, own.target_scale if own else 1.0)
+    train, evald, dropped = load_frames(
+        spec.data, spec.training.seed, S3Settings.from_spec(spec), own.target_scale if own else 1.0
+    )
     encode = functools.partial(_encode, tokenizer=tokenizer, max_length=spec.data.max_length)
 
     def build(create: bool):

@@ -21,6 +21,7 @@ from kubetune.config import DataSpec
 from kubetune.data import Batch
 from kubetune.data.tables import describe_non_text, read_rows, short
 from kubetune.errors import KubetuneError
+from kubetune.providers import S3Settings
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +52,14 @@ class RecordFrames:
     dropped: dict[str, int] = field(default_factory=dict)
 
 
-def load_lm_frames(spec: DataSpec, seed: int) -> RecordFrames:
-    """Read, normalize and split causal-LM data (read as ``read_table`` reads: "None" or "NA" is text).
+def load_lm_frames(spec: DataSpec, seed: int, s3: S3Settings = S3Settings()) -> RecordFrames:
+    """Read, normalize and split causal-LM data (read as ``read_table`` reads: "None" or "NA" is text;
+    s3:// data reached with ``s3``).
 
     Raises:
         KubetuneError: missing columns, a text column that holds no text, malformed messages, no usable rows.
     """
-    return RecordFrames(*read_rows(spec, seed, detect_format, _normalize))
+    return RecordFrames(*read_rows(spec, seed, detect_format, _normalize, s3=s3))
 
 
 def detect_format(df: pd.DataFrame, spec: DataSpec) -> str:

@@ -27,6 +27,7 @@ from kubetune.config import JobSpec
 from kubetune.data import Batch, tokenized
 from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
+from kubetune.providers import S3Settings
 from kubetune.tasks import attention
 from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task, tokenize_on_node
 from kubetune.tasks.causal_lm.data import IGNORE, collate, ensure_chat_template, load_lm_frames, tokenize_frame
@@ -40,7 +41,7 @@ def _encode(frame: pd.DataFrame, tokenizer, max_length: int, train_on_prompt: bo
 
 
 def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
-    frames = load_lm_frames(spec.data, spec.training.seed)
+    frames = load_lm_frames(spec.data, spec.training.seed, S3Settings.from_spec(spec))
     fallback = frames.format != "text" and ensure_chat_template(tokenizer)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked out; any id will do

@@ -15,6 +15,7 @@ import torch
 from kubetune.data import Batch
 from kubetune.data.tables import describe_non_text, is_nested, read_table, short, split_indices
 from kubetune.errors import KubetuneError
+from kubetune.providers import S3Settings
 from kubetune.tasks.classify import ClassificationData
 
 log = logging.getLogger(__name__)
@@ -33,8 +34,8 @@ class Frames:
     dropped: dict[str, int] = field(default_factory=dict)
 
 
-def load_frames(spec: ClassificationData, seed: int) -> Frames:
-    """Load, validate and split the data described by ``spec``.
+def load_frames(spec: ClassificationData, seed: int, s3: S3Settings = S3Settings()) -> Frames:
+    """Load, validate and split the data described by ``spec`` (s3:// data reached with ``s3``).
 
     Raises:
         KubetuneError: missing, oversized or non-tabular files or columns, a text column that holds
@@ -43,7 +44,12 @@ def load_frames(spec: ClassificationData, seed: int) -> Frames:
     """
     dropped: dict[str, int] = {}
     train_raw = read_table(
-        spec.train, field="data.train", split=spec.train_split, encoding=spec.encoding, max_input_mb=spec.max_input_mb
+        spec.train,
+        field="data.train",
+        split=spec.train_split,
+        encoding=spec.encoding,
+        max_input_mb=spec.max_input_mb,
+        s3=s3,
     )
     train = _normalize(train_raw, spec, "data.train", dropped, "train")
     _check_labels(train[spec.label_column], spec)
@@ -59,7 +65,12 @@ def load_frames(spec: ClassificationData, seed: int) -> Frames:
 
     if spec.eval:
         eval_raw = read_table(
-            spec.eval, field="data.eval", split=spec.eval_split, encoding=spec.encoding, max_input_mb=spec.max_input_mb
+            spec.eval,
+            field="data.eval",
+            split=spec.eval_split,
+            encoding=spec.encoding,
+            max_input_mb=spec.max_input_mb,
+            s3=s3,
         )
         evald = _normalize(eval_raw, spec, "data.eval", dropped, "eval")
         unseen = sorted(set(map(_label_key, evald[spec.label_column])) - set(labels))

@@ -22,6 +22,7 @@ from kubetune.artifacts.report import fmt
 from kubetune.config import JobSpec
 from kubetune.data import Batch, tokenized
 from kubetune.distributed import DistEnv
+from kubetune.providers import S3Settings
 from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task, tokenize_on_node
 from kubetune.tasks.classify.baseline import tfidf_baseline
 from kubetune.tasks.classify.data import collate, load_frames
@@ -43,7 +44,7 @@ def encode_texts(frame: pd.DataFrame, tokenizer, max_length: int) -> dict:
 
 
 def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
-    frames = load_frames(spec.data, spec.training.seed)
+    frames = load_frames(spec.data, spec.training.seed, S3Settings.from_spec(spec))
 
     def build(create: bool):
         encode = functools.partial(encode_texts, tokenizer=tokenizer, max_length=spec.data.max_length)

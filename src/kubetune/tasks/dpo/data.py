@@ -15,19 +15,20 @@ import torch
 from kubetune.data import Batch
 from kubetune.data.tables import describe_non_text, short
 from kubetune.errors import KubetuneError
+from kubetune.providers import S3Settings
 from kubetune.tasks.causal_lm.data import IGNORE, ROLES, RecordFrames, read_rows
 from kubetune.tasks.dpo import DPOSpec, PreferenceData
 
 log = logging.getLogger(__name__)
 
 
-def load_pair_frames(spec: PreferenceData, seed: int) -> RecordFrames:
-    """Read, check, normalize and split preference pairs.
+def load_pair_frames(spec: PreferenceData, seed: int, s3: S3Settings = S3Settings()) -> RecordFrames:
+    """Read, check, normalize and split preference pairs (s3:// data reached with ``s3``).
 
     Raises:
         KubetuneError: a missing column, a column without text or messages, malformed messages, no usable pair.
     """
-    return RecordFrames(*read_rows(spec, seed, _detect_format, _normalize))
+    return RecordFrames(*read_rows(spec, seed, _detect_format, _normalize, s3=s3))
 
 
 def _detect_format(df: pd.DataFrame, spec: PreferenceData) -> str:

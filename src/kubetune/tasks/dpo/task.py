@@ -36,6 +36,7 @@ from kubetune.data.tokenize import cache_key, tokenizer_fingerprint
 from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
 from kubetune.paths import cache_root, set_default_modes
+from kubetune.providers import S3Settings
 from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task, rank_batches, tokenize_on_node
 from kubetune.tasks.causal_lm import task as causal_lm
 from kubetune.tasks.causal_lm.data import IGNORE, ensure_chat_template
@@ -56,7 +57,7 @@ METRICS = ("reward_accuracy", "reward_chosen", "reward_rejected", "reward_margin
 
 
 def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
-    frames = load_pair_frames(spec.data, spec.training.seed)
+    frames = load_pair_frames(spec.data, spec.training.seed, S3Settings.from_spec(spec))
     template = None
     if frames.format == "chat":
         if spec.data.chat_template:
