@@ -237,10 +237,10 @@ def _where(job) -> str:
 
 def _after_stop(job, started: float) -> str:
     """What a user can do after a stop signal, from the state the output is in now."""
-    from kubetune.artifacts import output
+    from kubetune.artifacts.output import Output
 
     try:
-        state = output.state_after_stop(job, started)
+        state = Output.for_spec(job).state_after_stop(started)
     except Exception:  # the stop message must not fail on a broken output
         return "run the same command again to resume"
     return {
@@ -262,7 +262,9 @@ def _preflight(job) -> str:
         tracking.connect(job)
     artifacts.resolve_model(job)
     tasks.get(job.task).load_frames(job.data, job.training.seed, providers.S3Settings.from_spec(job))
-    plan = artifacts.check_output(job)
+    from kubetune.artifacts.output import Output
+
+    plan = Output.for_spec(job).check(job)
     if plan.action == "done":
         typer.echo(f"output {job.output.uri}: {plan.detail}", err=True)
     return plan.action

@@ -181,14 +181,13 @@ class Job:
             except (OSError, ValueError):
                 return None
         spec = self.backend.spec_of(self.name)
-        if spec is not None and spec.output.uri.startswith("s3://"):
-            from kubetune import providers
-            from kubetune.providers import s3
+        if spec is not None:
+            from kubetune.artifacts.output import Output
 
-            settings = providers.S3Settings.from_spec(spec)  # the spec's endpoint (MinIO); credentials: the environment
-            text = s3.read_text(spec.output.uri.rstrip("/") + "/metrics.json", field="output.uri", settings=settings)
-            if text:
-                return json.loads(text)
+            # the spec's endpoint (MinIO) and the environment's credentials
+            found = Output.for_spec(spec).remote_metrics()
+            if found is not None:
+                return found
         return (st.progress or {}).get("metrics")
 
     def logs(

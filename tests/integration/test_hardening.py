@@ -203,7 +203,7 @@ def test_ctrl_c_during_start_up_says_so(tmp_path):
 def test_the_stop_message_follows_the_output_state(tmp_path, state):
     """What `kubetune run` says after SIGINT/SIGTERM reached it (its exit 143 path): a run that had
     just finished is not told to "run again to resume"."""
-    from kubetune.artifacts import output
+    from kubetune.artifacts.output import Output
     from kubetune.cli import _after_stop
     from kubetune.config import load_spec
 
@@ -216,7 +216,7 @@ def test_the_stop_message_follows_the_output_state(tmp_path, state):
     elif state == "checkpoint":
         (out / "checkpoints" / "step-00000004").mkdir(parents=True)
         (out / "checkpoints" / "step-00000004" / "COMPLETE").write_text("{}")
-    assert output.state_after_stop(job, started) == state
+    assert Output.for_spec(job).state_after_stop(started) == state
     expected = {
         "finished": f"the run had already finished: its artifacts in {out} are complete",
         "checkpoint": "run the same command again to resume from the last checkpoint",

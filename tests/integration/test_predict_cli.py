@@ -96,11 +96,13 @@ PUSH = """
 import sys
 from pathlib import Path
 from kubetune.artifacts import hub
+from kubetune.artifacts.output import Output
 from kubetune.config import load_spec
 from kubetune.errors import KubetuneError
 from kubetune.tasks.classify import task as classify
 try:
-    hub.push(load_spec(sys.argv[1]), Path(sys.argv[2]), {"eval_accuracy": 0.5}, classify.TASK.present)
+    spec = load_spec(sys.argv[1])
+    hub.push(spec, Output.for_spec(spec).hub_repo, Path(sys.argv[2]), {"eval_accuracy": 0.5}, classify.TASK.present)
 except KubetuneError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)

@@ -17,10 +17,10 @@ import boto3
 import pytest
 from conftest import MINILM, ROOT, kubetune, tiny_spec, write_spec
 
+from kubetune.artifacts.output import Output
 from kubetune.errors import KubetuneError
 from kubetune.providers import S3Settings
 from kubetune.providers import s3 as s3p
-from kubetune.providers.destination import Output
 
 pytestmark = pytest.mark.integration
 BUCKET = "kubeflow-examples"
@@ -394,26 +394,24 @@ def test_the_model_directory_inside_an_artifact_is_accepted(moto, s3, tmp_path):
 
 
 def test_remote_checkpoint_clearing_deletes_only_what_its_manifest_lists(moto, s3, tmp_path):
-    from kubetune import checkpoint
 
     out = f"s3://{BUCKET}/ckpt/{tmp_path.name}"
     step = f"ckpt/{tmp_path.name}/checkpoints/step-00000003"
     _artifact_with_manifest(s3, step, {"state.pt": b"state", "COMPLETE": b"{}"})
     s3.put_object(Bucket=BUCKET, Key=f"{step}/notes-of-a-colleague.txt", Body=b"keep me")
-    assert checkpoint.remote_steps(f"{out}/checkpoints", ENV) == [3]
-    checkpoint.clear(Output(out, "s3", tmp_path / "local"))
+    assert Output(out, "s3", tmp_path / "local", ENV).checkpoints.remote_steps() == [3]
+    Output(out, "s3", tmp_path / "local").checkpoints.clear()
     left = {o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix=f"ckpt/{tmp_path.name}/").get("Contents", [])}
     assert left == {f"{step}/notes-of-a-colleague.txt"}
 
 
 def test_a_checkpoint_manifest_listing_a_path_outside_is_refused(moto, s3, tmp_path):
-    from kubetune import checkpoint
 
     out = f"s3://{BUCKET}/ckpt-evil/{tmp_path.name}"
     step = f"ckpt-evil/{tmp_path.name}/checkpoints/step-00000005"
     _artifact_with_manifest(s3, step, {"COMPLETE": b"{}", "../../../escaped": b"x"})
     with pytest.raises(KubetuneError, match="would write outside its destination"):
-        checkpoint.latest(Output(out, "s3", tmp_path / "local"))
+        Output(out, "s3", tmp_path / "local").checkpoints.latest()
     assert not list(tmp_path.rglob("escaped"))
 
 
@@ -451,10 +449,10 @@ def test_s3_output_prefix_ownership(moto, s3, tmp_path, setup, overwrite, expect
     )
     if " " in expected:
         with pytest.raises(KubetuneError) as e:
-            output.inspect(spec)
+            Output.for_spec(spec).inspect(spec)
         assert expected in str(e.value) and str(e.value).startswith("output.uri: ")
     else:
-        assert output.inspect(spec).action == expected
+        assert Output.for_spec(spec).inspect(spec).action == expected
     if setup == "foreign":
         assert s3.get_object(Bucket=BUCKET, Key=f"{prefix}/thesis.tex")["Body"].read() == b"mine"
 

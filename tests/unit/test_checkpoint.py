@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from kubetune import checkpoint
+from kubetune.artifacts.output import Output
 from kubetune.config import parse_spec
 from kubetune.errors import KubetuneError
-from kubetune.providers.destination import Output
 
 SPEC = parse_spec({"name": "c", "model": {"uri": "m"}, "data": {"train": "t.csv"}, "output": {"uri": "o"}})
 
@@ -26,19 +26,19 @@ def _state(step: int) -> dict:
 
 def test_save_latest_and_prune(tmp_path):
     for step in (3, 6, 9):
-        checkpoint.save(_state(step), SPEC, Output.resolve(str(tmp_path)), step, keep=2)
+        Output.resolve(str(tmp_path)).checkpoints.save(_state(step), SPEC, step, keep=2)
     assert checkpoint.complete_steps(tmp_path / "checkpoints") == [6, 9]
-    found = checkpoint.latest(Output.resolve(str(tmp_path)))
+    found = Output.resolve(str(tmp_path)).checkpoints.latest()
     assert found.step == 9 and checkpoint.load(found)["model"]["w"].tolist() == [9.0, 9.0]
 
 
 def test_incomplete_checkpoints_are_ignored(tmp_path):
-    checkpoint.save(_state(3), SPEC, Output.resolve(str(tmp_path)), 3, keep=5)
+    Output.resolve(str(tmp_path)).checkpoints.save(_state(3), SPEC, 3, keep=5)
     # A crash while writing step 6 leaves a temporary directory and a directory without its marker.
     (tmp_path / "checkpoints" / ".step-00000006-abc").mkdir()
     (tmp_path / "checkpoints" / "step-00000006").mkdir()
     (tmp_path / "checkpoints" / "step-00000006" / "state.pt").write_bytes(b"half")
-    assert checkpoint.latest(Output.resolve(str(tmp_path))).step == 3
+    assert Output.resolve(str(tmp_path)).checkpoints.latest().step == 3
 
 
 def test_rng_state_round_trip():
@@ -78,7 +78,7 @@ def test_history_travels_with_the_checkpoint(tmp_path):
     for step in (1, 2, 3, 4):
         h.write({"type": "train", "step": step, "loss": 1.0 / step})
     h.close()
-    found = checkpoint.Found(3, checkpoint.save(_state(3), SPEC, Output.resolve(str(out)), 3, keep=2))
+    found = checkpoint.Found(3, Output.resolve(str(out)).checkpoints.save(_state(3), SPEC, 3, keep=2))
     (out / "history.jsonl").unlink()  # a new machine: only the checkpoint's copy is left
     History(out, resume_step=3, saved=found.path / "history.jsonl").close()
     assert [json.loads(line)["step"] for line in (out / "history.jsonl").read_text().splitlines()] == [1, 2, 3]

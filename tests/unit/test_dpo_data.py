@@ -205,7 +205,7 @@ def test_the_model_card_says_dpo_and_from_which_base(tmp_path):
         "data_format": "chat",
         "chat_template": "tokenizer",
     }
-    card = model_card(spec, metrics, dpo.TASK.present)
+    card = model_card(spec, "org/my-dpo-model", metrics, dpo.TASK.present)
     assert "base_model: org/my-sft-model" in card and "pipeline_tag: text-generation" in card
     assert "Preference-tuned with DPO (sigmoid loss, beta 0.2)" in card and "reward accuracy is 0.9500" in card
 

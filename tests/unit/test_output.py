@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from kubetune.artifacts import output
+from kubetune.artifacts.output import Output
 from kubetune.config import parse_spec
 from kubetune.errors import KubetuneError
-from kubetune.providers.destination import Output
 
 
 def _spec(out: Path, overwrite: bool = False, resume: str = "auto"):
@@ -92,14 +92,14 @@ def test_what_a_run_may_do_with_its_output(tmp_path, case, setup, overwrite, res
     spec = _spec(out, overwrite, resume)
     if " " in expected:
         with pytest.raises(KubetuneError) as e:
-            output.inspect(spec)
+            Output.for_spec(spec).inspect(spec)
         assert str(e.value).startswith("output.uri: ") and expected in str(e.value) and "\n" not in str(e.value)
         assert _snapshot(tmp_path) == before  # refused: nothing touched
         return
-    assert output.inspect(spec).action == expected
+    assert Output.for_spec(spec).inspect(spec).action == expected
     assert _snapshot(tmp_path) == before  # inspecting writes nothing
     dest = Output.resolve(spec.output.uri)
-    plan = output.claim(spec, dest)
+    plan = dest.claim(spec)
     assert dest.local == out and plan.action == expected and (out / output.MARKER).exists()
     if expected == "restart" and resume == "never":
         assert not (out / "checkpoints").exists()  # the earlier run's checkpoints, and only those
@@ -117,11 +117,11 @@ def test_commit_replaces_only_kubetunes_entries_and_keeps_the_users(tmp_path):
     (out / "adapter").mkdir()  # from an earlier LoRA run: stale after a full fine-tune
     (out / "notes.txt").write_text("mine")
     (out / "plots-of-mine").mkdir()
-    staged = output.staging(out)
+    staged = Output.resolve(str(out)).staging()
     (staged / "model").mkdir()
     (staged / "model" / "model.safetensors").write_text("new weights")
     (staged / "metrics.json").write_text(json.dumps({"eval_accuracy": 1.0}))
-    output.commit(out, staged)
+    Output.resolve(str(out)).commit(staged)
     assert (out / "model" / "model.safetensors").read_text() == "new weights"
     assert json.loads((out / "metrics.json").read_text()) == {"eval_accuracy": 1.0}
     assert not (out / "adapter").exists() and not staged.exists()
@@ -129,13 +129,12 @@ def test_commit_replaces_only_kubetunes_entries_and_keeps_the_users(tmp_path):
 
 
 def test_clearing_checkpoints_removes_only_checkpoints(tmp_path):
-    from kubetune import checkpoint
 
     out = tmp_path / "out"
     _checkpoints(out, 3, 6)
     (out / "checkpoints" / ".step-00000009-abc").mkdir()  # a checkpoint being written when the run died
     (out / "checkpoints" / "README.txt").write_text("the user's")
-    checkpoint.clear(Output.resolve(str(out)))
+    Output.resolve(str(out)).checkpoints.clear()
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["README.txt"]
 
 
@@ -182,7 +181,7 @@ def test_a_read_only_mount_is_one_line(tmp_path):
     try:
         for uri in (mnt, mnt / "run"):
             with pytest.raises(KubetuneError) as e:
-                output.inspect(_spec(uri))
+                Output.for_spec(_spec(uri)).inspect(_spec(uri))
             assert "not writable" in str(e.value) and str(e.value).startswith("output.uri: ")
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
@@ -196,11 +195,11 @@ def test_an_output_of_a_kubetune_without_markers_is_recognised(tmp_path):
     (out / output.MARKER).unlink()
     (out / "model" / "config.json").write_text("{}")
     with pytest.raises(KubetuneError, match="holds a finished run"):
-        output.inspect(_spec(out))
+        Output.for_spec(_spec(out)).inspect(_spec(out))
     other = tmp_path / "other"
     _checkpoints(other, 5)
     (other / output.MARKER).unlink()
-    assert output.inspect(_spec(other)).action == "resume"
+    assert Output.for_spec(_spec(other)).inspect(_spec(other)).action == "resume"
 
 
 def test_the_same_job_finished_is_done_and_another_is_refused(tmp_path):
@@ -210,12 +209,12 @@ def test_the_same_job_finished_is_done_and_another_is_refused(tmp_path):
     out = tmp_path / "out"
     _finished(out)
     (out / "job.yaml").write_text(dump_spec(_spec(out)))
-    plan = output.inspect(_spec(out))
+    plan = Output.for_spec(_spec(out)).inspect(_spec(out))
     assert plan.action == "done" and "nothing to train (pass --overwrite to train it again)" in plan.detail
     other = _spec(out, resume="never")
     with pytest.raises(KubetuneError, match="holds a finished run"):
-        output.inspect(other)
-    assert output.inspect(_spec(out, overwrite=True)).action == "replace"
+        Output.for_spec(other).inspect(other)
+    assert Output.for_spec(_spec(out, overwrite=True)).inspect(_spec(out, overwrite=True)).action == "replace"
 
 
 @pytest.mark.parametrize(

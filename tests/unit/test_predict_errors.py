@@ -424,7 +424,7 @@ def test_classifier_cuts_a_1mb_text_to_its_context(classifier, tmp_path):
 
 @pytest.mark.parametrize("uri", ["hf://org/bad name", "hf://org/x..y", "hf://org/-x", "hf://org/" + "x" * 97])
 def test_invalid_hub_repo_name_fails_before_training(uri, tmp_path):
-    from kubetune.artifacts import hub
+    from kubetune.artifacts.output import Output
     from kubetune.config import load_spec
     from kubetune.errors import KubetuneError
 
@@ -440,7 +440,7 @@ def test_invalid_hub_repo_name_fails_before_training(uri, tmp_path):
         )
     )
     with pytest.raises(KubetuneError) as err:
-        hub.check_can_push(load_spec(spec))
+        Output.for_spec(load_spec(spec)).check(load_spec(spec))
     assert str(err.value).startswith("output.uri: ") and "is not a valid Hub repo name — use letters, digits" in str(
         err.value
     )

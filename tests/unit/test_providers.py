@@ -135,8 +135,8 @@ def test_s3_settings_leave_only_gaps_to_the_environment(monkeypatch, settings, e
 
 
 def test_s3_settings_come_from_the_spec_and_travel_with_the_output():
+    from kubetune.artifacts.output import Output
     from kubetune.config import parse_spec
-    from kubetune.providers.destination import Output
 
     spec = parse_spec(
         {

@@ -11,14 +11,11 @@ from kubetune.artifacts.presentation import Presentation
 from kubetune.config import JobSpec, dump_spec
 from kubetune.errors import KubetuneError
 from kubetune.paths import replace_dir, write_atomic
-from kubetune.providers.destination import Output
 
 __all__ = [
     "History",
     "check_model_weights",
-    "check_output",
     "finish",
-    "publish",
     "replace_dir",
     "resolve_model",
     "tensorboard_writer",
@@ -120,40 +117,6 @@ def tensorboard_writer(out: Path, purge_step: int | None = None):
 
     # purge_step hides events an interrupted run logged after the checkpoint we resume from.
     return SummaryWriter(log_dir=str(out / "tensorboard"), purge_step=purge_step)
-
-
-def check_output(spec: JobSpec):
-    """Fail before training when the output cannot or may not be written: someone else's
-    non-empty directory, a finished run without --overwrite, a missing bucket, bad credentials.
-
-    Returns:
-        The ``artifacts.output.Plan`` the run will follow.
-    """
-    from kubetune.artifacts import output
-
-    dest = Output.for_spec(spec)
-    if dest.scheme == "s3":
-        from kubetune.providers import s3
-
-        s3.check_bucket(spec.output.uri, field="output.uri", settings=dest.s3)
-    elif dest.scheme == "hf":
-        from kubetune.artifacts import hub
-
-        hub.check_can_push(spec)
-    return output.inspect(spec, dest)
-
-
-def publish(spec: JobSpec, dest: Output, metrics: dict, present: Presentation) -> None:
-    """Upload the finished artifacts from ``dest.local`` when the output is remote (rank 0, after
-    ``finish``). Checkpoints are not part of the artifact: they travel under their own manifests."""
-    if dest.scheme == "s3":
-        from kubetune.providers import s3
-
-        s3.upload_dir(dest.local, dest.uri, settings=dest.s3, exclude=("checkpoints",))
-    elif dest.scheme == "hf":
-        from kubetune.artifacts import hub
-
-        hub.push(spec, dest.local, metrics, present)
 
 
 def finish(spec: JobSpec, metrics: dict, dest: Path, history: Path, present: Presentation) -> None:

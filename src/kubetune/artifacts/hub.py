@@ -20,7 +20,7 @@ from kubetune.paths import check_tree_inside
 log = logging.getLogger(__name__)
 
 
-def repo_id(spec: JobSpec) -> str:
+def repo_id(uri: str) -> str:
     """``ORG/REPO`` from an hf:// output URI.
 
     Raises:
@@ -29,23 +29,21 @@ def repo_id(spec: JobSpec) -> str:
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
 
-    rid = spec.output.uri.split("://", 1)[1].strip("/")
+    rid = uri.split("://", 1)[1].strip("/")
     if rid.count("/") != 1:
-        raise KubetuneError(
-            f"{_short(spec.output.uri)!r} is not a Hub repo", field="output.uri", fix="write hf://ORG/REPO"
-        )
+        raise KubetuneError(f"{_short(uri)!r} is not a Hub repo", field="output.uri", fix="write hf://ORG/REPO")
     try:
         validate_repo_id(rid)
     except HFValidationError:
         raise KubetuneError(
-            f"{_short(spec.output.uri)!r} is not a valid Hub repo name",
+            f"{_short(uri)!r} is not a valid Hub repo name",
             field="output.uri",
             fix="use letters, digits, '-', '_' and '.' (no '--' or '..', not first or last), at most 96 characters",
         ) from None
     return rid
 
 
-def check_can_push(spec: JobSpec) -> None:
+def check_can_push(spec: JobSpec, repo: str) -> None:
     """Fail before training when a push cannot work: a bad repo name, offline mode, no token, a
     token the Hub rejects, or a Hub that cannot be reached.
 
@@ -54,7 +52,6 @@ def check_can_push(spec: JobSpec) -> None:
     """
     from huggingface_hub import constants, get_token
 
-    repo_id(spec)
     if constants.HF_HUB_OFFLINE:
         raise KubetuneError(
             "HF_HUB_OFFLINE=1 is set, so nothing can be pushed to the Hub",
@@ -91,9 +88,9 @@ def check_can_push(spec: JobSpec) -> None:
         ) from None
 
 
-def model_card(spec: JobSpec, metrics: dict, present: Presentation) -> str:
+def model_card(spec: JobSpec, repo: str, metrics: dict, present: Presentation) -> str:
     pipeline_tag = present.pipeline_tag
-    usage = present.card_usage(repo_id(spec))
+    usage = present.card_usage(repo)
     about = present.card_about(metrics)
     lines = [
         "---",
@@ -134,7 +131,7 @@ def model_card(spec: JobSpec, metrics: dict, present: Presentation) -> str:
     return "\n".join(lines)
 
 
-def push(spec: JobSpec, out: Path, metrics: dict, present: Presentation) -> str:
+def push(spec: JobSpec, repo: str, out: Path, metrics: dict, present: Presentation) -> str:
     """Create the repo (private unless output.hf_private is false) and upload one commit.
 
     Returns:
@@ -143,7 +140,7 @@ def push(spec: JobSpec, out: Path, metrics: dict, present: Presentation) -> str:
     from huggingface_hub import HfApi
     from huggingface_hub import errors as hf_errors
 
-    rid = repo_id(spec)
+    rid = repo
     api = HfApi()
     folder = Path(tempfile.mkdtemp(prefix="kubetune-hub-"))
     try:
@@ -155,7 +152,7 @@ def push(spec: JobSpec, out: Path, metrics: dict, present: Presentation) -> str:
         for name in ("metrics.json", "job.yaml", "report.html", "history.jsonl"):
             if (out / name).exists():
                 _link(out / name, folder / "kubetune" / name)
-        (folder / "README.md").write_text(model_card(spec, metrics, present))
+        (folder / "README.md").write_text(model_card(spec, repo, metrics, present))
         message = spec.output.commit_message or f"kubetune {spec.name}: {present.headline(metrics)}"
         api.create_repo(rid, private=spec.output.hf_private, exist_ok=True, repo_type="model")
         info = api.upload_folder(folder_path=str(folder), repo_id=rid, repo_type="model", commit_message=message)

@@ -11,6 +11,7 @@ swapped in at the end (``commit``), so a run that fails leaves the previous stat
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -21,11 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kubetune import checkpoint, providers
+from kubetune.artifacts.presentation import Presentation
+from kubetune.checkpoint.store import CheckpointStore
 from kubetune.config import JobSpec
 from kubetune.config.schema import output_uri_problem
 from kubetune.errors import KubetuneError
-from kubetune.paths import set_default_mode, write_atomic
-from kubetune.providers.destination import Output
+from kubetune.paths import cache_root, set_default_mode, write_atomic
+from kubetune.providers import S3Settings
+from kubetune.providers.base import parse_uri
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +49,297 @@ class Plan:
     action: str  # new | resume | restart | replace | adopt
     detail: str  # the log line
     steps: tuple[int, ...] = ()  # complete checkpoints found
+
+
+REMOTE = ("s3", "hf")  # outputs written to a local staging directory, then uploaded
+
+
+@dataclass(frozen=True)
+class Output:
+    uri: str  # output.uri as the spec gives it
+    scheme: str  # file | s3 | hf
+    local: Path  # where this machine writes: output.uri itself, or the staging directory of a remote output
+    s3: S3Settings = S3Settings()  # how an s3:// output is reached (the job's s3: section)
+
+    @classmethod
+    def for_spec(cls, spec) -> Output:
+        """The output of a job spec: its ``output.uri``, reached with its ``s3:`` settings (see ``resolve``)."""
+        return cls.resolve(spec.output.uri, S3Settings.from_spec(spec))
+
+    @classmethod
+    def resolve(cls, uri: str, s3: S3Settings = S3Settings()) -> Output:
+        """Parse ``uri`` (not touching the filesystem or the network); ``s3``: how to reach an s3://
+        output (the default leaves it all to the environment).
+
+        Raises:
+            KubetuneError: an output scheme kubetune cannot write to.
+        """
+        parsed = parse_uri(uri)
+        if parsed.scheme in REMOTE:
+            local = cache_root() / "outputs" / hashlib.sha256(uri.encode()).hexdigest()[:16]
+        elif parsed.scheme == "file":
+            local = Path(parsed.body).expanduser()
+        else:
+            raise KubetuneError(
+                f"output scheme '{parsed.scheme}://' is not supported",
+                field="output.uri",
+                fix="use a local directory, s3://BUCKET/PREFIX or hf://ORG/REPO",
+            )
+        return cls(uri, parsed.scheme, local, s3)
+
+    @property
+    def remote(self) -> bool:
+        """Written to a local staging directory, then uploaded (s3://, hf://)."""
+        return self.scheme in REMOTE
+
+    def pod_path(self, workspace: str) -> str | None:
+        """Where a pod writes a local output: an absolute path as given, a relative one under the
+        pod's working directory ``workspace`` (None for a remote output)."""
+        if self.remote:
+            return None
+        body = parse_uri(self.uri).body
+        return body if body.startswith("/") else f"{workspace}/{body}"
+
+    @property
+    def prefix(self) -> str:
+        """The URI without a trailing slash, for building object keys under it."""
+        return self.uri.rstrip("/")
+
+    @property
+    def checkpoints(self) -> CheckpointStore:
+        """Where this output's checkpoints are kept: ``checkpoints/`` locally, and for an s3:// output
+        the ``checkpoints/`` prefix too (an hf:// output keeps them local)."""
+        remote = f"{self.prefix}/checkpoints" if self.scheme == "s3" else None
+        return CheckpointStore(self.local / "checkpoints", remote, self.s3, self.local / "history.jsonl")
+
+    @property
+    def hub_repo(self) -> str:
+        """ORG/REPO of an hf:// output (checked as the Hub checks it).
+
+        Raises:
+            KubetuneError: not ORG/REPO, or a name the Hub refuses.
+        """
+        from kubetune.artifacts import hub
+
+        return hub.repo_id(self.uri)
+
+    # ---- before a run: what it may do here, and taking the destination ----
+    def check(self, spec: JobSpec) -> Plan:
+        """Fail before training when the output cannot or may not be written: someone else's
+        non-empty directory, a finished run without --overwrite, a missing bucket, bad credentials.
+
+        Returns:
+            The ``Plan`` the run will follow.
+        """
+        if self.scheme == "s3":
+            from kubetune.providers import s3
+
+            s3.check_bucket(self.uri, field="output.uri", settings=self.s3)
+        elif self.scheme == "hf":
+            from kubetune.artifacts import hub
+
+            hub.check_can_push(spec, self.hub_repo)
+        return self.inspect(spec)
+
+    def inspect(self, spec: JobSpec) -> Plan:
+        """Decide, without writing anything, whether and how this run may use its destination
+        (``spec``: the run's job, for its settings and to recognize its own finished run).
+
+        Raises:
+            KubetuneError: the destination belongs to someone else, holds a finished run (without
+                ``output.overwrite``), or cannot be written.
+        """
+        uri = self.uri
+        refuse_special(uri)
+        dest = self
+        if dest.scheme == "hf":  # a push is one new commit on top of the repo's history: nothing is lost
+            return Plan("new", f"pushing to {uri} when the run finishes")
+        if dest.scheme == "s3":
+            return self._inspect_s3(spec)
+        path = dest.local
+        if not path.exists():
+            parent = next((p for p in path.parents if p.exists()), None)
+            if parent is not None and not os.access(parent, os.W_OK | os.X_OK):
+                raise KubetuneError(
+                    f"cannot create {path}: {parent} is not writable",
+                    field="output.uri",
+                    fix="choose a writable directory",
+                )
+            return Plan("new", f"new output directory {path}")
+        if not path.is_dir():
+            raise KubetuneError(
+                f"{path} exists and is not a directory", field="output.uri", fix="pick a new output.uri"
+            )
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise KubetuneError(
+                f"{path} is not writable (a read-only mount, or another user's directory)",
+                field="output.uri",
+                fix="choose a writable directory",
+            )
+        entries = sorted(e for e in os.listdir(path) if not e.startswith(STAGING_PREFIX))
+        if not entries:
+            return Plan("new", f"output directory {path} (empty)")
+        if not (path / MARKER).exists() and not _made_by_kubetune(path):
+            if spec.output.overwrite:
+                return Plan(
+                    "adopt",
+                    f"--overwrite: writing into {path}, which kubetune did not create; "
+                    "only kubetune's own entries there are replaced",
+                )
+            raise KubetuneError(
+                f"{path} is not empty and was not created by kubetune ({_entries(entries)})",
+                field="output.uri",
+                fix=_FIX,
+            )
+        steps = tuple(self.checkpoints.local_steps())
+        finished = (path / "metrics.json").exists()
+        saved = (
+            (path / "job.yaml").read_text(encoding="utf-8", errors="replace")
+            if finished and (path / "job.yaml").is_file()
+            else None
+        )
+        return _decide(spec, path, steps, finished=finished, saved_job=saved)
+
+    def _inspect_s3(self, spec: JobSpec) -> Plan:
+        from kubetune.providers import s3
+
+        uri, dest = self.prefix, self
+        keys = s3.list_keys(uri, field="output.uri", settings=dest.s3, limit=1000)
+        if not keys:
+            return Plan("new", f"new output prefix {uri}/")
+        steps = tuple(self.checkpoints.remote_steps())
+        # An artifact or a checkpoint under kubetune's manifest is kubetune's, also from a version
+        # that wrote no marker.
+        if MARKER not in keys and s3.MANIFEST not in keys and not steps:
+            if spec.output.overwrite:
+                return Plan(
+                    "adopt",
+                    f"--overwrite: writing under {uri}/, which kubetune did not create; "
+                    "only objects kubetune's manifests list are replaced",
+                )
+            raise KubetuneError(
+                f"{uri}/ holds {len(keys)}{'+' if len(keys) >= 1000 else ''} objects "
+                f"that kubetune did not write (no {MARKER}), e.g. {sorted(keys)[0]!r}",
+                field="output.uri",
+                fix=_FIX,
+            )
+        finished = s3.MANIFEST in keys
+        saved = (
+            s3.read_text(f"{uri}/job.yaml", field="output.uri", settings=dest.s3)
+            if finished and "job.yaml" in keys
+            else None
+        )
+        return _decide(spec, uri, steps, finished=finished, saved_job=saved)
+
+    def claim(self, spec: JobSpec) -> Plan:
+        """Rank 0, before anything else is written: check the destination (``inspect``), create and
+        mark it, clear what a restart replaces, and log the decision.
+
+        Returns:
+            The plan.
+        """
+        plan, dest = self.inspect(spec), self
+        out, uri = dest.local, dest.prefix
+        marker = (
+            json.dumps(
+                {"format": "kubetune-output/1", "job": spec.name, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            )
+            + "\n"
+        )
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            if not (out / MARKER).exists():
+                write_atomic(out / MARKER, marker)
+            for stale in out.glob(f"{STAGING_PREFIX}*"):  # a crashed run's unfinished staging
+                shutil.rmtree(stale, ignore_errors=True)
+        except OSError as e:
+            raise KubetuneError(
+                f"cannot write to {out}: {e.strerror or e}", field="output.uri", fix="choose a writable directory"
+            ) from None
+        if dest.scheme == "s3":
+            from kubetune.providers import s3
+
+            if plan.action in ("new", "adopt"):
+                s3.write_text(f"{uri}/{MARKER}", marker, field="output.uri", settings=dest.s3)
+        if plan.action == "restart" and plan.steps:
+            self.checkpoints.clear()
+        log.info("output %s: %s", dest.uri, plan.detail)
+        return plan
+
+    # ---- after a run ----
+    def finished_metrics(self) -> dict:
+        """The metrics of the finished run a "done" plan found (local, or the remote artifact's); {} if unreadable."""
+        try:
+            if (self.local / "metrics.json").is_file():
+                return json.loads((self.local / "metrics.json").read_text(encoding="utf-8"))
+            return self.remote_metrics() or {}
+        except (OSError, ValueError, KubetuneError):
+            return {}
+
+    def remote_metrics(self) -> dict | None:
+        """The ``metrics.json`` of the finished artifact at an s3:// output; None when the output is
+        not s3:// or holds no finished artifact.
+
+        Raises:
+            KubetuneError: the bucket cannot be read (credentials, endpoint).
+        """
+        if self.scheme != "s3":
+            return None
+        from kubetune.providers import s3
+
+        text = s3.read_text(f"{self.prefix}/metrics.json", field="output.uri", settings=self.s3)
+        return json.loads(text) if text else None
+
+    def staging(self) -> Path:
+        """A fresh directory inside the local output where the final artifacts are built."""
+        path = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=self.local))
+        set_default_mode(path)
+        return path
+
+    def commit(self, staged: Path) -> None:
+        """Swap the final artifacts built in ``staged`` into ``out``: the old ``metrics.json`` goes
+        first (the directory stops looking finished), the new one comes last. Final entries of an
+        earlier run that this run did not produce (e.g. ``adapter/`` after a LoRA run) are removed."""
+        out = self.local
+        (out / "metrics.json").unlink(missing_ok=True)
+        for name in FINAL:
+            src, dst = staged / name, out / name
+            if dst.is_symlink() or dst.is_file():
+                dst.unlink()
+            elif dst.exists():
+                shutil.rmtree(dst)
+            if src.exists():
+                os.replace(src, dst)
+        shutil.rmtree(staged, ignore_errors=True)
+
+    def publish(self, spec: JobSpec, metrics: dict, present: Presentation) -> None:
+        """Upload the finished artifacts from ``local`` when the output is remote (rank 0, after
+        ``artifacts.finish`` and ``commit``). Checkpoints are not part of the artifact: they travel
+        under their own manifests."""
+        if self.scheme == "s3":
+            from kubetune.providers import s3
+
+            s3.upload_dir(self.local, self.uri, settings=self.s3, exclude=("checkpoints",))
+        elif self.scheme == "hf":
+            from kubetune.artifacts import hub
+
+            hub.push(spec, self.hub_repo, self.local, metrics, present)
+
+    def state_after_stop(self, since: float) -> str:
+        """After a stop signal reached the launcher: ``finished`` (this run's artifacts are complete),
+        ``checkpoint`` (a run again resumes) or ``nothing`` (a run again starts over)."""
+        metrics = self.local / "metrics.json"
+        if metrics.exists() and metrics.stat().st_mtime >= since:
+            return "finished"
+        if self.checkpoints.local_steps():
+            return "checkpoint"
+        if self.scheme == "s3":
+            try:
+                if self.checkpoints.remote_steps():
+                    return "checkpoint"
+            except KubetuneError:
+                pass
+        return "nothing"
 
 
 def refuse_special(uri: str, field: str = "output.uri") -> None:
@@ -86,60 +381,6 @@ def refuse_special(uri: str, field: str = "output.uri") -> None:
         raise KubetuneError(message, field=field, fix=fix or None)
 
 
-def inspect(spec: JobSpec, dest: Output | None = None) -> Plan:
-    """Decide, without writing anything, whether and how this run may use its destination
-    (``dest``: ``output.uri`` resolved; resolved here when not given).
-
-    Raises:
-        KubetuneError: the destination belongs to someone else, holds a finished run (without
-            ``output.overwrite``), or cannot be written.
-    """
-    uri = spec.output.uri
-    refuse_special(uri)
-    dest = dest or Output.for_spec(spec)
-    if dest.scheme == "hf":  # a push is one new commit on top of the repo's history: nothing is lost
-        return Plan("new", f"pushing to {uri} when the run finishes")
-    if dest.scheme == "s3":
-        return _inspect_s3(spec, dest)
-    path = dest.local
-    if not path.exists():
-        parent = next((p for p in path.parents if p.exists()), None)
-        if parent is not None and not os.access(parent, os.W_OK | os.X_OK):
-            raise KubetuneError(
-                f"cannot create {path}: {parent} is not writable", field="output.uri", fix="choose a writable directory"
-            )
-        return Plan("new", f"new output directory {path}")
-    if not path.is_dir():
-        raise KubetuneError(f"{path} exists and is not a directory", field="output.uri", fix="pick a new output.uri")
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise KubetuneError(
-            f"{path} is not writable (a read-only mount, or another user's directory)",
-            field="output.uri",
-            fix="choose a writable directory",
-        )
-    entries = sorted(e for e in os.listdir(path) if not e.startswith(STAGING_PREFIX))
-    if not entries:
-        return Plan("new", f"output directory {path} (empty)")
-    if not (path / MARKER).exists() and not _made_by_kubetune(path):
-        if spec.output.overwrite:
-            return Plan(
-                "adopt",
-                f"--overwrite: writing into {path}, which kubetune did not create; "
-                "only kubetune's own entries there are replaced",
-            )
-        raise KubetuneError(
-            f"{path} is not empty and was not created by kubetune ({_entries(entries)})", field="output.uri", fix=_FIX
-        )
-    steps = tuple(checkpoint.complete_steps(path / "checkpoints"))
-    finished = (path / "metrics.json").exists()
-    saved = (
-        (path / "job.yaml").read_text(encoding="utf-8", errors="replace")
-        if finished and (path / "job.yaml").is_file()
-        else None
-    )
-    return _decide(spec, path, steps, finished=finished, saved_job=saved)
-
-
 def _made_by_kubetune(path: Path) -> bool:
     """A run of a kubetune version that wrote no marker: its finished artifacts, or a checkpoint."""
     finished = (
@@ -148,38 +389,6 @@ def _made_by_kubetune(path: Path) -> bool:
         and (path / "model" / "config.json").is_file()
     )
     return finished or bool(checkpoint.complete_steps(path / "checkpoints"))
-
-
-def _inspect_s3(spec: JobSpec, dest: Output) -> Plan:
-    from kubetune.providers import s3
-
-    uri = spec.output.uri.rstrip("/")
-    keys = s3.list_keys(uri, field="output.uri", settings=dest.s3, limit=1000)
-    if not keys:
-        return Plan("new", f"new output prefix {uri}/")
-    steps = tuple(checkpoint.remote_steps(f"{uri}/checkpoints", dest.s3))
-    # An artifact or a checkpoint under kubetune's manifest is kubetune's, also from a version
-    # that wrote no marker.
-    if MARKER not in keys and s3.MANIFEST not in keys and not steps:
-        if spec.output.overwrite:
-            return Plan(
-                "adopt",
-                f"--overwrite: writing under {uri}/, which kubetune did not create; "
-                "only objects kubetune's manifests list are replaced",
-            )
-        raise KubetuneError(
-            f"{uri}/ holds {len(keys)}{'+' if len(keys) >= 1000 else ''} objects "
-            f"that kubetune did not write (no {MARKER}), e.g. {sorted(keys)[0]!r}",
-            field="output.uri",
-            fix=_FIX,
-        )
-    finished = s3.MANIFEST in keys
-    saved = (
-        s3.read_text(f"{uri}/job.yaml", field="output.uri", settings=dest.s3)
-        if finished and "job.yaml" in keys
-        else None
-    )
-    return _decide(spec, uri, steps, finished=finished, saved_job=saved)
 
 
 def _decide(spec: JobSpec, where, steps: tuple[int, ...], finished: bool, saved_job: str | None = None) -> Plan:
@@ -226,95 +435,6 @@ def same_job(saved_yaml: str, spec: JobSpec) -> bool:
     for d in (mine, theirs):
         d["output"]["overwrite"] = False
     return mine == theirs
-
-
-def claim(spec: JobSpec, dest: Output) -> Plan:
-    """Rank 0, before anything else is written: check the destination (``inspect``), create and
-    mark it, clear what a restart replaces, and log the decision.
-
-    Returns:
-        The plan.
-    """
-    plan = inspect(spec, dest)
-    out, uri = dest.local, dest.prefix
-    marker = (
-        json.dumps({"format": "kubetune-output/1", "job": spec.name, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
-        + "\n"
-    )
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        if not (out / MARKER).exists():
-            write_atomic(out / MARKER, marker)
-        for stale in out.glob(f"{STAGING_PREFIX}*"):  # a crashed run's unfinished staging
-            shutil.rmtree(stale, ignore_errors=True)
-    except OSError as e:
-        raise KubetuneError(
-            f"cannot write to {out}: {e.strerror or e}", field="output.uri", fix="choose a writable directory"
-        ) from None
-    if dest.scheme == "s3":
-        from kubetune.providers import s3
-
-        if plan.action in ("new", "adopt"):
-            s3.write_text(f"{uri}/{MARKER}", marker, field="output.uri", settings=dest.s3)
-    if plan.action == "restart" and plan.steps:
-        checkpoint.clear(dest)
-    log.info("output %s: %s", dest.uri, plan.detail)
-    return plan
-
-
-def finished_metrics(dest: Output) -> dict:
-    """The metrics of the finished run a "done" plan found (local, or the remote artifact's)."""
-    try:
-        if (dest.local / "metrics.json").is_file():
-            return json.loads((dest.local / "metrics.json").read_text(encoding="utf-8"))
-        if dest.scheme == "s3":
-            from kubetune.providers import s3
-
-            return json.loads(s3.read_text(f"{dest.prefix}/metrics.json", field="output.uri", settings=dest.s3) or "{}")
-    except (OSError, ValueError, KubetuneError):
-        pass
-    return {}
-
-
-def staging(out: Path) -> Path:
-    """A fresh directory inside ``out`` where the final artifacts are built."""
-    path = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=out))
-    set_default_mode(path)
-    return path
-
-
-def commit(out: Path, staged: Path) -> None:
-    """Swap the final artifacts built in ``staged`` into ``out``: the old ``metrics.json`` goes
-    first (the directory stops looking finished), the new one comes last. Final entries of an
-    earlier run that this run did not produce (e.g. ``adapter/`` after a LoRA run) are removed."""
-    (out / "metrics.json").unlink(missing_ok=True)
-    for name in FINAL:
-        src, dst = staged / name, out / name
-        if dst.is_symlink() or dst.is_file():
-            dst.unlink()
-        elif dst.exists():
-            shutil.rmtree(dst)
-        if src.exists():
-            os.replace(src, dst)
-    shutil.rmtree(staged, ignore_errors=True)
-
-
-def state_after_stop(spec: JobSpec, since: float) -> str:
-    """After a stop signal reached the launcher: ``finished`` (this run's artifacts are complete),
-    ``checkpoint`` (a run again resumes) or ``nothing`` (a run again starts over)."""
-    dest = Output.for_spec(spec)
-    metrics = dest.local / "metrics.json"
-    if metrics.exists() and metrics.stat().st_mtime >= since:
-        return "finished"
-    if checkpoint.complete_steps(dest.checkpoints):
-        return "checkpoint"
-    if dest.remote_checkpoints:
-        try:
-            if checkpoint.remote_steps(dest.remote_checkpoints, dest.s3):
-                return "checkpoint"
-        except KubetuneError:
-            pass
-    return "nothing"
 
 
 def check_pull_dest(dest: Path, overwrite: bool) -> None:

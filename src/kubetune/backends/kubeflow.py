@@ -665,9 +665,9 @@ def missing_paths(sent, stored, path: str) -> list[str]:
 
 def output_location(spec: JobSpec) -> str:
     """Where a cluster job's artifacts are: the remote URI, a path on its claim, or a warning."""
-    from kubetune.providers.destination import Output
+    from kubetune.artifacts.output import Output
 
-    out = Output.resolve(spec.output.uri)
+    out = Output.for_spec(spec)
     if out.remote:
         return spec.output.uri
     full = out.pod_path(manifests.WORKSPACE)

@@ -20,11 +20,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any
 
+from kubetune.artifacts.output import Output
 from kubetune.backends.status import JobStatus, WaitTimeout
 from kubetune.config import JobSpec, dump_spec
 from kubetune.errors import KubetuneError
 from kubetune.paths import BrokenRecord, read_bounded_json
-from kubetune.providers.destination import Output
 
 LOCAL_KIND = "LocalRun"
 # Why `kubetune run` exited (its exit codes, README "Exit codes"); a negative code is the signal
@@ -214,7 +214,7 @@ class _LocalRun:
 
     @property
     def output(self) -> Path:
-        return Output.resolve(self.spec.output.uri).local
+        return Output.for_spec(self.spec).local
 
 
 class LocalBackend:
@@ -368,7 +368,7 @@ def record_run(spec: JobSpec) -> Path | None:
         "pid": os.getpid(),
         "started": time.time(),
         "output": spec.output.uri,
-        "local": str(Output.resolve(spec.output.uri).local),
+        "local": str(Output.for_spec(spec).local),
         "exit_code": None,
     }
     try:

@@ -14,10 +14,10 @@ import yaml
 from kubernetes import client as k8s
 
 from kubetune import providers
+from kubetune.artifacts.output import Output
 from kubetune.config import JobSpec, dump_spec
 from kubetune.config.cluster import default_image
 from kubetune.errors import SpecError
-from kubetune.providers.destination import Output
 
 SPEC_DIR = "/etc/kubetune"
 WORKSPACE = "/workspace"
@@ -260,7 +260,7 @@ def build_pod_template(spec: JobSpec) -> k8s.V1PodTemplateSpec:
         working_dir=WORKSPACE,
         # The init container staged everything: workers reach for the Hub only to push an hf:// output.
         env=_common_env(spec)
-        + ([] if Output.resolve(spec.output.uri).scheme == "hf" else [k8s.V1EnvVar(name="HF_HUB_OFFLINE", value="1")])
+        + ([] if Output.for_spec(spec).scheme == "hf" else [k8s.V1EnvVar(name="HF_HUB_OFFLINE", value="1")])
         + env,
         env_from=env_from or None,
         ports=[k8s.V1ContainerPort(name="pytorchjob-port", container_port=kube.master_port, protocol="TCP")],
@@ -465,7 +465,7 @@ def build_tensorboard(spec: JobSpec, namespace: str) -> list[dict]:
         return []
     name = f"{spec.name}-tensorboard"
     tb_labels = {**labels(spec), "app.kubernetes.io/component": "tensorboard"}
-    logdir = f"{Output.resolve(spec.output.uri).pod_path(WORKSPACE)}/tensorboard"
+    logdir = f"{Output.for_spec(spec).pod_path(WORKSPACE)}/tensorboard"
     pod = k8s.V1PodTemplateSpec(
         metadata=k8s.V1ObjectMeta(labels=tb_labels, annotations={"sidecar.istio.io/inject": "false"}),
         spec=k8s.V1PodSpec(
@@ -593,7 +593,7 @@ def _typed_problems(spec: JobSpec) -> list[str]:
 def warnings_for(spec: JobSpec) -> list[str]:
     """Problems that do not stop a render but that a user must hear about."""
     out = []
-    if not Output.resolve(spec.output.uri).remote and spec.kubernetes.storage.mode == "node-local":
+    if not Output.for_spec(spec).remote and spec.kubernetes.storage.mode == "node-local":
         out.append(
             f"output.uri: {spec.output.uri!r} is inside the pod's node-local storage and is lost when the pod ends — "
             "use an s3:// or hf:// output, or kubernetes.storage.mode: pvc"

@@ -10,23 +10,21 @@ is uploaded with the storage layer's manifest, which is written last and plays t
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import random
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from kubetune.config import JobSpec, dump_spec
+from kubetune.config import JobSpec
 from kubetune.errors import AgreedError, KubetuneError
-from kubetune.paths import replace_dir
-from kubetune.providers import S3Settings
-from kubetune.providers.destination import Output
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 MARKER = "COMPLETE"
@@ -45,6 +43,8 @@ class Found:
 def rng_state() -> dict:
     """This process's random states (torch CPU and CUDA, numpy, python), as tensors and plain
     lists so that checkpoints load with ``weights_only=True`` (no arbitrary unpickling)."""
+    import torch  # here: the output's checks (kubetune render, preflight) need no torch
+
     name, keys, pos, has_gauss, gauss = np.random.get_state()
     version, py_state, py_gauss = random.getstate()
     return {
@@ -56,6 +56,8 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
+    import torch
+
     torch.set_rng_state(state["torch"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -225,150 +227,14 @@ def check_compatible(saved: dict, current: dict, where: str) -> None:
         )
 
 
-def staging(dest: Output, step: int) -> Path:
-    """A new temporary directory for checkpoint ``step`` (the writer rank), which a sharded strategy's
-    ranks write their shards into before ``save`` completes it. An older checkpoint of the same
-    step in an s3:// output stops looking complete first (its manifest goes), because the ranks
-    upload their shards there before ``save`` writes the new manifest."""
-    import tempfile
-
-    dest.checkpoints.mkdir(parents=True, exist_ok=True)
-    if dest.remote_checkpoints:
-        from kubetune.providers import s3
-
-        loc = s3.Location.parse(f"{dest.remote_checkpoints}/step-{step:08d}", "output.uri")
-        try:
-            s3.client(dest.s3).delete_object(Bucket=loc.bucket, Key=loc.join(s3.MANIFEST))
-        except Exception as e:
-            raise s3.translate(e, loc, "output.uri", "write a checkpoint to", dest.s3) from None
-    return Path(tempfile.mkdtemp(prefix=f".step-{step:08d}-", dir=dest.checkpoints))
-
-
-def upload_shards(dest: Output, staged: Path, step: int, files: list[Path]) -> dict:
-    """Every rank: upload the shard ``files`` it wrote under ``staged`` to checkpoint ``step`` of an
-    s3:// output (nodes need not share a filesystem). Returns their manifest entries ({} when the
-    output is not s3://), which the writer's ``save`` lists in the checkpoint's manifest."""
-    if not dest.remote_checkpoints or not files:
-        return {}
-    from kubetune.providers import s3
-
-    return s3.put_files(
-        staged, files, f"{dest.remote_checkpoints}/step-{step:08d}", field="output.uri", settings=dest.s3
-    )
-
-
-def save(
-    state: dict,
-    spec: JobSpec,
-    dest: Output,
-    step: int,
-    keep: int,
-    staged: Path | None = None,
-    uploaded: dict | None = None,
-) -> Path:
-    """Write checkpoint ``step`` (rank 0 only) under ``dest`` and prune to the newest ``keep``. A
-    copy of ``history.jsonl`` goes along, so a resumed run on a new machine keeps its curves.
-    ``staged``: the ``staging`` directory already holding the ranks' shards, completed in place;
-    ``uploaded``: the manifest entries of the shards the ranks put into an s3:// output."""
-    root, remote, local_out = dest.checkpoints, dest.remote_checkpoints, dest.local
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{step:08d}"
-
-    def build(tmp: Path) -> None:
-        torch.save(state, tmp / "state.pt")
-        if (local_out / "history.jsonl").exists():
-            shutil.copyfile(local_out / "history.jsonl", tmp / "history.jsonl")
-        (tmp / "job.yaml").write_text(dump_spec(spec))
-        (tmp / MARKER).write_text(json.dumps({"step": step, "fingerprint": state["fingerprint"]}) + "\n")
-
-    # Steps above this one belong to an older run at the same output (e.g. after --no-resume);
-    # they must not outrank, or prune away, the checkpoints of this run.
-    for newer in [st for st in complete_steps(root) if st > step]:
-        shutil.rmtree(root / f"step-{newer:08d}", ignore_errors=True)
-    replace_dir(build, final, tmp=staged)
-    if remote:
-        from kubetune.providers import s3
-
-        s3.upload_dir(final, f"{remote}/{final.name}", field="output.uri", settings=dest.s3, uploaded=uploaded)
-    for old in complete_steps(root)[:-keep]:
-        shutil.rmtree(root / f"step-{old:08d}", ignore_errors=True)
-    if remote:  # prune by the remote listing: a re-created pod's local copy holds only what it downloaded
-        steps = remote_steps(remote, dest.s3)
-        for old in [st for st in steps if st > step] + [st for st in steps if st <= step][:-keep]:
-            _delete_remote(f"{remote}/step-{old:08d}", dest.s3)
-    return final
-
-
-def clear(dest: Output) -> None:
-    """Remove every checkpoint of this output (local and remote): a finished run, or --no-resume.
-    Only what kubetune wrote goes: ``step-NNNNNNNN`` directories and its own temporary ones
-    locally, and remotely exactly the objects each checkpoint's manifest lists."""
-    root, remote = dest.checkpoints, dest.remote_checkpoints
-    if root.is_dir():
-        for entry in root.iterdir():
-            if _NAME.match(entry.name) or (_TMP.match(entry.name) and entry.is_dir()):
-                shutil.rmtree(entry, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            root.rmdir()  # only when nothing else is left in it
-    if remote:
-        for step in remote_steps(remote, dest.s3):
-            _delete_remote(f"{remote}/step-{step:08d}", dest.s3)
-
-
 def complete_steps(root: Path) -> list[int]:
     if not root.exists():
         return []
     return sorted(int(m.group(1)) for p in root.iterdir() if (m := _NAME.match(p.name)) and (p / MARKER).exists())
 
 
-def latest(dest: Output) -> Found | None:
-    """The newest complete checkpoint (downloaded first when output.uri is s3://)."""
-    root, remote = dest.checkpoints, dest.remote_checkpoints
-    if remote:
-        step = _latest_remote(remote, dest.s3)
-        if step is None:
-            return None
-        from kubetune.providers import s3
-
-        path = root / f"step-{step:08d}"
-        s3.download(f"{remote}/step-{step:08d}/", path, field="output.uri", settings=dest.s3, require_manifest=True)
-        return Found(step, path)
-    steps = complete_steps(root)
-    return Found(steps[-1], root / f"step-{steps[-1]:08d}") if steps else None
-
-
 def load(found: Found) -> dict:
     # weights_only: a checkpoint may come from a bucket others can write to; never unpickle code.
+    import torch
+
     return torch.load(found.path / "state.pt", map_location="cpu", weights_only=True)
-
-
-def _latest_remote(prefix: str, settings: S3Settings) -> int | None:
-    steps = remote_steps(prefix, settings)
-    return max(steps) if steps else None
-
-
-def remote_steps(prefix: str, settings: S3Settings) -> list[int]:
-    """Steps of the complete checkpoints under an s3:// prefix (those with a manifest)."""
-    from kubetune.providers import s3
-
-    loc = s3.Location.parse(prefix, "output.uri")
-    client = s3.client(settings)
-    steps = []
-    try:
-        pages = client.get_paginator("list_objects_v2").paginate(Bucket=loc.bucket, Prefix=loc.key.rstrip("/") + "/")
-        for page in pages:
-            for obj in page.get("Contents", []):
-                parts = obj["Key"][len(loc.key.rstrip("/")) + 1 :].split("/")
-                if len(parts) == 2 and parts[1] == s3.MANIFEST and (m := _NAME.match(parts[0])):
-                    steps.append(int(m.group(1)))
-    except Exception as e:
-        raise s3.translate(e, loc, "output.uri", "list checkpoints in", settings) from None
-    return sorted(steps)
-
-
-def _delete_remote(prefix: str, settings: S3Settings) -> None:
-    from kubetune.providers import s3
-
-    # Manifest first (a half-deleted checkpoint must not look complete), then exactly the keys it
-    # lists: never whatever else a listing of the prefix shows.
-    s3.delete_artifact(prefix, field="output.uri", settings=settings)

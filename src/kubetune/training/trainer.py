@@ -26,7 +26,8 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from kubetune import artifacts, checkpoint, distributed
-from kubetune.artifacts import output
+from kubetune.artifacts.output import Output
+from kubetune.checkpoint.store import CheckpointStore
 from kubetune.config import JobSpec
 from kubetune.data import Batch, StepBatch, batches
 from kubetune.data.sharding import (
@@ -39,7 +40,6 @@ from kubetune.data.sharding import (
 )
 from kubetune.distributed import DistEnv
 from kubetune.errors import AgreedError, KubetuneError
-from kubetune.providers.destination import Output
 from kubetune.tasks import base
 from kubetune.tasks.base import Task
 from kubetune.tasks.common import build_optimizer, load_tokenizer, resolve_precision, seed_everything
@@ -90,10 +90,10 @@ class Trainer:
         # The output location, resolved once: the staging directory, the checkpoint store, the publisher.
         self.dest = Output.for_spec(spec)
         self.out = self.dest.local
-        plan = output.claim(spec, self.dest) if env.is_main else None
+        plan = self.dest.claim(spec) if env.is_main else None
         # this job already finished into this output: nothing to train
         self.finished = distributed.broadcast_object(
-            output.finished_metrics(self.dest) if plan and plan.action == "done" else None
+            self.dest.finished_metrics() if plan and plan.action == "done" else None
         )
         if self.finished is not None:
             return
@@ -298,13 +298,13 @@ class Trainer:
                 )
                 if stop or timed or (cfg.checkpoint_every and s.global_step % cfg.checkpoint_every == 0):
                     # a checkpoint holds only weights trained on finite gradients
-                    self.guard.check(s.global_step, self.out)
+                    self.guard.check(s.global_step, self.dest.checkpoints)
                     self.save_checkpoint()
                     last_checkpoint = time.monotonic()
                 if stop:
                     self._preempted()
             s.train_time += time.perf_counter() - self.t_epoch
-            self.guard.check(s.global_step, self.out)
+            self.guard.check(s.global_step, self.dest.checkpoints)
             eval_metrics = self.evaluate(s.train_time)
             if s.global_step >= self.total_steps:
                 break
@@ -381,7 +381,7 @@ class Trainer:
         means = (s.log_loss / s.log_loss[1].clamp(min=1)).tolist()
         loss, extra = means[0], dict(zip(self.task.train_metrics, means[2:]))
         s.log_loss.zero_()
-        self.guard.check(s.global_step, self.out, loss)
+        self.guard.check(s.global_step, self.dest.checkpoints, loss)
         # every rank's real tokens so far, for the progress line's tokens/s (one small reduction per log
         # line), into a buffer that lives as long as the trainer: a temporary one could be freed last by
         # gloo's thread, which needs the GIL for that (see worker._exit_now)
@@ -452,8 +452,8 @@ class Trainer:
                 **s.state_dict(s.train_time + (time.perf_counter() - self.t_epoch), per_rank),
                 "fingerprint": self.fingerprint,
             }
-            path = checkpoint.save(
-                state, self.spec, self.dest, s.global_step, self.cfg.keep_checkpoints, staged, uploaded
+            path = self.dest.checkpoints.save(
+                state, self.spec, s.global_step, self.cfg.keep_checkpoints, staged, uploaded
             )
             log.info("checkpoint at step %d: %s", s.global_step, path)
         distributed.barrier()
@@ -471,7 +471,7 @@ class Trainer:
         s, writer = self.state, self.strategy.is_writer
         if not self.strategy.sharded:
             return None, self.strategy.save(None, self.optimizer), None
-        made = str(checkpoint.staging(self.dest, s.global_step)) if writer else None
+        made = str(self.dest.checkpoints.staging(s.global_step)) if writer else None
         staged = Path(distributed.broadcast_object(made))
         staged.mkdir(parents=True, exist_ok=True)  # a node without the writer's filesystem
         entries = self.strategy.save(staged, self.optimizer)
@@ -479,7 +479,7 @@ class Trainer:
         parts = distributed.all_gather_object(
             (
                 [p.relative_to(staged).as_posix() for p in own],
-                checkpoint.upload_shards(self.dest, staged, s.global_step, own),
+                self.dest.checkpoints.upload_shards(staged, s.global_step, own),
             )
         )
         uploaded = {k: v for _, part in parts for k, v in part.items()}
@@ -554,16 +554,16 @@ class Trainer:
 
     def _export(self, model: torch.nn.Module, metrics: dict) -> None:
         spec, out = self.spec, self.out
-        _check_weights_finite(model, self.state.global_step, out)
+        _check_weights_finite(model, self.state.global_step, self.dest.checkpoints)
         self.loggers.close()
         # Everything final is built aside and swapped in at the end: a failure here (export, the
         # baseline, the report) leaves the previous state of the output, never half of this run's.
-        staged = output.staging(out)
+        staged = self.dest.staging()
         try:
             self.task.export(spec, model, self.tokenizer, self.data, staged, metrics)
             metrics["total_runtime_s"] = time.perf_counter() - self.t_start
             artifacts.finish(spec, metrics, staged, out / "history.jsonl", self.task.present)
-            output.commit(out, staged)
+            self.dest.commit(staged)
         except (OSError, SafetensorError) as e:  # a full disk, a quota: the output keeps its previous state
             reason = getattr(e, "strerror", None) or str(e).rsplit(": ", 1)[-1].split(" (os error")[0]
             raise KubetuneError(
@@ -573,7 +573,7 @@ class Trainer:
             ) from None
         finally:
             shutil.rmtree(staged, ignore_errors=True)
-        artifacts.publish(spec, self.dest, metrics, self.task.present)
+        self.dest.publish(spec, metrics, self.task.present)
         if self.progress:
             self.progress.finish(
                 "succeeded", metrics={k: metrics[k] for k in self.task.headline}, output=spec.output.uri
@@ -582,7 +582,7 @@ class Trainer:
             self.mlflow.finish(out)
         # Only now that the artifact is safely in place: a failed upload can still resume. A rerun
         # then starts a new run, and predict/pull never fetch optimizer state.
-        checkpoint.clear(self.dest)
+        self.dest.checkpoints.clear()
         headline = ", ".join(f"{k} {metrics[k]:.4f}" for k in self.task.headline)
         log.info(
             "done: %s, %.1f samples/s; artifacts in %s", headline, metrics["train_samples_per_second"], spec.output.uri
@@ -613,14 +613,14 @@ class _FiniteGuard:
         self.optimizer.found_inf = nonfinite.float()
         self.first_bad = torch.where(nonfinite & (self.first_bad < 0), step, self.first_bad)
 
-    def check(self, step: int, out: Path, loss: float | None = None) -> None:
+    def check(self, step: int, store: CheckpointStore, loss: float | None = None) -> None:
         """All ranks, at the same step."""
         if not self.enabled:
             return
         bad = int(distributed.all_reduce_max(self.first_bad.clone()).item())
         if bad >= 0 or (loss is not None and not math.isfinite(loss)):
             at = f"step {bad}" if bad >= 0 else f"the steps up to {step} (mean loss {loss})"
-            raise Diverged(at, out)
+            raise Diverged(at, store)
 
 
 class Diverged(KubetuneError):
@@ -628,8 +628,8 @@ class Diverged(KubetuneError):
 
     agreed = True  # every rank raises it at the same step
 
-    def __init__(self, at: str, out: Path):
-        steps = checkpoint.complete_steps(out / "checkpoints")
+    def __init__(self, at: str, store: CheckpointStore):
+        steps = store.local_steps()
         kept = f"the checkpoint of step {steps[-1]} is kept" if steps else "no checkpoint had been written"
         super().__init__(
             (
@@ -644,10 +644,10 @@ class Diverged(KubetuneError):
         )
 
 
-def _check_weights_finite(model: torch.nn.Module, step: int, out: Path) -> None:
+def _check_weights_finite(model: torch.nn.Module, step: int, store: CheckpointStore) -> None:
     bad = next((n for n, p in model.named_parameters() if p.requires_grad and not torch.isfinite(p).all()), None)
     if bad is not None:
-        raise Diverged(f"or before step {step} (weight {bad} is not finite)", out)
+        raise Diverged(f"or before step {step} (weight {bad} is not finite)", store)
 
 
 class Preempted(Exception):
@@ -660,12 +660,12 @@ class Preempted(Exception):
 
 def _find_checkpoint(dest: Output, env: DistEnv) -> checkpoint.Found | None:
     """Rank 0 picks the newest complete checkpoint; every rank then reads that same step."""
-    found = checkpoint.latest(dest) if env.is_main else None
+    found = dest.checkpoints.latest() if env.is_main else None
     step = distributed.broadcast_object(found.step if found else None)
     if step is None:
         return None
     if found is None or found.step != step:
-        found = checkpoint.latest(dest)
+        found = dest.checkpoints.latest()
         if found is None or found.step != step:
             raise KubetuneError(
                 f"rank {env.rank} cannot see checkpoint step {step} under {dest.uri}",
