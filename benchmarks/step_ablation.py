@@ -79,7 +79,7 @@ def spec_for(opts: dict, train: Path, evald: Path, out: Path, steps: int):
 def switched(opts: dict):
     """What the spec cannot switch: the attention kernel and the AdamW kernel, patched for one variant."""
     from kubetune.tasks import common
-    from kubetune.training import trainer as trainer_module
+    from kubetune.training import build as trainer_module
 
     attention, optimizer = common.attention_kwargs, trainer_module.build_optimizer
 
@@ -101,17 +101,24 @@ def switched(opts: dict):
 
 def run_variant(opts: dict, train: Path, evald: Path, steps: int, env) -> float:
     """The median time of kubetune's own Trainer.train_step over this variant's first ``steps`` steps."""
+    from kubetune.artifacts.output import Output
+    from kubetune.training.build import build_trainer
     from kubetune.training.strategy import DDPStrategy
-    from kubetune.training.trainer import Trainer
 
     out = Path(tempfile.mkdtemp(prefix="kubetune-step-ablation-out-")) if env.is_main else Path("/nonexistent")
     out = Path(distributed_broadcast(str(out)))
     spec = spec_for(opts, train, evald, out, steps)
+    dest = Output.for_spec(spec)
+    if env.is_main:
+        dest.claim(spec)
+    dist.barrier()
     with switched(opts):
-        trainer = Trainer(
+        trainer = build_trainer(
             spec,
             env,
             TASK,
+            dest,
+            torch.device("cpu"),
             strategy=DDPStrategy(
                 env, torch.device("cpu"), bucket_view=opts["bucket_view"], sparse_embedding=opts["sparse_embedding"]
             ),
@@ -121,9 +128,8 @@ def run_variant(opts: dict, train: Path, evald: Path, steps: int, env) -> float:
             False  # the non-finite guard hands AdamW a found_inf flag, which only the fused kernel takes
         )
     trainer.wrapped.train()
-    trainer.t_epoch = time.perf_counter()
     times = []
-    for step in trainer._batches(0):
+    for step in trainer.epoch_batches(0):
         if len(times) == steps:
             break
         t0 = time.perf_counter()

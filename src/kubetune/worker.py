@@ -38,9 +38,13 @@ log = logging.getLogger("kubetune.worker")
 
 
 def run_worker(spec: JobSpec) -> dict:
-    """Run ``spec`` in this process as one rank of the job."""
+    """Run ``spec`` in this process as one rank of the job: set up the process group, claim the
+    output (rank 0), build the trainer and train.
+
+    Returns:
+        The final metrics (identical on every rank).
+    """
     from kubetune import tasks
-    from kubetune.training import trainer
 
     task = tasks.get(spec.task)
     env = distributed.read_env()
@@ -51,7 +55,7 @@ def run_worker(spec: JobSpec) -> dict:
     # get_peft_model; the FutureWarning is about peft's code, not the user's job.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     try:
-        metrics = trainer.train(spec, env, task, stop)
+        metrics = _train(spec, env, task, stop)
     except BaseException as e:
         from kubetune.launch import is_infrastructure
 
@@ -63,6 +67,42 @@ def run_worker(spec: JobSpec) -> dict:
         raise
     distributed.teardown()
     return metrics
+
+
+def _train(spec: JobSpec, env: distributed.DistEnv, task, stop) -> dict:
+    import contextlib
+    from pathlib import Path
+
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    from kubetune.artifacts.output import Output
+    from kubetune.training.build import build_trainer
+
+    device = distributed.pick_device(env)
+    control = distributed.setup(env, device, spec.distributed.backend, spec.distributed.timeout_minutes)
+    # The output, resolved once and passed down. Rank 0 checks it (refusing someone else's directory
+    # or a finished run), marks it as kubetune's and logs whether this run resumes or starts over;
+    # every rank then reads checkpoints from the same place.
+    dest = Output.for_spec(spec)
+    plan = dest.claim(spec) if env.is_main else None
+    finished = distributed.broadcast_object(dest.finished_metrics() if plan and plan.action == "done" else None)
+    if finished is not None:  # this job already finished into this output: nothing to train
+        return finished
+    trace = os.environ.get("KUBETUNE_TRACE_DIR")  # tests: the rows every micro-batch trained on
+    # Log lines go through tqdm.write so they never land in the middle of the progress bar.
+    with logging_redirect_tqdm(), contextlib.ExitStack() as cleanup:
+        trainer = build_trainer(
+            spec,
+            env,
+            task,
+            dest,
+            device,
+            control_group=control,
+            stop=stop,
+            cleanup=cleanup,
+            trace_dir=Path(trace) if trace else None,
+        )
+        return trainer.train()
 
 
 def _limit_threads(spec: JobSpec, env: distributed.DistEnv) -> None:
