@@ -7,6 +7,7 @@ load from safetensors only: kubetune never unpickles a file.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Callable
@@ -298,23 +299,7 @@ def generate(
         )
     budget = None if context is None else context - max_new_tokens
 
-    def render(text: str) -> list[int]:
-        if use_chat:  # the template holds BOS
-            from jinja2 import TemplateError
-
-            try:
-                text = tokenizer.apply_chat_template(
-                    [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-                )
-            except TemplateError as e:
-                raise KubetuneError(
-                    f"the chat template in {_short(str(path))} fails: {_describe(e)}",
-                    field="--chat",
-                    fix="fix chat_template in tokenizer_config.json, or pass --no-chat",
-                ) from None
-            return tokenizer(text, add_special_tokens=False)["input_ids"]
-        return tokenizer(text)["input_ids"]
-
+    render = functools.partial(_render, tokenizer, use_chat, path)
     results, cut = [], []
     for number, prompt in enumerate(prompts, 1):
         ids, kept, total = _fit(tokenizer, render, prompt, budget)
@@ -334,18 +319,42 @@ def generate(
         completion = tokenizer.decode(out[0, enc.shape[1] :], skip_special_tokens=True)
         results.append({"prompt": prompt, "completion": completion})
     if cut:
-        if len(cut) == 1:
-            which = f"prompt {cut[0][0]} has {cut[0][2]:,} tokens"
-        else:
-            which = (
-                f"{len(cut)} prompts ({', '.join(str(c[0]) for c in cut[:5])}{', ...' if len(cut) > 5 else ''}) "
-                f"have up to {max(c[2] for c in cut):,} tokens"
-            )
-        (warn or _log_warning)(
-            f"{which}, more than the model's {context}-token context leaves beside --max-new-tokens {max_new_tokens}; "
-            f"kept the last {min(c[1] for c in cut):,} tokens of the text"
-        )
+        (warn or _log_warning)(_cut_line(cut, context, max_new_tokens))
     return results
+
+
+def _render(tokenizer, use_chat: bool, path: Path, text: str) -> list[int]:
+    """A prompt's token ids: as a user turn in the chat template (which holds BOS), or as it is."""
+    if use_chat:
+        from jinja2 import TemplateError
+
+        try:
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+            )
+        except TemplateError as e:
+            raise KubetuneError(
+                f"the chat template in {_short(str(path))} fails: {_describe(e)}",
+                field="--chat",
+                fix="fix chat_template in tokenizer_config.json, or pass --no-chat",
+            ) from None
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(text)["input_ids"]
+
+
+def _cut_line(cut: list[tuple[int, int, int]], context: int | None, max_new_tokens: int) -> str:
+    """One line about the prompts cut to fit the context: (prompt number, tokens kept, tokens it had)."""
+    if len(cut) == 1:
+        which = f"prompt {cut[0][0]} has {cut[0][2]:,} tokens"
+    else:
+        which = (
+            f"{len(cut)} prompts ({', '.join(str(c[0]) for c in cut[:5])}{', ...' if len(cut) > 5 else ''}) "
+            f"have up to {max(c[2] for c in cut):,} tokens"
+        )
+    return (
+        f"{which}, more than the model's {context}-token context leaves beside --max-new-tokens {max_new_tokens}; "
+        f"kept the last {min(c[1] for c in cut):,} tokens of the text"
+    )
 
 
 def predict(uri: str, texts: list[str], batch_size: int = 32) -> list[dict]:

@@ -69,22 +69,14 @@ def check_can_push(spec: JobSpec, repo: str) -> None:
 
     try:
         HfApi().whoami()  # a rejected token fails now, not after training
-    except hf_errors.HfHubHTTPError as e:
-        status = getattr(e.response, "status_code", None)
-        if status in (401, 403):
-            raise KubetuneError(
-                f"the Hub at {_endpoint()} rejected the token ({status})", field="output.uri", fix="check HF_TOKEN"
-            ) from None
-        raise KubetuneError(
-            f"the Hub at {_endpoint()} answered {status} to a token check",
-            field="output.uri",
-            fix="check HF_ENDPOINT, or try again later",
-        ) from None
-    except (OSError, *_network_errors()) as e:  # no local file is written here
-        raise KubetuneError(
-            f"cannot reach the Hub at {_endpoint()} ({type(e).__name__})",
-            field="output.uri",
-            fix="check HF_ENDPOINT and the network",
+    except (hf_errors.HfHubHTTPError, OSError, *_network_errors()) as e:  # no local file is written here
+        rejected = (f"the Hub at {_endpoint()} rejected the token ({{status}})", "check HF_TOKEN")
+        raise _hub_error(
+            e,
+            "output.uri",
+            {401: rejected, 403: rejected},
+            (f"the Hub at {_endpoint()} answered {{status}} to a token check", "check HF_ENDPOINT, or try again later"),
+            ("", "check HF_ENDPOINT and the network"),
         ) from None
 
 
@@ -156,31 +148,21 @@ def push(spec: JobSpec, repo: str, out: Path, metrics: dict, present: Presentati
         message = spec.output.commit_message or f"kubetune {spec.name}: {present.headline(metrics)}"
         api.create_repo(rid, private=spec.output.hf_private, exist_ok=True, repo_type="model")
         info = api.upload_folder(folder_path=str(folder), repo_id=rid, repo_type="model", commit_message=message)
-    except hf_errors.HfHubHTTPError as e:
-        status = getattr(e.response, "status_code", None)
-        if status == 401:
-            raise KubetuneError(
-                f"the Hub rejected the token while pushing to {spec.output.uri} (401)",
-                field="output.uri",
-                fix="check HF_TOKEN",
-            ) from None
-        if status == 403:
-            raise KubetuneError(
-                f"the token may not write to {spec.output.uri} (403)",
-                field="output.uri",
-                fix="use a token with write access to that org",
-            ) from None
-        raise KubetuneError(
-            f"Hub push to {spec.output.uri} failed ({status})",
-            field="output.uri",
-            fix="check HF_ENDPOINT and the network; the local artifacts are kept",
-        ) from None
-    except _network_errors() as e:
+    except (hf_errors.HfHubHTTPError, *_network_errors()) as e:
         # httpx errors (huggingface_hub >= 1) are not OSErrors; requests' (older versions) are
-        raise KubetuneError(
-            f"cannot reach the Hub at {_endpoint()} to push {spec.output.uri} ({type(e).__name__})",
-            field="output.uri",
-            fix="check HF_ENDPOINT and the network; the local artifacts are kept",
+        kept = "check HF_ENDPOINT and the network; the local artifacts are kept"
+        raise _hub_error(
+            e,
+            "output.uri",
+            {
+                401: (f"the Hub rejected the token while pushing to {spec.output.uri} (401)", "check HF_TOKEN"),
+                403: (
+                    f"the token may not write to {spec.output.uri} (403)",
+                    "use a token with write access to that org",
+                ),
+            },
+            (f"Hub push to {spec.output.uri} failed ({{status}})", kept),
+            (f" to push {spec.output.uri}", kept),
         ) from None
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -225,12 +207,11 @@ def pull(uri: str, dest: Path) -> Path:
             fix="check the name and HF_TOKEN",
         ) from None
     except hf_errors.HfHubHTTPError as e:
-        status = getattr(e.response, "status_code", None)
-        raise KubetuneError(
-            f"the Hub at {_endpoint()} answered {status} for {shown}",
-            field="URI",
-            fix="check HF_TOKEN and HF_ENDPOINT, or try again later",
-        ) from None
+        answered = (
+            f"the Hub at {_endpoint()} answered {{status}} for {shown}",
+            "check HF_TOKEN and HF_ENDPOINT, or try again later",
+        )
+        raise _hub_error(e, "URI", {}, answered, ("", "")) from None
     except (hf_errors.LocalEntryNotFoundError, hf_errors.OfflineModeIsEnabled):
         if constants.HF_HUB_OFFLINE:
             raise KubetuneError(
@@ -244,13 +225,31 @@ def pull(uri: str, dest: Path) -> Path:
             fix="check HF_ENDPOINT and the network",
         ) from None
     except _network_errors() as e:
-        raise KubetuneError(
-            f"cannot reach the Hub at {_endpoint()} to download {shown} ({type(e).__name__})",
-            field="URI",
-            fix="check HF_ENDPOINT and the network",
+        raise _hub_error(
+            e, "URI", {}, ("", ""), (f" to download {shown}", "check HF_ENDPOINT and the network")
         ) from None
     check_tree_inside(path, what=f"URI: {shown}")
     return path
+
+
+def _hub_error(
+    e: BaseException,
+    field: str,
+    statuses: dict[int, tuple[str, str]],
+    other: tuple[str, str],
+    unreachable: tuple[str, str],
+) -> KubetuneError:
+    """The one line for a Hub call that failed: an HTTP answer (``statuses``' (message, fix) by status
+    code, else ``other``; ``{status}`` in a message is the code), or no answer at all (``unreachable``:
+    what the call was doing, e.g. " to push hf://ORG/REPO", and the fix)."""
+    from huggingface_hub import errors as hf_errors
+
+    if isinstance(e, hf_errors.HfHubHTTPError):
+        status = getattr(e.response, "status_code", None)
+        message, fix = statuses.get(status, other)
+        return KubetuneError(message.replace("{status}", str(status)), field=field, fix=fix)
+    doing, fix = unreachable
+    return KubetuneError(f"cannot reach the Hub at {_endpoint()}{doing} ({type(e).__name__})", field=field, fix=fix)
 
 
 def _network_errors() -> tuple[type[BaseException], ...]:

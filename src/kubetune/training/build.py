@@ -76,20 +76,7 @@ def build_trainer(
     tokenizer = load_tokenizer(model_dir)
     data = task.prepare(spec, env, model_dir, tokenizer)
 
-    # model: identical initialization on every rank (same seed), built and wrapped by the strategy
-    def make(where: torch.device) -> torch.nn.Module:
-        return task.build_model(spec, model_dir, data, device, dtype, where)
-
-    seed_everything(cfg.seed)
-    resumed = saved.get("strategy", "ddp") if saved else None
-    strategy = strategy or strategies.for_job(spec, env, device, dtype, make, resumed)
-    strategies.allocator_policy(strategy.name, device)  # before the model's first allocation
-    model = strategy.build(make)
-    if cfg.compile:
-        log.info("training.compile: compiled %d transformer blocks", strategies.compile_blocks(model))
-    wrapped = strategy.wrap(model)
-    # Dropout differs per rank; the stream is still a pure function of (seed, rank).
-    seed_everything(cfg.seed + 1000 * (env.rank + 1))
+    strategy, model, wrapped = _model(spec, env, task, data, model_dir, device, dtype, strategy, saved)
     layout = _layout(spec, env, data, grad_accum, group_unit, device)
     optimizer, scheduler = build_optimizer(model, cfg, layout.total_steps, device)
     scaler = torch.amp.GradScaler(device.type, enabled=(dtype == torch.float16))
@@ -110,23 +97,7 @@ def build_trainer(
             found.path,
         )
     loggers, progress, mlflow = _loggers(spec, env, dest, found, state, layout.total_steps, device, dtype, strategy)
-    # The bar on a terminal only: elsewhere (a pod's log, a file) it would redraw with \r into the
-    # log lines; the progress lines say the same there.
-    bar = tqdm(
-        total=layout.total_steps,
-        initial=state.global_step,
-        desc="train",
-        unit="step",
-        disable=not (env.is_main and sys.stderr.isatty()),
-        dynamic_ncols=True,
-        mininterval=1.0,
-    )
-    if cleanup is not None:
-        cleanup.callback(bar.close)  # however training ends, the bar's line ends before an error is printed
-        # However training ends: TensorBoard's writer thread is not a daemon, and left open after
-        # an error it kept rank 0's process from exiting until the launcher's teardown SIGKILLed
-        # it 30 s later (the diverged-run test then saw a killed rank, exit 1, not the user error).
-        cleanup.callback(loggers.close)
+    bar = _bar(env, layout, state, loggers, cleanup)
     trainer = Trainer(
         spec=spec,
         env=env,
@@ -158,6 +129,48 @@ def build_trainer(
     )
     _log_plan(trainer)
     return trainer
+
+
+def _model(spec: JobSpec, env: DistEnv, task: Task, data, model_dir, device, dtype, strategy, saved):
+    """The strategy, the model (identical initialization on every rank: same seed) and the model as
+    the strategy trains it; then each rank's own dropout stream."""
+    cfg = spec.training
+
+    def make(where: torch.device) -> torch.nn.Module:
+        return task.build_model(spec, model_dir, data, device, dtype, where)
+
+    seed_everything(cfg.seed)
+    resumed = saved.get("strategy", "ddp") if saved else None
+    strategy = strategy or strategies.for_job(spec, env, device, dtype, make, resumed)
+    strategies.allocator_policy(strategy.name, device)  # before the model's first allocation
+    model = strategy.build(make)
+    if cfg.compile:
+        log.info("training.compile: compiled %d transformer blocks", strategies.compile_blocks(model))
+    wrapped = strategy.wrap(model)
+    # Dropout differs per rank; the stream is still a pure function of (seed, rank).
+    seed_everything(cfg.seed + 1000 * (env.rank + 1))
+    return strategy, model, wrapped
+
+
+def _bar(env: DistEnv, layout: Layout, state: TrainState, loggers: Loggers, cleanup: contextlib.ExitStack | None):
+    """The progress bar, on a terminal only: elsewhere (a pod's log, a file) it would redraw with \\r
+    into the log lines; the progress lines say the same there."""
+    bar = tqdm(
+        total=layout.total_steps,
+        initial=state.global_step,
+        desc="train",
+        unit="step",
+        disable=not (env.is_main and sys.stderr.isatty()),
+        dynamic_ncols=True,
+        mininterval=1.0,
+    )
+    if cleanup is not None:
+        cleanup.callback(bar.close)  # however training ends, the bar's line ends before an error is printed
+        # However training ends: TensorBoard's writer thread is not a daemon, and left open after
+        # an error it kept rank 0's process from exiting until the launcher's teardown SIGKILLed
+        # it 30 s later (the diverged-run test then saw a killed rank, exit 1, not the user error).
+        cleanup.callback(loggers.close)
+    return bar
 
 
 def _layout(spec: JobSpec, env: DistEnv, data, grad_accum: int, group_unit: int, device: torch.device) -> Layout:
