@@ -204,7 +204,7 @@ def test_the_stop_message_follows_the_output_state(tmp_path, state):
     """What `kubetune run` says after SIGINT/SIGTERM reached it (its exit 143 path): a run that had
     just finished is not told to "run again to resume"."""
     from kubetune.artifacts.output import Output
-    from kubetune.cli import _after_stop
+    from kubetune.cli.run import _after_stop
     from kubetune.config import load_spec
 
     out = tmp_path / "out"

@@ -139,7 +139,7 @@ def _branches_on_backend_names(tree: ast.AST) -> list[int]:
     )
 
 
-@pytest.mark.parametrize("module", ["cli.py", "client.py"])
+@pytest.mark.parametrize("module", sorted(str(p.relative_to(SRC)) for p in (SRC / "cli").glob("*.py")) + ["client.py"])
 def test_the_cli_and_the_client_never_branch_on_a_backend_name(module):
     tree = ast.parse((SRC / module).read_text())
     assert _branches_on_backend_names(tree) == [], f"{module} branches on a backend's name"

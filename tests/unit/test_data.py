@@ -149,7 +149,7 @@ def test_the_launchers_preflight_checks_the_data_without_importing_scikit_learn(
 
     spec = write_spec(tmp_path / "job.yaml", tiny_spec(small_csv, tmp_path / "out"))
     code = (
-        "import sys; from kubetune.config import load_spec; from kubetune.cli import _preflight; "
+        "import sys; from kubetune.config import load_spec; from kubetune.cli.run import _preflight; "
         f"print(_preflight(load_spec({str(spec)!r})), 'sklearn' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -1,0 +1,338 @@
+"""The job commands on a backend (``backends.base``): `render`, `submit`, `status`, `logs`, `wait`,
+`delete`, `runtimes`, `list`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kubetune.cli.common import (
+    CtxOpt,
+    JobTargetOpt,
+    KcOpt,
+    NameArg,
+    NsOpt,
+    SetOpt,
+    SpecArg,
+    TargetOpt,
+    _fail,
+    app,
+)
+from kubetune.errors import KubetuneError
+
+
+@app.command()
+def render(
+    spec: SpecArg,
+    set_: SetOpt = None,
+    target: Annotated[
+        str, typer.Option(help="pytorchjob (Kubeflow Training Operator v1) or trainjob (Kubeflow Trainer v2).")
+    ] = "pytorchjob",
+    namespace: Annotated[
+        str | None, typer.Option("--namespace", "-n", help="Namespace; default: kubernetes.namespace, else 'default'.")
+    ] = None,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Write the YAML here instead of stdout.")
+    ] = None,
+) -> None:
+    """Print the Kubernetes objects for a job spec (multi-document YAML); touches no cluster."""
+    from kubetune.backends import base, manifests
+    from kubetune.config import load_spec
+
+    try:
+        if target not in base.CLUSTER:
+            raise KubetuneError(f"unknown target {target!r}", field="--target", fix=f"use {' or '.join(base.CLUSTER)}")
+        _check_namespace(namespace)
+        job = load_spec(spec, set_)
+        rendered = manifests.render(job, namespace or job.kubernetes.namespace or "default", target)
+    except KubetuneError as e:
+        _fail(e)
+    for warning in manifests.warnings_for(job):
+        typer.echo(f"warning: {warning}", err=True)
+    text = rendered.to_yaml()
+    if output:
+        from kubetune.artifacts import write_atomic
+
+        write_atomic(output, text)
+    else:
+        typer.echo(text, nl=False)
+
+
+def _check_namespace(namespace: str | None) -> None:
+    from kubetune.config.cluster import namespace_problem
+
+    problem = namespace_problem(namespace) if namespace is not None else None
+    if problem:
+        raise KubetuneError(problem, field="--namespace", fix="pass a valid namespace, e.g. -n kubeflow")
+
+
+def _backend(namespace, context, kubeconfig, target, here=False):
+    """The backend registered as ``target`` as this command line reaches it: a cluster backend with
+    these connection options; ``here``: also a backend on this machine, over the runs recorded there
+    (a `kubetune run` is driven from its own terminal, so submit, logs, wait and delete refuse it)."""
+    from kubetune.backends import base
+
+    if here and target in base.REGISTRY and target not in base.CLUSTER:
+        return base.reach(target)
+    _check_namespace(namespace)
+    if target not in base.CLUSTER:
+        raise KubetuneError(f"unknown target {target!r}", field="--target", fix=f"use {' or '.join(base.CLUSTER)}")
+    return base.reach(target, namespace=namespace, kubeconfig=kubeconfig, context=context)
+
+
+def _job_backend(name, namespace, context, kubeconfig, target, here=False):
+    """The backend of the job called ``name``: ``target``'s; without one, (``here``) a `kubetune run`
+    of that name recorded on this machine unless a cluster option is given, else the cluster backend
+    of the job's kind as found on the cluster."""
+    from kubetune.backends import base
+
+    if target is not None:
+        return _backend(namespace, context, kubeconfig, target, here)
+    found = base.recorded(name) if here and not (namespace or context or kubeconfig) else None
+    if found is not None:
+        return found
+    _check_namespace(namespace)
+    return base.of_job(name, namespace=namespace, kubeconfig=kubeconfig, context=context)
+
+
+@app.command()
+def submit(
+    spec: SpecArg,
+    set_: SetOpt = None,
+    replace: Annotated[bool, typer.Option(help="Delete an existing job of the same name first.")] = False,
+    namespace: NsOpt = None,
+    context: CtxOpt = None,
+    kubeconfig: KcOpt = None,
+    target: TargetOpt = "pytorchjob",
+) -> None:
+    """Create the job on Kubernetes (a PyTorchJob, or a TrainJob) and print its name."""
+    from kubetune.backends import manifests
+    from kubetune.config import load_spec
+
+    try:
+        job = load_spec(spec, set_)
+        backend = _backend(namespace or job.kubernetes.namespace, context, kubeconfig, target)
+        for warning in manifests.warnings_for(job):
+            typer.echo(f"warning: {warning}", err=True)
+        name = backend.submit(job, replace=replace)
+    except KubetuneError as e:
+        _fail(e)
+    typer.echo(name)
+
+
+@app.command()
+def status(
+    name: NameArg,
+    namespace: NsOpt = None,
+    context: CtxOpt = None,
+    kubeconfig: KcOpt = None,
+    target: Annotated[
+        str | None,
+        typer.Option("--target", help="local, pytorchjob or trainjob; default: see above."),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Phase, progress (step, loss, ETA, the last evaluation), and why the job failed (with its last log lines).
+
+    NAME is a `kubetune run` on this machine if one of that name ran here (unless --namespace,
+    --context, --kubeconfig or a cluster --target is given), else the job on the cluster."""
+    import dataclasses
+
+    try:
+        st = _job_backend(name, namespace, context, kubeconfig, target, here=True).status(name)
+    except KubetuneError as e:
+        _fail(e)
+    if as_json:
+        typer.echo(json.dumps(dataclasses.asdict(st), indent=2))
+        return
+    if st.kind == "LocalRun":
+        _print_local_status(st)
+        return
+    typer.echo(f"{st.kind} {st.name} in {st.namespace}: {st.phase}")
+    for rtype, counts in st.replicas.items():
+        typer.echo(f"  {rtype}: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+    typer.echo(f"  pods: {len(st.pods)}, restarts: {st.restarts}")
+    if st.reason:
+        typer.echo(
+            f"  reason: {st.reason}"
+            + (f" on {st.failed_pod}" if st.failed_pod else "")
+            + (f": {st.message}" if st.message else "")
+        )
+    if st.log_tail:
+        typer.echo("  last log lines:")
+        for line in st.log_tail:
+            typer.echo(f"    {line}")
+    _print_progress(st)
+    if st.output:
+        typer.echo(f"  output: {st.output}")
+
+
+def _print_local_status(st) -> None:
+    typer.echo(f"local run {st.name}: {st.phase}")
+    if st.reason:
+        typer.echo(f"  reason: {st.reason}" + (f": {st.message}" if st.message else ""))
+    _print_progress(st)
+    if st.output:
+        typer.echo(f"  output: {st.output}")
+
+
+def _print_progress(st) -> None:
+    """The progress lines of `status`: step/total, loss, ETA, the last evaluation; after success, the
+    headline metrics."""
+    import time
+
+    from kubetune.training.loggers import duration, format_line
+
+    p = st.progress or {}
+    if p.get("step") is not None and st.phase == "Running":
+        line = format_line(p).replace("eta=", "ETA ")
+        typer.echo(
+            f"  progress: {line}" + (f" ({duration(time.time() - p['updated'])} ago)" if p.get("updated") else "")
+        )
+    ev = p.get("last_eval")
+    if ev:
+        shown = " ".join(f"{k} {v:.4f}" for k, v in ev.items() if k != "step" and isinstance(v, float))
+        typer.echo(f"  last evaluation (step {ev['step']}): {shown}")
+    if st.phase == "Succeeded":
+        # the task's headline: what the finished run recorded as such (progress.json, the `done:` line)
+        # beside the eval and train loss; without that record, every eval metric
+        headline = p.get("metrics") or {}
+        metrics = {**headline, **(st.metrics or {})}
+        names = tuple(headline) or tuple(k for k in metrics if k.startswith("eval_"))
+        shown = " ".join(
+            f"{k} {metrics[k]:.4f}"
+            for k in dict.fromkeys(("eval_loss", *names, "train_loss"))
+            if isinstance(metrics.get(k), float)
+        )
+        if shown:
+            typer.echo(f"  metrics: {shown}")
+
+
+@app.command()
+def logs(
+    name: NameArg,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Stream new lines until the pods finish.")] = False,
+    node: Annotated[int | None, typer.Option("--node", help="Node rank of the pod to read (0 = master).")] = None,
+    rank: Annotated[
+        int | None, typer.Option("--rank", help="The pod of process rank N (as in the `[rank N]` of its lines).")
+    ] = None,
+    all_: Annotated[bool, typer.Option("--all", help="All pods, merged, each line prefixed with its node.")] = False,
+    tail: Annotated[int | None, typer.Option("--tail", help="Only the last N lines of each pod.")] = None,
+    namespace: NsOpt = None,
+    context: CtxOpt = None,
+    kubeconfig: KcOpt = None,
+    target: JobTargetOpt = None,
+) -> None:
+    """Print the job's logs (the master's by default), prefixed `[node N]` with --all.
+
+    Each line from a worker process carries its process rank, `[rank R]`: --rank R picks the pod
+    that runs it (node R // procs_per_node), --node N the pod of node rank N."""
+    try:
+        backend = _job_backend(name, namespace, context, kubeconfig, target)
+        if rank is not None:
+            if node is not None:
+                raise KubetuneError("pass --rank or --node, not both", field="--rank", fix="drop one of them")
+            spec = backend.spec_of(name)
+            node = rank // (spec.distributed.procs_per_node if spec is not None else 1)
+        for line in backend.logs(name, follow=follow, rank=node, all_ranks=all_, tail=tail):
+            typer.echo(line)
+    except KubetuneError as e:
+        _fail(e)
+
+
+@app.command()
+def wait(
+    name: NameArg,
+    timeout: Annotated[float | None, typer.Option(help="Give up after this many seconds (exit 3).")] = None,
+    namespace: NsOpt = None,
+    context: CtxOpt = None,
+    kubeconfig: KcOpt = None,
+    target: JobTargetOpt = None,
+) -> None:
+    """Wait for the job to finish: exit 0 on Succeeded, 1 on Failed (with the reason), 3 on timeout."""
+    from kubetune.backends.status import WaitTimeout
+
+    try:
+        st = _job_backend(name, namespace, context, kubeconfig, target).wait(name, timeout)
+    except WaitTimeout as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(3) from None
+    except KubetuneError as e:
+        _fail(e)
+    if st.phase == "Succeeded":
+        typer.echo(f"{st.name}: Succeeded" + (f"; output: {st.output}" if st.output else ""))
+        return
+    reason = st.reason or "unknown reason"
+    typer.echo(
+        f"error: {st.kind} {st.name} failed: {reason}"
+        + (f" on {st.failed_pod}" if st.failed_pod else "")
+        + (f": {st.message}" if st.message else ""),
+        err=True,
+    )
+    for line in st.log_tail:
+        typer.echo(f"  {line}", err=True)
+    raise typer.Exit(1)
+
+
+@app.command()
+def delete(
+    name: NameArg,
+    namespace: NsOpt = None,
+    context: CtxOpt = None,
+    kubeconfig: KcOpt = None,
+    target: JobTargetOpt = None,
+    delete_storage: Annotated[
+        bool,
+        typer.Option(
+            "--delete-storage",
+            help="Also delete the workspace claim kubetune created for the job (its output and checkpoints).",
+        ),
+    ] = False,
+) -> None:
+    """Delete the job, its ConfigMap and TensorBoard; its workspace claim (the output) only with --delete-storage."""
+    try:
+        notes = _job_backend(name, namespace, context, kubeconfig, target).delete(name, storage=delete_storage)
+    except KubetuneError as e:
+        _fail(e)
+    typer.echo(f"deleted {name}")
+    for note in notes:
+        typer.echo(note)
+
+
+@app.command()
+def runtimes(namespace: NsOpt = None, context: CtxOpt = None, kubeconfig: KcOpt = None) -> None:
+    """List the cluster's Trainer v2 ClusterTrainingRuntimes (for kubernetes.runtime, --target trainjob)."""
+    try:
+        items = _backend(namespace, context, kubeconfig, "trainjob").runtimes()
+    except KubetuneError as e:
+        _fail(e)
+    for r in items:
+        typer.echo(f"{r['name']:<40} {r['framework']}")
+
+
+@app.command("list")
+def list_jobs(
+    namespace: NsOpt = None,
+    context: CtxOpt = None,
+    kubeconfig: KcOpt = None,
+    target: Annotated[
+        str,
+        typer.Option(
+            "--target", help="pytorchjob, trainjob, or local (every `kubetune run` recorded on this machine)."
+        ),
+    ] = "pytorchjob",
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """List kubetune jobs in the namespace; `--target local`: every `kubetune run` recorded on this machine."""
+    try:
+        jobs = _backend(namespace, context, kubeconfig, target, here=True).list()
+    except KubetuneError as e:
+        _fail(e)
+    if as_json:
+        typer.echo(json.dumps(jobs, indent=2, default=str))
+        return
+    for j in jobs:
+        typer.echo(f"{j['name']:<40} {j['phase']:<12} {j.get('problem') or j['created'] or ''}")

@@ -1,0 +1,176 @@
+"""`kubetune run` (the local backend's foreground run, with its preflight checks), and what pods
+run: `launch`, `worker`, `fetch`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kubetune.cli.common import (
+    INTERNAL,
+    Interrupted,
+    SetOpt,
+    SpecArg,
+    _fail,
+    app,
+)
+from kubetune.cli.spec import _check_this_machine
+from kubetune.errors import KubetuneError
+
+
+@app.command()
+def run(
+    spec: SpecArg,
+    set_: SetOpt = None,
+    preflight: Annotated[bool, typer.Option(help="Check model and data before starting workers.")] = True,
+    resume: Annotated[bool, typer.Option(help="Continue from the newest complete checkpoint under output.uri.")] = True,
+    overwrite: Annotated[
+        bool,
+        typer.Option(
+            "--overwrite",
+            help=(
+                "Write into a non-empty output that kubetune did not create, or replace a finished run there once "
+                "this one finishes (only kubetune's own files are replaced)."
+            ),
+        ),
+    ] = False,
+    local_addr: Annotated[
+        str | None, typer.Option("--local-addr", help="Multi-node: this node's address as the other nodes reach it.")
+    ] = None,
+) -> None:
+    """Run the job on this machine: nodes × procs_per_node workers under torch elastic.
+
+    Exit codes: 0 done; 1 a worker crashed; 2 bad input; 143 stopped by SIGTERM/SIGINT after a
+    checkpoint (run the same command again to resume)."""
+    import time
+
+    from kubetune.backends import base
+    from kubetune.config import load_spec
+    from kubetune.config.load import resolve_data_paths
+    from kubetune.launch import Stopped, WorkerFailed
+
+    started = time.time()
+    job = record = None
+    backend = base.get("local")  # `kubetune run` is the local backend's run, in the foreground
+    try:
+        job = load_spec(
+            spec,
+            [
+                *(set_ or []),
+                *([] if resume else ["training.resume=never"]),
+                *(["output.overwrite=true"] if overwrite else []),
+            ],
+        )
+        job = resolve_data_paths(job, spec.parent)  # relative data paths: next to the spec file
+        record = backend.record_run(job)  # what `kubetune status NAME` reads from another shell
+        if preflight and _preflight(job) == "done":
+            return
+        backend.run(job, local_addr=local_addr)
+    except KubetuneError as e:
+        _fail(e)
+    except Interrupted:
+        # Ctrl-C before the workers started (reading the spec, checking model and data); once they
+        # run, the elastic launcher takes the signal and the workers stop at a step boundary.
+        typer.echo(
+            (
+                f"interrupted before training started; nothing was written{_where(job)} — run the same command again "
+                "to start"
+            ),
+            err=True,
+        )
+        raise typer.Exit(130) from None
+    except WorkerFailed as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+    except Stopped as e:
+        typer.echo(f"stopped: {e} — {_after_stop(job, started)}", err=True)
+        raise typer.Exit(143) from None
+    finally:
+        if record is not None:
+            ended = sys.exc_info()[1]
+            code = 0 if ended is None else ended.exit_code if isinstance(ended, typer.Exit) else 1
+            backend.end_run(record, code)
+
+
+def _where(job) -> str:
+    return f" to {job.output.uri}" if job is not None else ""
+
+
+def _after_stop(job, started: float) -> str:
+    """What a user can do after a stop signal, from the state the output is in now."""
+    from kubetune.artifacts.output import Output
+
+    try:
+        state = Output.for_spec(job).state_after_stop(started)
+    except Exception:  # the stop message must not fail on a broken output
+        return "run the same command again to resume"
+    return {
+        "finished": f"the run had already finished: its artifacts in {job.output.uri} are complete",
+        "checkpoint": "run the same command again to resume from the last checkpoint",
+        "nothing": "no checkpoint was written yet, so running the same command again starts over",
+    }[state]
+
+
+def _preflight(job) -> str:
+    """Fail fast, before any worker starts, on a bad model path, data or output; returns what the
+    run will do with its output (``done``: this job already finished there)."""
+    from kubetune import artifacts, providers, tasks
+
+    _check_this_machine(job)
+    if job.tracking.mlflow:  # the tracking server is up and takes the credentials (one line if not)
+        from kubetune.training import tracking
+
+        tracking.connect(job)
+    artifacts.resolve_model(job)
+    tasks.get(job.task).load_frames(job.data, job.training.seed, providers.S3Settings.from_spec(job))
+    from kubetune.artifacts.output import Output
+
+    plan = Output.for_spec(job).check(job)
+    if plan.action == "done":
+        typer.echo(f"output {job.output.uri}: {plan.detail}", err=True)
+    return plan.action
+
+
+@app.command(rich_help_panel=INTERNAL)
+def launch(spec: SpecArg) -> None:
+    """Run this pod's workers as torchrun would, from the operator's PET_* environment.
+
+    What a Kubernetes pod's main container runs. Exit codes, for restartPolicy
+    ExitCode: 0 done; 143 stopped by SIGTERM after a checkpoint; 128+N a worker
+    killed by signal N (137: the OOM killer); 200 an infrastructure failure (a
+    lost peer, a timeout): the operator restarts the pod, which resumes from
+    the last checkpoint. 1: a user error or a crash, and the job fails."""
+    from kubetune.launch import main as launch_main
+
+    raise typer.Exit(launch_main([str(spec)]))
+
+
+@app.command(rich_help_panel=INTERNAL)
+def worker(spec: SpecArg) -> None:
+    """Run one worker process (what torchrun starts in each pod; reads RANK, WORLD_SIZE, ...)."""
+    from kubetune.worker import main as worker_main
+
+    worker_main([str(spec)])
+
+
+@app.command(rich_help_panel=INTERNAL)
+def fetch(
+    spec: SpecArg,
+    dest: Annotated[Path, typer.Option("--dest", help="Directory to stage into (a pod's workspace).")],
+    set_: SetOpt = None,
+) -> None:
+    """Stage a job's model and data into DEST (the init container's command); idempotent."""
+    import logging
+
+    from kubetune.config import load_spec
+    from kubetune.stage import stage
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    try:
+        staged = stage(load_spec(spec, set_), dest)
+    except KubetuneError as e:
+        _fail(e)
+    typer.echo(str(staged))
