@@ -30,14 +30,6 @@ MUTABLE_GLOBALS = {
     ("kubetune/backends/local_runs.py", "_LOCAL_JOBS"): (
         "the jobs this process started (Popen handles): child processes belong to the process itself"
     ),
-    # Known, not removed yet (issue 31): a setting and a counter that should be passed or returned.
-    ("kubetune/data/tables.py", "_fallback_used"): (
-        "the count of the cp1252 fallback decoding a codecs error handler (registered process-wide by name, "
-        "as codecs requires) makes during one read"
-    ),
-    ("kubetune/tasks/attention.py", "_FALLBACK"): (
-        "the attention a packed model falls back to, kept beside transformers' process-wide AttentionInterface"
-    ),
 }
 
 MUTATORS = {

@@ -11,6 +11,7 @@ and Parquet files under a text name, byte-order marks, a first line with no end)
 from __future__ import annotations
 
 import codecs
+import contextvars
 import logging
 import os
 import stat
@@ -68,13 +69,17 @@ BOMS = [
 # With data.encoding auto, bytes that are not valid UTF-8 are decoded as cp1252 (latin-1 for the
 # five bytes cp1252 leaves undefined), byte by byte, and the valid UTF-8 around them stays UTF-8.
 FALLBACK_ERRORS = "kubetune-cp1252-fallback"
-_fallback_used = [0]
+# How many times the fallback decoded bytes in the read in progress: each read sets its own counter
+# (a context variable, so no counter is shared between reads, threads or tasks).
+_FALLBACKS: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("kubetune_cp1252", default=None)
 
 
 def _cp1252_fallback(err: UnicodeError) -> tuple[str, int]:
     if not isinstance(err, UnicodeDecodeError):
         raise err
-    _fallback_used[0] += 1
+    used = _FALLBACKS.get()
+    if used is not None:
+        used[0] += 1
     bad = err.object[err.start : err.end]
     return "".join(bytes([b]).decode("cp1252", errors="ignore") or chr(b) for b in bad), err.end
 
@@ -289,7 +294,8 @@ def _sniff(path: Path, size: int, fmt: str, encoding: str, uri: str, field: str,
 def _read_text_table(path: Path, fmt: str, enc: str, auto: bool, uri: str, field: str) -> pd.DataFrame:
     # With auto, only UTF-8 falls back byte by byte; a file with a UTF-16/32 mark is decoded strictly.
     errors = FALLBACK_ERRORS if auto and enc.startswith("utf-8") else "strict"
-    _fallback_used[0] = 0
+    used = [0]
+    _FALLBACKS.set(used)
     # No NA inference: "None", "NA", "null", "n/a" are labels and texts; only an empty cell is missing.
     csv = {"keep_default_na": False, "na_values": [""], "encoding": enc, "encoding_errors": errors}
     try:
@@ -312,7 +318,7 @@ def _read_text_table(path: Path, fmt: str, enc: str, auto: bool, uri: str, field
             field="data.encoding",
             fix="set data.encoding to the file's encoding, e.g. latin-1, cp1252 or utf-16 (or auto)",
         ) from None
-    if _fallback_used[0]:
+    if used[0]:
         n_bytes, n_lines = _invalid_utf8(path)
         log.warning(
             "%s: %d bytes on %d lines are not valid UTF-8; decoded those bytes as cp1252 and the rest as UTF-8 "
@@ -380,7 +386,8 @@ def _read_dataset_dir(
             "encoding": _codec(encoding) if encoding != "auto" else "utf-8",
             "encoding_errors": "strict" if encoding != "auto" else FALLBACK_ERRORS,
         }
-    _fallback_used[0] = 0
+    used = [0]
+    _FALLBACKS.set(used)
     verbosity = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity(
         datasets.logging.CRITICAL
@@ -421,7 +428,7 @@ def _read_dataset_dir(
         ) from None
     finally:
         datasets.logging.set_verbosity(verbosity)
-    if _fallback_used[0]:
+    if used[0]:
         log.warning(
             "%s: some bytes are not valid UTF-8; decoded them as cp1252 "
             "(set data.encoding to the files' encoding to silence this)",

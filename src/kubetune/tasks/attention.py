@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -35,19 +36,20 @@ GROUPS = 4
 # True while a packed micro-batch runs through the model: the mask interface then builds no
 # (length)² mask, which ``packed_attention`` would ignore anyway.
 _PACKED = contextvars.ContextVar("kubetune_packed", default=False)
-_FALLBACK = {"name": "sdpa"}
 
 
 def register(fallback: str = "sdpa") -> str:
-    """Register ``ATTENTION`` with transformers (idempotent) and return its name, for
-    ``from_pretrained(attn_implementation=...)``; ``fallback`` runs every call that is not packed."""
+    """Register packed attention with transformers for this ``fallback`` (the attention every call
+    that is not packed runs) and return its name, for ``from_pretrained(attn_implementation=...)``:
+    ``ATTENTION`` over sdpa, ``ATTENTION_<fallback>`` over another. Idempotent; each fallback has its
+    own name, so no setting is shared between models."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    _FALLBACK["name"] = fallback
-    AttentionInterface.register(ATTENTION, packed_attention)
-    AttentionMaskInterface.register(ATTENTION, _mask)
-    return ATTENTION
+    name = ATTENTION if fallback == "sdpa" else f"{ATTENTION}_{fallback}"
+    AttentionInterface.register(name, functools.partial(packed_attention, fallback=fallback))
+    AttentionMaskInterface.register(name, functools.partial(_mask, fallback=fallback))
+    return name
 
 
 @contextlib.contextmanager
@@ -60,7 +62,7 @@ def packed_call():
         _PACKED.reset(token)
 
 
-def _fallback_attention(module):
+def _fallback_attention(module, name: str):
     """The attention the model would run without kubetune. ``eager`` is not in transformers'
     registry: each model file defines its own ``eager_attention_forward`` beside the attention
     module, which is what transformers itself calls for it."""
@@ -68,7 +70,6 @@ def _fallback_attention(module):
 
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    name = _FALLBACK["name"]
     if name == "eager":
         eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
         if eager is not None:
@@ -77,13 +78,13 @@ def _fallback_attention(module):
     return ALL_ATTENTION_FUNCTIONS[name]
 
 
-def _mask(*args, **kwargs):
+def _mask(*args, fallback: str = "sdpa", **kwargs):
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     config = kwargs.get("config")
     if _PACKED.get() and kwargs.get("attention_mask") is None and not getattr(config, "sliding_window", None):
         return None
-    return ALL_MASK_ATTENTION_FUNCTIONS[_FALLBACK["name"]](*args, **kwargs)
+    return ALL_MASK_ATTENTION_FUNCTIONS[fallback](*args, **kwargs)
 
 
 def documents(position_ids: torch.Tensor | None, length: int) -> torch.Tensor | None:
@@ -130,7 +131,9 @@ def _layout(position_ids: torch.Tensor | None, length: int):
 # Outside torch.compile (training.compile compiles each block around it): the layout's host syncs
 # and per-row shapes would break the graph or recompile it for every packed row.
 @torch.compiler.disable
-def packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+def packed_attention(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, fallback: str = "sdpa", **kwargs
+):
     """Attention of a packed row, document by document; every other call goes to the fallback.
 
     query: (1, heads, length, dim); key, value: (1, kv heads, length, dim). Returns (1, length, heads, dim)
@@ -143,7 +146,7 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         if _PACKED.get() and attention_mask is None and not plain:
             # Cannot happen for the models the mask interface skips; never attend across documents.
             raise RuntimeError("packed attention: this model's attention needs its mask; set data.packing: false")
-        return _fallback_attention(module)(
+        return _fallback_attention(module, fallback)(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     heads, kv_heads = query.shape[1], key.shape[1]

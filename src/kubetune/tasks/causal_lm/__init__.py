@@ -76,7 +76,7 @@ def _checks(data: CausalLMData, section: None) -> list[str]:
 
 ENTRY = TaskEntry(
     data=CausalLMData,
-    summary="next-token prediction on text, instruction or chat data (Llama-class decoders)",
+    summary="next-token prediction on text, instruction or chat data, for Llama-class decoders",
     runtime="kubetune.tasks.causal_lm.task:TASK",
     checks=_checks,
     order=1,

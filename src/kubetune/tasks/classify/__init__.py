@@ -45,7 +45,7 @@ def _checks(data: ClassificationData, section: None) -> list[str]:
 
 ENTRY = TaskEntry(
     data=ClassificationData,
-    summary="a label per text (BERT-class encoders)",
+    summary="a label per text, for BERT-class encoders",
     runtime="kubetune.tasks.classify.task:TASK",
     checks=_checks,
     default=True,
