@@ -17,7 +17,7 @@ import yaml
 from conftest import MINILM, ROOT, kubetune, tiny_spec, write_spec
 
 from kubetune import launch
-from kubetune.backends import manifests
+from kubetune.backends import manifests, objects
 from kubetune.config import load_spec
 
 pytestmark = pytest.mark.integration
@@ -46,7 +46,7 @@ def test_rendered_init_and_worker_commands_train_across_two_pods(tmp_path):
     etc, stage_dir = tmp_path / "etc", tmp_path / "stage"
     etc.mkdir()
     (etc / "job.yaml").write_text(manifests.build_config_map(spec, "ns")["data"]["job.yaml"])
-    remap = {manifests.SPEC_DIR: str(etc), manifests.stage_dir(spec): str(stage_dir)}
+    remap = {objects.SPEC_DIR: str(etc), objects.stage_dir(spec): str(stage_dir)}
 
     def local(cmd):
         return [next((arg.replace(k, v) for k, v in remap.items() if arg.startswith(k)), arg) for arg in cmd]
@@ -61,7 +61,7 @@ def test_rendered_init_and_worker_commands_train_across_two_pods(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     # The pod launcher: torch's launcher as torchrun configures it from the PET_* environment.
-    assert worker_cmd == launch.pod_command(f"{manifests.stage_dir(spec)}/job.yaml")
+    assert worker_cmd == launch.pod_command(f"{objects.stage_dir(spec)}/job.yaml")
     executable = [str(Path(sys.executable).parent / worker_cmd[0])]  # this venv's `kubetune` console script
     procs = []
     for node_rank in (0, 1):

@@ -21,7 +21,7 @@ import pytest
 from conftest import ROOT, write_spec
 
 from kubetune import launch
-from kubetune.backends import manifests
+from kubetune.backends import manifests, objects
 from kubetune.config import load_spec
 
 pytestmark = pytest.mark.integration
@@ -228,7 +228,7 @@ def test_rendered_pods_run_the_launcher(tmp_path):
     the TrainJob after staging through `exec`, so the shell neither keeps SIGTERM from the
     launcher nor changes its exit code."""
     spec = load_spec(write_spec(tmp_path / "job.yaml", _spec(tmp_path / "out", distributed={"nodes": 2})))
-    staged = f"{manifests.stage_dir(spec)}/job.yaml"
+    staged = f"{objects.stage_dir(spec)}/job.yaml"
     for replica in manifests.render(spec, "ns").job["spec"]["pytorchReplicaSpecs"].values():
         assert replica["template"]["spec"]["containers"][0]["command"] == launch.pod_command(staged)
     trainer = manifests.build_trainjob(spec, "ns")["spec"]["trainer"]["command"]

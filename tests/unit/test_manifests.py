@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kubetune.backends import manifests, strict
+from kubetune.backends import checks, manifests, strict
 from kubetune.config import load_spec, parse_spec
 from kubetune.errors import SpecError
 
@@ -127,7 +127,7 @@ def test_single_node_has_no_worker_and_node_local_uses_empty_dir():
         "name": "workspace",
         "emptyDir": {"sizeLimit": "50Gi"},
     }
-    assert any("lost when the pod ends" in w for w in manifests.warnings_for(_spec()))
+    assert any("lost when the pod ends" in w for w in checks.warnings_for(_spec()))
 
 
 def test_elastic_policy():

@@ -4,6 +4,11 @@ Objects are built with the official typed models (``kubernetes.client`` models, 
 ``kubeflow-training`` PyTorchJob models, the ``kubeflow-trainer-api`` TrainJob models) and
 serialized from them. The resolved job spec travels in a ConfigMap mounted into the pods; secrets
 are only ever referenced (secretKeyRef / envFrom.secretRef), never copied.
+
+Here: the ConfigMap, the workspace PVC, the pod both job kinds run (containers, environment,
+volumes, commands), the PyTorchJob and the TrainJob, and ``render``, which checks the spec first
+(``checks``) and adds the TensorBoard objects (``tensorboard``). The names, labels and paths every
+object shares are in ``objects``.
 """
 
 from __future__ import annotations
@@ -13,20 +18,25 @@ from dataclasses import dataclass
 import yaml
 from kubernetes import client as k8s
 
-from kubetune import providers
 from kubetune.artifacts.output import Output
+from kubetune.backends.checks import cluster_problems, trainjob_problems, typed_problems
+from kubetune.backends.checks import warnings_for as warnings_for  # the CLI reads the warnings from here
+from kubetune.backends.objects import (
+    CONTAINER,
+    SPEC_DIR,
+    WORKSPACE,
+    config_map_name,
+    job_labels,
+    labels,
+    object_meta,
+    pvc_name,
+    serialized,
+    stage_dir,
+)
+from kubetune.backends.tensorboard import build_tensorboard
 from kubetune.config import JobSpec, dump_spec
 from kubetune.config.cluster import default_image
 from kubetune.errors import SpecError
-
-SPEC_DIR = "/etc/kubetune"
-WORKSPACE = "/workspace"
-STAGE_ROOT = f"{WORKSPACE}/stage"
-CONTAINER = "pytorch"  # the Training Operator requires this container name
-PYTORCHJOB_API = ("kubeflow.org", "v1", "pytorchjobs")
-TRAINJOB_API = ("trainer.kubeflow.org", "v1alpha1", "trainjobs")
-JOB_LABEL = "kubetune.io/job"
-QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 
 
 @dataclass(frozen=True)
@@ -54,50 +64,13 @@ _BlockDumper.add_representer(
 )
 
 
-def _ser(obj) -> dict:
-    """Serialize a typed model the way the kubernetes client sends it (camelCase, no nulls)."""
-    return k8s.ApiClient().sanitize_for_serialization(obj)
-
-
-def labels(spec: JobSpec) -> dict[str, str]:
-    return {
-        "app.kubernetes.io/name": "kubetune",
-        "app.kubernetes.io/instance": spec.name,
-        JOB_LABEL: spec.name,
-        **spec.kubernetes.labels,
-    }
-
-
-def job_labels(spec: JobSpec) -> dict[str, str]:
-    """The job object's labels: Kueue reads its queue from the job itself."""
-    return {**labels(spec), **({QUEUE_LABEL: spec.kubernetes.queue} if spec.kubernetes.queue else {})}
-
-
-def _meta(spec: JobSpec, name: str, namespace: str, **extra_annotations) -> k8s.V1ObjectMeta:
-    annotations = {**spec.kubernetes.annotations, **extra_annotations}
-    return k8s.V1ObjectMeta(name=name, namespace=namespace, labels=labels(spec), annotations=annotations or None)
-
-
-def config_map_name(spec: JobSpec) -> str:
-    return f"{spec.name}-spec"
-
-
-def pvc_name(spec: JobSpec) -> str:
-    return spec.kubernetes.storage.existing_claim or own_claim(spec.name)
-
-
-def own_claim(job: str) -> str:
-    """The workspace claim kubetune creates for the job called ``job`` (pvc mode, no existing_claim)."""
-    return f"{job}-workspace"
-
-
 def build_config_map(spec: JobSpec, namespace: str) -> dict:
     """The resolved spec, mounted read-only at /etc/kubetune/job.yaml."""
-    return _ser(
+    return serialized(
         k8s.V1ConfigMap(
             api_version="v1",
             kind="ConfigMap",
-            metadata=_meta(spec, config_map_name(spec), namespace),
+            metadata=object_meta(spec, config_map_name(spec), namespace),
             data={"job.yaml": dump_spec(spec)},
         )
     )
@@ -107,11 +80,11 @@ def build_pvc(spec: JobSpec, namespace: str) -> dict | None:
     st = spec.kubernetes.storage
     if st.mode != "pvc" or st.existing_claim:
         return None
-    return _ser(
+    return serialized(
         k8s.V1PersistentVolumeClaim(
             api_version="v1",
             kind="PersistentVolumeClaim",
-            metadata=_meta(spec, pvc_name(spec), namespace),
+            metadata=object_meta(spec, pvc_name(spec), namespace),
             spec=k8s.V1PersistentVolumeClaimSpec(
                 access_modes=list(st.access_modes),
                 storage_class_name=st.storage_class,
@@ -221,11 +194,6 @@ def image(spec: JobSpec) -> str:
     return spec.kubernetes.image or default_image(spec.resources.gpu)
 
 
-def stage_dir(spec: JobSpec) -> str:
-    """Per job, so jobs sharing one claim never read each other's staged spec."""
-    return f"{STAGE_ROOT}/{spec.name}"
-
-
 def worker_command(spec: JobSpec) -> list[str]:
     """`kubetune launch`: torch's elastic launcher configured from the operator's PET_*
     environment exactly as torchrun would, exiting with codes the restart policy can act on
@@ -267,7 +235,7 @@ def build_pod_template(spec: JobSpec) -> k8s.V1PodTemplateSpec:
         resources=_resources(spec),
         volume_mounts=_mounts(),
     )
-    # Elastic jobs have only Worker replicas, so a worker's index is its node rank (see kubeflow.pod_info).
+    # Elastic jobs have only Worker replicas, so a worker's index is its node rank (see kubeflow_read.pod_info).
     pod_labels = {**labels(spec), **({"kubetune.io/elastic": "true"} if kube.elastic else {})}
     return k8s.V1PodTemplateSpec(
         metadata=k8s.V1ObjectMeta(
@@ -318,7 +286,7 @@ def build_pytorchjob(spec: JobSpec, namespace: str) -> dict:
     else:
         replicas = {"Master": replica(1), **({"Worker": replica(dist.nodes - 1)} if dist.nodes > 1 else {})}
         elastic = None
-    metadata = _meta(spec, spec.name, namespace)
+    metadata = object_meta(spec, spec.name, namespace)
     metadata.labels = job_labels(spec)
     job = kf.KubeflowOrgV1PyTorchJob(
         api_version="kubeflow.org/v1",
@@ -341,38 +309,10 @@ def build_pytorchjob(spec: JobSpec, namespace: str) -> dict:
             ),
         ),
     )
-    body = _ser(job)
+    body = serialized(job)
     for rs in body["spec"]["pytorchReplicaSpecs"].values():
         rs["template"]["spec"] = _with_affinity(rs["template"]["spec"], spec)
     return body
-
-
-# Spec fields a TrainJob of Trainer v2.3 has no place for (the runtime and its JobSet own them);
-# set explicitly with --target trainjob, each is refused by name rather than dropped.
-TRAINJOB_UNSUPPORTED = {
-    "restart_policy": "the runtime's JobSet failure policy decides restarts",
-    "backoff_limit": "the runtime's JobSet failure policy decides restarts",
-    "ttl_seconds_after_finished": "a TrainJob has no TTL",
-    "clean_pod_policy": "the runtime decides what happens to finished pods",
-    "image_pull_policy": (
-        "the runtime's container sets it (a TrainJob patch carries only env, volumeMounts and securityContext)"
-    ),
-    "elastic": "a TrainJob has no elastic policy",
-    "priority_class": (
-        "a TrainJob's pod patch has no priorityClassName; use kubernetes.queue with a Kueue WorkloadPriorityClass"
-    ),
-    "master_port": "the runtime sets the rendezvous port",
-}
-
-
-def trainjob_problems(spec: JobSpec) -> list[str]:
-    """One line per ``kubernetes.*`` field the user set that a TrainJob (v2.3) cannot carry."""
-    kube = spec.kubernetes
-    return [
-        f"kubernetes.{name}: {why} — remove it for --target trainjob, or use --target pytorchjob"
-        for name, why in TRAINJOB_UNSUPPORTED.items()
-        if name in kube.model_fields_set and getattr(kube, name) is not None
-    ]
 
 
 def build_trainjob(spec: JobSpec, namespace: str) -> dict:
@@ -401,7 +341,7 @@ def build_trainjob(spec: JobSpec, namespace: str) -> dict:
                 ("AWS_ENDPOINT_URL", True),
             )
         ]
-    volumes = [_ser(v) for v in _volumes(spec)]
+    volumes = [serialized(v) for v in _volumes(spec)]
     node_patch = {
         "name": "node",
         "template": {
@@ -415,10 +355,10 @@ def build_trainjob(spec: JobSpec, namespace: str) -> dict:
                         _drop_none(
                             {
                                 "volumes": volumes,
-                                "containers": [{"name": "node", "volumeMounts": [_ser(m) for m in _mounts()]}],
+                                "containers": [{"name": "node", "volumeMounts": [serialized(m) for m in _mounts()]}],
                                 "serviceAccountName": kube.service_account,
                                 "nodeSelector": kube.node_selector or None,
-                                "tolerations": [_ser(t) for t in _tolerations(kube)] or None,
+                                "tolerations": [serialized(t) for t in _tolerations(kube)] or None,
                                 "imagePullSecrets": [{"name": n} for n in kube.image_pull_secrets] or None,
                                 "terminationGracePeriodSeconds": kube.termination_grace_period_seconds,
                                 "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000},
@@ -430,7 +370,7 @@ def build_trainjob(spec: JobSpec, namespace: str) -> dict:
             }
         },
     }
-    metadata = _ser(_meta(spec, spec.name, namespace))
+    metadata = serialized(object_meta(spec, spec.name, namespace))
     metadata["labels"] = job_labels(spec)
     body = {
         "apiVersion": "trainer.kubeflow.org/v1alpha1",
@@ -445,8 +385,8 @@ def build_trainjob(spec: JobSpec, namespace: str) -> dict:
                 "command": ["sh", "-c", " ".join(fetch_command(spec)) + " && exec " + " ".join(worker_command(spec))],
                 "numNodes": dist.nodes,
                 "numProcPerNode": dist.procs_per_node,
-                "resourcesPerNode": _ser(_resources(spec)),
-                "env": [_ser(e) for e in _common_env(spec) + env],
+                "resourcesPerNode": serialized(_resources(spec)),
+                "env": [serialized(e) for e in _common_env(spec) + env],
             },
             "runtimePatches": [
                 {
@@ -459,63 +399,6 @@ def build_trainjob(spec: JobSpec, namespace: str) -> dict:
     return tr.TrainerV1alpha1TrainJob.from_dict(_drop_none(body)).to_dict()
 
 
-def build_tensorboard(spec: JobSpec, namespace: str) -> list[dict]:
-    """A TensorBoard Deployment + Service reading the job's event files from the shared PVC."""
-    if not spec.kubernetes.tensorboard:
-        return []
-    name = f"{spec.name}-tensorboard"
-    tb_labels = {**labels(spec), "app.kubernetes.io/component": "tensorboard"}
-    logdir = f"{Output.for_spec(spec).pod_path(WORKSPACE)}/tensorboard"
-    pod = k8s.V1PodTemplateSpec(
-        metadata=k8s.V1ObjectMeta(labels=tb_labels, annotations={"sidecar.istio.io/inject": "false"}),
-        spec=k8s.V1PodSpec(
-            containers=[
-                k8s.V1Container(
-                    name="tensorboard",
-                    image=spec.kubernetes.tensorboard_image,
-                    command=["tensorboard", f"--logdir={logdir}", "--host=0.0.0.0", "--port=6006"],
-                    ports=[k8s.V1ContainerPort(container_port=6006, name="http")],
-                    volume_mounts=[k8s.V1VolumeMount(name="workspace", mount_path=WORKSPACE, read_only=True)],
-                    resources=k8s.V1ResourceRequirements(
-                        requests={"cpu": "100m", "memory": "512Mi"}, limits={"memory": "2Gi"}
-                    ),
-                )
-            ],
-            volumes=[
-                k8s.V1Volume(
-                    name="workspace",
-                    persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(
-                        claim_name=pvc_name(spec), read_only=True
-                    ),
-                )
-            ],
-            service_account_name=spec.kubernetes.service_account,
-        ),
-    )
-    deployment = k8s.V1Deployment(
-        api_version="apps/v1",
-        kind="Deployment",
-        metadata=k8s.V1ObjectMeta(name=name, namespace=namespace, labels=tb_labels),
-        spec=k8s.V1DeploymentSpec(
-            replicas=1,
-            selector=k8s.V1LabelSelector(
-                match_labels={JOB_LABEL: spec.name, "app.kubernetes.io/component": "tensorboard"}
-            ),
-            template=pod,
-        ),
-    )
-    service = k8s.V1Service(
-        api_version="v1",
-        kind="Service",
-        metadata=k8s.V1ObjectMeta(name=name, namespace=namespace, labels=tb_labels),
-        spec=k8s.V1ServiceSpec(
-            selector={JOB_LABEL: spec.name, "app.kubernetes.io/component": "tensorboard"},
-            ports=[k8s.V1ServicePort(name="http", port=6006, target_port=6006)],
-        ),
-    )
-    return [_ser(deployment), _ser(service)]
-
-
 def render(spec: JobSpec, namespace: str, target: str = "pytorchjob") -> Rendered:
     """All objects for ``spec`` in ``namespace``; ``target`` is pytorchjob or trainjob.
 
@@ -524,100 +407,13 @@ def render(spec: JobSpec, namespace: str, target: str = "pytorchjob") -> Rendere
             are paths on this machine, a localhost S3 endpoint, fields the target cannot carry,
             an affinity or toleration the Kubernetes typed models refuse.
     """
-    problems = (
-        cluster_problems(spec) + (trainjob_problems(spec) if target == "trainjob" else []) + _typed_problems(spec)
-    )
+    problems = cluster_problems(spec) + (trainjob_problems(spec) if target == "trainjob" else []) + typed_problems(spec)
     if problems:
         raise SpecError(problems, "spec")
     job = build_pytorchjob(spec, namespace) if target == "pytorchjob" else build_trainjob(spec, namespace)
     return Rendered(
         build_config_map(spec, namespace), build_pvc(spec, namespace), job, build_tensorboard(spec, namespace)
     )
-
-
-LOCAL_HOSTS = ("localhost", "127.0.0.1", "0.0.0.0", "::1", "[::1]")
-
-
-def cluster_problems(spec: JobSpec) -> list[str]:
-    """What makes a spec fail only inside a pod: model or data paths on this machine, an S3
-    endpoint or MLflow server on localhost (or no MLflow server named). Local paths work on a named
-    claim that holds them (pvc mode with existing_claim; relative paths and paths under /workspace
-    are on it)."""
-    from urllib.parse import urlsplit
-
-    st = spec.kubernetes.storage
-    on_claim = st.mode == "pvc" and st.existing_claim
-    out = []
-    for field, uri in (("model.uri", spec.model.uri), ("data.train", spec.data.train), ("data.eval", spec.data.eval)):
-        parsed = providers.parse_uri(uri) if uri is not None else None
-        if parsed is None or parsed.scheme != "file":
-            continue
-        path = parsed.body
-        if on_claim and (not path.startswith(("/", "~")) or path.startswith(WORKSPACE + "/")):
-            continue
-        out.append(
-            f"{field}: {uri!r} is a path on this machine, which the pods cannot read — use s3:// or hf://, pkg:// "
-            "for files inside the image, or a path on a named claim (kubernetes.storage: "
-            f"{{mode: pvc, existing_claim: NAME}}, path relative to {WORKSPACE})"
-        )
-    endpoint = spec.s3.endpoint_url
-    if endpoint and (urlsplit(endpoint).hostname or "").lower() in LOCAL_HOSTS:
-        out.append(
-            f"s3.endpoint_url: {endpoint!r} is this machine, not reachable from the pods — use the in-cluster address "
-            "(e.g. http://minio.minio.svc.cluster.local:9000), or leave it out and put AWS_ENDPOINT_URL in the "
-            "Secret kubernetes.secrets.s3"
-        )
-    mlflow = spec.tracking.mlflow
-    if mlflow is not None and not mlflow.uri:
-        out.append(
-            "tracking.mlflow.uri: required on Kubernetes (the pods do not see this machine's MLFLOW_TRACKING_URI) — "
-            "set it to the server's in-cluster address, e.g. http://mlflow.mlflow.svc.cluster.local:5000"
-        )
-    elif mlflow is not None and (urlsplit(mlflow.uri).hostname or "").lower() in LOCAL_HOSTS:
-        out.append(
-            f"tracking.mlflow.uri: {mlflow.uri!r} is this machine, not reachable from the pods — use the server's "
-            "in-cluster address, e.g. http://mlflow.mlflow.svc.cluster.local:5000"
-        )
-    return out
-
-
-def _typed_problems(spec: JobSpec) -> list[str]:
-    """The user's affinity, checked against the Kubernetes typed model (unknown or mistyped fields)."""
-    from kubetune.backends import strict
-
-    if not spec.kubernetes.affinity:
-        return []
-    return [f"kubernetes.{p}" for p in strict.check_model(spec.kubernetes.affinity, "V1Affinity", "affinity")]
-
-
-def warnings_for(spec: JobSpec) -> list[str]:
-    """Problems that do not stop a render but that a user must hear about."""
-    out = []
-    if not Output.for_spec(spec).remote and spec.kubernetes.storage.mode == "node-local":
-        out.append(
-            f"output.uri: {spec.output.uri!r} is inside the pod's node-local storage and is lost when the pod ends — "
-            "use an s3:// or hf:// output, or kubernetes.storage.mode: pvc"
-        )
-    if spec.kubernetes.tensorboard and spec.kubernetes.storage.mode != "pvc":
-        out.append(
-            "kubernetes.tensorboard: TensorBoard reads the event files from the shared PVC — set "
-            "kubernetes.storage.mode: pvc"
-        )
-    if spec.resources.gpu and spec.resources.gpu != spec.distributed.procs_per_node:
-        out.append(
-            f"resources.gpu is {spec.resources.gpu} but distributed.procs_per_node is "
-            f"{spec.distributed.procs_per_node} — use one process per GPU"
-        )
-    if (
-        spec.kubernetes.storage.mode == "pvc"
-        and spec.distributed.nodes > 1
-        and spec.kubernetes.storage.access_modes == ["ReadWriteOnce"]
-    ):
-        out.append(
-            "kubernetes.storage.access_modes: ReadWriteOnce cannot be mounted by pods on different nodes — use "
-            "ReadWriteMany or node-local mode"
-        )
-    return out
 
 
 def _drop_none(obj):

@@ -1,0 +1,134 @@
+"""The Kubeflow backend's connection to a cluster: the API clients for one namespace and one job
+kind (``TARGETS``: a PyTorchJob or a TrainJob), from a kubeconfig or the in-cluster service account
+(``connect``), and the boundary where the client's errors (ApiException, an unreachable server)
+become one-line ``KubetuneError`` messages naming the verb, the resource and the namespace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+from kubernetes import client as k8s
+
+from kubetune.backends.objects import PYTORCHJOB_API, TRAINJOB_API
+from kubetune.errors import KubetuneError
+
+TARGETS = {"pytorchjob": (*PYTORCHJOB_API, "PyTorchJob"), "trainjob": (*TRAINJOB_API, "TrainJob")}
+IN_CLUSTER_NS = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+
+
+def connect(kubeconfig: str | None = None, context: str | None = None) -> tuple[k8s.ApiClient, str]:
+    """An API client and the default namespace: kubeconfig (file, $KUBECONFIG, ~/.kube/config,
+    optional context), else the in-cluster service account."""
+    from kubernetes import config
+
+    path = (
+        kubeconfig or os.environ.get("KUBECONFIG", "").split(os.pathsep)[0] or str(Path("~/.kube/config").expanduser())
+    )
+    try:
+        if Path(path).exists():
+            api = config.new_client_from_config(config_file=path, context=context)
+            contexts, active = config.list_kube_config_contexts(config_file=path)
+            chosen = next((c for c in contexts if c["name"] == context), active) if context else active
+            return api, (chosen or {}).get("context", {}).get("namespace") or "default"
+        cfg = k8s.Configuration()
+        config.load_incluster_config(client_configuration=cfg)
+        return k8s.ApiClient(cfg), IN_CLUSTER_NS.read_text().strip() if IN_CLUSTER_NS.exists() else "default"
+    except config.ConfigException as e:
+        raise KubetuneError(
+            f"no usable Kubernetes configuration ({str(e).splitlines()[0]})",
+            field="kubeconfig",
+            fix="set KUBECONFIG or --kubeconfig, pick a --context, or run inside a cluster",
+        ) from None
+
+
+class KubeflowConnection:
+    """The API clients for one namespace of a cluster and one job kind (``target``), and the
+    translation of their errors; the cluster backend reads and writes jobs through it."""
+
+    def __init__(
+        self,
+        namespace: str | None = None,
+        kubeconfig: str | None = None,
+        context: str | None = None,
+        target: str = "pytorchjob",
+    ):
+        if target not in TARGETS:
+            raise KubetuneError(f"unknown target {target!r}", field="--target", fix="use pytorchjob or trainjob")
+        self.api, default_ns = connect(kubeconfig, context)
+        self.namespace = namespace or default_ns
+        self.target = target
+        self.group, self.version, self.plural, self.kind = TARGETS[target]
+        self.core = k8s.CoreV1Api(self.api)
+        self.custom = k8s.CustomObjectsApi(self.api)
+        self.apps = k8s.AppsV1Api(self.api)
+
+    # ---- errors at the boundary ----
+    @contextlib.contextmanager
+    def _errors(self, verb: str, resource: str, name: str | None = None):
+        import urllib3
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            yield
+        except ApiException as e:
+            raise self._translate(e, verb, resource, name) from None
+        except (urllib3.exceptions.HTTPError, OSError) as e:
+            host = self.api.configuration.host
+            raise KubetuneError(
+                f"cannot reach the Kubernetes API server at {host} ({type(e).__name__})",
+                fix="check the kubeconfig context and the network (kubectl cluster-info)",
+            ) from None
+
+    def _translate(self, e, verb: str, resource: str, name: str | None) -> KubetuneError:
+        import json
+
+        try:
+            body = json.loads(e.body or "{}")
+        except ValueError:
+            body = {}
+        message = body.get("message") or e.reason or ""
+        what = f"{resource} '{name}'" if name else resource
+        if e.status == 403 and "admission webhook" in message:
+            # the operator's validating webhook refused the object (controller-runtime answers 403)
+            return KubetuneError(
+                f"the cluster refused {what}: {message}",
+                fix="change the spec's kubernetes/distributed settings the message names, or use the other --target",
+            )
+        if e.status == 403:
+            return KubetuneError(
+                f"forbidden: cannot {verb} {resource} in namespace '{self.namespace}' ({message})",
+                fix="ask for the RBAC in deploy/rbac, or set kubernetes.namespace / --namespace",
+            )
+        if e.status == 401:
+            return KubetuneError(
+                f"the API server at {self.api.configuration.host} rejected the credentials (401)",
+                fix="refresh the kubeconfig credentials",
+            )
+        if e.status == 404 and name is None or (e.status == 404 and "could not find the requested resource" in message):
+            fix = (
+                "install the Kubeflow Training Operator: deploy/install.sh"
+                if self.target == "pytorchjob"
+                else (
+                    "install Kubeflow Trainer v2.3 or later with JobSet: deploy/install.sh --with trainer (or "
+                    "submit with --target pytorchjob)"
+                )
+            )
+            return KubetuneError(f"{resource} are not served by this cluster ({message})", fix=fix)
+        if e.status == 404:
+            return KubetuneError(
+                f"{what} not found in namespace '{self.namespace}'",
+                fix="check the name with `kubetune list` and --namespace",
+            )
+        if e.status == 409:
+            return KubetuneError(
+                f"{what} already exists in namespace '{self.namespace}'",
+                fix=f"pass --replace, or `kubetune delete {name}` first",
+            )
+        if e.status == 422:
+            return KubetuneError(
+                f"the API server rejected {what}: {message}", fix="check the spec's kubernetes section"
+            )
+        return KubetuneError(f"Kubernetes API error {e.status} {e.reason} on {verb} {what}: {message}")
