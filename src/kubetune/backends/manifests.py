@@ -20,7 +20,6 @@ from kubernetes import client as k8s
 
 from kubetune.artifacts.output import Output
 from kubetune.backends.checks import cluster_problems, trainjob_problems, typed_problems
-from kubetune.backends.checks import warnings_for as warnings_for  # the CLI reads the warnings from here
 from kubetune.backends.objects import (
     CONTAINER,
     SPEC_DIR,

@@ -39,7 +39,7 @@ def render(
     ] = None,
 ) -> None:
     """Print the Kubernetes objects for a job spec (multi-document YAML); touches no cluster."""
-    from kubetune.backends import base, manifests
+    from kubetune.backends import base, checks, manifests
     from kubetune.config import load_spec
 
     try:
@@ -50,7 +50,7 @@ def render(
         rendered = manifests.render(job, namespace or job.kubernetes.namespace or "default", target)
     except KubetuneError as e:
         _fail(e)
-    for warning in manifests.warnings_for(job):
+    for warning in checks.warnings_for(job):
         typer.echo(f"warning: {warning}", err=True)
     text = rendered.to_yaml()
     if output:
@@ -109,13 +109,13 @@ def submit(
     target: TargetOpt = "pytorchjob",
 ) -> None:
     """Create the job on Kubernetes (a PyTorchJob, or a TrainJob) and print its name."""
-    from kubetune.backends import manifests
+    from kubetune.backends import checks
     from kubetune.config import load_spec
 
     try:
         job = load_spec(spec, set_)
         backend = _backend(namespace or job.kubernetes.namespace, context, kubeconfig, target)
-        for warning in manifests.warnings_for(job):
+        for warning in checks.warnings_for(job):
             typer.echo(f"warning: {warning}", err=True)
         name = backend.submit(job, replace=replace)
     except KubetuneError as e:
