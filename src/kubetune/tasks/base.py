@@ -47,8 +47,8 @@ class LossOutput(NamedTuple):
 
 @dataclass(frozen=True)
 class Task:
-    """One task; every field is a plain value or function. ``tasks/__init__.py`` registers it under
-    the spec's ``task`` value, whose data section's model is ``config.DATA_SPECS[task]``."""
+    """A task's training half; every field is a plain value or function. The task's ``TaskEntry``
+    (``config.tasks``, its spec half) names it in ``runtime``; ``tasks.get(name)`` imports it."""
 
     # (data spec, seed, S3Settings) -> the checked tables (preflight, prepare)
     load_frames: Callable[[Any, int, S3Settings], Any]
