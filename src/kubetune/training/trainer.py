@@ -1,5 +1,6 @@
-"""The trainer every task shares: set-up, resume, the outer loop, one optimizer step, evaluation,
-checkpoints and the export.
+"""The trainer every task shares: the outer loop, one optimizer step, evaluation, checkpoints and
+the export. ``build.py`` makes a ``Trainer`` (set-up and resume); the worker sets up the process
+group and claims the output before.
 
 What differs per task (data preparation, the model, the loss of a micro-batch, evaluation,
 export) comes in a ``Task``; how the model is spread over ranks comes in a ``Strategy``; where
