@@ -232,3 +232,33 @@ def test_the_eval_split_is_scikit_learns_train_test_split_draw_for_draw():
                         assert [a.tolist() for a in got] == [a.tolist() for a in want], (n, n_test, seed, stratify)
                         cases += 1
     assert cases > 150
+
+
+def test_a_carved_evaluation_split_is_capped_and_a_given_one_is_not(tmp_path, monkeypatch, caplog):
+    """Issue 32, bounded evaluation: an eval split carved out of data.train is evaluated on at most
+    CARVED_EVAL_CAP rows (a seeded subset, said in the log); data.max_eval_samples chooses another
+    number; a given data.eval is the user's choice and stays whole. The same for every task's split."""
+    from kubetune.data import tables
+    from kubetune.tasks.causal_lm import CausalLMData
+
+    monkeypatch.setattr(tables, "CARVED_EVAL_CAP", 12)
+    rows = pd.DataFrame({"review": [f"text number {i}" for i in range(200)], "stars": [i % 4 for i in range(200)]})
+    rows.to_csv(tmp_path / "train.csv", index=False)
+    rows.iloc[:60].to_csv(tmp_path / "eval.csv", index=False)
+    caplog.set_level("INFO", logger="kubetune.data.tables")
+
+    carved = load_frames(_spec(tmp_path / "train.csv", eval_fraction=0.25), seed=0)
+    assert (len(carved.train), len(carved.eval)) == (150, 12)  # the carved rows are not trained on either way
+    assert "has 50 rows; evaluating on a seeded 12 of them" in caplog.text
+    assert load_frames(_spec(tmp_path / "train.csv", eval_fraction=0.25), seed=0).eval.equals(carved.eval)
+    chosen = load_frames(_spec(tmp_path / "train.csv", eval_fraction=0.25, max_eval_samples=30), seed=0)
+    assert len(chosen.eval) == 30
+    given = load_frames(_spec(tmp_path / "train.csv", eval=str(tmp_path / "eval.csv")), seed=0)
+    assert len(given.eval) == 60
+
+    records = pd.DataFrame({"record": [f"r{i}" for i in range(200)]})
+    spec = CausalLMData(train="x", eval_fraction=0.25)
+    train, evald = tables.split_rows(records, None, spec, seed=0)
+    assert (len(train), len(evald)) == (150, 12)
+    train, evald = tables.split_rows(records, records.iloc[:60], spec, seed=0)
+    assert (len(train), len(evald)) == (200, 60)

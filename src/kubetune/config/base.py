@@ -92,7 +92,10 @@ class DataCommon(Section):
         description="Use at most this many training rows (a seeded random subset), after the eval carve-out.",
     )
     max_eval_samples: int | None = Field(
-        None, ge=1, description="Use at most this many evaluation rows (a seeded random subset)."
+        None,
+        ge=1,
+        description="Use at most this many evaluation rows (a seeded random subset). Absent: every row of "
+        "data.eval, and at most 10,000 of an evaluation split carved out of data.train (said in the log).",
     )
     encoding: str = Field(
         "auto",

@@ -13,7 +13,7 @@ import pandas as pd
 import torch
 
 from kubetune.data import Batch
-from kubetune.data.tables import describe_non_text, is_nested, read_table, short, split_indices
+from kubetune.data.tables import describe_non_text, eval_cap, is_nested, read_table, short, split_indices
 from kubetune.errors import KubetuneError
 from kubetune.providers import S3Settings
 from kubetune.tasks.classify import ClassificationData
@@ -87,8 +87,8 @@ def load_frames(spec: ClassificationData, seed: int, s3: S3Settings = S3Settings
 
     if spec.max_train_samples and len(train) > spec.max_train_samples:
         train = train.sample(n=spec.max_train_samples, random_state=seed).sort_index()
-    if spec.max_eval_samples and len(evald) > spec.max_eval_samples:
-        evald = evald.sample(n=spec.max_eval_samples, random_state=seed).sort_index()
+    if cap := eval_cap(spec, len(evald), carved=not spec.eval):
+        evald = evald.sample(n=cap, random_state=seed).sort_index()
     return Frames(train.reset_index(drop=True), evald.reset_index(drop=True), labels, dropped)
 
 
