@@ -18,7 +18,6 @@ backend hands back the same handle, :class:`Job`, whose calls go through the bac
 from __future__ import annotations
 
 import json
-import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -96,7 +95,7 @@ class Client:
         job_spec = _as_spec(spec, overrides)
         backend = self._backend(job_spec.kubernetes.namespace)
         name = backend.submit(job_spec, replace=replace)
-        return _handle(backend.for_job(name), name, job_spec)
+        return Job(backend.for_job(name), name, job_spec)
 
     def get(self, name: str) -> Job:
         """A handle on an existing job: one on the cluster (kubeflow), or one started from this
@@ -111,24 +110,12 @@ class Client:
             backend = self._backend()
         else:  # the job's kind as found on the cluster
             backend = base.of_job(name, **{"namespace": None, **self.options})
-        return _handle(backend.for_job(name), name)  # for_job: a clear not-found error now
+        return Job(backend.for_job(name), name)  # for_job: a clear not-found error now
 
     def list(self) -> list[dict[str, str]]:
         """The jobs: ``[{"name", "phase", "created"}]``, as `kubetune list` prints them; on the
         local backend the runs started from this Python process (``created`` is ISO 8601 UTC)."""
         return self._backend().list()
-
-
-# One handle per job while it is referenced: Client.get of a local run gives back the handle
-# train() returned (a backend's for_job gives one backend object per local run).
-_HANDLES: weakref.WeakValueDictionary[tuple[Any, str], Job] = weakref.WeakValueDictionary()
-
-
-def _handle(backend, name: str, spec: JobSpec | None = None) -> Job:
-    job = _HANDLES.get((backend, name))
-    if job is None:
-        job = _HANDLES[(backend, name)] = Job(backend, name, spec)
-    return job
 
 
 class Job:
@@ -139,6 +126,13 @@ class Job:
 
     def __init__(self, backend, name: str, spec: JobSpec | None = None):
         self.backend, self.name, self._spec = backend, name, spec
+
+    def __eq__(self, other: object) -> bool:
+        # The same job: the same name on the same backend object (for_job gives a local run's own one).
+        return isinstance(other, Job) and other.backend is self.backend and other.name == self.name
+
+    def __hash__(self) -> int:
+        return hash((id(self.backend), self.name))
 
     @property
     def spec(self) -> JobSpec | None:

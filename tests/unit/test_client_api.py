@@ -143,7 +143,8 @@ def test_replace_list_get_and_delete(fake_run):
     assert first.status().phase == "Failed" and first.status().reason == "Stopped"
     assert [(j["name"], j["phase"]) for j in client.list()] == [("other", "Running"), ("demo", "Running")]
     assert all(j["created"].endswith("Z") for j in client.list())
-    assert client.get("demo") is second and Client("local").get("other") is other  # any Client of this process
+    assert client.get("demo") == second and Client("local").get("other") == other  # any Client of this process
+    assert client.get("demo") != first  # the replaced run's handle is another job
     second.delete(timeout=5)
     assert [j["name"] for j in client.list()] == ["other"]
     with pytest.raises(

@@ -51,7 +51,19 @@ MUTATORS = {
     "__setitem__",
     "__delitem__",
 }
-MUTABLE_MAKERS = {"dict", "list", "set", "defaultdict", "OrderedDict", "Counter", "deque", "Event"}
+MUTABLE_MAKERS = {
+    "dict",
+    "list",
+    "set",
+    "defaultdict",
+    "OrderedDict",
+    "Counter",
+    "deque",
+    "Event",
+    "WeakValueDictionary",
+    "WeakKeyDictionary",
+    "WeakSet",
+}
 
 
 def _mutable(value: ast.expr) -> bool:
@@ -165,6 +177,11 @@ def writes(source: str) -> list[tuple[str, str, str, int]]:
         ("_C = None\ndef init():\n    global _C\n    _C = 1\n", [("global", "_C", "init", 3)]),
         ("_jobs = {}\ndef start(n, j):\n    _jobs[n] = j\n", [("mutable", "_jobs", "start", 3)]),
         ("_n = [0]\ndef bump():\n    _n[0] += 1\n", [("mutable", "_n", "bump", 3)]),
+        # a cache of handles by key (client.py had one, to hand back the same object)
+        (
+            "import weakref\n_H = weakref.WeakValueDictionary()\ndef h(k, v):\n    _H[k] = v\n",
+            [("mutable", "_H", "h", 4)],
+        ),
         ("import os\ndef run(e):\n    os.environ.update(e)\n", [("environ", "update", "run", 3)]),
         ("import os\nos.environ['A'] = '1'\n", [("environ", "[]", "<module>", 2)]),
         ("import os\ndef f():\n    del os.environ['A']\n", [("environ", "[]", "f", 3)]),
