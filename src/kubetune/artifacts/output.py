@@ -149,14 +149,12 @@ class Output:
             KubetuneError: the destination belongs to someone else, holds a finished run (without
                 ``output.overwrite``), or cannot be written.
         """
-        uri = self.uri
-        refuse_special(uri)
-        dest = self
-        if dest.scheme == "hf":  # a push is one new commit on top of the repo's history: nothing is lost
-            return Plan("new", f"pushing to {uri} when the run finishes")
-        if dest.scheme == "s3":
+        refuse_special(self.uri)
+        if self.scheme == "hf":  # a push is one new commit on top of the repo's history: nothing is lost
+            return Plan("new", f"pushing to {self.uri} when the run finishes")
+        if self.scheme == "s3":
             return self._inspect_s3(spec)
-        path = dest.local
+        path = self.local
         if not path.exists():
             parent = next((p for p in path.parents if p.exists()), None)
             if parent is not None and not os.access(parent, os.W_OK | os.X_OK):
@@ -203,8 +201,8 @@ class Output:
     def _inspect_s3(self, spec: JobSpec) -> Plan:
         from kubetune.providers import s3
 
-        uri, dest = self.prefix, self
-        keys = s3.list_keys(uri, field="output.uri", settings=dest.s3, limit=1000)
+        uri = self.prefix
+        keys = s3.list_keys(uri, field="output.uri", settings=self.s3, limit=1000)
         if not keys:
             return Plan("new", f"new output prefix {uri}/")
         steps = tuple(self.checkpoints.remote_steps())
@@ -225,7 +223,7 @@ class Output:
             )
         finished = s3.MANIFEST in keys
         saved = (
-            s3.read_text(f"{uri}/job.yaml", field="output.uri", settings=dest.s3)
+            s3.read_text(f"{uri}/job.yaml", field="output.uri", settings=self.s3)
             if finished and "job.yaml" in keys
             else None
         )
@@ -238,8 +236,8 @@ class Output:
         Returns:
             The plan.
         """
-        plan, dest = self.inspect(spec), self
-        out, uri = dest.local, dest.prefix
+        plan = self.inspect(spec)
+        out, uri = self.local, self.prefix
         marker = (
             json.dumps(
                 {"format": "kubetune-output/1", "job": spec.name, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
@@ -256,14 +254,13 @@ class Output:
             raise KubetuneError(
                 f"cannot write to {out}: {e.strerror or e}", field="output.uri", fix="choose a writable directory"
             ) from None
-        if dest.scheme == "s3":
+        if self.scheme == "s3" and plan.action in ("new", "adopt"):
             from kubetune.providers import s3
 
-            if plan.action in ("new", "adopt"):
-                s3.write_text(f"{uri}/{MARKER}", marker, field="output.uri", settings=dest.s3)
+            s3.write_text(f"{uri}/{MARKER}", marker, field="output.uri", settings=self.s3)
         if plan.action == "restart" and plan.steps:
             self.checkpoints.clear()
-        log.info("output %s: %s", dest.uri, plan.detail)
+        log.info("output %s: %s", self.uri, plan.detail)
         return plan
 
     # ---- after a run ----
