@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from functools import partial
 from unittest import mock
 
@@ -9,10 +10,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from kubetune.data import tokenized
+from kubetune.data.rows import tokenized_rows
+from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
 from kubetune.tasks.classify import ClassificationData
-from kubetune.tasks.classify.data import load_frames
+from kubetune.tasks.classify.data import encode, load_frames
 
 
 def _spec(train, **kw) -> ClassificationData:
@@ -174,22 +176,55 @@ def test_tokenization_cache(tmp_path, frame, monkeypatch):
             )
         )
     )
-    df = pd.DataFrame({"text": frame.review, "label": [i % 2 for i in range(40)]})
-    from kubetune.tasks.classify.task import MODE, encode_texts
+    frame.to_csv(tmp_path / "t.csv", index=False)
+    frames = load_frames(_spec(tmp_path / "t.csv"), 0)
+    label2id = {name: i for i, name in enumerate(frames.labels)}
 
-    def tok_call(frame, tok, n, build):
-        return tokenized(
-            frame, tok, n, build=build, mode=MODE, encode=partial(encode_texts, tokenizer=tok, max_length=n)
+    def tok_call(ids, n, env=DistEnv()):
+        enc = partial(encode, tokenizer=tok, max_length=n, label2id=label2id)
+        return tokenized_rows(frames.rows, ids, env=env, fingerprint=f"classify:{n}", encode=enc, what="train")
+
+    ds1, hit1, key1 = tok_call(frames.train_ids, 16)
+    with mock.patch.object(type(tok), "__call__", side_effect=AssertionError("tokenized again")):
+        ds2, hit2, key2 = tok_call(frames.train_ids, 16)
+    assert (hit1, hit2, key1) == (False, True, key2)
+    assert ds1["input_ids"] == ds2["input_ids"] and max(ds1["length"]) <= 16
+    want = tok(frames.train["text"].tolist(), truncation=True, max_length=16)["input_ids"]
+    assert ds1["input_ids"] == want and ds1["label"] == frames.train["label"].tolist()
+    # A different max_length or different rows is a different cache entry.
+    assert tok_call(frames.train_ids, 8)[1] is False
+    assert tok_call(frames.train_ids[:-1], 16)[1] is False
+
+    # The node's processes tokenize a share each (here two threads, as local ranks 0 and 1, meeting at
+    # a thread barrier): the result is the rows in order, and each process tokenized only its half.
+    barrier, calls = threading.Barrier(2), []
+    encode_one = partial(encode, tokenizer=tok, max_length=12, label2id=label2id)
+
+    def counted(df, rank):
+        calls.append((rank, len(df)))
+        return encode_one(df)
+
+    results = {}
+
+    def rank(r):
+        env = DistEnv(rank=r, local_rank=r, world_size=2, local_world_size=2)
+        results[r] = tokenized_rows(
+            frames.rows, frames.train_ids, env=env, fingerprint="classify:12", encode=partial(counted, rank=r), what="t"
         )
 
-    ds1, hit1 = tok_call(df, tok, 16, build=True)
-    with mock.patch.object(type(tok), "__call__", side_effect=AssertionError("tokenized again")):
-        ds2, hit2 = tok_call(df, tok, 16, build=True)
-    assert (hit1, hit2) == (False, True)
-    assert ds1["input_ids"] == ds2["input_ids"] and max(ds1["length"]) <= 16
-    # A different max_length or different data is a different cache entry.
-    assert tok_call(df, tok, 8, build=True)[1] is False
-    assert tok_call(df.iloc[:-1], tok, 16, build=True)[1] is False
+    with mock.patch("kubetune.data.rows.distributed.barrier", lambda: barrier.wait(timeout=60)):
+        threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert sorted(calls) == [(0, 18), (1, 18)]
+    for r in (0, 1):
+        assert (
+            results[r][0]["input_ids"]
+            == tok(frames.train["text"].tolist(), truncation=True, max_length=12)["input_ids"]
+        )
+    assert not list((tmp_path / "cache" / "tokenized").glob(".*staging"))  # published whole, no staging left
 
 
 def test_an_eval_fraction_that_leaves_fewer_training_rows_than_classes_splits_without_stratifying(tmp_path):

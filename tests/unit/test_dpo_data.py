@@ -11,8 +11,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from kubetune.data.rows import RowSplit
 from kubetune.errors import KubetuneError
-from kubetune.tasks.causal_lm.data import IGNORE, RecordFrames, ensure_chat_template
+from kubetune.tasks.causal_lm.data import IGNORE, ensure_chat_template
 from kubetune.tasks.dpo import DPOSpec, PreferenceData
 from kubetune.tasks.dpo import data as dpo_data
 from kubetune.tasks.dpo import task as dpo
@@ -35,12 +36,12 @@ def _write(tmp_path: Path, rows: list[dict], name: str = "pairs.jsonl") -> Path:
     return path
 
 
-def _frames(tmp_path, rows, **data) -> RecordFrames:
+def _frames(tmp_path, rows, **data) -> RowSplit:
     spec = PreferenceData(train=str(_write(tmp_path, rows)), eval_fraction=0.25, **data)
     return dpo_data.load_pair_frames(spec, 0)
 
 
-def _records(frames: RecordFrames) -> list[dict]:
+def _records(frames: RowSplit) -> list[dict]:
     return [json.loads(r) for r in pd.concat([frames.train, frames.eval])["record"]]
 
 

@@ -634,13 +634,16 @@ def test_fifo_or_device_is_not_a_regular_file(tmp_path, make, expected):
 
 
 def _frames(n_classes: int, rows_per_class: int = 3):
-    from kubetune.tasks.classify.data import Frames
+    """The split as the baseline reads it (``RowSplit.train`` / ``.eval`` of a classification table)."""
+    from types import SimpleNamespace
 
     rows = [
         (f"class {c} example {k} word{c} filler{c % 7}", c) for c in range(n_classes) for k in range(rows_per_class)
     ]
     df = pd.DataFrame(rows, columns=["text", "label"])
-    return Frames(df, df.iloc[::rows_per_class].reset_index(drop=True), [str(c) for c in range(n_classes)])
+    return SimpleNamespace(
+        train=df, eval=df.iloc[::rows_per_class].reset_index(drop=True), train_ids=np.arange(len(df))
+    )
 
 
 @pytest.mark.parametrize("cause", ["estimate", "MemoryError"])

@@ -105,9 +105,10 @@ class DataCommon(Section):
         "(valid UTF-8 around them stays UTF-8). Any other value "
         "(latin-1, cp1252, utf-16, ...) is used as given.",
     )
-    max_input_mb: int = Field(
-        1024,
+    max_input_mb: int | None = Field(
+        None,
         ge=1,
-        description="Largest data file (or directory, or dataset) read into memory, in MiB; pandas holds several times "
-        "the file size. Raise it for bigger data.",
+        description="Largest data file (or directory, or dataset) read, in MiB; empty: no limit. Data is read "
+        "in chunks into an Arrow cache on disk (KUBETUNE_CACHE), so memory does not grow with it; the disk "
+        "must hold about twice the input (checked before reading).",
     )

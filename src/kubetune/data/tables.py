@@ -11,11 +11,15 @@ and Parquet files under a text name, byte-order marks, a first line with no end)
 from __future__ import annotations
 
 import codecs
+import contextlib
 import contextvars
+import hashlib
 import logging
 import os
 import stat
 from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -93,10 +97,11 @@ def read_table(
     field: str,
     split: str | None = None,
     encoding: str = "auto",
-    max_input_mb: int = 1024,
+    max_input_mb: int | None = None,
     s3: providers.S3Settings = providers.S3Settings(),
 ) -> pd.DataFrame:
-    """Read one table from a file, a directory of files or an hf:// dataset.
+    """Read one table from a file, a directory of files or an hf:// dataset, whole (``read_chunks``
+    reads it a chunk at a time, in flat memory).
 
     Cells are read without NA inference: ``None``, ``NA``, ``null``, ``n/a`` ... are text; only an
     empty cell (or a JSON null) is missing.
@@ -107,13 +112,63 @@ def read_table(
         split: the split (and slice) of a directory or hf:// dataset.
         encoding: the text encoding of CSV/TSV/JSON files, or ``auto`` (UTF-8; a byte-order mark
             is honoured, bytes that are not valid UTF-8 are decoded as cp1252 with a warning).
-        max_input_mb: the largest file (or directory's data files together) read, in MiB.
+        max_input_mb: the largest file (or directory's data files together) read, in MiB (None: no limit).
         s3: how to reach S3 for an s3:// URI (the job's; the default leaves it all to the environment).
 
     Raises:
         KubetuneError: not a regular file, too large, of an unknown or mixed format, binary, or
             unparseable; the message is one short line.
     """
+    chunks = list(
+        read_chunks(
+            uri, field=field, split=split, encoding=encoding, max_input_mb=max_input_mb, s3=s3, chunk_bytes=None
+        )
+    )
+    return chunks[0] if len(chunks) == 1 else pd.concat(chunks, ignore_index=True)
+
+
+# A chunk of a table is about this many bytes of input: pandas holds several times that in Python
+# objects, so a chunk costs tens of MiB of memory, whatever the size of the table.
+CHUNK_BYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class Source:
+    """A checked local copy of a table: its data files (one, or a directory's), their format, the
+    text encoding to read them with."""
+
+    uri: str
+    path: Path
+    fmt: str | None  # a file's format (FILE_SUFFIXES) or a directory's kind (DIR_KINDS); None: no data files
+    files: tuple[tuple[Path, int], ...]
+    encoding: str  # the spec's (auto or a name)
+    enc: str  # a single text file's, as sniffed
+
+    @property
+    def size(self) -> int:
+        return sum(size for _, size in self.files)
+
+    def fingerprint(self) -> str:
+        """A hash of the data files' names and contents: equal exactly when the table's bytes are."""
+        h = hashlib.sha256()
+        for file, size in self.files:
+            h.update(f"{file.relative_to(self.path) if self.path.is_dir() else file.name}:{size}\n".encode())
+            with file.open("rb") as f:
+                h.update(hashlib.file_digest(f, "sha256").digest())
+        return h.hexdigest()
+
+
+def check_source(
+    uri: str,
+    *,
+    field: str,
+    encoding: str = "auto",
+    max_input_mb: int | None = None,
+    s3: providers.S3Settings = providers.S3Settings(),
+) -> Source:
+    """Resolve ``uri`` to local files (s3:// and hf:// are fetched) and check them before anything is
+    parsed: regular files, the size limit, one kind per directory, a look at the first bytes of text
+    tables. Raises KubetuneError (one line) as ``read_table`` does."""
     path = providers.resolve(uri, kind="dataset", field=field, s3=s3)
     if path.is_dir():
         kind, files = _dir_data_files(path, uri, field)
@@ -121,7 +176,7 @@ def read_table(
         if kind in TEXT_FORMATS:
             for file, size in files:
                 _sniff(file, size, kind, encoding, f"{short(uri)}/{file.relative_to(path)}", field, in_dir=True)
-        return _read_dataset_dir(path, uri, field, split, kind, encoding)
+        return Source(uri, path, kind, tuple(files), encoding, "")
     fmt = FILE_SUFFIXES.get(path.suffix.lower())
     if fmt is None:
         raise KubetuneError(
@@ -133,11 +188,44 @@ def read_table(
     if size == 0:
         raise KubetuneError(f"{short(uri)!r} is empty", field=field, fix="point it at a file with a header and rows")
     _check_size(size, uri, field, max_input_mb)
+    enc = "" if fmt == "parquet" else _sniff(path, size, fmt, encoding, uri, field)
+    return Source(uri, path, fmt, ((path, size),), encoding, enc)
+
+
+def read_chunks(
+    uri: str | Source,
+    *,
+    field: str,
+    split: str | None = None,
+    encoding: str = "auto",
+    max_input_mb: int | None = None,
+    s3: providers.S3Settings = providers.S3Settings(),
+    chunk_bytes: int | None = CHUNK_BYTES,
+) -> Iterator[pd.DataFrame]:
+    """The table ``read_table`` reads, as consecutive DataFrames of about ``chunk_bytes`` of input
+    each (None: one chunk, the whole table), with the same parsing rules: pandas reads each chunk as
+    it reads a large file (whose column types it infers block by block), so a check over a column
+    must look at every chunk. A JSON array file (not JSON lines) is one chunk.
+
+    Raises:
+        KubetuneError: as ``read_table``, for the first chunk that cannot be parsed (naming it).
+    """
+    source = (
+        uri
+        if isinstance(uri, Source)
+        else check_source(uri, field=field, encoding=encoding, max_input_mb=max_input_mb, s3=s3)
+    )
+    uri = source.uri
+    if source.path.is_dir():
+        yield from _dataset_dir_chunks(source.path, uri, field, split, source.fmt, encoding, chunk_bytes)
+        return
+    fmt, path = source.fmt, source.path
+    rows = None if chunk_bytes is None else _rows_per_chunk(path, source.size, chunk_bytes, fmt)
     try:
         if fmt == "parquet":
-            return pd.read_parquet(path)
-        enc = _sniff(path, size, fmt, encoding, uri, field)
-        return _read_text_table(path, fmt, enc, encoding == "auto", uri, field)
+            yield from _parquet_chunks(path, rows)
+        else:
+            yield from _read_text_table(path, fmt, source.enc, encoding == "auto", uri, field, rows)
     except KubetuneError:
         raise
     except (pd.errors.ParserError, pd.errors.EmptyDataError, ValueError, OSError) as e:
@@ -147,6 +235,36 @@ def read_table(
             field=field,
             fix=f"check that the file is valid {fmt}",
         ) from None
+
+
+def _rows_per_chunk(path: Path, size: int, chunk_bytes: int, fmt: str) -> int | None:
+    """About ``chunk_bytes`` of a file in rows, from the mean row length of its first MiB (None: the
+    file is small enough to be one chunk)."""
+    if size <= chunk_bytes:
+        return None
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        meta = pq.ParquetFile(path).metadata
+        per_row = max(
+            1, sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)) // max(1, meta.num_rows)
+        )
+    else:
+        with path.open("rb") as f:
+            head = f.read(1 << 20)
+        per_row = max(1, len(head) // max(1, head.count(b"\n")))
+    return max(100, chunk_bytes // per_row)
+
+
+def _parquet_chunks(path: Path, rows: int | None) -> Iterator[pd.DataFrame]:
+    if rows is None:
+        yield pd.read_parquet(path)
+        return
+    import pyarrow.parquet as pq
+
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=rows):
+        # pandas' own index, if pandas wrote the file, is not a column (pd.read_parquet restores it as the index)
+        yield batch.to_pandas().drop(columns=[c for c in batch.schema.names if c.startswith("__index_level_")])
 
 
 def short(value, limit: int = 100) -> str:
@@ -175,8 +293,8 @@ def _regular_size(path: Path, uri: str, field: str) -> int:
     return st.st_size
 
 
-def _check_size(size: int, uri: str, field: str, max_input_mb: int, what: str = "") -> None:
-    if size > max_input_mb * 2**20:
+def _check_size(size: int, uri: str, field: str, max_input_mb: int | None, what: str = "") -> None:
+    if max_input_mb is not None and size > max_input_mb * 2**20:
         shown = f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
         if (
             float(shown.split()[0]) * (1024 if "GiB" in shown else 1) <= max_input_mb
@@ -185,7 +303,7 @@ def _check_size(size: int, uri: str, field: str, max_input_mb: int, what: str = 
         raise KubetuneError(
             f"{what}{short(uri)!r} {'are' if what else 'is'} {shown}, over the {max_input_mb} MiB limit",
             field=field,
-            fix="raise data.max_input_mb (pandas holds several times the file size in memory) or use a smaller sample",
+            fix="raise data.max_input_mb (or remove it: no limit), or use a smaller sample",
         )
 
 
@@ -291,7 +409,10 @@ def _sniff(path: Path, size: int, fmt: str, encoding: str, uri: str, field: str,
     return codec if explicit else "utf-8"
 
 
-def _read_text_table(path: Path, fmt: str, enc: str, auto: bool, uri: str, field: str) -> pd.DataFrame:
+def _read_text_table(
+    path: Path, fmt: str, enc: str, auto: bool, uri: str, field: str, rows: int | None = None
+) -> Iterator[pd.DataFrame]:
+    """The file's rows, whole (``rows`` None) or ``rows`` at a time."""
     # With auto, only UTF-8 falls back byte by byte; a file with a UTF-16/32 mark is decoded strictly.
     errors = FALLBACK_ERRORS if auto and enc.startswith("utf-8") else "strict"
     used = [0]
@@ -299,19 +420,29 @@ def _read_text_table(path: Path, fmt: str, enc: str, auto: bool, uri: str, field
     # No NA inference: "None", "NA", "null", "n/a" are labels and texts; only an empty cell is missing.
     csv = {"keep_default_na": False, "na_values": [""], "encoding": enc, "encoding_errors": errors}
     try:
-        if fmt == "csv":
-            df = pd.read_csv(path, **csv)
-        elif fmt == "tsv":
-            df = pd.read_csv(path, sep="\t", **csv)
+        if fmt in ("csv", "tsv"):
+            reader = pd.read_csv(path, sep="\t" if fmt == "tsv" else ",", chunksize=rows, **csv)
         else:
             # dtype=False keeps JSON's own types: the string "123" stays text, "null" stays a string.
-            df = pd.read_json(
+            lines = fmt == "jsonl" or _looks_like_jsonl(path, enc)
+            reader = pd.read_json(
                 path,
-                lines=(fmt == "jsonl" or _looks_like_jsonl(path, enc)),
+                lines=lines,
                 encoding=enc,
                 encoding_errors=errors,
                 dtype=False,
+                chunksize=rows if lines else None,
             )
+        chunks = iter([reader]) if isinstance(reader, pd.DataFrame) else iter(reader)
+        with contextlib.closing(reader) if hasattr(reader, "close") else contextlib.nullcontext():
+            while True:
+                _FALLBACKS.set(used)  # this read's counter, whatever ran between two chunks
+                df = next(chunks, None)
+                if df is None:
+                    break
+                if len(df.columns) and isinstance(df.columns[0], str) and df.columns[0].startswith("\ufeff"):
+                    df = df.rename(columns={df.columns[0]: df.columns[0].lstrip("\ufeff")})
+                yield df
     except UnicodeError:
         raise KubetuneError(
             f"{short(uri)!r} is not valid {enc}{_where_invalid(path, enc)}",
@@ -327,9 +458,6 @@ def _read_text_table(path: Path, fmt: str, enc: str, auto: bool, uri: str, field
             n_bytes,
             n_lines,
         )
-    if len(df.columns) and isinstance(df.columns[0], str) and df.columns[0].startswith("\ufeff"):
-        df = df.rename(columns={df.columns[0]: df.columns[0].lstrip("\ufeff")})
-    return df
 
 
 def _where_invalid(path: Path, enc: str) -> str:
@@ -372,9 +500,22 @@ def _looks_like_jsonl(path: Path, enc: str) -> bool:
     return not head.lstrip("\ufeff \t\r\n").startswith("[")
 
 
-def _read_dataset_dir(
-    path: Path, uri: str, field: str, split: str | None, kind: str | None, encoding: str
-) -> pd.DataFrame:
+def _dataset_dir_chunks(
+    path: Path, uri: str, field: str, split: str | None, kind: str | None, encoding: str, chunk_bytes: int | None
+) -> Iterator[pd.DataFrame]:
+    """A directory's (or hf:// dataset's) table, which `datasets` reads into its own memory-mapped
+    Arrow cache, handed out ``chunk_bytes`` of Arrow at a time (as pandas reads the Arrow: lists
+    become arrays)."""
+    ds = _read_dataset_dir(path, uri, field, split, kind, encoding)
+    if chunk_bytes is None or ds.data.nbytes <= chunk_bytes:
+        yield ds.to_pandas()
+        return
+    rows = max(100, chunk_bytes // max(1, ds.data.nbytes // max(1, len(ds))))
+    for table in ds.with_format("arrow").iter(batch_size=rows):
+        yield table.to_pandas()
+
+
+def _read_dataset_dir(path: Path, uri: str, field: str, split: str | None, kind: str | None, encoding: str):
     import datasets
 
     datasets.disable_progress_bars()
@@ -434,7 +575,7 @@ def _read_dataset_dir(
             "(set data.encoding to the files' encoding to silence this)",
             short(uri),
         )
-    return ds.to_pandas()
+    return ds
 
 
 def _load_without_manifest(datasets, path: Path, split: str | None, kind: str, options: dict):
@@ -471,6 +612,27 @@ def describe_non_text(series: pd.Series) -> str | None:
     if any(is_nested(v) for v in values):
         return "nested values (lists/structs)"
     return f"{type(values.iloc[0]).__name__} values"
+
+
+class NonText:
+    """``describe_non_text`` over a column read in chunks: what it holds when no chunk held text."""
+
+    def __init__(self):
+        self.text = False  # some chunk held a text value
+        self.what: str | None = None  # the first chunk's description of what it held instead
+
+    def update(self, series: pd.Series) -> None:
+        if self.text:
+            return
+        what = describe_non_text(series)
+        if what is None:
+            self.text = bool(series.notna().any())
+        elif self.what is None:
+            self.what = what
+
+    @property
+    def result(self) -> str | None:
+        return None if self.text else self.what
 
 
 def is_nested(value) -> bool:

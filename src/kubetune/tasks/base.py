@@ -114,6 +114,14 @@ def evaluate(
     return task.eval_metrics(sums, data)
 
 
+def on_node_first(env: DistEnv, fn: Callable[[], Any]) -> Any:
+    """``fn()`` on local rank 0 first, then on the node's other ranks (which then find in the cache
+    what local rank 0 wrote there, e.g. the normalized rows). Collective: every rank calls it."""
+    result = fn() if env.is_local_main else None
+    distributed.barrier()
+    return result if env.is_local_main else fn()
+
+
 def tokenize_on_node(env: DistEnv, build) -> Any:
     """Run ``build(create)`` on local rank 0 first (create=True: tokenize on a cache miss), then
     on the node's other ranks (create=False: load the cache rank 0 wrote)."""

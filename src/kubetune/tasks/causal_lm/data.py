@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import torch
 
 from kubetune.config import DataSpec
 from kubetune.data import Batch
-from kubetune.data.tables import describe_non_text, read_rows, short
+from kubetune.data.rows import RowSplit, read_split
+from kubetune.data.tables import NonText, short
 from kubetune.errors import KubetuneError
 from kubetune.providers import S3Settings
 
@@ -41,25 +42,32 @@ FALLBACK_CHAT_TEMPLATE = (
 ROLES = ("system", "user", "assistant", "tool")
 
 
-@dataclass
-class RecordFrames:
-    """Normalized rows as a ``record`` column of JSON text: a causal-LM row's document or messages
-    (``load_lm_frames``), or a DPO pair's {prompt, chosen, rejected} (``tasks/dpo.load_pair_frames``)."""
-
-    train: pd.DataFrame
-    eval: pd.DataFrame
-    format: str
-    dropped: dict[str, int] = field(default_factory=dict)
+RECORD_SCHEMA = pa.schema([("record", pa.string())])
 
 
-def load_lm_frames(spec: DataSpec, seed: int, s3: S3Settings = S3Settings()) -> RecordFrames:
-    """Read, normalize and split causal-LM data (read as ``read_table`` reads: "None" or "NA" is text;
-    s3:// data reached with ``s3``).
+def load_lm_frames(spec: DataSpec, seed: int, s3: S3Settings = S3Settings()) -> RowSplit:
+    """Read, normalize and split causal-LM data in flat memory (``data.rows``; read as ``read_table``
+    reads: "None" or "NA" is text; s3:// data reached with ``s3``): each row becomes a ``record``,
+    JSON text of its document or messages.
 
     Raises:
         KubetuneError: missing columns, a text column that holds no text, malformed messages, no usable rows.
     """
-    return RecordFrames(*read_rows(spec, seed, detect_format, _normalize, s3=s3))
+    settings = json.dumps(
+        [
+            "causal-lm",
+            spec.format,
+            spec.text_column,
+            spec.instruction_column,
+            spec.input_column,
+            spec.output_column,
+            spec.messages_column,
+            spec.system_prompt,
+        ]
+    )
+    return read_split(
+        spec, seed, s3, normalizer=lambda field, train: _Normalizer(spec, field, train), settings=settings
+    )
 
 
 def detect_format(df: pd.DataFrame, spec: DataSpec) -> str:
@@ -72,52 +80,80 @@ def detect_format(df: pd.DataFrame, spec: DataSpec) -> str:
     return "text"
 
 
-def _normalize(
-    df: pd.DataFrame, spec: DataSpec, fmt: str, field_name: str, dropped: dict[str, int], which: str
-) -> pd.DataFrame:
-    source = getattr(spec, field_name.split(".")[1])
-    needed = {
-        "text": {"text_column": spec.text_column},
-        "instruction": {"instruction_column": spec.instruction_column, "output_column": spec.output_column},
-        "chat": {"messages_column": spec.messages_column},
-    }[fmt]
-    for key, col in needed.items():
-        if col not in df.columns:
-            hint = "" if spec.format != "auto" else f" (data.format auto-detected as {fmt})"
+class _Normalizer:
+    """A causal-LM table, chunk by chunk (``data.rows.Normalizer``): the format detected on data.train's
+    first chunk, the columns checked on every chunk's, each row made a record or dropped."""
+
+    schema = RECORD_SCHEMA
+
+    def __init__(self, spec: DataSpec, field_name: str, train_facts: dict | None):
+        self.spec, self.field_name = spec, field_name
+        self.source = getattr(spec, field_name.split(".")[1])
+        self.fmt = train_facts["format"] if train_facts else None
+        self.rows = self.dropped = 0
+        self.non_text: dict[str, NonText] = {}  # text column key -> what it holds when no chunk held text
+
+    def _needed(self) -> dict[str, str]:
+        spec = self.spec
+        return {
+            "text": {"text_column": spec.text_column},
+            "instruction": {"instruction_column": spec.instruction_column, "output_column": spec.output_column},
+            "chat": {"messages_column": spec.messages_column},
+        }[self.fmt]
+
+    def chunk(self, df: pd.DataFrame, start: int) -> dict[str, list]:
+        spec = self.spec
+        if self.fmt is None:
+            self.fmt = detect_format(df, spec)
+        needed = self._needed()
+        if start == 0:
+            for key, col in needed.items():
+                if col not in df.columns:
+                    hint = "" if spec.format != "auto" else f" (data.format auto-detected as {self.fmt})"
+                    raise KubetuneError(
+                        f"column '{short(col, 40)}' not found in {short(self.source)}{hint}; "
+                        f"columns are {[short(c, 40) for c in df.columns[:20]]}",
+                        field=f"data.{key}",
+                        fix=f"set data.{key}" + (" or data.format" if spec.format == "auto" else ""),
+                    )
+        # A later chunk whose rows all lack a key of JSON lines has no such column: its values are missing.
+        df = df.reindex(columns=list(dict.fromkeys([*df.columns, *needed.values()])))
+        for key, col in needed.items():
+            if key != "messages_column":
+                self.non_text.setdefault(key, NonText()).update(df[col])
+        self.rows += len(df)
+        records = [_record(row, spec, self.fmt, self.source, start + i) for i, row in enumerate(df.to_dict("records"))]
+        kept = [r for r in records if r is not None]
+        self.dropped += len(records) - len(kept)
+        return {"record": kept}
+
+    def finish(self, kept: int) -> dict:
+        if self.rows == 0:
             raise KubetuneError(
-                f"column '{short(col, 40)}' not found in {short(source)}{hint}; "
-                f"columns are {[short(c, 40) for c in df.columns[:20]]}",
-                field=f"data.{key}",
-                fix=f"set data.{key}" + (" or data.format" if spec.format == "auto" else ""),
+                f"{self.source} has no rows", field=self.field_name, fix="point it at data with at least one row"
             )
-    if len(df) == 0:
-        raise KubetuneError(f"{source} has no rows", field=field_name, fix="point it at data with at least one row")
-    for key, col in needed.items():
-        what = describe_non_text(df[col]) if key != "messages_column" else None
-        if what:
+        for key, check in self.non_text.items():
+            if what := check.result:
+                col = getattr(self.spec, key)
+                raise KubetuneError(
+                    f"column '{short(col, 40)}' of {short(self.source)} holds {what}, not text",
+                    field=f"data.{key}",
+                    fix=f"set data.{key} to the text column",
+                )
+        if self.dropped:
+            log.warning(
+                "%s: dropped %d of %d rows with a missing/empty text, instruction, output or assistant turn",
+                self.field_name,
+                self.dropped,
+                self.rows,
+            )
+        if not kept:
             raise KubetuneError(
-                f"column '{short(col, 40)}' of {short(source)} holds {what}, not text",
-                field=f"data.{key}",
-                fix=f"set data.{key} to the text column",
+                f"no usable rows in {self.source} (format {self.fmt})",
+                field=self.field_name,
+                fix="check the data and the data.*_column settings",
             )
-    records = [_record(row, spec, fmt, source, i) for i, row in enumerate(df.to_dict("records"))]
-    keep = np.array([r is not None for r in records], dtype=bool)
-    n_drop = int((~keep).sum())
-    if n_drop:
-        dropped[which] = n_drop
-        log.warning(
-            "%s: dropped %d of %d rows with a missing/empty text, instruction, output or assistant turn",
-            field_name,
-            n_drop,
-            len(df),
-        )
-    if not keep.any():
-        raise KubetuneError(
-            f"no usable rows in {source} (format {fmt})",
-            field=field_name,
-            fix="check the data and the data.*_column settings",
-        )
-    return pd.DataFrame({"record": [r for r in records if r is not None]})
+        return {"format": self.fmt, "dropped": self.dropped, "rows": self.rows}
 
 
 def _text(value) -> str | None:

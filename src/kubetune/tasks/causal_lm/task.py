@@ -24,12 +24,14 @@ import torch.nn.functional as F
 
 from kubetune import artifacts
 from kubetune.config import JobSpec
-from kubetune.data import Batch, tokenized
+from kubetune.data import Batch
+from kubetune.data.rows import tokenized_rows
+from kubetune.data.tokenize import tokenizer_fingerprint
 from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
 from kubetune.providers import S3Settings
 from kubetune.tasks import attention
-from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task, tokenize_on_node
+from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task, on_node_first
 from kubetune.tasks.causal_lm.data import IGNORE, collate, ensure_chat_template, load_lm_frames, tokenize_frame
 from kubetune.tasks.common import attention_kwargs, load_pretrained
 
@@ -41,7 +43,7 @@ def _encode(frame: pd.DataFrame, tokenizer, max_length: int, train_on_prompt: bo
 
 
 def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
-    frames = load_lm_frames(spec.data, spec.training.seed, S3Settings.from_spec(spec))
+    frames = on_node_first(env, lambda: load_lm_frames(spec.data, spec.training.seed, S3Settings.from_spec(spec)))
     fallback = frames.format != "text" and ensure_chat_template(tokenizer)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked out; any id will do
@@ -49,13 +51,13 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
     encode = functools.partial(
         _encode, tokenizer=tokenizer, max_length=spec.data.max_length, train_on_prompt=spec.data.train_on_prompt
     )
-
-    def build(create: bool):
-        train_ds, hit = tokenized(frames.train, tokenizer, spec.data.max_length, build=create, mode=mode, encode=encode)
-        eval_ds, _ = tokenized(frames.eval, tokenizer, spec.data.max_length, build=create, mode=mode, encode=encode)
-        return train_ds, eval_ds, hit
-
-    train_ds, eval_ds, hit = tokenize_on_node(env, build)
+    fingerprint = f"{mode}:{spec.data.max_length}:{tokenizer_fingerprint(tokenizer)}"
+    train_ds, hit, _ = tokenized_rows(
+        frames.rows, frames.train_ids, env=env, fingerprint=fingerprint, encode=encode, what="train"
+    )
+    eval_ds, _, _ = tokenized_rows(
+        frames.eval_rows, frames.eval_ids, env=env, fingerprint=fingerprint, encode=encode, what="eval"
+    )
     dropped = dict(frames.dropped)
     # Rows whose response lies wholly beyond data.max_length teach nothing: drop them (counted).
     train_ds = _with_targets(train_ds, dropped, "train_truncated", spec.data.max_length)

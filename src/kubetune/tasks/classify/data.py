@@ -4,16 +4,18 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
-from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import torch
 
 from kubetune.data import Batch
-from kubetune.data.tables import describe_non_text, eval_cap, is_nested, read_table, short, split_indices
+from kubetune.data.rows import Rows, RowSplit, read_split
+from kubetune.data.tables import NonText, is_nested, short, split_indices
 from kubetune.errors import KubetuneError
 from kubetune.providers import S3Settings
 from kubetune.tasks.classify import ClassificationData
@@ -24,136 +26,169 @@ log = logging.getLogger(__name__)
 MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
 
-@dataclass
-class Frames:
-    """Normalized training and evaluation data."""
-
-    train: pd.DataFrame
-    eval: pd.DataFrame
-    labels: list[str]
-    dropped: dict[str, int] = field(default_factory=dict)
+LABEL_KEY = "label_key"  # the normalized rows' label, as text (``_label_key``); ids are given at tokenization
 
 
-def load_frames(spec: ClassificationData, seed: int, s3: S3Settings = S3Settings()) -> Frames:
-    """Load, validate and split the data described by ``spec`` (s3:// data reached with ``s3``).
+def load_frames(spec: ClassificationData, seed: int, s3: S3Settings = S3Settings()) -> RowSplit:
+    """Load, validate and split the data described by ``spec`` in flat memory (``data.rows``; s3://
+    data reached with ``s3``): rows of ``text`` (``text_pair``) and ``label_key``; the class names
+    (sorted: numerically when every label is a number) in ``labels``.
 
     Raises:
         KubetuneError: missing, oversized or non-tabular files or columns, a text column that holds
             no text, empty data, a single class or more than ``data.max_classes``, eval labels
             unseen in training.
     """
-    dropped: dict[str, int] = {}
-    train_raw = read_table(
-        spec.train,
-        field="data.train",
-        split=spec.train_split,
-        encoding=spec.encoding,
-        max_input_mb=spec.max_input_mb,
-        s3=s3,
+    settings = json.dumps(["classify", spec.text_column, spec.text_pair_column, spec.label_column, spec.max_classes])
+
+    def carve(train: Rows, n_eval: int):
+        ids = label_ids(train.ds, train.facts["labels"])
+        counts = np.bincount(ids)
+        counts = counts[counts > 0]
+        # Stratify when every class can be split and each side can hold every class (a class with a single
+        # row cannot be split; scikit-learn refuses a side smaller than the number of classes).
+        can_stratify = len(ids) >= 2 and counts.min() >= 2 and min(n_eval, len(ids) - n_eval) >= len(counts)
+        tr, ev = split_indices(ids, n_eval, seed, can_stratify)
+        return np.sort(tr), np.sort(ev)
+
+    split = read_split(
+        spec,
+        seed,
+        s3,
+        normalizer=lambda field, train_facts: _Normalizer(spec, field, train_facts),
+        settings=settings,
+        carve=carve,
     )
-    train = _normalize(train_raw, spec, "data.train", dropped, "train")
-    _check_labels(train[spec.label_column], spec)
-    labels = _label_names(train[spec.label_column], spec)
-    if len(labels) < 2:
-        raise KubetuneError(
-            f"only one class ({short(labels[0])!r}) in column '{short(spec.label_column)}' of {short(spec.train)}",
-            field="data.label_column",
-            fix="classification needs at least two classes; check the label column or the data",
-        )
+    split.labels = labels = list(split.rows.facts["labels"])
     label2id = {name: i for i, name in enumerate(labels)}
-    train = _with_ids(train, spec, label2id)
 
-    if spec.eval:
-        eval_raw = read_table(
-            spec.eval,
-            field="data.eval",
-            split=spec.eval_split,
-            encoding=spec.encoding,
-            max_input_mb=spec.max_input_mb,
-            s3=s3,
-        )
-        evald = _normalize(eval_raw, spec, "data.eval", dropped, "eval")
-        unseen = sorted(set(map(_label_key, evald[spec.label_column])) - set(labels))
-        if unseen:
+    def view(df: pd.DataFrame) -> pd.DataFrame:  # text (text_pair) and the class id, as the baseline reads them
+        df["label"] = df.pop(LABEL_KEY).map(label2id).astype("int64")
+        return df
+
+    split.view = view
+    return split
+
+
+def label_ids(ds, labels: list[str]) -> np.ndarray:
+    """The class id of every normalized row of ``ds`` (Arrow, in flat memory)."""
+    import pyarrow.compute as pc
+
+    keys = ds.data.column(LABEL_KEY)
+    return pc.index_in(keys, value_set=pa.array(labels, pa.string())).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+class _Normalizer:
+    """A classification table, chunk by chunk (``data.rows.Normalizer``): the columns checked on the
+    first chunk, rows without text or label dropped; over the whole table the text columns' contents,
+    the classes (data.train) or the labels unseen in data.train (data.eval)."""
+
+    def __init__(self, spec: ClassificationData, field: str, train_facts: dict | None):
+        self.spec, self.field, self.train_facts = spec, field, train_facts
+        self.source = short(getattr(spec, field.split(".")[1]))
+        self.columns = [spec.text_column] + ([spec.text_pair_column] if spec.text_pair_column else [])
+        fields = [("text", pa.string())] + ([("text_pair", pa.string())] if spec.text_pair_column else [])
+        self.schema = pa.schema([*fields, (LABEL_KEY, pa.string())])
+        self.rows = self.dropped = 0
+        self.non_text = {col: NonText() for col in self.columns}
+        self.keys: set[str] = set()
+        self.fractional: set[float] = set()
+
+    def chunk(self, df: pd.DataFrame, start: int) -> dict[str, list]:
+        spec = self.spec
+        names = {
+            "text_column": spec.text_column,
+            "text_pair_column": spec.text_pair_column,
+            "label_column": spec.label_column,
+        }
+        if start == 0:
+            available = [short(c, 40) for c in df.columns[:20]]
+            for key, col in names.items():
+                if col is not None and col not in df.columns:
+                    raise KubetuneError(
+                        f"column '{short(col, 40)}' not found in {self.source}; "
+                        f"columns are {available}{' ...' if len(df.columns) > 20 else ''}",
+                        field=f"data.{key}",
+                        fix=f"set data.{key}",
+                    )
+        df = df.reindex(columns=[*self.columns, spec.label_column])
+        self.rows += len(df)
+        for col in self.columns:
+            self.non_text[col].update(df[col])
+        label = df[spec.label_column]
+        if label.dtype == object and label.map(is_nested).any():
             raise KubetuneError(
-                f"labels {[short(u, 40) for u in unseen[:5]]} occur in {short(spec.eval)} "
-                f"but never in {short(spec.train)}",
-                field="data.eval",
-                fix="train on data that covers every eval label, or filter those rows out",
+                f"column '{short(spec.label_column, 40)}' of {self.source} "
+                "holds nested values (lists/structs), not class labels",
+                field="data.label_column",
+                fix="set data.label_column to the column that holds one class per row",
             )
-        evald = _with_ids(evald, spec, label2id)
-    else:
-        train, evald = _carve_eval(train, spec.eval_fraction, seed)
+        keep = label.notna().to_numpy().copy()
+        for col in self.columns:
+            keep &= df[col].map(lambda v: isinstance(v, str) and v.strip() != "").to_numpy(dtype=bool)
+        self.dropped += int((~keep).sum())
+        df = df[keep]
+        keys = df[spec.label_column].map(_label_key)
+        self.keys.update(keys.unique().tolist())
+        if len(self.fractional) < 3 * (spec.max_classes + 1):  # enough for the warning's count and examples
+            self.fractional.update(
+                float(v)
+                for v in df[spec.label_column].unique()
+                if isinstance(v, (float, np.floating)) and math.isfinite(v) and not float(v).is_integer()
+            )
+        out = {"text": df[spec.text_column].tolist()}
+        if spec.text_pair_column:
+            out["text_pair"] = df[spec.text_pair_column].tolist()
+        out[LABEL_KEY] = keys.tolist()
+        return out
 
-    if spec.max_train_samples and len(train) > spec.max_train_samples:
-        train = train.sample(n=spec.max_train_samples, random_state=seed).sort_index()
-    if cap := eval_cap(spec, len(evald), carved=not spec.eval):
-        evald = evald.sample(n=cap, random_state=seed).sort_index()
-    return Frames(train.reset_index(drop=True), evald.reset_index(drop=True), labels, dropped)
-
-
-def _normalize(
-    df: pd.DataFrame, spec: ClassificationData, field: str, dropped: dict[str, int], which: str
-) -> pd.DataFrame:
-    source = short(getattr(spec, field.split(".")[1]))
-    columns = [spec.text_column] + ([spec.text_pair_column] if spec.text_pair_column else []) + [spec.label_column]
-    names = {
-        "text_column": spec.text_column,
-        "text_pair_column": spec.text_pair_column,
-        "label_column": spec.label_column,
-    }
-    available = [short(c, 40) for c in df.columns[:20]]
-    for key, col in names.items():
-        if col is not None and col not in df.columns:
+    def finish(self, kept: int) -> dict:
+        spec = self.spec
+        if self.rows == 0:
             raise KubetuneError(
-                f"column '{short(col, 40)}' not found in {source}; "
-                f"columns are {available}{' ...' if len(df.columns) > 20 else ''}",
-                field=f"data.{key}",
-                fix=f"set data.{key}",
+                f"{self.source} has no rows", field=self.field, fix="point it at data with at least one labeled row"
             )
-    if len(df) == 0:
-        raise KubetuneError(f"{source} has no rows", field=field, fix="point it at data with at least one labeled row")
-    df = df[columns].copy()
-    for key in ("text_column", "text_pair_column"):
-        col = names[key]
-        what = describe_non_text(df[col]) if col else None
-        if what:
+        for col, check in self.non_text.items():
+            if what := check.result:
+                key = "text_column" if col == spec.text_column else "text_pair_column"
+                raise KubetuneError(
+                    f"column '{short(col, 40)}' of {self.source} holds {what}, not text",
+                    field=f"data.{key}",
+                    fix=f"set data.{key} to the text column",
+                )
+        if self.dropped:
+            log.warning(
+                "%s: dropped %d of %d rows with a missing/empty text or label", self.field, self.dropped, self.rows
+            )
+        if not kept:
             raise KubetuneError(
-                f"column '{short(col, 40)}' of {source} holds {what}, not text",
-                field=f"data.{key}",
-                fix=f"set data.{key} to the text column",
+                f"no usable rows in {self.source}: every row lacks a text or label",
+                field=self.field,
+                fix="check data.text_column and data.label_column",
             )
-    if df[spec.label_column].dtype == object and df[spec.label_column].map(is_nested).any():
-        raise KubetuneError(
-            f"column '{short(spec.label_column, 40)}' of {source} "
-            "holds nested values (lists/structs), not class labels",
-            field="data.label_column",
-            fix="set data.label_column to the column that holds one class per row",
-        )
-    keep = np.ones(len(df), dtype=bool)
-    for col in columns[:-1]:
-        text = df[col]
-        ok = text.notna() & text.map(lambda v: isinstance(v, str) and v.strip() != "")
-        keep &= ok.to_numpy()
-    keep &= df[spec.label_column].notna().to_numpy()
-    n_drop = int((~keep).sum())
-    if n_drop:
-        dropped[which] = n_drop
-        log.warning("%s: dropped %d of %d rows with a missing/empty text or label", field, n_drop, len(df))
-    df = df[keep]
-    if len(df) == 0:
-        raise KubetuneError(
-            f"no usable rows in {source}: every row lacks a text or label",
-            field=field,
-            fix="check data.text_column and data.label_column",
-        )
-    return df
+        if self.train_facts is not None:  # data.eval: every label must be a class of data.train
+            unseen = sorted(self.keys - set(self.train_facts["labels"]))
+            if unseen:
+                raise KubetuneError(
+                    f"labels {[short(u, 40) for u in unseen[:5]]} occur in {short(spec.eval)} "
+                    f"but never in {short(spec.train)}",
+                    field="data.eval",
+                    fix="train on data that covers every eval label, or filter those rows out",
+                )
+            return {"dropped": self.dropped, "rows": self.rows}
+        _check_labels(len(self.keys), sorted(self.fractional), spec)
+        labels = _label_names(self.keys)
+        if len(labels) < 2:
+            raise KubetuneError(
+                f"only one class ({short(labels[0])!r}) in column '{short(spec.label_column)}' of {short(spec.train)}",
+                field="data.label_column",
+                fix="classification needs at least two classes; check the label column or the data",
+            )
+        return {"dropped": self.dropped, "rows": self.rows, "labels": labels}
 
 
-def _check_labels(series: pd.Series, spec: ClassificationData) -> None:
+def _check_labels(n: int, fractional: list[float], spec: ClassificationData) -> None:
     """Refuse more classes than data.max_classes; warn on fractional numbers (a regression target)."""
-    keys = series.map(_label_key)
-    n = keys.nunique()
     if n > spec.max_classes:
         raise KubetuneError(
             f"column '{short(spec.label_column, 40)}' of {short(spec.train)} has {n} distinct labels, "
@@ -162,17 +197,12 @@ def _check_labels(series: pd.Series, spec: ClassificationData) -> None:
             fix="check that data.label_column is the class column (not an id or a free-text column), "
             "or raise data.max_classes",
         )
-    fractional = [
-        v
-        for v in series.unique()
-        if isinstance(v, (float, np.floating)) and math.isfinite(v) and not float(v).is_integer()
-    ]
     if fractional:
         log.warning(
             "data.label_column: column '%s' holds fractional numbers (e.g. %s): this looks like a regression target; "
             "kubetune classifies, so each of the %d distinct values becomes a class",
             short(spec.label_column, 40),
-            ", ".join(f"{v:g}" for v in sorted(fractional)[:3]),
+            ", ".join(f"{v:g}" for v in fractional[:3]),
             n,
         )
 
@@ -190,38 +220,24 @@ def _number(key: str) -> float:
     return value
 
 
-def _label_names(series: pd.Series, spec: ClassificationData) -> list[str]:
+def _label_names(keys) -> list[str]:
     """Distinct labels in sorted order: numerically when every label is a number (2 before 10),
     whether the column was read as numbers or as strings, else as strings."""
-    values = series.map(_label_key).unique().tolist()
+    values = list(keys)
     try:
         return sorted(values, key=lambda v: (_number(v), v))
     except ValueError:
         return sorted(values)
 
 
-def _with_ids(df: pd.DataFrame, spec: ClassificationData, label2id: dict[str, int]) -> pd.DataFrame:
-    out = pd.DataFrame({"text": df[spec.text_column].astype(str).to_numpy()})
-    if spec.text_pair_column:
-        out["text_pair"] = df[spec.text_pair_column].astype(str).to_numpy()
-    out["label"] = df[spec.label_column].map(lambda v: label2id[_label_key(v)]).astype("int64").to_numpy()
-    return out
-
-
-def _carve_eval(train: pd.DataFrame, fraction: float, seed: int) -> tuple[pd.DataFrame, pd.DataFrame]:
-    counts = train["label"].value_counts()
-    n_eval = max(1, round(len(train) * fraction))
-    if len(train) < 2 or n_eval >= len(train):
-        raise KubetuneError(
-            f"{len(train)} rows are too few to hold out {fraction:.0%} for evaluation",
-            field="data.eval_fraction",
-            fix="add data, lower data.eval_fraction, or give data.eval",
-        )
-    # Stratify when every class can be split and each side can hold every class (a class with a single
-    # row cannot be split; scikit-learn refuses a side smaller than the number of classes).
-    can_stratify = counts.min() >= 2 and min(n_eval, len(train) - n_eval) >= len(counts)
-    tr, ev = split_indices(train["label"].to_numpy(), n_eval, seed, can_stratify)
-    return train.iloc[tr].sort_index(), train.iloc[ev].sort_index()
+def encode(frame: pd.DataFrame, tokenizer, max_length: int, label2id: dict[str, int]) -> dict:
+    """Token ids, attention mask and ``length`` of each row's ``text`` (and ``text_pair``, a second
+    segment), truncated to ``max_length``, and its class id ``label``."""
+    pair = list(frame["text_pair"]) if "text_pair" in frame.columns else None
+    enc = dict(tokenizer(list(frame["text"]), pair, truncation=True, max_length=max_length))
+    enc["length"] = [len(ids) for ids in enc["input_ids"]]
+    enc["label"] = [label2id[k] for k in frame[LABEL_KEY]]
+    return enc
 
 
 def collate(ds, indices: np.ndarray, tokenizer) -> Batch:

@@ -9,55 +9,49 @@ from __future__ import annotations
 
 import functools
 import html
+import json
 import logging
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 import torch
 import torch.nn.functional as F
 
 from kubetune import artifacts
 from kubetune.artifacts.report import fmt
 from kubetune.config import JobSpec
-from kubetune.data import Batch, tokenized
+from kubetune.data import Batch
+from kubetune.data.rows import tokenized_rows
+from kubetune.data.tokenize import tokenizer_fingerprint
 from kubetune.distributed import DistEnv
 from kubetune.providers import S3Settings
-from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task, tokenize_on_node
+from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task, on_node_first
 from kubetune.tasks.classify.baseline import tfidf_baseline
-from kubetune.tasks.classify.data import collate, load_frames
+from kubetune.tasks.classify.data import collate, encode, load_frames
 
 log = logging.getLogger(__name__)
 
 
-# The tokenization's name in the cache key (data/tokenize.py).
+# The tokenization's name in the cache key (data/rows.py).
 MODE = "classify"
 
 
-def encode_texts(frame: pd.DataFrame, tokenizer, max_length: int) -> dict:
-    """Token ids, attention mask and ``length`` of each row's ``text`` (and ``text_pair``, a second
-    segment), truncated to ``max_length``."""
-    pair = list(frame["text_pair"]) if "text_pair" in frame.columns else None
-    enc = tokenizer(list(frame["text"]), pair, truncation=True, max_length=max_length)
-    enc["length"] = [len(ids) for ids in enc["input_ids"]]
-    return enc
-
-
 def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
-    frames = load_frames(spec.data, spec.training.seed, S3Settings.from_spec(spec))
-
-    def build(create: bool):
-        encode = functools.partial(encode_texts, tokenizer=tokenizer, max_length=spec.data.max_length)
-        train_ds, hit = tokenized(frames.train, tokenizer, spec.data.max_length, build=create, mode=MODE, encode=encode)
-        eval_ds, _ = tokenized(frames.eval, tokenizer, spec.data.max_length, build=create, mode=MODE, encode=encode)
-        return train_ds, eval_ds, hit
-
-    train_ds, eval_ds, hit = tokenize_on_node(env, build)
+    frames = on_node_first(env, lambda: load_frames(spec.data, spec.training.seed, S3Settings.from_spec(spec)))
+    label2id = {name: i for i, name in enumerate(frames.labels)}
+    enc = functools.partial(encode, tokenizer=tokenizer, max_length=spec.data.max_length, label2id=label2id)
+    fingerprint = f"{MODE}:{spec.data.max_length}:{json.dumps(frames.labels)}:{tokenizer_fingerprint(tokenizer)}"
+    train_ds, hit, _ = tokenized_rows(
+        frames.rows, frames.train_ids, env=env, fingerprint=fingerprint, encode=enc, what="train"
+    )
+    eval_ds, _, _ = tokenized_rows(
+        frames.eval_rows, frames.eval_ids, env=env, fingerprint=fingerprint, encode=enc, what="eval"
+    )
     if env.is_local_main:
         log.info(
             "data: %d train / %d eval rows, %d classes %s; tokenization cache %s",
-            len(frames.train),
-            len(frames.eval),
+            len(train_ds),
+            len(eval_ds),
             len(frames.labels),
             frames.labels,
             "hit" if hit else "miss (tokenized and cached)",
@@ -67,8 +61,8 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
         eval_ds=eval_ds,
         collate=functools.partial(collate, train_ds, tokenizer=tokenizer),
         collate_eval=functools.partial(collate, eval_ds, tokenizer=tokenizer),
-        train_rows=len(frames.train),
-        eval_rows=len(frames.eval),
+        train_rows=len(train_ds),
+        eval_rows=len(eval_ds),
         labels=frames.labels,
         dropped=frames.dropped,
         info={"labels": frames.labels},
@@ -89,7 +83,13 @@ def loss(model, batch: Batch, autocast) -> LossOutput:
 def export(spec: JobSpec, model, tokenizer, data: Prepared, out, metrics: dict) -> None:
     frames = data.raw[0]
     _export_model(spec, model, tokenizer, out)
-    if spec.output.report_baseline:
+    if spec.output.report_baseline and len(frames.train_ids) > BASELINE_MAX_ROWS:
+        log.warning(
+            "no TF-IDF baseline: %d training rows, over the %d it fits in memory",
+            len(frames.train_ids),
+            BASELINE_MAX_ROWS,
+        )
+    elif spec.output.report_baseline:
         baseline = tfidf_baseline(frames)  # None where it cannot fit in memory (it logs why)
         if baseline is not None:
             metrics["baseline"] = baseline
@@ -98,6 +98,11 @@ def export(spec: JobSpec, model, tokenizer, data: Prepared, out, metrics: dict) 
                 baseline["accuracy"],
                 baseline["f1_macro"],
             )
+
+
+# The baseline holds its training texts and their TF-IDF matrix in memory; past this many rows it is
+# skipped (the model's training itself reads its rows from disk, in flat memory).
+BASELINE_MAX_ROWS = 500_000
 
 
 def _export_model(spec: JobSpec, model, tokenizer, out: Path) -> None:

@@ -13,22 +13,29 @@ import pandas as pd
 import torch
 
 from kubetune.data import Batch
-from kubetune.data.tables import describe_non_text, short
+from kubetune.data.rows import RowSplit, read_split
+from kubetune.data.tables import NonText, short
 from kubetune.errors import KubetuneError
 from kubetune.providers import S3Settings
-from kubetune.tasks.causal_lm.data import IGNORE, ROLES, RecordFrames, read_rows
+from kubetune.tasks.causal_lm.data import IGNORE, RECORD_SCHEMA, ROLES
 from kubetune.tasks.dpo import DPOSpec, PreferenceData
 
 log = logging.getLogger(__name__)
 
 
-def load_pair_frames(spec: PreferenceData, seed: int, s3: S3Settings = S3Settings()) -> RecordFrames:
-    """Read, check, normalize and split preference pairs (s3:// data reached with ``s3``).
+def load_pair_frames(spec: PreferenceData, seed: int, s3: S3Settings = S3Settings()) -> RowSplit:
+    """Read, check, normalize and split preference pairs in flat memory (``data.rows``; s3:// data
+    reached with ``s3``): each pair a ``record``, JSON text of its prompt, chosen and rejected answers.
 
     Raises:
         KubetuneError: a missing column, a column without text or messages, malformed messages, no usable pair.
     """
-    return RecordFrames(*read_rows(spec, seed, _detect_format, _normalize, s3=s3))
+    settings = json.dumps(
+        ["dpo", spec.format, spec.prompt_column, spec.chosen_column, spec.rejected_column, spec.system_prompt]
+    )
+    return read_split(
+        spec, seed, s3, normalizer=lambda field, train: _Normalizer(spec, field, train), settings=settings
+    )
 
 
 def _detect_format(df: pd.DataFrame, spec: PreferenceData) -> str:
@@ -52,62 +59,91 @@ def _as_messages(value) -> list | None:
     return value if isinstance(value, list) else None
 
 
-def _normalize(
-    df: pd.DataFrame, spec: PreferenceData, fmt: str, field_name: str, dropped: dict[str, int], which: str
-) -> pd.DataFrame:
-    source = getattr(spec, field_name.split(".")[1])
-    needed = {"chosen_column": spec.chosen_column, "rejected_column": spec.rejected_column}
-    if fmt == "text" or spec.prompt_column in df.columns:  # chat: the prompt may be implicit
-        needed = {"prompt_column": spec.prompt_column, **needed}
-    for key, col in needed.items():
-        if col not in df.columns:
-            hint = f" (data.format {'auto-detected as ' if spec.format == 'auto' else ''}{fmt})"
+class _Normalizer:
+    """A preference table, chunk by chunk (``data.rows.Normalizer``): the format detected on data.train's
+    first chunk, the columns checked on it, each row made a pair or dropped (and why counted)."""
+
+    schema = RECORD_SCHEMA
+
+    def __init__(self, spec: PreferenceData, field_name: str, train_facts: dict | None):
+        self.spec, self.field_name = spec, field_name
+        self.source = getattr(spec, field_name.split(".")[1])
+        self.fmt = train_facts["format"] if train_facts else None
+        self.columns: list | None = None  # the first chunk's: a later chunk of JSON lines may lack some
+        self.rows = 0
+        self.reasons = {"missing": 0, "same": 0}
+        self.non_text: dict[str, NonText] = {}
+
+    def chunk(self, df: pd.DataFrame, start: int) -> dict[str, list]:
+        spec = self.spec
+        if self.columns is None:
+            self.fmt = self.fmt or _detect_format(df, spec)
+            self.columns = list(df.columns)
+            for key, col in self._needed().items():
+                if col not in df.columns:
+                    hint = f" (data.format {'auto-detected as ' if spec.format == 'auto' else ''}{self.fmt})"
+                    raise KubetuneError(
+                        f"column '{short(col, 40)}' not found in {short(self.source)}{hint}; "
+                        f"columns are {[short(c, 40) for c in df.columns[:20]]}",
+                        field=f"data.{key}",
+                        fix=f"set data.{key} to the column that holds the "
+                        + {"prompt_column": "prompt", "chosen_column": "preferred answer"}.get(
+                            key, "dispreferred answer"
+                        ),
+                    )
+        df = df.reindex(columns=list(dict.fromkeys([*df.columns, *self.columns])))
+        self.rows += len(df)
+        if self.fmt == "text":
+            for key, col in self._needed().items():
+                self.non_text.setdefault(key, NonText()).update(df[col])
+        records = []
+        for i, row in enumerate(df.to_dict("records")):
+            record = _text_record(row, spec) if self.fmt == "text" else _chat_record(row, spec, self.source, start + i)
+            if record is not None and record["chosen"] == record["rejected"]:
+                self.reasons["same"] += 1  # no preference to learn: its loss is constant
+            elif record is None:
+                self.reasons["missing"] += 1
+            else:
+                records.append(json.dumps(record))
+        return {"record": records}
+
+    def _needed(self) -> dict[str, str]:
+        spec = self.spec
+        needed = {"chosen_column": spec.chosen_column, "rejected_column": spec.rejected_column}
+        if self.fmt == "text" or spec.prompt_column in self.columns:  # chat: the prompt may be implicit
+            needed = {"prompt_column": spec.prompt_column, **needed}
+        return needed
+
+    def finish(self, kept: int) -> dict:
+        if self.rows == 0:
             raise KubetuneError(
-                f"column '{short(col, 40)}' not found in {short(source)}{hint}; "
-                f"columns are {[short(c, 40) for c in df.columns[:20]]}",
-                field=f"data.{key}",
-                fix=f"set data.{key} to the column that holds the "
-                + {"prompt_column": "prompt", "chosen_column": "preferred answer"}.get(key, "dispreferred answer"),
+                f"{self.source} has no rows", field=self.field_name, fix="point it at data with at least one row"
             )
-    if len(df) == 0:
-        raise KubetuneError(f"{source} has no rows", field=field_name, fix="point it at data with at least one row")
-    if fmt == "text":
-        for key, col in needed.items():
-            what = describe_non_text(df[col])
-            if what:
+        for key, check in self.non_text.items():
+            if what := check.result:
                 raise KubetuneError(
-                    f"column '{short(col, 40)}' of {short(source)} holds {what}, not text",
+                    f"column '{short(getattr(self.spec, key), 40)}' of {short(self.source)} holds {what}, not text",
                     field=f"data.{key}",
                     fix=f"set data.{key} to a text column, or data.format: chat for message lists",
                 )
-    records, reasons = [], {"missing": 0, "same": 0}
-    for i, row in enumerate(df.to_dict("records")):
-        record = _text_record(row, spec) if fmt == "text" else _chat_record(row, spec, source, i)
-        if record is not None and record["chosen"] == record["rejected"]:
-            reasons["same"] += 1  # no preference to learn: its loss is constant
-            record = None
-        elif record is None:
-            reasons["missing"] += 1
-        records.append(record)
-    n_drop = sum(reasons.values())
-    if n_drop:
-        dropped[which] = n_drop
-        log.warning(
-            "%s: dropped %d of %d pairs (%d with a missing or empty prompt or answer, %d whose chosen and rejected "
-            "answers are the same)",
-            field_name,
-            n_drop,
-            len(df),
-            reasons["missing"],
-            reasons["same"],
-        )
-    if n_drop == len(df):
-        raise KubetuneError(
-            f"no usable preference pairs in {source} (format {fmt})",
-            field=field_name,
-            fix="check the data and the data.*_column settings",
-        )
-    return pd.DataFrame({"record": [json.dumps(r) for r in records if r is not None]})
+        n_drop = sum(self.reasons.values())
+        if n_drop:
+            log.warning(
+                "%s: dropped %d of %d pairs (%d with a missing or empty prompt or answer, %d whose chosen and "
+                "rejected answers are the same)",
+                self.field_name,
+                n_drop,
+                self.rows,
+                self.reasons["missing"],
+                self.reasons["same"],
+            )
+        if not kept:
+            raise KubetuneError(
+                f"no usable preference pairs in {self.source} (format {self.fmt})",
+                field=self.field_name,
+                fix="check the data and the data.*_column settings",
+            )
+        return {"format": self.fmt, "dropped": n_drop, "rows": self.rows}
 
 
 def _text(value) -> str | None:

@@ -31,13 +31,13 @@ import torch.nn.functional as F
 
 from kubetune import distributed
 from kubetune.config import JobSpec
-from kubetune.data import tokenized
-from kubetune.data.tokenize import cache_key, tokenizer_fingerprint
+from kubetune.data.rows import tokenized_rows
+from kubetune.data.tokenize import tokenizer_fingerprint
 from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
 from kubetune.paths import cache_root, set_default_modes
 from kubetune.providers import S3Settings
-from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task, rank_batches, tokenize_on_node
+from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task, on_node_first, rank_batches
 from kubetune.tasks.causal_lm import task as causal_lm
 from kubetune.tasks.causal_lm.data import IGNORE, ensure_chat_template
 from kubetune.tasks.dpo import DPOSpec
@@ -57,7 +57,7 @@ METRICS = ("reward_accuracy", "reward_chosen", "reward_rejected", "reward_margin
 
 
 def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
-    frames = load_pair_frames(spec.data, spec.training.seed, S3Settings.from_spec(spec))
+    frames = on_node_first(env, lambda: load_pair_frames(spec.data, spec.training.seed, S3Settings.from_spec(spec)))
     template = None
     if frames.format == "chat":
         if spec.data.chat_template:
@@ -70,12 +70,13 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
 
     encode = functools.partial(encode_pairs, tokenizer=tokenizer, max_length=max_length)
 
-    def build(create: bool):
-        train_ds, hit = tokenized(frames.train, tokenizer, max_length, build=create, mode="dpo", encode=encode)
-        eval_ds, _ = tokenized(frames.eval, tokenizer, max_length, build=create, mode="dpo", encode=encode)
-        return train_ds, eval_ds, hit
-
-    train_ds, eval_ds, hit = tokenize_on_node(env, build)
+    fingerprint = f"dpo:{max_length}:{tokenizer_fingerprint(tokenizer)}"
+    train_ds, hit, train_key = tokenized_rows(
+        frames.rows, frames.train_ids, env=env, fingerprint=fingerprint, encode=encode, what="train"
+    )
+    eval_ds, _, eval_key = tokenized_rows(
+        frames.eval_rows, frames.eval_ids, env=env, fingerprint=fingerprint, encode=encode, what="eval"
+    )
     dropped = dict(frames.dropped)
     # A pair whose prompt alone fills data.max_length keeps no answer token (TRL drops it too).
     train_ds = _with_answers(train_ds, dropped, "train_truncated", max_length)
@@ -103,10 +104,9 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
             "hit" if hit else "miss (tokenized and cached)",
         )
     pad_id, model = tokenizer.pad_token_id, _model_identity(spec, model_dir)
-    tok = tokenizer_fingerprint(tokenizer)
     collate, collate_eval = (
-        Collate(ds, pad_id, max_length, dpo, f"{model}:{cache_key(frame, tok, max_length, 'dpo')}")
-        for ds, frame in ((train_ds, frames.train), (eval_ds, frames.eval))
+        Collate(ds, pad_id, max_length, dpo, f"{model}:{key}")
+        for ds, key in ((train_ds, train_key), (eval_ds, eval_key))
     )
     return Prepared(
         train_ds=train_ds,
