@@ -247,7 +247,8 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
         if m["role"] != "assistant":
             continue
         start = len(tokenizer.apply_chat_template(messages[:k], tokenize=False, add_generation_prompt=True)) if k else 0
-        through = tokenizer.apply_chat_template(messages[: k + 1], tokenize=False)
+        # the last turn: rendered through it is the whole conversation (rendering is deterministic; one render less)
+        through = full if k == len(messages) - 1 else tokenizer.apply_chat_template(messages[: k + 1], tokenize=False)
         if not full.startswith(through):
             # Some templates render the last turn specially; fall back to locating the content.
             pos = full.find(m["content"], spans[-1][1] if spans else 0)
@@ -274,26 +275,50 @@ def encode_record(record: dict, tokenizer, max_length: int, train_on_prompt: boo
     text, spans = assistant_spans(tokenizer, record["messages"])
     # The template already holds BOS and the turn markers.
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = enc["input_ids"][:max_length]
-    offsets = enc["offset_mapping"][:max_length]
-    labels = []
-    for tok, (start, end) in zip(ids, offsets):
-        inside = any(a <= start < b for a, b in spans)
-        labels.append(tok if inside or train_on_prompt else IGNORE)
-    return ids, labels
+    return _with_labels(enc["input_ids"], enc["offset_mapping"], spans, max_length, train_on_prompt)
+
+
+def _with_labels(ids: list[int], offsets, spans, max_length: int, train_on_prompt: bool):
+    """(ids, labels) cut to ``max_length``: a token's label is itself when its first character falls
+    inside an assistant span (or ``train_on_prompt``), else IGNORE."""
+    ids = ids[:max_length]
+    if train_on_prompt:
+        return ids, list(ids)
+    starts = np.fromiter((start for start, _ in offsets[:max_length]), dtype=np.int64, count=len(ids))
+    inside = np.zeros(len(ids), dtype=bool)
+    for a, b in spans:
+        inside |= (starts >= a) & (starts < b)
+    return ids, np.where(inside, np.asarray(ids, dtype=np.int64), IGNORE).tolist()
 
 
 def tokenize_frame(frame: pd.DataFrame, tokenizer, max_length: int, train_on_prompt: bool) -> dict[str, list]:
-    """Columns input_ids, labels, length, n_targets (tokens that carry loss: label set, position > 0)."""
+    """Columns input_ids, labels, length, n_targets (tokens that carry loss: label set, position > 0);
+    ``encode_record`` row for row, with the tokenizer called once for the frame's documents and once
+    for its conversations (the Rust tokenizer's batch call: the same ids, less Python per row)."""
     if not getattr(tokenizer, "is_fast", False):
         raise KubetuneError(
             "causal-lm needs a fast (Rust) tokenizer to locate response tokens",
             field="model.uri",
             fix="use a model directory with tokenizer.json",
         )
+    records = [json.loads(rec) for rec in frame["record"]]
+    docs = [k for k, r in enumerate(records) if "text" in r]
+    chats = [k for k, r in enumerate(records) if "text" not in r]
+    out: list[tuple[list[int], list[int]] | None] = [None] * len(records)
+    if docs:
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        for k, ids in zip(docs, tokenizer([records[k]["text"] for k in docs], add_special_tokens=True)["input_ids"]):
+            ids = (ids + eos)[:max_length]  # documents end: the model learns where to stop
+            out[k] = ids, list(ids)
+    if chats:
+        rendered = [assistant_spans(tokenizer, records[k]["messages"]) for k in chats]
+        enc = tokenizer([text for text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True)
+        for j, k in enumerate(chats):
+            out[k] = _with_labels(
+                enc["input_ids"][j], enc["offset_mapping"][j], rendered[j][1], max_length, train_on_prompt
+            )
     cols: dict[str, list] = {"input_ids": [], "labels": [], "length": [], "n_targets": []}
-    for rec in frame["record"]:
-        ids, labels = encode_record(json.loads(rec), tokenizer, max_length, train_on_prompt)
+    for ids, labels in out:
         cols["input_ids"].append(ids)
         cols["labels"].append(labels)
         cols["length"].append(len(ids))

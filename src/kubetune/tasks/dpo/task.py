@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import pyarrow.compute as pc
 import torch
 import torch.nn.functional as F
 
@@ -122,7 +123,8 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
 
 
 def _with_answers(ds, dropped: dict, key: str, max_length: int):
-    prompt_lengths = np.asarray([len(p) for p in ds["prompt_ids"]])
+    # from the Arrow column, without a Python list of every prompt's ids
+    prompt_lengths = pc.list_value_length(ds.with_format("arrow")["prompt_ids"]).to_numpy()
     keep = np.flatnonzero(prompt_lengths < max_length)
     if len(keep) == len(ds):
         return ds
