@@ -182,6 +182,12 @@ class _Warnings(logging.Handler):
         logging.getLogger("kubetune").removeHandler(self)
 
 
+def column(ds, name: str) -> np.ndarray:
+    """A numeric column of a ``datasets.Dataset`` as a NumPy array, straight from its Arrow data (a
+    ``ds[name]`` converts row by row: 3.5 s for 200k rows)."""
+    return np.asarray(ds.with_format("arrow")[name].to_numpy())
+
+
 # ---------------------------------------------------------------- the split, on row ids
 
 

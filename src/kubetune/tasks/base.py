@@ -16,6 +16,7 @@ from kubetune import distributed
 from kubetune.artifacts.presentation import Presentation
 from kubetune.config import JobSpec
 from kubetune.data import Batch
+from kubetune.data.rows import column
 from kubetune.distributed import DistEnv
 from kubetune.providers import S3Settings
 
@@ -98,7 +99,7 @@ def evaluate(
     """The shared evaluation loop: the eval set split by ``rank_batches``, the task's statistics
     summed over ranks, then its metrics."""
     model.eval()
-    batches, extra = rank_batches(data.eval_ds["length"], env, batch_size, lockstep)
+    batches, extra = rank_batches(column(data.eval_ds, "length"), env, batch_size, lockstep)
     stats = [task.eval_step(model, data.collate_eval(rows).to(device), autocast) for rows in batches]
     for _ in range(extra):
         task.eval_step(model, data.collate_eval(np.zeros(1, dtype=np.int64)).to(device), autocast)

@@ -12,13 +12,13 @@ import sys
 import threading
 from pathlib import Path
 
-import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from kubetune import artifacts, checkpoint, distributed
 from kubetune.artifacts.output import Output
 from kubetune.config import JobSpec
+from kubetune.data.rows import column
 from kubetune.data.sharding import plan_epochs, steps_per_epoch
 from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
@@ -177,7 +177,7 @@ def _layout(spec: JobSpec, env: DistEnv, data, grad_accum: int, group_unit: int,
     """How the run's data is laid out: the global batch, each epoch's steps, the loader's workers."""
     cfg = spec.training
     token_budget = getattr(spec.data, "max_tokens_per_batch", None)
-    lengths = np.asarray(data.train_ds["length"])
+    lengths = column(data.train_ds, "length")
     layout = Layout(
         grad_accum=grad_accum,
         group_unit=group_unit,

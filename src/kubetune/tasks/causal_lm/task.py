@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from kubetune import artifacts
 from kubetune.config import JobSpec
 from kubetune.data import Batch
-from kubetune.data.rows import tokenized_rows
+from kubetune.data.rows import column, tokenized_rows
 from kubetune.data.tokenize import tokenizer_fingerprint
 from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
@@ -62,8 +62,8 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
     # Rows whose response lies wholly beyond data.max_length teach nothing: drop them (counted).
     train_ds = _with_targets(train_ds, dropped, "train_truncated", spec.data.max_length)
     eval_ds = _with_targets(eval_ds, dropped, "eval_truncated", spec.data.max_length)
-    units = np.asarray(train_ds["n_targets"], dtype=np.int64)
-    lengths = np.asarray(train_ds["length"])
+    units = column(train_ds, "n_targets").astype(np.int64)
+    lengths = column(train_ds, "length")
     info = {
         "data_format": frames.format,
         "chat_template": ("fallback" if fallback else "tokenizer") if frames.format != "text" else None,
@@ -104,7 +104,7 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
 
 
 def _with_targets(ds, dropped: dict, key: str, max_length: int):
-    n_targets = np.asarray(ds["n_targets"])
+    n_targets = column(ds, "n_targets")
     keep = np.flatnonzero(n_targets > 0)
     if len(keep) == len(ds):
         return ds

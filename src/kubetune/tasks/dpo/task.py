@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from kubetune import distributed
 from kubetune.config import JobSpec
-from kubetune.data.rows import tokenized_rows
+from kubetune.data.rows import column, tokenized_rows
 from kubetune.data.tokenize import tokenizer_fingerprint
 from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
@@ -92,7 +92,7 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
         "dpo_reference": "the base model (LoRA adapter disabled)" if spec.lora else "precomputed (full fine-tune)",
     }
     if env.is_local_main:
-        lengths = np.asarray(train_ds["length"])
+        lengths = column(train_ds, "length")
         log.info(
             "data: %d train / %d eval pairs (%s format%s); longest sequence %d tokens, mean %.0f; "
             "tokenization cache %s",
@@ -202,7 +202,7 @@ def _model_identity(spec: JobSpec, model_dir) -> str:
 @torch.no_grad()
 def _reference_pass(model, collate: Collate, env: DistEnv, device, autocast, batch_size: int, lockstep: bool):
     """[rows, 2] log-probabilities (chosen, rejected) of ``collate``'s dataset under ``model``."""
-    batches, extra = rank_batches(collate.ds["length"], env, batch_size, lockstep)
+    batches, extra = rank_batches(column(collate.ds, "length"), env, batch_size, lockstep)
     model.eval()
     parts = [
         _sequence_logps(model, collate(rows).to(device), autocast).view(2, -1).T.double().cpu().numpy()
