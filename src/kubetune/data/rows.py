@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -271,14 +272,14 @@ def tokenized_rows(
     path = root / key
     hit = (path / "parts.json").is_file()
     n_local = env.local_world_size
-    # Its name depends only on what it holds, so a part left by a run that died is as good as new.
-    staging = root / f".{key}.{n_local}.staging"
+    # The node's processes are children of one launcher (torch's elastic agent): its pid names this
+    # run's staging directory, which no other run on the node writes into or renames away.
+    staging = root / f".{key}.{n_local}.{socket.gethostname()}.{os.getppid()}.staging"
     if not hit:
         staging.mkdir(parents=True, exist_ok=True)
+        lo, hi = env.local_rank * len(ids) // n_local, (env.local_rank + 1) * len(ids) // n_local
         part = staging / f"part-{env.local_rank:05d}.arrow"
-        if not part.is_file():
-            lo, hi = env.local_rank * len(ids) // n_local, (env.local_rank + 1) * len(ids) // n_local
-            _tokenize_part(rows, ids[lo:hi], encode, part, env, len(ids), what, staging)
+        _tokenize_part(rows, ids[lo:hi], encode, part, env, len(ids), what, staging)
     distributed.barrier()
     if env.is_local_main and not (path / "parts.json").is_file():
         try:
@@ -291,6 +292,8 @@ def tokenized_rows(
         except OSError as e:
             if not (path / "parts.json").is_file():
                 raise _disk_error(e, root, f"data.{what}") from None
+    if env.is_local_main:  # parts this run wrote while another run published the same entry
+        shutil.rmtree(staging, ignore_errors=True)
     distributed.barrier()
     parts = json.loads((path / "parts.json").read_text())["parts"]
     ds = datasets.concatenate_datasets([datasets.Dataset.from_file(str(path / p)) for p in parts])
