@@ -211,6 +211,15 @@ def test_incompatible_checkpoints_are_one_line_errors(killed):
             checkpoint.check_compatible(saved, current, str(found.path))
         line = f"error: {e.value}"
         assert line.startswith(expected) and "--no-resume" in line and "\n" not in line, line
+    # The training rows' content is fingerprinted (data/rows.py's key): other data, even with as many rows, is refused.
+    assert saved["data"]["content"]
+    other = checkpoint.fingerprint(
+        same, saved["labels"], same.distributed.world_size, saved["data"]["train_rows"], content="0" * 32
+    )
+    with pytest.raises(KubetuneError) as e:
+        checkpoint.check_compatible(saved, other, str(found.path))
+    line = f"error: {e.value}"
+    assert line.startswith("error: data.train: data.train changed since the checkpoint in") and "\n" not in line, line
     fresh = kubetune("run", str(spec), "--no-resume", "--set", "training.max_steps=1")
     assert fresh.returncode == 0 and "resumed" not in fresh.stderr
     assert not (out / "checkpoints").exists()  # cleared: no old run can be resumed by mistake later

@@ -97,10 +97,12 @@ def fingerprint(
     grad_accum: int | None = None,
     group_unit: int | None = None,
     strategy: str = "ddp",
+    content: str = "",
 ) -> dict:
     """What must match for a checkpoint to continue *this* run: anything that changes the
     data order, the schedule or the model would make the result a different run. ``grad_accum``
-    and ``group_unit`` are the run's layout (``layout``), by default the spec's."""
+    and ``group_unit`` are the run's layout (``layout``), by default the spec's; ``content`` a key
+    of the training rows' content (``Prepared.content``; empty: not checked)."""
     return {
         "model": spec.model.uri,
         "task": spec.task,
@@ -118,6 +120,7 @@ def fingerprint(
         "data": {
             **{k: v for k, v in spec.data.model_dump(mode="json").items() if k not in _DATA_LIMITS},
             "train_rows": train_rows,
+            **({"content": content} if content else {}),
         },
     }
 
@@ -197,6 +200,14 @@ def check_compatible(saved: dict, current: dict, where: str) -> None:
         for key, value in (current.get(section) or {}).items():
             # A key the checkpoint lacks was not fingerprinted by the kubetune that wrote it: not checked.
             if key in (saved.get(section) or {}) and saved[section][key] != value:
+                if key == "content":
+                    raise KubetuneError(
+                        f"data.train changed since the checkpoint in {where} was written: its rows (or their "
+                        "tokens) differ, so resuming would not continue the same run",
+                        field="data.train",
+                        fix="restore the data the run started with, use another output.uri, "
+                        "or pass --no-resume (training.resume: never)",
+                    )
                 raise KubetuneError(
                     f"the checkpoint in {where} was written with "
                     f"{section}.{key} {(saved.get(section) or {}).get(key)!r}, this run has {value!r}",

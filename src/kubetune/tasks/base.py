@@ -36,6 +36,8 @@ class Prepared:
     dropped: dict[str, int] = field(default_factory=dict)
     info: dict = field(default_factory=dict)  # task facts for metrics.json (e.g. the data format)
     raw: Any = None  # the task's own frames (for the baseline, the export)
+    # a key of the training rows' content (their tokens' cache key): a resume on other data is refused
+    content: str = ""
 
 
 class LossOutput(NamedTuple):

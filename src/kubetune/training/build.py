@@ -84,7 +84,7 @@ def build_trainer(
     if task.setup is not None:  # before the checkpoint's weights replace the base's
         task.setup(spec, model, data, env, device, autocast, strategy.sharded)
     fingerprint = checkpoint.fingerprint(
-        spec, data.labels, env.world_size, data.train_rows, grad_accum, group_unit, strategy.name
+        spec, data.labels, env.world_size, data.train_rows, grad_accum, group_unit, strategy.name, data.content
     )
     state = _state(found, fingerprint, strategy, optimizer, scheduler, scaler, env, device, len(task.train_metrics))
     if found:

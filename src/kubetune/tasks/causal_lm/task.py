@@ -52,7 +52,7 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
         _encode, tokenizer=tokenizer, max_length=spec.data.max_length, train_on_prompt=spec.data.train_on_prompt
     )
     fingerprint = f"{mode}:{spec.data.max_length}:{tokenizer_fingerprint(tokenizer)}"
-    train_ds, hit, _ = tokenized_rows(
+    train_ds, hit, content = tokenized_rows(
         frames.rows, frames.train_ids, env=env, fingerprint=fingerprint, encode=encode, what="train"
     )
     eval_ds, _, _ = tokenized_rows(
@@ -100,6 +100,7 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
         dropped=dropped,
         info=info,
         raw=tokenizer,
+        content=content,
     )
 
 

@@ -41,7 +41,7 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
     label2id = {name: i for i, name in enumerate(frames.labels)}
     enc = functools.partial(encode, tokenizer=tokenizer, max_length=spec.data.max_length, label2id=label2id)
     fingerprint = f"{MODE}:{spec.data.max_length}:{json.dumps(frames.labels)}:{tokenizer_fingerprint(tokenizer)}"
-    train_ds, hit, _ = tokenized_rows(
+    train_ds, hit, content = tokenized_rows(
         frames.rows, frames.train_ids, env=env, fingerprint=fingerprint, encode=enc, what="train"
     )
     eval_ds, _, _ = tokenized_rows(
@@ -67,6 +67,7 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
         dropped=frames.dropped,
         info={"labels": frames.labels},
         raw=(frames, tokenizer),
+        content=content,
     )
 
 

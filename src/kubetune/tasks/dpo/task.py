@@ -119,6 +119,7 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
         dropped=dropped,
         info=info,
         raw=tokenizer,
+        content=train_key,
     )
 
 
