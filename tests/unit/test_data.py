@@ -242,7 +242,7 @@ def test_the_eval_split_is_scikit_learns_train_test_split_draw_for_draw():
     the rows, and their order, must be exactly what train_test_split gives for the same seed."""
     from sklearn.model_selection import train_test_split
 
-    from kubetune.data.tables import split_indices
+    from kubetune.data.splits import split_indices
 
     rng = np.random.default_rng(0)
     cases = 0
@@ -273,14 +273,14 @@ def test_a_carved_evaluation_split_is_capped_and_a_given_one_is_not(tmp_path, mo
     """Issue 32, bounded evaluation: an eval split carved out of data.train is evaluated on at most
     CARVED_EVAL_CAP rows (a seeded subset, said in the log); data.max_eval_samples chooses another
     number; a given data.eval is the user's choice and stays whole. The same for every task's split."""
-    from kubetune.data import tables
+    from kubetune.data import splits
     from kubetune.tasks.causal_lm import CausalLMData
 
-    monkeypatch.setattr(tables, "CARVED_EVAL_CAP", 12)
+    monkeypatch.setattr(splits, "CARVED_EVAL_CAP", 12)
     rows = pd.DataFrame({"review": [f"text number {i}" for i in range(200)], "stars": [i % 4 for i in range(200)]})
     rows.to_csv(tmp_path / "train.csv", index=False)
     rows.iloc[:60].to_csv(tmp_path / "eval.csv", index=False)
-    caplog.set_level("INFO", logger="kubetune.data.tables")
+    caplog.set_level("INFO", logger="kubetune.data.splits")
 
     carved = load_frames(_spec(tmp_path / "train.csv", eval_fraction=0.25), seed=0)
     assert (len(carved.train), len(carved.eval)) == (150, 12)  # the carved rows are not trained on either way
@@ -293,7 +293,7 @@ def test_a_carved_evaluation_split_is_capped_and_a_given_one_is_not(tmp_path, mo
 
     records = pd.DataFrame({"record": [f"r{i}" for i in range(200)]})
     spec = CausalLMData(train="x", eval_fraction=0.25)
-    train, evald = tables.split_rows(records, None, spec, seed=0)
+    train, evald = splits.split_rows(records, None, spec, seed=0)
     assert (len(train), len(evald)) == (150, 12)
-    train, evald = tables.split_rows(records, records.iloc[:60], spec, seed=0)
+    train, evald = splits.split_rows(records, records.iloc[:60], spec, seed=0)
     assert (len(train), len(evald)) == (200, 60)

@@ -13,7 +13,8 @@ import pandas as pd
 import pytest
 
 from kubetune.data import rows as rows_mod
-from kubetune.data.tables import read_chunks, read_table, split_rows
+from kubetune.data.splits import split_ids, split_rows
+from kubetune.data.tables import read_chunks, read_table
 from kubetune.errors import KubetuneError
 from kubetune.tasks.causal_lm import CausalLMData
 from kubetune.tasks.causal_lm.data import load_lm_frames
@@ -86,7 +87,7 @@ def test_the_id_split_is_the_dataframe_split(tmp_path):
         frame = pd.DataFrame({"record": [f"r{i}" for i in range(n)]})
         spec = CausalLMData(train="x", eval_fraction=0.1, **kw)
         want_train, want_eval = split_rows(frame, None, spec, seed)
-        train_ids, eval_ids = rows_mod.split_ids(n, None, spec, seed)
+        train_ids, eval_ids = split_ids(n, None, spec, seed)
         assert frame["record"].iloc[train_ids].tolist() == want_train["record"].tolist()
         assert frame["record"].iloc[eval_ids].tolist() == want_eval["record"].tolist()
 

@@ -34,7 +34,8 @@ import pandas as pd
 import pyarrow as pa
 
 from kubetune import distributed, providers
-from kubetune.data.tables import Source, check_source, eval_cap, read_chunks, short
+from kubetune.data.splits import split_ids
+from kubetune.data.tables import Source, check_source, read_chunks, short
 from kubetune.errors import KubetuneError
 from kubetune.paths import cache_root, set_default_modes
 
@@ -187,44 +188,6 @@ def column(ds, name: str) -> np.ndarray:
     """A numeric column of a ``datasets.Dataset`` as a NumPy array, straight from its Arrow data (a
     ``ds[name]`` converts row by row: 3.5 s for 200k rows)."""
     return np.asarray(ds.with_format("arrow")[name].to_numpy())
-
-
-# ---------------------------------------------------------------- the split, on row ids
-
-
-def sample_ids(ids: np.ndarray, n: int, seed: int) -> np.ndarray:
-    """A seeded ``n`` of ``ids`` (sorted), drawn as ``DataFrame.sample(n, random_state=seed)`` draws
-    (what the split drew when it worked on DataFrames: the same rows, so the same runs)."""
-    picked = np.random.RandomState(seed).choice(len(ids), size=n, replace=False)
-    return np.sort(ids[picked])
-
-
-def split_ids(n_train: int, n_eval: int | None, spec, seed: int, carve=None, eval_cap=eval_cap):
-    """(train ids, eval ids): without an eval table (``n_eval`` None), data.eval_fraction of the
-    train rows held out (seeded; ``carve(n_eval)`` -> (train ids, eval ids) when the task carves its
-    own way, e.g. stratified), each then capped at data.max_train_samples / ``eval_cap(spec, n, carved)``.
-    Row for row what ``tables.split_rows`` selects from DataFrames."""
-    carved = n_eval is None
-    if carved:
-        k = max(1, round(n_train * spec.eval_fraction))
-        if k >= n_train:
-            raise KubetuneError(
-                f"{n_train} rows are too few to hold out {spec.eval_fraction:.0%} for evaluation",
-                field="data.eval_fraction",
-                fix="add data, lower data.eval_fraction, or give data.eval",
-            )
-        if carve is not None:
-            train, evald = carve(k)
-        else:
-            perm = np.random.default_rng(seed).permutation(n_train)
-            evald, train = np.sort(perm[:k]), np.sort(perm[k:])
-    else:
-        train, evald = np.arange(n_train), np.arange(n_eval)
-    if spec.max_train_samples and len(train) > spec.max_train_samples:
-        train = sample_ids(train, spec.max_train_samples, seed)
-    if eval_cap is not None and (cap := eval_cap(spec, len(evald), carved)):
-        evald = sample_ids(evald, cap, seed)
-    return train.astype(np.int64), evald.astype(np.int64)
 
 
 # ---------------------------------------------------------------- tokenization on every process
@@ -411,7 +374,6 @@ def read_split(
         spec,
         seed,
         carve=(lambda n: carve(train, n)) if carve else None,
-        eval_cap=eval_cap,
     )
     dropped = {
         which: t.facts["dropped"] for which, t in (("train", train), ("eval", evald)) if t and t.facts.get("dropped")

@@ -1,5 +1,5 @@
 """Read data tables (CSV/TSV/JSONL/Parquet files, dataset directories, hf:// datasets) into pandas,
-and the splits every task shares (``read_rows``, ``split_rows``, ``split_indices``); each task
+whole (``read_table``) or a chunk at a time (``read_chunks``, for ``data.rows``); each task
 normalizes the columns it needs. Every user error names the field, the value and the fix.
 
 Before anything is parsed, the input is checked where a careless or hostile file would otherwise
@@ -22,11 +22,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
 from kubetune import providers
-from kubetune.config import DataSpec
 from kubetune.errors import KubetuneError
 
 log = logging.getLogger(__name__)
@@ -593,158 +591,3 @@ def _load_without_manifest(datasets, path: Path, split: str | None, kind: str, o
     return datasets.load_dataset(
         builder, data_files={k: v for k, v in files.items() if v}, split=split or "train", **extra, **options
     )
-
-
-def describe_non_text(series: pd.Series) -> str | None:
-    """What a column holds when none of its values is text (numbers, booleans, nested values); None
-    when some value is text or every value is missing."""
-    if isinstance(series.dtype, pd.StringDtype):
-        return None
-    values = series[series.notna()]
-    if values.empty:
-        return None
-    if pd.api.types.is_bool_dtype(series):
-        return f"booleans ({series.dtype})"
-    if pd.api.types.is_numeric_dtype(series):
-        return f"numbers ({series.dtype})"
-    if any(isinstance(v, str) for v in values):
-        return None
-    if any(is_nested(v) for v in values):
-        return "nested values (lists/structs)"
-    return f"{type(values.iloc[0]).__name__} values"
-
-
-class NonText:
-    """``describe_non_text`` over a column read in chunks: what it holds when no chunk held text."""
-
-    def __init__(self):
-        self.text = False  # some chunk held a text value
-        self.what: str | None = None  # the first chunk's description of what it held instead
-
-    def update(self, series: pd.Series) -> None:
-        if self.text:
-            return
-        what = describe_non_text(series)
-        if what is None:
-            self.text = bool(series.notna().any())
-        elif self.what is None:
-            self.what = what
-
-    @property
-    def result(self) -> str | None:
-        return None if self.text else self.what
-
-
-def is_nested(value) -> bool:
-    return isinstance(value, (list, tuple, dict, np.ndarray))
-
-
-def split_indices(labels: np.ndarray, n_test: int, seed: int, stratify: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Row positions of a seeded train/test split: exactly scikit-learn's ``train_test_split(...,
-    test_size=n_test, random_state=seed, stratify=labels if stratify else None)`` (ShuffleSplit, or
-    StratifiedShuffleSplit with its approximate-mode allocation), draw for draw.
-
-    Why our own: importing scikit-learn for this one call takes 0.55-0.85 s in every worker of every
-    classification run, before its first step (benchmarks/README.md, "A short run's fixed cost");
-    tests/unit/test_data.py compares this with scikit-learn's function over many label sets, sizes and seeds.
-    """
-    rng = np.random.RandomState(seed)
-    n_train = len(labels) - n_test
-    if not stratify:
-        permutation = rng.permutation(len(labels))
-        return permutation[n_test:], permutation[:n_test]
-    _, inverse, class_counts = np.unique(labels, return_inverse=True, return_counts=True)
-    class_rows = np.split(np.argsort(inverse.reshape(-1), kind="stable"), np.cumsum(class_counts)[:-1])
-    n_i = _approximate_mode(class_counts, n_train, rng)
-    t_i = _approximate_mode(class_counts - n_i, n_test, rng)
-    train, test = [], []
-    for i, rows in enumerate(class_rows):
-        shuffled = rows.take(rng.permutation(class_counts[i]))
-        train.extend(shuffled[: n_i[i]])
-        test.extend(shuffled[n_i[i] : n_i[i] + t_i[i]])
-    return rng.permutation(train), rng.permutation(test)
-
-
-def _approximate_mode(class_counts: np.ndarray, n_draws: int, rng: np.random.RandomState) -> np.ndarray:
-    """How many of ``n_draws`` each class gets: its proportional share rounded down, the rest handed
-    out by the largest remainders, ties broken at random (scikit-learn's ``_approximate_mode``)."""
-    continuous = class_counts / class_counts.sum() * n_draws
-    floored = np.floor(continuous)
-    need = int(n_draws - floored.sum())
-    if need > 0:
-        remainder = continuous - floored
-        for value in np.sort(np.unique(remainder))[::-1]:
-            (candidates,) = np.where(remainder == value)
-            take = min(len(candidates), need)
-            floored[rng.choice(candidates, size=take, replace=False)] += 1
-            need -= take
-            if need == 0:
-                break
-    return floored.astype(int)
-
-
-def read_rows(
-    spec: DataSpec, seed: int, detect, normalize, *, s3: providers.S3Settings = providers.S3Settings()
-) -> tuple[pd.DataFrame, pd.DataFrame, str, dict[str, int]]:
-    """(train, eval, format, dropped): data.train read (s3:// as ``s3`` says) and its format detected
-    (``detect(table, spec)``), data.train and data.eval normalized alike (``normalize(table, spec,
-    format, field, dropped, "train" | "eval")``, which counts what it drops into ``dropped``), then
-    ``split_rows``."""
-    dropped: dict[str, int] = {}
-    tables = {}
-    for which in ("train", "eval"):
-        uri = getattr(spec, which)
-        if uri:
-            split = spec.train_split if which == "train" else spec.eval_split
-            tables[which] = read_table(
-                uri, field=f"data.{which}", split=split, encoding=spec.encoding, max_input_mb=spec.max_input_mb, s3=s3
-            )
-    fmt = detect(tables["train"], spec)
-    rows = {which: normalize(t, spec, fmt, f"data.{which}", dropped, which) for which, t in tables.items()}
-    train, evald = split_rows(rows["train"], rows.get("eval"), spec, seed)
-    return train, evald, fmt, dropped
-
-
-# An evaluation split carved out of data.train is evaluated on at most this many rows (a seeded subset)
-# unless data.max_eval_samples says otherwise. Why: a carve-out grows with the training set, and every
-# eval_every paid for all of it (10,242 rows evaluated for 2 training steps of a 205k-row set); 10,000
-# rows put a 2-sigma band of about ±1 point on an accuracy near 0.5. A given data.eval is the user's
-# choice and is not capped.
-CARVED_EVAL_CAP = 10_000
-
-
-def eval_cap(spec: DataSpec, n_eval: int, carved: bool) -> int | None:
-    """How many of ``n_eval`` evaluation rows to keep (None: all): data.max_eval_samples, else
-    ``CARVED_EVAL_CAP`` for a split carved out of data.train (said in the log)."""
-    if spec.max_eval_samples:
-        return spec.max_eval_samples if n_eval > spec.max_eval_samples else None
-    if carved and n_eval > CARVED_EVAL_CAP:
-        log.info(
-            "data: the evaluation split carved out of data.train has %d rows; evaluating on a seeded %d of them "
-            "(set data.max_eval_samples to choose)",
-            n_eval,
-            CARVED_EVAL_CAP,
-        )
-        return CARVED_EVAL_CAP
-    return None
-
-
-def split_rows(train: pd.DataFrame, evald: pd.DataFrame | None, spec: DataSpec, seed: int):
-    """(train, eval) rows: without eval rows, data.eval_fraction of the train rows held out (seeded);
-    then each capped at data.max_train_samples / ``eval_cap`` (a seeded subset, in file order)."""
-    carved = evald is None
-    if evald is None:
-        n_eval = max(1, round(len(train) * spec.eval_fraction))
-        if n_eval >= len(train):
-            raise KubetuneError(
-                f"{len(train)} rows are too few to hold out {spec.eval_fraction:.0%} for evaluation",
-                field="data.eval_fraction",
-                fix="add data, lower data.eval_fraction, or give data.eval",
-            )
-        perm = np.random.default_rng(seed).permutation(len(train))
-        evald, train = train.iloc[np.sort(perm[:n_eval])], train.iloc[np.sort(perm[n_eval:])]
-    if spec.max_train_samples and len(train) > spec.max_train_samples:
-        train = train.sample(n=spec.max_train_samples, random_state=seed).sort_index()
-    if cap := eval_cap(spec, len(evald), carved):
-        evald = evald.sample(n=cap, random_state=seed).sort_index()
-    return train.reset_index(drop=True), evald.reset_index(drop=True)

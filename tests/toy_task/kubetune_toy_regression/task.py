@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from kubetune import artifacts
 from kubetune.artifacts.presentation import Presentation
 from kubetune.data import Batch, tokenized
-from kubetune.data.tables import read_rows
+from kubetune.data.splits import read_rows
 from kubetune.errors import KubetuneError
 from kubetune.providers import S3Settings
 from kubetune.tasks.base import LossOutput, Prepared, Task, tokenize_on_node

@@ -19,8 +19,9 @@ import torch
 
 from kubetune.config import DataSpec
 from kubetune.data import Batch
+from kubetune.data.columns import NonText
 from kubetune.data.rows import RowSplit, read_split
-from kubetune.data.tables import NonText, short
+from kubetune.data.tables import short
 from kubetune.errors import KubetuneError
 from kubetune.providers import S3Settings
 

@@ -14,8 +14,10 @@ import pyarrow as pa
 import torch
 
 from kubetune.data import Batch
+from kubetune.data.columns import NonText, is_nested
 from kubetune.data.rows import Rows, RowSplit, read_split
-from kubetune.data.tables import NonText, is_nested, short, split_indices
+from kubetune.data.splits import split_indices
+from kubetune.data.tables import short
 from kubetune.errors import KubetuneError
 from kubetune.providers import S3Settings
 from kubetune.tasks.classify import ClassificationData

@@ -13,8 +13,9 @@ import pandas as pd
 import torch
 
 from kubetune.data import Batch
+from kubetune.data.columns import NonText
 from kubetune.data.rows import RowSplit, read_split
-from kubetune.data.tables import NonText, short
+from kubetune.data.tables import short
 from kubetune.errors import KubetuneError
 from kubetune.providers import S3Settings
 from kubetune.tasks.causal_lm.data import IGNORE, RECORD_SCHEMA, ROLES
