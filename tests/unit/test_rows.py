@@ -196,3 +196,34 @@ def test_long_tokenization_logs_its_progress(tmp_path, monkeypatch, caplog):
     lines = [r.getMessage() for r in caplog.records if "tokenizing train" in r.getMessage()]
     assert len(lines) >= 4 and "rows/s" in lines[0] and "s left" in lines[0], lines
     assert np.array_equal(np.asarray(ds["length"]), frames.train["record"].str.len().to_numpy())
+
+
+def test_a_pool_of_worker_processes_tokenizes_as_one_process_does(tmp_path, monkeypatch):
+    """More cores than processes on the node: the share is cut into pieces a spawned pool tokenizes
+    (each piece its own part file); the tokens, in row order, equal one process's."""
+    import functools
+
+    from transformers import AutoTokenizer
+
+    from kubetune.distributed import DistEnv
+    from kubetune.tasks.causal_lm import task as causal
+
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join(json.dumps(_chat(i)) for i in range(400)) + "\n")
+    frames = load_lm_frames(CausalLMData(train=str(path), format="chat"), 0)
+    tok = AutoTokenizer.from_pretrained(rows_mod.Path(causal.__file__).parents[2] / "assets" / "tiny-llama")
+    causal.ensure_chat_template(tok)
+    encode = functools.partial(causal._encode, tokenizer=tok, max_length=64, train_on_prompt=False)
+
+    def run(fingerprint: str):
+        return rows_mod.tokenized_rows(
+            frames.rows, frames.train_ids, env=DistEnv(), fingerprint=fingerprint, encode=encode, what="train"
+        )
+
+    one, _, _ = run("one")
+    monkeypatch.setattr(rows_mod, "_cores", lambda: 2)
+    monkeypatch.setattr(rows_mod, "POOL_MIN_ROWS", 10)
+    pooled, hit, key = run("pooled")
+    assert not hit and pooled["input_ids"] == one["input_ids"] and pooled["labels"] == one["labels"]
+    parts = json.loads((tmp_path / "cache" / "tokenized" / key / "parts.json").read_text())["parts"]
+    assert len(parts) == 8 and parts == sorted(parts)  # 2 workers x 4 pieces, in row order

@@ -47,6 +47,7 @@ TOKENS_VERSION = "2"
 # tokenization logs nothing).
 PROGRESS_EVERY_S = 15.0
 TOKENIZE_BATCH = 1000  # rows per call of the task's encoder
+POOL_MIN_ROWS = 50_000  # rows per worker below which a pool's start-up (seconds) is not worth it
 
 
 class Normalizer(Protocol):
@@ -70,6 +71,7 @@ class Rows:
     ds: Any  # datasets.Dataset
     key: str  # the cache key: the files' content, how they were read and normalized
     facts: dict = field(default_factory=dict)
+    path: str = ""  # the Arrow file (a pool's worker processes open it themselves)
 
     def __len__(self) -> int:
         return len(self.ds)
@@ -105,7 +107,7 @@ def normalized_rows(
         facts = json.loads((path / "facts.json").read_text())
         for name, message in facts.get("warnings", []):
             logging.getLogger(name).warning("%s", message)
-        return Rows(datasets.Dataset.from_file(str(path / "rows.arrow")), key, facts)
+        return Rows(datasets.Dataset.from_file(str(path / "rows.arrow")), key, facts, str(path / "rows.arrow"))
     if max_input_mb is None:
         _check_free_space(source, field)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -126,7 +128,7 @@ def normalized_rows(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return Rows(datasets.Dataset.from_file(str(path / "rows.arrow")), key, facts)
+    return Rows(datasets.Dataset.from_file(str(path / "rows.arrow")), key, facts, str(path / "rows.arrow"))
 
 
 def _write_rows(source: Source, field: str, split: str | None, norm: Normalizer, out: Path) -> dict:
@@ -241,12 +243,14 @@ def tokenized_rows(
     if not hit:
         staging.mkdir(parents=True, exist_ok=True)
         lo, hi = env.local_rank * len(ids) // n_local, (env.local_rank + 1) * len(ids) // n_local
-        part = staging / f"part-{env.local_rank:05d}.arrow"
-        _tokenize_part(rows, ids[lo:hi], encode, part, env, len(ids), what, staging)
+        try:
+            _tokenize_share(rows, ids[lo:hi], encode, staging, env, len(ids), what)
+        except OSError as e:
+            raise _disk_error(e, staging, f"data.{what}") from None
     distributed.barrier()
     if env.is_local_main and not (path / "parts.json").is_file():
         try:
-            parts = [f"part-{r:05d}.arrow" for r in range(n_local)]
+            parts = sorted(p.name for p in staging.glob("part-*.arrow"))  # zero-padded: row order
             (staging / "parts.json").write_text(json.dumps({"parts": parts, "rows": len(ids)}))
             set_default_modes(staging)
             os.replace(staging, path)
@@ -263,35 +267,92 @@ def tokenized_rows(
     return ds, hit, key
 
 
-def _tokenize_part(rows: Rows, ids: np.ndarray, encode, part: Path, env, total: int, what: str, staging: Path):
-    """Tokenize rows ``ids`` into the Arrow file ``part`` (written under a temporary name, then renamed)."""
+def _cores() -> int:
+    """The CPUs this process may use: its affinity, capped by a cgroup v2 CPU quota (a Kubernetes CPU
+    limit, which the affinity does not show)."""
+    n = len(os.sched_getaffinity(0))
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        if quota != "max":
+            n = min(n, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    return n
+
+
+def _tokenize_share(rows: Rows, ids: np.ndarray, encode, staging: Path, env, total: int, what: str) -> None:
+    """This process's share of the node's tokenization, into part files ``part-RANK-PIECE.arrow`` (in row
+    order by name). With more cores than processes on the node, the share is cut into pieces that a
+    pool of worker processes tokenizes (spawned: each imports kubetune, a few seconds, so only for
+    shares worth it)."""
+    workers = max(1, _cores() // env.local_world_size)
+    if workers == 1 or len(ids) < POOL_MIN_ROWS * workers:
+        progress = _Progress(env, total, what, len(ids))
+        _tokenize_part(rows.path, ids, encode, staging / f"part-{env.local_rank:05d}-00000.arrow", progress)
+        return
+    import concurrent.futures
+    import multiprocessing
+
+    pieces = np.array_split(ids, workers * 4)  # a few pieces per worker: progress, and even ends
+    progress = _Progress(env, total, what, len(ids))
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {
+            pool.submit(
+                _tokenize_part, rows.path, piece, encode, staging / f"part-{env.local_rank:05d}-{j:05d}.arrow"
+            ): len(piece)
+            for j, piece in enumerate(pieces)
+        }
+        for future in concurrent.futures.as_completed(futures):
+            future.result()  # a worker's error is this process's
+            progress.add(futures[future])
+
+
+class _Progress:
+    """The node's tokenization progress, logged by local rank 0 every PROGRESS_EVERY_S (its share's
+    pace stands for the node's: the shares are equal)."""
+
+    def __init__(self, env, total: int, what: str, share: int):
+        self.env, self.total, self.what, self.share = env, total, what, share
+        self.done = 0
+        self.started = self.last = time.monotonic()
+
+    def add(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if not self.env.is_local_main or now - self.last < PROGRESS_EVERY_S:
+            return
+        self.last = now
+        rate = self.done / (now - self.started)
+        log.info(
+            "data: tokenizing %s: %d of %d rows on this node (%d processes), %.0f rows/s, about %.0f s left",
+            self.what,
+            min(self.total, self.done * self.env.local_world_size),
+            self.total,
+            self.env.local_world_size,
+            rate * self.env.local_world_size,
+            (self.share - self.done) / max(rate, 1e-9),
+        )
+
+
+def _tokenize_part(rows_path: str, ids: np.ndarray, encode, part: Path, progress: _Progress | None = None) -> None:
+    """Tokenize rows ``ids`` of the normalized rows at ``rows_path`` into the Arrow file ``part``
+    (written under a temporary name, then renamed; a worker process of the pool runs it too)."""
+    import datasets
+
+    ds = datasets.Dataset.from_file(rows_path)
     tmp = part.with_name(f".{part.name}.{os.getpid()}.tmp")
-    started = last = time.monotonic()
     writer = sink = schema = None
     try:
         for lo in range(0, len(ids), TOKENIZE_BATCH):
-            batch = rows.ds[ids[lo : lo + TOKENIZE_BATCH].tolist()]
-            table = _arrow_columns(encode(pd.DataFrame(batch)))
+            table = _arrow_columns(encode(pd.DataFrame(ds[ids[lo : lo + TOKENIZE_BATCH].tolist()])))
             if writer is None:
                 schema, sink = table.schema, pa.OSFile(str(tmp), "wb")
                 writer = pa.ipc.new_stream(sink, schema)
             writer.write_table(table.cast(schema) if table.schema != schema else table)
-            now = time.monotonic()
-            if env.is_local_main and now - last >= PROGRESS_EVERY_S:
-                last = now
-                done = lo + len(table)
-                rate = done / (now - started)
-                log.info(
-                    "data: tokenizing %s: %d of %d rows on this node (%d processes), %.0f rows/s, about %.0f s left",
-                    what,
-                    done * env.local_world_size,
-                    total,
-                    env.local_world_size,
-                    rate * env.local_world_size,
-                    (len(ids) - done) / max(rate, 1e-9),
-                )
+            if progress is not None:
+                progress.add(len(table))
         if writer is None:  # no rows for this process: an empty part with the columns of an encoded row
-            table = _arrow_columns(encode(pd.DataFrame(rows.ds[[0]]))).slice(0, 0)
+            table = _arrow_columns(encode(pd.DataFrame(ds[[0]]))).slice(0, 0)
             sink = pa.OSFile(str(tmp), "wb")
             writer = pa.ipc.new_stream(sink, table.schema)
             writer.write_table(table)
@@ -299,9 +360,6 @@ def _tokenize_part(rows: Rows, ids: np.ndarray, encode, part: Path, env, total: 
         sink.close()
         writer = sink = None
         os.replace(tmp, part)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise _disk_error(e, staging, f"data.{what}") from None
     finally:
         if writer is not None:
             writer.close()
