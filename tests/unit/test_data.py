@@ -212,7 +212,14 @@ def test_tokenization_cache(tmp_path, frame, monkeypatch):
             frames.rows, frames.train_ids, env=env, fingerprint="classify:12", encode=partial(counted, rank=r), what="t"
         )
 
-    with mock.patch("kubetune.data.rows.distributed.barrier", lambda: barrier.wait(timeout=60)):
+    def gather(obj):  # as all_gather_object synchronizes the ranks (each thread sees its own object)
+        barrier.wait(timeout=60)
+        return [obj]
+
+    with (
+        mock.patch("kubetune.data.rows.distributed.barrier", lambda: barrier.wait(timeout=60)),
+        mock.patch("kubetune.data.rows.distributed.all_gather_object", gather),
+    ):
         threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
         for t in threads:
             t.start()

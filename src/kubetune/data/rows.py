@@ -36,7 +36,7 @@ import pyarrow as pa
 from kubetune import distributed, providers
 from kubetune.data.splits import split_ids
 from kubetune.data.tables import Source, check_source, read_chunks, short
-from kubetune.errors import KubetuneError
+from kubetune.errors import AgreedError, KubetuneError
 from kubetune.paths import cache_root, set_default_modes
 
 log = logging.getLogger(__name__)
@@ -192,6 +192,21 @@ def column(ds, name: str) -> np.ndarray:
     return np.asarray(ds.with_format("arrow")[name].to_numpy())
 
 
+def agreed(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on this rank, then a collective in which every rank learns whether any rank's ``fn``
+    raised a KubetuneError: then every rank raises the first one (as an ``AgreedError``, said once,
+    by rank 0) instead of waiting at the next collective for a rank that has left. Every rank calls it."""
+    result, error = None, None
+    try:
+        result = fn()
+    except KubetuneError as e:
+        error = str(e)
+    first = next((e for e in distributed.all_gather_object(error) if e is not None), None)
+    if first is not None:
+        raise AgreedError(first)
+    return result
+
+
 # ---------------------------------------------------------------- tokenization on every process
 
 
@@ -240,14 +255,18 @@ def tokenized_rows(
     # The node's processes are children of one launcher (torch's elastic agent): its pid names this
     # run's staging directory, which no other run on the node writes into or renames away.
     staging = root / f".{key}.{n_local}.{socket.gethostname()}.{os.getppid()}.staging"
-    if not hit:
-        staging.mkdir(parents=True, exist_ok=True)
+
+    def share() -> None:
+        if hit:
+            return
         lo, hi = env.local_rank * len(ids) // n_local, (env.local_rank + 1) * len(ids) // n_local
         try:
+            staging.mkdir(parents=True, exist_ok=True)
             _tokenize_share(rows, ids[lo:hi], encode, staging, env, len(ids), what)
         except OSError as e:
             raise _disk_error(e, staging, f"data.{what}") from None
-    distributed.barrier()
+
+    agreed(share)  # the barrier after which every part is written
     if env.is_local_main and not (path / "parts.json").is_file():
         try:
             parts = sorted(p.name for p in staging.glob("part-*.arrow"))  # zero-padded: row order

@@ -16,7 +16,7 @@ from kubetune import distributed
 from kubetune.artifacts.presentation import Presentation
 from kubetune.config import JobSpec
 from kubetune.data import Batch
-from kubetune.data.rows import column
+from kubetune.data.rows import agreed, column
 from kubetune.distributed import DistEnv
 from kubetune.providers import S3Settings
 
@@ -120,8 +120,7 @@ def evaluate(
 def on_node_first(env: DistEnv, fn: Callable[[], Any]) -> Any:
     """``fn()`` on local rank 0 first, then on the node's other ranks (which then find in the cache
     what local rank 0 wrote there, e.g. the normalized rows). Collective: every rank calls it."""
-    result = fn() if env.is_local_main else None
-    distributed.barrier()
+    result = agreed(fn if env.is_local_main else lambda: None)  # a user error on one node stops every rank
     return result if env.is_local_main else fn()
 
 
