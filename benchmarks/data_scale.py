@@ -194,7 +194,7 @@ def _status_kib(pid: int) -> dict[str, int]:
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith(("VmHWM:", "VmRSS:")):
+                if line.startswith(("VmHWM:", "VmRSS:", "RssAnon:")):
                     name, kib = line.split()[:2]
                     values[name[:-1]] = int(kib)
     except OSError:
@@ -213,6 +213,9 @@ class TreeWatcher(threading.Thread):
         super().__init__(daemon=True)
         self.root, self.limit_mib = root, limit_mib
         self.peak_kib: dict[int, int] = {}
+        # RssAnon, sampled: the process's own memory, without the file pages of memory-mapped Arrow that
+        # VmHWM counts (the kernel reclaims those under pressure; they are the page cache, not the process)
+        self.anon_kib: dict[int, int] = {}
         self.cmdline: dict[int, str] = {}
         self.over_limit = False
         self.done = threading.Event()
@@ -225,6 +228,7 @@ class TreeWatcher(threading.Thread):
                 if "VmHWM" not in status:  # gone, or a zombie
                     continue
                 self.peak_kib[pid] = max(self.peak_kib.get(pid, 0), status["VmHWM"])
+                self.anon_kib[pid] = max(self.anon_kib.get(pid, 0), status.get("RssAnon", 0))
                 resident += status["VmRSS"]
                 if pid not in self.cmdline:
                     try:
@@ -236,9 +240,11 @@ class TreeWatcher(threading.Thread):
                 stop_tree(self.root)
             self.done.wait(POLL_S)
 
-    def peaks_mib(self, match: str) -> list[float]:
-        """The peaks of the processes whose command line contains ``match``, in MiB."""
-        return [kib / 1024 for pid, kib in self.peak_kib.items() if match in self.cmdline.get(pid, "")]
+    def peaks_mib(self, match: str, anon: bool = False) -> list[float]:
+        """The peaks (VmHWM, or with ``anon`` the sampled RssAnon) of the processes whose command line
+        contains ``match``, in MiB."""
+        peaks = self.anon_kib if anon else self.peak_kib
+        return [kib / 1024 for pid, kib in peaks.items() if match in self.cmdline.get(pid, "")]
 
 
 def _tree(root: int) -> set[int]:
@@ -276,6 +282,7 @@ class Run:
     status: str = "ok"  # ok, timeout, over the memory limit, failed (exit code)
     worker_peak_mib: float | None = None  # the largest worker's VmHWM (the datasets process itself)
     launcher_peak_mib: float | None = None  # kubetune's launcher (`kubetune run`, which reads the data too)
+    worker_anon_mib: float | None = None  # the largest worker's sampled RssAnon (memory-mapped files left out)
     data_ready_s: float | None = None
     first_step_s: float | None = None  # datasets: its data ready (it has no step)
     total_s: float | None = None
@@ -391,6 +398,8 @@ def run_kubetune(inp: Input, procs: int, work: Path, timeout: float, limit_mib: 
     run.cpu_s, run.other_cpu_s, run.marks = got["cpu"], got["other_cpu"], got["seen"]
     workers = w.peaks_mib("kubetune.worker")
     run.worker_peak_mib = max(workers) if workers else None
+    anon = w.peaks_mib("kubetune.worker", anon=True)
+    run.worker_anon_mib = max(anon) if anon else None
     run.launcher_peak_mib = w.peak_kib.get(w.root, 0) / 1024 or None
     run.data_ready_s, run.first_step_s = got["seen"].get("data"), got["seen"].get("step")
     metrics = out / "metrics.json"
@@ -411,6 +420,8 @@ def run_datasets(inp: Input, work: Path, timeout: float, limit_mib: float) -> Ru
     peaks = list(w.peak_kib.values())
     own = json.loads(result.read_text())["vmhwm_mib"] if result.exists() else 0.0  # exact, read at its end
     run.worker_peak_mib = max([own, *(p / 1024 for p in peaks)]) if peaks or own else None
+    anon = list(w.anon_kib.values())
+    run.worker_anon_mib = max(anon) / 1024 if anon else None
     run.data_ready_s = run.first_step_s = got["seen"].get("ready")
     if run.status != "ok":
         run.tail = got["tail"]
@@ -464,14 +475,15 @@ def markdown(runs: list[Run], meta: dict) -> str:
         f"datasets {meta['datasets']}, transformers {meta['transformers']}. "
         "`python benchmarks/data_scale.py " + " ".join(meta["argv"]) + "`",
         "",
-        "| input | tool | processes | peak RSS per process (MiB) | launcher peak RSS (MiB) | data ready (s) "
-        "| time to first step (s) | total (s) | CPU s: the run / other processes | status |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| input | tool | processes | peak RSS per process (MiB) | of it anonymous (MiB) | launcher peak RSS (MiB) "
+        "| data ready (s) | time to first step (s) | total (s) | CPU s: the run / other processes | status |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in runs:
         lines.append(
             f"| {r.fmt}, {r.bytes / MIB:,.1f} MiB, {r.rows:,} rows | {r.tool} | {r.procs} | {_fmt(r.worker_peak_mib)} "
-            f"| {_fmt(r.launcher_peak_mib)} | {_fmt(r.data_ready_s, 1)} | {_fmt(r.first_step_s, 1)} "
+            f"| {_fmt(r.worker_anon_mib)} | {_fmt(r.launcher_peak_mib)} "
+            f"| {_fmt(r.data_ready_s, 1)} | {_fmt(r.first_step_s, 1)} "
             f"| {_fmt(r.total_s, 1)} | {_fmt(r.cpu_s)} / {_fmt(r.other_cpu_s)} | {r.status} |"
         )
     lines += [
