@@ -59,6 +59,30 @@ def small_csv(tmp_path_factory, corpus) -> Path:
     return path
 
 
+@pytest.fixture
+def tmpfs(tmp_path):
+    """``tmpfs(size)`` mounts a real size-limited tmpfs (e.g. "3m") under tmp_path and returns it;
+    unmounted after the test. Skips the test where it cannot mount (not root, no mount(8))."""
+    mounts: list[Path] = []
+
+    def mount(size: str) -> Path:
+        if os.geteuid() != 0 or shutil.which("mount") is None:
+            pytest.skip("needs root and mount(8) for a size-limited tmpfs")
+        mnt = tmp_path / f"disk{len(mounts)}"
+        mnt.mkdir()
+        probe = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True, text=True
+        )
+        if probe.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {probe.stderr.strip()}")
+        mounts.append(mnt)
+        return mnt
+
+    yield mount
+    for mnt in mounts:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
 def write_spec(path: Path, spec: dict) -> Path:
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -109,42 +108,32 @@ def test_rerun_into_a_finished_output_is_refused_and_overwrite_keeps_the_users_f
     assert (out / "model" / "model.safetensors").stat().st_mtime_ns != weights
 
 
-def test_a_full_disk_leaves_the_previous_run_intact(tmp_path):
+def test_a_full_disk_leaves_the_previous_run_intact(tmpfs):
     """A real 3 MiB tmpfs: the first run fits, a second one cannot also fit beside it while it is
     being staged. The second fails in one line and the first run's artifacts stay whole."""
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("needs root and mount(8) for a size-limited tmpfs")
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    probe = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if probe.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {probe.stderr.strip()}")
-    try:
-        out = mnt / "out"
-        first = _run(out, "--set", "lora=null")  # a full fine-tune: no adapter, only model/ (1.6 MB)
-        assert first.returncode == 0, first.stderr[-3000:]
-        # the live files (history, progress, events) are the latest attempt's; the rest is the first run's
-        before = {
-            p.relative_to(out): p.read_bytes()
-            for p in out.rglob("*")
-            if p.is_file() and p.parts[len(out.parts)] not in ("history.jsonl", "progress.json", "tensorboard")
-        }
-        second = _run(out, "--set", "lora=null", "--overwrite")
-        assert second.returncode == 2, second.stderr[-3000:]
-        assert "Traceback" not in second.stderr
-        assert any(
-            f"output.uri: cannot write the artifacts to {out}: No space left on device" in line
-            for line in _errors(second)
-        )
-        after = {
-            p.relative_to(out): p.read_bytes()
-            for p in out.rglob("*")
-            if p.is_file() and p.parts[len(out.parts)] not in ("history.jsonl", "progress.json", "tensorboard")
-        }
-        assert {k: v for k, v in after.items() if k.parts[0] != "checkpoints"} == before  # the first run, byte for byte
-        assert not list(out.glob(".kubetune-staging-*"))
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
+    mnt = tmpfs("3m")
+    out = mnt / "out"
+    first = _run(out, "--set", "lora=null")  # a full fine-tune: no adapter, only model/ (1.6 MB)
+    assert first.returncode == 0, first.stderr[-3000:]
+    # the live files (history, progress, events) are the latest attempt's; the rest is the first run's
+    before = {
+        p.relative_to(out): p.read_bytes()
+        for p in out.rglob("*")
+        if p.is_file() and p.parts[len(out.parts)] not in ("history.jsonl", "progress.json", "tensorboard")
+    }
+    second = _run(out, "--set", "lora=null", "--overwrite")
+    assert second.returncode == 2, second.stderr[-3000:]
+    assert "Traceback" not in second.stderr
+    assert any(
+        f"output.uri: cannot write the artifacts to {out}: No space left on device" in line for line in _errors(second)
+    )
+    after = {
+        p.relative_to(out): p.read_bytes()
+        for p in out.rglob("*")
+        if p.is_file() and p.parts[len(out.parts)] not in ("history.jsonl", "progress.json", "tensorboard")
+    }
+    assert {k: v for k, v in after.items() if k.parts[0] != "checkpoints"} == before  # the first run, byte for byte
+    assert not list(out.glob(".kubetune-staging-*"))
 
 
 def test_ctrl_c_during_start_up_says_so(tmp_path):

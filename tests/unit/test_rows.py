@@ -7,9 +7,6 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import os
-import shutil
-import subprocess
 
 import numpy as np
 import pandas as pd
@@ -143,26 +140,17 @@ def test_a_full_disk_leaves_no_half_written_rows(tmp_path, monkeypatch):
     assert len(load_lm_frames(spec, 0).train_ids) == 36  # the next run reads it whole
 
 
-def test_a_real_full_disk_while_writing_the_cache(tmp_path, monkeypatch):
+def test_a_real_full_disk_while_writing_the_cache(tmp_path, monkeypatch, tmpfs):
     """The cache on a real 1 MiB tmpfs, 3 MB of rows to write (data.max_input_mb given, so the estimate
     before reading is not made): one line, no cache entry and no temporary left on that disk."""
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("needs root and mount(8) for a size-limited tmpfs")
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    probe = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if probe.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {probe.stderr.strip()}")
-    try:
-        monkeypatch.setenv("KUBETUNE_CACHE", str(mnt / "cache"))
-        path = tmp_path / "chat.jsonl"
-        path.write_text("\n".join(json.dumps(_chat(i)) + " " * 30 for i in range(30_000)) + "\n")
-        with pytest.raises(KubetuneError) as e:
-            load_lm_frames(CausalLMData(train=str(path), format="chat", max_input_mb=100), 0)
-        assert "\n" not in str(e.value) and "filled up" in str(e.value), str(e.value)
-        assert list((mnt / "cache" / "rows").iterdir()) == []
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
+    mnt = tmpfs("1m")
+    monkeypatch.setenv("KUBETUNE_CACHE", str(mnt / "cache"))
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join(json.dumps(_chat(i)) + " " * 30 for i in range(30_000)) + "\n")
+    with pytest.raises(KubetuneError) as e:
+        load_lm_frames(CausalLMData(train=str(path), format="chat", max_input_mb=100), 0)
+    assert "\n" not in str(e.value) and "filled up" in str(e.value), str(e.value)
+    assert list((mnt / "cache" / "rows").iterdir()) == []
 
 
 def test_data_larger_than_the_free_disk_is_refused_before_reading(tmp_path, monkeypatch):

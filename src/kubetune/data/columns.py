@@ -6,6 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from kubetune.data.tables import short
+from kubetune.errors import KubetuneError
+
 
 def describe_non_text(series: pd.Series) -> str | None:
     """What a column holds when none of its values is text (numbers, booleans, nested values); None
@@ -49,3 +52,24 @@ class NonText:
 
 def is_nested(value) -> bool:
     return isinstance(value, (list, tuple, dict, np.ndarray))
+
+
+def check_table(
+    rows: int, text: dict[str, NonText], spec, source: str, field: str, *, rows_fix: str, text_fix: str
+) -> None:
+    """The checks over a whole table read in chunks, shared by the tasks' normalizers: it has rows
+    (``rows`` read), and each text column (``text`` keyed by its spec key, data.KEY) held text in
+    some chunk. ``text_fix`` may name the key as ``{key}``.
+
+    Raises:
+        KubetuneError: the first that fails, naming the field, what the column holds and the fix.
+    """
+    if rows == 0:
+        raise KubetuneError(f"{source} has no rows", field=field, fix=rows_fix)
+    for key, check in text.items():
+        if what := check.result:
+            raise KubetuneError(
+                f"column '{short(getattr(spec, key), 40)}' of {short(source)} holds {what}, not text",
+                field=f"data.{key}",
+                fix=text_fix.format(key=key),
+            )

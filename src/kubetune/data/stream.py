@@ -59,8 +59,8 @@ from kubetune.data.tables import (
     FILE_SUFFIXES,
     KUBETUNE_MANIFEST,
     Source,
-    _dir_data_files,
     check_source,
+    dir_data_files,
     read_chunks,
     short,
 )
@@ -190,7 +190,7 @@ def list_shards(uri: str, *, field: str, s3: providers.S3Settings = providers.S3
         return _s3_listing(uri, field, s3)
     path = providers.resolve(uri, kind="dataset", field=field, s3=s3)
     if path.is_dir():
-        _, files = _dir_data_files(path, uri, field)
+        _, files = dir_data_files(path, uri, field)
         names = [file.relative_to(path).as_posix() for file, _ in files]
         shards = [Shard(n, _join(uri, n), size, _local_version(f)) for n, (f, size) in zip(names, files)]
     else:

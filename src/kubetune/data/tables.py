@@ -169,7 +169,7 @@ def check_source(
     tables. Raises KubetuneError (one line) as ``read_table`` does."""
     path = providers.resolve(uri, kind="dataset", field=field, s3=s3)
     if path.is_dir():
-        kind, files = _dir_data_files(path, uri, field)
+        kind, files = dir_data_files(path, uri, field)
         _check_size(sum(size for _, size in files), uri, field, max_input_mb, what="the data files in ")
         if kind in TEXT_FORMATS:
             for file, size in files:
@@ -305,7 +305,7 @@ def _check_size(size: int, uri: str, field: str, max_input_mb: int | None, what:
         )
 
 
-def _dir_data_files(path: Path, uri: str, field: str) -> tuple[str | None, list[tuple[Path, int]]]:
+def dir_data_files(path: Path, uri: str, field: str) -> tuple[str | None, list[tuple[Path, int]]]:
     """The data files in a directory (as `datasets` finds them: hidden ones skipped) and their kind."""
     files, suffixes = [], Counter()
     for root, dirs, names in os.walk(path):

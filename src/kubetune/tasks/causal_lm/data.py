@@ -19,7 +19,7 @@ import torch
 
 from kubetune.config import DataSpec
 from kubetune.data import Batch
-from kubetune.data.columns import NonText
+from kubetune.data.columns import NonText, check_table
 from kubetune.data.rows import RowSplit, read_split
 from kubetune.data.tables import short
 from kubetune.errors import KubetuneError
@@ -129,18 +129,15 @@ class _Normalizer:
         return {"record": kept}
 
     def finish(self, kept: int) -> dict:
-        if self.rows == 0:
-            raise KubetuneError(
-                f"{self.source} has no rows", field=self.field_name, fix="point it at data with at least one row"
-            )
-        for key, check in self.non_text.items():
-            if what := check.result:
-                col = getattr(self.spec, key)
-                raise KubetuneError(
-                    f"column '{short(col, 40)}' of {short(self.source)} holds {what}, not text",
-                    field=f"data.{key}",
-                    fix=f"set data.{key} to the text column",
-                )
+        check_table(
+            self.rows,
+            self.non_text,
+            self.spec,
+            self.source,
+            self.field_name,
+            rows_fix="point it at data with at least one row",
+            text_fix="set data.{key} to the text column",
+        )
         if self.dropped:
             log.warning(
                 "%s: dropped %d of %d rows with a missing/empty text, instruction, output or assistant turn",

@@ -14,7 +14,7 @@ import pyarrow as pa
 import torch
 
 from kubetune.data import Batch
-from kubetune.data.columns import NonText, is_nested
+from kubetune.data.columns import NonText, check_table, is_nested
 from kubetune.data.rows import Rows, RowSplit, read_split
 from kubetune.data.splits import split_indices
 from kubetune.data.tables import short
@@ -88,11 +88,12 @@ class _Normalizer:
     def __init__(self, spec: ClassificationData, field: str, train_facts: dict | None):
         self.spec, self.field, self.train_facts = spec, field, train_facts
         self.source = short(getattr(spec, field.split(".")[1]))
-        self.columns = [spec.text_column] + ([spec.text_pair_column] if spec.text_pair_column else [])
+        self.text_keys = ["text_column"] + (["text_pair_column"] if spec.text_pair_column else [])
+        self.columns = [getattr(spec, key) for key in self.text_keys]
         fields = [("text", pa.string())] + ([("text_pair", pa.string())] if spec.text_pair_column else [])
         self.schema = pa.schema([*fields, (LABEL_KEY, pa.string())])
         self.rows = self.dropped = 0
-        self.non_text = {col: NonText() for col in self.columns}
+        self.non_text = {key: NonText() for key in self.text_keys}  # by spec key, as check_table names them
         self.keys: set[str] = set()
         self.fractional: set[float] = set()
 
@@ -115,8 +116,8 @@ class _Normalizer:
                     )
         df = df.reindex(columns=[*self.columns, spec.label_column])
         self.rows += len(df)
-        for col in self.columns:
-            self.non_text[col].update(df[col])
+        for key, check in self.non_text.items():
+            check.update(df[getattr(spec, key)])
         label = df[spec.label_column]
         if label.dtype == object and label.map(is_nested).any():
             raise KubetuneError(
@@ -146,18 +147,15 @@ class _Normalizer:
 
     def finish(self, kept: int) -> dict:
         spec = self.spec
-        if self.rows == 0:
-            raise KubetuneError(
-                f"{self.source} has no rows", field=self.field, fix="point it at data with at least one labeled row"
-            )
-        for col, check in self.non_text.items():
-            if what := check.result:
-                key = "text_column" if col == spec.text_column else "text_pair_column"
-                raise KubetuneError(
-                    f"column '{short(col, 40)}' of {self.source} holds {what}, not text",
-                    field=f"data.{key}",
-                    fix=f"set data.{key} to the text column",
-                )
+        check_table(
+            self.rows,
+            self.non_text,
+            spec,
+            self.source,
+            self.field,
+            rows_fix="point it at data with at least one labeled row",
+            text_fix="set data.{key} to the text column",
+        )
         if self.dropped:
             log.warning(
                 "%s: dropped %d of %d rows with a missing/empty text or label", self.field, self.dropped, self.rows

@@ -13,7 +13,7 @@ import pandas as pd
 import torch
 
 from kubetune.data import Batch
-from kubetune.data.columns import NonText
+from kubetune.data.columns import NonText, check_table
 from kubetune.data.rows import RowSplit, read_split
 from kubetune.data.tables import short
 from kubetune.errors import KubetuneError
@@ -116,17 +116,15 @@ class _Normalizer:
         return needed
 
     def finish(self, kept: int) -> dict:
-        if self.rows == 0:
-            raise KubetuneError(
-                f"{self.source} has no rows", field=self.field_name, fix="point it at data with at least one row"
-            )
-        for key, check in self.non_text.items():
-            if what := check.result:
-                raise KubetuneError(
-                    f"column '{short(getattr(self.spec, key), 40)}' of {short(self.source)} holds {what}, not text",
-                    field=f"data.{key}",
-                    fix=f"set data.{key} to a text column, or data.format: chat for message lists",
-                )
+        check_table(
+            self.rows,
+            self.non_text,
+            self.spec,
+            self.source,
+            self.field_name,
+            rows_fix="point it at data with at least one row",
+            text_fix="set data.{key} to a text column, or data.format: chat for message lists",
+        )
         n_drop = sum(self.reasons.values())
         if n_drop:
             log.warning(
