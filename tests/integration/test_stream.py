@@ -454,3 +454,25 @@ def test_an_s3_prefix_lists_in_a_directory_s_order_and_one_object_is_one_shard(m
         f"data.train: no data files under s3://{BUCKET}/no/such/prefix ({moto.url}) — check the bucket and prefix: "
         "streaming reads .csv, .tsv, .jsonl, .json, .parquet objects"
     )
+
+
+def test_streaming_spec_problems_are_one_line_each():
+    from kubetune.config.load import parse_spec
+
+    raw = {
+        "name": "s",
+        "task": "causal-lm",
+        "model": {"uri": "pkg://kubetune/assets/tiny-llama"},
+        "data": {"train": "s3://b/shards/", "streaming": True, "packing": True, "max_tokens_per_batch": 512},
+        "output": {"uri": "/tmp/x"},
+    }
+    with pytest.raises(KubetuneError) as e:
+        parse_spec(raw)
+    lines = e.value.problems
+    for needed in ("needs data.eval", "max_tokens_per_batch is not supported", "needs training.max_steps"):
+        assert sum(needed in line for line in lines) == 1, lines
+    ok = parse_spec(
+        {**raw, "data": {**raw["data"], "eval": "e.jsonl", "max_tokens_per_batch": None}, "training": {"max_steps": 5}}
+    )
+    assert ok.data.streaming and ok.data.shuffle_buffer == 1000
+    assert not parse_spec({**raw, "data": {"train": "t.jsonl"}}).data.streaming  # off by default

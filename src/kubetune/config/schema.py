@@ -382,6 +382,11 @@ def cross_problems(
             for name, section in own.items()
             if section is not None and name != data.task
         ]
+    if data is not None and getattr(data, "streaming", False) and training is not None and not training.max_steps:
+        out.append(
+            "data.streaming needs training.max_steps: the stream's length is not known before it is read — set "
+            "training.max_steps (training.epochs then bounds how often the stream is read)"
+        )
     mlflow = tracking.mlflow if tracking is not None else None
     if mlflow and mlflow.register_model and output is not None and not output.uri.startswith("s3://"):
         out.append(

@@ -49,11 +49,12 @@ class StepBatch:
     micro: list[Batch]
     global_count: int
     indices: np.ndarray
+    units: float | None = None  # the step's loss units over every rank, where the rows' units are not known up front
 
     def pin_memory(self) -> StepBatch:
         """Called by the DataLoader's pinning thread (pin_memory=True): page-locked tensors copy to the GPU
         asynchronously."""
-        return StepBatch([m.pin_memory() for m in self.micro], self.global_count, self.indices)
+        return StepBatch([m.pin_memory() for m in self.micro], self.global_count, self.indices, self.units)
 
 
 class _StepDataset(torch.utils.data.Dataset):

@@ -443,6 +443,11 @@ def read_split(
             settings=f"{settings}\ndata.{which}\n{train_facts.get('format') if train_facts else ''}",
         )
 
+    if getattr(spec, "streaming", False):  # data.train is streamed (``data.stream``): data.eval alone, whole
+        evald = rows("eval", None)
+        _, eval_ids = split_ids(0, len(evald), spec, seed)
+        dropped = {"eval": evald.facts["dropped"]} if evald.facts.get("dropped") else {}
+        return RowSplit(evald, evald, np.zeros(0, dtype=np.int64), eval_ids, evald.facts.get("format", ""), dropped)
     train = rows("train", None)
     evald = rows("eval", train.facts) if spec.eval else None
     train_ids, eval_ids = split_ids(

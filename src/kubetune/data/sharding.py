@@ -56,6 +56,12 @@ def plan_epochs(
     return reached, min(n_steps * len(reached), limit)
 
 
+def stream_epochs(epochs: int, max_steps: int) -> tuple[Sequence[int], int]:
+    """A stream's epochs (``data.streaming``): their steps are not known before they are read, so each
+    counts as up to ``max_steps``; the run's total steps are ``max_steps`` (fewer if the stream ends first)."""
+    return _Repeated(max_steps, epochs), max_steps
+
+
 class _Repeated(Sequence):
     """``count`` epochs of ``n`` steps each, without a list of ``count`` entries."""
 

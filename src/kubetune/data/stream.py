@@ -257,6 +257,12 @@ def _head(client, loc) -> dict | None:
         raise
 
 
+def origin(shard: int, row: int) -> int:
+    """A row's identity in a stream: its shard's place in the listing and its place among the shard's
+    kept rows, as one integer (what a trace records; ``shard << 32 | row``)."""
+    return shard << 32 | row
+
+
 class Stream:
     """One epoch's normalized rows of a listing (dicts of the normalizer's columns), in a seeded
     order; an iterator, with ``state_dict`` / ``load_state_dict`` between any two rows.
@@ -302,7 +308,8 @@ class Stream:
         self.index = 0  # rows handed out in this epoch: the next row's position in the epoch
         self.shard = 0  # the shard of the next row into the buffer
         self.row = 0  # rows of that shard already taken into the buffer
-        self.buffer: list[dict] = []
+        self.buffer: list[tuple[int, dict]] = []  # (origin, row)
+        self.origin = -1  # the origin (``origin``) of the last row handed out
         self.rng = np.random.default_rng([seed, epoch])
         self._source: Iterator[tuple[int, int, dict]] | None = None
 
@@ -322,7 +329,7 @@ class Stream:
             "index": self.index,
             "shard": self.shard,
             "row": self.row,
-            "buffer": [dict(r) for r in self.buffer],
+            "buffer": [[o, dict(r)] for o, r in self.buffer],
             "rng": self.rng.bit_generator.state,
             "seed": self.seed,
             "shuffle_buffer": self.shuffle_buffer,
@@ -353,7 +360,7 @@ class Stream:
                 )
         self.close()
         self.epoch, self.index, self.shard, self.row = state["epoch"], state["index"], state["shard"], state["row"]
-        self.buffer = [dict(r) for r in state["buffer"]]
+        self.buffer = [(int(o), dict(r)) for o, r in state["buffer"]]
         self.rng = np.random.Generator(np.random.PCG64())
         self.rng.bit_generator.state = state["rng"]
 
@@ -388,8 +395,9 @@ class Stream:
             self.shard, self.row, values = taken
             if not self.shuffle_buffer:
                 self.index += 1
+                self.origin = origin(self.shard, self.row - 1)
                 return values
-            self.buffer.append(values)
+            self.buffer.append((origin(self.shard, self.row - 1), values))
             if len(self.buffer) > self.shuffle_buffer:
                 return self._draw()
         self.shard, self.row = len(self.listing.shards), 0
@@ -402,7 +410,8 @@ class Stream:
         k = int(self.rng.integers(len(self.buffer)))
         self.buffer[k], self.buffer[-1] = self.buffer[-1], self.buffer[k]
         self.index += 1
-        return self.buffer.pop()
+        self.origin, values = self.buffer.pop()
+        return values
 
     def _rows_from(self, first: int, skip: int) -> Iterator[tuple[int, int, dict]]:
         """(shard, rows of it taken with this one, row) from row ``skip`` of shard ``first`` on."""
@@ -557,6 +566,8 @@ class StreamStep:
     index: int  # the epoch position of the step's first row
     global_count: int  # rows in the step across all ranks (fewer than a full step only at the epoch's end)
     micro: list[list[dict]]  # this rank's rows per micro-batch (may be empty in the epoch's last step)
+    origins: list[list[int]]  # their origins (``origin``), alike
+    first: dict  # the step's first row (any rank's): what a rank with no rows computes on, with weight 0
 
 
 def rank_steps(stream: Stream, *, rank: int, world_size: int, batch_size: int, grad_accum: int) -> Iterator[StreamStep]:
@@ -570,12 +581,16 @@ def rank_steps(stream: Stream, *, rank: int, world_size: int, batch_size: int, g
     per_step = world_size * batch_size * grad_accum
     while True:
         start = stream.index
-        rows = list(itertools.islice(stream, per_step - start % per_step))
+        rows = []
+        for row in itertools.islice(stream, per_step - start % per_step):
+            rows.append((stream.origin, row))
         if not rows:
             return
         micro: list[list[dict]] = [[] for _ in range(grad_accum)]
-        for i, row in enumerate(rows, start):
+        origins: list[list[int]] = [[] for _ in range(grad_accum)]
+        for i, (o, row) in enumerate(rows, start):
             where = slot(i, world_size=world_size, batch_size=batch_size, grad_accum=grad_accum)
             if where.rank == rank:
                 micro[where.micro].append(row)
-        yield StreamStep(start, len(rows), micro)
+                origins[where.micro].append(o)
+        yield StreamStep(start, len(rows), micro, origins, rows[0][1])

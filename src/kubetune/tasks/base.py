@@ -16,6 +16,7 @@ from kubetune import distributed
 from kubetune.artifacts.presentation import Presentation
 from kubetune.config import JobSpec
 from kubetune.data import Batch
+from kubetune.data.feed import Feed
 from kubetune.data.rows import agreed, column
 from kubetune.distributed import DistEnv
 from kubetune.providers import S3Settings
@@ -38,6 +39,7 @@ class Prepared:
     raw: Any = None  # the task's own frames (for the baseline, the export)
     # a key of the training rows' content (their tokens' cache key): a resume on other data is refused
     content: str = ""
+    stream: Feed | None = None  # data.streaming: the training data as a stream (train_ds, collate, units unused)
 
 
 class LossOutput(NamedTuple):

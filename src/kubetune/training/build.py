@@ -12,6 +12,7 @@ import sys
 import threading
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -19,7 +20,7 @@ from kubetune import artifacts, checkpoint, distributed
 from kubetune.artifacts.output import Output
 from kubetune.config import JobSpec
 from kubetune.data.rows import column
-from kubetune.data.sharding import plan_epochs, steps_per_epoch
+from kubetune.data.sharding import plan_epochs, steps_per_epoch, stream_epochs
 from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
 from kubetune.tasks.base import Task
@@ -86,14 +87,18 @@ def build_trainer(
     fingerprint = checkpoint.fingerprint(
         spec, data.labels, env.world_size, data.train_rows, grad_accum, group_unit, strategy.name, data.content
     )
-    state = _state(found, fingerprint, strategy, optimizer, scheduler, scaler, env, device, len(task.train_metrics))
+    state, stream = _state(
+        found, fingerprint, strategy, optimizer, scheduler, scaler, env, device, len(task.train_metrics)
+    )
+    if found and data.stream is not None:
+        data.stream.resume(stream)  # a changed listing is refused now, before any step
     if found:
         log.info(
-            "resumed from checkpoint step %d (epoch %d, step %d of %d in the epoch): %s",
+            "resumed from checkpoint step %d (epoch %d, step %d of %s in the epoch): %s",
             state.global_step,
             state.epoch + 1,
             state.step_in_epoch,
-            layout.epoch_steps[0],
+            "a stream's" if layout.streamed else layout.epoch_steps[0],
             found.path,
         )
     loggers, progress, mlflow = _loggers(spec, env, dest, found, state, layout.total_steps, device, dtype, strategy)
@@ -177,17 +182,20 @@ def _layout(spec: JobSpec, env: DistEnv, data, grad_accum: int, group_unit: int,
     """How the run's data is laid out: the global batch, each epoch's steps, the loader's workers."""
     cfg = spec.training
     token_budget = getattr(spec.data, "max_tokens_per_batch", None)
-    lengths = column(data.train_ds, "length")
+    streamed = data.stream is not None
     layout = Layout(
         grad_accum=grad_accum,
         group_unit=group_unit,
         token_budget=token_budget,
-        train_lengths=lengths,
+        train_lengths=column(data.train_ds, "length") if not streamed else np.zeros(0, dtype=np.int64),
+        streamed=streamed,
         # On a GPU, building batches in the training process leaves the GPU idle meanwhile (+20% samples/s
         # with 2 workers, BERT-base); on a CPU the workers would take cores from the compute.
         workers=cfg.dataloader_workers if cfg.dataloader_workers is not None else (2 if device.type == "cuda" else 0),
     )
-    if token_budget:  # micro-batches by tokens: each epoch's order cuts into its own number of steps
+    if streamed:  # a stream's epochs are as long as it turns out to be
+        layout.epoch_steps, layout.total_steps = stream_epochs(cfg.epochs, cfg.max_steps)
+    elif token_budget:  # micro-batches by tokens: each epoch's order cuts into its own number of steps
         layout.epoch_steps, layout.total_steps = plan_epochs(
             cfg.epochs, cfg.max_steps, steps_of=lambda e: len(layout.plan(e, cfg, data, env))
         )
@@ -197,10 +205,13 @@ def _layout(spec: JobSpec, env: DistEnv, data, grad_accum: int, group_unit: int,
     return layout
 
 
-def _state(found, fingerprint, strategy, optimizer, scheduler, scaler, env, device, metrics: int) -> TrainState:
-    """A fresh state, or the newest complete checkpoint's: weights, optimizer, schedule, position and RNG."""
+def _state(
+    found, fingerprint, strategy, optimizer, scheduler, scaler, env, device, metrics: int
+) -> tuple[TrainState, dict | None]:
+    """A fresh state, or the newest complete checkpoint's: weights, optimizer, schedule, position and
+    RNG; and the checkpoint's stream position (data.streaming; else None)."""
     if not found:
-        return TrainState.fresh(device, metrics)
+        return TrainState.fresh(device, metrics), None
     saved = checkpoint.load(found)
     checkpoint.check_compatible(saved["fingerprint"], fingerprint, str(found.path))
     strategy.load(found.path, saved, optimizer)
@@ -214,7 +225,7 @@ def _state(found, fingerprint, strategy, optimizer, scheduler, scaler, env, devi
             "ranks from %d on had no RNG state in the checkpoint; they keep their seeded streams (dropout only)",
             len(saved["rng"]),
         )
-    return state
+    return state, saved.get("stream")
 
 
 def _loggers(spec, env, dest: Output, found, state: TrainState, total_steps: int, device, dtype, strategy):
@@ -249,7 +260,9 @@ def _loggers(spec, env, dest: Output, found, state: TrainState, total_steps: int
 def _log_plan(trainer: Trainer) -> None:
     cfg, layout = trainer.spec.training, trainer.layout
     n_micro = layout.grad_accum * trainer.env.world_size
-    if layout.token_budget:
+    if layout.streamed:
+        epoch, batch = "at most, streamed", str(cfg.batch_size * n_micro)
+    elif layout.token_budget:
         epoch, batch = "in the first epoch", f"{n_micro} micro-batches of up to {layout.token_budget} tokens"
     else:
         epoch, batch = "per epoch", str(cfg.batch_size * n_micro)

@@ -56,8 +56,9 @@ class Layout:
     token_budget: int | None  # data.max_tokens_per_batch: micro-batches by tokens (packing)
     train_lengths: np.ndarray  # tokens per training example
     workers: int  # data loader processes
-    epoch_steps: list[int] = field(default_factory=list)  # optimizer steps of each epoch
+    epoch_steps: list[int] = field(default_factory=list)  # optimizer steps of each epoch (streamed: at most)
     total_steps: int = 0
+    streamed: bool = False  # data.streaming: the epochs' steps are known only once read
 
     def plan(self, epoch: int, cfg, data: Prepared, env: DistEnv):
         """This rank's steps of ``epoch``: a pure function of the seed, the epoch and the layout."""
@@ -104,6 +105,7 @@ class Trainer:
     stop: threading.Event = field(default_factory=threading.Event)  # set by a stop signal
     trace: Trace | None = None
     t_start: float = field(default_factory=time.perf_counter)
+    _epoch_ended: bool = False  # the running epoch's data ran out (not cut short by the step limit)
 
     def __post_init__(self) -> None:
         # every rank's real tokens so far, for the progress line's tokens/s, in a buffer that lives as
@@ -129,6 +131,7 @@ class Trainer:
             s.epoch, s.step_in_epoch = epoch, start_step if epoch == start_epoch else 0
             self.wrapped.train()
             s.epoch_started = time.perf_counter()
+            self._epoch_ended = False
             for step in self.epoch_batches(epoch):
                 if s.global_step >= self.layout.total_steps:
                     break
@@ -159,6 +162,8 @@ class Trainer:
                     s.last_checkpoint_at = time.monotonic()
                 if stop:
                     self._preempted()
+            else:
+                self._epoch_ended = True
             s.train_time += time.perf_counter() - s.epoch_started
             self.guard.check(s.global_step, self.dest.checkpoints)
             eval_metrics = self.evaluate(s.train_time)
@@ -169,6 +174,15 @@ class Trainer:
 
     def epoch_batches(self, epoch: int):
         """This rank's steps of ``epoch`` from where the run stands, as batches (a loader's workers build them)."""
+        if self.data.stream is not None:  # read and tokenized here, step by step: the checkpoint holds its position
+            return self.data.stream.steps(
+                epoch,
+                rank=self.env.rank,
+                world_size=self.env.world_size,
+                batch_size=self.cfg.batch_size,
+                grad_accum=self.layout.grad_accum,
+                all_reduce=lambda t: distributed.all_reduce_sum(t.to(self.device)),
+            )
         workers = self.layout.workers
         pin = self.device.type == "cuda" and workers > 0
         plan = self.layout.plan(epoch, self.cfg, self.data, self.env)
@@ -184,7 +198,10 @@ class Trainer:
         s, env = self.state, self.env
         # The loss denominator: loss units (examples, or target tokens) in the whole global step.
         data = self.data
-        step_units = float(data.units[step.indices].sum()) if data.units is not None else float(step.global_count)
+        if step.units is not None:
+            step_units = step.units
+        else:
+            step_units = float(data.units[step.indices].sum()) if data.units is not None else float(step.global_count)
         step_ids = [m.inputs["input_ids"] for m in step.micro]
         for i, micro in enumerate(step.micro):
             # Counted on the CPU copy (no device sync).
@@ -299,6 +316,7 @@ class Trainer:
                 "scaler": self.scaler.state_dict(),
                 **s.state_dict(s.training_time(), per_rank),
                 "fingerprint": self.fingerprint,
+                **({"stream": self.data.stream.state_dict()} if self.data.stream is not None else {}),
             }
             path = self.dest.checkpoints.save(
                 state, self.spec, s.global_step, self.cfg.keep_checkpoints, staged, uploaded
@@ -379,10 +397,11 @@ class Trainer:
             "world_size": env.world_size,
             "global_step": s.global_step,
             # an epoch cut short by training.max_steps is not a completed one
-            "epochs_completed": s.epoch + int(s.step_in_epoch >= self.layout.epoch_steps[s.epoch]),
-            "train_rows": data.train_rows,
+            "epochs_completed": s.epoch
+            + int(self._epoch_ended if self.layout.streamed else s.step_in_epoch >= self.layout.epoch_steps[s.epoch]),
+            "train_rows": data.train_rows if data.stream is None else None,  # a stream's: not known
             "eval_rows": data.eval_rows,
-            "dropped_rows": data.dropped,
+            "dropped_rows": self._dropped(),
             **data.info,
         }
         # every rank's peak resident host memory (ru_maxrss is in KiB on Linux)
@@ -399,6 +418,15 @@ class Trainer:
             self._export(model, metrics)
         distributed.barrier()
         return metrics
+
+    def _dropped(self) -> dict[str, int]:
+        """The rows left out: the data's, and a stream's rows with nothing to learn (every rank's,
+        since this process started: a resumed run counts from its resume)."""
+        feed = self.data.stream
+        if feed is None:
+            return self.data.dropped
+        n = int(distributed.all_reduce_sum(torch.tensor([float(feed.dropped)], device=self.device)).item())
+        return {**self.data.dropped, **({feed.drop: n} if n else {})}
 
     def _export(self, model: torch.nn.Module, metrics: dict) -> None:
         spec, out = self.spec, self.out

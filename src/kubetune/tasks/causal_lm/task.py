@@ -22,17 +22,26 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from kubetune import artifacts
+from kubetune import artifacts, distributed
 from kubetune.config import JobSpec
 from kubetune.data import Batch
-from kubetune.data.rows import column, tokenized_rows
+from kubetune.data.feed import Feed
+from kubetune.data.rows import agreed, column, tokenized_rows
+from kubetune.data.stream import list_shards
 from kubetune.data.tokenize import tokenizer_fingerprint
 from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
 from kubetune.providers import S3Settings
 from kubetune.tasks import attention
 from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task, on_node_first
-from kubetune.tasks.causal_lm.data import IGNORE, collate, ensure_chat_template, load_lm_frames, tokenize_frame
+from kubetune.tasks.causal_lm.data import (
+    IGNORE,
+    collate,
+    ensure_chat_template,
+    load_lm_frames,
+    shard_normalizer,
+    tokenize_frame,
+)
 from kubetune.tasks.common import attention_kwargs, load_pretrained
 
 log = logging.getLogger(__name__)
@@ -52,6 +61,8 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
         _encode, tokenizer=tokenizer, max_length=spec.data.max_length, train_on_prompt=spec.data.train_on_prompt
     )
     fingerprint = f"{mode}:{spec.data.max_length}:{tokenizer_fingerprint(tokenizer)}"
+    if spec.data.streaming:
+        return _prepare_stream(spec, env, tokenizer, frames, encode, fingerprint, fallback)
     train_ds, hit, content = tokenized_rows(
         frames.rows, frames.train_ids, env=env, fingerprint=fingerprint, encode=encode, what="train"
     )
@@ -101,6 +112,60 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
         info=info,
         raw=tokenizer,
         content=content,
+    )
+
+
+def _prepare_stream(spec: JobSpec, env: DistEnv, tokenizer, frames, encode, fingerprint: str, fallback: bool):
+    """data.streaming: data.train as a ``Feed`` of rank 0's listing (every rank reads it; each
+    tokenizes its own rows as they come), data.eval tokenized whole as without streaming."""
+    s3 = S3Settings.from_spec(spec)
+    listing = agreed(lambda: list_shards(spec.data.train, field="data.train", s3=s3) if env.is_main else None)
+    listing = distributed.broadcast_object(listing)  # every rank reads the same shards, in the same order
+    eval_ds, _, _ = tokenized_rows(
+        frames.eval_rows, frames.eval_ids, env=env, fingerprint=fingerprint, encode=encode, what="eval"
+    )
+    dropped = dict(frames.dropped)
+    eval_ds = _with_targets(eval_ds, dropped, "eval_truncated", spec.data.max_length)
+    feed = Feed(
+        listing,
+        stream_args={
+            "normalizer_factory": shard_normalizer(spec.data),
+            "field": "data.train",
+            "encoding": spec.data.encoding,
+            "seed": spec.training.seed,
+            "shuffle_buffer": spec.data.shuffle_buffer,
+            "s3": s3,
+        },
+        encode=lambda rows: encode(pd.DataFrame(rows)),
+        collate=functools.partial(collate, pad_id=tokenizer.pad_token_id, packing=spec.data.packing),
+        units=lambda cols: np.asarray(cols["n_targets"], dtype=np.int64),
+    )
+    if env.is_local_main:
+        log.info(
+            "data: data.train streamed from %d shards (%.1f MiB, shuffle buffer %d rows); %d eval rows (%s format)",
+            len(listing.shards),
+            sum(sh.size for sh in listing.shards) / 2**20,
+            spec.data.shuffle_buffer,
+            len(eval_ds),
+            frames.format,
+        )
+    info = {
+        "data_format": frames.format,
+        "chat_template": ("fallback" if fallback else "tokenizer") if frames.format != "text" else None,
+        "packing": spec.data.packing,
+        "streamed_shards": len(listing.shards),
+    }
+    return Prepared(
+        train_ds=None,
+        eval_ds=eval_ds,
+        collate=feed.collate,
+        collate_eval=functools.partial(collate, eval_ds, pad_id=tokenizer.pad_token_id),
+        train_rows=0,
+        eval_rows=len(eval_ds),
+        dropped=dropped,
+        info=info,
+        raw=tokenizer,
+        stream=feed,
     )
 
 
