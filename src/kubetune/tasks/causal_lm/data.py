@@ -299,6 +299,17 @@ def _with_labels(ids: list[int], offsets, spans, max_length: int, train_on_promp
     return ids, np.where(inside, np.asarray(ids, dtype=np.int64), IGNORE).tolist()
 
 
+def _encode_with_offsets(tokenizer, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+    """(ids, character offsets) of each text without special tokens: the Rust tokenizer's own batch
+    call where it has no truncation or padding configured (what transformers' call runs too, without
+    converting every encoding into a dict of lists: 15% of the tokenization's time), else transformers'."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and backend.truncation is None and backend.padding is None:
+        return [(e.ids, e.offsets) for e in backend.encode_batch(texts, add_special_tokens=False)]
+    enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+    return list(zip(enc["input_ids"], enc["offset_mapping"]))
+
+
 def tokenize_frame(frame: pd.DataFrame, tokenizer, max_length: int, train_on_prompt: bool) -> dict[str, list]:
     """Columns input_ids, labels, length, n_targets (tokens that carry loss: label set, position > 0);
     ``encode_record`` row for row, with the tokenizer called once for the frame's documents and once
@@ -320,11 +331,9 @@ def tokenize_frame(frame: pd.DataFrame, tokenizer, max_length: int, train_on_pro
             out[k] = ids, list(ids)
     if chats:
         rendered = [assistant_spans(tokenizer, records[k]["messages"]) for k in chats]
-        enc = tokenizer([text for text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True)
-        for j, k in enumerate(chats):
-            out[k] = _with_labels(
-                enc["input_ids"][j], enc["offset_mapping"][j], rendered[j][1], max_length, train_on_prompt
-            )
+        encoded = _encode_with_offsets(tokenizer, [text for text, _ in rendered])
+        for k, (ids, offsets), (_, spans) in zip(chats, encoded, rendered):
+            out[k] = _with_labels(ids, offsets, spans, max_length, train_on_prompt)
     cols: dict[str, list] = {"input_ids": [], "labels": [], "length": [], "n_targets": []}
     for ids, labels in out:
         cols["input_ids"].append(ids)
