@@ -280,6 +280,7 @@ class Run:
     tool: str  # kubetune | datasets
     procs: int
     status: str = "ok"  # ok, timeout, over the memory limit, failed (exit code)
+    one_core: bool = False  # the run's processes (and their pool) pinned to one CPU
     worker_peak_mib: float | None = None  # the largest worker's VmHWM (the datasets process itself)
     launcher_peak_mib: float | None = None  # kubetune's launcher (`kubetune run`, which reads the data too)
     worker_anon_mib: float | None = None  # the largest worker's sampled RssAnon (memory-mapped files left out)
@@ -295,12 +296,17 @@ class Run:
     tail: list[str] = field(default_factory=list)  # the last lines of stderr, when it did not finish
 
 
-def measure(cmd: list[str], env: dict, timeout: float, limit_mib: float, marks: dict[str, re.Pattern]) -> dict:
+def measure(
+    cmd: list[str], env: dict, timeout: float, limit_mib: float, marks: dict[str, re.Pattern], one_core: bool = False
+) -> dict:
     """Run ``cmd``, watching its tree's memory and the arrival times of the stderr lines that match
-    ``marks`` (seconds from the start)."""
+    ``marks`` (seconds from the start); with ``one_core``, its tree pinned to the first CPU it may use."""
     children0, self0, busy0 = _cpu_times()
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    pin = (lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})) if one_core else None
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=pin
+    )
     watcher = TreeWatcher(proc.pid, limit_mib)
     watcher.start()
     seen: dict[str, float] = {}
@@ -374,7 +380,7 @@ def base_env(work: Path) -> dict:
     }
 
 
-def run_kubetune(inp: Input, procs: int, work: Path, timeout: float, limit_mib: float) -> Run:
+def run_kubetune(inp: Input, procs: int, work: Path, timeout: float, limit_mib: float, one_core: bool = False) -> Run:
     out, cache = work / "out", work / "kubetune-cache"
     env = {**base_env(work), "KUBETUNE_CACHE": str(cache)}
     overrides = {
@@ -392,9 +398,9 @@ def run_kubetune(inp: Input, procs: int, work: Path, timeout: float, limit_mib: 
     for key, value in overrides.items():
         cmd += ["--set", f"{key}={value}"]
     marks = {"data": DATA_READY, "step": FIRST_STEP, "evaluated": EVALUATED, "done": DONE}
-    got = measure(cmd, env, timeout, limit_mib, marks)
+    got = measure(cmd, env, timeout, limit_mib, marks, one_core)
     w = got["watcher"]
-    run = Run(inp.fmt, inp.mb, inp.bytes, inp.rows, "kubetune", procs, got["status"], total_s=got["total"])
+    run = Run(inp.fmt, inp.mb, inp.bytes, inp.rows, "kubetune", procs, got["status"], one_core, total_s=got["total"])
     run.cpu_s, run.other_cpu_s, run.marks = got["cpu"], got["other_cpu"], got["seen"]
     workers = w.peaks_mib("kubetune.worker")
     run.worker_peak_mib = max(workers) if workers else None
@@ -481,7 +487,9 @@ def markdown(runs: list[Run], meta: dict) -> str:
     ]
     for r in runs:
         lines.append(
-            f"| {r.fmt}, {r.bytes / MIB:,.1f} MiB, {r.rows:,} rows | {r.tool} | {r.procs} | {_fmt(r.worker_peak_mib)} "
+            f"| {r.fmt}, {r.bytes / MIB:,.1f} MiB, {r.rows:,} rows | {r.tool} "
+            f"| {r.procs}{' (1 core)' if r.one_core else ''} "
+            f"| {_fmt(r.worker_peak_mib)} "
             f"| {_fmt(r.worker_anon_mib)} | {_fmt(r.launcher_peak_mib)} "
             f"| {_fmt(r.data_ready_s, 1)} | {_fmt(r.first_step_s, 1)} "
             f"| {_fmt(r.total_s, 1)} | {_fmt(r.cpu_s)} / {_fmt(r.other_cpu_s)} | {r.status} |"
@@ -503,9 +511,9 @@ def ratios(runs: list[Run]) -> list[str]:
     sizes = sorted({r.mb for r in ok})
     if len(sizes) > 1:
         out.append(f"Peak RSS growth from {sizes[0]:g} to {sizes[-1]:g} MiB of input (goal: within 300 MiB):")
-        for key in sorted({(r.fmt, r.tool, r.procs) for r in ok}):
+        for key in sorted({(r.fmt, r.tool, r.procs, r.one_core) for r in ok}):
             small, large = (
-                next((r for r in ok if (r.fmt, r.tool, r.procs, r.mb) == (*key, mb)), None)
+                next((r for r in ok if (r.fmt, r.tool, r.procs, r.one_core, r.mb) == (*key, mb)), None)
                 for mb in (sizes[0], sizes[-1])
             )
             if small and large and small.worker_peak_mib and large.worker_peak_mib:
@@ -517,7 +525,8 @@ def ratios(runs: list[Run]) -> list[str]:
                 )
                 goal = "met" if grow <= 300 else "not met"
                 out.append(
-                    f"- {key[0]}, {key[1]}, {key[2]} process(es): {grow:+,.0f} MiB per process ({goal}){launcher}"
+                    f"- {key[0]}, {key[1]}, {key[2]} process(es){' on 1 core' if key[3] else ''}: {grow:+,.0f} MiB "
+                    f"per process ({goal}){launcher}"
                 )
         out.append("")
     out.append("kubetune's time to first step ÷ datasets' time to tokenized data (goal: at most 1):")
@@ -526,14 +535,39 @@ def ratios(runs: list[Run]) -> list[str]:
         if r.tool == "kubetune" and ds and r.first_step_s and ds.first_step_s:
             ratio = r.first_step_s / ds.first_step_s
             goal = "met" if ratio <= 1 else "not met"
-            out.append(f"- {r.fmt} {r.mb:g} MiB, {r.procs} process(es): {ratio:.2f} ({goal})")
+            core = " on 1 core" if r.one_core else ""
+            out.append(f"- {r.fmt} {r.mb:g} MiB, {r.procs} process(es){core}: {ratio:.2f} ({goal})")
     out += ["", "kubetune, 2 processes' time to first step ÷ 1 process's (goal: at most 0.6):"]
     for r in ok:
-        one = next((o for o in ok if o.tool == "kubetune" and o.procs == 1 and (o.fmt, o.mb) == (r.fmt, r.mb)), None)
+        one = next(
+            (
+                o
+                for o in ok
+                if o.tool == "kubetune" and o.procs == 1 and not o.one_core and (o.fmt, o.mb) == (r.fmt, r.mb)
+            ),
+            None,
+        )
         if r.tool == "kubetune" and r.procs == 2 and one and r.first_step_s and one.first_step_s:
             ratio = r.first_step_s / one.first_step_s
             goal = "met" if ratio <= 0.6 else "not met"
             out.append(f"- {r.fmt} {r.mb:g} MiB: {ratio:.2f} ({goal})")
+    # 1 process already tokenizes on every core (its pool), so 2 processes gain little over it; what
+    # every core gains is measured against 1 process pinned to one CPU (--one-core)
+    pinned = [r for r in ok if r.tool == "kubetune" and r.one_core and r.first_step_s]
+    if pinned:
+        out += [
+            "",
+            "kubetune on every core (its fastest run) ÷ 1 process on one core, time to first step (goal: at most 0.6):",
+        ]
+    for p in pinned:
+        every = [
+            r.first_step_s
+            for r in ok
+            if r.tool == "kubetune" and not r.one_core and r.first_step_s and (r.fmt, r.mb) == (p.fmt, p.mb)
+        ]
+        if every:
+            ratio = min(every) / p.first_step_s
+            out.append(f"- {p.fmt} {p.mb:g} MiB: {ratio:.2f} ({'met' if ratio <= 0.6 else 'not met'})")
     return out
 
 
@@ -571,6 +605,12 @@ def main() -> None:
     ap.add_argument("--sizes", default="50,500,2000", help="input sizes in MiB, comma-separated")
     ap.add_argument("--formats", default="chat,csv", help="chat (causal-LM, JSONL) and/or csv (classification)")
     ap.add_argument("--procs", default="1,2", help="kubetune's processes per run, comma-separated")
+    ap.add_argument(
+        "--one-core",
+        action="store_true",
+        help="also run kubetune with 1 process pinned to one CPU: what every core gains over one (1 process "
+        "already tokenizes on every core through its pool)",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results", help="where the results go")
     ap.add_argument("--name", default="", help="results/data-scale-NAME.{json,md}")
     ap.add_argument("--data-dir", type=Path, help="where the inputs are made, and reused by later runs (kept)")
@@ -610,21 +650,23 @@ def main() -> None:
         for mb in sizes:
             for fmt in formats:
                 inp = make_input(fmt, mb, data_dir)
-                jobs = [("datasets", 1)] + [("kubetune", n) for n in procs]
-                for tool, n in jobs:
+                jobs = [("datasets", 1, False)] + [("kubetune", n, False) for n in procs]
+                jobs += [("kubetune", 1, True)] if args.one_core else []
+                for tool, n, one_core in jobs:
                     # every run gets empty caches and an empty output, removed after it (they grow with the input)
                     work = Path(tempfile.mkdtemp(prefix="kubetune-data-scale-run-"))
                     try:
                         if tool == "datasets":
                             run = run_datasets(inp, work, args.timeout, limit_mib)
                         else:
-                            run = run_kubetune(inp, n, work, args.timeout, limit_mib)
+                            run = run_kubetune(inp, n, work, args.timeout, limit_mib, one_core)
                     finally:
                         shutil.rmtree(work, ignore_errors=True)
                     runs.append(run)
                     save()
                     print(
-                        f"{fmt} {inp.bytes / MIB:.0f} MiB {tool} x{n}: {run.status}; peak {_fmt(run.worker_peak_mib)} "
+                        f"{fmt} {inp.bytes / MIB:.0f} MiB {tool} x{n}{' on 1 core' if one_core else ''}: {run.status}; "
+                        f"peak {_fmt(run.worker_peak_mib)} "
                         f"MiB/process, launcher {_fmt(run.launcher_peak_mib)} MiB; data {_fmt(run.data_ready_s, 1)} s, "
                         f"first step {_fmt(run.first_step_s, 1)} s, total {_fmt(run.total_s, 1)} s",
                         flush=True,
