@@ -11,7 +11,9 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 from test_s3 import BUCKET, moto, s3  # noqa: F401  (moto's server on 127.0.0.1, shared with test_s3.py)
 
 from kubetune.data.stream import Stream, list_shards, rank_steps, slot
@@ -476,3 +478,34 @@ def test_streaming_spec_problems_are_one_line_each():
     )
     assert ok.data.streaming and ok.data.shuffle_buffer == 1000
     assert not parse_spec({**raw, "data": {"train": "t.jsonl"}}).data.streaming  # off by default
+
+
+def test_a_rank_s_encoding_error_stops_every_rank_in_one_line(shards):
+    """A row the task cannot encode fails on the rank that holds it only: the step's all-reduce
+    carries the failure, so every rank raises the first message (as an AgreedError) instead of
+    waiting for that rank at the next collective (one process here: its all-reduce is the identity)."""
+    from kubetune.data.feed import Feed
+    from kubetune.errors import AgreedError
+
+    listing = list_shards(str(shards), field="data.train")
+
+    def encode(rows):
+        if any(_key(r) == "a 3.1" for r in rows):
+            raise KubetuneError("the chat template does not reproduce assistant turns verbatim", field="model.uri")
+        return {"n": [1] * len(rows)}
+
+    def collate(cols, ids):
+        from kubetune.data import Batch
+
+        return Batch({"input_ids": torch.zeros(max(len(ids), 1), 1)}, torch.zeros(1))
+
+    feed = Feed(
+        listing,
+        {"normalizer_factory": _factory, "field": "data.train", "shuffle_buffer": 0},
+        encode,
+        collate,
+        lambda cols: np.asarray(cols["n"]),
+    )
+    steps = feed.steps(0, rank=0, world_size=1, batch_size=2, grad_accum=1, all_reduce=lambda t: t)
+    with pytest.raises(AgreedError, match="^model.uri: the chat template does not reproduce"):
+        list(steps)

@@ -174,3 +174,32 @@ def test_sigterm_on_two_processes_resumes_on_one_without_repeating_or_skipping(d
     # the same rows at every step as the uninterrupted run: none repeated, none skipped
     assert {**before, **after} == _rows_per_step(reference[1])
     assert json.loads((out / "metrics.json").read_text())["world_size"] == 1
+
+
+def test_dpo_streams_pairs_from_a_directory_each_once_per_epoch(tmp_path):
+    """DPO with LoRA takes the same stream (its reference is the base model, on the fly): 8 local shards
+    of 20 pairs, 2 processes, 12 steps of 16 pairs: a whole epoch (10 steps) and 2 steps of the next."""
+    lines = (ROOT / "src/kubetune/assets/sentiment/sentiment-preferences.jsonl").read_text().splitlines()
+    (tmp_path / "shards").mkdir()
+    for k in range(8):
+        (tmp_path / "shards" / f"p-{k}.jsonl").write_text("\n".join(lines[k * 20 : (k + 1) * 20]) + "\n")
+    (tmp_path / "eval.jsonl").write_text("\n".join(lines[-30:]) + "\n")
+    r = kubetune(
+        "run",
+        str(ROOT / "examples" / "dpo-tiny-chat.yaml"),
+        *("--set", "model.uri=pkg://kubetune/assets/tiny-llama"),
+        *("--set", f"data.train={tmp_path / 'shards'}", "--set", f"data.eval={tmp_path / 'eval.jsonl'}"),
+        *("--set", "data.streaming=true", "--set", "data.shuffle_buffer=16"),
+        *("--set", "training.max_steps=12", "--set", "training.epochs=2", "--set", "training.eval_every=null"),
+        *("--set", f"output.uri={tmp_path / 'out'}"),
+        env={"KUBETUNE_TRACE_DIR": str(tmp_path / "t")},
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "data.train streamed from 8 shards" in r.stderr
+    micro = _trace(tmp_path / "t")
+    pairs = sorted(shard << 32 | row for shard in range(8) for row in range(20))
+    assert sorted(x for m in micro if m["epoch"] == 0 for x in m["rows"]) == pairs
+    assert len([x for m in micro if m["epoch"] == 1 for x in m["rows"]]) == 2 * 16
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert metrics["task"] == "dpo" and metrics["epochs_completed"] == 1 and metrics["train_samples"] == 160 + 32
+    assert metrics["dpo_reference"].startswith("the base model") and metrics["eval_reward_accuracy"] > 0.5

@@ -112,3 +112,41 @@ class DataCommon(Section):
         "in chunks into an Arrow cache on disk (KUBETUNE_CACHE), so memory does not grow with it; the disk "
         "must hold about twice the input (checked before reading).",
     )
+
+
+class StreamingData(DataCommon):
+    """The ``data`` fields of a task that can stream data.train (``data.streaming``: ``data/stream.py``)."""
+
+    streaming: bool = Field(
+        False,
+        description="Stream data.train (a directory or an s3:// prefix of data files, its shards) instead of reading "
+        "it whole into the cache first: for data larger than the local disk. Shards are read in listing order and "
+        "tokenized as they come, each rank training on its own share; the stream's position is in every checkpoint, "
+        "so a resume continues exactly, on any number of processes with the same global batch. Needs "
+        "training.max_steps (the stream's length is not known in advance) and data.eval.",
+    )
+    shuffle_buffer: int = Field(
+        1000,
+        ge=0,
+        le=1_000_000,
+        description="With data.streaming: rows held for a seeded shuffle of the stream (0: file order). The buffer is "
+        "in every checkpoint: larger mixes more, at the checkpoint's size.",
+    )
+
+
+def streaming_problems(data: StreamingData) -> list[str]:
+    """What every streaming task refuses (a task's ``checks`` add their own)."""
+    if not data.streaming:
+        return []
+    out = []
+    if data.eval is None:
+        out.append(
+            "data.streaming needs data.eval: a stream has no held-out split to carve — give data.eval "
+            "(read whole, at most data.max_eval_samples rows), or set data.streaming: false"
+        )
+    if data.max_train_samples is not None:
+        out.append(
+            "data.max_train_samples is not supported with data.streaming — bound the run with "
+            "training.max_steps instead"
+        )
+    return out

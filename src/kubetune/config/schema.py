@@ -387,6 +387,12 @@ def cross_problems(
             "data.streaming needs training.max_steps: the stream's length is not known before it is read — set "
             "training.max_steps (training.epochs then bounds how often the stream is read)"
         )
+    if data is not None and getattr(data, "streaming", False) and TASKS[data.task].streaming_needs_lora and not lora:
+        out.append(
+            f"data.streaming with task {data.task} needs lora: its full fine-tune computes a reference over the "
+            "whole training set before the first step, which a stream does not have — add a lora section, or set "
+            "data.streaming: false"
+        )
     mlflow = tracking.mlflow if tracking is not None else None
     if mlflow and mlflow.register_model and output is not None and not output.uri.startswith("s3://"):
         out.append(

@@ -43,6 +43,8 @@ class TaskEntry:
         order: where the task comes in listings (lower first); then by name.
         auto_model: the ``transformers`` Auto class a Kubeflow SDK call names for this task, if any.
         peft_task_type: the ``peft.TaskType`` name a Kubeflow SDK LoRA config implies for it, if any.
+        streaming_needs_lora: ``data.streaming`` only with a ``lora`` section (the full fine-tune needs
+            something of the whole training set before the first step).
     """
 
     data: type[DataCommon]
@@ -54,6 +56,7 @@ class TaskEntry:
     order: int = 100
     auto_model: str | None = None
     peft_task_type: str | None = None
+    streaming_needs_lora: bool = False
 
 
 @functools.cache

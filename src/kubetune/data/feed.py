@@ -13,6 +13,7 @@ is taken, in the training process, so the stream's state after a step is the che
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -20,8 +21,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from kubetune import distributed, providers
 from kubetune.data import Batch, StepBatch
-from kubetune.data.stream import Listing, Stream, rank_steps
+from kubetune.data.rows import agreed
+from kubetune.data.stream import Listing, Stream, list_shards, rank_steps
 from kubetune.errors import KubetuneError
 
 
@@ -60,6 +63,34 @@ class Feed:
     stream: Stream | None = None  # the epoch's stream being read
     dropped: int = 0  # this rank's rows with no units, since the process started
 
+    @classmethod
+    def for_spec(
+        cls, spec, env, *, normalizer: Callable, encode, collate, units, drop: str = "train_truncated"
+    ) -> Feed:
+        """A task's stream of ``spec``'s data.train: listed once, by rank 0 (a listing error stops every
+        rank in one line), that listing on every rank; ``normalizer(shard)`` normalizes a shard's rows,
+        the rest as the constructor's. Collective: every rank calls it."""
+        s3 = providers.S3Settings.from_spec(spec)
+        listing = agreed(lambda: list_shards(spec.data.train, field="data.train", s3=s3) if env.is_main else None)
+        listing = distributed.broadcast_object(listing)  # every rank reads the same shards, in the same order
+        args = {
+            "normalizer_factory": normalizer,
+            "field": "data.train",
+            "encoding": spec.data.encoding,
+            "seed": spec.training.seed,
+            "shuffle_buffer": spec.data.shuffle_buffer,
+            "s3": s3,
+        }
+        return cls(listing, args, encode, collate, units, drop)
+
+    def describe(self) -> str:
+        """For the data log line."""
+        mib = sum(sh.size for sh in self.listing.shards) / 2**20
+        buffer = self.stream_args["shuffle_buffer"]
+        return (
+            f"data.train streamed from {len(self.listing.shards)} shards ({mib:.1f} MiB, shuffle buffer {buffer} rows)"
+        )
+
     def resume(self, state: dict) -> None:
         """Continue from a checkpoint's ``state_dict()``, checked now (a changed listing, another seed
         or shuffle buffer: one line) rather than at the resumed epoch's first step."""
@@ -96,13 +127,18 @@ class Feed:
                 stream, rank=rank, world_size=world_size, batch_size=batch_size, grad_accum=grad_accum
             ):
                 taken = True
-                micro, units = [], 0.0
-                for rows, origins in zip(step.micro, step.origins):
-                    batch, n = self._micro(rows, origins, step.first)
-                    micro.append(batch)
-                    units += n
-                total = all_reduce(torch.tensor([units], dtype=torch.float64))
-                yield StepBatch(micro, step.global_count, np.zeros(0, dtype=np.int64), float(total.item()))
+                micro, units, failed = [], 0.0, None
+                try:
+                    for rows, origins in zip(step.micro, step.origins):
+                        batch, n = self._micro(rows, origins, step.first)
+                        micro.append(batch)
+                        units += n
+                except KubetuneError as e:  # this rank's rows only: the others learn of it below, not by a timeout
+                    failed = e
+                total = all_reduce(torch.tensor([units, failed is not None], dtype=torch.float64)).tolist()
+                if total[1]:
+                    agreed(functools.partial(_reraise, failed))  # every rank stops with the first rank's message
+                yield StepBatch(micro, step.global_count, np.zeros(0, dtype=np.int64), total[0])
         if not taken and stream.index == 0:
             raise KubetuneError(
                 f"the stream of {len(self.listing.shards)} shards has no rows",
@@ -121,3 +157,8 @@ class Feed:
         batch = self.collate(Columns(cols), keep)
         batch.index = torch.as_tensor([origins[i] for i in keep], dtype=torch.long)
         return batch, float(units[keep].sum())
+
+
+def _reraise(error: Exception | None) -> None:
+    if error is not None:
+        raise error

@@ -8,11 +8,11 @@ from typing import Literal
 
 from pydantic import Field
 
-from kubetune.config.base import DataCommon
+from kubetune.config.base import StreamingData, streaming_problems
 from kubetune.config.tasks import TaskEntry
 
 
-class CausalLMData(DataCommon):
+class CausalLMData(StreamingData):
     """``data`` for task: causal-lm."""
 
     task: Literal["causal-lm"] = Field(
@@ -59,41 +59,15 @@ class CausalLMData(DataCommon):
         "instead of taking training.batch_size examples, so every micro-batch does similar work; a global step is "
         "then world size × training.grad_accum micro-batches. At least data.max_length. Absent: batch_size examples.",
     )
-    streaming: bool = Field(
-        False,
-        description="causal-lm: stream data.train (a directory or an s3:// prefix of data files, its shards) instead "
-        "of reading it whole into the cache first: for data larger than the local disk. Shards are read in listing "
-        "order and tokenized as they come, each rank training on its own share; the stream's position is in every "
-        "checkpoint, so a resume continues exactly, on any number of processes with the same global batch. Needs "
-        "training.max_steps (the stream's length is not known in advance) and data.eval.",
-    )
-    shuffle_buffer: int = Field(
-        1000,
-        ge=0,
-        le=1_000_000,
-        description="causal-lm with data.streaming: rows held for a seeded shuffle of the stream (0: file order). "
-        "The buffer is in every checkpoint: larger mixes more, at the checkpoint's size.",
-    )
 
 
 def _checks(data: CausalLMData, section: None) -> list[str]:
-    out = []
-    if data.streaming:
-        if data.eval is None:
-            out.append(
-                "data.streaming needs data.eval: a stream has no held-out split to carve — give data.eval "
-                "(read whole, at most data.max_eval_samples rows), or set data.streaming: false"
-            )
-        if data.max_tokens_per_batch is not None:
-            out.append(
-                "data.max_tokens_per_batch is not supported with data.streaming (its micro-batches are cut from a "
-                "whole epoch's lengths) — remove it; data.packing still packs each micro-batch"
-            )
-        if data.max_train_samples is not None:
-            out.append(
-                "data.max_train_samples is not supported with data.streaming — bound the run with "
-                "training.max_steps instead"
-            )
+    out = streaming_problems(data)
+    if data.streaming and data.max_tokens_per_batch is not None:
+        out.append(
+            "data.max_tokens_per_batch is not supported with data.streaming (its micro-batches are cut from a "
+            "whole epoch's lengths) — remove it; data.packing still packs each micro-batch"
+        )
     if data.max_tokens_per_batch is not None:
         if not data.packing:
             out.append("data.max_tokens_per_batch needs data.packing: true (micro-batches of packed tokens)")

@@ -22,12 +22,11 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from kubetune import artifacts, distributed
+from kubetune import artifacts
 from kubetune.config import JobSpec
 from kubetune.data import Batch
 from kubetune.data.feed import Feed
-from kubetune.data.rows import agreed, column, tokenized_rows
-from kubetune.data.stream import list_shards
+from kubetune.data.rows import column, tokenized_rows
 from kubetune.data.tokenize import tokenizer_fingerprint
 from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
@@ -118,42 +117,26 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
 def _prepare_stream(spec: JobSpec, env: DistEnv, tokenizer, frames, encode, fingerprint: str, fallback: bool):
     """data.streaming: data.train as a ``Feed`` of rank 0's listing (every rank reads it; each
     tokenizes its own rows as they come), data.eval tokenized whole as without streaming."""
-    s3 = S3Settings.from_spec(spec)
-    listing = agreed(lambda: list_shards(spec.data.train, field="data.train", s3=s3) if env.is_main else None)
-    listing = distributed.broadcast_object(listing)  # every rank reads the same shards, in the same order
+    feed = Feed.for_spec(
+        spec,
+        env,
+        normalizer=shard_normalizer(spec.data),
+        encode=lambda rows: encode(pd.DataFrame(rows)),
+        collate=functools.partial(collate, pad_id=tokenizer.pad_token_id, packing=spec.data.packing),
+        units=lambda cols: np.asarray(cols["n_targets"], dtype=np.int64),
+    )
     eval_ds, _, _ = tokenized_rows(
         frames.eval_rows, frames.eval_ids, env=env, fingerprint=fingerprint, encode=encode, what="eval"
     )
     dropped = dict(frames.dropped)
     eval_ds = _with_targets(eval_ds, dropped, "eval_truncated", spec.data.max_length)
-    feed = Feed(
-        listing,
-        stream_args={
-            "normalizer_factory": shard_normalizer(spec.data),
-            "field": "data.train",
-            "encoding": spec.data.encoding,
-            "seed": spec.training.seed,
-            "shuffle_buffer": spec.data.shuffle_buffer,
-            "s3": s3,
-        },
-        encode=lambda rows: encode(pd.DataFrame(rows)),
-        collate=functools.partial(collate, pad_id=tokenizer.pad_token_id, packing=spec.data.packing),
-        units=lambda cols: np.asarray(cols["n_targets"], dtype=np.int64),
-    )
     if env.is_local_main:
-        log.info(
-            "data: data.train streamed from %d shards (%.1f MiB, shuffle buffer %d rows); %d eval rows (%s format)",
-            len(listing.shards),
-            sum(sh.size for sh in listing.shards) / 2**20,
-            spec.data.shuffle_buffer,
-            len(eval_ds),
-            frames.format,
-        )
+        log.info("data: %s; %d eval rows (%s format)", feed.describe(), len(eval_ds), frames.format)
     info = {
         "data_format": frames.format,
         "chat_template": ("fallback" if fallback else "tokenizer") if frames.format != "text" else None,
         "packing": spec.data.packing,
-        "streamed_shards": len(listing.shards),
+        "streamed_shards": len(feed.listing.shards),
     }
     return Prepared(
         train_ds=None,

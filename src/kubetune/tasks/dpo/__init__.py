@@ -8,11 +8,11 @@ from typing import Literal
 
 from pydantic import Field
 
-from kubetune.config.base import DataCommon, Section
+from kubetune.config.base import Section, StreamingData, streaming_problems
 from kubetune.config.tasks import TaskEntry
 
 
-class PreferenceData(DataCommon):
+class PreferenceData(StreamingData):
     """``data`` for task: dpo (preference pairs, TRL's conventions)."""
 
     task: Literal["dpo"] = Field("dpo", exclude=True, description="(internal) the job's task, set from `task`")
@@ -69,9 +69,10 @@ class DPOSpec(Section):
 
 
 def _checks(data: PreferenceData, section: DPOSpec | None) -> list[str]:
+    out = streaming_problems(data)
     if section is not None and section.label_smoothing and section.loss_type != "sigmoid":
-        return [f"dpo.label_smoothing applies to dpo.loss_type sigmoid, not {section.loss_type} — remove it"]
-    return []
+        out.append(f"dpo.label_smoothing applies to dpo.loss_type sigmoid, not {section.loss_type} — remove it")
+    return out
 
 
 ENTRY = TaskEntry(
@@ -81,4 +82,5 @@ ENTRY = TaskEntry(
     section=DPOSpec,
     checks=_checks,
     order=2,
+    streaming_needs_lora=True,  # the full fine-tune's reference log-probabilities: the whole training set
 )

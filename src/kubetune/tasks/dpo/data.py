@@ -34,9 +34,19 @@ def load_pair_frames(spec: PreferenceData, seed: int, s3: S3Settings = S3Setting
     settings = json.dumps(
         ["dpo", spec.format, spec.prompt_column, spec.chosen_column, spec.rejected_column, spec.system_prompt]
     )
+    if spec.streaming:  # data.train is listed (a missing or unreadable prefix fails here), not read
+        from kubetune.data.stream import list_shards
+
+        list_shards(spec.train, field="data.train", s3=s3)
     return read_split(
         spec, seed, s3, normalizer=lambda field, train: _Normalizer(spec, field, train), settings=settings
     )
+
+
+def shard_normalizer(spec: PreferenceData):
+    """The normalizer of one streamed shard of data.train (``data.stream.Stream``): its format detected
+    on its own first chunk (or data.format), its pairs checked as a table's."""
+    return lambda shard: _Normalizer(spec, "data.train", None)
 
 
 def _detect_format(df: pd.DataFrame, spec: PreferenceData) -> str:

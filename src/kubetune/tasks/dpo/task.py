@@ -26,12 +26,14 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pyarrow.compute as pc
 import torch
 import torch.nn.functional as F
 
 from kubetune import distributed
 from kubetune.config import JobSpec
+from kubetune.data.feed import Feed
 from kubetune.data.rows import column, tokenized_rows
 from kubetune.data.tokenize import tokenizer_fingerprint
 from kubetune.distributed import DistEnv
@@ -42,7 +44,7 @@ from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task, on_nod
 from kubetune.tasks.causal_lm import task as causal_lm
 from kubetune.tasks.causal_lm.data import IGNORE, ensure_chat_template
 from kubetune.tasks.dpo import DPOSpec
-from kubetune.tasks.dpo.data import Collate, PairBatch, encode_pairs, load_pair_frames
+from kubetune.tasks.dpo.data import Collate, PairBatch, encode_pairs, load_pair_frames, shard_normalizer
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +74,8 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
     encode = functools.partial(encode_pairs, tokenizer=tokenizer, max_length=max_length)
 
     fingerprint = f"dpo:{max_length}:{tokenizer_fingerprint(tokenizer)}"
+    if spec.data.streaming:
+        return _prepare_stream(spec, env, tokenizer, frames, encode, fingerprint, template)
     train_ds, hit, train_key = tokenized_rows(
         frames.rows, frames.train_ids, env=env, fingerprint=fingerprint, encode=encode, what="train"
     )
@@ -120,6 +124,49 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
         info=info,
         raw=tokenizer,
         content=train_key,
+    )
+
+
+def _prepare_stream(spec: JobSpec, env: DistEnv, tokenizer, frames, encode, fingerprint: str, template) -> Prepared:
+    """data.streaming (with LoRA: the reference is the base model, on the fly): data.train as a
+    ``Feed``, each rank tokenizing its own pairs as they come; data.eval tokenized whole."""
+    max_length, dpo, pad_id = spec.data.max_length, spec.dpo or DPOSpec(), tokenizer.pad_token_id
+    feed = Feed.for_spec(
+        spec,
+        env,
+        normalizer=shard_normalizer(spec.data),
+        encode=lambda rows: encode(pd.DataFrame(rows)),
+        collate=lambda cols, ids: Collate(cols, pad_id, max_length, dpo, "")(ids),
+        # a pair whose prompt alone fills data.max_length keeps no answer token: dropped, as without streaming
+        units=lambda cols: np.asarray([len(p) < max_length for p in cols["prompt_ids"]], dtype=np.int64),
+    )
+    eval_ds, _, eval_key = tokenized_rows(
+        frames.eval_rows, frames.eval_ids, env=env, fingerprint=fingerprint, encode=encode, what="eval"
+    )
+    dropped = dict(frames.dropped)
+    eval_ds = _with_answers(eval_ds, dropped, "eval_truncated", max_length)
+    if env.is_local_main:
+        log.info("data: %s; %d eval pairs (%s format)", feed.describe(), len(eval_ds), frames.format)
+    info = {
+        "data_format": frames.format,
+        "chat_template": template,
+        "dpo_loss": dpo.loss_type,
+        "dpo_beta": dpo.beta,
+        "dpo_label_smoothing": dpo.label_smoothing,
+        "dpo_reference": "the base model (LoRA adapter disabled)",
+        "streamed_shards": len(feed.listing.shards),
+    }
+    return Prepared(
+        train_ds=None,
+        eval_ds=eval_ds,
+        collate=feed.collate,
+        collate_eval=Collate(eval_ds, pad_id, max_length, dpo, eval_key),  # its key names a precomputed reference
+        train_rows=0,
+        eval_rows=len(eval_ds),
+        dropped=dropped,
+        info=info,
+        raw=tokenizer,
+        stream=feed,
     )
 
 
