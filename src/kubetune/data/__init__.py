@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,14 +59,14 @@ class StepBatch:
 
 
 class _StepDataset(torch.utils.data.Dataset):
-    def __init__(self, plan: list[Step], collate_fn):
-        self.plan, self.collate_fn = plan, collate_fn
+    def __init__(self, plan: Sequence[Step], collate_fn, start: int = 0):
+        self.plan, self.collate_fn, self.start = plan, collate_fn, start
 
     def __len__(self) -> int:
-        return len(self.plan)
+        return max(len(self.plan) - self.start, 0)
 
     def __getitem__(self, k: int) -> StepBatch:
-        step = self.plan[k]
+        step = self.plan[self.start + k]
         return StepBatch([self.collate_fn(m) for m in step.micro], step.global_count, step.indices)
 
 
@@ -73,11 +74,11 @@ def _identity(x):
     return x
 
 
-def batches(plan: list[Step], collate_fn, workers: int = 0, start: int = 0, pin_memory: bool = False):
+def batches(plan: Sequence[Step], collate_fn, workers: int = 0, start: int = 0, pin_memory: bool = False):
     """Iterate this rank's steps from step ``start``, each micro-batch made by ``collate_fn(indices)``
     (workers > 0 prefetch in background; ``pin_memory`` for a CUDA device)."""
     loader = torch.utils.data.DataLoader(
-        _StepDataset(plan[start:], collate_fn),
+        _StepDataset(plan, collate_fn, start),  # the plan may build its steps on demand: not sliced into a list
         batch_size=None,
         shuffle=False,
         num_workers=workers,
