@@ -203,3 +203,4 @@ def test_dpo_streams_pairs_from_a_directory_each_once_per_epoch(tmp_path):
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert metrics["task"] == "dpo" and metrics["epochs_completed"] == 1 and metrics["train_samples"] == 160 + 32
     assert metrics["dpo_reference"].startswith("the base model") and metrics["eval_reward_accuracy"] > 0.5
+    assert "streamed from 8 shards (192 samples trained)" in (tmp_path / "out" / "report.html").read_text()

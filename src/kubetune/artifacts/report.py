@@ -105,7 +105,7 @@ def write_report(spec: JobSpec, metrics: dict, out: Path, present: Presentation,
         ("train runtime (s)", metrics.get("train_runtime_s")),
         ("world size", metrics.get("world_size")),
         ("optimizer steps", metrics.get("global_step")),
-        ("train / eval rows", f"{metrics.get('train_rows')} / {metrics.get('eval_rows')}"),
+        ("train / eval rows", f"{_train_rows(metrics)} / {metrics.get('eval_rows')}"),
         ("dropped rows", metrics.get("dropped_rows") or "none"),
     ]
     table = "".join(f"<tr><th>{html.escape(k)}</th><td>{fmt(v)}</td></tr>" for k, v in rows)
@@ -158,3 +158,10 @@ def fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.4f}" if abs(v) < 100 else f"{v:.1f}"
     return html.escape(str(v))
+
+
+def _train_rows(metrics: dict) -> str:
+    """A stream's row count is not known (``data.streaming``): its shards and the samples trained say what it was."""
+    if metrics.get("train_rows") is None and metrics.get("streamed_shards"):
+        return f"streamed from {metrics['streamed_shards']} shards ({metrics.get('train_samples')} samples trained)"
+    return str(metrics.get("train_rows"))
