@@ -113,6 +113,48 @@ def tiny_spec(train: Path, out: Path, **overrides) -> dict:
     return spec
 
 
+def minilm_spec(train: Path, out: Path, **training) -> dict:
+    """tiny_spec trained 2 epochs of 16 steps (batch 4 × grad_accum 2 × 2 processes: a global batch
+    of 16 of the 120 training rows), every step logged, evaluated every 6 steps and at each epoch's end;
+    ``training`` adds to (or replaces) those settings. The job of ``minilm_run``, and of the runs
+    test_reliability.py interrupts and compares with it bit for bit."""
+    return tiny_spec(
+        train,
+        out,
+        training={
+            "epochs": 2,
+            "batch_size": 4,
+            "grad_accum": 2,
+            "learning_rate": 1e-4,
+            "log_every": 1,
+            "eval_every": 6,
+            "seed": 7,
+            **training,
+        },
+    )
+
+
+@pytest.fixture(scope="session")
+def minilm_run(tmp_path_factory, small_csv):
+    """One uninterrupted run of ``minilm_spec`` (no checkpoints), its data read through a path
+    relative to the spec file, with a row trace: test_local_run.py asserts on its artifacts,
+    test_reliability.py compares its interrupted runs with its weights, evaluation and losses.
+
+    Returns:
+        (output directory, trace directory, the finished CompletedProcess)
+    """
+    tmp = tmp_path_factory.mktemp("minilm-run")
+    out, trace = tmp / "out", tmp / "trace"
+    raw = minilm_spec(small_csv, out)
+    # a relative data path is read next to the spec file, not from the working directory (the repo root)
+    (tmp / "data").mkdir()
+    shutil.copy(small_csv, tmp / "data" / "small.csv")
+    raw["data"]["train"] = "data/small.csv"
+    proc = kubetune("run", str(write_spec(tmp / "job.yaml", raw)), env={"KUBETUNE_TRACE_DIR": str(trace)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, trace, proc
+
+
 TOKEN_CANARY = "hf_canaryTOKEN0123456789"  # a gated model's token: read from HF_TOKEN, never written anywhere
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -15,26 +14,17 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def full_run(tmp_path_factory, small_csv):
-    """One 2-epoch, 2-process full fine-tune; several tests read its artifacts."""
-    tmp = tmp_path_factory.mktemp("full")
-    out, trace = tmp / "out", tmp / "trace"
-    raw = tiny_spec(small_csv, out, training__epochs=2, training__grad_accum=2, training__eval_every=3)
-    # a relative data path is read next to the spec file, not from the working directory (the repo root)
-    (tmp / "data").mkdir()
-    shutil.copy(small_csv, tmp / "data" / "small.csv")
-    raw["data"]["train"] = "data/small.csv"
-    spec = write_spec(tmp / "job.yaml", raw)
-    proc = kubetune("run", str(spec), env={"KUBETUNE_TRACE_DIR": str(trace)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out, trace, proc
+def full_run(minilm_run):
+    """The session's 2-epoch, 2-process full fine-tune (conftest.minilm_run: batch 4 × grad_accum 2,
+    evaluated every 6 steps, data through a relative path, traced); several tests read its artifacts."""
+    return minilm_run
 
 
 def test_every_example_trained_exactly_once_per_epoch_across_ranks(full_run):
     out, trace, _ = full_run
     metrics = json.loads((out / "metrics.json").read_text())
     n = metrics["train_rows"]
-    assert n == 120  # 160 rows, 25% held out; 120 = 3.75 global batches of 32: the last step is partial
+    assert n == 120  # 160 rows, 25% held out; 120 = 7.5 global batches of 16: the last step is partial
     per_rank = {}
     for path in sorted(trace.glob("rank*.jsonl")):
         records = [json.loads(line) for line in path.read_text().splitlines()]
@@ -64,14 +54,14 @@ def test_artifacts(full_run):
     ):
         assert metrics[key] is not None, key
     assert metrics["world_size"] == 2
-    assert metrics["global_step"] == 2 * 4  # 2 epochs × ceil(120 / (batch 8 × accum 2 × world 2))
+    assert metrics["global_step"] == 2 * 8  # 2 epochs × ceil(120 / (batch 4 × accum 2 × world 2))
     assert metrics["eval_samples"] == metrics["eval_rows"] == 40  # every eval row counted once across ranks
     assert 0 <= metrics["eval_accuracy"] <= 1 and metrics["baseline"]["accuracy"] > 0
     history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
-    # eval_every 3: mid-epoch at steps 3 and 6, and at the end of each epoch (steps 4 and 8), each with the
+    # eval_every 6: mid-epoch at steps 6 and 12, and at the end of each epoch (steps 8 and 16), each with the
     # training time (evaluations excluded) and the samples seen so far.
     evals = [h for h in history if h["type"] == "eval"]
-    assert [(h["step"], h["epoch"]) for h in evals] == [(3, 1), (4, 1), (6, 2), (8, 2)]
+    assert [(h["step"], h["epoch"]) for h in evals] == [(6, 1), (8, 1), (12, 2), (16, 2)]
     assert [h["samples"] for h in evals] == [96, 120, 184, 240]
     assert all(0 < a["train_s"] < b["train_s"] for a, b in zip(evals, evals[1:]))
     assert evals[-1]["train_s"] == pytest.approx(metrics["train_runtime_s"], abs=0.01)
