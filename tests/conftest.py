@@ -353,6 +353,36 @@ def kubetune(*args: str, env: dict | None = None, timeout: float = 600) -> subpr
     )
 
 
+def kubetune_together(*calls: tuple[tuple[str, ...], dict | None], timeout: float = 600) -> list:
+    """Several independent invocations of the real CLI, ``(args, env)`` each, run at the same time
+    (each `kubetune run` leaves a core idle while its launcher starts up and checks its inputs);
+    their CompletedProcesses, in order. Only for calls that share no output, cache entry being
+    written, or name another could change."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "kubetune", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, **(env or {})},
+        )
+        for args, env in calls
+    ]
+    done = []
+    deadline = time.time() + timeout
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=max(1, deadline - time.time()))
+            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return done
+
+
 def seed004_call(**over) -> dict:
     """The arguments of seed 004's ``TrainingClient().train(...)`` (Kubeflow's fine-tune API page),
     with the SDK's own parameter classes; ``over`` replaces any of them. transformers 5 renamed

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import kubetune, tiny_spec, write_spec
+from conftest import kubetune, kubetune_together, tiny_spec, write_spec
 
 pytestmark = pytest.mark.integration
 
@@ -110,20 +110,25 @@ def test_exported_model_works_with_pipeline_and_predict(full_run):
 
     clf = pipeline("text-classification", model=str(out / "model"))
     assert clf("I hate this")[0]["label"] in {"negative", "neutral", "positive"}
-    proc = kubetune("predict", str(out), "I love it", "terrible idea", "--json")
+    # the run's output and its model/ directory, predicted from at the same time (both only read)
+    proc, plain = kubetune_together(
+        (("predict", str(out), "I love it", "terrible idea", "--json"), None),
+        (("predict", str(out / "model"), "I love it"), None),
+    )
     assert proc.returncode == 0, proc.stderr
     results = json.loads(proc.stdout)
     assert [r["text"] for r in results] == ["I love it", "terrible idea"]
     assert all(r["label"] in {"negative", "neutral", "positive"} and 0 < r["score"] <= 1 for r in results)
-    plain = kubetune("predict", str(out / "model"), "I love it")
     assert plain.returncode == 0 and plain.stdout.split("\t")[0] == results[0]["label"]
 
 
 @pytest.fixture(scope="module")
 def lora_run(full_run, tmp_path_factory, small_csv):
-    """A short 2-process LoRA run after full_run; test_same_seed_same_weights repeats it."""
+    """A short 2-process LoRA run after full_run, and the same job launched again at the same time
+    (another output), which test_same_seed_same_weights compares with it:
+    (output, spec, its CompletedProcess, the other launch's output)."""
     tmp = tmp_path_factory.mktemp("lora")
-    out = tmp / "lora"
+    out, again = tmp / "lora", tmp / "again"
     spec = write_spec(
         tmp / "job.yaml",
         tiny_spec(
@@ -133,13 +138,17 @@ def lora_run(full_run, tmp_path_factory, small_csv):
             training={"max_steps": 3, "batch_size": 8, "learning_rate": 1e-3, "log_every": 1, "seed": 7},
         ),
     )
-    proc = kubetune("run", str(spec), "--set", "output.report_baseline=false")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out, spec, proc
+    runs = kubetune_together(
+        (("run", str(spec), "--set", "output.report_baseline=false"), None),
+        (("run", str(spec), "--set", "output.report_baseline=false", "--set", f"output.uri={again}"), None),
+    )
+    for proc in runs:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, spec, runs[0], again
 
 
 def test_second_run_hits_tokenization_cache_and_lora_exports_adapter(lora_run):
-    out, _, proc = lora_run
+    out, _, proc, _ = lora_run
     assert "tokenization cache hit" in proc.stderr  # same data, tokenizer and max_length as full_run
     m = re.search(r"(\d+) trainable / (\d+) parameters", proc.stderr)
     assert m and int(m.group(1)) < 0.05 * int(m.group(2))
@@ -179,14 +188,11 @@ def _model_weights(out: Path) -> dict:
     return load_file(out / "model" / "model.safetensors")
 
 
-def test_same_seed_same_weights(lora_run, tmp_path):
-    """Determinism from training.seed: the same 2-process job run again (a fresh launch, other
-    output) ends with bit-identical weights. (Full fine-tunes: test_reliability's resumed runs
+def test_same_seed_same_weights(lora_run):
+    """Determinism from training.seed: the same 2-process job launched again (lora_run's second launch,
+    other output) ends with bit-identical weights. (Full fine-tunes: test_reliability's resumed runs
     match their uninterrupted reference bit for bit.)"""
-    first, spec, _ = lora_run
-    out = tmp_path / "again"
-    proc = kubetune("run", str(spec), "--set", "output.report_baseline=false", "--set", f"output.uri={out}")
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    first, _, _, out = lora_run
     a, b = _model_weights(first), _model_weights(out)
     assert a.keys() == b.keys()
     assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
