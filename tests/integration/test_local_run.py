@@ -4,37 +4,27 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import kubetune, tiny_spec, write_spec
+from conftest import kubetune, kubetune_together, tiny_spec, write_spec
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def full_run(tmp_path_factory, small_csv):
-    """One 2-epoch, 2-process full fine-tune; several tests read its artifacts."""
-    tmp = tmp_path_factory.mktemp("full")
-    out, trace = tmp / "out", tmp / "trace"
-    raw = tiny_spec(small_csv, out, training__epochs=2, training__grad_accum=2, training__eval_every=3)
-    # a relative data path is read next to the spec file, not from the working directory (the repo root)
-    (tmp / "data").mkdir()
-    shutil.copy(small_csv, tmp / "data" / "small.csv")
-    raw["data"]["train"] = "data/small.csv"
-    spec = write_spec(tmp / "job.yaml", raw)
-    proc = kubetune("run", str(spec), env={"KUBETUNE_TRACE_DIR": str(trace)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out, trace, proc
+def full_run(minilm_run):
+    """The session's 2-epoch, 2-process full fine-tune (conftest.minilm_run: batch 4 × grad_accum 2,
+    evaluated every 6 steps, data through a relative path, traced); several tests read its artifacts."""
+    return minilm_run
 
 
 def test_every_example_trained_exactly_once_per_epoch_across_ranks(full_run):
     out, trace, _ = full_run
     metrics = json.loads((out / "metrics.json").read_text())
     n = metrics["train_rows"]
-    assert n == 120  # 160 rows, 25% held out; 120 = 3.75 global batches of 32: the last step is partial
+    assert n == 120  # 160 rows, 25% held out; 120 = 7.5 global batches of 16: the last step is partial
     per_rank = {}
     for path in sorted(trace.glob("rank*.jsonl")):
         records = [json.loads(line) for line in path.read_text().splitlines()]
@@ -64,14 +54,14 @@ def test_artifacts(full_run):
     ):
         assert metrics[key] is not None, key
     assert metrics["world_size"] == 2
-    assert metrics["global_step"] == 2 * 4  # 2 epochs × ceil(120 / (batch 8 × accum 2 × world 2))
+    assert metrics["global_step"] == 2 * 8  # 2 epochs × ceil(120 / (batch 4 × accum 2 × world 2))
     assert metrics["eval_samples"] == metrics["eval_rows"] == 40  # every eval row counted once across ranks
     assert 0 <= metrics["eval_accuracy"] <= 1 and metrics["baseline"]["accuracy"] > 0
     history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
-    # eval_every 3: mid-epoch at steps 3 and 6, and at the end of each epoch (steps 4 and 8), each with the
+    # eval_every 6: mid-epoch at steps 6 and 12, and at the end of each epoch (steps 8 and 16), each with the
     # training time (evaluations excluded) and the samples seen so far.
     evals = [h for h in history if h["type"] == "eval"]
-    assert [(h["step"], h["epoch"]) for h in evals] == [(3, 1), (4, 1), (6, 2), (8, 2)]
+    assert [(h["step"], h["epoch"]) for h in evals] == [(6, 1), (8, 1), (12, 2), (16, 2)]
     assert [h["samples"] for h in evals] == [96, 120, 184, 240]
     assert all(0 < a["train_s"] < b["train_s"] for a, b in zip(evals, evals[1:]))
     assert evals[-1]["train_s"] == pytest.approx(metrics["train_runtime_s"], abs=0.01)
@@ -120,20 +110,25 @@ def test_exported_model_works_with_pipeline_and_predict(full_run):
 
     clf = pipeline("text-classification", model=str(out / "model"))
     assert clf("I hate this")[0]["label"] in {"negative", "neutral", "positive"}
-    proc = kubetune("predict", str(out), "I love it", "terrible idea", "--json")
+    # the run's output and its model/ directory, predicted from at the same time (both only read)
+    proc, plain = kubetune_together(
+        (("predict", str(out), "I love it", "terrible idea", "--json"), None),
+        (("predict", str(out / "model"), "I love it"), None),
+    )
     assert proc.returncode == 0, proc.stderr
     results = json.loads(proc.stdout)
     assert [r["text"] for r in results] == ["I love it", "terrible idea"]
     assert all(r["label"] in {"negative", "neutral", "positive"} and 0 < r["score"] <= 1 for r in results)
-    plain = kubetune("predict", str(out / "model"), "I love it")
     assert plain.returncode == 0 and plain.stdout.split("\t")[0] == results[0]["label"]
 
 
 @pytest.fixture(scope="module")
 def lora_run(full_run, tmp_path_factory, small_csv):
-    """A short 2-process LoRA run after full_run; test_same_seed_same_weights repeats it."""
+    """A short 2-process LoRA run after full_run, and the same job launched again at the same time
+    (another output), which test_same_seed_same_weights compares with it:
+    (output, spec, its CompletedProcess, the other launch's output)."""
     tmp = tmp_path_factory.mktemp("lora")
-    out = tmp / "lora"
+    out, again = tmp / "lora", tmp / "again"
     spec = write_spec(
         tmp / "job.yaml",
         tiny_spec(
@@ -143,13 +138,17 @@ def lora_run(full_run, tmp_path_factory, small_csv):
             training={"max_steps": 3, "batch_size": 8, "learning_rate": 1e-3, "log_every": 1, "seed": 7},
         ),
     )
-    proc = kubetune("run", str(spec), "--set", "output.report_baseline=false")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out, spec, proc
+    runs = kubetune_together(
+        (("run", str(spec), "--set", "output.report_baseline=false"), None),
+        (("run", str(spec), "--set", "output.report_baseline=false", "--set", f"output.uri={again}"), None),
+    )
+    for proc in runs:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, spec, runs[0], again
 
 
 def test_second_run_hits_tokenization_cache_and_lora_exports_adapter(lora_run):
-    out, _, proc = lora_run
+    out, _, proc, _ = lora_run
     assert "tokenization cache hit" in proc.stderr  # same data, tokenizer and max_length as full_run
     m = re.search(r"(\d+) trainable / (\d+) parameters", proc.stderr)
     assert m and int(m.group(1)) < 0.05 * int(m.group(2))
@@ -189,14 +188,11 @@ def _model_weights(out: Path) -> dict:
     return load_file(out / "model" / "model.safetensors")
 
 
-def test_same_seed_same_weights(lora_run, tmp_path):
-    """Determinism from training.seed: the same 2-process job run again (a fresh launch, other
-    output) ends with bit-identical weights. (Full fine-tunes: test_reliability's resumed runs
+def test_same_seed_same_weights(lora_run):
+    """Determinism from training.seed: the same 2-process job launched again (lora_run's second launch,
+    other output) ends with bit-identical weights. (Full fine-tunes: test_reliability's resumed runs
     match their uninterrupted reference bit for bit.)"""
-    first, spec, _ = lora_run
-    out = tmp_path / "again"
-    proc = kubetune("run", str(spec), "--set", "output.report_baseline=false", "--set", f"output.uri={out}")
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    first, _, _, out = lora_run
     a, b = _model_weights(first), _model_weights(out)
     assert a.keys() == b.keys()
     assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0

@@ -1,22 +1,22 @@
-"""MLflow tracking against a real `mlflow server` (sqlite backend store, local artifact root) that
-this module starts on 127.0.0.1 and stops; the run is read back through MLflow's own client."""
+"""MLflow tracking against a real `mlflow server` (sqlite backend store, local artifact root) on
+127.0.0.1: conftest's mlflow_server, started in the background once collection shows these tests
+will run; the run is read back through MLflow's own client."""
 
 from __future__ import annotations
 
 import http.server
 import json
 import os
+import shutil
 import signal
 import socket
-import subprocess
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, kubetune, start_run, tiny_spec, wait_for_checkpoint, write_spec
+from conftest import kubetune, start_run, tiny_spec, wait_for_checkpoint, write_spec
 
 from kubetune.training.tracking import MLflowLogger
 
@@ -30,57 +30,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mlflow")
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    # the server runs from its own environment (`make test` makes it: requirements-mlflow-server.txt)
-    server = Path(os.environ.get("KUBETUNE_MLFLOW_SERVER") or ROOT / ".venv-mlflow" / "bin" / "mlflow")
-    assert server.exists(), f"no MLflow server at {server}: run `make test` (it installs one into .venv-mlflow)"
-    proc = subprocess.Popen(
-        [
-            str(server),
-            "server",
-            "--backend-store-uri",
-            f"sqlite:///{root / 'mlflow.db'}",
-            "--artifacts-destination",
-            str(root / "artifacts"),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--workers",
-            "1",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=open(root / "server.log", "w"),
-        start_new_session=True,
-    )
-    deadline = time.time() + 120
-    while True:
-        try:
-            if urllib.request.urlopen(f"{url}/health", timeout=2).read().strip() == b"OK":
-                break
-        except OSError:
-            pass
-        assert proc.poll() is None, (root / "server.log").read_text()[-3000:]
-        assert time.time() < deadline, "mlflow server did not start"
-        time.sleep(0.1)
-    yield url
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
 def _spec(small_csv, out: Path, uri: str, experiment: str) -> dict:
+    """2 epochs of 4 steps (a global batch of 32 of the 120 training rows), every step logged, evaluated
+    every 2 steps, a checkpoint every 3."""
     spec = tiny_spec(
         small_csv,
         out,
-        training={"epochs": 2, "batch_size": 8, "log_every": 1, "checkpoint_every": 6, "seed": 5, "eval_every": 4},
+        training={"epochs": 2, "batch_size": 16, "log_every": 1, "checkpoint_every": 3, "seed": 5, "eval_every": 2},
     )
     spec["output"]["report_baseline"] = False
     spec["tracking"] = {"mlflow": {"uri": uri, "experiment": experiment, "tags": {"team": "nlp"}}}
@@ -107,21 +63,29 @@ def _history(out: Path) -> list[dict]:
 
 
 def test_a_run_stopped_by_sigterm_and_resumed_is_one_mlflow_run_with_every_step_once(
-    mlflow_server, tmp_path, small_csv
+    mlflow_server, tmp_path, small_csv, minilm_killed
 ):
+    """Started with --no-resume into a copy of conftest.minilm_killed's output (another job's
+    checkpoints, which it must not resume: it clears them and starts over), stopped by SIGTERM after a
+    checkpoint, run again: it resumes, and MLflow holds one run with every step once."""
     from mlflow.tracking import MlflowClient
 
     out = tmp_path / "out"
+    shutil.copytree(minilm_killed.copy, out)
+    old = sorted(p.name for p in (out / "checkpoints").glob("step-*") if (p / "COMPLETE").exists())
+    assert old
     raw = _spec(small_csv, out, mlflow_server, "resume")
     del raw["tracking"]["mlflow"]["uri"]  # the server from the environment, with credentials in its URL
     spec = write_spec(tmp_path / "job.yaml", raw)
     host = mlflow_server.removeprefix("http://")
     env = {"MLFLOW_TRACKING_URI": f"http://alice:{SECRET}@{host}"}
-    proc = start_run(spec, env)
-    wait_for_checkpoint(out, 6, proc)
+    proc = start_run(spec, env, "--no-resume")
+    wait_for_checkpoint(out, 3, proc)
     os.kill(proc.pid, signal.SIGTERM)  # preemption: a checkpoint at the next step, exit 143
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err[-3000:]
+    assert f"starting over (--no-resume): removing the earlier run's {len(old)} checkpoint(s)" in err
+    assert "resumed" not in err
     assert "stopped:" in err and "run the same command again to resume" in err  # `kubetune run`'s stop message
     again = kubetune("run", str(spec), env=env)
     assert again.returncode == 0, again.stderr[-3000:]
@@ -142,7 +106,10 @@ def test_a_run_stopped_by_sigterm_and_resumed_is_one_mlflow_run_with_every_step_
     evals = {h["step"]: h for h in history if h["type"] == "eval"}
     losses = client.get_metric_history(run.info.run_id, "train/loss")
     steps = [m.step for m in losses]
-    assert sorted(steps) == list(range(1, 17)) == sorted(train)  # no gap, no duplicate
+    assert sorted(steps) == list(range(1, 9)) == sorted(train)  # no gap, no duplicate
+    # history.jsonl too: this run's steps, once each (nothing of the run --no-resume replaced)
+    assert [h["step"] for h in history if h["type"] == "train"] == list(range(1, 9))
+    assert not (out / "checkpoints").exists()  # a finished run clears its checkpoints
     assert all(abs(m.value - train[m.step]["loss"]) < 1e-9 for m in losses)
     lrs = client.get_metric_history(run.info.run_id, "train/lr")
     assert sorted(m.step for m in lrs) == steps

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import MINILM, ROOT, kubetune, write_spec
+from conftest import MINILM, ROOT, kubetune, kubetune_together, write_spec
 
 pytestmark = pytest.mark.integration
 
@@ -84,11 +84,13 @@ def test_it_trains_on_two_processes_exports_reports_and_predicts(plugin_env, sma
     assert (out / "model" / "model.safetensors").exists() and (out / "plots" / "eval_metrics.png").exists()
     assert "eval MSE" in (out / "report.html").read_text()
 
-    proc = kubetune("predict", str(out), "--json", "great flight, thanks", "lost my bag again", env=plugin_env)
+    # a prediction, and the task's own options: a generation option is refused for this model (at the same time)
+    proc, refused = kubetune_together(
+        (("predict", str(out), "--json", "great flight, thanks", "lost my bag again"), plugin_env),
+        (("predict", str(out), "--seed", "3", "a text"), plugin_env),
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     results = json.loads(proc.stdout)
     assert [r["text"] for r in results] == ["great flight, thanks", "lost my bag again"]
     assert all(isinstance(r["value"], float) for r in results)
-    # the task's own options: a generation option is refused for this model
-    proc = kubetune("predict", str(out), "--seed", "3", "a text", env=plugin_env)
-    assert proc.returncode == 2 and "--seed" in proc.stderr, proc.stderr
+    assert refused.returncode == 2 and "--seed" in refused.stderr, refused.stderr
