@@ -529,6 +529,8 @@ def ratios(runs: list[Run]) -> list[str]:
                     else ""
                 )
                 goal = "met" if grow <= 300 else "not met"
+                if small.worker_anon_mib and large.worker_anon_mib:  # VmHWM counts mapped Arrow pages (page cache)
+                    launcher = f", anonymous {large.worker_anon_mib - small.worker_anon_mib:+,.0f} MiB" + launcher
                 out.append(
                     f"- {key[0]}, {key[1]}, {key[2]} process(es){' on 1 core' if key[3] else ''}: {grow:+,.0f} MiB "
                     f"per process ({goal}){launcher}"
