@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 CHAT = ROOT / "src/kubetune/assets/sentiment/sentiment-chat.jsonl"
 SHARDS, PER_SHARD = 20, 6  # 120 rows: 7.5 global batches of 16 — the epoch's last step is partial
-PREFIX = f"s3://{BUCKET}/stream/"
+PREFIX = f"s3://{BUCKET}/stream-run/"  # test_stream.py writes under stream/ on the same server
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def data(moto, tmp_path_factory):  # noqa: F811
     lines = CHAT.read_text().splitlines()
     for k in range(SHARDS):
         body = "\n".join(lines[k * PER_SHARD : (k + 1) * PER_SHARD]) + "\n"
-        client.put_object(Bucket=BUCKET, Key=f"stream/part-{k:03d}.jsonl", Body=body.encode())
+        client.put_object(Bucket=BUCKET, Key=f"stream-run/part-{k:03d}.jsonl", Body=body.encode())
     tmp = tmp_path_factory.mktemp("stream-data")
     (tmp / "eval.jsonl").write_text("\n".join(lines[-40:]) + "\n")
     return tmp / "eval.jsonl"
@@ -155,11 +155,11 @@ def test_sigterm_on_two_processes_resumes_on_one_without_repeating_or_skipping(d
     stopped = max(int(p.name[5:]) for p in (out / "checkpoints").glob("step-*") if (p / "COMPLETE").exists())
     one_spec = str(write_spec(tmp_path / "one.yaml", _spec(data, out, procs=1, checkpoint_every=3)))
     # a shard added to the prefix since the checkpoint: refused in one line, the checkpoint kept
-    s3.put_object(Bucket=BUCKET, Key="stream/part-020.jsonl", Body=CHAT.read_bytes()[:2000])
+    s3.put_object(Bucket=BUCKET, Key="stream-run/part-020.jsonl", Body=CHAT.read_bytes()[:2000])
     try:
         changed = kubetune("run", one_spec)
     finally:
-        s3.delete_object(Bucket=BUCKET, Key="stream/part-020.jsonl")
+        s3.delete_object(Bucket=BUCKET, Key="stream-run/part-020.jsonl")
     assert changed.returncode == 2, changed.stderr[-2000:]
     assert f"data.train: {PREFIX} changed since the checkpoint was taken: {PREFIX}part-020.jsonl was added" in (
         changed.stderr
