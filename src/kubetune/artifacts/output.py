@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 MARKER = ".kubetune-output"
 # Swapped in together when a run finishes; metrics.json last, since it marks a finished run.
-FINAL = ("model", "adapter", "plots", "report.html", "job.yaml", "metrics.json")
+FINAL = ("model", "adapter", "plots", "report.html", "completions.jsonl", "job.yaml", "metrics.json")
 LIVE = ("history.jsonl", "progress.json", "tensorboard", "checkpoints")  # written while the run goes
 OWNED = FINAL + LIVE + (MARKER,)
 STAGING_PREFIX = ".kubetune-staging-"

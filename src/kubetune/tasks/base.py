@@ -9,7 +9,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -17,7 +17,7 @@ import torch
 from kubetune import distributed
 from kubetune.artifacts.presentation import Presentation
 from kubetune.config import JobSpec
-from kubetune.data import Batch
+from kubetune.data import Batch, StepBatch
 from kubetune.data.feed import Feed
 from kubetune.data.rows import agreed, column
 from kubetune.distributed import DistEnv
@@ -42,6 +42,28 @@ class Prepared:
     # a key of the training rows' content (their tokens' cache key): a resume on other data is refused
     content: str = ""
     stream: Feed | None = None  # data.streaming: the training data as a stream (train_ds, collate, units unused)
+    # An online task's rollouts (GRPO): each step of the data plan is turned into the step trained on
+    # (``Online``), and their state goes into the checkpoint.
+    online: Online | None = None
+    metric_names: tuple[str, ...] | None = None  # the task's train_metrics for this spec, where they depend on it
+
+
+class Online(Protocol):
+    """An online task's rollouts (``Prepared.online``): what the trainer calls at each optimizer step."""
+
+    @property
+    def repeat(self) -> int:
+        """Optimizer steps per step of the data plan (each plan step is trained on this many times)."""
+
+    def step(self, model: torch.nn.Module, step: StepBatch, global_step: int, autocast) -> StepBatch:
+        """Every rank, at ``global_step``: the step trained on, made from the plan's ``step`` by ``model``
+        (the unwrapped model); its ``units`` is the global step's loss units over every rank."""
+
+    def state_dict(self) -> dict:
+        """This rank's state for a checkpoint (plain tensors and values)."""
+
+    def load_state_dict(self, states: list[dict] | None, world_size: int, global_step: int) -> None:
+        """Every rank: its state from a checkpoint's (one per rank that wrote it)."""
 
 
 class LossOutput(NamedTuple):

@@ -87,11 +87,21 @@ def build_trainer(
     fingerprint = checkpoint.fingerprint(
         spec, data.labels, env.world_size, data.train_rows, grad_accum, group_unit, strategy.name, data.content
     )
-    state, stream = _state(
-        found, fingerprint, strategy, optimizer, scheduler, scaler, env, device, len(task.train_metrics)
+    state, saved_state = _state(
+        found,
+        fingerprint,
+        strategy,
+        optimizer,
+        scheduler,
+        scaler,
+        env,
+        device,
+        len(data.metric_names or task.train_metrics),
     )
     if found and data.stream is not None:
-        data.stream.resume(stream)  # a changed listing is refused now, before any step
+        data.stream.resume(saved_state.get("stream"))  # a changed listing is refused now, before any step
+    if found and data.online is not None:
+        data.online.load_state_dict(saved_state.get("online"), env.world_size, state.global_step)
     if found:
         log.info(
             "resumed from checkpoint step %d (epoch %d, step %d of %s in the epoch): %s",
@@ -189,6 +199,7 @@ def _layout(spec: JobSpec, env: DistEnv, data, grad_accum: int, group_unit: int,
         token_budget=token_budget,
         train_lengths=column(data.train_ds, "length") if not streamed else np.zeros(0, dtype=np.int64),
         streamed=streamed,
+        repeat=data.online.repeat if data.online is not None else 1,
         # On a GPU, building batches in the training process leaves the GPU idle meanwhile (+20% samples/s
         # with 2 workers, BERT-base); on a CPU the workers would take cores from the compute.
         workers=cfg.dataloader_workers if cfg.dataloader_workers is not None else (2 if device.type == "cuda" else 0),
@@ -200,18 +211,18 @@ def _layout(spec: JobSpec, env: DistEnv, data, grad_accum: int, group_unit: int,
             cfg.epochs, cfg.max_steps, steps_of=lambda e: len(layout.plan(e, cfg, data, env))
         )
     else:
-        n_steps = steps_per_epoch(data.train_rows, env.world_size, cfg.batch_size, grad_accum)
+        n_steps = steps_per_epoch(data.train_rows, env.world_size, cfg.batch_size, grad_accum) * layout.repeat
         layout.epoch_steps, layout.total_steps = plan_epochs(cfg.epochs, cfg.max_steps, n_steps=n_steps)
     return layout
 
 
 def _state(
     found, fingerprint, strategy, optimizer, scheduler, scaler, env, device, metrics: int
-) -> tuple[TrainState, dict | None]:
+) -> tuple[TrainState, dict]:
     """A fresh state, or the newest complete checkpoint's: weights, optimizer, schedule, position and
-    RNG; and the checkpoint's stream position (data.streaming; else None)."""
+    RNG; and the checkpoint's stream position and online rollouts (``stream``, ``online``; else absent)."""
     if not found:
-        return TrainState.fresh(device, metrics), None
+        return TrainState.fresh(device, metrics), {}
     saved = checkpoint.load(found)
     checkpoint.check_compatible(saved["fingerprint"], fingerprint, str(found.path))
     strategy.load(found.path, saved, optimizer)
@@ -225,7 +236,7 @@ def _state(
             "ranks from %d on had no RNG state in the checkpoint; they keep their seeded streams (dropout only)",
             len(saved["rng"]),
         )
-    return state, saved.get("stream")
+    return state, {k: saved[k] for k in ("stream", "online") if k in saved}
 
 
 def _loggers(spec, env, dest: Output, found, state: TrainState, total_steps: int, device, dtype, strategy):

@@ -59,9 +59,14 @@ class Layout:
     epoch_steps: list[int] = field(default_factory=list)  # optimizer steps of each epoch (streamed: at most)
     total_steps: int = 0
     streamed: bool = False  # data.streaming: the epochs' steps are known only once read
+    repeat: int = 1  # optimizer steps per step of the data plan (an online task's num_iterations)
 
     def plan(self, epoch: int, cfg, data: Prepared, env: DistEnv):
         """This rank's steps of ``epoch``: a pure function of the seed, the epoch and the layout."""
+        plan = self._plan(epoch, cfg, data, env)
+        return plan if self.repeat == 1 else Repeated(plan, self.repeat)
+
+    def _plan(self, epoch: int, cfg, data: Prepared, env: DistEnv):
         if self.token_budget:  # packed: lengths cost no padding, so the order is not grouped by length
             order = epoch_order(data.train_rows, epoch, cfg.seed)
             micros = token_micro_batches(order, self.train_lengths, self.token_budget)
@@ -71,6 +76,22 @@ class Layout:
         return rank_plan(
             order, rank=env.rank, world_size=env.world_size, batch_size=cfg.batch_size, grad_accum=self.grad_accum
         )
+
+
+@dataclass(frozen=True)
+class Repeated:
+    """A plan with each step ``times`` times in a row (lazy, as the plan it wraps)."""
+
+    plan: Any
+    times: int
+
+    def __len__(self) -> int:
+        return len(self.plan) * self.times
+
+    def __getitem__(self, k: int):
+        if not 0 <= k < len(self):
+            raise IndexError(k)
+        return self.plan[k // self.times]
 
 
 @dataclass
@@ -196,8 +217,10 @@ class Trainer:
             The step's stats: ``units`` (the loss denominator) and ``grad_norm`` (None unclipped).
         """
         s, env = self.state, self.env
-        # The loss denominator: loss units (examples, or target tokens) in the whole global step.
         data = self.data
+        if data.online is not None:  # the plan's prompts become the completions trained on
+            step = data.online.step(self.model, step, s.global_step, self.autocast)
+        # The loss denominator: loss units (examples, or target tokens) in the whole global step.
         if step.units is not None:
             step_units = step.units
         else:
@@ -242,7 +265,7 @@ class Trainer:
         s = self.state
         sums = distributed.all_reduce_sum(s.accumulated())
         means = (sums / sums[1].clamp(min=1)).tolist()
-        loss, extra = means[0], dict(zip(self.task.train_metrics, means[2:]))
+        loss, extra = means[0], dict(zip(self.data.metric_names or self.task.train_metrics, means[2:]))
         s.reset_accumulators()
         self.guard.check(s.global_step, self.dest.checkpoints, loss)
         # every rank's real tokens so far, for the progress line's tokens/s (one small reduction per log
@@ -281,7 +304,7 @@ class Trainer:
             "epoch %d, step %d: %s",
             s.epoch + 1,
             s.global_step,
-            " ".join(f"{k} {metrics[k]:.4f}" for k in ("eval_loss", *self.task.headline)),
+            " ".join(f"{k} {metrics[k]:.4f}" for k in ("eval_loss", *self.task.headline) if k in metrics),
         )
         # Scalars only: a per-class matrix at every evaluation would grow the file with the classes squared.
         scalars = {k: v for k, v in metrics.items() if not isinstance(v, (list, dict))}
@@ -308,6 +331,8 @@ class Trainer:
         per_rank = distributed.all_gather_object(
             (checkpoint.rng_state(), s.accumulated().tolist(), [s.tokens_real, s.tokens_computed])
         )
+        online = self.data.online
+        online_states = distributed.all_gather_object(online.state_dict()) if online is not None else None
         staged, entries, uploaded = self._save_model_state()
         if writer:
             state = {
@@ -317,6 +342,7 @@ class Trainer:
                 **s.state_dict(s.training_time(), per_rank),
                 "fingerprint": self.fingerprint,
                 **({"stream": self.data.stream.state_dict()} if self.data.stream is not None else {}),
+                **({"online": online_states} if online is not None else {}),
             }
             path = self.dest.checkpoints.save(
                 state, self.spec, s.global_step, self.cfg.keep_checkpoints, staged, uploaded

@@ -1,3 +1,187 @@
-"""GRPO: online RL (Group Relative Policy Optimization) of a causal LM: completions sampled per prompt,
-scored by reward functions, and the policy moved toward the completions that beat their group
-(work in progress: the loss, ``loss.py``; the task is not registered yet)."""
+"""GRPO: online RL (Group Relative Policy Optimization) of a causal LM: completions sampled per prompt by
+the policy, scored by reward functions, and the policy moved toward the completions that beat their
+group. This is the task's spec half (its data section, its own ``grpo:`` section and registry entry);
+the training half is ``task.py`` (``TASK``), the rollouts ``rollout.py``, the rewards ``rewards.py``, the
+loss ``loss.py``."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from kubetune.config.base import DataCommon, Section
+from kubetune.config.tasks import TaskEntry
+
+BUILTIN_REWARDS = ("exact_match", "regex", "length")
+
+
+class PromptData(DataCommon):
+    """``data`` for task: grpo (prompts; every other column reaches the reward functions by name)."""
+
+    task: Literal["grpo"] = Field("grpo", exclude=True, description="(internal) the job's task, set from `task`")
+    format: Literal["auto", "text", "chat"] = Field(
+        "auto",
+        description="grpo prompt layout. text: the prompt column's string is the prompt as it is, and completions "
+        "are strings. chat: a {role, content} message list (or a string, which becomes a user turn) rendered with "
+        "the chat template and its generation prompt; completions are one assistant message (TRL's conversational "
+        "format). auto: chat when the prompt column holds message lists, else text.",
+    )
+    prompt_column: str = Field("prompt", description="grpo: the prompt column (string or message list).")
+    system_prompt: str | None = Field(
+        None, description="grpo chat format: a system message put first in every prompt that has none."
+    )
+    chat_template: str | None = Field(
+        None,
+        description="grpo chat format: a Jinja chat template used instead of the tokenizer's (saved with the "
+        "exported tokenizer). Absent: the tokenizer's, else kubetune's fallback template (as for causal-lm).",
+    )
+    max_length: int = Field(
+        512,
+        ge=8,
+        le=32768,
+        description="Token limit of a prompt (TRL's max_prompt_length); a longer prompt keeps its end.",
+    )
+
+
+class Reward(Section):
+    """One reward function of ``grpo.rewards``: a built-in, or your own ``module:function``."""
+
+    function: str = Field(
+        description="exact_match (1 when the completion, or the first group of `pattern` in it, equals the "
+        "`column` value, else 0), regex (1 when `pattern` matches the completion, else 0), length (DAPO's soft "
+        "overlong penalty: 0 up to `max_tokens` − `cache_tokens` completion tokens, then falling linearly to −1 at "
+        "`max_tokens`), or 'module:function' with TRL's signature f(prompts, completions, completion_ids, "
+        "**columns) -> list[float | None]. A user function is your code: it runs in every training process with "
+        "the job's rights (on Kubernetes the module must be importable in the pod: in the image, or a directory "
+        "on the workspace claim named in PYTHONPATH).",
+    )
+    weight: float = Field(1.0, description="Its weight in the total reward (TRL's reward_weights).")
+    name: str | None = Field(None, description="Its name in the metrics (reward_<name>). Absent: the function's.")
+    column: str | None = Field(None, description="exact_match: the data column holding the right answer.")
+    pattern: str | None = Field(
+        None,
+        description="regex: the pattern a completion must match (re.search, or re.fullmatch with full: true; "
+        "DOTALL). exact_match: the answer is its first group in the completion (absent: the whole completion, "
+        "stripped).",
+    )
+    full: bool = Field(False, description="regex: the whole completion must match `pattern` (re.fullmatch).")
+    share: bool = Field(
+        False,
+        description="regex: the reward is the share (0 to 1) of the completion's non-space characters inside "
+        "the matches of `pattern`, instead of 1 or 0 (a dense signal for a required form, e.g. \\d: digits only).",
+    )
+    max_tokens: int | None = Field(None, ge=1, description="length: the completion length penalized to −1.")
+    cache_tokens: int | None = Field(None, ge=1, description="length: the soft zone before max_tokens.")
+
+    @field_validator("function")
+    @classmethod
+    def _function(cls, value: str) -> str:
+        if value in BUILTIN_REWARDS or re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", value):
+            return value
+        raise ValueError(f"{value!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) nor 'module:function'")
+
+    @property
+    def label(self) -> str:
+        """Its name in the metrics."""
+        return self.name or self.function.rsplit(":", 1)[-1]
+
+
+class GRPOSpec(Section):
+    """Online RL of task: grpo (the names of TRL's GRPOConfig). ``training.batch_size`` counts prompts: each
+    micro-batch holds batch_size × num_generations completions (TRL's per_device_train_batch_size counts
+    completions)."""
+
+    rewards: list[Reward] = Field(
+        min_length=1, description="The reward functions; a completion's reward is their weighted sum."
+    )
+    num_generations: int = Field(8, ge=2, le=1024, description="Completions sampled per prompt (the group).")
+    max_completion_length: int = Field(256, ge=1, le=32768, description="Token limit of a completion.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature (also used for the log-probabilities).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: the smallest token set with this mass.")
+    top_k: int = Field(0, ge=0, description="Sample among the top_k tokens only; 0: all.")
+    num_iterations: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Optimizer steps per generation (TRL's μ): each generation is trained on this many times, "
+        "with the clipped ratio to the policy that sampled it.",
+    )
+    epsilon: float = Field(0.2, gt=0, lt=1, description="Lower clipping bound of the importance ratio (1 − ε).")
+    epsilon_high: float | None = Field(None, gt=0, description="Upper clipping bound (1 + ε_high); absent: epsilon.")
+    beta: float = Field(
+        0.0,
+        ge=0,
+        description="Weight of the KL penalty to the reference model (k3 estimate); 0: none and no reference.",
+    )
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = Field(
+        "dapo",
+        description="How the per-token loss is averaged: dapo (TRL's default: over the global step's completion "
+        "tokens), grpo (each completion's mean, then over completions), dr_grpo (over completions × "
+        "max_completion_length), bnpo (over each micro-batch's tokens).",
+    )
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="Advantages divided by the group's reward std, the whole batch's, or nothing."
+    )
+    mask_truncated_completions: bool = Field(
+        False, description="Completions that hit max_completion_length without an end token carry no loss."
+    )
+    reference_copy: bool = Field(
+        False,
+        description="Full fine-tune with beta > 0: keep a frozen copy of the base model as the reference (one "
+        "more model in memory). With LoRA the reference is the model with its adapter disabled.",
+    )
+    log_completions: int = Field(
+        4,
+        ge=0,
+        le=1024,
+        description="Completions per generation written to completions.jsonl (rank 0's first ones, with their "
+        "rewards); the file keeps the last 1,000.",
+    )
+
+
+def _checks(data: PromptData, section: GRPOSpec | None) -> list[str]:
+    if section is None:
+        return ["task grpo needs a grpo section with at least one reward: grpo: {rewards: [{function: ...}]}"]
+    out = []
+    for i, r in enumerate(section.rewards):
+        where = f"grpo.rewards[{i}]"
+        if r.function == "exact_match" and not r.column:
+            out.append(f"{where}: exact_match needs `column`, the data column holding the right answer")
+        if r.function == "regex" and not r.pattern:
+            out.append(f"{where}: regex needs `pattern`")
+        if r.function == "length" and (r.max_tokens is None or r.cache_tokens is None):
+            out.append(f"{where}: length needs max_tokens and cache_tokens (the soft zone before max_tokens)")
+        elif r.function == "length" and r.cache_tokens >= r.max_tokens:
+            out.append(f"{where}: cache_tokens {r.cache_tokens} must be below max_tokens {r.max_tokens}")
+        for key in ("column", "pattern", "max_tokens", "cache_tokens"):
+            if getattr(r, key) is not None and key not in _USES.get(r.function, ()):
+                out.append(f"{where}.{key} does not apply to function {r.function} — remove it")
+        if (r.full or r.share) and r.function != "regex":
+            out.append(f"{where}: full and share apply to function regex — remove them")
+        if r.full and r.share:
+            out.append(f"{where}: full and share exclude each other — keep one")
+        if r.pattern is not None:
+            try:
+                re.compile(r.pattern)
+            except re.error as e:
+                out.append(f"{where}.pattern {r.pattern!r} is not a regular expression: {e}")
+    labels = [r.label for r in section.rewards]
+    dupes = sorted({x for x in labels if labels.count(x) > 1})
+    if dupes:
+        out.append(f"grpo.rewards: the names {dupes} repeat — give each a distinct `name`")
+    return out
+
+
+_USES = {"exact_match": ("column", "pattern"), "regex": ("pattern",), "length": ("max_tokens", "cache_tokens")}
+
+
+ENTRY = TaskEntry(
+    data=PromptData,
+    summary="online RL of a causal LM from rewards you can verify: Group Relative Policy Optimization",
+    runtime="kubetune.tasks.grpo.task:TASK",
+    section=GRPOSpec,
+    checks=_checks,
+    order=3,
+)

@@ -1,0 +1,319 @@
+"""Online RL with GRPO (Group Relative Policy Optimization) of a causal LM: the task's pieces for the
+shared trainer (``training/trainer.py``).
+
+Data: prompts (text or chat) with any other columns, which reach the reward functions by name
+(``data.py``). Each step of the data plan is a set of prompts; ``Rollouts`` (``rollout.py``, the
+task's ``Prepared.online``) turns it into completions sampled by the policy, rewards, advantages and
+the micro-batches trained on, and keeps them for ``num_iterations`` optimizer steps. Model: the
+causal-LM task's (full fine-tune, LoRA, QLoRA) with dropout off. Loss: TRL 1.16's (``loss.py``), its
+four normalizations expressed as the trainer's loss units, so a global step's gradient equals TRL's
+for equal micro-batches. Evaluation: one greedy completion per held-out prompt, its mean reward.
+Export, ``predict`` and the Hub push are the causal-LM task's; ``completions.jsonl`` holds a sample
+of the completions with their rewards.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import logging
+
+import numpy as np
+import torch
+
+from kubetune import artifacts, distributed
+from kubetune.config import JobSpec
+from kubetune.data.rows import column, tokenized_rows
+from kubetune.data.tokenize import tokenizer_fingerprint
+from kubetune.distributed import DistEnv
+from kubetune.errors import AgreedError, KubetuneError
+from kubetune.providers import S3Settings
+from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task, on_node_first
+from kubetune.tasks.causal_lm import task as causal_lm
+from kubetune.tasks.causal_lm.data import IGNORE, ensure_chat_template
+from kubetune.tasks.dpo import task as dpo
+from kubetune.tasks.grpo import loss as grpo_loss
+from kubetune.tasks.grpo import rewards as reward_fns
+from kubetune.tasks.grpo.data import PromptCollate, encode_prompts, load_prompt_frames
+from kubetune.tasks.grpo.rollout import RolloutBatch, Rollouts, completion_logps, dense
+
+log = logging.getLogger(__name__)
+
+
+def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
+    g = spec.grpo
+    if g.beta and spec.lora is None and not g.reference_copy:
+        raise KubetuneError(
+            f"beta {g.beta} needs a reference model: a full fine-tune keeps none unless asked",
+            field="grpo.beta",
+            fix="add a lora section (the reference is the model with its adapter disabled), set "
+            "grpo.reference_copy: true (a frozen copy of the base model in memory), or set grpo.beta: 0",
+        )
+    scorers = reward_fns.scorers(g.rewards)  # a user's module is imported now, not at the first step
+    frames = on_node_first(env, lambda: load_prompt_frames(spec.data, spec.training.seed, S3Settings.from_spec(spec)))
+    template = None
+    if frames.format == "chat":
+        if spec.data.chat_template:
+            tokenizer.chat_template, template = spec.data.chat_template, "data.chat_template"
+        else:
+            template = "fallback" if ensure_chat_template(tokenizer) else "tokenizer"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token  # padding is masked out; any id will do
+    encode = functools.partial(encode_prompts, tokenizer=tokenizer, max_length=spec.data.max_length)
+    fingerprint = f"grpo:{spec.data.max_length}:{tokenizer_fingerprint(tokenizer)}"
+    train_ds, hit, train_key = tokenized_rows(
+        frames.rows, frames.train_ids, env=env, fingerprint=fingerprint, encode=encode, what="train"
+    )
+    eval_ds, _, _ = tokenized_rows(
+        frames.eval_rows, frames.eval_ids, env=env, fingerprint=fingerprint, encode=encode, what="eval"
+    )
+    rollouts = Rollouts(
+        grpo=g,
+        tokenizer=tokenizer,
+        scorers=scorers,
+        seed=spec.training.seed,
+        rank=env.rank,
+        chat=frames.format == "chat",
+        eos_ids=_eos_ids(model_dir, tokenizer),
+    )
+    collate, collate_eval = (
+        PromptCollate(train_ds, tokenizer.pad_token_id),
+        PromptCollate(eval_ds, tokenizer.pad_token_id),
+    )
+    collate.context = collate_eval.context = rollouts
+    if env.is_local_main:
+        lengths = column(train_ds, "length")
+        log.info(
+            "data: %d train / %d eval prompts (%s format%s); longest prompt %d tokens, mean %.0f; %d completions "
+            "per prompt; rewards %s; tokenization cache %s",
+            len(train_ds),
+            len(eval_ds),
+            frames.format,
+            f", {template} chat template" if template else "",
+            lengths.max(),
+            lengths.mean(),
+            g.num_generations,
+            ", ".join(f"{s.label} ×{s.weight:g}" for s in scorers),
+            "hit" if hit else "miss (tokenized and cached)",
+        )
+    info = {
+        "data_format": frames.format,
+        "chat_template": template,
+        "grpo_loss": g.loss_type,
+        "grpo_num_generations": g.num_generations,
+        "grpo_beta": g.beta,
+        "grpo_rewards": [s.label for s in scorers],
+        "grpo_reference": None if not g.beta else "a frozen copy" if spec.lora is None else "the LoRA adapter disabled",
+    }
+    return Prepared(
+        train_ds=train_ds,
+        eval_ds=eval_ds,
+        collate=collate,
+        collate_eval=collate_eval,
+        train_rows=len(train_ds),
+        eval_rows=len(eval_ds),
+        dropped=dict(frames.dropped),
+        info=info,
+        raw=tokenizer,
+        content=train_key,
+        online=rollouts,
+        metric_names=rollouts.metric_names(),
+    )
+
+
+def _eos_ids(model_dir, tokenizer) -> list[int]:
+    """The tokens that end a completion: the tokenizer's end token and the model's generation config's."""
+    from transformers import GenerationConfig
+
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    try:
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    except OSError:  # no generation_config.json
+        eos = None
+    ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
+    return list(dict.fromkeys(ids))
+
+
+def setup(spec: JobSpec, model, data: Prepared, env: DistEnv, device, autocast, lockstep: bool) -> None:
+    """The rollouts on this rank's device; with grpo.reference_copy, the frozen reference (the base
+    weights: a checkpoint has not been loaded yet)."""
+    rollouts: Rollouts = data.online
+    rollouts.device, rollouts.lockstep = device, lockstep
+    if spec.grpo.beta and spec.lora is None:
+        if lockstep:
+            raise KubetuneError(
+                "grpo.reference_copy keeps a whole copy of the model on every process, which a sharded model avoids",
+                field="grpo.reference_copy",
+                fix="use a lora section (the reference is the adapter disabled), or grpo.beta: 0",
+            )
+        reference = copy.deepcopy(model).eval()
+        reference.requires_grad_(False)
+        rollouts.reference = reference
+
+
+# ---------------------------------------------------------------- the loss
+
+
+def _policy(model, batch: RolloutBatch, autocast):
+    g = batch.grpo
+    logps, entropy = completion_logps(model, batch, g.temperature, autocast)
+    labels = batch.labels
+    mask = labels[:, 1:] != IGNORE
+    loss_sum, st = grpo_loss.policy_loss(
+        dense(logps, labels),
+        None if batch.old_logps is None else dense(batch.old_logps, labels),
+        None if batch.ref_logps is None else dense(batch.ref_logps, labels),
+        batch.advantages,
+        mask,
+        loss_type=g.loss_type,
+        epsilon_low=g.epsilon,
+        epsilon_high=g.epsilon_high if g.epsilon_high is not None else g.epsilon,
+        beta=g.beta,
+        max_completion_length=g.max_completion_length,
+        # the sum the trainer divides by the global step's units (``Rollouts._micro_batches``)
+        normalizer=g.max_completion_length if g.loss_type == "dr_grpo" else 1.0,
+    )
+    if g.loss_type == "bnpo":  # TRL: each micro-batch's token mean, then averaged over micro-batches
+        loss_sum = loss_sum * len(labels) / st.tokens.clamp(min=1.0)
+    tokens = st.tokens.clamp(min=1.0)
+    kl = [st.kl / tokens] if g.beta else []
+    policy = torch.stack(
+        [
+            *kl,
+            entropy.sum() / tokens,
+            st.clipped_low / tokens,
+            st.clipped_high / tokens,
+            (st.clipped_low + st.clipped_high) / tokens,
+        ]
+    )
+    return loss_sum, policy
+
+
+def loss(model, batch: RolloutBatch, autocast) -> LossOutput:
+    """The micro-batch's loss sum over its units, and its metrics' sums (each a value × the units, so the
+    logged mean over units is the value)."""
+    loss_sum, policy = _policy(model, batch, autocast)
+    units = torch.tensor(batch.units, device=loss_sum.device, dtype=torch.float64)
+    metrics = torch.cat([policy.detach().double(), batch.stats.to(policy.device, torch.float64)]) * units
+    return LossOutput(loss_sum, units, metrics)
+
+
+# ---------------------------------------------------------------- evaluation
+
+
+def eval_step(model, batch, autocast) -> dict:
+    return batch.context.evaluate(model, batch, autocast)
+
+
+def eval_totals(stats: list[dict], data: Prepared, device) -> dict[str, torch.Tensor]:
+    """The reward sums (total and per function), prompts, completion tokens and truncated completions; a
+    reward function's failure on any rank stops every rank."""
+    errors = [e for e in distributed.all_gather_object(next((s["error"] for s in stats if s["error"]), None)) if e]
+    if errors:
+        raise AgreedError(errors[0])
+    n_fn = len(data.online.scorers)
+    totals = {
+        k: torch.zeros((), device=device, dtype=torch.float64) for k in ("reward", "prompts", "tokens", "truncated")
+    }
+    totals["rewards"] = torch.zeros(n_fn, device=device, dtype=torch.float64)
+    for st in stats:
+        for k in ("reward", "prompts", "tokens", "truncated"):
+            totals[k] += st[k] if not torch.is_tensor(st[k]) else st[k].to(device)
+        totals["rewards"] += st["rewards"].to(device)
+    return totals
+
+
+def eval_metrics(totals: dict[str, np.ndarray], data: Prepared) -> dict:
+    """Means over the held-out prompts of one greedy completion each."""
+    n = max(float(totals["prompts"]), 1.0)
+    out = {"eval_reward": float(totals["reward"]) / n}
+    scorers = data.online.scorers
+    if len(scorers) > 1:
+        out.update({f"eval_reward_{s.label}": float(v) / n for s, v in zip(scorers, totals["rewards"])})
+    out["eval_completion_length"] = float(totals["tokens"]) / n
+    out["eval_completion_truncated"] = float(totals["truncated"]) / n
+    out["eval_prompts"] = int(totals["prompts"])
+    out["eval_samples"] = data.eval_rows
+    return out
+
+
+# ---------------------------------------------------------------- export
+
+
+def export(spec: JobSpec, model, tokenizer, data: Prepared, out, metrics: dict) -> None:
+    """The causal-LM task's export, and ``completions.jsonl``: the newest sampled completions (rank 0's)
+    with their rewards."""
+    causal_lm.export(spec, model, tokenizer, data, out, metrics)
+    lines = "".join(json.dumps(r) + "\n" for r in data.online.samples)
+    artifacts.write_atomic(out / "completions.jsonl", lines)
+
+
+# ---------------------------------------------------------------- how the results read
+
+
+def _report_rows(m: dict) -> list[tuple[str, object]]:
+    rows = [("eval mean reward (greedy, one completion per prompt)", m.get("eval_reward"))]
+    rows += [(f"eval reward {k.removeprefix('eval_reward_')}", v) for k, v in m.items() if k.startswith("eval_reward_")]
+    return rows + [
+        (
+            "eval completion length (tokens), truncated share",
+            f"{m.get('eval_completion_length', 0):.1f}, {m.get('eval_completion_truncated', 0):.3f}",
+        ),
+        ("eval prompts", m.get("eval_prompts")),
+        ("rewards", ", ".join(m.get("grpo_rewards") or [])),
+        (
+            "grpo loss, completions per prompt, beta",
+            f"{m.get('grpo_loss')}, {m.get('grpo_num_generations')}, {m.get('grpo_beta')}",
+        ),
+        ("reference model", m.get("grpo_reference") or "none (beta 0)"),
+        ("data format", m.get("data_format")),
+        ("chat template", m.get("chat_template") or "none (text prompts)"),
+    ]
+
+
+def _card_about(m: dict) -> list[str]:
+    return [
+        f"Trained with GRPO (online RL; {m.get('grpo_loss')} loss, {m.get('grpo_num_generations')} completions per "
+        f"prompt, rewards: {', '.join(m.get('grpo_rewards') or [])}). On {m.get('eval_prompts')} held-out prompts "
+        f"the mean reward of a greedy completion is {m.get('eval_reward', float('nan')):.4f}.",
+        f"Data format: {m.get('data_format')}; chat template: {m.get('chat_template') or 'none'}.",
+    ]
+
+
+def _summary(m: dict) -> str:
+    return f"mean reward {m['eval_reward']:.4f} on {m['eval_prompts']} held-out prompts (greedy)"
+
+
+TASK = Task(
+    load_frames=load_prompt_frames,
+    prepare=prepare,
+    build_model=dpo.build_model,  # the causal-LM model with dropout off: sampling and training see one network
+    loss=loss,
+    eval_step=eval_step,
+    eval_totals=eval_totals,
+    eval_metrics=eval_metrics,
+    export=export,
+    headline=("eval_reward",),
+    predict=causal_lm.TASK.predict,  # the export is a causal LM
+    predict_options=causal_lm.TASK.predict_options,
+    show=causal_lm.TASK.show,
+    present=Presentation(
+        pipeline_tag="text-generation",
+        report_rows=_report_rows,
+        eval_curves=(),
+        eval_log_scale=False,
+        card_usage=causal_lm.TASK.present.card_usage,
+        card_about=_card_about,
+        headline=lambda m: f"mean reward {m.get('eval_reward', float('nan')):.4f}",
+        summary=_summary,
+        step_plots=(
+            ("Reward", ("reward", "eval_reward")),
+            ("Completion length (tokens)", ("completion_length", "eval_completion_length")),
+            ("Policy", ("kl", "entropy", "clip_ratio_region")),
+        ),
+        loss_label="GRPO loss",
+        card_metrics=("eval_reward", "train_loss"),
+    ),
+    setup=setup,
+)
