@@ -73,6 +73,9 @@ class TrainSpec(Section):
         description="Also evaluate every N optimizer steps "
         "(the eval set is always evaluated at the end of each epoch).",
     )
+    eval_on_start: bool = Field(
+        False, description="Also evaluate before the first step (the baseline the curves start from; not on resume)."
+    )
     checkpoint_every: int | None = Field(
         None,
         ge=1,

@@ -148,6 +148,9 @@ class Trainer:
         eval_metrics: dict = {}
         s.last_checkpoint_at = time.monotonic()
         start_epoch, start_step = s.epoch, s.step_in_epoch
+        if cfg.eval_on_start and s.global_step == 0:
+            s.epoch_started = time.perf_counter()
+            eval_metrics = self.evaluate(0.0)
         for epoch in range(start_epoch, len(self.layout.epoch_steps)):
             s.epoch, s.step_in_epoch = epoch, start_step if epoch == start_epoch else 0
             self.wrapped.train()

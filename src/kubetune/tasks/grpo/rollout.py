@@ -317,7 +317,9 @@ class Rollouts:
         every rank, with that rank's message."""
         completions = [[{"role": "assistant", "content": t}] for t in s.texts] if self.chat else s.texts
         try:
-            per_fn = reward_fns.score(self.scorers, s.prompts, completions, s.completion_ids, s.columns, global_step)
+            per_fn = reward_fns.score(
+                self.scorers, s.prompts, completions, s.completion_ids, s.columns, global_step + 1
+            )
             error = None
         except KubetuneError as e:
             per_fn, error = np.zeros((len(s.texts), len(self.scorers))), str(e)
