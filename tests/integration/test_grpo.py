@@ -3,7 +3,8 @@ up by at least 0.3 from its step-0 value), exports, reports its reward curve, wr
 and predicts; a full fine-tune with num_iterations 2 and a KL penalty to a frozen copy resumes
 bit-identically after a SIGKILL inside a generation (same weights, same history, same completions
 sampled after the resume); LoRA with the adapter-disabled reference logs KL and every reward; and a
-reward function that fails on one rank stops both with one line naming it and the step."""
+reward function that fails on one rank stops both with one line naming it and the step; under FSDP the
+ranks sample in step, and the first generation is DDP's."""
 
 from __future__ import annotations
 
@@ -67,6 +68,13 @@ def _full(out: Path) -> dict:
     return _spec(out, "grpo-full", num_iterations=2, beta=0.04, reference_copy=True, loss_type="grpo")
 
 
+def _fsdp(out: Path) -> dict:
+    spec = _spec(out, "grpo-fsdp", num_iterations=2, loss_type="grpo")
+    spec["distributed"]["strategy"] = "fsdp"
+    spec["training"].update(max_steps=4, checkpoint_every=None)
+    return spec
+
+
 def _lora(out: Path) -> dict:
     spec = _spec(
         out,
@@ -97,9 +105,14 @@ def _weights(out: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The example (shortened), the full fine-tune and the LoRA run, at the same time: name -> output."""
+    """The example (shortened), the full fine-tune, the LoRA run and FSDP, at the same time: name -> output."""
     tmp = tmp_path_factory.mktemp("grpo")
-    specs = {"example": _example(tmp / "example"), "full": _full(tmp / "full"), "lora": _lora(tmp / "lora")}
+    specs = {
+        "example": _example(tmp / "example"),
+        "full": _full(tmp / "full"),
+        "lora": _lora(tmp / "lora"),
+        "fsdp": _fsdp(tmp / "fsdp"),
+    }
     results = kubetune_together(
         *((("run", str(write_spec(tmp / f"{name}.yaml", spec))), None) for name, spec in specs.items())
     )
@@ -171,6 +184,17 @@ def test_lora_with_the_adapter_disabled_reference_logs_kl_and_every_reward(runs)
     assert {"kl", "reward_digits", "reward_exact_match", "reward_length"} <= train[0].keys()
     assert train[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # step 1: the adapter starts as the base (B = 0)
     assert train[-1]["kl"] > 0
+
+
+def test_fsdp_samples_in_step_without_gathering_the_model(runs):
+    """A sharded model's every forward is collective: generation keeps the ranks in step (synced), and
+    the first generation, from the same weights and seeds, is the DDP run's."""
+    out = runs["fsdp"]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["strategy"] == "fsdp" and metrics["global_step"] == 4
+    first = [s for s in map(json.loads, (out / "completions.jsonl").read_text().splitlines()) if s["step"] == 1]
+    ddp = [s for s in map(json.loads, (runs["full"] / "completions.jsonl").read_text().splitlines()) if s["step"] == 1]
+    assert first and [s["completion"] for s in first] == [s["completion"] for s in ddp]
 
 
 def test_a_reward_function_failing_on_one_rank_stops_both_in_one_line(tmp_path):
