@@ -302,3 +302,17 @@ def test_chunked_head_log_probabilities_equal_the_models_logits(lora, temperatur
     assert torch.allclose(entropy, grpo_loss.token_entropy(logits[keep], temperature), atol=1e-4)
     logps.sum().backward()  # the gradient flows through the chunked head
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters() if p.requires_grad)
+
+
+def test_render_says_when_a_reward_module_is_not_in_the_trainer_image():
+    from kubetune.backends import checks
+
+    rewards = [{"function": "my_rewards:score"}, {"function": "json:loads"}, {"function": "numpy.linalg:norm"}]
+    spec = parse_spec({**_spec({"rewards": rewards}), "output": {"uri": "s3://b/out"}})
+    warnings = [w for w in checks.warnings_for(spec) if w.startswith("grpo.")]
+    assert warnings == [
+        "grpo.rewards[0].function: module 'my_rewards' must be importable in the pods, and the trainer image holds "
+        "kubetune and its dependencies only — build kubernetes.image FROM the trainer image with your module installed"
+    ]
+    spec.kubernetes.image = "registry.example/me/trainer:1"  # an image of the user's own may hold it
+    assert not [w for w in checks.warnings_for(spec) if w.startswith("grpo.")]

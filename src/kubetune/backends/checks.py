@@ -121,4 +121,6 @@ def warnings_for(spec: JobSpec) -> list[str]:
             "kubernetes.storage.access_modes: ReadWriteOnce cannot be mounted by pods on different nodes — use "
             "ReadWriteMany or node-local mode"
         )
-    return out
+    from kubetune.config.tasks import entries
+
+    return out + entries()[spec.task].render_warnings(spec)

@@ -45,6 +45,8 @@ class TaskEntry:
         peft_task_type: the ``peft.TaskType`` name a Kubeflow SDK LoRA config implies for it, if any.
         streaming_needs_lora: ``data.streaming`` only with a ``lora`` section (the full fine-tune needs
             something of the whole training set before the first step).
+        render_warnings: (the job spec) -> what a render must tell about the pods that it cannot check,
+            one line each (e.g. the user's code the trainer image must hold).
     """
 
     data: type[DataCommon]
@@ -57,6 +59,7 @@ class TaskEntry:
     auto_model: str | None = None
     peft_task_type: str | None = None
     streaming_needs_lora: bool = False
+    render_warnings: Callable[[Any], list[str]] = lambda spec: []
 
 
 @functools.cache

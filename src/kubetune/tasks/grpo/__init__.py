@@ -89,7 +89,7 @@ class Reward(Section):
 
 
 class GRPOSpec(Section):
-    """Online RL of task: grpo (the names of TRL's GRPOConfig). ``training.batch_size`` counts prompts: each
+    """Online RL of task: grpo (the names of TRL's GRPOConfig). training.batch_size counts prompts: each
     micro-batch holds batch_size × num_generations completions (TRL's per_device_train_batch_size counts
     completions)."""
 
@@ -174,6 +174,45 @@ def _checks(data: PromptData, section: GRPOSpec | None) -> list[str]:
     return out
 
 
+def _in_image(module: str) -> bool:
+    """Whether ``module`` comes with the trainer image: the standard library, kubetune, or a distribution
+    kubetune depends on (directly or not), as installed here."""
+    import sys
+    from importlib import metadata
+
+    top = module.split(".")[0]
+    if top in sys.stdlib_module_names or top == "kubetune":
+        return True
+    wanted, seen = ["kubetune"], set()
+    while wanted:  # kubetune's requirements, closed over theirs (markers and extras aside)
+        name = wanted.pop()
+        key = re.sub(r"[-_.]+", "-", name).lower()
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            reqs = metadata.requires(name) or []
+        except metadata.PackageNotFoundError:
+            continue
+        wanted += [re.split(r"[ ;<>=!~\[(]", r, maxsplit=1)[0] for r in reqs if "extra ==" not in r]
+    owners = metadata.packages_distributions().get(top, [])
+    return any(re.sub(r"[-_.]+", "-", d).lower() in seen for d in owners)
+
+
+def _render_warnings(spec) -> list[str]:
+    """A user's reward function must be importable in the pods: said for each module the default trainer
+    image does not hold."""
+    if spec.grpo is None or spec.kubernetes.image:  # an image of the user's own may hold it
+        return []
+    return [
+        f"grpo.rewards[{i}].function: module {r.function.split(':')[0]!r} must be importable in the pods, and the "
+        "trainer image holds kubetune and its dependencies only — build kubernetes.image FROM the trainer image "
+        "with your module installed"
+        for i, r in enumerate(spec.grpo.rewards)
+        if ":" in r.function and not _in_image(r.function.split(":")[0])
+    ]
+
+
 _USES = {"exact_match": ("column", "pattern"), "regex": ("pattern",), "length": ("max_tokens", "cache_tokens")}
 
 
@@ -184,4 +223,5 @@ ENTRY = TaskEntry(
     section=GRPOSpec,
     checks=_checks,
     order=3,
+    render_warnings=_render_warnings,
 )
