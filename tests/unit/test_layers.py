@@ -28,6 +28,7 @@ LAYERS = {
     "kubetune.worker": 6,
     "kubetune.launch": 6,
     "kubetune.backends": 7,
+    "kubetune.serving": 7,
     "kubetune.client": 8,
     "kubetune.compat": 8,
     "kubetune.cli": 9,

@@ -1,0 +1,95 @@
+"""`kubetune serve`: an exported model behind an HTTP server (``kubetune.serving``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kubetune.cli.common import _fail, app
+from kubetune.errors import KubetuneError
+
+TOKEN_ENV = "KUBETUNE_SERVE_TOKEN"
+
+
+@app.command()
+def serve(
+    model: Annotated[
+        str, typer.Argument(help="Exported model: a job's output (directory, s3://, hf://) or its model/ directory.")
+    ],
+    host: Annotated[
+        str, typer.Option(help="Address to bind; 0.0.0.0 to serve other hosts (e.g. in a pod).")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Port.")] = 8000,
+    name: Annotated[
+        str | None, typer.Option(help="The model's name in the API; default: the export's job name.")
+    ] = None,
+    adapter: Annotated[
+        bool, typer.Option("--adapter", help="A LoRA export: serve the base model plus adapter/ instead of model/.")
+    ] = False,
+    max_batch: Annotated[int, typer.Option(min=1, max=1024, help="Requests per engine call at most.")] = 8,
+    max_wait_ms: Annotated[
+        float, typer.Option(min=0.0, max=10_000.0, help="How long a request waits for others to batch with.")
+    ] = 10.0,
+    max_queue: Annotated[int, typer.Option(min=1, help="Requests waiting at most; more are answered 429.")] = 64,
+    timeout: Annotated[float, typer.Option(min=0.1, help="Seconds a request may take; then 504.")] = 60.0,
+    max_request_kb: Annotated[int, typer.Option(min=1, help="Largest request body, KiB; larger: 413.")] = 1024,
+    max_tokens: Annotated[int, typer.Option(min=1, help="The most new tokens one request may ask for.")] = 2048,
+    token_file: Annotated[
+        Path | None,
+        typer.Option(help=f"A file holding the bearer token clients must send (or set ${TOKEN_ENV}); default: none."),
+    ] = None,
+    endpoint_url: Annotated[
+        str | None, typer.Option("--endpoint-url", help="S3 endpoint for s3:// models (MinIO).")
+    ] = None,
+) -> None:
+    """Serve an exported model over HTTP: the OpenAI API for causal LMs (/v1/completions,
+    /v1/chat/completions, /v1/models), KServe's v1 and v2 protocols for classifiers, /health, /ready, /metrics."""
+    import uvicorn
+
+    from kubetune.providers import S3Settings
+    from kubetune.serving import engine as engines
+    from kubetune.serving.app import Limits, build_app
+
+    try:
+        token = _token(token_file)
+        served = engines.load(model, adapter, S3Settings(endpoint_url=endpoint_url))
+        limits = Limits(max_batch, max_wait_ms, max_queue, timeout, max_request_kb * 1024, max_tokens)
+        name = name or _job_name(served.path)
+        server = build_app(served, name, limits, token)
+    except KubetuneError as e:
+        _fail(e)
+    typer.echo(
+        f"serving {name} ({served.kind}) on http://{host}:{port}" + (" (bearer token required)" if token else ""),
+        err=True,
+    )
+    uvicorn.run(server, host=host, port=port, log_level="warning")
+
+
+def _token(path: Path | None) -> str | None:
+    """The bearer token, from a file or the environment: never a command-line value (it would show in ps)."""
+    if path is not None:
+        try:
+            token = path.read_text().strip()
+        except OSError as e:
+            raise KubetuneError(
+                f"cannot read {path}: {e.strerror}", field="--token-file", fix="pass a readable file"
+            ) from None
+        if not token:
+            raise KubetuneError(f"{path} is empty", field="--token-file", fix="write the token into it")
+        return token
+    return os.environ.get(TOKEN_ENV) or None
+
+
+def _job_name(path: Path) -> str:
+    """The export's job name (job.yaml beside model/), else its directory's name."""
+    import yaml
+
+    job = path.parent / "job.yaml"
+    try:
+        value = yaml.safe_load(job.read_text()).get("name") if job.is_file() else None
+    except (OSError, yaml.YAMLError, AttributeError):
+        value = None
+    return value if isinstance(value, str) and value else path.parent.name if path.name == "model" else path.name
