@@ -79,6 +79,7 @@ def test_every_serving_field_set_is_admitted_whole():
         ROOT / "examples" / "llama-lora.yaml",
         [
             "serving.name=chat",
+            "serving.deployment_mode=Knative",
             "serving.min_replicas=0",
             "serving.max_replicas=3",
             "serving.dtype=bfloat16",
@@ -90,6 +91,7 @@ def test_every_serving_field_set_is_admitted_whole():
     ).inference_service
     predictor = isvc["spec"]["predictor"]
     assert (isvc["metadata"]["name"], predictor["minReplicas"], predictor["maxReplicas"]) == ("chat", 0, 3)
+    assert isvc["metadata"]["annotations"] == {"team": "a", "serving.kserve.io/deploymentMode": "Knative"}
     assert predictor["model"]["resources"]["limits"]["amd.com/gpu"] == "1"
     assert "--lora-modules=chat-adapter=/mnt/models/adapter" in predictor["model"]["args"]
     assert admit(isvc) == ([], [])
@@ -319,6 +321,7 @@ def test_a_task_whose_export_the_runtime_does_not_serve_is_refused():
     [
         ({"min_replicas": 3, "max_replicas": 2}, "serving.min_replicas (3) must be <= serving.max_replicas (2)"),
         ({"name": "Chat"}, "must be 1-52 lowercase letters"),
+        ({"min_replicas": 0}, "serving.min_replicas 0 (scale to zero) needs serving.deployment_mode: Knative"),
         ({"cpu": "two"}, "'two' is not a Kubernetes quantity"),
         ({"lora": "both"}, "serving.lora"),
         ({"replicas": 2}, "serving.replicas"),

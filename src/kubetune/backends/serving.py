@@ -24,6 +24,7 @@ from kubetune.errors import SpecError
 
 ISVC_API = ("serving.kserve.io", "v1beta1", "inferenceservices")
 MODELS = "/mnt/models"  # where KServe's storage initializer puts what storageUri(s) name
+DEPLOYMENT_MODE = "serving.kserve.io/deploymentMode"
 SERVES_LABEL = "kubetune.io/serves"  # not kubetune.io/job: KServe copies the labels onto its pods
 # The transformers pipeline of an export (a task's Presentation.pipeline_tag) → the Hugging Face
 # runtime's --task (kserve python/huggingfaceserver task.py, MLTask).
@@ -205,9 +206,10 @@ def _labels(spec: JobSpec) -> dict[str, str]:
     }
 
 
-def _metadata(spec: JobSpec, name: str, namespace: str) -> dict:
+def _metadata(spec: JobSpec, name: str, namespace: str, **annotations: str) -> dict:
     meta = {"name": name, "namespace": namespace, "labels": _labels(spec)}
-    return {**meta, "annotations": dict(spec.kubernetes.annotations)} if spec.kubernetes.annotations else meta
+    annotations = {**spec.kubernetes.annotations, **annotations}
+    return {**meta, "annotations": annotations} if annotations else meta
 
 
 def _storage_secrets(spec: JobSpec) -> list[str]:
@@ -286,7 +288,7 @@ def build_inference_service(spec: JobSpec, namespace: str, pipeline: str) -> dic
     return {
         "apiVersion": f"{ISVC_API[0]}/{ISVC_API[1]}",
         "kind": "InferenceService",
-        "metadata": _metadata(spec, serve_name(spec), namespace),
+        "metadata": _metadata(spec, serve_name(spec), namespace, **{DEPLOYMENT_MODE: s.deployment_mode}),
         "spec": {"predictor": predictor},
     }
 

@@ -30,11 +30,17 @@ class ServingSpec(Section):
         0, ge=0, le=16, description="GPUs per serving replica; rendered as the serving.gpu_resource limit."
     )
     gpu_resource: str = Field("nvidia.com/gpu", description="Extended resource name for GPUs.")
+    deployment_mode: Literal["Standard", "Knative"] = Field(
+        "Standard",
+        description="KServe's deployment mode for this InferenceService (its serving.kserve.io/deploymentMode "
+        "annotation): Standard = a Deployment and a Service, no Knative needed (what deploy/install.sh --with kserve "
+        "sets up); Knative = a Knative Service, which can scale to zero.",
+    )
     min_replicas: int = Field(
         1,
         ge=0,
         le=1000,
-        description="Fewest serving replicas; 0 lets KServe scale to zero when idle (Knative mode only), at the "
+        description="Fewest serving replicas; 0 (deployment_mode Knative only) scales to zero when idle, at the "
         "price of a cold start (model download and load) on the next request.",
     )
     max_replicas: int = Field(1, ge=1, le=1000, description="Most serving replicas the autoscaler may run.")
@@ -82,5 +88,10 @@ class ServingSpec(Section):
         if self.min_replicas > self.max_replicas:
             raise ValueError(
                 f"serving.min_replicas ({self.min_replicas}) must be <= serving.max_replicas ({self.max_replicas})"
+            )
+        if self.min_replicas == 0 and self.deployment_mode != "Knative":
+            raise ValueError(
+                "serving.min_replicas 0 (scale to zero) needs serving.deployment_mode: Knative — set min_replicas to "
+                "at least 1, or use Knative"
             )
         return self
