@@ -5,6 +5,8 @@
 #   3. Kubeflow Training Operator (PyTorchJob CRD), a pinned release       kubectl -k (remote)
 #   +  only with --with trainer: Kubeflow Trainer v2 (TrainJob CRD) and    kubectl -k (remote)
 #      the JobSet it ships, then its ClusterTrainingRuntimes
+#   +  only with --with kserve: KServe (InferenceService CRD, controller,    kubectl (release URL)
+#      the Hugging Face ClusterServingRuntime); needs cert-manager
 #   4. RBAC for notebooks, then JupyterHub                                 kustomize + helm
 #   5. TensorBoard over the shared workspace claim                         kustomize
 #   6. An MLflow tracking server (artifacts in the MinIO bucket)           kustomize
@@ -12,14 +14,16 @@
 # Every step is idempotent (apply, helm upgrade --install): run it again after a change.
 #
 # Usage: deploy/install.sh [--overlay dev|nebius] [--context NAME] [--env-file FILE]
-#                          [--with trainer] [--skip STEP]... [--dry-run]
+#                          [--with trainer|kserve]... [--skip STEP]... [--dry-run]
 #   --overlay   deploy/overlays/NAME: storage classes and sizes (default: dev)
 #   --with      trainer: also install Kubeflow Trainer v2 and JobSet, for kubetune's
-#               --target trainjob (needs Kubernetes and kubectl >= 1.31)
+#               --target trainjob (needs Kubernetes and kubectl >= 1.31);
+#               kserve: also install KServe, for `kubetune render --serve` (needs cert-manager)
 #   --skip      openebs | minio | training-operator | jupyterhub | tensorboard | mlflow
 #   --dry-run   check the prerequisites, then print every change instead of making it
 # Versions (environment): TRAINING_OPERATOR_REF (v1.8.1), TRAINER_REF (v2.3.0, which ships
-#   JobSet v0.12.0), OPENEBS_CHART_VERSION (4.1.1), JUPYTERHUB_CHART_VERSION (4.2.0).
+#   JobSet v0.12.0), KSERVE_REF (v0.20.0), OPENEBS_CHART_VERSION (4.1.1),
+#   JUPYTERHUB_CHART_VERSION (4.2.0).
 # shellcheck source-path=SCRIPTDIR
 set -euo pipefail
 
@@ -50,13 +54,24 @@ TRAINER_RUNTIMES_KUSTOMIZE="https://github.com/kubeflow/trainer.git/manifests/ov
 TRAINER_NAMESPACE=kubeflow-system
 # Trainer's docs: Kubernetes >= 1.31 and kubectl >= 1.31.
 TRAINER_MIN_MINOR=31
+# KServe (--with kserve), upstream's release manifests (kserve/kserve, docs/install): kserve.yaml holds
+# the CRDs, the controller and its webhooks in namespace kserve; kserve-cluster-resources.yaml the
+# ClusterServingRuntimes (kserve-huggingfaceserver, which `kubetune render --serve` selects) and the
+# storage initializer, applied once the controller runs. The webhook's certificates come from
+# cert-manager, which must be installed first. kubetune's InferenceServices ask for Standard mode
+# (a Deployment and a Service), so Knative is not needed.
+KSERVE_REF=${KSERVE_REF:-v0.20.0}
+KSERVE_MANIFESTS="https://github.com/kserve/kserve/releases/download/${KSERVE_REF}/kserve.yaml"
+KSERVE_RESOURCES="https://github.com/kserve/kserve/releases/download/${KSERVE_REF}/kserve-cluster-resources.yaml"
+KSERVE_NAMESPACE=kserve
+CERT_MANAGER_HINT="kubectl apply -f https://github.com/cert-manager/cert-manager/releases/download/v1.16.2/cert-manager.yaml"
 
 OVERLAY=dev
 SKIP=" "
 WITH=" "
 
 usage() {
-  sed -n '2,22p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+  sed -n '2,26p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
 }
 
 parse_args() {
@@ -74,10 +89,10 @@ parse_args() {
         shift 2
         ;;
       --with)
-        [[ $# -ge 2 ]] || die "--with needs a COMPONENT (trainer)"
+        [[ $# -ge 2 ]] || die "--with needs a COMPONENT (trainer or kserve)"
         case $2 in
-          trainer) WITH+="$2 " ;;
-          *) die "--with '$2' is not an optional component — use trainer" ;;
+          trainer | kserve) WITH+="$2 " ;;
+          *) die "--with '$2' is not an optional component — use trainer or kserve" ;;
         esac
         shift 2
         ;;
@@ -92,6 +107,9 @@ parse_args() {
   PLAN="openebs minio training-operator"
   if wanted trainer; then
     PLAN+=" trainer"
+  fi
+  if wanted kserve; then
+    PLAN+=" kserve"
   fi
   PLAN+=" jupyterhub tensorboard mlflow"
 }
@@ -155,6 +173,11 @@ preflight() {
   check_reachable "$CONTEXT"
   if wanted trainer; then
     preflight_trainer
+  fi
+  if wanted kserve; then
+    # KServe's webhook server gets its certificate from a cert-manager Certificate.
+    kc get crd certificates.cert-manager.io >/dev/null 2>&1 \
+      || die "cert-manager is not installed on context '$CONTEXT' (no CRD certificates.cert-manager.io), and KServe's webhook needs it for its certificate — install it first ($CERT_MANAGER_HINT, then wait for its deployments), or leave out --with kserve"
   fi
   info "context $CONTEXT, overlay $OVERLAY$([[ $DRY_RUN == 1 ]] && printf ' (dry run: nothing is changed)')"
 }
@@ -256,6 +279,17 @@ step_trainer() {
   run kc apply --server-side -k "$TRAINER_RUNTIMES_KUSTOMIZE"
 }
 
+step_kserve() {
+  step_title kserve "KServe $KSERVE_REF and its ClusterServingRuntimes (Hugging Face runtime)"
+  # Server-side apply: the InferenceService CRD is too large for client-side apply's annotation.
+  run kc apply --server-side -f "$KSERVE_MANIFESTS"
+  run kc wait --for=condition=established crd/inferenceservices.serving.kserve.io \
+    crd/clusterservingruntimes.serving.kserve.io --timeout=2m
+  # Ready only once cert-manager has issued the webhook certificate and the webhook listens.
+  run kc -n "$KSERVE_NAMESPACE" rollout status deployment/kserve-controller-manager --timeout=5m
+  run kc apply --server-side -f "$KSERVE_RESOURCES"
+}
+
 step_jupyterhub() {
   step_title jupyterhub "RBAC for notebooks, then JupyterHub (chart jupyterhub $JUPYTERHUB_CHART_VERSION)"
   apply_component rbac
@@ -313,6 +347,12 @@ TrainJobs (Kubeflow Trainer $TRAINER_REF): the same with --target trainjob; kube
   the ClusterTrainingRuntimes kubernetes.runtime can name (default torch-distributed).
 EOF
   fi
+  if wanted kserve; then
+    cat <<EOF
+Serving (KServe $KSERVE_REF): once a job has finished, kubetune render --serve job.yaml | kubectl$ctx apply -f -
+  (an InferenceService on the Hugging Face runtime); kubectl$ctx -n kubetune get inferenceservices.
+EOF
+  fi
 }
 
 main() {
@@ -328,6 +368,9 @@ main() {
   skipped training-operator || step_training_operator
   if wanted trainer; then
     step_trainer
+  fi
+  if wanted kserve; then
+    step_kserve
   fi
   skipped jupyterhub || step_jupyterhub
   skipped tensorboard || step_tensorboard

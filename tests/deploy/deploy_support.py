@@ -117,6 +117,10 @@ elif args[:1] == ["get"] and any(a.startswith("--raw") for a in args):
 elif args[:2] == ["get", "validatingwebhookconfigurations"]:
     # install.sh --with trainer asks which webhooks exist (jsonpath: one tab-separated line each)
     print(os.environ.get("FAKE_WEBHOOKS", ""), end="")
+elif args[:2] == ["get", "crd"] and args[2] in os.environ.get("FAKE_MISSING_CRDS", "").split():
+    print(f'Error from server (NotFound): customresourcedefinitions.apiextensions.k8s.io "{args[2]}" not found',
+          file=sys.stderr)
+    sys.exit(1)
 elif args[:2] == ["get", "secret"]:
     if not os.environ.get("FAKE_SECRETS_EXIST"):
         print(f'Error from server (NotFound): secrets "{args[2]}" not found', file=sys.stderr)

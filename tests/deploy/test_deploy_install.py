@@ -501,10 +501,62 @@ def test_with_trainer_needs_git_even_when_the_training_operator_is_skipped(tmp_p
 
 def test_with_takes_only_known_components_and_help_shows_it(tmp_path):
     proc, _, _ = install(tmp_path, "--with", "kueue")
-    assert _one_error_line(proc) == "error: --with 'kueue' is not an optional component — use trainer"
+    assert _one_error_line(proc) == "error: --with 'kueue' is not an optional component — use trainer or kserve"
     proc, _, _ = install(tmp_path, "--with")
-    assert proc.returncode != 0 and proc.stderr.startswith("error: --with needs a COMPONENT (trainer)")
+    assert proc.returncode != 0 and proc.stderr.startswith("error: --with needs a COMPONENT (trainer or kserve)")
     proc, calls, _ = install(tmp_path, "--help")
     assert proc.returncode == 0 and calls == []
-    assert "[--with trainer]" in proc.stdout and "TRAINER_REF (v2.3.0, which ships" in proc.stdout
+    assert "[--with trainer|kserve]" in proc.stdout and "TRAINER_REF (v2.3.0, which ships" in proc.stdout
+    assert "KSERVE_REF (v0.20.0)" in proc.stdout
     assert proc.stdout.rstrip().endswith("JUPYTERHUB_CHART_VERSION (4.2.0).")  # the whole header, nothing after it
+
+
+# ------------------------------------------------------------------------------- --with kserve (KServe)
+
+KSERVE_RELEASE = "https://github.com/kserve/kserve/releases/download/v0.20.0"
+# The kserve step, in order: the release manifests (CRDs, controller, webhooks), the CRDs established,
+# the controller ready (its webhook certificate issued by cert-manager), then the cluster resources
+# (the ClusterServingRuntimes, objects of those CRDs).
+KSERVE_STEP = [
+    ["kubectl", "apply", "--server-side", "-f", f"{KSERVE_RELEASE}/kserve.yaml"],
+    [
+        "kubectl",
+        "wait",
+        "--for=condition=established",
+        "crd/inferenceservices.serving.kserve.io",
+        "crd/clusterservingruntimes.serving.kserve.io",
+        "--timeout=2m",
+    ],
+    ["kubectl", "-n", "kserve", "rollout", "status", "deployment/kserve-controller-manager", "--timeout=5m"],
+    ["kubectl", "apply", "--server-side", "-f", f"{KSERVE_RELEASE}/kserve-cluster-resources.yaml"],
+]
+
+
+def test_with_kserve_installs_kserve_after_the_training_operator_idempotently(tmp_path, env_file):
+    runs = [install(tmp_path, "--with", "kserve", env={"KUBETUNE_ENV_FILE": str(env_file)}) for _ in range(2)]
+    (proc, calls, _), (_, calls2, _) = runs
+    assert proc.returncode == 0, proc.stderr
+    start = calls.index(KSERVE_STEP[0])
+    assert calls[start : start + len(KSERVE_STEP)] == KSERVE_STEP
+    assert (
+        _index(calls, STEPS["training-operator"], "training-operator")
+        < start
+        < _index(calls, STEPS["jupyterhub"], "jupyterhub")
+    )
+    assert ["kubectl", "get", "crd", "certificates.cert-manager.io"] in calls[:start]  # checked before any change
+    assert "==> 4/7 KServe v0.20.0" in proc.stdout and "kubetune render --serve" in proc.stdout
+    piped = ["kubectl", "apply", "-f", "-"]
+    assert [a for a in calls2 if a != piped] == [a for a in calls if a != piped]
+
+
+def test_with_kserve_refuses_a_cluster_without_cert_manager_before_any_change(tmp_path, env_file):
+    proc, calls, _ = install(
+        tmp_path,
+        "--with",
+        "kserve",
+        env={"KUBETUNE_ENV_FILE": str(env_file), "FAKE_MISSING_CRDS": "certificates.cert-manager.io"},
+    )
+    line = _one_error_line(proc)
+    assert line.startswith("error: cert-manager is not installed on context 'fake-ctx'")
+    assert line.endswith("or leave out --with kserve")
+    _nothing_changed(calls)

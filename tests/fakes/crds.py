@@ -41,6 +41,14 @@ CRD_FILES = {
     / "trainer.kubeflow.org_clustertrainingruntimes.yaml",
 }
 RUNTIMES_DIR = CRD_DIR / "trainer-v2.3.0" / "runtimes"
+# KServe (tests/data/kserve-crds/, see its README): the InferenceService `kubetune render --serve` makes.
+KSERVE_DIR = Path(__file__).resolve().parents[1] / "data" / "kserve-crds" / "v0.20.0"
+CRD_FILES.update(
+    {
+        (plural, "v0.20.0"): KSERVE_DIR / f"serving.kserve.io_{plural}.yaml"
+        for plural in ("inferenceservices", "servingruntimes", "clusterservingruntimes")
+    }
+)
 
 _DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -181,7 +189,9 @@ class CRD:
 
     @classmethod
     def load(cls, path: str | Path, version: str | None = None) -> CRD:
-        docs = [d for d in yaml.safe_load_all(Path(path).read_text()) if d]
+        # libyaml's loader where PyYAML has it: the InferenceService CRD is 2 MB (6 s in pure Python)
+        loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+        docs = [d for d in yaml.load_all(Path(path).read_text(), Loader=loader) if d]
         return cls(docs[0], version)
 
     @property
@@ -439,6 +449,14 @@ def _runtimes() -> tuple[dict, ...]:
     for path in sorted(RUNTIMES_DIR.glob("*.yaml")):
         out += [d for d in yaml.safe_load_all(path.read_text()) if d and d.get("kind") == "ClusterTrainingRuntime"]
     return tuple(out)
+
+
+def shipped_serving_runtimes() -> list[dict]:
+    """The ClusterServingRuntimes of KServe v0.20.0's Hugging Face runtime (fresh copies)."""
+    out: list[dict] = []
+    for path in sorted((KSERVE_DIR / "runtimes").glob("kserve-*.yaml")):
+        out += [d for d in yaml.safe_load_all(path.read_text()) if d and d.get("kind") == "ClusterServingRuntime"]
+    return out
 
 
 def shipped_runtimes() -> list[dict]:

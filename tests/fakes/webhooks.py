@@ -14,17 +14,24 @@ rule, what the upstream validating webhooks check on create, so the fake API ser
   or auto/cpu/gpu and no torchrun-reserved PET_* env; jobset plugin: runtime patches name only
   replicated jobs and containers the runtime has, and set no env on the node/initializer
   containers (the Trainer API carries those).
+- InferenceService, kserve/kserve v0.20.0, ``pkg/apis/serving/v1beta1/inference_service_validation.go``
+  (the rules an InferenceService from `kubetune render --serve` can meet): the name's format; no
+  ``name`` in a standard predictor (``model``); exactly one predictor implementation; not both
+  ``storageUri`` and ``storageUris``; each storage URI non-empty with an absolute mount path, not
+  ``/`` and without ``..``; the non-PVC mount paths share a parent below ``/``; replica bounds.
 
 Each returns apiserver-style field errors ("spec.x: Forbidden: ..."); an empty list admits.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from fakes.crds import dns1035_label_errors
 
 PYTORCHJOB_WEBHOOK = "validator.pytorchjob.training-operator.kubeflow.org"
+ISVC_WEBHOOK = "inferenceservice.kserve-webhook-server.validator"
 TRAINJOB_WEBHOOK = "validator.trainjob.trainer.kubeflow.org"
 _MANAGED_BY = ("kubeflow.org/training-operator", "kueue.x-k8s.io/multikueue")
 _TORCHRUN_RESERVED = ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT")
@@ -144,3 +151,71 @@ def _patch_errors(patches: list[dict], runtime: dict) -> list[str]:
                             f"{where}: Invalid value: ...: must not have envs for the dataset-initializer, model-initializer, node containers"
                         )
     return errs
+
+
+# ------------------------------------------------------------------------------------ InferenceService
+
+_ISVC_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+# The predictor's implementations (PredictorSpec); `containers` is the custom one.
+_PREDICTORS = (
+    "model", "sklearn", "xgboost", "tensorflow", "pytorch", "triton", "onnx", "huggingface", "pmml", "lightgbm",
+    "paddle", "containers",
+)  # fmt: skip
+
+
+def inferenceservice_errors(isvc: dict) -> list[str]:
+    """KServe v0.20.0's validating webhook on create, for the predictor (kubetune renders no transformer
+    or explainer). Its errors are plain sentences (the webhook returns Go errors, not field errors)."""
+    name = (isvc.get("metadata") or {}).get("name") or ""
+    if not _ISVC_NAME.match(name):
+        return [
+            f'the InferenceService "{name}" is invalid: a InferenceService name must consist of lower case '
+            "alphanumeric characters or '-', and must start with alphabetical character"
+        ]
+    predictor = (isvc.get("spec") or {}).get("predictor") or {}
+    out = []
+    low, high = predictor.get("minReplicas"), predictor.get("maxReplicas")
+    if low is not None and low < 0:
+        out.append("MinReplicas cannot be less than 0")
+    if high is not None and high < 0:
+        out.append("MaxReplicas cannot be less than 0")
+    if low is not None and high and low > high:
+        out.append("MinReplicas cannot be greater than MaxReplicas")
+    found = [key for key in _PREDICTORS if predictor.get(key)]
+    if len(found) != 1:
+        out.append(
+            "exactly one of [Model, SKLearn, XGBoost, Tensorflow, PyTorch, Triton, ONNX, HuggingFace, PMML, "
+            f"LightGBM, Paddle, Containers] must be specified in PredictorSpec, found {found}"
+        )
+    model = predictor.get("model") or {}
+    if model.get("name"):
+        out.append("the 'name' field is not allowed in standard predictor")
+    uris = predictor.get("storageUris")
+    if uris is not None and model.get("storageUri") is not None:
+        out.append("Setting both StorageURI and StorageURIs is not supported.")
+    return out + _storage_uris_errors(uris or [])
+
+
+def _storage_uris_errors(uris: list[dict]) -> list[str]:
+    """validateMultipleStorageURIsSpec: each URI and mount path, then a common parent of the non-PVC paths."""
+    import posixpath
+
+    paths = []
+    for entry in uris:
+        path = entry.get("mountPath", "/mnt/models")  # the CRD's default
+        if not entry.get("uri"):
+            return ["storage URI cannot be empty"]
+        if path == "/":
+            return ["storage path cannot be empty"]
+        if not path.startswith("/"):
+            return [f"storage path must be absolute: {path}"]
+        if ".." in path:
+            return [f"storage path cannot contain '..' for security reasons: {path}"]
+        if not entry["uri"].startswith("pvc://"):
+            paths.append(path)
+    if len(paths) > 1 and posixpath.commonpath(paths) == "/":
+        return [
+            f"storage paths must have a common parent directory. Current paths: {paths} have no common parent "
+            "beyond root"
+        ]
+    return []

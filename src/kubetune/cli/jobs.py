@@ -37,9 +37,17 @@ def render(
     output: Annotated[
         Path | None, typer.Option("--output", "-o", help="Write the YAML here instead of stdout.")
     ] = None,
+    serve: Annotated[
+        bool,
+        typer.Option(
+            "--serve",
+            help="Instead of the job, the KServe InferenceService that serves its export once it has finished "
+            "(and the ServiceAccount that lends KServe the job's storage Secrets); see the spec's serving section.",
+        ),
+    ] = False,
 ) -> None:
     """Print the Kubernetes objects for a job spec (multi-document YAML); touches no cluster."""
-    from kubetune.backends import base, checks, manifests
+    from kubetune.backends import base, checks, manifests, serving
     from kubetune.config import load_spec
 
     try:
@@ -47,10 +55,11 @@ def render(
             raise KubetuneError(f"unknown target {target!r}", field="--target", fix=f"use {' or '.join(base.CLUSTER)}")
         _check_namespace(namespace)
         job = load_spec(spec, set_)
-        rendered = manifests.render(job, namespace or job.kubernetes.namespace or "default", target)
+        ns = namespace or job.kubernetes.namespace or "default"
+        rendered = serving.render_serve(job, ns) if serve else manifests.render(job, ns, target)
     except KubetuneError as e:
         _fail(e)
-    for warning in checks.warnings_for(job):
+    for warning in serving.serve_warnings(job, ns) if serve else checks.warnings_for(job):
         typer.echo(f"warning: {warning}", err=True)
     text = rendered.to_yaml()
     if output:

@@ -14,6 +14,7 @@ from pydantic import Field, create_model, field_validator, model_validator
 
 from kubetune.config.base import DataCommon, Section, Uri
 from kubetune.config.cluster import KubernetesSpec, ResourcesSpec
+from kubetune.config.serving import ServingSpec
 from kubetune.config.tasks import default_task, entries
 
 
@@ -355,6 +356,13 @@ JobSpec = create_model(
         Field(default_factory=ResourcesSpec, description="Per-node (pod) resources on Kubernetes."),
     ),
     kubernetes=(KubernetesSpec, Field(default_factory=KubernetesSpec, description="How the job runs on Kubernetes.")),
+    serving=(
+        ServingSpec,
+        Field(
+            default_factory=ServingSpec,
+            description="How `kubetune render --serve` serves the finished job's export on KServe.",
+        ),
+    ),
 )
 
 

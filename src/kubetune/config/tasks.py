@@ -47,6 +47,9 @@ class TaskEntry:
             something of the whole training set before the first step).
         render_warnings: (the job spec) -> what a render must tell about the pods that it cannot check,
             one line each (e.g. the user's code the trainer image must hold).
+        pipeline_tag: the transformers pipeline that serves the exported model, as the training half's
+            ``Presentation.pipeline_tag`` says (`render --serve` picks the serving runtime's task by it
+            without importing torch); None: ask the training half.
     """
 
     data: type[DataCommon]
@@ -60,6 +63,7 @@ class TaskEntry:
     peft_task_type: str | None = None
     streaming_needs_lora: bool = False
     render_warnings: Callable[[Any], list[str]] = lambda spec: []
+    pipeline_tag: str | None = None
 
 
 @functools.cache

@@ -87,4 +87,5 @@ ENTRY = TaskEntry(
     order=1,
     auto_model="AutoModelForCausalLM",
     peft_task_type="CAUSAL_LM",
+    pipeline_tag="text-generation",
 )

@@ -52,4 +52,5 @@ ENTRY = TaskEntry(
     order=0,
     auto_model="AutoModelForSequenceClassification",
     peft_task_type="SEQ_CLS",
+    pipeline_tag="text-classification",
 )

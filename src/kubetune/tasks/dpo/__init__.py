@@ -83,4 +83,5 @@ ENTRY = TaskEntry(
     checks=_checks,
     order=2,
     streaming_needs_lora=True,  # the full fine-tune's reference log-probabilities: the whole training set
+    pipeline_tag="text-generation",
 )
