@@ -223,5 +223,6 @@ ENTRY = TaskEntry(
     section=GRPOSpec,
     checks=_checks,
     order=3,
+    pipeline_tag="text-generation",
     render_warnings=_render_warnings,
 )
