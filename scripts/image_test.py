@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -188,18 +189,41 @@ def smoke(tag: str) -> None:
         "id -u && kubetune run /examples/causal-tiny-chat.yaml --set training.max_steps=2 "
         "--set data.max_train_samples=64 --set output.uri=/workspace/out "
         "&& kubetune predict /workspace/out 'What is the sentiment of this review? Great crew' "
-        "--json --max-new-tokens 4"
+        "--json --max-new-tokens 4 "
+        # the image serves too: kubetune serve on the container's loopback, one chat completion
+        "&& (kubetune serve /workspace/out --port 8123 >/dev/null 2>&1 &) && python -c " + shlex.quote(SERVE_CHECK)
     )
     r = run(*base, "sh", "-c", train, check=False)
     out = r.stdout
     assert_(r.returncode == 0, f"training in the image exited {r.returncode}: {r.stderr[-1500:]}")
     assert_(out.splitlines()[0] == "1000", "the container did not run as uid 1000")
-    result = json.loads(out[out.index("[") :])
+    result = json.loads(out[out.index("[") : out.index("SERVED ")])
     assert_("completion" in result[0], f"predict gave {result}")
+    served = json.loads(out[out.index("SERVED ") + 7 :].splitlines()[0])
+    want = result[0]["completion"]
+    assert_(served["choices"][0]["message"]["content"] == want, f"kubetune serve gave {served}, predict {want!r}")
     note(
         f"smoke test (uid 1000, --network none): --help, validate of {len(examples)} examples, a 2-step "
-        f"training run and predict ({time.monotonic() - t:.0f} s)"
+        f"training run, predict, and kubetune serve answering as predict ({time.monotonic() - t:.0f} s)"
     )
+
+
+# Run inside the container: waits for `kubetune serve` to be ready, asks for predict's completion (greedy,
+# 4 tokens, the same prompt as a user turn) and prints the answer after "SERVED ".
+SERVE_CHECK = """
+import json, time, urllib.request as u
+for _ in range(600):
+    try:
+        u.urlopen("http://127.0.0.1:8123/ready", timeout=2)
+        break
+    except OSError:
+        time.sleep(0.2)
+body = {"messages": [{"role": "user", "content": "What is the sentiment of this review? Great crew"}],
+        "max_tokens": 4, "temperature": 0}
+req = u.Request("http://127.0.0.1:8123/v1/chat/completions", data=json.dumps(body).encode(),
+                headers={"content-type": "application/json"})
+print("SERVED " + u.urlopen(req, timeout=120).read().decode())
+"""
 
 
 def assert_(ok: bool, why: str) -> None:
