@@ -316,3 +316,31 @@ def test_render_says_when_a_reward_module_is_not_in_the_trainer_image():
     ]
     spec.kubernetes.image = "registry.example/me/trainer:1"  # an image of the user's own may hold it
     assert not [w for w in checks.warnings_for(spec) if w.startswith("grpo.")]
+
+
+def test_kept_rollouts_resume_on_the_same_world_size_only_inside_a_generation():
+    from kubetune.tasks.grpo import GRPOSpec
+    from kubetune.tasks.grpo.rollout import RolloutBatch, Rollouts
+
+    g = GRPOSpec(rewards=[Reward(function="regex", pattern="a")], num_iterations=2)
+    tok = type("T", (), {"pad_token_id": 0})()
+    kept = RolloutBatch(
+        {"input_ids": torch.ones(1, 3, dtype=torch.long), "attention_mask": torch.ones(1, 3, dtype=torch.long)},
+        torch.ones(1, 3, dtype=torch.long),
+        1.0,
+        torch.tensor([0]),
+        torch.tensor([0.5]),
+        stats=torch.zeros(1),
+        grpo=g,
+    )
+    states = [Rollouts(g, tok, [], 0, rank, False, [1], cache=[kept], cache_units=2.0).state_dict() for rank in (0, 1)]
+    same = Rollouts(g, tok, [], 0, 1, False, [1])
+    same.load_state_dict(states, world_size=2, global_step=3)
+    assert len(same.cache) == 1 and same.cache_units == 2.0 and same.cache[0].advantages.tolist() == [0.5]
+    with pytest.raises(
+        KubetuneError, match=r"distributed: the checkpoint of step 3 is inside a generation .* 2 processes"
+    ):
+        Rollouts(g, tok, [], 0, 0, False, [1]).load_state_dict(states, world_size=1, global_step=3)
+    other = Rollouts(g, tok, [], 0, 0, False, [1])
+    other.load_state_dict(states, world_size=1, global_step=4)  # a generation boundary: nothing kept is needed
+    assert other.cache == []
