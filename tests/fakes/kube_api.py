@@ -6,12 +6,13 @@ protocol over real HTTP on 127.0.0.1, but implements only what kubetune uses: cr
 ``dryRun=All``), get, list, replace, merge-patch and delete of a fixed set of resources, watches,
 pod logs, the garbage collector's cascading delete, and RBAC-style 403 answers that a test asks for.
 
-Kubeflow resources are admitted as a real cluster would admit them: the upstream CRD of the
-release the fake "runs" (``operator=`` training-operator v1.8.1/v1.9.0, ``trainer=`` Trainer
-v2.3.0, or v2.1.0/v2.2.0 derived from it by removing the fields those releases lack) prunes unknown
-fields and validates schema and CEL rules (tests/fakes/crds.py), then the operators' webhook rules
-run (tests/fakes/webhooks.py). ``operator=None`` or ``trainer=None`` serves no such CRD. A cluster
-with Trainer serves the ClusterTrainingRuntimes a default v2.3.0 install creates.
+Kubeflow and KServe resources are admitted as a real cluster would admit them: the upstream CRD of
+the release the fake "runs" (``operator=`` training-operator v1.8.1/v1.9.0, ``trainer=`` Trainer
+v2.3.0, or v2.1.0/v2.2.0 derived from it by removing the fields those releases lack, ``kserve=``
+KServe v0.20.0's InferenceService) prunes unknown fields and validates schema and CEL rules
+(tests/fakes/crds.py), then the operators' and KServe's webhook rules run (tests/fakes/webhooks.py).
+``operator=None``, ``trainer=None`` or ``kserve=None`` (the default: KServe is opt-in) serves no such
+CRD. A cluster with Trainer serves the ClusterTrainingRuntimes a default v2.3.0 install creates.
 
 Nothing runs pods: a test drives object status and container logs through the control methods
 (put, set_status, append_log, ...). Standard library, PyYAML and cel-python.
@@ -78,12 +79,14 @@ RESOURCES: dict[tuple[str, str], Resource] = {
             "v1", "persistentvolumeclaims", "PersistentVolumeClaim", has_status=True, returns_object_on_delete=True
         ),
         Resource("v1", "secrets", "Secret", has_status=False),
+        Resource("v1", "serviceaccounts", "ServiceAccount", has_status=False),
         Resource("v1", "services", "Service", has_status=True, returns_object_on_delete=True),
         Resource("v1", "pods", "Pod", has_status=True, returns_object_on_delete=True),
         Resource("v1", "events", "Event", has_status=False),
         Resource("apps/v1", "deployments", "Deployment", has_status=True),
         Resource("kubeflow.org/v1", "pytorchjobs", "PyTorchJob", has_status=True),
         Resource("trainer.kubeflow.org/v1alpha1", "trainjobs", "TrainJob", has_status=True),
+        Resource("serving.kserve.io/v1beta1", "inferenceservices", "InferenceService", has_status=True),
         Resource(
             "trainer.kubeflow.org/v1alpha1",
             "clustertrainingruntimes",
@@ -97,7 +100,9 @@ PODS = RESOURCES[("v1", "pods")]
 PYTORCHJOBS = RESOURCES[("kubeflow.org/v1", "pytorchjobs")]
 TRAINJOBS = RESOURCES[("trainer.kubeflow.org/v1alpha1", "trainjobs")]
 RUNTIMES = RESOURCES[("trainer.kubeflow.org/v1alpha1", "clustertrainingruntimes")]
+INFERENCESERVICES = RESOURCES[("serving.kserve.io/v1beta1", "inferenceservices")]
 OPERATOR_RELEASES = ("v1.8.1", "v1.9.0")
+KSERVE_RELEASES = ("v0.20.0",)
 
 
 def resource(group_version: str, plural: str) -> Resource:
@@ -560,9 +565,9 @@ class _Handler(BaseHTTPRequestHandler):
         api = self.server.api
         url = urlsplit(self.path)
         query = {k: v[-1] for k, v in parse_qs(url.query, keep_blank_values=True).items()}
-        api._record(self.command, url.path, query)
         # read the body first so an error answer leaves the keep-alive connection in step
         self._raw_body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        api._record(self.command, url.path, query, self._raw_body)
         self._streaming = False
         try:
             api._admit(self.headers.get("Authorization"))
@@ -815,18 +820,23 @@ class FakeKubeAPI:
         token: str = "fake-token",
         operator: str | None = "v1.8.1",
         trainer: str | None = "v2.3.0",
+        kserve: str | None = None,
         validate: bool = True,
     ) -> None:
-        """`operator`/`trainer`: the releases whose CRDs and webhook rules admit jobs (None: not
-        installed, so not served). `validate=False` stores Kubeflow objects as sent."""
+        """`operator`/`trainer`/`kserve`: the releases whose CRDs and webhook rules admit jobs and
+        InferenceServices (None: not installed, so not served). `validate=False` stores Kubeflow and
+        KServe objects as sent."""
         if operator not in (None, *OPERATOR_RELEASES):
             raise ValueError(f"operator release {operator!r}: one of {OPERATOR_RELEASES} or None")
         if trainer not in (None, *TRAINER_RELEASES):
             raise ValueError(f"trainer release {trainer!r}: one of {sorted(TRAINER_RELEASES)} or None")
+        if kserve not in (None, *KSERVE_RELEASES):
+            raise ValueError(f"kserve release {kserve!r}: one of {KSERVE_RELEASES} or None")
         self.user = user  # who the bearer token authenticates as, for 403 messages
         self.token = token
         self.operator = operator
         self.trainer = trainer
+        self.kserve = kserve
         self.validate = validate
         self._store = _Store()
         if trainer is not None:
@@ -836,6 +846,7 @@ class FakeKubeAPI:
                 self._store.put(RUNTIMES, "", runtime)
         self._lock = threading.Lock()
         self._requests: list[tuple[str, str, dict[str, str]]] = []
+        self._bodies: list[tuple[str, str, bytes]] = []
         self._denied: set[tuple[str, str, str]] = set()
         self._failures: list[int] = []
         self._httpd: _HTTPServer | None = None
@@ -938,11 +949,19 @@ class FakeKubeAPI:
         with self._lock:
             return list(self._requests)
 
+    @property
+    def bodies(self) -> list[tuple[str, str, bytes]]:
+        """(method, path, body) of every request that carried a body, oldest first."""
+        with self._lock:
+            return list(self._bodies)
+
     # -- used by the request handler
 
-    def _record(self, method: str, path: str, query: dict[str, str]) -> None:
+    def _record(self, method: str, path: str, query: dict[str, str], body: bytes = b"") -> None:
         with self._lock:
             self._requests.append((method, path, query))
+            if body:
+                self._bodies.append((method, path, body))
 
     def _admit(self, authorization: str | None) -> None:
         """Authenticate the bearer token, then apply any failure injected with fail_next."""
@@ -958,6 +977,8 @@ class FakeKubeAPI:
             return self.operator is not None
         if res in (TRAINJOBS, RUNTIMES):
             return self.trainer is not None
+        if res == INFERENCESERVICES:
+            return self.kserve is not None
         return True
 
     def crd(self, res: Resource):
@@ -968,6 +989,8 @@ class FakeKubeAPI:
             return crds.crd("pytorchjobs", self.operator)
         if res == TRAINJOBS and self.trainer:
             return crds.crd("trainjobs", self.trainer)
+        if res == INFERENCESERVICES and self.kserve:
+            return crds.crd("inferenceservices", self.kserve)
         return None
 
     def _admit_create(self, res: Resource, namespace: str, body: Obj) -> tuple[Obj, list[str]]:
@@ -991,6 +1014,8 @@ class FakeKubeAPI:
             )
         if res == PYTORCHJOBS:
             hook, errors = webhooks.PYTORCHJOB_WEBHOOK, webhooks.pytorchjob_errors(outcome.stored, self.operator or "")
+        elif res == INFERENCESERVICES:
+            hook, errors = webhooks.ISVC_WEBHOOK, webhooks.inferenceservice_errors(outcome.stored)
         else:
             runtimes = {r["metadata"]["name"]: r for r in self._store.select(RUNTIMES, "", Selector())[0]}
             hook, errors = webhooks.TRAINJOB_WEBHOOK, webhooks.trainjob_errors(outcome.stored, runtimes)

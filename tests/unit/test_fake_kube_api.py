@@ -419,3 +419,57 @@ def test_fail_next_and_unsupported_requests_answer_with_status(
     with pytest.raises(ApiException) as field:
         custom.list_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, field_selector="status.phase=Running")
     assert field.value.status == 400
+
+
+def _inference_service(name: str, **predictor: Any) -> dict[str, Any]:
+    """The smallest InferenceService KServe v0.20.0's CRD and webhook admit (what `render --serve` makes)."""
+    model = {"modelFormat": {"name": "huggingface"}, "storageUri": "s3://bucket/runs/j/model"}
+    return {
+        "apiVersion": "serving.kserve.io/v1beta1",
+        "kind": "InferenceService",
+        "metadata": {"name": name},
+        "spec": {"predictor": {"model": model, **predictor}},
+    }
+
+
+def test_inference_services_are_admitted_by_kserves_crd_and_webhook(tmp_path: Path) -> None:
+    from fakes import crds, webhooks
+
+    isvc = ("serving.kserve.io", "v1beta1", NS, "inferenceservices")
+    with FakeKubeAPI(kserve="v0.20.0") as server:
+        api = config.new_client_from_config(config_file=str(server.write_kubeconfig(tmp_path / "kc")))
+        custom = client.CustomObjectsApi(api)
+        body = _inference_service("chat", minReplicas=1, maxReplicas=2)
+        outcome = crds.crd("inferenceservices", "v0.20.0").admit(body)
+        assert (outcome.errors, webhooks.inferenceservice_errors(outcome.stored)) == ([], [])
+        created = custom.create_namespaced_custom_object(*isvc, body)
+        assert created["spec"] == outcome.stored["spec"]
+        # the CRD's schema (422), then KServe's webhook (403, as controller-runtime denies)
+        with pytest.raises(ApiException) as invalid:
+            custom.create_namespaced_custom_object(*isvc, _inference_service("bad", minReplicas="1"))
+        assert (
+            invalid.value.status == 422
+            and "spec.predictor.minReplicas in body must be of type integer" in (_status(invalid.value)["message"])
+        )
+        with pytest.raises(ApiException) as refused:
+            custom.create_namespaced_custom_object(*isvc, _inference_service("bad", minReplicas=3, maxReplicas=2))
+        assert refused.value.status == 403 and _status(refused.value)["message"] == (
+            'admission webhook "inferenceservice.kserve-webhook-server.validator" denied the request: '
+            "MinReplicas cannot be greater than MaxReplicas"
+        )
+        # a controller writes the status; request bodies are kept for tests to inspect
+        server.set_status("serving.kserve.io/v1beta1", "inferenceservices", NS, "chat", {"url": "http://chat"})
+        assert custom.get_namespaced_custom_object(*isvc, "chat")["status"] == {"url": "http://chat"}
+        assert [(m, p) for m, p, _ in server.bodies][0] == (
+            "POST",
+            f"/apis/serving.kserve.io/v1beta1/namespaces/{NS}/inferenceservices",
+        )
+        api.close()
+    with FakeKubeAPI() as server:  # KServe is opt-in
+        api = config.new_client_from_config(config_file=str(server.write_kubeconfig(tmp_path / "kc")))
+        with pytest.raises(ApiException) as absent:
+            client.CustomObjectsApi(api).create_namespaced_custom_object(*isvc, _inference_service("chat"))
+        assert absent.value.status == 404 and _status(absent.value)["message"] == (
+            "the server could not find the requested resource"
+        )
+        api.close()

@@ -1,7 +1,8 @@
-"""The Kubeflow backend's connection to a cluster: the API clients for one namespace and one job
-kind (``TARGETS``: a PyTorchJob or a TrainJob), from a kubeconfig or the in-cluster service account
-(``connect``), and the boundary where the client's errors (ApiException, an unreachable server)
-become one-line ``KubetuneError`` messages naming the verb, the resource and the namespace.
+"""The cluster backends' connection to a cluster: the API clients for one namespace (``ClusterConnection``;
+for the Kubeflow backend, of one job kind: ``TARGETS``, a PyTorchJob or a TrainJob), from a kubeconfig or
+the in-cluster service account (``connect``), and the boundary where the client's errors (ApiException,
+an unreachable server) become one-line ``KubetuneError`` messages naming the verb, the resource and the
+namespace, with the fix that the connection's kind of object calls for (``ClusterConnection._fix``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,14 @@ from kubetune.backends.objects import PYTORCHJOB_API, TRAINJOB_API
 from kubetune.errors import KubetuneError
 
 TARGETS = {"pytorchjob": (*PYTORCHJOB_API, "PyTorchJob"), "trainjob": (*TRAINJOB_API, "TrainJob")}
+# What to install where a cluster does not serve a target's jobs.
+NOT_SERVED_FIX = {
+    "pytorchjob": "install the Kubeflow Training Operator: deploy/install.sh",
+    "trainjob": (
+        "install Kubeflow Trainer v2.3 or later with JobSet: deploy/install.sh --with trainer (or submit with --target "
+        "pytorchjob)"
+    ),
+}
 IN_CLUSTER_NS = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
@@ -44,23 +53,13 @@ def connect(kubeconfig: str | None = None, context: str | None = None) -> tuple[
         ) from None
 
 
-class KubeflowConnection:
-    """The API clients for one namespace of a cluster and one job kind (``target``), and the
-    translation of their errors; the cluster backend reads and writes jobs through it."""
+class ClusterConnection:
+    """The API clients for one namespace of a cluster, and the translation of their errors; a backend
+    reads and writes its objects through it, and names the fixes of its errors (``_fix``)."""
 
-    def __init__(
-        self,
-        namespace: str | None = None,
-        kubeconfig: str | None = None,
-        context: str | None = None,
-        target: str = "pytorchjob",
-    ):
-        if target not in TARGETS:
-            raise KubetuneError(f"unknown target {target!r}", field="--target", fix="use pytorchjob or trainjob")
+    def __init__(self, namespace: str | None = None, kubeconfig: str | None = None, context: str | None = None):
         self.api, default_ns = connect(kubeconfig, context)
         self.namespace = namespace or default_ns
-        self.target = target
-        self.group, self.version, self.plural, self.kind = TARGETS[target]
         self.core = k8s.CoreV1Api(self.api)
         self.custom = k8s.CustomObjectsApi(self.api)
         self.apps = k8s.AppsV1Api(self.api)
@@ -92,15 +91,12 @@ class KubeflowConnection:
         message = body.get("message") or e.reason or ""
         what = f"{resource} '{name}'" if name else resource
         if e.status == 403 and "admission webhook" in message:
-            # the operator's validating webhook refused the object (controller-runtime answers 403)
-            return KubetuneError(
-                f"the cluster refused {what}: {message}",
-                fix="change the spec's kubernetes/distributed settings the message names, or use the other --target",
-            )
+            # a validating webhook (an operator's, KServe's) refused the object (controller-runtime answers 403)
+            return KubetuneError(f"the cluster refused {what}: {message}", fix=self._fix("refused", name))
         if e.status == 403:
             return KubetuneError(
                 f"forbidden: cannot {verb} {resource} in namespace '{self.namespace}' ({message})",
-                fix="ask for the RBAC in deploy/rbac, or set kubernetes.namespace / --namespace",
+                fix=self._fix("forbidden", name),
             )
         if e.status == 401:
             return KubetuneError(
@@ -108,27 +104,53 @@ class KubeflowConnection:
                 fix="refresh the kubeconfig credentials",
             )
         if e.status == 404 and name is None or (e.status == 404 and "could not find the requested resource" in message):
-            fix = (
-                "install the Kubeflow Training Operator: deploy/install.sh"
-                if self.target == "pytorchjob"
-                else (
-                    "install Kubeflow Trainer v2.3 or later with JobSet: deploy/install.sh --with trainer (or "
-                    "submit with --target pytorchjob)"
-                )
+            return KubetuneError(
+                f"{resource} are not served by this cluster ({message})", fix=self._fix("not served", name)
             )
-            return KubetuneError(f"{resource} are not served by this cluster ({message})", fix=fix)
         if e.status == 404:
             return KubetuneError(
                 f"{what} not found in namespace '{self.namespace}'",
-                fix="check the name with `kubetune list` and --namespace",
+                fix=self._fix("not found", name),
             )
         if e.status == 409:
             return KubetuneError(
                 f"{what} already exists in namespace '{self.namespace}'",
-                fix=f"pass --replace, or `kubetune delete {name}` first",
+                fix=self._fix("exists", name),
             )
         if e.status == 422:
-            return KubetuneError(
-                f"the API server rejected {what}: {message}", fix="check the spec's kubernetes section"
-            )
+            return KubetuneError(f"the API server rejected {what}: {message}", fix=self._fix("invalid", name))
         return KubetuneError(f"Kubernetes API error {e.status} {e.reason} on {verb} {what}: {message}")
+
+    def _fix(self, case: str, name: str | None) -> str:
+        """What to do about an error the cluster answered, by ``case``: ``refused`` (an admission
+        webhook said no), ``forbidden`` (RBAC, 403), ``not served`` (the kind's CRD is not installed),
+        ``not found``, ``exists`` (409) or ``invalid`` (422); ``name``: the object's."""
+        raise NotImplementedError
+
+
+class KubeflowConnection(ClusterConnection):
+    """The API clients for one namespace of a cluster and one job kind (``target``), and the
+    translation of their errors; the cluster backend reads and writes jobs through it."""
+
+    def __init__(
+        self,
+        namespace: str | None = None,
+        kubeconfig: str | None = None,
+        context: str | None = None,
+        target: str = "pytorchjob",
+    ):
+        if target not in TARGETS:
+            raise KubetuneError(f"unknown target {target!r}", field="--target", fix="use pytorchjob or trainjob")
+        super().__init__(namespace, kubeconfig, context)
+        self.target = target
+        self.group, self.version, self.plural, self.kind = TARGETS[target]
+
+    def _fix(self, case: str, name: str | None) -> str:
+        return {
+            "refused": "change the spec's kubernetes/distributed settings the message names, or use the other --target",
+            "forbidden": "ask for the RBAC in deploy/rbac, or set kubernetes.namespace / --namespace",
+            "not served": NOT_SERVED_FIX[self.target],
+            "not found": "check the name with `kubetune list` and --namespace",
+            "exists": f"pass --replace, or `kubetune delete {name}` first",
+            "invalid": "check the spec's kubernetes section",
+        }[case]

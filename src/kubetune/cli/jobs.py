@@ -1,5 +1,6 @@
 """The job commands on a backend (``backends.base``): `render`, `submit`, `status`, `logs`, `wait`,
-`delete`, `runtimes`, `list`."""
+`delete`, `runtimes`, `list`; with ``--serve``, `render`, `submit`, `status` and `delete` are about the
+KServe InferenceService that serves a finished job's export (``backends.serving``, ``backends.kserve``)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,15 @@ from kubetune.cli.common import (
     app,
 )
 from kubetune.errors import KubetuneError
+
+ServeOpt = Annotated[
+    bool,
+    typer.Option(
+        "--serve",
+        help="The KServe InferenceService that serves a finished job's export (NAME: the InferenceService's), "
+        "instead of the job.",
+    ),
+]
 
 
 @app.command()
@@ -92,6 +102,19 @@ def _backend(namespace, context, kubeconfig, target, here=False):
     return base.reach(target, namespace=namespace, kubeconfig=kubeconfig, context=context)
 
 
+def _serve_backend(namespace, context, kubeconfig, target=None):
+    """The serving backend (KServe InferenceServices) with these connection options; a --target
+    with --serve is refused: it picks a job's kind."""
+    from kubetune.backends.kserve import KServeBackend
+
+    if target is not None:
+        raise KubetuneError(
+            "--target picks a job's kind and means nothing with --serve", field="--target", fix="drop it"
+        )
+    _check_namespace(namespace)
+    return KServeBackend(namespace=namespace, kubeconfig=kubeconfig, context=context)
+
+
 def _job_backend(name, namespace, context, kubeconfig, target, here=False):
     """The backend of the job called ``name``: ``target``'s; without one, (``here``) a `kubetune run`
     of that name recorded on this machine unless a cluster option is given, else the cluster backend
@@ -111,20 +134,30 @@ def _job_backend(name, namespace, context, kubeconfig, target, here=False):
 def submit(
     spec: SpecArg,
     set_: SetOpt = None,
-    replace: Annotated[bool, typer.Option(help="Delete an existing job of the same name first.")] = False,
+    replace: Annotated[
+        bool, typer.Option(help="Delete an existing job (with --serve: InferenceService) of the same name first.")
+    ] = False,
     namespace: NsOpt = None,
     context: CtxOpt = None,
     kubeconfig: KcOpt = None,
     target: TargetOpt = "pytorchjob",
+    serve: ServeOpt = False,
 ) -> None:
-    """Create the job on Kubernetes (a PyTorchJob, or a TrainJob) and print its name."""
-    from kubetune.backends import checks
+    """Create the job on Kubernetes (a PyTorchJob, or a TrainJob) and print its name; with --serve, the
+    KServe InferenceService that serves its export (and the ServiceAccount naming the job's storage Secrets)."""
+    from kubetune.backends import checks, serving
     from kubetune.config import load_spec
 
     try:
         job = load_spec(spec, set_)
-        backend = _backend(namespace or job.kubernetes.namespace, context, kubeconfig, target)
-        for warning in checks.warnings_for(job):
+        ns = namespace or job.kubernetes.namespace
+        if serve:
+            backend = _serve_backend(ns, context, kubeconfig)
+            warnings = serving.serve_warnings(job, backend.namespace)
+        else:
+            backend = _backend(ns, context, kubeconfig, target)
+            warnings = checks.warnings_for(job)
+        for warning in warnings:
             typer.echo(f"warning: {warning}", err=True)
         name = backend.submit(job, replace=replace)
     except KubetuneError as e:
@@ -143,19 +176,27 @@ def status(
         typer.Option("--target", help="local, pytorchjob or trainjob; default: see above."),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    serve: ServeOpt = False,
 ) -> None:
     """Phase, progress (step, loss, ETA, the last evaluation), and why the job failed (with its last log lines).
 
     NAME is a `kubetune run` on this machine if one of that name ran here (unless --namespace,
-    --context, --kubeconfig or a cluster --target is given), else the job on the cluster."""
+    --context, --kubeconfig or a cluster --target is given), else the job on the cluster. With --serve,
+    NAME is an InferenceService: whether it is Ready, its URLs and its predictor's replicas."""
     import dataclasses
 
     try:
-        st = _job_backend(name, namespace, context, kubeconfig, target, here=True).status(name)
+        if serve:
+            st = _serve_backend(namespace, context, kubeconfig, target).status(name)
+        else:
+            st = _job_backend(name, namespace, context, kubeconfig, target, here=True).status(name)
     except KubetuneError as e:
         _fail(e)
     if as_json:
         typer.echo(json.dumps(dataclasses.asdict(st), indent=2))
+        return
+    if serve:
+        _print_serve_status(st)
         return
     if st.kind == "LocalRun":
         _print_local_status(st)
@@ -177,6 +218,21 @@ def status(
     _print_progress(st)
     if st.output:
         typer.echo(f"  output: {st.output}")
+
+
+def _print_serve_status(st) -> None:
+    typer.echo(f"{st.kind} {st.name} in {st.namespace}: {st.phase}")
+    for label, value in (("url", st.url), ("address", st.address)):
+        if value:
+            typer.echo(f"  {label}: {value}")
+    if st.replicas:
+        typer.echo("  predictor: " + ", ".join(f"{k} {v}" for k, v in st.replicas.items()))
+    if st.model:
+        typer.echo(f"  model: {st.model}")
+    if st.reason or st.message:
+        typer.echo(f"  reason: {st.reason or 'unknown'}" + (f": {st.message}" if st.message else ""))
+    if st.job:
+        typer.echo(f"  serves: the export of job {st.job}")
 
 
 def _print_local_status(st) -> None:
@@ -300,10 +356,23 @@ def delete(
             help="Also delete the workspace claim kubetune created for the job (its output and checkpoints).",
         ),
     ] = False,
+    serve: ServeOpt = False,
 ) -> None:
-    """Delete the job, its ConfigMap and TensorBoard; its workspace claim (the output) only with --delete-storage."""
+    """Delete the job, its ConfigMap and TensorBoard; its workspace claim (the output) only with --delete-storage.
+
+    With --serve: the InferenceService NAME and the ServiceAccount kubetune made for it (never a Secret,
+    nor anything kubetune did not make)."""
     try:
-        notes = _job_backend(name, namespace, context, kubeconfig, target).delete(name, storage=delete_storage)
+        if serve and delete_storage:
+            raise KubetuneError(
+                "--delete-storage removes a job's workspace claim; an InferenceService has none",
+                field="--delete-storage",
+                fix="drop it, or delete the job without --serve",
+            )
+        if serve:
+            notes = _serve_backend(namespace, context, kubeconfig, target).delete(name)
+        else:
+            notes = _job_backend(name, namespace, context, kubeconfig, target).delete(name, storage=delete_storage)
     except KubetuneError as e:
         _fail(e)
     typer.echo(f"deleted {name}")
