@@ -64,6 +64,16 @@ CLUSTER = ("pytorchjob", "trainjob")
 GROUPS = {"kubeflow": CLUSTER}
 
 
+# What serves a finished job's export on a cluster (`--serve`): KServe InferenceServices
+SERVING = "kubetune.backends.kserve:KServeBackend"
+
+
+def serving(namespace: str | None = None, kubeconfig: str | None = None, context: str | None = None):
+    """The serving backend (``SERVING``) with these connection options (imported on first use)."""
+    module, _, cls = SERVING.partition(":")
+    return getattr(importlib.import_module(module), cls)(namespace=namespace, kubeconfig=kubeconfig, context=context)
+
+
 def get(name: str, **options: Any) -> Backend:
     """The backend registered as ``name``, made with ``options`` (e.g. namespace, kubeconfig).
 

@@ -105,14 +105,14 @@ def _backend(namespace, context, kubeconfig, target, here=False):
 def _serve_backend(namespace, context, kubeconfig, target=None):
     """The serving backend (KServe InferenceServices) with these connection options; a --target
     with --serve is refused: it picks a job's kind."""
-    from kubetune.backends.kserve import KServeBackend
+    from kubetune.backends import base
 
     if target is not None:
         raise KubetuneError(
             "--target picks a job's kind and means nothing with --serve", field="--target", fix="drop it"
         )
     _check_namespace(namespace)
-    return KServeBackend(namespace=namespace, kubeconfig=kubeconfig, context=context)
+    return base.serving(namespace=namespace, kubeconfig=kubeconfig, context=context)
 
 
 def _job_backend(name, namespace, context, kubeconfig, target, here=False):
