@@ -295,6 +295,25 @@ def tiny_chat_sft(tmp_path_factory):
     return tmp / "run", tmp / "trace", r
 
 
+@pytest.fixture(scope="session")
+def dpo_example(tiny_chat_sft, tmp_path_factory):
+    """examples/dpo-tiny-chat.yaml (LoRA, 2 processes) on the session's tiny-chat SFT model, 320 pairs,
+    evaluated every 2 steps: test_dpo.py asserts that it learns, test_serve.py serves its export.
+
+    Returns:
+        (output directory, the finished CompletedProcess)
+    """
+    out = tmp_path_factory.mktemp("dpo-example") / "dpo"
+    r = kubetune(
+        "run",
+        str(ROOT / "examples" / "dpo-tiny-chat.yaml"),
+        *("--set", f"model.uri={tiny_chat_sft[0] / 'model'}", "--set", f"output.uri={out}"),
+        *("--set", "data.max_train_samples=320", "--set", "training.eval_every=2"),
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out, r
+
+
 def wait_for_checkpoint(out: Path, step: int, proc: subprocess.Popen, timeout: float = 180) -> None:
     """Until ``out`` holds the complete checkpoint of ``step``; fails if ``proc`` exits first."""
     import time

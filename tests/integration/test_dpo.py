@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, kubetune, kubetune_together, start_run, wait_for_checkpoint, worker_pid, write_spec
+from conftest import kubetune, kubetune_together, start_run, wait_for_checkpoint, worker_pid, write_spec
 
 pytestmark = pytest.mark.integration
 PAIRS = "pkg://kubetune/assets/sentiment/sentiment-preferences.jsonl"
@@ -133,24 +133,11 @@ def test_fsdp_trains_like_ddp_with_a_sharded_reference_pass(runs):
     assert abs(metrics["eval_reward_margin"] - ddp["eval_reward_margin"]) < 1e-4
 
 
-def test_sft_then_dpo_example_learns_the_preference_and_predicts(tiny_chat_sft, tmp_path):
+def test_sft_then_dpo_example_learns_the_preference_and_predicts(dpo_example):
     """The two stages of examples/dpo-tiny-chat.yaml, shortened: SFT on the chat data (the session's
     tiny-chat run, which test_causal_lm.py asserts on), then DPO with LoRA on its merged model
-    (reference: the adapter disabled)."""
-    sft = tiny_chat_sft[0]
-    out = tmp_path / "dpo"
-    r = kubetune(
-        "run",
-        str(ROOT / "examples" / "dpo-tiny-chat.yaml"),
-        "--set",
-        f"model.uri={sft / 'model'}",
-        "--set",
-        f"output.uri={out}",
-        "--set",
-        "data.max_train_samples=320",
-        "--set",
-        "training.eval_every=2",
-    )
+    (reference: the adapter disabled): the session's ``dpo_example``."""
+    out, r = dpo_example
     assert r.returncode == 0, r.stderr[-3000:]
     metrics = json.loads((out / "metrics.json").read_text())
     evals = _history(out, "eval")

@@ -1,6 +1,6 @@
 """`kubetune serve` for real: the CLI started as a user starts it, on 127.0.0.1, over HTTP.
 
-The causal LMs are the session's tiny-chat SFT run and a short DPO (LoRA) run on its merged model (served
+The causal LMs are the session's tiny-chat SFT run and its DPO example run (LoRA) on the SFT model (served
 merged, and as base + adapter); the classifier is the session's MiniLM run. Greedy completions (raw and
 chat, streaming and not) equal `kubetune predict`'s token for token, the classifier's KServe v1 and v2
 answers equal predict's labels and scores; the OpenAI Python client talks to it unchanged; bad input is
@@ -80,30 +80,15 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def dpo_run(tiny_chat_sft, tmp_path_factory):
-    out = tmp_path_factory.mktemp("serve-dpo") / "dpo"
-    r = kubetune(
-        "run",
-        str(ROOT / "examples" / "dpo-tiny-chat.yaml"),
-        *("--set", f"model.uri={tiny_chat_sft[0] / 'model'}", "--set", f"output.uri={out}"),
-        *("--set", "data.max_train_samples=64", "--set", "training.max_steps=4"),
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    return out
-
-
-@pytest.fixture(scope="module")
-def servers(tiny_chat_sft, dpo_run, minilm_run, tmp_path_factory):
+def servers(tiny_chat_sft, dpo_example, minilm_run, tmp_path_factory):
     token_file = tmp_path_factory.mktemp("serve-token") / "token"
     token_file.write_text(TOKEN + "\n")
     started = {
         "sft": Server(tiny_chat_sft[0], "--token-file", str(token_file)),
-        "dpo": Server(dpo_run),
-        "dpo-adapter": Server(dpo_run, "--adapter", "--name", "dpo-adapter"),
+        # also the one under load and bad input: a small queue, small batches, a 64 KiB body bound
+        "dpo": Server(dpo_example[0], "--max-queue", "4", "--max-batch", "4", "--max-request-kb", "64"),
+        "dpo-adapter": Server(dpo_example[0], "--adapter", "--name", "dpo-adapter"),
         "minilm": Server(minilm_run[0], "--name", "minilm"),
-        "small-queue": Server(
-            tiny_chat_sft[0], "--max-queue", "4", "--max-batch", "4", "--max-request-kb", "64", "--name", "small"
-        ),
     }
     try:
         yield {name: s.wait() for name, s in started.items()}
@@ -137,8 +122,8 @@ def _sse(server: Server, path: str, body: dict, token: str | None = None) -> tup
 
 
 @pytest.mark.parametrize("which", ["sft", "dpo"])
-def test_greedy_completions_equal_predict_token_for_token(servers, tiny_chat_sft, dpo_run, which):
-    server, model = servers[which], {"sft": tiny_chat_sft[0], "dpo": dpo_run}[which]
+def test_greedy_completions_equal_predict_token_for_token(servers, tiny_chat_sft, dpo_example, which):
+    server, model = servers[which], {"sft": tiny_chat_sft[0], "dpo": dpo_example[0]}[which]
     token = TOKEN if which == "sft" else None
     chat = _predict(model, *PROMPTS, "--max-new-tokens", "24")
     raw = _predict(model, *PROMPTS, "--max-new-tokens", "24", "--no-chat")
@@ -217,7 +202,7 @@ def test_the_openai_client_talks_to_it_unchanged(servers):
     ],
 )
 def test_bad_input_is_a_4xx_with_one_message_and_the_server_goes_on(servers, path, body, status, message):
-    server = servers["small-queue"]
+    server = servers["dpo"]
     raw = body if isinstance(body, bytes) else None
     got, out = server.call(path, None if raw else body, raw=raw)
     assert got == status, out
@@ -232,11 +217,11 @@ def test_a_token_is_required_where_set_and_a_body_is_bounded(servers):
     assert sft.call("/v1/models", token="wrong")[0] == 401
     assert sft.call("/health")[0] == 200  # probes need no token
     big = {"prompt": "x" * (100 << 10)}
-    assert servers["small-queue"].call("/v1/completions", big)[0] == 413
+    assert servers["dpo"].call("/v1/completions", big)[0] == 413
 
 
 def test_under_load_no_request_is_lost_and_429s_are_counted(servers):
-    server = servers["small-queue"]
+    server = servers["dpo"]
     body = {"prompt": "The seats were", "max_tokens": 8, "temperature": 0}
 
     def one(_):
