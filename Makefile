@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install seed-cache demo test test-all bench image image-test clean
+.PHONY: install seed-cache demo test test-all bench gpu-wheels gpu-check image image-test clean
 
 $(BIN)/.installed: pyproject.toml requirements.txt requirements-test.txt
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,18 @@ test-all: install $(MLFLOW_VENV)/.installed
 # kubetune against the seed loop and HF Trainer (about 12 minutes on 2 cores; results in benchmarks/results/)
 bench: seed-cache
 	$(BIN)/python benchmarks/run.py $(BENCH_ARGS)
+
+# The wheels the GPU machine lacks (Python 3.12, manylinux x86-64), into gpu-wheels/ (ignored), checked to fit
+# 48 MiB of the 64 MiB that travel with the tree: scripts/gpu_wheels.py says which and why.
+gpu-wheels:
+	$(BIN)/python scripts/gpu_wheels.py --dest gpu-wheels
+
+# On the GPU machine (its own python3; no .venv, no network): gpu-wheels/ and kubetune (--no-deps) into a
+# temporary site, then `pytest -m gpu` and benchmarks/gpu_llm.py; results.md and results.json into OUT.
+GPU_PYTHON ?= python3
+OUT        ?= gpu-results
+gpu-check:
+	$(GPU_PYTHON) scripts/gpu_check.py --wheels gpu-wheels --out $(OUT)
 
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 IMAGE   ?= ghcr.io/kubetune/trainer

