@@ -75,6 +75,7 @@ def test_the_run_sends_start_periodic_and_final_updates(reported):
     times = [r.at for r in server.received]
     assert all(b - a >= INTERVAL - 0.05 for a, b in zip(times, times[1:-1])), times
     assert len(times) <= 2 + (times[-1] - times[0]) / INTERVAL
+    print(f"{len(times)} requests over {times[-1] - times[0]:.1f} s, percentages {percents}")
     # the final update carries the run's final evaluation, the very numbers of metrics.json
     metrics = json.loads((out / "metrics.json").read_text())
     final = {m["name"]: m["value"] for m in bodies[-1]["metrics"]}

@@ -241,3 +241,16 @@ def test_each_misconfiguration_is_one_line_with_its_fix(server, tmp_path, caplog
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and said in warnings[0] and " — " in warnings[0], warnings
     assert server.bodies() == [] and server.token not in caplog.text
+
+
+def test_a_resumed_run_starts_where_it_stopped_and_a_stop_is_sent_at_once(server, tmp_path):
+    """After a SIGTERM the run checkpoints at the step it stopped at and resumes there: its first
+    update says that step's percentage, never 0 again; the stop itself goes out without the interval."""
+    reporter = StatusReporter(_endpoint(server), interval_s=60).start()
+    progress = ProgressLogger(tmp_path, total_steps=100, epochs=1, start_step=40, status=reporter)
+    _until(lambda: len(server.bodies()) == 1)
+    progress.log("train", 41, {"loss": 0.5, "lr": 1e-4}, {"epoch": 1, "samples": 8})
+    progress.finish("stopped")
+    _until(lambda: len(server.bodies()) == 2, timeout=5)  # not 60 s later
+    reporter.close()
+    assert [b["progressPercentage"] for b in server.bodies()] == [40, 41]
