@@ -14,11 +14,13 @@
 # Every step is idempotent (apply, helm upgrade --install): run it again after a change.
 #
 # Usage: deploy/install.sh [--overlay dev|nebius] [--context NAME] [--env-file FILE]
-#                          [--with trainer|kserve]... [--skip STEP]... [--dry-run]
+#                          [--with trainer|kserve]... [--trainjob-status] [--skip STEP]... [--dry-run]
 #   --overlay   deploy/overlays/NAME: storage classes and sizes (default: dev)
 #   --with      trainer: also install Kubeflow Trainer v2 and JobSet, for kubetune's
 #               --target trainjob (needs Kubernetes and kubectl >= 1.31);
 #               kserve: also install KServe, for `kubetune render --serve` (needs cert-manager)
+#   --trainjob-status  with --with trainer: turn on the Trainer's TrainJobStatus feature gate
+#               (alpha), so a TrainJob's rank 0 reports progress into status.trainerStatus
 #   --skip      openebs | minio | training-operator | jupyterhub | tensorboard | mlflow
 #   --dry-run   check the prerequisites, then print every change instead of making it
 # Versions (environment): TRAINING_OPERATOR_REF (v1.8.1), TRAINER_REF (v2.3.0, which ships
@@ -69,9 +71,11 @@ CERT_MANAGER_HINT="kubectl apply -f https://github.com/cert-manager/cert-manager
 OVERLAY=dev
 SKIP=" "
 WITH=" "
+TRAINJOB_STATUS=0
+TRAINER_GATE_DIR=""
 
 usage() {
-  sed -n '2,26p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+  sed -n '2,28p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
 }
 
 parse_args() {
@@ -96,6 +100,7 @@ parse_args() {
         esac
         shift 2
         ;;
+      --trainjob-status) TRAINJOB_STATUS=1; shift ;;
       --dry-run) DRY_RUN=1; shift ;;
       -h | --help) usage; exit 0 ;;
       *) die "unknown option '$1' — see deploy/install.sh --help" ;;
@@ -104,6 +109,8 @@ parse_args() {
   OVERLAY_DIR=$DEPLOY_DIR/overlays/$OVERLAY
   [[ -f $OVERLAY_DIR/kustomization.yaml ]] \
     || die "overlay '$OVERLAY' not found ($OVERLAY_DIR/kustomization.yaml) — use one of: $(cd "$DEPLOY_DIR/overlays" && echo */ | tr -d /)"
+  [[ $TRAINJOB_STATUS == 0 ]] || wanted trainer \
+    || die "--trainjob-status turns on a feature gate of the Kubeflow Trainer that --with trainer installs — add --with trainer, or enable the gate on your own Trainer (--feature-gates=TrainJobStatus=true on its controller)"
   PLAN="openebs minio training-operator"
   if wanted trainer; then
     PLAN+=" trainer"
@@ -264,11 +271,44 @@ step_training_operator() {
   run kc wait --for=condition=established crd/pytorchjobs.kubeflow.org --timeout=2m
 }
 
+# --trainjob-status: upstream's manager overlay with the TrainJobStatus gate on the controller's
+# command line (which overrides its config file). A kustomization around the remote one, in the same
+# single server-side apply: a later `kubectl patch` of the args would conflict with the next run's
+# apply. A run without the flag applies the plain overlay, which turns the gate off again.
+trainer_gate_kustomization() {
+  TRAINER_GATE_DIR=$(mktemp -d "${TMPDIR:-/tmp}/kubetune-trainer.XXXXXX") \
+    || die "cannot make a temporary directory for the Trainer's kustomization — check TMPDIR"
+  trap 'rm -rf "$TRAINER_GATE_DIR"' EXIT
+  cat >"$TRAINER_GATE_DIR/kustomization.yaml" <<EOF
+# made by deploy/install.sh --trainjob-status: Kubeflow Trainer with the TrainJobStatus feature gate on
+apiVersion: kustomize.config.k8s.io/v1beta1
+kind: Kustomization
+resources:
+  - $TRAINER_MANAGER_KUSTOMIZE
+patches:
+  - target:
+      kind: Deployment
+      name: kubeflow-trainer-controller-manager
+    patch: |-
+      - op: add
+        path: /spec/template/spec/containers/0/args/-
+        value: --feature-gates=TrainJobStatus=true
+EOF
+  if [[ $DRY_RUN == 1 ]]; then
+    sed 's/^/[dry-run]   /' "$TRAINER_GATE_DIR/kustomization.yaml"
+  fi
+}
+
 step_trainer() {
   step_title trainer "Kubeflow Trainer $TRAINER_REF with the JobSet it ships, then its ClusterTrainingRuntimes"
   # One server-side apply (the CRDs are too large for client-side apply): the Trainer's CRDs,
   # controller and webhooks, and JobSet's, in namespace kubeflow-system.
-  run kc apply --server-side -k "$TRAINER_MANAGER_KUSTOMIZE"
+  if [[ $TRAINJOB_STATUS == 1 ]]; then
+    trainer_gate_kustomization
+    run kc apply --server-side -k "$TRAINER_GATE_DIR"
+  else
+    run kc apply --server-side -k "$TRAINER_MANAGER_KUSTOMIZE"
+  fi
   run kc wait --for=condition=established crd/jobsets.jobset.x-k8s.io crd/trainjobs.trainer.kubeflow.org \
     crd/trainingruntimes.trainer.kubeflow.org crd/clustertrainingruntimes.trainer.kubeflow.org --timeout=2m
   # Both controllers report ready only once their webhook certificates exist and the webhook
@@ -346,6 +386,12 @@ EOF
 TrainJobs (Kubeflow Trainer $TRAINER_REF): the same with --target trainjob; kubetune runtimes lists
   the ClusterTrainingRuntimes kubernetes.runtime can name (default torch-distributed).
 EOF
+    if [[ $TRAINJOB_STATUS == 1 ]]; then
+      cat <<EOF
+  TrainJobStatus is on: kubetune status reads a TrainJob's progress from status.trainerStatus
+  (kubectl$ctx get trainjob NAME -o jsonpath='{.status.trainerStatus}').
+EOF
+    fi
   fi
   if wanted kserve; then
     cat <<EOF

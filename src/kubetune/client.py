@@ -113,7 +113,8 @@ class Client:
         return Job(backend.for_job(name), name)  # for_job: a clear not-found error now
 
     def list(self) -> list[dict[str, str]]:
-        """The jobs: ``[{"name", "phase", "created"}]``, as `kubetune list` prints them; on the
+        """The jobs: ``[{"name", "phase", "created"}]`` (and a TrainJob's ``progress``, the percentage
+        of its ``status.trainerStatus``), as `kubetune list` prints them; on the
         local backend the runs started from this Python process (``created`` is ISO 8601 UTC)."""
         return self._backend().list()
 
@@ -158,7 +159,8 @@ class Job:
 
     def progress(self) -> dict | None:
         """Rank 0's progress (step, total_steps, epoch, loss, lr, samples_per_s, eta_s, last_eval);
-        None before its first progress line."""
+        None before its first progress line. A TrainJob's comes from its ``status.trainerStatus``
+        where the Trainer has one (with ``percent`` and ``source: trainerStatus``), else from the log."""
         return self.status().progress
 
     def metrics(self) -> dict | None:

@@ -77,6 +77,7 @@ def _train(spec: JobSpec, env: distributed.DistEnv, task, stop) -> dict:
 
     from kubetune.artifacts.output import Output
     from kubetune.training.build import build_trainer
+    from kubetune.training.trainer_status import Endpoint
 
     device = distributed.pick_device(env)
     control = distributed.setup(env, device, spec.distributed.backend, spec.distributed.timeout_minutes)
@@ -101,6 +102,8 @@ def _train(spec: JobSpec, env: distributed.DistEnv, task, stop) -> dict:
             stop=stop,
             cleanup=cleanup,
             trace_dir=Path(trace) if trace else None,
+            # Kubeflow Trainer's TrainJobStatus variables (absent elsewhere: nothing is sent)
+            status_endpoint=Endpoint.from_env(os.environ),
         )
         return trainer.train()
 

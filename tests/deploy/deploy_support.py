@@ -142,6 +142,10 @@ elif args[:3] == ["apply", "-f", "-"]:
     delivered("applied from stdin: " + " ".join(l.strip() for l in body.splitlines() if l.startswith(("kind:", "  name:"))))
     print("secret/x configured")
 elif args[:1] == ["apply"]:
+    # a local kustomization install.sh wrote (--trainjob-status): what reached kubectl through it
+    if "-k" in args and os.path.isdir(args[args.index("-k") + 1]):
+        with open(os.path.join(args[args.index("-k") + 1], "kustomization.yaml")) as f:
+            delivered("kustomization: " + f.read().replace("\n", "\\n"))
     print("configured (fake)")
 """
 
@@ -170,7 +174,7 @@ print("git version 2.43.0")
 
 # What install.sh needs besides kubectl/helm/git; the tests' PATH holds only these and the fakes,
 # so "kubectl is missing" really is missing.
-TOOLS = ("bash", "dirname", "sed", "head", "tail", "cut", "grep", "tr", "cat", "env")
+TOOLS = ("bash", "dirname", "sed", "head", "tail", "cut", "grep", "tr", "cat", "env", "mktemp", "rm")
 
 
 def make_bin(tmp: Path, *, kubectl: bool = True, helm: bool = True, git: bool = True) -> str:

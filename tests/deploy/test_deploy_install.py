@@ -401,6 +401,42 @@ def test_with_trainer_dry_run_prints_the_step_and_changes_nothing(tmp_path, env_
     assert plan.index(next(line for line in plan if "kubetune.io/component=rbac" in line)) > start + len(shown) - 1
 
 
+def test_trainjob_status_turns_the_gate_on_in_the_trainers_own_apply(tmp_path, env_file):
+    """--trainjob-status: the manager overlay wrapped in a kustomization that adds the controller flag
+    --feature-gates=TrainJobStatus=true, applied in the same single server-side apply (so a re-run
+    does not conflict with a patch), the rest of the step unchanged; its temporary directory removed."""
+    env = {"KUBETUNE_ENV_FILE": str(env_file), "TMPDIR": str(tmp_path)}
+    proc, calls, delivered = install(tmp_path, "--with", "trainer", "--trainjob-status", env=env)
+    assert proc.returncode == 0, proc.stderr
+    start = _index(
+        calls, lambda a: a[:4] == ["kubectl", "apply", "--server-side", "-k"] and "kubetune-trainer." in a[4], "gate"
+    )
+    assert calls[start][4].startswith(str(tmp_path))
+    assert calls[start + 1 : start + len(TRAINER_STEP)] == TRAINER_STEP[1:]
+    assert not any(STEPS["trainer"](a) for a in calls)  # the plain overlay is not applied besides
+    kustomization = next(line for line in delivered.splitlines() if "kustomization: # made by" in line)
+    kustomization = kustomization.removeprefix("kustomization: ").replace("\\n", "\n")
+    assert f"resources:\n  - {TRAINER_MANAGER}\n" in kustomization
+    assert "name: kubeflow-trainer-controller-manager" in kustomization
+    assert (
+        "path: /spec/template/spec/containers/0/args/-\n        value: --feature-gates=TrainJobStatus=true"
+        in kustomization
+    )
+    assert not list(tmp_path.glob("kubetune-trainer.*"))  # removed at exit
+    assert "TrainJobStatus is on" in proc.stdout
+    # the dry run shows the kustomization it would apply
+    proc, _, _ = install(tmp_path, "--dry-run", "--with", "trainer", "--trainjob-status", env=env)
+    assert proc.returncode == 0 and any(
+        line.startswith("[dry-run] ") and line.endswith(" value: --feature-gates=TrainJobStatus=true")
+        for line in proc.stdout.splitlines()
+    )
+    # without the Trainer it installs: one line, nothing done
+    proc, calls, _ = install(tmp_path, "--trainjob-status", env=env)
+    assert _one_error_line(proc).startswith("error: --trainjob-status turns on a feature gate of the Kubeflow Trainer")
+    assert not any("apply" in a for a in calls)
+    assert "--trainjob-status" in install(tmp_path, "--help")[0].stdout
+
+
 def test_trainer_ref_picks_the_release_and_refuses_one_kubetune_cannot_use(tmp_path, env_file):
     proc, calls, _ = install(
         tmp_path, "--with", "trainer", env={"KUBETUNE_ENV_FILE": str(env_file), "TRAINER_REF": "v2.4.1"}

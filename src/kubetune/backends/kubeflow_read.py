@@ -63,14 +63,24 @@ class KubeflowReader(KubeflowConnection):
             cond = next((c for c in reversed(st.get("conditions") or []) if c.get("type") == "Failed"), {})
             result.reason, result.message = cond.get("reason"), cond.get("message")
         result.output = self._output_of(name)
-        # Progress from rank 0's log (its `progress:` and evaluation lines): the CLI may already read
-        # pod logs, so no annotation to patch and no extra RBAC for the pods.
+        # A TrainJob's own status.trainerStatus first (Trainer v2.3 with the TrainJobStatus gate: rank 0
+        # sends it), else progress from rank 0's log (its `progress:` and evaluation lines): the CLI may
+        # already read pod logs, so no annotation to patch and no extra RBAC for the pods.
+        result.progress = self._trainer_progress(job)
         master = next((p for p in result.pods if p.node_rank == 0 and p.phase in ("Running", "Succeeded")), None)
-        if master is not None:
+        if result.progress is None and master is not None:
             from kubetune.training.loggers import progress_from_log
 
             result.progress = progress_from_log(self._tail(master.name, PROGRESS_LINES))
         return result
+
+    def _trainer_progress(self, job: dict) -> dict | None:
+        """A TrainJob's ``status.trainerStatus`` as a progress record; None for a PyTorchJob, or without one."""
+        if self.target != "trainjob":
+            return None
+        from kubetune.training.trainer_status import progress_of
+
+        return progress_of((job.get("status") or {}).get("trainerStatus"))
 
     def output_dir(self, name: str) -> None:
         """None: a cluster job writes its output in its pods (``status().output`` says where)."""
@@ -235,10 +245,18 @@ class KubeflowReader(KubeflowConnection):
             items = self.custom.list_namespaced_custom_object(
                 self.group, self.version, self.namespace, self.plural, label_selector="app.kubernetes.io/name=kubetune"
             )["items"]
-        return [
-            {"name": j["metadata"]["name"], "phase": phase_of(j), "created": j["metadata"].get("creationTimestamp", "")}
-            for j in items
-        ]
+        out = []
+        for j in items:
+            row = {
+                "name": j["metadata"]["name"],
+                "phase": phase_of(j),
+                "created": j["metadata"].get("creationTimestamp", ""),
+            }
+            percent = (self._trainer_progress(j) or {}).get("percent")
+            if percent is not None:  # a TrainJob's status.trainerStatus (no log is read for a list)
+                row["progress"] = percent
+            out.append(row)
+        return out
 
 
 def output_location(spec: JobSpec) -> str:

@@ -252,8 +252,11 @@ def _print_progress(st) -> None:
     from kubetune.training.loggers import duration, format_line
 
     p = st.progress or {}
-    if p.get("step") is not None and st.phase == "Running":
+    # not done: a running TrainJob's phase is Created (Trainer v2 has no Running condition)
+    if p.get("step") is not None and not st.done:
         line = format_line(p).replace("eta=", "ETA ")
+        if p.get("percent") is not None:  # a TrainJob's status.trainerStatus
+            line += f" ({p['percent']}% done)"
         typer.echo(
             f"  progress: {line}" + (f" ({duration(time.time() - p['updated'])} ago)" if p.get("updated") else "")
         )
@@ -413,4 +416,5 @@ def list_jobs(
         typer.echo(json.dumps(jobs, indent=2, default=str))
         return
     for j in jobs:
-        typer.echo(f"{j['name']:<40} {j['phase']:<12} {j.get('problem') or j['created'] or ''}")
+        done = f" {j['progress']}%" if j.get("progress") is not None else ""  # a TrainJob's trainerStatus
+        typer.echo(f"{j['name']:<40} {j['phase']:<12} {j.get('problem') or j['created'] or ''}{done}")

@@ -268,6 +268,13 @@ class KubernetesSpec(Section):
         "(nodeAffinity, podAffinity, podAntiAffinity; camelCase keys), "
         "checked against the Kubernetes typed model when rendered.",
     )
+    status_interval_s: float = Field(
+        30,
+        ge=1,
+        description="TrainJob target on a Kubeflow Trainer with the TrainJobStatus feature gate: rank 0 sends "
+        "its progress (percentage, ETA, loss, rates, the last evaluation) to status.trainerStatus at the start, "
+        "then at most once per this many seconds, and at the end.",
+    )
 
     @field_validator("namespace")
     @classmethod

@@ -26,6 +26,7 @@ from kubetune.errors import KubetuneError
 from kubetune.tasks.base import Task
 from kubetune.tasks.common import build_optimizer, load_tokenizer, resolve_precision, seed_everything
 from kubetune.training import strategy as strategies
+from kubetune.training import trainer_status
 from kubetune.training.loggers import JSONLLogger, Loggers, ProgressLogger, TensorBoardLogger
 from kubetune.training.state import TrainState
 from kubetune.training.strategy import Strategy
@@ -46,6 +47,7 @@ def build_trainer(
     cleanup: contextlib.ExitStack | None = None,
     strategy: Strategy | None = None,
     trace_dir: Path | None = None,
+    status_endpoint: trainer_status.Endpoint | None = None,
 ) -> Trainer:
     """Every rank: build this rank's trainer for ``spec``, resumed from the newest complete checkpoint
     in ``dest`` when ``training.resume`` is auto.
@@ -58,6 +60,8 @@ def build_trainer(
         cleanup: closes the progress bar and the loggers however training ends.
         strategy: how the model is spread over ranks (default: ``strategy.for_job``).
         trace_dir: where to record the rows each micro-batch trained on (tests; None: nowhere).
+        status_endpoint: where rank 0 sends its progress for the TrainJob's ``status.trainerStatus``
+            (the Trainer controller's variables, ``trainer_status.Endpoint.from_env``; None: nowhere).
     """
     cfg = spec.training
     dtype = resolve_precision(cfg.precision, device)
@@ -111,7 +115,12 @@ def build_trainer(
             "a stream's" if layout.streamed else layout.epoch_steps[0],
             found.path,
         )
-    loggers, progress, mlflow = _loggers(spec, env, dest, found, state, layout.total_steps, device, dtype, strategy)
+    loggers, progress, mlflow = _loggers(
+        spec, env, dest, found, state, layout.total_steps, device, dtype, strategy, status_endpoint
+    )
+    if cleanup is not None and progress is not None and progress.status is not None:
+        # last, however training ends: the final update goes after the export (loggers close before it)
+        cleanup.callback(progress.status.close)
     bar = _bar(env, layout, state, loggers, cleanup)
     trainer = Trainer(
         spec=spec,
@@ -239,12 +248,19 @@ def _state(
     return state, {k: saved[k] for k in ("stream", "online") if k in saved}
 
 
-def _loggers(spec, env, dest: Output, found, state: TrainState, total_steps: int, device, dtype, strategy):
-    """Rank 0's metric loggers (history.jsonl, TensorBoard, progress.json, MLflow); none elsewhere."""
+def _loggers(
+    spec, env, dest: Output, found, state: TrainState, total_steps: int, device, dtype, strategy, status_endpoint=None
+):
+    """Rank 0's metric loggers (history.jsonl, TensorBoard, progress.json, MLflow); none elsewhere.
+    With a ``status_endpoint``, progress.json's records also go to the TrainJob's
+    ``status.trainerStatus`` (``trainer_status``)."""
     if not env.is_main:
         return Loggers([]), None, None
     resume_step = state.global_step if found else None
-    progress = ProgressLogger(dest.local, total_steps, spec.training.epochs, state.global_step)
+    status = None
+    if status_endpoint is not None:
+        status = trainer_status.StatusReporter(status_endpoint, spec.kubernetes.status_interval_s).start()
+    progress = ProgressLogger(dest.local, total_steps, spec.training.epochs, state.global_step, status)
     writers: list = [
         JSONLLogger(dest.local, resume_step, found.path / "history.jsonl" if found else None),
         TensorBoardLogger(dest.local, resume_step),

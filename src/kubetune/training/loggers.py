@@ -80,8 +80,11 @@ class ProgressLogger:
     tokens/s=5400 eta=1m32s``: key=value pairs, so ``parse_line`` reads it back from a pod's log
     (how a cluster job's progress reaches ``kubetune status``, with no extra RBAC)."""
 
-    def __init__(self, out: Path, total_steps: int, epochs: int, start_step: int):
+    def __init__(self, out: Path, total_steps: int, epochs: int, start_step: int, status=None):
+        """``status``: a ``trainer_status.StatusReporter`` that gets every record written here (the
+        TrainJob's ``status.trainerStatus``), from this one at the start to the final one; or None."""
         self.path = out / PROGRESS
+        self.status = status
         self.total, self.epochs = total_steps, epochs
         # rates over the last interval; the ETA from this session's steps (a resumed run's first
         # steps are not slowed by the earlier session's)
@@ -91,6 +94,8 @@ class ProgressLogger:
         previous = _read(self.path)
         if previous.get("last_eval"):
             self.record["last_eval"] = previous["last_eval"]
+        if self.status is not None:  # the start (a resumed run: where it resumes)
+            self.status.update(self.record)
 
     def log(self, kind: str, step: int, metrics: dict, context: dict) -> None:
         now = time.monotonic()
@@ -119,10 +124,12 @@ class ProgressLogger:
 
     def finish(self, phase: str, **extra) -> None:
         self.record.update(phase=phase, updated=time.time(), **extra)
-        self._write()
+        self._write(final=True)
 
-    def _write(self) -> None:
+    def _write(self, final: bool = False) -> None:
         artifacts.write_atomic(self.path, json.dumps(self.record, indent=1) + "\n")
+        if self.status is not None:
+            self.status.update(self.record, final=final)
 
     def close(self) -> None:
         pass

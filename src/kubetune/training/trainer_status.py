@@ -1,0 +1,366 @@
+"""Rank 0's progress in the TrainJob's own status: Kubeflow Trainer v2.3's TrainJobStatus (KEP-2779,
+feature gate ``TrainJobStatus``).
+
+With the gate on, the Trainer controller gives every trainer container three variables: the https
+URL of its status server for this TrainJob, the CA that signs that server's certificate and a
+projected service-account token (per-job audience, rotated hourly), both as file paths. Rank 0
+POSTs ``{"trainerStatus": {progressPercentage, estimatedRemainingSeconds, metrics: [{name, value}],
+lastUpdatedTime}}`` there; the controller applies it to ``status.trainerStatus``, where dashboards,
+the Kubeflow SDK and ``kubetune status`` read it.
+
+``trainer_status`` turns a progress record (what ``ProgressLogger`` writes to progress.json) into
+that object and ``progress_of`` reads one back; ``StatusReporter`` sends from a thread of its own,
+so a slow or failing server never holds a training step. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import math
+import ssl
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+log = logging.getLogger("kubetune.trainer_status")
+
+ENV_URL = "KUBEFLOW_TRAINER_SERVER_URL"
+ENV_CA = "KUBEFLOW_TRAINER_SERVER_CA_CERT"
+ENV_TOKEN = "KUBEFLOW_TRAINER_SERVER_TOKEN"
+MAX_METRICS = 256  # the CRD's maxItems
+MAX_CHARS = 64  # the CRD's maxLength of a metric's name and value
+REQUEST_TIMEOUT_S = 5.0  # upstream's own example client waits 5 s
+_INT32 = 2**31 - 1
+
+# Progress record key -> metric name, in the order sent (and read back by progress_of).
+_COUNTS = (("step", "step"), ("total_steps", "total_steps"), ("epoch", "epoch"), ("epochs", "epochs"))
+_RATES = (
+    ("loss", "loss"),
+    ("lr", "learning_rate"),
+    ("samples_per_s", "samples_per_second"),
+    ("tokens_per_s", "tokens_per_second"),
+)
+EVAL_STEP = "eval_step"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where rank 0 sends its status: the URL, and the files of the CA and of the (rotating) token."""
+
+    url: str
+    ca_file: str
+    token_file: str
+
+    @classmethod
+    def from_env(cls, environ) -> Endpoint | None:
+        """The endpoint the Trainer controller injected, or None unless all three variables are set."""
+        values = [environ.get(k, "").strip() for k in (ENV_URL, ENV_CA, ENV_TOKEN)]
+        return cls(*values) if all(values) else None
+
+
+# ---------------------------------------------------------------------------------- the request body
+
+
+def metric_value(value) -> str | None:
+    """``value`` as a metric value of 1 to 64 characters: a float as its shortest round-trip text
+    (``repr``: at most 24 characters, so a reader gets the very number back), anything else as
+    ``str`` cut to 64; None for None, a bool or an empty text."""
+    if value is None or isinstance(value, bool):
+        return None
+    text = repr(float(value)) if isinstance(value, float) else str(value)
+    return text[:MAX_CHARS] or None
+
+
+def _metrics(record: dict) -> list[dict]:
+    """The record's counts, rates and last evaluation as ``[{name, value}]``: at most 256, names
+    and values of 1 to 64 characters, each name once."""
+    pairs = [(name, record.get(key)) for key, name in (*_COUNTS, *_RATES)]
+    last_eval = record.get("last_eval") or {}
+    if last_eval:
+        pairs.append((EVAL_STEP, last_eval.get("step")))
+        # eval_loss first: what any task reports, kept if the 256 cut ever bites
+        names = sorted((k for k in last_eval if k != "step"), key=lambda k: k != "eval_loss")
+        pairs += [(k, last_eval[k]) for k in names]
+    out, seen = [], set()
+    for name, value in pairs:
+        name, text = str(name)[:MAX_CHARS], metric_value(value)
+        if name and text is not None and name not in seen:
+            seen.add(name)
+            out.append({"name": name, "value": text})
+    return out[:MAX_METRICS]
+
+
+def trainer_status(record: dict, now: datetime | None = None) -> dict:
+    """The ``trainerStatus`` of a progress record, valid for the v2.3.0 CRD: the percentage of
+    steps done (100 once the run succeeded; at most 99 before, while the export still runs), the
+    ETA in whole seconds, the metrics, and the time of this update."""
+    step, total = record.get("step"), record.get("total_steps")
+    out: dict = {}
+    if record.get("phase") == "succeeded":
+        out["progressPercentage"], out["estimatedRemainingSeconds"] = 100, 0
+    else:
+        if isinstance(step, int) and isinstance(total, int) and total > 0:
+            out["progressPercentage"] = max(0, min(99, step * 100 // total))
+        eta = record.get("eta_s")
+        if isinstance(eta, (int, float)) and math.isfinite(eta):
+            out["estimatedRemainingSeconds"] = max(0, min(_INT32, round(eta)))
+    metrics = _metrics(record)
+    if metrics:
+        out["metrics"] = metrics
+    out["lastUpdatedTime"] = (now or datetime.now(timezone.utc)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return out
+
+
+# ------------------------------------------------------------------------------------ reading it back
+
+
+def _number(text) -> float | None:
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _count(text) -> int | None:
+    value = _number(text)
+    return int(value) if value is not None and value == int(value) and 0 <= value < 2**63 else None
+
+
+def progress_of(status) -> dict | None:
+    """The progress record (as ``ProgressLogger`` writes it, plus ``percent`` and ``source``) of a
+    TrainJob's ``status.trainerStatus``, read field by field (any trainer may have written it);
+    None when there is none."""
+    if not isinstance(status, dict) or not status:
+        return None
+    percent = status.get("progressPercentage")
+    rec: dict = {"source": "trainerStatus"}
+    if type(percent) is int and 0 <= percent <= 100:
+        rec["percent"] = percent
+    rec["phase"] = "succeeded" if rec.get("percent") == 100 else "training"
+    values = {}
+    for m in (status.get("metrics") or [])[:MAX_METRICS]:
+        if isinstance(m, dict) and isinstance(m.get("name"), str):
+            values[m["name"][:MAX_CHARS]] = m.get("value")
+    for key, name in _COUNTS:
+        if _count(values.get(name)) is not None:
+            rec[key] = _count(values[name])
+    for key, name in _RATES:
+        if _number(values.get(name)) is not None:
+            rec[key] = _number(values[name])
+    if "step" in rec and "total_steps" not in rec:  # the progress line needs both
+        del rec["step"]
+    if "epoch" in rec and "epochs" not in rec:
+        del rec["epoch"]
+    eta = status.get("estimatedRemainingSeconds")
+    if type(eta) is int and 0 <= eta <= _INT32 and rec["phase"] != "succeeded":
+        rec["eta_s"] = float(eta)
+    evals = {k: _number(v) for k, v in values.items() if k.startswith("eval_") and k != EVAL_STEP}
+    evals = {k: v for k, v in evals.items() if v is not None}
+    eval_step = _count(values.get(EVAL_STEP))
+    if evals and eval_step is not None:
+        rec["last_eval"] = {"step": eval_step, **evals}
+        if rec["phase"] == "succeeded":
+            rec["metrics"] = evals
+    updated = status.get("lastUpdatedTime")
+    if isinstance(updated, str):
+        try:
+            rec["updated"] = datetime.fromisoformat(updated.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            pass
+    return rec
+
+
+# ----------------------------------------------------------------------------------------- the sender
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A redirect is an error: the bearer token goes to the status server and nowhere else."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None
+
+
+class StatusReporter:
+    """Sends rank 0's latest progress to the TrainJob status server from a daemon thread.
+
+    ``update`` only replaces the record to send (the latest wins: nothing queues up) and wakes the
+    thread; the thread sends at most one request per ``interval_s``, the first at once and the last
+    (``final``) without waiting for the interval. A failed send (an HTTP error, a timeout, TLS, no
+    token) is logged once per kind with its fix and retried on the next tick with the newest record.
+    The token file is read before every request (the kubelet rotates it); the CA is the one file
+    given (no system store, no proxy: the server is the controller's Service inside the cluster).
+    """
+
+    def __init__(self, endpoint: Endpoint, interval_s: float, timeout_s: float = REQUEST_TIMEOUT_S):
+        self.endpoint, self.interval_s, self.timeout_s = endpoint, interval_s, timeout_s
+        self._cond = threading.Condition()
+        self._record: dict | None = None
+        self._final = False  # the record is the last one: send it without waiting for the interval
+        self._closing = False
+        self._last_sent = -math.inf
+        self._reported: set[str] = set()  # the failure kinds already logged
+        self._failing = False
+        self._thread = threading.Thread(target=self._run, name="trainer-status", daemon=True)
+        self.sent = 0  # requests the server accepted
+
+    def start(self) -> StatusReporter:
+        log.info(
+            "trainer status: sending progress to %s at most every %g s (Kubeflow Trainer TrainJobStatus)",
+            self.endpoint.url,
+            self.interval_s,
+        )
+        self._thread.start()
+        return self
+
+    def update(self, record: dict, final: bool = False) -> None:
+        """Make ``record`` (a progress record) the next one to send; never blocks on the network."""
+        with self._cond:
+            self._record = dict(record)
+            self._final = self._final or final
+            self._cond.notify()
+
+    def close(self, wait_s: float = REQUEST_TIMEOUT_S) -> None:
+        """Send what is pending once more (however long since the last request), then stop; waits
+        at most ``wait_s`` for it, so a hanging server delays the end of a run by that much at most."""
+        with self._cond:
+            if self._closing:
+                return
+            self._closing = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(wait_s)
+            if self._thread.is_alive():
+                log.warning(
+                    "trainer status: the last update was not sent within %g s; the run goes on without it", wait_s
+                )
+
+    # ---- the thread ----
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    due = self._last_sent + self.interval_s
+                    if self._record is not None and (self._final or self._closing or time.monotonic() >= due):
+                        break
+                    if self._closing:
+                        return
+                    self._cond.wait(None if self._record is None else max(0.0, due - time.monotonic()))
+                record, final, closing = self._record, self._final, self._closing
+                self._record, self._final = None, False
+            ok = self._send(record)
+            with self._cond:
+                self._last_sent = time.monotonic()
+                if not ok and self._record is None and not closing:
+                    self._record, self._final = record, final  # the next tick tries again
+                if closing and self._record is None:
+                    return
+
+    def _send(self, record: dict) -> bool:
+        try:
+            token = Path(self.endpoint.token_file).read_text(encoding="utf-8").strip()
+        except OSError as e:
+            return self._failed("token", f"cannot read the token file {self.endpoint.token_file} ({e.strerror})")
+        if not token:
+            return self._failed("token", f"the token file {self.endpoint.token_file} is empty")
+        body = json.dumps({"trainerStatus": trainer_status(record)}).encode()
+        request = urllib.request.Request(
+            self.endpoint.url,
+            data=body,
+            method="POST",
+            headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+        )
+        try:  # read at every send too: the controller rotates its certificates
+            context = ssl.create_default_context(cafile=self.endpoint.ca_file)
+        except (OSError, ssl.SSLError) as e:
+            return self._failed("ca", f"cannot read the CA file {self.endpoint.ca_file} ({_reason(e)})")
+        try:
+            # urllib and ssl (the standard library, nothing to install in the image): a context that
+            # trusts only this CA file and checks the hostname; no proxy from the environment, and no
+            # redirect (requests would follow the environment's proxies and netrc unless told not to).
+            opener = urllib.request.build_opener(
+                urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=context), _NoRedirect()
+            )
+            with opener.open(request, timeout=self.timeout_s) as response:
+                response.read(1 << 16)
+        except urllib.error.HTTPError as e:
+            return self._http_failed(e)
+        except (ssl.SSLError, ssl.CertificateError) as e:
+            return self._failed("tls", f"TLS with {_host(self.endpoint.url)} failed ({_reason(e)})")
+        except (TimeoutError, OSError, http.client.HTTPException, ValueError) as e:
+            reason = getattr(e, "reason", e)
+            if isinstance(reason, ssl.SSLError):
+                return self._failed("tls", f"TLS with {_host(self.endpoint.url)} failed ({_reason(reason)})")
+            if isinstance(reason, TimeoutError) or "timed out" in str(reason):
+                return self._failed("timeout", f"{_host(self.endpoint.url)} did not answer within {self.timeout_s:g} s")
+            return self._failed("network", f"cannot reach {_host(self.endpoint.url)} ({_reason(reason)})")
+        except Exception as e:  # whatever it is, it must not end the thread, let alone training
+            return self._failed("error", f"sending to {_host(self.endpoint.url)} failed ({type(e).__name__})")
+        self.sent += 1
+        if self._failing:
+            self._failing = False
+            log.info("trainer status: %s accepts the updates again", _host(self.endpoint.url))
+        return True
+
+    def _http_failed(self, e: urllib.error.HTTPError) -> bool:
+        code = e.code
+        try:
+            message = json.loads(e.read(1 << 16) or b"{}").get("message") or ""
+        except (ValueError, AttributeError, OSError):
+            message = ""
+        said = f": {str(message)[:200]}" if message else ""
+        if code == 403:
+            return self._failed("403", f"the status server refused the token (HTTP 403{said})", _FIXES["403"])
+        if code == 404:
+            return self._failed("404", f"the status server does not know this TrainJob (HTTP 404{said})", _FIXES["404"])
+        if code in (400, 413, 422):
+            return self._failed(str(code), f"the status server rejected the update (HTTP {code}{said})", _FIXES["422"])
+        kind = "5xx" if code >= 500 else str(code)
+        return self._failed(kind, f"the status server answered HTTP {code}{said}", _FIXES["5xx"])
+
+    def _failed(self, kind: str, what: str, fix: str | None = None) -> bool:
+        self._failing = True
+        if kind not in self._reported:
+            self._reported.add(kind)
+            fix = fix or _FIXES.get(kind, _FIXES["5xx"])
+            log.warning(
+                "trainer status: %s — %s; training goes on, and the update is tried again every %g s "
+                "(this is said once)",
+                what,
+                fix,
+                self.interval_s,
+            )
+        return False
+
+
+_FIXES = {
+    "403": (
+        f"the token in {ENV_TOKEN} must be the projected token the Trainer controller mounts for this TrainJob; "
+        "check that the pod's token volume is the controller's and that the TrainJob was not recreated"
+    ),
+    "404": f"check that {ENV_URL} names this TrainJob and that it still exists",
+    "422": "this is a kubetune bug: report it with the message",
+    "5xx": "check the Trainer controller's logs (kubeflow-system/kubeflow-trainer-controller-manager)",
+    "timeout": "check the Trainer controller's logs and its Service (kubeflow-system, port 10443)",
+    "network": "check the Trainer controller's Service (kubeflow-system, port 10443) and any NetworkPolicy",
+    "ca": f"the Trainer controller mounts the CA that {ENV_CA} names: check the pod's volumes",
+    "error": "report it as a kubetune bug",
+    "tls": f"the server's certificate must be signed by the CA in {ENV_CA} (the controller's webhook CA)",
+    "token": f"the Trainer controller mounts the token that {ENV_TOKEN} names: check the pod's volumes",
+}
+
+
+def _host(url: str) -> str:
+    from urllib.parse import urlsplit
+
+    return urlsplit(url).netloc or url
+
+
+def _reason(e) -> str:
+    return (getattr(e, "reason", None) or getattr(e, "strerror", None) or str(e) or type(e).__name__)[:200]
