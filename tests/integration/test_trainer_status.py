@@ -6,11 +6,12 @@ no Trainer controller can run here), and `kubetune status` / `list` / the Python
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 
 import pytest
-from conftest import MINILM, kubetune, tiny_spec, write_spec
+from conftest import MINILM, kubetune, start_run, tiny_spec, write_spec
 from fakes.kube_api import FakeKubeAPI
 from fakes.objects import pod
 from fakes.trainer_status import TrainerStatusServer, status_errors
@@ -21,11 +22,11 @@ TRAINJOBS = ("trainer.kubeflow.org/v1alpha1", "trainjobs")
 INTERVAL = 1.0
 
 
-def _spec(small_csv, out, tmp_path):
+def _spec(small_csv, out, tmp_path, **training):
     raw = tiny_spec(
         small_csv,
         out,
-        training={"epochs": 2, "batch_size": 4, "log_every": 1, "eval_every": 6, "seed": 7},
+        training={"epochs": 2, "batch_size": 4, "log_every": 1, "eval_every": 6, "seed": 7, **training},
         kubernetes={"status_interval_s": INTERVAL},
     )
     raw["output"]["report_baseline"] = False
@@ -104,6 +105,29 @@ def test_a_failing_server_neither_fails_nor_stops_the_run(tmp_path, small_csv, r
     _no_token_anywhere(s.token, proc.stdout, proc.stderr, out=tmp_path / "out")
     # not a timing test (the machine is shared): the wall times, for the record
     print(f"wall: {wall:.1f} s against a failing server, {reported[4]:.1f} s against a working one")
+
+
+def test_after_a_sigterm_and_resume_the_percentages_continue(tmp_path, small_csv):
+    """Stopped by SIGTERM after its first updates (a checkpoint at the signal's step), then run again: the
+    server sees one sequence of percentages that never goes back, ending at 100."""
+    spec = _spec(small_csv, tmp_path / "out", tmp_path, max_steps=12)
+    with TrainerStatusServer(tmp_path / "server", namespace=NS, name="tiny") as server:
+        proc = start_run(spec, server.env())
+        deadline = time.time() + 180
+        while not any(0 < b["progressPercentage"] < 100 for b in server.bodies()):
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 143, err[-3000:]
+        stopped = len(server.bodies())
+        again = kubetune("run", str(spec), env=server.env())
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert "resumed from checkpoint step" in again.stderr
+        percents = [b["progressPercentage"] for b in server.bodies()]
+    print(f"percentages, stopped then resumed: {percents[:stopped]} | {percents[stopped:]}")
+    assert percents == sorted(percents) and percents[-1] == 100
+    assert 0 < percents[stopped] < 100  # the resumed run's first update continues where the stop left it
 
 
 # ---- reading it back ----
