@@ -142,6 +142,10 @@ def test_sigkill_after_a_checkpoint_then_rerun_is_bit_identical(data, reference,
     assert min(after) == done[-1] + 1 and {**before, **after} == _rows_per_step(ref_micro)
 
 
+# Slow: a stream's resume on another world size (neither repeated nor skipped rows) and the refusal of a
+# changed listing are tests/integration/test_stream.py's in one process; SIGTERM's checkpoint and exit 143
+# test_pod_exit_codes.py's; the bit-identical streamed resume the SIGKILL test's above.
+@pytest.mark.slow
 def test_sigterm_on_two_processes_resumes_on_one_without_repeating_or_skipping(data, reference, s3, tmp_path):  # noqa: F811
     out = tmp_path / "out"
     proc = start_run(

@@ -131,6 +131,9 @@ def test_a_failing_server_neither_fails_nor_stops_the_run(runs):
     # not a timing test: benchmarks/trainer_status.py measures the step time against bad servers
 
 
+# Slow: a resumed logger's first update continuing from its step, and a stop sent at once, are
+# tests/unit/test_trainer_status_pieces.py's; SIGTERM's checkpoint and resume are test_pod_exit_codes.py's.
+@pytest.mark.slow
 def test_after_a_sigterm_and_resume_the_percentages_continue(tmp_path, small_csv):
     """Stopped by SIGTERM after its first updates (a checkpoint at the signal's step), then run again: the
     server sees one sequence of percentages that never goes back, ending at 100."""
