@@ -68,14 +68,14 @@ def runs(tmp_path_factory, small_csv):
         # are the TrainJob tiny's, as the Trainer names them in the URL
         procs = [
             subprocess.Popen(
-                [sys.executable, "-m", "kubetune", "run", str(_spec(small_csv, tmp / out, tmp, name))],
+                [sys.executable, "-m", "kubetune", "run", str(_spec(small_csv, tmp / out, tmp, name, max_steps=steps))],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
                 cwd=ROOT,
                 env={**os.environ, **server.env()},
             )
-            for server, out, name in ((good, "out", "tiny"), (bad, "bad-out", "tiny-bad"))
+            for server, out, name, steps in ((good, "out", "tiny", 12), (bad, "bad-out", "tiny-bad", 6))
         ]
         done_procs = []
         for proc in procs:
