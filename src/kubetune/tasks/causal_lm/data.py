@@ -242,6 +242,21 @@ def ensure_chat_template(tokenizer) -> bool:
     return True
 
 
+def prepare_tokenizer(tokenizer, fmt: str, chat_template: str | None) -> str | None:
+    """The tokenizer of a task whose rows render as chat (``fmt`` "chat") or as they are: with
+    ``data.chat_template`` if given, else its own or the fallback; a pad token (padding is masked out, so
+    the EOS will do). Returns which template renders the rows (None for text), for the log and metrics."""
+    template = None
+    if fmt == "chat":
+        if chat_template:
+            tokenizer.chat_template, template = chat_template, "data.chat_template"
+        else:
+            template = "fallback" if ensure_chat_template(tokenizer) else "tokenizer"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return template
+
+
 def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans of its assistant turns.
 

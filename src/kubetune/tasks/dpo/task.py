@@ -42,7 +42,7 @@ from kubetune.paths import cache_root, set_default_modes
 from kubetune.providers import S3Settings
 from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task, on_node_first, rank_batches
 from kubetune.tasks.causal_lm import task as causal_lm
-from kubetune.tasks.causal_lm.data import IGNORE, ensure_chat_template
+from kubetune.tasks.causal_lm.data import IGNORE, prepare_tokenizer
 from kubetune.tasks.dpo import DPOSpec
 from kubetune.tasks.dpo.data import Collate, PairBatch, encode_pairs, load_pair_frames, shard_normalizer
 
@@ -61,14 +61,7 @@ METRICS = ("reward_accuracy", "reward_chosen", "reward_rejected", "reward_margin
 
 def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
     frames = on_node_first(env, lambda: load_pair_frames(spec.data, spec.training.seed, S3Settings.from_spec(spec)))
-    template = None
-    if frames.format == "chat":
-        if spec.data.chat_template:
-            tokenizer.chat_template, template = spec.data.chat_template, "data.chat_template"
-        else:
-            template = "fallback" if ensure_chat_template(tokenizer) else "tokenizer"
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token  # padding is masked out; any id will do
+    template = prepare_tokenizer(tokenizer, frames.format, spec.data.chat_template)
     max_length = spec.data.max_length
 
     encode = functools.partial(encode_pairs, tokenizer=tokenizer, max_length=max_length)

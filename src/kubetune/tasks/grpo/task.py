@@ -31,7 +31,7 @@ from kubetune.errors import AgreedError, KubetuneError
 from kubetune.providers import S3Settings
 from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task, on_node_first
 from kubetune.tasks.causal_lm import task as causal_lm
-from kubetune.tasks.causal_lm.data import IGNORE, ensure_chat_template
+from kubetune.tasks.causal_lm.data import IGNORE, prepare_tokenizer
 from kubetune.tasks.dpo import task as dpo
 from kubetune.tasks.grpo import loss as grpo_loss
 from kubetune.tasks.grpo import rewards as reward_fns
@@ -52,14 +52,7 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
         )
     scorers = reward_fns.scorers(g.rewards)  # a user's module is imported now, not at the first step
     frames = on_node_first(env, lambda: load_prompt_frames(spec.data, spec.training.seed, S3Settings.from_spec(spec)))
-    template = None
-    if frames.format == "chat":
-        if spec.data.chat_template:
-            tokenizer.chat_template, template = spec.data.chat_template, "data.chat_template"
-        else:
-            template = "fallback" if ensure_chat_template(tokenizer) else "tokenizer"
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token  # padding is masked out; any id will do
+    template = prepare_tokenizer(tokenizer, frames.format, spec.data.chat_template)
     encode = functools.partial(encode_prompts, tokenizer=tokenizer, max_length=spec.data.max_length)
     fingerprint = f"grpo:{spec.data.max_length}:{tokenizer_fingerprint(tokenizer)}"
     train_ds, hit, train_key = tokenized_rows(
