@@ -215,3 +215,65 @@ def test_a_pool_of_worker_processes_tokenizes_as_one_process_does(tmp_path, monk
     assert not hit and pooled["input_ids"] == one["input_ids"] and pooled["labels"] == one["labels"]
     parts = json.loads((tmp_path / "cache" / "tokenized" / key / "parts.json").read_text())["parts"]
     assert len(parts) == 8 and parts == sorted(parts)  # 2 workers x 4 pieces, in row order
+
+
+def _rss_file_mib() -> float:
+    for line in open("/proc/self/status"):
+        if line.startswith("RssFile:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no RssFile in /proc/self/status")
+
+
+def test_arrow_file_reads_rows_and_columns_as_the_dataset_does_and_lets_them_go(tmp_path):
+    """``ArrowFile`` (tokenization's and ``column``'s reader) gives the rows ``Dataset[ids]`` gives, in
+    any id order and across record batches, and a column equal to the dataset's; what it read does not
+    stay in this process's resident memory (through the dataset's own map it did: growth with the data)."""
+    import datasets
+    import pyarrow as pa
+
+    n, text = 40_000, "x" * 1500  # 60 MB of rows, in 40 record batches
+    path = tmp_path / "rows.arrow"
+    schema = pa.schema(
+        [("text", pa.string()), ("length", pa.int64()), ("turns", pa.list_(pa.struct([("role", pa.string())])))]
+    )
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        for lo in range(0, n, 1000):
+            ids = range(lo, lo + 1000)
+            writer.write_table(
+                pa.table(
+                    {
+                        "text": [f"{i}{text}" for i in ids],
+                        "length": [i % 700 for i in ids],
+                        "turns": [[{"role": "user"}] * (i % 3) for i in ids],
+                    },
+                    schema=schema,
+                )
+            )
+    before = _rss_file_mib()
+    with rows_mod.ArrowFile(str(path)) as arrow:
+        for k, lo in enumerate(range(0, n, 1000)):
+            arrow.take(np.arange(lo, lo + 1000))
+            if k % 4 == 3:
+                arrow.release()
+        held = _rss_file_mib() - before
+    control = datasets.Dataset.from_file(str(path))
+    through_map = control[:]["text"]  # the dataset's map: every page read stays while the dataset lives
+    kept = _rss_file_mib() - before
+    assert len(through_map) == n
+    assert held < 16, f"{held:.0f} MiB of the rows stayed resident"
+    assert kept > 40, f"the control read kept only {kept:.0f} MiB: the measure cannot tell"
+
+    ds = datasets.Dataset.from_file(str(path))
+    rng = np.random.default_rng(0)
+    with rows_mod.ArrowFile(str(path)) as arrow:
+        for ids in (
+            np.arange(999, 2001),
+            np.sort(rng.choice(n, 800, replace=False)),
+            rng.choice(n, 800, replace=False),
+        ):
+            assert arrow.take(ids).to_pydict() == ds[ids.tolist()]
+    lengths = rows_mod.column(ds, "length")
+    assert lengths.dtype == np.int32 and np.array_equal(lengths, np.arange(n) % 700)
+    picked = np.sort(rng.choice(n, 5000, replace=False))
+    assert np.array_equal(rows_mod.column(ds.select(picked), "length"), picked % 700)  # a selection's rows
+    assert np.array_equal(rows_mod.column(ds.select(range(10, 20)), "length"), np.arange(10, 20) % 700)

@@ -119,3 +119,34 @@ def test_token_budget_micro_batches_hold_every_example_once_within_the_budget(n,
             assert sorted(np.concatenate([m for st in steps for m in st.micro]).tolist()) == sorted(
                 plans[0][k].indices.tolist()
             )
+
+
+def _order_as_before(n, epoch, seed, lengths=None, batch_size=1):
+    """epoch_order as it was built until issue 32's memory work (a list per window and per unit, int64):
+    the run-to-run contract is that the same seed gives the same order, so the lean version must draw it."""
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(n)
+    if lengths is None:
+        return order
+    window = 64 * batch_size
+    chunks = [
+        order[s : s + window][np.argsort(-lengths[order[s : s + window]], kind="stable")] for s in range(0, n, window)
+    ]
+    grouped = np.concatenate(chunks) if chunks else order
+    full = n // batch_size
+    units = [grouped[b * batch_size : (b + 1) * batch_size] for b in rng.permutation(full)]
+    if n % batch_size:
+        units.append(grouped[full * batch_size :])
+    return np.concatenate(units) if units else grouped
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 64, 100, 4097, 20011])
+@pytest.mark.parametrize("batch", [1, 3, 16, 48])
+def test_order_is_the_order_drawn_before_in_int32(n, batch):
+    lengths = np.random.default_rng(n).integers(1, 300, size=n)
+    for grouped in (None, lengths):
+        old, new = _order_as_before(n, 2, 7, grouped, batch), epoch_order(n, 2, 7, grouped, batch)
+        assert np.array_equal(old, new)
+        assert new.dtype == np.int32  # 4 bytes per row, held for the epoch
+    step = rank_plan(epoch_order(n, 0, 1), rank=0, world_size=1, batch_size=4, grad_accum=1)[0] if n else None
+    assert step is None or (step.indices.dtype == np.int64 and all(m.dtype == np.int64 for m in step.micro))

@@ -77,30 +77,55 @@ class _Repeated(Sequence):
         return self.n
 
 
+def index_dtype(n: int) -> np.dtype:
+    """The dtype for row ids below ``n``: int32 while they fit (half the memory of int64 for every
+    per-row array a large dataset's run holds), else int64."""
+    return np.dtype(np.int32) if n < 2**31 else np.dtype(np.int64)
+
+
 def epoch_order(n: int, epoch: int, seed: int, lengths: np.ndarray | None = None, batch_size: int = 1) -> np.ndarray:
-    """The global example order of one epoch: a seeded permutation.
+    """The global example order of one epoch: a seeded permutation (int32 while ``n`` fits).
 
     With ``lengths``, examples are grouped by length inside windows of 64 units of ``batch_size``
     (pass the global micro-batch, ``world_size × batch_size``): sorted within a window, then whole
     units shuffled, so batches carry little padding and all ranks get similar lengths in a step.
+
+    Memory: at most two arrays of ``n`` ids at once. The version before this one held five (a list of
+    window chunks, a list of one array per unit, their concatenations), about 47 bytes per row at
+    its peak: +377 MiB for 8.5 million rows. The order drawn is the same, value for value
+    (tests/unit/test_sharding.py keeps the old construction to compare).
     """
     rng = np.random.default_rng([seed, epoch])
-    order = rng.permutation(n)
+    # Generator.permutation(n) is arange(n) shuffled in place; shuffling an int32 arange draws the same
+    # swaps (the draws do not depend on the dtype), without the int64 array.
+    order = np.arange(n, dtype=index_dtype(n))
+    rng.shuffle(order)
     if lengths is None:
         return order
-    window = 64 * batch_size
-    chunks = []
-    for start in range(0, n, window):
-        chunk = order[start : start + window]
-        chunks.append(chunk[np.argsort(-lengths[chunk], kind="stable")])
-    grouped = np.concatenate(chunks) if chunks else order
+    grouped = _sorted_windows(order, lengths, 64 * batch_size)
+    del order  # (the last reference: at most two arrays of n ids exist at once)
     # Shuffle whole units so long and short batches interleave; a partial unit stays last so that
     # every other unit keeps one length group.
     full = n // batch_size
-    units = [grouped[b * batch_size : (b + 1) * batch_size] for b in rng.permutation(full)]
-    if n % batch_size:
-        units.append(grouped[full * batch_size :])
-    return np.concatenate(units) if units else grouped
+    out = np.empty_like(grouped)
+    np.take(
+        grouped[: full * batch_size].reshape(full, batch_size),
+        rng.permutation(full),
+        axis=0,
+        out=out[: full * batch_size].reshape(full, batch_size),
+        mode="clip",  # the ids are in range; "raise" (the default) copies through a buffer the size of ``out``
+    )
+    out[full * batch_size :] = grouped[full * batch_size :]
+    return out
+
+
+def _sorted_windows(order: np.ndarray, lengths: np.ndarray, window: int) -> np.ndarray:
+    """``order`` sorted by descending length within each window of ``window`` ids (stable)."""
+    grouped = np.empty_like(order)
+    for start in range(0, len(order), window):
+        chunk = order[start : start + window]
+        grouped[start : start + window] = chunk[np.argsort(-lengths[chunk], kind="stable")]
+    return grouped
 
 
 def rank_plan(order: np.ndarray, *, rank: int, world_size: int, batch_size: int, grad_accum: int) -> RankPlan:
@@ -127,7 +152,9 @@ class RankPlan(Sequence):
         if not -len(self) <= k < len(self):
             raise IndexError(k)
         start = (k % len(self)) * self.global_batch
-        chunk = self.order[start : start + self.global_batch]
+        chunk = self.order[start : start + self.global_batch].astype(
+            np.int64
+        )  # a step's ids as int64, whatever the order's
         # Deal micro-batch by micro-batch so a full step gives every rank exactly batch_size per micro,
         # and round-robin inside a piece: length grouping sorts a piece, so contiguous halves would
         # hand rank 0 the longest examples of every step and make the other ranks wait for it.
@@ -140,11 +167,13 @@ def token_micro_batches(order: np.ndarray, lengths: np.ndarray, budget: int) -> 
     """``order`` cut into consecutive micro-batches of whole examples holding at most ``budget`` tokens
     each (an example longer than the budget goes alone)."""
     micros, start, total = [], 0, 0
-    for i, n in enumerate(lengths[order].tolist()):
-        if total + n > budget and i > start:
-            micros.append(order[start:i])
-            start, total = i, 0
-        total += n
+    # A million lengths at a time as Python ints: the whole epoch's as one list cost 36 bytes per row.
+    for lo in range(0, len(order), 1 << 20):
+        for i, n in enumerate(lengths[order[lo : lo + (1 << 20)]].tolist(), start=lo):
+            if total + n > budget and i > start:
+                micros.append(order[start:i])
+                start, total = i, 0
+            total += n
     if start < len(order):
         micros.append(order[start:])
     return micros

@@ -15,7 +15,7 @@ import torch
 
 from kubetune.data import Batch
 from kubetune.data.columns import NonText, check_table, is_nested
-from kubetune.data.rows import Rows, RowSplit, read_split
+from kubetune.data.rows import ArrowFile, Rows, RowSplit, read_split
 from kubetune.data.splits import split_indices
 from kubetune.data.tables import short
 from kubetune.errors import KubetuneError
@@ -44,7 +44,7 @@ def load_frames(spec: ClassificationData, seed: int, s3: S3Settings = S3Settings
     settings = json.dumps(["classify", spec.text_column, spec.text_pair_column, spec.label_column, spec.max_classes])
 
     def carve(train: Rows, n_eval: int):
-        ids = label_ids(train.ds, train.facts["labels"])
+        ids = label_ids(train, train.facts["labels"])
         counts = np.bincount(ids)
         counts = counts[counts > 0]
         # Stratify when every class can be split and each side can hold every class (a class with a single
@@ -72,12 +72,20 @@ def load_frames(spec: ClassificationData, seed: int, s3: S3Settings = S3Settings
     return split
 
 
-def label_ids(ds, labels: list[str]) -> np.ndarray:
-    """The class id of every normalized row of ``ds`` (Arrow, in flat memory)."""
+def label_ids(rows: Rows, labels: list[str]) -> np.ndarray:
+    """The class id of every normalized row (int32), read a record batch at a time through ``ArrowFile``
+    (through the dataset's own map, the label column's pages stayed resident: memory growing with the data)."""
     import pyarrow.compute as pc
 
-    keys = ds.data.column(LABEL_KEY)
-    return pc.index_in(keys, value_set=pa.array(labels, pa.string())).to_numpy(zero_copy_only=False).astype(np.int64)
+    value_set = pa.array(labels, pa.string())
+    with ArrowFile(rows.path) as arrow:
+        out = np.empty(arrow.rows, dtype=np.int32)
+        pos = 0
+        for chunk in arrow.table.column(LABEL_KEY).chunks:
+            out[pos : pos + len(chunk)] = pc.index_in(chunk, value_set=value_set).to_numpy(zero_copy_only=False)
+            pos += len(chunk)
+            arrow.release()
+    return out
 
 
 class _Normalizer:
