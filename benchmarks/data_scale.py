@@ -31,7 +31,8 @@ For each input, in turn:
   pinned to one CPU (its tokenization then has no pool), for what every core gains over one.
 
 Measured for every process of a run's process tree, polled every 0.2 s from /proc: the peak
-resident memory (``VmHWM``; for kubetune the largest worker's and the launcher's). Times, from the
+resident memory (``VmHWM``; for kubetune the largest worker's, the launcher's, and the largest
+tokenization pool process's where a worker has a pool). Times, from the
 moment the process is started: "data ready" is kubetune's ``data:`` log line (rank 0 has read,
 split and tokenized its data, or loaded the other ranks' cache) and the datasets process's end of
 ``map``; "first step" is kubetune's ``progress: step=1/1`` line, which rank 0 logs after the
@@ -287,6 +288,7 @@ class Run:
     worker_peak_mib: float | None = None  # the largest worker's VmHWM (the datasets process itself)
     launcher_peak_mib: float | None = None  # kubetune's launcher (`kubetune run`, which reads the data too)
     worker_anon_mib: float | None = None  # the largest worker's sampled RssAnon (memory-mapped files left out)
+    pool_peak_mib: float | None = None  # the largest tokenization pool process's VmHWM (a worker's children)
     data_ready_s: float | None = None
     first_step_s: float | None = None  # datasets: its data ready (it has no step)
     total_s: float | None = None
@@ -411,6 +413,8 @@ def run_kubetune(inp: Input, procs: int, work: Path, timeout: float, limit_mib: 
     run.worker_peak_mib = max(workers) if workers else None
     anon = w.peaks_mib("kubetune.worker", anon=True)
     run.worker_anon_mib = max(anon) if anon else None
+    pool = w.peaks_mib("multiprocessing")  # a worker's tokenization pool (spawned: python -c "from multiprocessing...")
+    run.pool_peak_mib = max(pool) if pool else None
     run.launcher_peak_mib = w.peak_kib.get(w.root, 0) / 1024 or None
     run.data_ready_s, run.first_step_s = got["seen"].get("data"), got["seen"].get("step")
     metrics = out / "metrics.json"
@@ -487,15 +491,16 @@ def markdown(runs: list[Run], meta: dict) -> str:
         "`python benchmarks/data_scale.py " + " ".join(meta["argv"]) + "`",
         "",
         "| input | tool | processes | peak RSS per process (MiB) | of it anonymous (MiB) | launcher peak RSS (MiB) "
-        "| data ready (s) | time to first step (s) | total (s) | CPU s: the run / other processes | status |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| tokenization pool peak RSS (MiB) | data ready (s) | time to first step (s) | total (s) "
+        "| CPU s: the run / other processes | status |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in runs:
         lines.append(
             f"| {r.fmt}, {r.bytes / MIB:,.1f} MiB, {r.rows:,} rows | {r.tool} "
             f"| {r.procs}{' (1 core)' if r.one_core else ''} "
             f"| {_fmt(r.worker_peak_mib)} "
-            f"| {_fmt(r.worker_anon_mib)} | {_fmt(r.launcher_peak_mib)} "
+            f"| {_fmt(r.worker_anon_mib)} | {_fmt(r.launcher_peak_mib)} | {_fmt(r.pool_peak_mib)} "
             f"| {_fmt(r.data_ready_s, 1)} | {_fmt(r.first_step_s, 1)} "
             f"| {_fmt(r.total_s, 1)} | {_fmt(r.cpu_s)} / {_fmt(r.other_cpu_s)} | {r.status} |"
         )
@@ -531,6 +536,8 @@ def ratios(runs: list[Run]) -> list[str]:
                 goal = "met" if grow <= 300 else "not met"
                 if small.worker_anon_mib and large.worker_anon_mib:  # VmHWM counts mapped Arrow pages (page cache)
                     launcher = f", anonymous {large.worker_anon_mib - small.worker_anon_mib:+,.0f} MiB" + launcher
+                if large.pool_peak_mib:  # 1 process: its pool's processes tokenize (the small input may have none)
+                    launcher += f", tokenization pool process peak {large.pool_peak_mib:,.0f} MiB"
                 out.append(
                     f"- {key[0]}, {key[1]}, {key[2]} process(es){' on 1 core' if key[3] else ''}: {grow:+,.0f} MiB "
                     f"per process ({goal}){launcher}"
