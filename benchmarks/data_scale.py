@@ -620,6 +620,11 @@ def main() -> None:
     ap.add_argument("--formats", default="chat,csv", help="chat (causal-LM, JSONL) and/or csv (classification)")
     ap.add_argument("--procs", default="1,2", help="kubetune's processes per run, comma-separated")
     ap.add_argument(
+        "--no-datasets",
+        action="store_true",
+        help="kubetune's runs only (memory at a size whose datasets baseline another run measured)",
+    )
+    ap.add_argument(
         "--one-core",
         action="store_true",
         help="also run kubetune with 1 process pinned to one CPU: what every core gains over one (1 process "
@@ -664,7 +669,8 @@ def main() -> None:
         for mb in sizes:
             for fmt in formats:
                 inp = make_input(fmt, mb, data_dir)
-                jobs = [("datasets", 1, False)] + [("kubetune", n, False) for n in procs]
+                jobs = [] if args.no_datasets else [("datasets", 1, False)]
+                jobs += [("kubetune", n, False) for n in procs]
                 jobs += [("kubetune", 1, True)] if args.one_core else []
                 for tool, n, one_core in jobs:
                     # every run gets empty caches and an empty output, removed after it (they grow with the input)

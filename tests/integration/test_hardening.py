@@ -15,16 +15,14 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, kubetune
+from conftest import ROOT, kubetune, kubetune_together
 
 pytestmark = pytest.mark.integration
 EXAMPLE = ROOT / "examples" / "causal-tiny-chat.yaml"
 
 
-def _run(
-    out: Path, *extra: str, env: dict | None = None, steps: int = 2, procs: int = 1
-) -> subprocess.CompletedProcess:
-    return kubetune(
+def _args(out: Path, *extra: str, steps: int = 2, procs: int = 1) -> tuple[str, ...]:
+    return (
         "run",
         str(EXAMPLE),
         "--set",
@@ -36,8 +34,13 @@ def _run(
         "--set",
         "data.max_train_samples=200",
         *extra,
-        env=env,
     )
+
+
+def _run(
+    out: Path, *extra: str, env: dict | None = None, steps: int = 2, procs: int = 1
+) -> subprocess.CompletedProcess:
+    return kubetune(*_args(out, *extra, steps=steps, procs=procs), env=env)
 
 
 def _errors(proc: subprocess.CompletedProcess) -> list[str]:
@@ -102,16 +105,20 @@ def test_rerun_into_a_finished_output_is_refused_a_full_disk_keeps_it_and_overwr
     (out / "notes.txt").write_text("the user's")
     weights = (out / "model" / "model.safetensors").stat().st_mtime_ns
     # The same job again (a pod restarted after its run had finished, or a second `make`): nothing to do.
-    for extra in ([], ["--no-preflight"]):
-        same = _run(out, "--set", "lora=null", *extra)
+    # Another job into the finished output: refused before the workers start, and by the worker itself.
+    # The four at once: none of them may write into the finished output (its weights' mtime is checked below).
+    same_job = ("--set", "lora=null")
+    other_job = ("--set", "lora=null", "--set", "training.learning_rate=0.01")
+    *sames, again_pre, again_worker = kubetune_together(
+        *[(_args(out, *job, *extra), None) for job in (same_job, other_job) for extra in ((), ("--no-preflight",))]
+    )
+    for same in sames:
         assert same.returncode == 0, same.stderr[-2000:]
         assert (
             f"{out} already holds this job's finished run: nothing to train (pass --overwrite to train it again)"
             in same.stderr
         )
-    # Another job into the finished output: refused before the workers start, and by the worker itself.
-    for extra in ([], ["--no-preflight"]):
-        again = _run(out, "--set", "lora=null", "--set", "training.learning_rate=0.01", *extra)
+    for again in (again_pre, again_worker):
         assert again.returncode == 2, again.stderr[-2000:]
         assert (
             f"output.uri: {out} holds a finished run (metrics.json, model/) — pick a new output.uri, or pass --overwrite"

@@ -273,6 +273,10 @@ def test_the_eval_split_is_scikit_learns_train_test_split_draw_for_draw():
                         got = split_indices(labels, n_test, seed, stratify)
                         assert [a.tolist() for a in got] == [a.tolist() for a in want], (n, n_test, seed, stratify)
                         cases += 1
+                        if stratify:  # labels counted by bincount (int32 class ids with gaps) or by np.unique (text)
+                            for other in (labels.astype(np.int32) * 3 + 2, np.array([f"c{x}" for x in labels])):
+                                got = split_indices(other, n_test, seed, stratify)
+                                assert [a.tolist() for a in got] == [a.tolist() for a in want], (n, n_test, seed)
     assert cases > 150
 
 

@@ -30,21 +30,36 @@ def split_indices(labels: np.ndarray, n_test: int, seed: int, stratify: bool) ->
     """
     rng = np.random.RandomState(seed)
     n_train = len(labels) - n_test
+    ids = index_dtype(len(labels))  # row ids as int32 while they fit: this runs on millions of rows
     if not stratify:
-        permutation = rng.permutation(len(labels))
+        permutation = np.arange(len(labels), dtype=ids)
+        rng.shuffle(permutation)  # RandomState.permutation(n): an arange shuffled, the same draws in int32
         return permutation[n_test:], permutation[:n_test]
-    _, inverse, class_counts = np.unique(labels, return_inverse=True, return_counts=True)
-    class_rows = np.split(np.argsort(inverse.reshape(-1), kind="stable"), np.cumsum(class_counts)[:-1])
+    values, class_counts = _classes(labels)
     n_i = _approximate_mode(class_counts, n_train, rng)
     t_i = _approximate_mode(class_counts - n_i, n_test, rng)
     train, test = [], []
-    for i, rows in enumerate(class_rows):
+    for i, value in enumerate(values):
+        # the class's rows in file order: what scikit-learn's stable argsort of the class ids gives, one
+        # class at a time (the argsort of every row, and np.unique's inverse, were 16 bytes per row at once)
+        rows = np.flatnonzero(labels == value).astype(ids)
         shuffled = rows.take(rng.permutation(class_counts[i]))
         train.append(shuffled[: n_i[i]])
         test.append(shuffled[n_i[i] : n_i[i] + t_i[i]])
     # Arrays joined, not Python lists of NumPy scalars (about 40 bytes per row: 640 MiB for 16 million
     # rows); permuting the array draws what permuting the list drew.
-    return rng.permutation(np.concatenate(train)), rng.permutation(np.concatenate(test))
+    train, test = np.concatenate(train), np.concatenate(test)
+    return rng.permutation(train), rng.permutation(test)
+
+
+def _classes(labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the distinct labels, sorted; how many rows each has): ``np.unique(labels, return_counts=True)``,
+    counted with ``bincount`` when the labels are small non-negative integers (class ids: no sorted copy)."""
+    if labels.dtype.kind in "iu" and len(labels) and labels.min() >= 0 and labels.max() < 1 << 20:
+        counts = np.bincount(labels)
+        values = np.flatnonzero(counts)
+        return values, counts[values]
+    return np.unique(labels, return_counts=True)
 
 
 def _approximate_mode(class_counts: np.ndarray, n_draws: int, rng: np.random.RandomState) -> np.ndarray:

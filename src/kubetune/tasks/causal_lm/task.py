@@ -72,7 +72,7 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
     # Rows whose response lies wholly beyond data.max_length teach nothing: drop them (counted).
     train_ds = _with_targets(train_ds, dropped, "train_truncated", spec.data.max_length)
     eval_ds = _with_targets(eval_ds, dropped, "eval_truncated", spec.data.max_length)
-    units = column(train_ds, "n_targets").astype(np.int64)
+    units = column(train_ds, "n_targets")  # int32: 4 bytes per row (its sums are int64)
     lengths = column(train_ds, "length")
     info = {
         "data_format": frames.format,
