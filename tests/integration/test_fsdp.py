@@ -5,6 +5,7 @@ number of processes with every example trained at the same global step."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import shutil
@@ -92,10 +93,13 @@ def _steps(trace: Path) -> dict[int, set[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, killed):
     """Uninterrupted 2-process runs, FSDP and DDP, run at the same time (checkpoints at 5 and 10 only:
-    that a finished run clears them is asserted, and writing them changes no weight)."""
+    that a finished run clears them is asserted, and writing them changes no weight). The SIGKILLed
+    FSDP run the resume tests start from runs beside them: each run leaves a core idle while it starts,
+    and the kill waits for that run's own checkpoint, whatever the others do."""
     tmp = tmp_path_factory.mktemp("ref")
+    killed.start("fsdp")
     return _run_together(tmp, {s: _spec(tmp / s / "out", s, checkpoint_every=5) for s in ("fsdp", "ddp")})
 
 
@@ -168,14 +172,25 @@ def killed(tmp_path_factory):
         assert 4 <= max(steps) < 10
         return out, trace, max(steps)
 
-    made: dict = {}
+    return _Killed(kill)
 
-    def get(strategy: str) -> tuple[Path, Path, int]:
-        if strategy not in made:
-            made[strategy] = kill(strategy)
-        return made[strategy]
 
-    return get
+class _Killed:
+    """strategy -> its killed run, made once: ``start`` begins it in the background, a call waits for it
+    (and raises what its making raised)."""
+
+    def __init__(self, kill):
+        self.kill, self.made = kill, {}
+
+    def start(self, strategy: str) -> None:
+        if strategy not in self.made:
+            pool = concurrent.futures.ThreadPoolExecutor(1)
+            self.made[strategy] = pool.submit(self.kill, strategy)
+            pool.shutdown(wait=False)
+
+    def __call__(self, strategy: str) -> tuple[Path, Path, int]:
+        self.start(strategy)
+        return self.made[strategy].result()
 
 
 def _copy(killed_run: tuple[Path, Path, int], tmp: Path) -> Path:
