@@ -200,31 +200,27 @@ def column(ds, name: str) -> np.ndarray:
     them, then leave this process's resident memory (a 2 GB chat set's lengths and targets read through
     the dataset's map kept about 140 MiB per million rows resident)."""
     files = [f["filename"] for f in getattr(ds, "cache_files", [])]
-    table_rows = sum(_stream_rows(f) for f in files) if files else -1
-    if table_rows != getattr(ds.data, "num_rows", -2):  # in memory, or not simply its files: the dataset's own way
-        return _compact(np.asarray(ds.with_format("arrow")[name].to_numpy()))
-    parts = []
-    for f in files:
+    parts, rows = [], 0
+    for f in files:  # each file opened once: its row count and its column
         with ArrowFile(f) as arrow:
             parts.append(arrow.column(name))
+            rows += arrow.rows
+    if not files or rows != ds.data.num_rows:  # in memory, or not simply its files: the dataset's own way
+        values = np.asarray(ds.with_format("arrow")[name].to_numpy())
+        return values.astype(_narrow(values.dtype, values.min(), values.max())) if len(values) else values
     values = parts[0] if len(parts) == 1 else np.concatenate(parts)
     indices = getattr(ds, "_indices", None)  # a selection (``ds.select``): its row ids into the files
     if indices is not None:
-        values = values[_compact(indices.column(0).to_numpy())]
+        values = values[indices.column(0).to_numpy()]
     return values
 
 
-def _compact(values: np.ndarray) -> np.ndarray:
-    """Integers as int32 when every value fits (half the memory of a per-row int64 array)."""
-    if values.dtype.kind in "iu" and values.dtype.itemsize > 4 and len(values):
-        if np.iinfo(np.int32).min <= values.min() and values.max() <= np.iinfo(np.int32).max:
-            return values.astype(np.int32)
-    return values
-
-
-def _stream_rows(path: str) -> int:
-    with ArrowFile(path) as arrow:
-        return arrow.rows
+def _narrow(dtype: np.dtype, low, high) -> np.dtype:
+    """int32 for integers whose values ``low``..``high`` fit it (half the memory of a per-row int64
+    array), else ``dtype``."""
+    if dtype.kind in "iu" and dtype.itemsize > 4 and np.iinfo(np.int32).min <= low and high <= np.iinfo(np.int32).max:
+        return np.dtype(np.int32)
+    return dtype
 
 
 class ArrowFile:
@@ -254,10 +250,12 @@ class ArrowFile:
         batches = self.table.to_batches()
         which = np.searchsorted(self._starts, ids, side="right") - 1
         by_batch = np.argsort(which, kind="stable")
+        grouped, batch_of = ids[by_batch], which[by_batch]  # the ids in file order, and each one's batch
+        bounds = np.flatnonzero(np.diff(batch_of)) + 1
+        firsts = batch_of[np.r_[0, bounds]] if len(ids) else []
         pieces, since = [], 0
-        for b in np.unique(which):
-            picked = ids[by_batch][which[by_batch] == b] - self._starts[b]
-            pieces.append(batches[b].take(pa.array(picked)))  # a copy: the map's pages can go
+        for b, picked in zip(firsts, np.split(grouped, bounds)):
+            pieces.append(batches[b].take(pa.array(picked - self._starts[b])))  # a copy: the map's pages can go
             since += len(picked)
             # Every row read maps about 64 KiB around it (the kernel's fault-around): 1,000 ids spread
             # over the file (an evaluation split) mapped 200 MiB at once before this release.
@@ -276,10 +274,8 @@ class ArrowFile:
 
         col = self.table.column(name)
         dtype = np.dtype(col.type.to_pandas_dtype())
-        if dtype.kind in "iu" and dtype.itemsize > 4 and len(col):
-            low, high = pc.min_max(col).values()
-            if np.iinfo(np.int32).min <= low.as_py() and high.as_py() <= np.iinfo(np.int32).max:
-                dtype = np.dtype(np.int32)
+        if len(col):
+            dtype = _narrow(dtype, *(v.as_py() for v in pc.min_max(col).values()))
         out = np.empty(len(col), dtype=dtype)
         pos = released = 0
         for chunk in col.chunks:
@@ -488,7 +484,7 @@ def _tokenize_part(rows_path: str, ids: np.ndarray, encode, part: Path, progress
                 schema, sink = table.schema, pa.OSFile(str(tmp), "wb")
                 writer = pa.ipc.new_stream(sink, schema)
             pending.append(table.cast(schema) if table.schema != schema else table)
-            if sum(len(t) for t in pending) >= PART_BATCH_ROWS:
+            if len(pending) * TOKENIZE_BATCH >= PART_BATCH_ROWS:  # every piece but a share's last is full
                 flush()
             if progress is not None:
                 progress.add(len(table))
