@@ -60,3 +60,11 @@ def test_relative_data_paths_resolve_against_the_given_directory(tmp_path):
     assert spec.data.eval == "s3://b/eval.csv" and spec.output.uri == "runs/j" and spec.model.uri == "m"
     absolute = resolve_data_paths(spec, Path("/elsewhere"))
     assert absolute.data.train == spec.data.train  # absolute already: unchanged
+
+
+def test_explain_names_every_type_as_a_user_writes_it():
+    """data.eval printed `Annotated | null` (its URL type is a validated str); no internal name is shown."""
+    code, out, _ = cli("explain", "data.eval")
+    assert code == 0 and out.split()[1:4] == ["str", "|", "null"]
+    code, out, _ = cli("explain")
+    assert code == 0 and not any(word in out for word in ("Annotated", "typing.", "<class", "ForwardRef"))

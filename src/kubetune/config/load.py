@@ -443,6 +443,8 @@ def field_reference() -> list[tuple[str, str, str, str]]:
 def _type_name(annotation: Any) -> str:
     import typing
 
+    if typing.get_origin(annotation) is typing.Annotated:  # a validated type (Uri): name the type it validates
+        return _type_name(typing.get_args(annotation)[0])
     if typing.get_origin(annotation) is typing.Literal:
         return "|".join(str(a) for a in typing.get_args(annotation))
     args = typing.get_args(annotation)
