@@ -51,7 +51,7 @@ bench: seed-cache
 
 # The wheels the GPU machine lacks (Python 3.12, manylinux x86-64), into gpu-wheels/ (ignored), checked to fit
 # 48 MiB of the 64 MiB that travel with the tree: scripts/gpu_wheels.py says which and why.
-gpu-wheels:
+gpu-wheels: install
 	$(BIN)/python scripts/gpu_wheels.py --dest gpu-wheels
 
 # On the GPU machine (its own python3; no .venv, no network): gpu-wheels/ and kubetune (--no-deps) into a

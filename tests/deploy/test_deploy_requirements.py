@@ -44,3 +44,27 @@ def test_make_install_takes_both_and_the_image_only_the_runtime_pins():
     assert not [line for line in instructions if "requirements-test" in line]
     assert "COPY requirements.txt pyproject.toml README.md ./" in instructions
     assert "grep -v '^torch==' requirements.txt > /tmp/requirements.txt" in dockerfile
+
+
+def test_every_make_target_that_runs_the_venv_installs_it_first():
+    """`make gpu-wheels` on a fresh clone failed with `.venv/bin/python: No such file or directory`: every
+    target whose recipe runs $(BIN)/... must depend on install (directly or through a target that does)."""
+    rules: dict[str, tuple[list[str], str]] = {}
+    target = None
+    for line in (ROOT / "Makefile").read_text().splitlines():
+        head = re.match(r"^([\w.$()/-]+):(?!=)\s*(.*)$", line)
+        if head and not line.startswith("\t"):
+            target = head.group(1)
+            rules[target] = (head.group(2).split(), "")
+        elif line.startswith("\t") and target:
+            rules[target] = (rules[target][0], rules[target][1] + line + "\n")
+        elif not line.strip().startswith("#"):
+            target = None
+
+    def installs(name: str) -> bool:
+        deps = rules.get(name, ([], ""))[0]
+        return name in ("install", "$(BIN)/.installed") or any(installs(d) for d in deps)
+
+    uses_venv = [t for t, (_, recipe) in rules.items() if "$(BIN)/" in recipe and t != "$(BIN)/.installed"]
+    assert "gpu-wheels" in uses_venv and "test" in uses_venv
+    assert [t for t in uses_venv if not installs(t)] == []
