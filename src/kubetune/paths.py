@@ -1,5 +1,5 @@
 """Where kubetune writes, and how: cache roots, atomic files and directories, names checked
-against their destination.
+against their destination; and how it reads what others made: regular files of bounded size.
 
 Every name that comes from elsewhere (an S3 key, a manifest entry, a Hub file name, a checkpoint
 listing) goes through ``safe_join`` before anything is written, so that no remote listing can
@@ -178,7 +178,7 @@ def read_bounded_json(path: Path, limit: int = MAX_RECORD_BYTES, constants: bool
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise BrokenRecord("not a regular file")
-        data = os.read(fd, limit + 1)
+        data = _read_at_most(fd, limit + 1)
     except OSError as e:
         raise BrokenRecord(e.strerror or str(e)) from None
     finally:
@@ -193,3 +193,92 @@ def read_bounded_json(path: Path, limit: int = MAX_RECORD_BYTES, constants: bool
         return json.loads(data.decode("utf-8"), parse_constant=None if constants else no_constant)
     except (UnicodeDecodeError, RecursionError, ValueError) as e:
         raise BrokenRecord(e.args[0] if isinstance(e, BrokenRecord) else "not JSON") from None
+
+
+def _read_at_most(fd: int, n: int) -> bytes:
+    """Up to ``n`` bytes from ``fd``, however the reads split them."""
+    chunks, left = [], n
+    while left > 0:
+        chunk = os.read(fd, min(left, 1 << 20))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+# ------------------------------------------------------------------- files read on someone's behalf
+
+# A bearer token (a projected service-account token is about 1 KB).
+MAX_TOKEN_BYTES = 64 * 1024
+
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+class RefusedFile(KubetuneError):
+    """A file named by an operator or a model that is not a regular file, or is larger than its bound.
+    ``problem`` is the sentence without the field and the fix, for callers that say it their way."""
+
+    def __init__(self, problem: str, *, field: str, fix: str):
+        self.problem = problem
+        super().__init__(problem, field=field, fix=fix)
+
+
+def _refuse(path: Path, st: os.stat_result, limit: int | None, field: str, fix: str) -> None:
+    if stat.S_ISDIR(st.st_mode):  # what open() and read() say of it: the caller words it with the rest
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+    shown = f"{path} (a link to {os.path.realpath(path)})" if os.path.islink(path) else str(path)
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((name for test, name in _KINDS if test(st.st_mode)), "of an unknown kind")
+        raise RefusedFile(f"{shown} is {kind}, not a regular file", field=field, fix=fix)
+    if limit is not None and st.st_size > limit:
+        raise RefusedFile(f"{shown} is too large: {st.st_size:,} bytes, limit {limit:,}", field=field, fix=fix)
+
+
+def check_regular(path: Path | str, *, field: str, limit: int | None = None, fix: str) -> int:
+    """Check, without opening it, that ``path`` (links followed) is a regular file of at most ``limit``
+    bytes (None: any size), for a file a library reads after this (a model's tokenizer, its weights).
+
+    Returns:
+        Its size in bytes.
+
+    Raises:
+        RefusedFile: a FIFO, a device, a socket, or larger than ``limit``: one line naming ``field``,
+            the path (and where a link leads), what it is and ``fix``.
+        OSError: it does not exist, cannot be reached, or is a directory (``IsADirectoryError``).
+    """
+    path = Path(path)
+    st = os.stat(path)
+    _refuse(path, st, limit, field, fix)
+    return st.st_size
+
+
+def read_regular(path: Path | str, *, field: str, limit: int, fix: str) -> bytes:
+    """The bytes of ``path`` (links followed), read only if it is a regular file of at most ``limit``
+    bytes: what an operator or a model hands kubetune to read whole (a token, a CA, a config).
+
+    A FIFO or a device is refused without being read, and never blocks: it is checked before the
+    open (opening some devices acts), opened non-blocking, and what was opened is checked again
+    (``fstat``: no swap between the check and the read); at most ``limit + 1`` bytes are read.
+
+    Raises:
+        RefusedFile: as ``check_regular`` (also when the file grew past ``limit`` meanwhile).
+        OSError: as ``check_regular``.
+    """
+    path = Path(path)
+    _refuse(path, os.stat(path), limit, field, fix)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        _refuse(path, st, limit, field, fix)
+        data = _read_at_most(fd, limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise RefusedFile(f"{path} is too large: over {limit:,} bytes", field=field, fix=fix)
+    return data

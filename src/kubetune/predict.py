@@ -110,8 +110,9 @@ def check_model(path: Path) -> str:
     Raises:
         KubetuneError: names the directory and what is wrong with it.
     """
-    from kubetune.artifacts import check_model_weights
+    from kubetune.artifacts import check_model_files, check_model_weights
 
+    check_model_files(path, field="MODEL")  # before transformers opens any of them
     kind = model_kind(path)
     check_model_weights(path, _short(str(path)), field="MODEL")
     if not any(p.name.endswith(".safetensors") for p in path.iterdir()):
@@ -141,13 +142,8 @@ def model_kind(path: Path) -> str:
         KubetuneError: config.json unreadable, not JSON, not an object, no or unknown ``model_type``,
             fields transformers refuses, or an architecture that neither classifies nor generates.
     """
-    import transformers
-    from transformers import AutoConfig
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import (
-        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
-    )
+    from kubetune.artifacts import MODEL_FILE_FIX
+    from kubetune.paths import read_regular
 
     shown = _short(str(path / "config.json"))
 
@@ -158,7 +154,9 @@ def model_kind(path: Path) -> str:
         size = (path / "config.json").stat().st_size
         if size > MAX_CONFIG_BYTES:
             raise bad(f"is {size:,} bytes; a model config is a few KB")
-        config = json.loads((path / "config.json").read_bytes().decode("utf-8"))
+        # a regular file, read at most to the bound (a FIFO, or /dev/zero with its size of 0, is one line)
+        data = read_regular(path / "config.json", field="MODEL", limit=MAX_CONFIG_BYTES, fix=MODEL_FILE_FIX)
+        config = json.loads(data.decode("utf-8"))
     except UnicodeDecodeError as e:
         raise bad(f"is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
     except json.JSONDecodeError as e:
@@ -169,6 +167,15 @@ def model_kind(path: Path) -> str:
         raise bad(f"cannot be read ({e.strerror or type(e).__name__})", "check the path and its permissions") from None
     if not isinstance(config, dict):
         raise bad(f"holds a JSON {type(config).__name__}, not an object")
+    # imported once config.json is known to be a file (transformers with torch: seconds)
+    import transformers
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+    )
+
     model_type = config.get("model_type")
     if not isinstance(model_type, str) or not model_type:
         raise bad("has no model_type")

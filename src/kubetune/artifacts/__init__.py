@@ -10,10 +10,11 @@ from kubetune import providers
 from kubetune.artifacts.presentation import Presentation
 from kubetune.config import JobSpec, dump_spec
 from kubetune.errors import KubetuneError
-from kubetune.paths import replace_dir, write_atomic
+from kubetune.paths import check_regular, replace_dir, write_atomic
 
 __all__ = [
     "History",
+    "check_model_files",
     "check_model_weights",
     "finish",
     "replace_dir",
@@ -49,12 +50,37 @@ def resolve_model(spec: JobSpec) -> Path:
             field="model.uri",
             fix="point it at a model saved with save_pretrained",
         )
+    check_model_files(path, field="model.uri")
     check_model_weights(path, spec.model.uri, field="model.uri")
     return path
 
 
 # The largest config.json kubetune reads (a real one is a few KB; transformers reads it whole).
 MAX_CONFIG_BYTES = 4 << 20
+# The largest other file of a model that transformers reads whole: tokenizer.json is the big one
+# (Gemma 3's: 33 MB; most are 2-17 MB), then the sentencepiece model, vocabularies, merges.
+MAX_MODEL_TEXT_BYTES = 128 << 20
+MODEL_TEXT_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken", ".vocab")
+MODEL_FILE_FIX = "replace it with the file save_pretrained wrote"
+
+
+def check_model_files(path: Path, *, field: str) -> None:
+    """Check every file at the top of the model folder ``path`` before transformers reads any: each
+    is a regular file once links are followed (a FIFO would block the load, /dev/zero would be read
+    without end), and the configs and tokenizer files it reads whole (``MODEL_TEXT_SUFFIXES``) are at
+    most ``MAX_MODEL_TEXT_BYTES``. Weights are large by nature: only their kind is checked. Nothing
+    is opened; folders (onnx/, 1_Pooling/), dangling links and unreadable entries are left to the
+    loader, whose error names them.
+
+    Raises:
+        KubetuneError: one line naming the file, where its link leads, what it is, and the fix.
+    """
+    for entry in sorted(path.iterdir()) if path.is_dir() else []:
+        limit = MAX_MODEL_TEXT_BYTES if entry.name.endswith(MODEL_TEXT_SUFFIXES) else None
+        try:
+            check_regular(entry, field=field, limit=limit, fix=MODEL_FILE_FIX)
+        except OSError:  # a folder, a dangling link, no permission: what the loader says of it stands
+            continue
 
 
 PICKLE_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")

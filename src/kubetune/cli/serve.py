@@ -69,14 +69,22 @@ def serve(
 
 
 def _token(path: Path | None) -> str | None:
-    """The bearer token, from a file or the environment: never a command-line value (it would show in ps)."""
+    """The bearer token, from a file or the environment: never a command-line value (it would show in ps).
+    The file is a regular file of at most 64 KiB: /dev/zero, a FIFO or a huge file is one line, not a
+    read without end or a wait for a writer."""
+    from kubetune.paths import MAX_TOKEN_BYTES, read_regular
+
     if path is not None:
+        fix = f"pass a regular file that holds just the token, or set ${TOKEN_ENV}"
         try:
-            token = path.read_text().strip()
+            data = read_regular(path, field="--token-file", limit=MAX_TOKEN_BYTES, fix=fix)
+            token = data.decode("utf-8").strip()
         except OSError as e:
             raise KubetuneError(
                 f"cannot read {path}: {e.strerror}", field="--token-file", fix="pass a readable file"
             ) from None
+        except UnicodeDecodeError as e:
+            raise KubetuneError(f"{path} is not UTF-8 text (offset {e.start})", field="--token-file", fix=fix) from None
         if not token:
             raise KubetuneError(f"{path} is empty", field="--token-file", fix="write the token into it")
         return token

@@ -19,6 +19,7 @@ import http.client
 import json
 import logging
 import math
+import re
 import ssl
 import threading
 import time
@@ -26,7 +27,10 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
+from urllib.parse import urlsplit
+
+from kubetune.errors import redact
+from kubetune.paths import MAX_TOKEN_BYTES, RefusedFile, read_regular
 
 log = logging.getLogger("kubetune.trainer_status")
 
@@ -36,6 +40,10 @@ ENV_TOKEN = "KUBEFLOW_TRAINER_SERVER_TOKEN"
 MAX_METRICS = 256  # the CRD's maxItems
 MAX_CHARS = 64  # the CRD's maxLength of a metric's name and value
 REQUEST_TIMEOUT_S = 5.0  # upstream's own example client waits 5 s
+MAX_CA_BYTES = 1 << 20  # the controller's CA is one certificate (a system bundle is about 200 KB)
+# RFC 6750's b64token (a projected token is a JWT): nothing that could break the header, or make
+# http.client quote the header, token included, in an error that would then be logged.
+_BEARER = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
 _INT32 = 2**31 - 1
 
 # Progress record key -> metric name, in the order sent (and read back by progress_of).
@@ -62,6 +70,27 @@ class Endpoint:
         """The endpoint the Trainer controller injected, or None unless all three variables are set."""
         values = [environ.get(k, "").strip() for k in (ENV_URL, ENV_CA, ENV_TOKEN)]
         return cls(*values) if all(values) else None
+
+    def url_problem(self) -> str | None:
+        """Why nothing may be sent to ``url`` (the reason and its fix, credentials masked); None
+        when it is an https URL with a host and no user name or password."""
+        try:
+            parts = urlsplit(self.url)
+            parts.port  # noqa: B018 (raises on a port that is not a number)
+        except ValueError:
+            parts = None
+        shown = _shown(self.url)
+        if parts is None or parts.scheme.lower() != "https" or not parts.hostname:
+            return (
+                f"{ENV_URL} is {shown!r}, not an https URL with a host: the bearer token is sent over https "
+                f"only, so no progress is sent — set it to the https URL the Trainer controller injects, or unset it"
+            )
+        if parts.username is not None or parts.password is not None:
+            return (
+                f"{ENV_URL} ({shown}) holds a user name or password: the status server takes the bearer "
+                f"token only, so no progress is sent — remove the user:password@ part"
+            )
+        return None
 
 
 # ---------------------------------------------------------------------------------- the request body
@@ -196,6 +225,9 @@ class StatusReporter:
     token) is logged once per kind with its fix and retried on the next tick with the newest record.
     The token file is read before every request (the kubelet rotates it); the CA is the one file
     given (no system store, no proxy: the server is the controller's Service inside the cluster).
+    Both are read as regular files of bounded size. An endpoint that is not https (the token would go
+    in clear, or ``file://`` would "send" to a local file) or that holds credentials is said once at
+    ``start`` and nothing is ever sent; no line logged here shows a URL's user name or password.
     """
 
     def __init__(self, endpoint: Endpoint, interval_s: float, timeout_s: float = REQUEST_TIMEOUT_S):
@@ -207,13 +239,19 @@ class StatusReporter:
         self._last_sent = -math.inf
         self._reported: set[str] = set()  # the failure kinds already logged
         self._failing = False
+        self._refused = False  # the endpoint is not one to send a token to: nothing is sent
         self._thread = threading.Thread(target=self._run, name="trainer-status", daemon=True)
         self.sent = 0  # requests the server accepted
 
     def start(self) -> StatusReporter:
+        problem = self.endpoint.url_problem()
+        if problem:
+            self._refused = True
+            log.warning("trainer status: %s; training goes on without it", problem)
+            return self
         log.info(
             "trainer status: sending progress to %s at most every %g s (Kubeflow Trainer TrainJobStatus)",
-            self.endpoint.url,
+            _shown(self.endpoint.url),
             self.interval_s,
         )
         self._thread.start()
@@ -221,6 +259,8 @@ class StatusReporter:
 
     def update(self, record: dict, final: bool = False) -> None:
         """Make ``record`` (a progress record) the next one to send; never blocks on the network."""
+        if self._refused:
+            return
         with self._cond:
             self._record = dict(record)
             self._final = self._final or final
@@ -262,13 +302,61 @@ class StatusReporter:
                 if closing and self._record is None:
                     return
 
+    def _token(self) -> str:
+        """The token, read now (the kubelet rotates it). Raises ValueError: what is wrong, in words."""
+        path = self.endpoint.token_file
+        try:
+            text = read_regular(path, field=ENV_TOKEN, limit=MAX_TOKEN_BYTES, fix=_FIXES["token"]).decode("utf-8")
+        except RefusedFile as e:
+            raise ValueError(f"the token file {e.problem}") from None
+        except OSError as e:
+            raise ValueError(f"cannot read the token file {path} ({e.strerror})") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"the token file {path} is not UTF-8 text") from None
+        token = text.strip()
+        if not token:
+            raise ValueError(f"the token file {path} is empty")
+        if not _BEARER.fullmatch(token):
+            raise ValueError(f"the token file {path} holds characters a bearer token cannot have")
+        return token
+
+    def _opener(self) -> urllib.request.OpenerDirector:
+        """An opener for https alone, trusting only the CA file, read now (the controller rotates
+        its certificates). Raises ValueError: what is wrong with the CA file, in words."""
+        path = self.endpoint.ca_file
+        try:
+            pem = read_regular(path, field=ENV_CA, limit=MAX_CA_BYTES, fix=_FIXES["ca"]).decode("ascii")
+            context = ssl.create_default_context(cadata=pem)
+        except RefusedFile as e:
+            raise ValueError(f"the CA file {e.problem}") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"cannot read the CA file {path} (not a PEM file)") from None
+        except (OSError, ssl.SSLError) as e:
+            raise ValueError(f"cannot read the CA file {path} ({_reason(e)})") from None
+        # urllib and ssl (the standard library, nothing to install in the image): a context that
+        # trusts only this CA and checks the hostname. Built by hand, not by build_opener, whose
+        # defaults would also open http:// (the token in clear), file:// and ftp://, and take a proxy
+        # from the environment; no redirect either (requests would follow proxies and netrc).
+        opener = urllib.request.OpenerDirector()
+        for handler in (
+            urllib.request.HTTPSHandler(context=context),
+            _NoRedirect(),
+            urllib.request.HTTPDefaultErrorHandler(),
+            urllib.request.HTTPErrorProcessor(),
+            urllib.request.UnknownHandler(),
+        ):
+            opener.add_handler(handler)
+        return opener
+
     def _send(self, record: dict) -> bool:
         try:
-            token = Path(self.endpoint.token_file).read_text(encoding="utf-8").strip()
-        except OSError as e:
-            return self._failed("token", f"cannot read the token file {self.endpoint.token_file} ({e.strerror})")
-        if not token:
-            return self._failed("token", f"the token file {self.endpoint.token_file} is empty")
+            token = self._token()
+        except ValueError as e:
+            return self._failed("token", str(e))
+        try:
+            opener = self._opener()
+        except ValueError as e:
+            return self._failed("ca", str(e))
         body = json.dumps({"trainerStatus": trainer_status(record)}).encode()
         request = urllib.request.Request(
             self.endpoint.url,
@@ -276,17 +364,7 @@ class StatusReporter:
             method="POST",
             headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
         )
-        try:  # read at every send too: the controller rotates its certificates
-            context = ssl.create_default_context(cafile=self.endpoint.ca_file)
-        except (OSError, ssl.SSLError) as e:
-            return self._failed("ca", f"cannot read the CA file {self.endpoint.ca_file} ({_reason(e)})")
         try:
-            # urllib and ssl (the standard library, nothing to install in the image): a context that
-            # trusts only this CA file and checks the hostname; no proxy from the environment, and no
-            # redirect (requests would follow the environment's proxies and netrc unless told not to).
-            opener = urllib.request.build_opener(
-                urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=context), _NoRedirect()
-            )
             with opener.open(request, timeout=self.timeout_s) as response:
                 response.read(1 << 16)
         except urllib.error.HTTPError as e:
@@ -332,7 +410,7 @@ class StatusReporter:
             log.warning(
                 "trainer status: %s — %s; training goes on, and the update is tried again every %g s "
                 "(this is said once)",
-                what,
+                redact(what),
                 fix,
                 self.interval_s,
             )
@@ -356,10 +434,29 @@ _FIXES = {
 }
 
 
-def _host(url: str) -> str:
-    from urllib.parse import urlsplit
+def _shown(url: str) -> str:
+    """``url`` as a log line may show it: any user name and password as ``***`` (up to the last
+    ``@`` of the authority, as urllib splits it: a password may hold an ``@``), at most 200 characters."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return redact(url)[:200]
+    if "@" in parts.netloc:
+        parts = parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2])
+    return redact(parts.geturl())[:200]
 
-    return urlsplit(url).netloc or url
+
+def _host(url: str) -> str:
+    """The host and port of ``url``, never its user name or password."""
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        return redact(url)
+    if not host:
+        return redact(url)
+    host = f"[{host}]" if ":" in host else host
+    return f"{host}:{port}" if port else host
 
 
 def _reason(e) -> str:
