@@ -37,9 +37,11 @@ a signal. The pieces that turn torch's failures into these outcomes (``root_fail
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 
 from kubetune.errors import USER_ERROR_EXIT, KubetuneError
 
@@ -195,31 +197,90 @@ def _stop_before_launch(signum, frame):
 
 @contextmanager
 def translated_failures():
-    """Around a run of torch's elastic launcher: its ways of failing, as kubetune's.
+    """Around a run of torch's elastic launcher: its ways of failing, as kubetune's. The workers it
+    starts note themselves in a directory of its own (``EXIT_NOTES``), which it removes afterwards.
 
     Raises:
         Stopped: the launcher got SIGTERM/SIGINT (torch passed it on to the workers, which
             finished their step and wrote a checkpoint), or the failing worker itself exited 143.
         KubetuneError: the failing worker stopped on a user error (exit 2; it said why).
-        WorkerFailed: the failing worker crashed or was killed (``root_failure`` picks which).
+        WorkerFailed: the failing worker crashed or was killed (``root_failure`` picks which), or a
+            worker exited 0 before the job finished and the others failed only for losing it.
     """
+    import shutil
+    import tempfile
+
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from kubetune.distributed import EXIT_PREEMPTED
 
+    notes, before = tempfile.mkdtemp(prefix="kubetune-workers-"), os.environ.get(EXIT_NOTES)
+    os.environ[EXIT_NOTES] = notes  # the workers' environment is a copy of the launcher's
     try:
         yield
     except SignalException as e:
         raise Stopped(f"stopped by {e.sigval.name}", signum=e.sigval) from None
     except ChildFailedError as e:
         rank, failure = root_failure(e.failures)
+        quitter = quit_early(left_notes(Path(notes)), e.failures, failure)
+        if quitter is not None:
+            raise WorkerFailed(quitter, 0) from None
         code = failure.exitcode
         if code == USER_ERROR_EXIT:
             raise KubetuneError(f"rank {rank} stopped on a user error (its message is above)") from None
         if code == EXIT_PREEMPTED:
             raise Stopped(f"rank {rank} was stopped by a signal after writing a checkpoint") from None
         raise WorkerFailed(rank, code, error_message(failure)) from None
+    finally:
+        if before is None:
+            os.environ.pop(EXIT_NOTES, None)
+        else:
+            os.environ[EXIT_NOTES] = before
+        shutil.rmtree(notes, ignore_errors=True)
+
+
+# A rank that exits 0 before the job ends (user code calling os._exit, a library's sys.exit(0) outside
+# kubetune's handling) is no failure to torch's agent, which lists only non-zero exits: its peers then
+# fail in their next collective, and torch reports them. So each worker notes its start in this directory,
+# and takes the note back when it leaves through the worker's own exit (``note_start``, ``note_exit``).
+EXIT_NOTES = "KUBETUNE_EXIT_NOTES"
+
+
+def _note(environ) -> Path | None:
+    where = environ.get(EXIT_NOTES)
+    attempt = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return Path(where) / f"rank-{environ.get('RANK', '0')}-attempt-{attempt}" if where else None
+
+
+def note_start(environ=os.environ) -> None:
+    """A worker, first thing: note that this rank runs (nothing outside a kubetune launch)."""
+    path = _note(environ)
+    if path is not None:
+        path.write_text(str(os.getpid()))
+
+
+def note_exit(environ=os.environ) -> None:
+    """A worker, last thing, however it ends (done, a user error, a crash, a stop): the note goes."""
+    path = _note(environ)
+    if path is not None:
+        path.unlink(missing_ok=True)
+
+
+def left_notes(notes: Path) -> set[int]:
+    """The ranks of the latest attempt (elastic restarts) whose workers did not leave through their own exit."""
+    found = [tuple(map(int, p.name.split("-")[1::2])) for p in notes.glob("rank-*-attempt-*")]
+    latest = max((attempt for _, attempt in found), default=0)
+    return {rank for rank, attempt in found if attempt == latest}
+
+
+def quit_early(left: set[int], failures: dict[int, object], root) -> int | None:
+    """Pure: the rank that exited 0 before the job finished, when that caused the failure: a rank whose
+    note is left and that torch does not list as failed (it lists every non-zero exit), while the root
+    failure is only a consequence (a lost peer, the agent's teardown SIGTERM). None otherwise."""
+    quitters = sorted(r for r in left if r not in failures)
+    consequence = root.exitcode == -signal.SIGTERM or is_infrastructure(error_message(root))
+    return quitters[0] if quitters and consequence else None
 
 
 def root_failure(failures: dict[int, object]) -> tuple[int, object]:
@@ -266,12 +327,17 @@ class Stopped(Exception):
 
 class WorkerFailed(Exception):
     """A worker crashed or was killed (not a user error): ``exitcode`` is the worker's (negative:
-    killed by that signal), ``message`` its error (``"Type: text"``; "" when it left none)."""
+    killed by that signal; 0: it quit before the job finished), ``message`` its error (``"Type:
+    text"``; "" when it left none)."""
 
     def __init__(self, rank: int, exitcode: int, message: str = ""):
         self.rank, self.exitcode, self.message = rank, exitcode, message
         super().__init__(
-            f"worker rank {rank} failed with exit code {exitcode}{_signal_name(exitcode)} (its error is above)"
+            f"worker rank {rank} exited with code 0 before the job finished, while the others ran: code it ran "
+            "(a reward function, a callback) called os._exit or the like — the other ranks' errors above say only "
+            "that they lost it"
+            if exitcode == 0
+            else f"worker rank {rank} failed with exit code {exitcode}{_signal_name(exitcode)} (its error is above)"
         )
 
 

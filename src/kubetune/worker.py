@@ -148,10 +148,14 @@ def _exit_now(code) -> None:
     closed by then; only the standard streams are flushed here."""
     code = 0 if code is None else code if isinstance(code, int) else 1
     logging.shutdown()
+    note_exit()
     exit_now(code)
 
 
 if __name__ == "__main__":
+    from kubetune.launch import note_exit, note_start
+
+    note_start()  # its launcher can tell this rank's exit from an early os._exit in code it runs
     try:
         main()
     except SystemExit as e:

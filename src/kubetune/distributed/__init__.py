@@ -132,6 +132,17 @@ def any_rank(*flags: bool, device: torch.device, group: dist.ProcessGroup | None
 EXIT_PREEMPTED = 143  # a worker's "stopped after a checkpoint" (128 + SIGTERM)
 
 
+class StepAbandoned(Exception):
+    """Every rank gave the running optimizer step up together on a stop signal, before the step changed
+    anything (weights, optimizer, counters): the trainer checkpoints the step before it and stops. Raised
+    where waiting for the step to end could outlast the grace period a stopped pod gets (GRPO's reward
+    calls)."""
+
+    def __init__(self, step: int):
+        super().__init__(f"step {step} given up on a stop signal")
+        self.step = step
+
+
 def install_signal_handlers() -> threading.Event:
     """SIGTERM (eviction, preemption) and SIGINT (Ctrl-C) ask for a checkpoint and a clean stop.
 

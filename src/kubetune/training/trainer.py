@@ -127,6 +127,7 @@ class Trainer:
     trace: Trace | None = None
     t_start: float = field(default_factory=time.perf_counter)
     _epoch_ended: bool = False  # the running epoch's data ran out (not cut short by the step limit)
+    _saved_step: int | None = None  # the step of the checkpoint this run wrote or resumed from last
 
     def __post_init__(self) -> None:
         # every rank's real tokens so far, for the progress line's tokens/s, in a buffer that lives as
@@ -147,6 +148,7 @@ class Trainer:
         s, cfg, env = self.state, self.cfg, self.env
         eval_metrics: dict = {}
         s.last_checkpoint_at = time.monotonic()
+        self._saved_step = s.global_step or None  # a run past step 0 here resumed from that step's checkpoint
         start_epoch, start_step = s.epoch, s.step_in_epoch
         if cfg.eval_on_start and s.global_step == 0:
             s.epoch_started = time.perf_counter()
@@ -159,7 +161,10 @@ class Trainer:
             for step in self.epoch_batches(epoch):
                 if s.global_step >= self.layout.total_steps:
                     break
-                self.train_step(step)
+                try:
+                    self.train_step(step)
+                except distributed.StepAbandoned:
+                    self._stop_inside_step()
                 if s.global_step % cfg.log_every == 0 or s.global_step == self.layout.total_steps:
                     self._log_train()
                 # Before the checkpoint, so that a resumed run's history holds this evaluation too.
@@ -222,7 +227,7 @@ class Trainer:
         s, env = self.state, self.env
         data = self.data
         if data.online is not None:  # the plan's prompts become the completions trained on
-            step = data.online.step(self.model, step, s.global_step, self.autocast)
+            step = data.online.step(self.model, step, s.global_step, self.autocast, stop=self.stop)
         # The loss denominator: loss units (examples, or target tokens) in the whole global step.
         if step.units is not None:
             step_units = step.units
@@ -352,6 +357,7 @@ class Trainer:
             )
             log.info("checkpoint at step %d: %s", s.global_step, path)
         distributed.barrier()
+        self._saved_step = s.global_step
 
     def _save_model_state(self) -> tuple[Path | None, dict, dict | None]:
         """All ranks: the strategy saves the model and optimizer. A sharded strategy writes every
@@ -390,6 +396,16 @@ class Trainer:
             )
         return staged, entries, uploaded
 
+    def _stop_inside_step(self) -> None:
+        """Every rank gave the running step up on a stop signal (``StepAbandoned``: a slow reward call would
+        outlast the pod's grace period) before it changed anything: the last completed step's checkpoint is
+        exact, written unless this run holds it already (none at step 0: nothing was trained)."""
+        s = self.state
+        if s.global_step and self._saved_step != s.global_step:
+            self.guard.check(s.global_step, self.dest.checkpoints)
+            self.save_checkpoint()
+        self._preempted()
+
     def _preempted(self) -> None:
         self.bar.close()
         if self.progress:
@@ -397,10 +413,9 @@ class Trainer:
         if self.mlflow:
             self.mlflow.finish(self.out, status="KILLED")
         if self.env.is_main:
-            log.warning(
-                "stopped on signal after step %d; checkpoint written — run the same job again to resume",
-                self.state.global_step,
-            )
+            s = self.state
+            done = "checkpoint written — run the same job again to resume" if s.global_step else "nothing trained"
+            log.warning("stopped on signal after step %d; %s", s.global_step, done)
         raise Preempted(self.state.global_step)
 
     # ---- the end: metrics and artifacts ----

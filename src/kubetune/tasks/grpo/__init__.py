@@ -96,6 +96,17 @@ class GRPOSpec(Section):
     rewards: list[Reward] = Field(
         min_length=1, description="The reward functions; a completion's reward is their weighted sum."
     )
+    reward_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=86400,
+        description="How long one call of a reward function may take (a call scores one process's completions "
+        "of a step); a longer call stops the run with an error naming the function. It also bounds how long a "
+        "stop signal (eviction, preemption) waits: a process that got the signal gives its call up at once, the "
+        "others finish theirs within this, then every process writes the checkpoint of the last completed step. "
+        "Keep it well below the pods' grace period after SIGTERM (Kubernetes' default 30 s; "
+        "kubernetes.termination_grace_period_seconds); raise both for slow rewards (code execution, a judge model).",
+    )
     num_generations: int = Field(8, ge=2, le=1024, description="Completions sampled per prompt (the group).")
     max_completion_length: int = Field(256, ge=1, le=32768, description="Token limit of a completion.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (also used for the log-probabilities).")
@@ -201,10 +212,21 @@ def _in_image(module: str) -> bool:
 
 def _render_warnings(spec) -> list[str]:
     """A user's reward function must be importable in the pods: said for each module the default trainer
-    image does not hold."""
-    if spec.grpo is None or spec.kubernetes.image:  # an image of the user's own may hold it
+    image does not hold; and a reward timeout that leaves a stopped pod too little of its grace period."""
+    if spec.grpo is None:
         return []
-    return [
+    out = []
+    grace = spec.kubernetes.termination_grace_period_seconds
+    if spec.grpo.reward_timeout_s > grace / 2:  # the other half: the checkpoint after the call
+        out.append(
+            f"grpo.reward_timeout_s: {spec.grpo.reward_timeout_s:g} s is over half of "
+            f"kubernetes.termination_grace_period_seconds {grace}: after a stop signal a pod waits for its running "
+            "reward call, and may be killed before it writes its checkpoint — raise the grace period, or lower the "
+            "timeout"
+        )
+    if spec.kubernetes.image:  # an image of the user's own may hold the reward modules
+        return out
+    return out + [
         f"grpo.rewards[{i}].function: module {r.function.split(':')[0]!r} must be importable in the pods, and the "
         "trainer image holds kubetune and its dependencies only — build kubernetes.image FROM the trainer image "
         "with your module installed"

@@ -1,6 +1,8 @@
 """GRPO's reward functions: the built-ins that need no code, a user's ``module:function`` with TRL's
-signature, and the weighted total, with every failure of a function (it raises, returns the wrong
-number of values, or a non-finite one) made one line naming it and the step.
+signature, and the weighted total, with every failure of a function (it raises, runs past
+grpo.reward_timeout_s, returns other than one finite number or None per completion) made one line naming
+it and the step. Each call runs in a helper thread, so that its wait is bounded and a stop signal gives it
+up at once.
 
 A user's function is the user's code: it is imported and called in every training process, with the
 job's rights, as TRL calls it."""
@@ -10,7 +12,9 @@ from __future__ import annotations
 import importlib
 import math
 import re
-from collections.abc import Callable, Sequence
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -120,55 +124,159 @@ def _builtin(r: Reward) -> Callable:
     return length
 
 
+class Abandoned(Exception):
+    """A stop signal (SIGTERM, SIGINT) came while a reward function ran: the call was given up unfinished."""
+
+
+# How often a wait for a reward call looks at the stop signal: a stop is answered within this.
+_POLL_S = 0.1
+
+
 def score(
-    scorers_: list[Scorer], prompts: list, completions: list, completion_ids: list[list[int]], columns: dict, step: int
+    scorers_: list[Scorer],
+    prompts: list,
+    completions: list,
+    completion_ids: list[list[int]],
+    columns: dict,
+    step: int,
+    *,
+    timeout_s: float | None = None,
+    stop: threading.Event | None = None,
+    thread_setup: Callable[[], None] | None = None,
 ) -> np.ndarray:
     """Every function's rewards of a batch of completions: (N, functions) float64, NaN where a function
     returned None (TRL: it does not apply to that completion).
 
+    Each call runs in a helper thread, so that it can be bounded: the caller waits at most ``timeout_s``
+    (None: for ever), and gives the call up as soon as ``stop`` is set; ``thread_setup`` runs first in
+    the helper thread (the rank's CUDA device, which is per thread).
+
     Raises:
-        KubetuneError: a function raised, returned other than N values, or a value neither a finite
-            number nor None.
+        KubetuneError: a function raised, ran past ``timeout_s``, returned other than N values, or a value
+            neither a finite number nor None.
+        Abandoned: ``stop`` was set while a function ran.
     """
     n = len(completions)
+    at = f"at step {step}" if step >= 0 else "in evaluation"
     out = np.full((n, len(scorers_)), np.nan)
     for j, s in enumerate(scorers_):
-        at = f"at step {step}" if step >= 0 else "in evaluation"
-        try:
-            values = s.fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-        except Exception as e:  # the user's code: any failure is theirs to see, in one line
-            raise KubetuneError(
-                f"reward function {s.label} raised {type(e).__name__}: {str(e)[:200]} {at}",
-                field=s.where,
-                fix="fix the function (it is called with prompts, completions, completion_ids and the data's "
-                "columns by name)",
-            ) from None
-        try:
-            values = list(values)
-        except TypeError:
-            values = None
-        if values is None or len(values) != n:
-            got = "not a list" if values is None else f"{len(values)} values"
-            raise KubetuneError(
-                f"reward function {s.label} returned {got} for {n} completions {at}",
-                field=s.where,
-                fix="return one float (or None) per completion",
-            )
-        for i, v in enumerate(values):
-            if v is None:
-                continue
-            try:
-                f = float(v)
-            except (TypeError, ValueError):
-                f = math.nan
-            if not math.isfinite(f):
-                raise KubetuneError(
-                    f"reward function {s.label} returned {str(v)[:40]!r} for completion {i} {at}",
-                    field=s.where,
-                    fix="return a finite number (or None where the function does not apply)",
-                )
-            out[i, j] = f
+        kwargs = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **columns}
+        values = _call(s, kwargs, at, n, timeout_s, stop, thread_setup)
+        out[:, j] = _values(s, values, n, at)
     return out
+
+
+def _call(s: Scorer, kwargs: dict, at: str, n: int, timeout_s, stop, thread_setup) -> object:
+    """``s.fn(**kwargs)`` in a daemon thread, waited for as ``score`` says. A call given up keeps running
+    until the process exits, which it is about to: a timeout stops the run, a stop checkpoints and exits."""
+    box: dict = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            if thread_setup is not None:
+                thread_setup()
+            box["value"] = s.fn(**kwargs)
+        except BaseException as e:  # noqa: BLE001 -- the user's code: any failure (sys.exit too) is theirs to see
+            box["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"reward {s.label}", daemon=True).start()
+    deadline = math.inf if timeout_s is None else time.monotonic() + timeout_s
+    while not done.wait(min(_POLL_S, max(0.0, deadline - time.monotonic()))):
+        if stop is not None and stop.is_set():
+            raise Abandoned(s.label)
+        if time.monotonic() >= deadline:
+            raise KubetuneError(
+                f"reward function {s.label} did not return within grpo.reward_timeout_s {timeout_s:g} s {at} "
+                f"({n} completions)",
+                field=s.where,
+                fix="make it faster (one call scores this process's completions of a step), or raise "
+                "grpo.reward_timeout_s, and keep it well below the grace period a stopped pod gets "
+                "(kubernetes.termination_grace_period_seconds): a stop signal waits for a running call",
+            )
+    if "error" in box:
+        e = box["error"]
+        raise KubetuneError(
+            f"reward function {s.label} raised {type(e).__name__}: {str(e)[:200]} {at}",
+            field=s.where,
+            fix=_THREAD_FIX
+            if isinstance(e, ValueError) and "main thread" in str(e)
+            else "fix the function (it is called with prompts, completions, completion_ids and the data's "
+            "columns by name)",
+        ) from None
+    return box["value"]
+
+
+# Python sets signal handlers in the main thread only, and a reward call runs in a helper thread.
+_THREAD_FIX = (
+    "reward functions run in a helper thread (so that grpo.reward_timeout_s can bound them), where a signal "
+    "handler cannot be set: turn the function's own signal-based timeout off (math_verify: parsing_timeout=None, "
+    "timeout_seconds=None); grpo.reward_timeout_s bounds the call"
+)
+
+
+def _values(s: Scorer, values, n: int, at: str) -> np.ndarray:
+    """A function's return value as N float64 (NaN for None).
+
+    Raises:
+        KubetuneError: not a sequence of N values (a str is one, of characters), or a value neither a
+            finite number nor None.
+    """
+    got = None
+    if not isinstance(values, (str, bytes, Mapping)) and values is not None:
+        try:
+            got = list(values)
+        except TypeError:
+            pass
+    if got is None or len(got) != n:
+        what = f"{len(got)} values" if got is not None else "None" if values is None else _kind(values)
+        raise KubetuneError(
+            f"reward function {s.label} returned {what} for {n} completions {at}",
+            field=s.where,
+            fix="return a list of one float (or None) per completion",
+        )
+    out = np.full(n, np.nan)
+    for i, v in enumerate(got):
+        if v is None:
+            continue
+        f, why = _number(v)
+        if why:
+            raise KubetuneError(
+                f"reward function {s.label} returned {_show(v)} for completion {i} {at}: {why}",
+                field=s.where,
+                fix="return a finite number (or None where the function does not apply)",
+            )
+        out[i] = f
+    return out
+
+
+def _number(v) -> tuple[float, str]:
+    """``v`` as a float, or why it is not a finite number ("" when it is)."""
+    if isinstance(v, (str, bytes)):  # float("1") would take it: a number must be a number
+        return math.nan, f"a {type(v).__name__}, not a number"
+    try:
+        f = float(v)
+    except OverflowError:  # an int past float's range
+        return math.nan, "too large for a float"
+    except (TypeError, ValueError):
+        return math.nan, f"a {type(v).__name__}, not a number"
+    return (f, "") if math.isfinite(f) else (f, "not finite")
+
+
+def _show(v) -> str:
+    """A value, quoted and cut to 40 characters, for a message."""
+    try:
+        text = str(v)
+    except ValueError:  # an int past str()'s digit limit
+        text = f"<{type(v).__name__}>"
+    return repr(text if len(text) <= 40 else text[:40] + "...")
+
+
+def _kind(v) -> str:
+    """What a return value that is no sequence of values is: its type, and itself (a str quoted)."""
+    return f"a {type(v).__name__} ({_show(v) if isinstance(v, (str, bytes)) else _show(v)[1:-1]})"
 
 
 def total(per_function: np.ndarray, scorers_: list[Scorer]) -> np.ndarray:

@@ -15,13 +15,15 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from kubetune import distributed
+from kubetune import checkpoint, distributed
 from kubetune.data import Batch, StepBatch
 from kubetune.errors import AgreedError, KubetuneError
 from kubetune.tasks.causal_lm import task as causal_lm
@@ -30,6 +32,7 @@ from kubetune.tasks.grpo import GRPOSpec
 from kubetune.tasks.grpo import loss as grpo_loss
 from kubetune.tasks.grpo import rewards as reward_fns
 
+log = logging.getLogger(__name__)
 # completions.jsonl keeps the newest records up to this many (a bounded file, however long the run)
 MAX_SAMPLES = 1000
 
@@ -197,6 +200,7 @@ class Rollouts:
     cache: list[RolloutBatch] = field(default_factory=list)  # the generation num_iterations reuses
     cache_units: float = 0.0
     samples: collections.deque = field(default_factory=lambda: collections.deque(maxlen=MAX_SAMPLES))
+    said_no_reward: bool = False  # a step without any reward was reported (once a run)
 
     @property
     def repeat(self) -> int:
@@ -224,16 +228,30 @@ class Rollouts:
         )
 
     # ---- one training step ----
-    def step(self, model, step: StepBatch, global_step: int, autocast) -> StepBatch:
+    def step(
+        self, model, step: StepBatch, global_step: int, autocast, stop: threading.Event | None = None
+    ) -> StepBatch:
         """The step trained on at ``global_step`` (every rank): new rollouts at the first of every
-        ``num_iterations`` steps, else the kept ones."""
+        ``num_iterations`` steps, else the kept ones.
+
+        Raises:
+            StepAbandoned: ``stop`` (a stop signal) was set on some rank while its reward call ran: every
+                rank gives the step up together, before it changed anything.
+        """
         if global_step % self.repeat and self.cache:
             return StepBatch(self.cache, step.global_count, step.indices, self.cache_units)
         g = self.grpo
         sampled = self._sample(model, step.micro, global_step)
         real = np.concatenate([np.full(len(m.records) * g.num_generations, m.weight > 0) for m in step.micro])
-        per_fn, total = self._score(sampled, global_step)
-        advantages, stats = self._statistics(total, per_fn, sampled, real)
+        rng = checkpoint.rng_state()
+        try:
+            per_fn, total = self._score(sampled, global_step, stop)
+        except distributed.StepAbandoned:
+            # a given-up step changes nothing: what a reward function drew (its random numbers) is the
+            # resumed step's to draw again
+            checkpoint.set_rng_state(rng)
+            raise
+        advantages, stats = self._statistics(total, per_fn, sampled, real, global_step)
         micro = self._micro_batches(step.micro, sampled, advantages, stats)
         self._log_probabilities(model, micro, autocast)
         units = float(distributed.all_reduce_sum(torch.tensor([sum(m.units * m.weight for m in micro)])).item())
@@ -312,23 +330,50 @@ class Rollouts:
             columns=columns,
         )
 
-    def _score(self, s: Sampled, global_step: int) -> tuple[np.ndarray, np.ndarray]:
+    def _score(self, s: Sampled, global_step: int, stop: threading.Event | None) -> tuple[np.ndarray, np.ndarray]:
         """Every completion's rewards (N, functions) and total; a function's failure on any rank stops
-        every rank, with that rank's message."""
-        completions = [[{"role": "assistant", "content": t}] for t in s.texts] if self.chat else s.texts
+        every rank, with that rank's message, and a stop signal during a call on any rank gives the step
+        up on every rank (``StepAbandoned``)."""
+        per_fn, error, stopped = np.zeros((len(s.texts), len(self.scorers))), None, None
         try:
-            per_fn = reward_fns.score(
-                self.scorers, s.prompts, completions, s.completion_ids, s.columns, global_step + 1
-            )
-            error = None
+            per_fn = self._rewards(s, global_step + 1, stop)
         except KubetuneError as e:
-            per_fn, error = np.zeros((len(s.texts), len(self.scorers))), str(e)
-        errors = [e for e in distributed.all_gather_object(error) if e]
-        if errors:
+            error = str(e)
+        except reward_fns.Abandoned as e:
+            stopped = str(e)  # the function's label
+        outcomes = distributed.all_gather_object((error, stopped))
+        errors = [e for e, _ in outcomes if e]
+        if errors:  # a function's own failure would come back after a resume: said rather than stopped on
             raise AgreedError(errors[0])
+        stopped = next((st for _, st in outcomes if st), None)
+        if stopped is not None:
+            if self.rank == 0:
+                log.warning(
+                    "stop signal during a call of reward function %s at step %d: every process gives the step up",
+                    stopped,
+                    global_step + 1,
+                )
+            raise distributed.StepAbandoned(global_step + 1)
         return per_fn, reward_fns.total(per_fn, self.scorers)
 
-    def _statistics(self, total: np.ndarray, per_fn: np.ndarray, s: Sampled, real: np.ndarray):
+    def _rewards(self, s: Sampled, step: int, stop: threading.Event | None) -> np.ndarray:
+        """``rewards.score`` of ``s``, each call bounded by grpo.reward_timeout_s (``step`` -1: evaluation)."""
+        completions = [[{"role": "assistant", "content": t}] for t in s.texts] if self.chat else s.texts
+        device = self.device
+        return reward_fns.score(
+            self.scorers,
+            s.prompts,
+            completions,
+            s.completion_ids,
+            s.columns,
+            step,
+            timeout_s=self.grpo.reward_timeout_s,
+            stop=stop,
+            # the current CUDA device is per thread: a reward model on "cuda" goes to this rank's device
+            thread_setup=(lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None,
+        )
+
+    def _statistics(self, total: np.ndarray, per_fn: np.ndarray, s: Sampled, real: np.ndarray, global_step: int):
         """Advantages of this rank's completions, and the step's statistics over every rank's real ones
         (``rollout_metrics``, in order)."""
         g = self.grpo
@@ -336,6 +381,8 @@ class Rollouts:
         mine = (total[real], per_fn[real], lengths[real], s.truncated[real])
         parts = distributed.all_gather_object(mine)
         every, every_fn, every_len, every_trunc = (np.concatenate([p[i] for p in parts]) for i in range(4))
+        if not np.isfinite(every_fn).any():
+            self._no_reward(global_step)
         rewards = torch.as_tensor(total, dtype=torch.float32)
         if g.scale_rewards == "batch":  # the whole batch's std: every rank's real completions
             groups = rewards.view(-1, g.num_generations)
@@ -359,6 +406,21 @@ class Rollouts:
             float(every_trunc.mean()),
         ]
         return advantages, torch.tensor(stats, dtype=torch.float64)
+
+    def _no_reward(self, global_step: int) -> None:
+        """Said once a run (rank 0): a step whose every completion, on every rank, got None from every
+        function. It is not an error (TRL trains on it, and a function may rightly not apply to a whole
+        step), but every step like it teaches nothing, which a run of them makes easy to miss."""
+        if self.said_no_reward:
+            return
+        self.said_no_reward = True
+        if self.rank == 0:
+            log.warning(
+                "grpo.rewards: no reward function returned a number for any completion of step %d (every value was "
+                "None): the step's advantages are all 0 and it trains on nothing — return a number for the "
+                "completions a function applies to (said once; later steps like it are not reported)",
+                global_step + 1,
+            )
 
     def _micro_batches(self, prompts: list, s: Sampled, advantages: torch.Tensor, stats: torch.Tensor):
         """The step's micro-batches of completions, as its prompt micro-batches were."""
@@ -433,9 +495,8 @@ class Rollouts:
         tokens and truncated completions, and this rank's reward error if any (``task.eval_totals``
         agrees on it)."""
         s = self._sample(model, [batch], None)
-        completions = [[{"role": "assistant", "content": t}] for t in s.texts] if self.chat else s.texts
         try:
-            per_fn = reward_fns.score(self.scorers, s.prompts, completions, s.completion_ids, s.columns, -1)
+            per_fn = self._rewards(s, -1, None)
             error = None
         except KubetuneError as e:
             per_fn, error = np.zeros((len(s.texts), len(self.scorers))), str(e)
