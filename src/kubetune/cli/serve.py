@@ -37,6 +37,10 @@ def serve(
     timeout: Annotated[float, typer.Option(min=0.1, help="Seconds a request may take; then 504.")] = 60.0,
     max_request_kb: Annotated[int, typer.Option(min=1, help="Largest request body, KiB; larger: 413.")] = 1024,
     max_tokens: Annotated[int, typer.Option(min=1, help="The most new tokens one request may ask for.")] = 2048,
+    header_timeout: Annotated[
+        float,
+        typer.Option(min=0.1, max=3600.0, help="Seconds a client may take to send a request's headers; then closed."),
+    ] = 10.0,
     token_file: Annotated[
         Path | None,
         typer.Option(help=f"A file holding the bearer token clients must send (or set ${TOKEN_ENV}); default: none."),
@@ -47,16 +51,23 @@ def serve(
 ) -> None:
     """Serve an exported model over HTTP: the OpenAI API for causal LMs (/v1/completions,
     /v1/chat/completions, /v1/models), KServe's v1 and v2 protocols for classifiers, /health, /ready, /metrics."""
-    import uvicorn
-
     from kubetune.providers import S3Settings
     from kubetune.serving import engine as engines
     from kubetune.serving.app import Limits, build_app
+    from kubetune.serving.http import serve as run_server
 
     try:
         token = _token(token_file)
         served = engines.load(model, adapter, S3Settings(endpoint_url=endpoint_url))
-        limits = Limits(max_batch, max_wait_ms, max_queue, timeout, max_request_kb * 1024, max_tokens)
+        limits = Limits(
+            max_batch,
+            max_wait_ms,
+            max_queue,
+            timeout,
+            max_request_kb * 1024,
+            max_tokens,
+            header_timeout_s=header_timeout,
+        )
         name = name or _job_name(served.path)
         server = build_app(served, name, limits, token)
     except KubetuneError as e:
@@ -65,7 +76,7 @@ def serve(
         f"serving {name} ({served.kind}) on http://{host}:{port}" + (" (bearer token required)" if token else ""),
         err=True,
     )
-    uvicorn.run(server, host=host, port=port, log_level="warning")
+    run_server(server, host, port, limits.header_timeout_s)
 
 
 def _token(path: Path | None) -> str | None:

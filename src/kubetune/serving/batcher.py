@@ -1,8 +1,12 @@
 """Dynamic batching for ``kubetune serve``: requests wait in a bounded queue; one worker thread takes the
 oldest, gathers the requests that may share its batch (``key``) that arrive within ``max_wait_s``, up to
-``max_batch``, runs them in one call of the engine and hands each request its result.
+``max_batch``, runs them in one call of the engine and hands each request its result (or its own error).
 
-Why our own (about 100 lines) rather than a library's: KServe's model server batches in its own
+A request's items are queued all at once or not at all (a refused request leaves nothing behind), and
+a request given up (timed out, its client gone) is not computed: it is dropped from the queue, and
+``on_cancel`` tells the engine to stop it within a batch already running.
+
+Why our own (about 150 lines) rather than a library's: KServe's model server batches in its own
 process model (ray/agents) and the ASGI frameworks have none; what a bounded queue answering 429,
 a wait bound and grouping by sampling need is a queue and a thread."""
 
@@ -18,7 +22,7 @@ from typing import Any
 
 
 class QueueFull(Exception):
-    """The queue holds ``max_queue`` requests: the server answers 429."""
+    """The queue has no room for all of a request's items: the server answers 429."""
 
 
 @dataclass
@@ -31,8 +35,9 @@ class _Item:
 
 
 class Batcher:
-    """``await submit(payload, key)`` -> what ``run([payloads])`` did for it (``run`` fills each payload in
-    place, or returns one result per payload)."""
+    """``enqueue([(payload, key), ...])`` -> one future per payload, done with what ``run([payloads])`` did
+    for it: ``run`` fills each payload in place (returns None), or returns one result per payload, where
+    an exception is that payload's own error (the batch's others are answered)."""
 
     def __init__(
         self,
@@ -40,10 +45,12 @@ class Batcher:
         max_batch: int,
         max_wait_s: float,
         max_queue: int,
-        on_batch: Callable[[int], None] | None = None,
+        on_batch: Callable[[list], None] | None = None,
+        on_cancel: Callable[[Any], None] | None = None,
     ):
         self.run, self.max_batch, self.max_wait_s, self.max_queue = run, max_batch, max_wait_s, max_queue
-        self.on_batch = on_batch
+        self.on_batch, self.on_cancel = on_batch, on_cancel
+        self.running = 0  # requests in the engine call now going on
         self._queue: collections.deque[_Item] = collections.deque()
         self._cond = threading.Condition()
         self._stopped = False
@@ -55,21 +62,36 @@ class Batcher:
         """Requests waiting (not yet in a batch)."""
         return len(self._queue)
 
+    def enqueue(self, items: list[tuple[Any, Hashable]]) -> list[asyncio.Future]:
+        """Queue a request's ``(payload, key)`` items together, from the event loop's thread.
+
+        Returns:
+            One future per item; cancelling one drops its item (and calls ``on_cancel`` with its payload).
+
+        Raises:
+            QueueFull: the queue has no room for all of them; none was queued.
+        """
+        loop = asyncio.get_running_loop()
+        queued = [_Item(payload, key, loop.create_future(), loop) for payload, key in items]
+        with self._cond:
+            if len(self._queue) + len(queued) > self.max_queue:
+                raise QueueFull
+            self._queue.extend(queued)
+            self._cond.notify()
+        if self.on_cancel is not None:
+            for item in queued:
+                item.future.add_done_callback(lambda f, p=item.payload: f.cancelled() and self.on_cancel(p))
+        return [item.future for item in queued]
+
     async def submit(self, payload, key: Hashable = None):
-        """This payload's result once its batch has run.
+        """One payload's result once its batch has run.
 
         Raises:
             QueueFull: ``max_queue`` requests are waiting.
-            Exception: what ``run`` raised for its batch.
+            Exception: the payload's own error, or what ``run`` raised for its batch.
         """
-        loop = asyncio.get_running_loop()
-        item = _Item(payload, key, loop.create_future(), loop)
-        with self._cond:
-            if len(self._queue) >= self.max_queue:
-                raise QueueFull
-            self._queue.append(item)
-            self._cond.notify()
-        return await item.future
+        [future] = self.enqueue([(payload, key)])
+        return await future
 
     def close(self) -> None:
         with self._cond:
@@ -97,28 +119,30 @@ class Batcher:
                 if left <= 0:
                     break
                 self._cond.wait(left)
-            return [i for i in batch if not i.future.cancelled()]  # a timed-out request is not computed
+            return [i for i in batch if not i.future.cancelled()]  # a request given up is not computed
 
     def _work(self) -> None:
         while (batch := self._take()) is not None:
             if not batch:
                 continue
-            if self.on_batch is not None:
-                self.on_batch(len(batch))
+            self.running = len(batch)
+            payloads = [i.payload for i in batch]
             try:
-                results = self.run([i.payload for i in batch])
+                results = self.run(payloads)
             except Exception as e:  # the batch's requests all get the error; the worker goes on
-                for i in batch:
-                    i.loop.call_soon_threadsafe(_set, i.future, None, e)
-                continue
+                results = [e] * len(batch)
+            if self.on_batch is not None:
+                self.on_batch(payloads)
+            self.running = 0  # after on_batch: what the batch did is counted once the engine is idle
             for k, i in enumerate(batch):
-                i.loop.call_soon_threadsafe(_set, i.future, results[k] if results is not None else i.payload, None)
+                result = results[k] if results is not None else i.payload
+                i.loop.call_soon_threadsafe(_set, i.future, result)
 
 
-def _set(future: asyncio.Future, result, error: BaseException | None) -> None:
-    if future.done():  # cancelled by its request's timeout
+def _set(future: asyncio.Future, result) -> None:
+    if future.done():  # cancelled: its request was given up
         return
-    if error is not None:
-        future.set_exception(error)
+    if isinstance(result, BaseException):
+        future.set_exception(result)
     else:
         future.set_result(result)

@@ -24,6 +24,8 @@ class Generation:
     top_p: float = 1.0
     seed: int | None = None
     on_token: Callable[[int], None] | None = None
+    # set from the event loop when its request is given up (timed out, client gone): stopped at the next token
+    cancelled: threading.Event = field(default_factory=threading.Event)
     # filled by the engine
     tokens: list[int] = field(default_factory=list)
     finish_reason: str = "length"
@@ -37,7 +39,9 @@ class Generation:
 
 class _Streamer:
     """transformers' streamer protocol for a whole batch: ``put`` gets each step's new token of every
-    row (its first call, the prompts, is skipped); each row's tokens go to its request until its end."""
+    row (its first call, the prompts, is skipped); each row's tokens go to its request until its end
+    (its max_tokens, an end-of-sequence token, or its request given up). Called as a stopping criterion,
+    it tells ``generate`` which rows have ended, so that a batch whose rows have all ended stops there."""
 
     def __init__(self, batch: list[Generation], eos: set[int]):
         self.batch, self.eos, self.first, self.done = batch, eos, True, [False] * len(batch)
@@ -48,7 +52,8 @@ class _Streamer:
             return
         for k, token in enumerate(value.reshape(-1).tolist()):
             g = self.batch[k]
-            if self.done[k]:
+            if self.done[k] or g.cancelled.is_set():
+                self.done[k] = True
                 continue
             if token in self.eos:
                 self.done[k], g.finish_reason = True, "stop"
@@ -61,6 +66,12 @@ class _Streamer:
 
     def end(self) -> None:
         pass
+
+    def __call__(self, input_ids, scores, **kwargs):
+        import torch
+
+        done = [d or g.cancelled.is_set() for d, g in zip(self.done, self.batch)]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
 
 class Generator:
@@ -119,6 +130,7 @@ class Generator:
         """Generate every request of ``batch`` (one sampling, see ``Generation.key``) in one call, left-padded;
         a batch of one is exactly ``predict``'s call."""
         import torch
+        from transformers import StoppingCriteriaList
 
         width = max(len(g.ids) for g in batch)
         ids = torch.full((len(batch), width), self.pad, dtype=torch.long)
@@ -134,7 +146,7 @@ class Generator:
         )
         streamer = _Streamer(batch, self.eos)
         with self._lock, torch.no_grad():  # one generation at a time on the model
-            if first.seed is not None:
+            if first.seed is not None and first.temperature > 0:  # a seeded sampling runs alone (Generation.key)
                 torch.manual_seed(first.seed)
             self.model.generate(
                 input_ids=ids.to(self.device),
@@ -142,6 +154,7 @@ class Generator:
                 max_new_tokens=max(g.max_tokens for g in batch),
                 pad_token_id=self.pad,
                 streamer=streamer,
+                stopping_criteria=StoppingCriteriaList([streamer]),
                 **sampling,
             )
 
@@ -167,7 +180,24 @@ class Classifier:
         self.labels = [model.config.id2label[i] for i in sorted(model.config.id2label)]
         self._lock = threading.Lock()
 
-    def run(self, texts: list[str]) -> list[dict]:
+    def run(self, texts: list[str]) -> list[dict | Exception]:
+        """The top label and its score for each text, in one call of the pipeline; where that call fails,
+        each text alone, so that a text the model cannot take fails its own request only (its entry is
+        the exception)."""
+        try:
+            return self._label(texts)
+        except Exception as e:  # noqa: BLE001 - whose text it was is found out below
+            if len(texts) == 1:
+                return [e]
+        out: list[dict | Exception] = []
+        for text in texts:
+            try:
+                out.extend(self._label([text]))
+            except Exception as e:  # noqa: BLE001 - this text's own error, answered to its request
+                out.append(e)
+        return out
+
+    def _label(self, texts: list[str]) -> list[dict]:
         with self._lock:
             out = self.pipe(texts, batch_size=len(texts), truncation=True, max_length=self.context)
         return [{"label": r["label"], "score": float(r["score"])} for r in out]

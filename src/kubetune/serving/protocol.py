@@ -1,13 +1,79 @@
 """The wire formats ``kubetune serve`` speaks: OpenAI's completions and chat completions (the request
 fields by OpenAI's names; ones kubetune does not implement are refused by name, not ignored), KServe's
-v1 ``instances`` and the open inference protocol v2 (``inputs`` of BYTES), and the responses."""
+v1 ``instances`` (the open inference protocol v2 is in ``serving.v2``), the responses, the two error
+shapes, and one line for a request's first validation error. A request's strings must be text: a lone
+UTF-16 surrogate (a JSON ``\\ud800`` escape without its pair) is refused by where it is."""
 
 from __future__ import annotations
 
+import re
 import time
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MIN_TEMPERATURE = 0.01  # below it the scaled logits overflow to inf (NaN probabilities); vLLM clamps to it too
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed takes
+_SURROGATE = re.compile("[\ud800-\udfff]")
+# the tags pydantic puts in an error's location for a union's member ("str", "list[str]"): not field names
+_UNION_TAG = re.compile(r"^(str|int|float|bool|dict|list|none|function-.*|.*\[.*\])$")
+
+
+def lone_surrogate(value: Any, where: str = "") -> str | None:
+    """Where the first string of a parsed JSON ``value`` (its values, not its keys) holds a lone surrogate,
+    as one message; None where every string is text."""
+    todo = [(value, where)]
+    while todo:  # by hand, not recursion: a deeply nested body must not hit the recursion limit
+        v, at = todo.pop()
+        if isinstance(v, str):
+            if (found := _SURROGATE.search(v)) is not None:
+                return (
+                    f"{at or 'body'}: a lone surrogate {found.group()!r} at character {found.start()} is not text; "
+                    "send Unicode text (a \\ud800-\\udfff escape only as half of a pair)"
+                )
+        elif isinstance(v, dict):
+            todo.extend((x, f"{at}.{k}" if at else str(k)) for k, x in reversed(v.items()))
+        elif isinstance(v, list):
+            todo.extend((x, f"{at}[{k}]") for k, x in reversed(list(enumerate(v))))
+    return None
+
+
+def describe(errors: list[dict]) -> str:
+    """One line for the first of pydantic's (or FastAPI's) validation errors: where, then what."""
+    if not errors:
+        return "body: not a valid request"
+    first = errors[0]
+    loc = list(first.get("loc", ()))
+    if loc[:1] == ["body"]:  # FastAPI's prefix
+        loc = loc[1:]
+    kind, ctx = first.get("type", ""), first.get("ctx") or {}
+    if kind == "json_invalid":
+        at = f" at character {loc[0]}" if loc and isinstance(loc[0], int) else ""
+        return f"body: not valid JSON ({ctx.get('error', 'decode error')}{at})"
+    where = ""
+    for part in loc:
+        if isinstance(part, int):
+            where += f"[{part}]"
+        elif not _UNION_TAG.match(str(part)):
+            where += f".{part}" if where else str(part)
+    if kind == "value_error":  # our own validators' messages, which may name their place themselves
+        message = str(ctx.get("error", first.get("msg", "")))
+        return message if not where and ":" in message else f"{where or 'body'}: {message}"
+    if kind in ("model_type", "model_attributes_type", "dict_type") and not where:
+        return "body: must be a JSON object"
+    if kind == "extra_forbidden":
+        return f"{where}: not a field this server implements; remove it"
+    return f"{where or 'body'}: {first.get('msg', 'invalid')}"
+
+
+def openai_error(status: int, message: str, kind: str, param: str | None = None) -> dict:
+    """OpenAI's error body."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def kserve_error(message: str) -> dict:
+    """KServe's v1 and the open inference protocol v2's error body."""
+    return {"error": message}
 
 
 class _Request(BaseModel):
@@ -15,7 +81,18 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class _Sampling(_Request):
+class _Body(_Request):
+    """A whole request body: its strings are checked for lone surrogates, which tokenizers cannot take."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data):
+        if (problem := lone_surrogate(data)) is not None:
+            raise ValueError(problem)
+        return data
+
+
+class _Sampling(_Body):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -26,6 +103,21 @@ class _Sampling(_Request):
     stop: str | list[str] | None = None
     seed: int | None = None
     user: str | None = None
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, value):
+        if 0 < value < MIN_TEMPERATURE:
+            raise ValueError(f"{value:g} is too small to sample with; give 0 (greedy) or {MIN_TEMPERATURE:g} to 2")
+        return value
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, value):
+        low, high = SEED_RANGE
+        if value is not None and not low <= value <= high:
+            raise ValueError(f"{value} is outside {low} to {high}; give a seed in that range")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -81,10 +173,10 @@ def chunk(kind: str, rid: str, name: str, text: str, finish: str | None, role: b
     return {"id": rid, "object": obj, "created": int(time.time()), "model": name, "choices": [body]}
 
 
-# ---------------------------------------------------------------- KServe
+# ---------------------------------------------------------------- KServe v1
 
 
-class V1Request(_Request):
+class V1Request(_Body):
     """KServe v1: ``{"instances": ["text", ...]}`` (or ``{"text": ...}`` objects)."""
 
     instances: list[str | dict] = Field(min_length=1)
@@ -94,53 +186,6 @@ class V1Request(_Request):
         for k, x in enumerate(self.instances):
             text = x if isinstance(x, str) else x.get("text")
             if not isinstance(text, str):
-                raise ValueError(f"instances[{k}]: a string, or an object with a string 'text'")
+                raise ValueError(f"instances[{k}]: give a string, or an object with a string 'text'")
             out.append(text)
         return out
-
-
-class V2Tensor(_Request):
-    name: str
-    shape: list[int]
-    datatype: str
-    data: list
-    parameters: dict | None = None
-
-
-class V2Request(_Request):
-    """The open inference protocol v2: one BYTES input of texts."""
-
-    id: str | None = None
-    inputs: list[V2Tensor] = Field(min_length=1)
-    outputs: list[dict] | None = None
-    parameters: dict | None = None
-
-    def texts(self) -> list[str]:
-        tensor = self.inputs[0]
-        if tensor.datatype != "BYTES" or not all(isinstance(x, str) for x in tensor.data):
-            raise ValueError(f"inputs[0] ({tensor.name}): datatype BYTES with string data")
-        return list(tensor.data)
-
-
-def v2_metadata(name: str) -> dict:
-    return {
-        "name": name,
-        "platform": "kubetune",
-        "inputs": [{"name": "text", "datatype": "BYTES", "shape": [-1]}],
-        "outputs": [
-            {"name": "label", "datatype": "BYTES", "shape": [-1]},
-            {"name": "score", "datatype": "FP32", "shape": [-1]},
-        ],
-    }
-
-
-def v2_response(name: str, rid: str | None, results: list[dict]) -> dict:
-    n = len(results)
-    return {
-        "model_name": name,
-        "id": rid or "",
-        "outputs": [
-            {"name": "label", "datatype": "BYTES", "shape": [n], "data": [r["label"] for r in results]},
-            {"name": "score", "datatype": "FP32", "shape": [n], "data": [r["score"] for r in results]},
-        ],
-    }

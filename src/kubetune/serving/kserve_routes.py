@@ -1,0 +1,80 @@
+"""KServe's v1 (``/v1/models/NAME:predict``) and the open inference protocol v2 (``/v2``, ``/v2/models/NAME``,
+``.../ready``, ``.../infer``) for a classifier. A body is read as JSON whatever its Content-Type says, as
+KServe's model server reads it (its examples send ``curl -d``, Triton's client sends none)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from pydantic import ValidationError
+
+from kubetune.serving import protocol as api
+from kubetune.serving import v2
+from kubetune.serving.compute import HTTPError, Runner, check_model
+from kubetune.serving.engine import Classifier
+from kubetune.version import __version__
+
+
+def add_routes(app: FastAPI, engine: Classifier, name: str, runner: Runner) -> None:
+    @app.get("/v1/models/{model}")
+    async def v1_ready(model: str):
+        check_model(model, name)
+        return {"name": name, "ready": True}
+
+    @app.post("/v1/models/{model}:predict")
+    async def v1_predict(model: str, request: Request):
+        check_model(model, name)
+        req = _v1_request(await request.body())
+        try:
+            texts = req.texts()
+        except ValueError as e:
+            raise HTTPError(400, str(e)) from None
+        return {"predictions": await _classify(texts, runner, request)}
+
+    @app.get("/v2")
+    async def v2_server():
+        return v2.server_metadata(__version__)
+
+    @app.get("/v2/models/{model}")
+    async def v2_metadata(model: str):
+        check_model(model, name)
+        return v2.model_metadata(name)
+
+    @app.get("/v2/models/{model}/ready")
+    async def v2_ready(model: str):
+        check_model(model, name)
+        return {"name": name, "ready": True}
+
+    @app.post("/v2/models/{model}/infer")
+    async def v2_infer(model: str, request: Request):
+        check_model(model, name)
+        if request.headers.get("content-encoding", "identity") != "identity":
+            raise HTTPError(415, "Content-Encoding: send the request body uncompressed")
+        try:
+            req, texts = v2.parse(await request.body(), request.headers.get(v2.BINARY_HEADER))
+        except v2.ProtocolError as e:
+            raise HTTPError(400, str(e)) from None
+        body, json_length = v2.response(name, req, await _classify(texts, runner, request))
+        if json_length is None:
+            return Response(body, media_type="application/json")
+        return Response(body, media_type="application/octet-stream", headers={v2.BINARY_HEADER: str(json_length)})
+
+
+def _v1_request(body: bytes) -> api.V1Request:
+    try:
+        return api.V1Request.model_validate(json.loads(body))
+    except json.JSONDecodeError as e:
+        raise HTTPError(400, f"body: not valid JSON ({e.msg} at character {e.pos})") from None
+    except (UnicodeDecodeError, RecursionError):
+        raise HTTPError(400, "body: not valid JSON (not UTF-8, or nested too deeply)") from None
+    except ValidationError as e:
+        raise HTTPError(400, api.describe(e.errors())) from None
+
+
+async def _classify(texts: list[str], runner: Runner, request: Request) -> list[dict[str, Any]]:
+    if not texts:
+        raise HTTPError(400, "no texts to classify: give instances (v1) or a BYTES input (v2)")
+    return await runner.compute([(t, "classify") for t in texts], "texts", request.receive)
