@@ -8,8 +8,9 @@ import sys
 
 USER_ERROR_EXIT = 2
 
-# scheme://user:password@ in a URL anywhere in a text (a message, a log line)
-_CREDENTIALS = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)[^/?#@\s'\"]+@")
+# scheme://user:password@ in a URL anywhere in a text (a message, a log line). Greedy up to the authority's
+# last '@' (RFC 3986: the host follows the last one), so a password holding '@' is masked whole.
+_CREDENTIALS = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)[^/?#\s'\"]+@")
 
 
 def redact(text: str) -> str:

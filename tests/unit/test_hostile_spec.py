@@ -285,3 +285,16 @@ def test_validate_refuses_what_needs_a_gpu_on_a_machine_without_one(tmp_path):
         spec.write_text(GOOD + extra + "resources: {gpu: 1}\n")
         r = CliRunner().invoke(app, ["validate", str(spec)])
         assert r.exit_code == 0 and r.stdout == "ok\n", r.stderr
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("https://u:p@ss@h.example/x?a=b@c", "https://***@h.example/x?a=b@c"),  # the tail 'ss@' leaked
+        ("see http://a:b@h and mail x@y.z", "see http://***@h and mail x@y.z"),
+    ],
+)
+def test_redact_masks_a_password_holding_at_signs_whole(text, expected):
+    from kubetune.errors import redact
+
+    assert redact(text) == expected
