@@ -197,8 +197,7 @@ def _stop_before_launch(signum, frame):
 
 @contextmanager
 def translated_failures():
-    """Around a run of torch's elastic launcher: its ways of failing, as kubetune's. The workers it
-    starts note themselves in a directory of its own (``EXIT_NOTES``), which it removes afterwards.
+    """Around a run of torch's elastic launcher: its ways of failing, as kubetune's.
 
     Raises:
         Stopped: the launcher got SIGTERM/SIGINT (torch passed it on to the workers, which
@@ -207,23 +206,18 @@ def translated_failures():
         WorkerFailed: the failing worker crashed or was killed (``root_failure`` picks which), or a
             worker exited 0 before the job finished and the others failed only for losing it.
     """
-    import shutil
-    import tempfile
-
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from kubetune.distributed import EXIT_PREEMPTED
 
-    notes, before = tempfile.mkdtemp(prefix="kubetune-workers-"), os.environ.get(EXIT_NOTES)
-    os.environ[EXIT_NOTES] = notes  # the workers' environment is a copy of the launcher's
     try:
         yield
     except SignalException as e:
         raise Stopped(f"stopped by {e.sigval.name}", signum=e.sigval) from None
     except ChildFailedError as e:
         rank, failure = root_failure(e.failures)
-        quitter = quit_early(left_notes(Path(notes)), e.failures, failure)
+        quitter = quit_early(left_notes(e.failures), e.failures, failure)
         if quitter is not None:
             raise WorkerFailed(quitter, 0) from None
         code = failure.exitcode
@@ -232,46 +226,50 @@ def translated_failures():
         if code == EXIT_PREEMPTED:
             raise Stopped(f"rank {rank} was stopped by a signal after writing a checkpoint") from None
         raise WorkerFailed(rank, code, error_message(failure)) from None
-    finally:
-        if before is None:
-            os.environ.pop(EXIT_NOTES, None)
-        else:
-            os.environ[EXIT_NOTES] = before
-        shutil.rmtree(notes, ignore_errors=True)
 
 
 # A rank that exits 0 before the job ends (user code calling os._exit, a library's sys.exit(0) outside
 # kubetune's handling) is no failure to torch's agent, which lists only non-zero exits: its peers then
-# fail in their next collective, and torch reports them. So each worker notes its start in this directory,
-# and takes the note back when it leaves through the worker's own exit (``note_start``, ``note_exit``).
-EXIT_NOTES = "KUBETUNE_EXIT_NOTES"
+# fail in their next collective, and torch reports them. So each worker notes its start beside its error
+# file (TORCHELASTIC_ERROR_FILE: torch's directory of that rank in this attempt, made anew for every
+# attempt) and takes the note back when it leaves through the worker's own exit.
+RUNNING_NOTE = "kubetune-running"
 
 
 def _note(environ) -> Path | None:
-    where = environ.get(EXIT_NOTES)
-    attempt = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return Path(where) / f"rank-{environ.get('RANK', '0')}-attempt-{attempt}" if where else None
+    error_file = environ.get("TORCHELASTIC_ERROR_FILE")
+    return Path(error_file).with_name(RUNNING_NOTE) if error_file and error_file != os.devnull else None
 
 
 def note_start(environ=os.environ) -> None:
-    """A worker, first thing: note that this rank runs (nothing outside a kubetune launch)."""
+    """A worker, first thing: note that this rank runs (nothing outside torch's elastic launch)."""
     path = _note(environ)
     if path is not None:
-        path.write_text(str(os.getpid()))
+        path.write_text(environ.get("RANK", "0"))
 
 
 def note_exit(environ=os.environ) -> None:
-    """A worker, last thing, however it ends (done, a user error, a crash, a stop): the note goes."""
+    """A worker, last thing, however it ends (done, a user error, a crash, a stop): its note goes."""
     path = _note(environ)
     if path is not None:
         path.unlink(missing_ok=True)
 
 
-def left_notes(notes: Path) -> set[int]:
-    """The ranks of the latest attempt (elastic restarts) whose workers did not leave through their own exit."""
-    found = [tuple(map(int, p.name.split("-")[1::2])) for p in notes.glob("rank-*-attempt-*")]
-    latest = max((attempt for _, attempt in found), default=0)
-    return {rank for rank, attempt in found if attempt == latest}
+def left_notes(failures: dict[int, object]) -> set[int]:
+    """The ranks of this node whose workers noted their start and did not leave through their own exit,
+    found in the attempt's directory of any failure's error file (empty when none left one)."""
+    for failure in failures.values():
+        error_file = getattr(failure, "error_file", "<N/A>")
+        if error_file in ("<N/A>", "", os.devnull):
+            continue
+        out = set()
+        for note in Path(error_file).parent.parent.glob(f"*/{RUNNING_NOTE}"):
+            try:
+                out.add(int(note.read_text()))
+            except (OSError, ValueError):  # a worker killed while it wrote its note
+                pass
+        return out
+    return set()
 
 
 def quit_early(left: set[int], failures: dict[int, object], root) -> int | None:
