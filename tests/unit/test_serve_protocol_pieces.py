@@ -243,3 +243,29 @@ def test_a_v2_request_is_checked_and_refused_with_where(request_, message):
     with pytest.raises(v2.ProtocolError) as e:
         v2.parse(*request_)
     assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
+# ---------------------------------------------------------------- the body's arrival
+
+
+def test_a_body_that_does_not_arrive_in_time_is_a_408_and_after_it_receive_passes_through():
+    from kubetune.serving.app import _in_time
+    from kubetune.serving.compute import HTTPError
+
+    async def main():
+        messages = asyncio.Queue()
+        bounded = _in_time(messages.get, 0.05)
+        messages.put_nowait({"type": "http.request", "body": b"{", "more_body": True})
+        assert (await bounded())["body"] == b"{"
+        with pytest.raises(HTTPError) as e:
+            await bounded()  # the rest never comes
+        assert e.value.status == 408 and "within 0.05 s" in e.value.message
+        whole = _in_time(messages.get, 0.05)
+        messages.put_nowait({"type": "http.request", "body": b"{}", "more_body": False})
+        await whole()
+        waiting = asyncio.ensure_future(whole())  # after the body: waits for the disconnect, however long
+        await asyncio.sleep(0.1)
+        messages.put_nowait({"type": "http.disconnect"})
+        assert (await waiting)["type"] == "http.disconnect"
+
+    asyncio.run(main())

@@ -76,12 +76,14 @@ def kserve_error(message: str) -> dict:
     return {"error": message}
 
 
-class _Request(BaseModel):
-    # unknown fields are refused by name (a client that sets logprobs must not get an answer without them)
+class Strict(BaseModel):
+    """A request object whose unknown fields are refused by name (a client that sets logprobs must not get
+    an answer without them)."""
+
     model_config = ConfigDict(extra="forbid")
 
 
-class _Body(_Request):
+class Body(Strict):
     """A whole request body: its strings are checked for lone surrogates, which tokenizers cannot take."""
 
     @model_validator(mode="before")
@@ -92,7 +94,7 @@ class _Body(_Request):
         return data
 
 
-class _Sampling(_Body):
+class _Sampling(Body):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -138,7 +140,7 @@ class CompletionRequest(_Sampling):
     default_max_tokens: ClassVar[int] = 16  # OpenAI's default for completions
 
 
-class Message(_Request):
+class Message(Strict):
     role: Literal["system", "user", "assistant", "tool"]
     content: str
 
@@ -176,7 +178,7 @@ def chunk(kind: str, rid: str, name: str, text: str, finish: str | None, role: b
 # ---------------------------------------------------------------- KServe v1
 
 
-class V1Request(_Body):
+class V1Request(Body):
     """KServe v1: ``{"instances": ["text", ...]}`` (or ``{"text": ...}`` objects)."""
 
     instances: list[str | dict] = Field(min_length=1)

@@ -16,7 +16,7 @@ import struct
 
 from pydantic import Field, ValidationError
 
-from kubetune.serving.protocol import _Body, _Request, describe
+from kubetune.serving.protocol import Body, Strict, describe
 
 BINARY_HEADER = "Inference-Header-Content-Length"
 INPUT = "text"
@@ -28,7 +28,7 @@ class ProtocolError(ValueError):
     """A request the protocol cannot take: one line, answered 400."""
 
 
-class Tensor(_Request):
+class Tensor(Strict):
     name: str
     shape: list[int]
     datatype: str
@@ -36,12 +36,12 @@ class Tensor(_Request):
     parameters: dict | None = None
 
 
-class RequestedOutput(_Request):
+class RequestedOutput(Strict):
     name: str
     parameters: dict | None = None
 
 
-class InferRequest(_Body):
+class InferRequest(Body):
     """An inference request: one BYTES input of texts; which outputs, and which of them as binary."""
 
     id: str | None = None
