@@ -8,6 +8,7 @@ reward's error only."""
 from __future__ import annotations
 
 import logging
+import random
 import signal
 import sys
 import threading
@@ -60,6 +61,12 @@ def array(prompts, completions, completion_ids, **columns):
 
 
 def sleeps(prompts, completions, completion_ids, **columns):
+    time.sleep(30)
+    return [1.0] * len(completions)
+
+
+def draws_then_sleeps(prompts, completions, completion_ids, **columns):
+    random.random(), np.random.rand(), torch.rand(1)  # a reward that samples (e.g. a judge's tie-breaks)
     time.sleep(30)
     return [1.0] * len(completions)
 
@@ -132,6 +139,28 @@ def test_a_stop_signal_during_a_reward_call_gives_the_call_up_at_once():
     with pytest.raises(R.Abandoned):
         _score("sleeps", timeout_s=60, stop=stop)
     assert time.monotonic() - started < 10
+
+
+def test_a_step_given_up_on_a_stop_signal_leaves_the_random_state_as_before_it():
+    """The trainer then checkpoints the last completed step: its RNG states must be that step's, not moved by
+    the reward calls of the step given up, or the resumed step would draw other numbers."""
+    from kubetune.data import StepBatch
+    from kubetune.distributed import StepAbandoned
+    from kubetune.tasks.grpo.data import PromptBatch
+
+    g = GRPOSpec(rewards=[Reward(function=f"{MODULE}:draws_then_sleeps")], num_generations=2)
+    r = Rollouts(g, type("T", (), {"pad_token_id": 0})(), R.scorers(g.rewards), 0, 0, False, [1])
+    r._sample = lambda model, prompts, global_step: _sampled(2)  # no model: the completions as sampled
+    prompt = PromptBatch({}, torch.zeros(0), 1.0, torch.tensor([7]), [{"prompt": "p", "columns": {}}])
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    before = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())
+    stop = threading.Event()
+    threading.Timer(0.3, stop.set).start()
+    with pytest.raises(StepAbandoned):
+        r.step(None, StepBatch([prompt], 1, np.array([7])), 4, None, stop=stop)
+    assert random.getstate() == before[0] and (np.random.get_state()[1] == before[1]).all()
+    assert torch.equal(torch.get_rng_state(), before[2])
+    assert list(r.samples) == [] and r.cache == []  # nothing of the step is kept
 
 
 def test_a_function_that_sets_a_signal_handler_is_told_how_to_run_under_the_timeout():
