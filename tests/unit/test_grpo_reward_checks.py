@@ -177,6 +177,33 @@ def test_the_reward_timeout_is_a_spec_field_with_a_default_below_kubernetes_grac
         GRPOSpec(rewards=[Reward(function="regex", pattern="a")], reward_timeout_s=0)
 
 
+@pytest.mark.parametrize(("timeout", "grace", "warned"), [(10, 30, False), (15, 30, False), (16, 30, True)])
+def test_render_warns_when_the_reward_timeout_leaves_a_stopped_pod_too_little_grace(timeout, grace, warned):
+    from kubetune.backends import checks
+
+    spec = parse_spec(
+        {
+            "name": "g",
+            "task": "grpo",
+            "model": {"uri": "pkg://kubetune/assets/tiny-llama"},
+            "data": {"train": "s3://b/x.jsonl"},
+            "grpo": {"rewards": [{"function": "regex", "pattern": "a"}], "reward_timeout_s": timeout},
+            "kubernetes": {"termination_grace_period_seconds": grace},
+            "output": {"uri": "s3://b/out"},
+        }
+    )
+    found = [w for w in checks.warnings_for(spec) if w.startswith("grpo.reward_timeout_s")]
+    assert found == (
+        [
+            f"grpo.reward_timeout_s: {timeout} s is over half of kubernetes.termination_grace_period_seconds 30: "
+            "after a stop signal a pod waits for its running reward call, and may be killed before it writes its "
+            "checkpoint — raise the grace period, or lower the timeout"
+        ]
+        if warned
+        else []
+    )
+
+
 def _rollouts() -> Rollouts:
     g = GRPOSpec(rewards=[Reward(function="regex", pattern="a")], num_generations=2)
     return Rollouts(g, type("T", (), {"pad_token_id": 0})(), R.scorers(g.rewards), 0, 0, False, [1])
