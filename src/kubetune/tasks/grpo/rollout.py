@@ -7,7 +7,8 @@ gathers every rank's rewards for the batch's statistics; a group never leaves it
 advantages are computed where it was sampled. The sampling RNG is a pure function of (seed, step,
 rank): a resumed run draws what the uninterrupted one drew. With ``num_iterations`` > 1 the step's
 rollouts (and the sampling policy's log-probabilities) are kept for the next steps, and go into the
-checkpoint.
+checkpoint. A stop signal during a reward call gives the step up on every rank (``StepAbandoned``),
+leaving nothing of it (the random state included), so the trainer checkpoints the step before.
 """
 
 from __future__ import annotations
