@@ -231,11 +231,6 @@ def test_a_step_without_any_reward_warns_once_for_the_run(caplog):
     ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="config/load.py's _cross_problems_of passes a task section that is present but invalid as None, as if "
-    "absent, so grpo's checks add 'task grpo needs a grpo section'; the fix is there, outside the grpo task",
-)
 def test_validate_shows_an_invalid_rewards_own_error_only():
     spec = {
         "name": "g",
@@ -251,12 +246,6 @@ def test_validate_shows_an_invalid_rewards_own_error_only():
     assert e.value.problems[0].startswith("grpo.rewards.0.function: 'not a function' is neither a built-in")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="checkpoint.check_compatible compares a task's own section as one dict: a new field of it (a checkpoint "
-    "from before grpo.reward_timeout_s existed) or a changed runtime bound refuses the resume; the fix is in "
-    "kubetune/checkpoint, outside the grpo task",
-)
 def test_raising_the_reward_timeout_keeps_the_checkpoint_resumable():
     from kubetune import checkpoint
 
@@ -271,6 +260,11 @@ def test_raising_the_reward_timeout_keeps_the_checkpoint_resumable():
     saved = checkpoint.fingerprint(parse_spec(base), [], 2)
     raised = parse_spec({**base, "grpo": {**base["grpo"], "reward_timeout_s": 30}})
     checkpoint.check_compatible(saved, checkpoint.fingerprint(raised, [], 2), "runs/g")
+    older = {**saved, "grpo": {k: v for k, v in saved["grpo"].items() if k != "beta"}}  # a key it lacked: not checked
+    checkpoint.check_compatible(older, checkpoint.fingerprint(raised, [], 2), "runs/g")
+    changed = parse_spec({**base, "grpo": {**base["grpo"], "beta": 0.5}})  # a trajectory key is still compared
+    with pytest.raises(KubetuneError, match=r"grpo\.beta 0\.0.*this run has 0\.5"):
+        checkpoint.check_compatible(saved, checkpoint.fingerprint(changed, [], 2), "runs/g")
 
 
 def _failure(exitcode: int, message: str = ""):

@@ -133,7 +133,9 @@ def _own_section(spec: JobSpec) -> dict:
     if spec.task not in TASK_SECTIONS:
         return {}
     section = getattr(spec, spec.task)
-    return {spec.task: section.model_dump() if section is not None else None}
+    # A section's RESUME_FREE fields bound the run (a reward's timeout), not its trajectory: not fingerprinted.
+    free = set(getattr(type(section), "RESUME_FREE", ()))
+    return {spec.task: section.model_dump(exclude=free) if section is not None else None}
 
 
 def layout(saved: dict | None, world_size: int, batch_size: int, grad_accum: int, where: str) -> tuple[int, int]:
@@ -193,10 +195,12 @@ def check_compatible(saved: dict, current: dict, where: str) -> None:
         "task": "task",
         "labels": "data.label_column",
         "lora": "lora",
-        **({current["task"]: current["task"]} if current.get("task") in current else {}),  # _own_section
         "batch_size": "training.batch_size",
     }
-    for section in ("training", "data"):
+    own = current.get("task") if current.get("task") in current else None  # _own_section
+    if own and not (isinstance(saved.get(own), dict) and isinstance(current[own], dict)):
+        fields[own] = own  # present in one and absent in the other: compared whole
+    for section in ("training", "data", *([own] if own and own not in fields else [])):
         for key, value in (current.get(section) or {}).items():
             # A key the checkpoint lacks was not fingerprinted by the kubetune that wrote it: not checked.
             if key in (saved.get(section) or {}) and saved[section][key] != value:

@@ -211,6 +211,7 @@ def parse_spec(raw: Any, overrides: list[str] | None = None, source: str = "spec
 def _cross_problems_of(raw: dict) -> list[str]:
     """``schema.cross_problems`` of the sections of ``raw`` that validate on their own."""
     from kubetune.config.schema import (
+        INVALID,
         TASK_SECTIONS,
         DistributedSpec,
         KubernetesSpec,
@@ -238,7 +239,7 @@ def _cross_problems_of(raw: dict) -> list[str]:
         section(OutputSpec, raw.get("output")) if raw.get("output") is not None else None,
         section(TrackingSpec, raw.get("tracking")),
         {
-            name: section(model, raw[name]) if raw.get(name) is not None else None
+            name: (section(model, raw[name]) or INVALID) if raw.get(name) is not None else None
             for name, model in TASK_SECTIONS.items()
         },
         section(TrainSpec, raw.get("training")),

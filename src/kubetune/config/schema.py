@@ -369,6 +369,11 @@ JobSpec = create_model(
 CROSS_SEPARATOR = "\n"
 
 
+# A task's own section that is present but does not validate (``cross_problems``' ``own``): its task's checks
+# are skipped rather than told the section is missing.
+INVALID = object()
+
+
 def cross_problems(
     data,
     distributed: DistributedSpec | None,
@@ -381,17 +386,18 @@ def cross_problems(
 ) -> list[str]:
     """The problems between fields of different sections (each section valid on its own); ``None``
     for a section that is not valid (its checks are skipped); ``own``: the tasks' own sections by
-    task name (None: absent or not valid). Also run by ``load.parse_spec`` when other fields fail,
-    so that every problem of a spec is reported at once."""
+    task name (None: absent; ``INVALID``: present but not valid, its own errors already reported). Also
+    run by ``load.parse_spec`` when other fields fail, so that every problem of a spec is reported at once."""
     out = []
     own = own or {}
     if data is not None:
-        out += TASKS[data.task].checks(data, own.get(data.task))
+        if own.get(data.task) is not INVALID:  # an invalid section's own errors say it all (not "needs a section")
+            out += TASKS[data.task].checks(data, own.get(data.task))
         out += [
             f"{name}: applies to task {name}, and this job's task is {data.task} — remove the {name} section, "
             f"or set task: {name}"
             for name, section in own.items()
-            if section is not None and name != data.task
+            if section is not None and section is not INVALID and name != data.task
         ]
     if data is not None and getattr(data, "streaming", False) and training is not None and not training.max_steps:
         out.append(

@@ -55,9 +55,12 @@ class Online(Protocol):
     def repeat(self) -> int:
         """Optimizer steps per step of the data plan (each plan step is trained on this many times)."""
 
-    def step(self, model: torch.nn.Module, step: StepBatch, global_step: int, autocast) -> StepBatch:
+    def step(self, model: torch.nn.Module, step: StepBatch, global_step: int, autocast, stop=None) -> StepBatch:
         """Every rank, at ``global_step``: the step trained on, made from the plan's ``step`` by ``model``
-        (the unwrapped model); its ``units`` is the global step's loss units over every rank."""
+        (the unwrapped model); its ``units`` is the global step's loss units over every rank. ``stop``: the
+        run's stop event (a ``threading.Event``); a step whose work could outlast a stopped pod's grace
+        period watches it and raises ``distributed.StepAbandoned`` on every rank together, having changed
+        nothing, so the trainer checkpoints the step before."""
 
     def state_dict(self) -> dict:
         """This rank's state for a checkpoint (plain tensors and values)."""

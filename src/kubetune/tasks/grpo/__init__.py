@@ -7,7 +7,7 @@ loss ``loss.py``."""
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 
@@ -92,6 +92,9 @@ class GRPOSpec(Section):
     """Online RL of task: grpo (the names of TRL's GRPOConfig). training.batch_size counts prompts: each
     micro-batch holds batch_size × num_generations completions (TRL's per_device_train_batch_size counts
     completions)."""
+
+    # Bounds of the run, not of its trajectory: a checkpoint resumes whatever they were (checkpoint._own_section).
+    RESUME_FREE: ClassVar[tuple[str, ...]] = ("reward_timeout_s",)
 
     rewards: list[Reward] = Field(
         min_length=1, description="The reward functions; a completion's reward is their weighted sum."
