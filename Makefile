@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install seed-cache demo test test-all bench gpu-wheels gpu-check image image-test clean
+.PHONY: install seed-cache demo test test-e2e test-all bench gpu-wheels gpu-check image image-test clean
 
 $(BIN)/.installed: pyproject.toml requirements.txt requirements-test.txt
 	$(PYTHON) -m venv $(VENV)
@@ -36,14 +36,31 @@ demo: seed-cache
 	$(BIN)/kubetune predict runs/sentiment-minilm "I love how smooth this ride is" "I would never trust a self-driving car with my kids" "The car has four wheels"
 	$(BIN)/python -m kubetune.summary runs/sentiment-minilm
 
+# The two tiers (README, Development). Each prints its 25 slowest tests and its total at the end, so a slip
+# is seen when it happens. PYTEST_ARGS adds to both (e.g. PYTEST_ARGS="-x -k serve").
+PYTEST_ARGS ?=
+DURATIONS   := --durations=25 --durations-min=1
+# make test's test processes (pytest-xdist): 2 for the 2 cores CI has; TEST_PROCS=0 runs them in this one.
+# --dist loadgroup: each module's tests in one process, and the modules sharing a session run together
+# (tests/conftest.py).
+TEST_PROCS  ?= 2
+PARALLEL    := $(if $(filter-out 0,$(TEST_PROCS)),-n $(TEST_PROCS) --dist loadgroup)
+
+# make test: every unit test and one end-to-end run of each user path (pyproject's addopts leave out the
+# e2e, slow and gpu markers).
 test: install $(MLFLOW_VENV)/.installed
 	# Formatting and lint first (seconds): ruff format and ruff check, 120 columns (pyproject.toml).
 	$(BIN)/ruff format --check --quiet .
 	$(BIN)/ruff check --quiet .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(PARALLEL) $(DURATIONS) $(PYTEST_ARGS)
+
+# make test-e2e: the heavier end-to-end variants (marker e2e): SIGKILL/resume matrices, world-size changes,
+# long comparisons. CI runs it after make test (.ci/run).
+test-e2e: install $(MLFLOW_VENV)/.installed
+	$(BIN)/python -m pytest -q -m "e2e and not slow and not gpu" $(DURATIONS) $(PYTEST_ARGS)
 
 test-all: install $(MLFLOW_VENV)/.installed
-	$(BIN)/python -m pytest -q -m ""
+	$(BIN)/python -m pytest -q -m "" $(DURATIONS) $(PYTEST_ARGS)
 
 # kubetune against the seed loop and HF Trainer (about 12 minutes on 2 cores; results in benchmarks/results/)
 bench: seed-cache

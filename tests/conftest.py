@@ -132,10 +132,28 @@ def _start_mlflow_server() -> None:
     )
 
 
-@pytest.hookimpl(trylast=True)  # after -m and -k have deselected what they deselect
-def pytest_collection_modifyitems(items):
-    if any("mlflow_server" in getattr(item, "fixturenames", ()) for item in items):
+def pytest_collection_finish(session):
+    # After -m and -k have deselected what they deselect. In parallel test processes (pytest-xdist), each
+    # collects every test and cannot know which it will run: there the fixture starts the server.
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    if any("mlflow_server" in getattr(item, "fixturenames", ()) for item in session.items):
         _start_mlflow_server()
+
+
+# make test runs the tests in two processes (pytest-xdist, --dist loadgroup): a group's tests all run in
+# one process. Each module is a group, so its module fixtures are made once; the modules sharing the
+# session's expensive runs (minilm_run, minilm_killed, tiny_chat_sft, dpo_example) are one group, so each
+# of those runs is made once per test run too.
+_SHARED_RUNS = {"test_causal_lm.py", "test_dpo.py", "test_local_run.py", "test_mlflow.py", "test_reliability.py"}
+_SHARED_RUNS |= {"test_serve.py"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
+def pytest_collection_modifyitems(items):
+    for item in items:
+        name = item.path.name
+        item.add_marker(pytest.mark.xdist_group("shared-runs" if name in _SHARED_RUNS else str(item.path)))
 
 
 def pytest_sessionfinish():

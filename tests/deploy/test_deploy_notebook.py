@@ -31,6 +31,7 @@ def test_notebook_is_committed_without_outputs():
     assert all(not c.get("outputs") and c.get("execution_count") is None for c in nb.cells if c.cell_type == "code")
 
 
+@pytest.mark.e2e  # make test: the same local backend and predict through the CLI and the Python client
 def test_notebook_runs_on_the_local_backend_and_predicts(tmp_path, monkeypatch):
     import nbformat
     from nbclient import NotebookClient

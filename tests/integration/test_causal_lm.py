@@ -86,6 +86,7 @@ def test_tiny_chat_example_lora_two_processes(tiny_chat_sft):
     assert result["completion"].strip() in {"negative", "neutral", "positive"}, result
 
 
+@pytest.mark.e2e  # make test: the tiny chat LoRA run above; a full fine-tune in test_fsdp.py and the GRPO example
 def test_full_finetune_on_instruction_data_without_packing(tmp_path):
     data = tmp_path / "alpaca.jsonl"
     rows = [

@@ -86,6 +86,8 @@ def uninterrupted(runs):
     return runs["ddp"]
 
 
+# e2e, this and the FSDP one (one module run of both): make test's DPO run is the example below (LoRA, DDP)
+@pytest.mark.e2e
 def test_full_finetune_resumes_bit_identically_after_sigkill_with_the_reference_recomputed(uninterrupted, tmp_path):
     ref_out, ref_log = uninterrupted
     assert "dpo reference log-probabilities of 320 + 120 pairs" in ref_log
@@ -119,6 +121,7 @@ def test_full_finetune_resumes_bit_identically_after_sigkill_with_the_reference_
     assert _history(out, "train") == train  # the same losses and rewards at every step
 
 
+@pytest.mark.e2e
 def test_fsdp_trains_like_ddp_with_a_sharded_reference_pass(runs):
     ref_out, _ = runs["ddp"]
     out, log = runs["fsdp"]

@@ -93,13 +93,14 @@ def _steps(trace: Path) -> dict[int, set[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, killed):
+def reference(tmp_path_factory, request):
     """Uninterrupted 2-process runs, FSDP and DDP, run at the same time (checkpoints at 5 and 10 only:
     that a finished run clears them is asserted, and writing them changes no weight). The SIGKILLed
     FSDP run the resume tests start from runs beside them: each run leaves a core idle while it starts,
     and the kill waits for that run's own checkpoint, whatever the others do."""
     tmp = tmp_path_factory.mktemp("ref")
-    killed.start("fsdp")
+    if any("killed" in getattr(item, "fixturenames", ()) for item in request.session.items):  # make test-e2e
+        request.getfixturevalue("killed").start("fsdp")
     return _run_together(tmp, {s: _spec(tmp / s / "out", s, checkpoint_every=5) for s in ("fsdp", "ddp")})
 
 
@@ -135,6 +136,7 @@ def test_fsdp_trains_like_ddp_and_exports_a_model_transformers_loads(reference):
     assert "completion" in json.loads(r.stdout)[0]
 
 
+@pytest.mark.e2e  # make test: FSDP against DDP above (full fine-tune); LoRA under DDP in test_causal_lm.py
 def test_lora_with_activation_checkpointing_under_fsdp_matches_ddp_and_exports_adapter_and_merged_model(tmp_path):
     from safetensors.torch import load_file
 
@@ -199,6 +201,9 @@ def _copy(killed_run: tuple[Path, Path, int], tmp: Path) -> Path:
     return out
 
 
+# e2e, the three below: make test's resume is test_mlflow.py's SIGTERM + resume (DDP); the sharded (DCP)
+# checkpoint's save and load are unit-tested (test_strategy.py)
+@pytest.mark.e2e
 def test_a_sigkilled_rank_resumes_from_its_sharded_checkpoint_bit_identically(reference, killed, tmp_path):
     run = killed("fsdp")
     step = run[0] / "checkpoints" / f"step-{run[2]:08d}"
@@ -220,6 +225,7 @@ def test_a_sigkilled_rank_resumes_from_its_sharded_checkpoint_bit_identically(re
         pytest.param("ddp", 1, 4, marks=pytest.mark.slow),  # the same layout path, DDP's state.pt
     ],
 )
+@pytest.mark.e2e
 def test_resume_on_another_number_of_processes_keeps_every_rows_step(
     reference, killed, tmp_path, strategy, procs, grad_accum
 ):
@@ -240,6 +246,7 @@ def test_resume_on_another_number_of_processes_keeps_every_rows_step(
     assert diff < 1e-5, diff
 
 
+@pytest.mark.e2e
 def test_a_global_batch_that_cannot_be_kept_is_one_line(killed, tmp_path):
     out = _copy(killed("fsdp"), tmp_path)
     before = sorted(p.relative_to(out) for p in out.rglob("*"))

@@ -104,15 +104,19 @@ def _weights(out: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
+def example(tmp_path_factory) -> Path:
+    """The example (shortened): the output of its run (make test's one GRPO run)."""
+    tmp = tmp_path_factory.mktemp("grpo-example")
+    r = kubetune("run", str(write_spec(tmp / "example.yaml", _example(tmp / "example"))))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return tmp / "example"
+
+
+@pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The example (shortened), the full fine-tune, the LoRA run and FSDP, at the same time: name -> output."""
+    """The full fine-tune, the LoRA run and FSDP, at the same time (make test-e2e): name -> output."""
     tmp = tmp_path_factory.mktemp("grpo")
-    specs = {
-        "example": _example(tmp / "example"),
-        "full": _full(tmp / "full"),
-        "lora": _lora(tmp / "lora"),
-        "fsdp": _fsdp(tmp / "fsdp"),
-    }
+    specs = {"full": _full(tmp / "full"), "lora": _lora(tmp / "lora"), "fsdp": _fsdp(tmp / "fsdp")}
     results = kubetune_together(
         *((("run", str(write_spec(tmp / f"{name}.yaml", spec))), None) for name, spec in specs.items())
     )
@@ -121,8 +125,8 @@ def runs(tmp_path_factory):
     return {name: tmp / name for name in specs}
 
 
-def test_the_example_learns_reports_and_predicts(runs):
-    out = runs["example"]
+def test_the_example_learns_reports_and_predicts(example):
+    out = example
     evals = _history(out, "eval")
     assert [e["step"] for e in evals] == [0, 8, 16]  # eval_on_start: the step-0 value
     rise = evals[-1]["eval_reward"] - evals[0]["eval_reward"]
@@ -148,6 +152,9 @@ def test_the_example_learns_reports_and_predicts(runs):
     assert sum(ch.isdigit() for ch in reply) > 0, reply
 
 
+# e2e: make test's GRPO run is the example above (a full fine-tune); its resume path is test_reliability.py's
+# (SIGKILL, then an exact resume), and GRPO's given-up step is unit-tested (test_grpo_reward_checks.py)
+@pytest.mark.e2e
 def test_full_finetune_resumes_bit_identically_after_sigkill_inside_a_generation(runs, tmp_path):
     ref = runs["full"]
     metrics = json.loads((ref / "metrics.json").read_text())
@@ -174,6 +181,7 @@ def test_full_finetune_resumes_bit_identically_after_sigkill_inside_a_generation
     assert (out / "completions.jsonl").read_text() == (ref / "completions.jsonl").read_text()
 
 
+@pytest.mark.e2e  # LoRA in make test: test_causal_lm.py's tiny chat run and the DPO example
 def test_lora_with_the_adapter_disabled_reference_logs_kl_and_every_reward(runs):
     out = runs["lora"]
     metrics = json.loads((out / "metrics.json").read_text())
@@ -186,6 +194,7 @@ def test_lora_with_the_adapter_disabled_reference_logs_kl_and_every_reward(runs)
     assert train[-1]["kl"] > 0
 
 
+@pytest.mark.e2e  # FSDP in make test: test_fsdp.py's FSDP against DDP (causal-lm)
 def test_fsdp_samples_in_step_without_gathering_the_model(runs):
     """A sharded model's every forward is collective: generation keeps the ranks in step (synced), and
     the first generation, from the same weights and seeds, is the DDP run's."""
@@ -197,6 +206,7 @@ def test_fsdp_samples_in_step_without_gathering_the_model(runs):
     assert first and [s["completion"] for s in first] == [s["completion"] for s in ddp]
 
 
+@pytest.mark.e2e  # make test: the same one line from the reward calls in process (test_grpo_reward_checks.py)
 def test_a_reward_function_failing_on_one_rank_stops_both_in_one_line(tmp_path):
     (tmp_path / "rewards_rank1.py").write_text(
         "import os\n"

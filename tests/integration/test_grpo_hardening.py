@@ -22,7 +22,9 @@ import pytest
 import torch
 from conftest import ROOT, kubetune_together, write_spec
 
-pytestmark = pytest.mark.integration
+# e2e: three 2-process runs at once; make test covers each row in process (test_grpo_reward_checks.py) and a
+# reward failing on one rank end to end (test_grpo.py)
+pytestmark = [pytest.mark.integration, pytest.mark.e2e]
 GRACE_S = 30  # Kubernetes' default terminationGracePeriodSeconds, and torchrun's default shutdown timeout
 
 REWARDS = """

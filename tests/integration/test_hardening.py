@@ -84,6 +84,7 @@ def _artifacts(out: Path) -> dict:
     }
 
 
+@pytest.mark.e2e  # make test: the Output's claim, refusal and overwrite in process (test_output.py, test_output_seam.py)
 def test_rerun_into_a_finished_output_is_refused_a_full_disk_keeps_it_and_overwrite_keeps_the_users_files(
     tmp_path, tmpfs
 ):

@@ -147,6 +147,9 @@ def lora_run(full_run, tmp_path_factory, small_csv):
     return out, spec, runs[0], again
 
 
+# e2e, this and the same-seed test (one LoRA run of MiniLM plus a rerun): make test trains MiniLM above; the
+# tokenization cache is unit-tested (test_rows.py), LoRA's export in test_causal_lm.py and the DPO example
+@pytest.mark.e2e
 def test_second_run_hits_tokenization_cache_and_lora_exports_adapter(lora_run):
     out, _, proc, _ = lora_run
     assert "tokenization cache hit" in proc.stderr  # same data, tokenizer and max_length as full_run
@@ -188,6 +191,7 @@ def _model_weights(out: Path) -> dict:
     return load_file(out / "model" / "model.safetensors")
 
 
+@pytest.mark.e2e
 def test_same_seed_same_weights(lora_run):
     """Determinism from training.seed: the same 2-process job launched again (lora_run's second launch,
     other output) ends with bit-identical weights. (Full fine-tunes: test_reliability's resumed runs

@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, tiny_spec, write_spec
 
-pytestmark = pytest.mark.integration
+# e2e: two hosts in network namespaces; make test's distributed runs are 2 processes on one host, and the
+# multi-node rendezvous and environment are built by pure functions tested in tests/unit (test_local_backend.py)
+pytestmark = [pytest.mark.integration, pytest.mark.e2e]
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:

@@ -167,6 +167,7 @@ def _worker_pids(launcher: int) -> list[int]:
     return [pid for pid in _descendants(launcher) if b"kubetune.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
 
 
+@pytest.mark.e2e  # make test: SIGTERM, checkpoint and resume through `kubetune run` (test_mlflow.py); exit codes below
 def test_sigterm_checkpoints_exits_143_and_the_next_pod_resumes(tmp_path, start_pod):
     out = tmp_path / "out"
     spec_path = write_spec(tmp_path / "job.yaml", _spec(out, training={"max_steps": 30}))
@@ -201,6 +202,7 @@ def test_user_error_exits_1_which_the_operator_does_not_retry(tmp_path, start_po
     assert "Traceback" not in err
 
 
+@pytest.mark.e2e  # make test: a user error's exit code below; the mapping of every failure is unit-tested (test_local_backend.py)
 def test_oom_killed_worker_exits_137_and_its_peer_pod_exits_200(tmp_path, start_pod):
     # Two pods of an elastic job (c10d rendezvous at worker 0, as the operator sets it; no restarts
     # left). The OOM killer's SIGKILL to the second pod's worker: that pod exits 128 + 9; the first

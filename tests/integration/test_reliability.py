@@ -83,6 +83,7 @@ def killed(minilm_killed):
     return minilm_killed
 
 
+@pytest.mark.e2e  # make test's resume: test_mlflow.py's SIGTERM + resume of the same job; checkpoint checks below
 def test_sigkilled_worker_then_rerun_resumes_exactly_through_an_elastic_restart(reference, killed, tmp_path):
     """The killed run fails naming the rank; run again (with restarts allowed), it resumes, loses its
     rank 0 to a SIGKILL after a later checkpoint, restarts its workers, resumes again and completes in

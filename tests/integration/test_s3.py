@@ -284,6 +284,7 @@ def _large_download_peak_rss(moto, s3, tmp_path, size_mb: int) -> tuple[int, int
     return size, rss
 
 
+@pytest.mark.e2e  # the download path itself runs in every s3 test of make test
 def test_large_download_memory_is_bounded(moto, s3, tmp_path):
     """Peak memory is a constant (~50 MiB interpreter + in-flight parts), not a share of the object."""
     size, rss = _large_download_peak_rss(moto, s3, tmp_path, 384)
@@ -457,6 +458,7 @@ def test_s3_output_prefix_ownership(moto, s3, tmp_path, setup, overwrite, expect
         assert s3.get_object(Bucket=BUCKET, Key=f"{prefix}/thesis.tex")["Body"].read() == b"mine"
 
 
+@pytest.mark.e2e  # make test's S3 run: s3 in, s3 out, predict and pull above; the checkpoint store's s3 side below
 def test_fsdp_checkpoint_shards_uploaded_by_every_rank_resume_on_a_new_machine(moto, s3, tmp_path):
     """FSDP with an s3:// output: every rank uploads its own shard, the manifest (written last by
     rank 0) lists them all, and a run whose local staging is gone resumes from the bucket."""

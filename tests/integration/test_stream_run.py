@@ -15,7 +15,9 @@ import pytest
 from conftest import kubetune, start_run, wait_for_checkpoint, worker_pid, write_spec
 from test_s3 import BUCKET, moto, s3  # noqa: F401  (moto's server on 127.0.0.1, shared with test_s3.py)
 
-pytestmark = pytest.mark.integration
+# e2e: `kubetune run` on streamed shards; make test streams in process, local and s3://, with exact resume on
+# another world size (test_stream.py)
+pytestmark = [pytest.mark.integration, pytest.mark.e2e]
 ROOT = Path(__file__).resolve().parents[2]
 CHAT = ROOT / "src/kubetune/assets/sentiment/sentiment-chat.jsonl"
 SHARDS, PER_SHARD = 20, 6  # 120 rows: 7.5 global batches of 16 — the epoch's last step is partial

@@ -69,6 +69,7 @@ def test_its_spec_is_validated_with_its_own_sections(plugin_env, small_csv, tmp_
     assert proc.returncode == 2 and "task" in proc.stderr and "regression" in proc.stderr, proc.stderr
 
 
+@pytest.mark.e2e  # make test: its spec validated through the registry (above); each shipped task trains there
 def test_it_trains_on_two_processes_exports_reports_and_predicts(plugin_env, small_csv, tmp_path):
     out = tmp_path / "out"
     spec = write_spec(tmp_path / "job.yaml", _spec(small_csv, out, regression={"target_scale": 2.0}))

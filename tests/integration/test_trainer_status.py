@@ -19,7 +19,9 @@ from fakes.kube_api import FakeKubeAPI
 from fakes.objects import pod
 from fakes.trainer_status import TrainerStatusServer, status_errors
 
-pytestmark = pytest.mark.integration
+# e2e: two runs reporting to the fake status server; make test covers the sender in process against the
+# same server (test_trainer_status_pieces.py, test_trainer_status_hardening.py)
+pytestmark = [pytest.mark.integration, pytest.mark.e2e]
 NS = "team-a"
 TRAINJOBS = ("trainer.kubeflow.org/v1alpha1", "trainjobs")
 INTERVAL = 1.0
