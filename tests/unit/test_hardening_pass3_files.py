@@ -307,3 +307,31 @@ def test_a_weight_file_has_no_size_bound_and_a_hub_snapshot_passes(tmp_path):
     (model / "onnx").mkdir()  # folders are not read as model files
     _fifo(model / "onnx" / "model.onnx")
     check_model_files(model, field="model.uri")
+
+
+def test_serves_name_never_reads_a_huge_or_special_job_yaml(tmp_path):
+    """`kubetune serve` names the model from job.yaml beside model/: a 2 GB (sparse) job.yaml there was read
+    whole; it, a FIFO and a link to /dev/zero now fall back to the directory's name without being read."""
+    import tracemalloc
+
+    from kubetune.cli.serve import _job_name
+
+    model = tmp_path / "run" / "model"
+    model.mkdir(parents=True)
+    job = tmp_path / "run" / "job.yaml"
+    job.write_text("name: mine\n")
+    assert _job_name(model) == "mine"
+    with job.open("r+b") as f:
+        f.truncate(2 << 30)
+    tracemalloc.start()
+    try:
+        assert _job_name(model) == "run"
+        assert tracemalloc.get_traced_memory()[1] < 64 << 20  # was: 2 GiB read into memory
+    finally:
+        tracemalloc.stop()
+    job.unlink()
+    os.mkfifo(job)
+    assert _job_name(model) == "run"
+    job.unlink()
+    job.symlink_to("/dev/zero")
+    assert _job_name(model) == "run"

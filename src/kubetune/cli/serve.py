@@ -106,9 +106,12 @@ def _job_name(path: Path) -> str:
     """The export's job name (job.yaml beside model/), else its directory's name."""
     import yaml
 
+    from kubetune.paths import read_regular
+
     job = path.parent / "job.yaml"
-    try:
-        value = yaml.safe_load(job.read_text()).get("name") if job.is_file() else None
-    except (OSError, yaml.YAMLError, AttributeError):
+    try:  # only a name: a job.yaml that is no regular file or over 4 MiB falls back to the directory's name
+        text = read_regular(job, field="job.yaml", limit=4 << 20, fix="-").decode("utf-8")
+        value = yaml.safe_load(text).get("name")
+    except (KubetuneError, OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError):
         value = None
     return value if isinstance(value, str) and value else path.parent.name if path.name == "model" else path.name
