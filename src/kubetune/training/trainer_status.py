@@ -435,15 +435,9 @@ _FIXES = {
 
 
 def _shown(url: str) -> str:
-    """``url`` as a log line may show it: any user name and password as ``***`` (up to the last
-    ``@`` of the authority, as urllib splits it: a password may hold an ``@``), at most 200 characters."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return redact(url)[:200]
-    if "@" in parts.netloc:
-        parts = parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2])
-    return redact(parts.geturl())[:200]
+    """``url`` as a log line may show it: its user name and password as ``***`` (``errors.redact``, up to
+    the authority's last ``@``), at most 200 characters."""
+    return redact(url)[:200]
 
 
 def _host(url: str) -> str:

@@ -159,8 +159,8 @@ def score(
     n = len(completions)
     at = f"at step {step}" if step >= 0 else "in evaluation"
     out = np.full((n, len(scorers_)), np.nan)
+    kwargs = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **columns}
     for j, s in enumerate(scorers_):
-        kwargs = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **columns}
         values = _call(s, kwargs, at, n, timeout_s, stop, thread_setup)
         out[:, j] = _values(s, values, n, at)
     return out
@@ -168,7 +168,9 @@ def score(
 
 def _call(s: Scorer, kwargs: dict, at: str, n: int, timeout_s, stop, thread_setup) -> object:
     """``s.fn(**kwargs)`` in a daemon thread, waited for as ``score`` says. A call given up keeps running
-    until the process exits, which it is about to: a timeout stops the run, a stop checkpoints and exits."""
+    until the process exits, which it is about to: a timeout stops the run, a stop checkpoints and exits.
+    Why a thread of our own rather than concurrent.futures: its pool's threads are joined at exit, so a
+    call given up would hold the exit (and the pod's grace period) until it returned."""
     box: dict = {}
     done = threading.Event()
 
