@@ -409,9 +409,9 @@ def run_kubetune(inp: Input, procs: int, work: Path, timeout: float, limit_mib: 
     w = got["watcher"]
     run = Run(inp.fmt, inp.mb, inp.bytes, inp.rows, "kubetune", procs, got["status"], one_core, total_s=got["total"])
     run.cpu_s, run.other_cpu_s, run.marks = got["cpu"], got["other_cpu"], got["seen"]
-    workers = w.peaks_mib("kubetune.worker")
+    workers = w.peaks_mib("kubetune.pod.worker")
     run.worker_peak_mib = max(workers) if workers else None
-    anon = w.peaks_mib("kubetune.worker", anon=True)
+    anon = w.peaks_mib("kubetune.pod.worker", anon=True)
     run.worker_anon_mib = max(anon) if anon else None
     pool = w.peaks_mib("multiprocessing")  # a worker's tokenization pool (spawned: python -c "from multiprocessing...")
     run.pool_peak_mib = max(pool) if pool else None

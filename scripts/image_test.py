@@ -238,7 +238,7 @@ class Pods:
     """A rendered PyTorchJob's Master and Worker pods as containers on an internal network."""
 
     def __init__(self, spec: dict, work: Path, tag: str):
-        from kubetune.backends import manifests
+        from kubetune.backends.kubeflow import manifests
         from kubetune.config import load_spec
 
         self.work = work / spec["name"]

@@ -373,7 +373,7 @@ def worker_pid(launcher: int, rank: int) -> int:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if f"RANK={rank}".encode() in env and b"kubetune.worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+        if f"RANK={rank}".encode() in env and b"kubetune.pod.worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
             return pid
     raise AssertionError(f"no worker of rank {rank}")
 

@@ -66,7 +66,7 @@ class SpecError(KubetuneError):
 def exit_now(code: int) -> None:
     """Flush the standard streams and leave with ``code`` without the interpreter's finalization
     (``os._exit``); the caller runs what must run first (the CLI: the atexit handlers; a worker:
-    logging's shutdown only, see ``kubetune.worker``)."""
+    logging's shutdown only, see ``kubetune.pod.worker``)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -28,7 +28,7 @@ DEPLOY = ROOT / "deploy"
 KUSTOMIZATIONS = sorted(p.parent.relative_to(DEPLOY).as_posix() for p in DEPLOY.rglob("kustomization.yaml"))
 OVERLAYS = sorted(p.name for p in (DEPLOY / "overlays").iterdir() if (p / "kustomization.yaml").exists())
 
-# kind -> OpenAPI model for the kinds deploy/ renders beyond those kubetune.backends.strict knows.
+# kind -> OpenAPI model for the kinds deploy/ renders beyond those kubetune.backends.cluster.strict knows.
 EXTRA_KINDS = {
     "Namespace": "V1Namespace",
     "ServiceAccount": "V1ServiceAccount",
@@ -57,7 +57,7 @@ def render(path: str) -> list[dict]:
 def validate(obj: dict) -> list[str]:
     """Strict validation against the official typed models: unknown fields and wrong types are
     problems. Reuses kubetune's walker; adds the kinds it was not written for."""
-    from kubetune.backends import strict
+    from kubetune.backends.cluster import strict
 
     kind = obj.get("kind")
     if kind in EXTRA_KINDS:

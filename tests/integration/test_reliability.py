@@ -63,7 +63,7 @@ def _worker_pids(launcher: int) -> dict[int, int]:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"kubetune.worker" in cmd and "RANK" in env:
+        if b"kubetune.pod.worker" in cmd and "RANK" in env:
             ranks[int(env["RANK"])] = pid
     return ranks
 

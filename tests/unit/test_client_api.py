@@ -1,7 +1,7 @@
 """The Python client's handle on a local run answers like one on a cluster job (it is the same
 class, Job): status()/wait() return a JobStatus, logs() takes follow/rank/all_ranks/tail, Client.list/get see the runs, and
 train(replace=...) refuses or replaces a run of the same name. A small Python script stands in
-for `kubetune run` (backends.local_runs.run_command), so these run in a second; the real run is covered by
+for `kubetune run` (backends.local.runs.run_command), so these run in a second; the real run is covered by
 tests/integration/test_pod_commands.py and the notebook test."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kubetune.backends import local_runs as client_mod
+from kubetune.backends.local import runs as client_mod
 from kubetune.backends.status import JobStatus, WaitTimeout
 from kubetune.client import Client, Job
 from kubetune.errors import KubetuneError

@@ -28,7 +28,7 @@ from kubernetes.client import (
 )
 from peft import LoraConfig
 
-from kubetune.backends import local_runs as client_mod
+from kubetune.backends.local import runs as client_mod
 from kubetune.compat.kubeflow import (
     JobError,
     JobTimeout,

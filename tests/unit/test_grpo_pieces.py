@@ -305,7 +305,7 @@ def test_chunked_head_log_probabilities_equal_the_models_logits(lora, temperatur
 
 
 def test_render_says_when_a_reward_module_is_not_in_the_trainer_image():
-    from kubetune.backends import checks
+    from kubetune.backends.kubeflow import checks
 
     rewards = [{"function": "my_rewards:score"}, {"function": "json:loads"}, {"function": "numpy.linalg:norm"}]
     spec = parse_spec({**_spec({"rewards": rewards}), "output": {"uri": "s3://b/out"}})

@@ -179,7 +179,7 @@ def test_the_reward_timeout_is_a_spec_field_with_a_default_below_kubernetes_grac
 
 @pytest.mark.parametrize(("timeout", "grace", "warned"), [(10, 30, False), (15, 30, False), (16, 30, True)])
 def test_render_warns_when_the_reward_timeout_leaves_a_stopped_pod_too_little_grace(timeout, grace, warned):
-    from kubetune.backends import checks
+    from kubetune.backends.kubeflow import checks
 
     spec = parse_spec(
         {
@@ -289,6 +289,6 @@ LOST = "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:553] Conne
 def test_the_rank_that_exited_0_early_is_named_when_the_others_only_lost_it(left, failures, expected):
     """Row 11 (the launcher's side; test_grpo_hardening runs it): rank 1's os._exit(0) was reported as
     rank 0's failure."""
-    from kubetune.launch import quit_early, root_failure
+    from kubetune.pod.launch import quit_early, root_failure
 
     assert quit_early(left, failures, root_failure(failures)[1]) == expected

@@ -106,7 +106,9 @@ def _run(model: Path, out: Path) -> str:
 
 def _predict(model: Path) -> str:
     """What `kubetune predict` and `serve` check before transformers reads the model."""
-    return f"from pathlib import Path\nfrom kubetune.predict import check_model\ncheck_model(Path({str(model)!r}))"
+    return (
+        f"from pathlib import Path\nfrom kubetune.inference.model import check_model\ncheck_model(Path({str(model)!r}))"
+    )
 
 
 def _cases(d: Path) -> dict[str, tuple[str, str]]:

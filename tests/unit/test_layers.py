@@ -20,20 +20,18 @@ LAYERS = {
     "kubetune.data": 3,
     "kubetune.artifacts": 4,
     "kubetune.checkpoint": 4,
-    "kubetune.tasks": 5,
-    "kubetune.summary": 5,
-    "kubetune.predict": 5,
-    "kubetune.stage": 5,
-    "kubetune.training": 6,
-    "kubetune.worker": 6,
-    "kubetune.launch": 6,
-    "kubetune.backends": 7,
-    "kubetune.serving": 7,
-    "kubetune.client": 8,
-    "kubetune.compat": 8,
-    "kubetune.cli": 9,
-    "kubetune.__main__": 10,
-    "kubetune": 10,
+    # what a task's inference plugs into: model loading and checks, the engines, the server
+    "kubetune.inference": 5,
+    "kubetune.tasks": 6,
+    "kubetune.summary": 6,
+    "kubetune.training": 7,
+    "kubetune.pod": 8,
+    "kubetune.backends": 9,
+    "kubetune.client": 10,
+    "kubetune.compat": 10,
+    "kubetune.cli": 11,
+    "kubetune.__main__": 12,
+    "kubetune": 12,
 }
 
 
@@ -136,7 +134,7 @@ def test_a_local_run_never_imports_the_kubernetes_client():
     import sys
 
     code = (
-        "import sys, kubetune.client, kubetune.worker, kubetune.cli; "
+        "import sys, kubetune.client, kubetune.pod.worker, kubetune.cli; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('kubernetes', 'kubeflow')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

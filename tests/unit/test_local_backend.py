@@ -16,9 +16,9 @@ from torch.distributed.elastic.multiprocessing import Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
 
-from kubetune import launch
-from kubetune.backends.local import Stopped, WorkerFailed, root_failure
+from kubetune.backends.local.launcher import Stopped, WorkerFailed, root_failure
 from kubetune.errors import KubetuneError
+from kubetune.pod import launch
 
 GLOO_RESET = (
     "RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:26241: "
@@ -132,7 +132,7 @@ def test_exit_code_is_retryable_exactly_when_retrying_can_help(error, code):
 )
 def test_translated_failures(tmp_path, failures, raised, code):
     failed = ChildFailedError(
-        "kubetune.worker", {r: _failure(r, c, ts, msg, tmp_path) for r, (c, ts, msg) in failures.items()}
+        "kubetune.pod.worker", {r: _failure(r, c, ts, msg, tmp_path) for r, (c, ts, msg) in failures.items()}
     )
     with pytest.raises(raised) as info, launch.translated_failures():
         raise failed
@@ -141,7 +141,7 @@ def test_translated_failures(tmp_path, failures, raised, code):
 
 @pytest.fixture
 def launched(monkeypatch, tmp_path):
-    """``launched(env) -> (exit code, LaunchConfig, entrypoint, args)``: kubetune.launch.run under
+    """``launched(env) -> (exit code, LaunchConfig, entrypoint, args)``: kubetune.pod.launch.run under
     ``env`` (the PET_* variables), with torch's elastic_launch replaced by a recorder."""
     import torch.distributed.run as torchrun
 
@@ -192,7 +192,7 @@ def test_static_pod_launches_as_torchrun_does(launched, tmp_path):
         Std.NONE,
         Std.NONE,
     )  # workers write to the pod's stdout/stderr
-    assert (entrypoint, args) == (sys.executable, ["-u", "-m", "kubetune.worker", str(tmp_path / "job.yaml")])
+    assert (entrypoint, args) == (sys.executable, ["-u", "-m", "kubetune.pod.worker", str(tmp_path / "job.yaml")])
 
 
 def test_elastic_pod_launches_as_torchrun_does(launched):

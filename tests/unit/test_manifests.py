@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kubetune.backends import checks, manifests, strict
+from kubetune.backends.cluster import strict
+from kubetune.backends.kubeflow import checks, manifests
 from kubetune.config import load_spec, parse_spec
 from kubetune.errors import SpecError
 

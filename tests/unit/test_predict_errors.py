@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kubetune import predict
 from kubetune.cli import app
+from kubetune.inference import model as predict
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA = ROOT / "src" / "kubetune" / "assets" / "tiny-llama"

@@ -14,7 +14,7 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 
 # (module, function) -> why that function may write os.environ.
 ENVIRON_WRITERS = {
-    ("kubetune/backends/local.py", "_launcher_environment"): (
+    ("kubetune/backends/local/launcher.py", "_launcher_environment"): (
         "torch's elastic launcher takes no environment: each worker's is a copy of the launching "
         "process's, and its rendezvous handler reads TORCH_DISABLE_SHARE_RDZV_TCP_STORE from it; set for the "
         "launch only, and restored"
@@ -27,7 +27,7 @@ ENVIRON_WRITERS = {
 # (module, name) -> why that module-level container may change after import.
 MUTABLE_GLOBALS = {
     ("kubetune/providers/base.py", "_RESOLVERS"): "the scheme registry, filled by @register as the providers import",
-    ("kubetune/backends/local_runs.py", "_LOCAL_JOBS"): (
+    ("kubetune/backends/local/runs.py", "_LOCAL_JOBS"): (
         "the jobs this process started (Popen handles): child processes belong to the process itself"
     ),
 }

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from kubetune.serving import protocol as api
-from kubetune.serving import v2
-from kubetune.serving.batcher import Batcher, QueueFull
+from kubetune.inference.server import protocol as api
+from kubetune.inference.server import v2
+from kubetune.inference.server.batcher import Batcher, QueueFull
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA = ROOT / "src" / "kubetune" / "assets" / "tiny-llama"
@@ -87,7 +87,7 @@ def test_each_item_gets_its_own_error_and_a_given_up_item_is_not_computed():
 
 
 def test_a_given_up_generation_stops_at_its_next_token_and_its_batch_goes_on():
-    from kubetune.serving.engine import Generation, Generator
+    from kubetune.inference.engine import Generation, Generator
 
     engine = Generator(LLAMA)
     ids = engine.encode("The seats were")
@@ -106,7 +106,7 @@ def test_a_given_up_generation_stops_at_its_next_token_and_its_batch_goes_on():
 
 
 def test_a_text_the_classifier_cannot_take_fails_alone():
-    from kubetune.serving.engine import Classifier
+    from kubetune.inference.engine import Classifier
 
     def pipe(texts, **kw):
         if any("\ud800" in t for t in texts):
@@ -249,8 +249,8 @@ def test_a_v2_request_is_checked_and_refused_with_where(request_, message):
 
 
 def test_a_body_that_does_not_arrive_in_time_is_a_408_and_after_it_receive_passes_through():
-    from kubetune.serving.app import _in_time
-    from kubetune.serving.compute import HTTPError
+    from kubetune.inference.server.app import _in_time
+    from kubetune.inference.server.compute import HTTPError
 
     async def main():
         messages = asyncio.Queue()

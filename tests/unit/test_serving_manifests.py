@@ -15,7 +15,8 @@ import yaml
 from fakes import crds, webhooks
 from typer.testing import CliRunner
 
-from kubetune.backends import serving, strict
+from kubetune.backends.cluster import strict
+from kubetune.backends.kserve import manifests as serving
 from kubetune.config import load_spec, parse_spec
 from kubetune.config.tasks import entries
 from kubetune.errors import KubetuneError, SpecError

@@ -17,7 +17,7 @@ import yaml
 from fakes import crds, webhooks
 from fakes.crds import TRAINER_RELEASES
 
-from kubetune.backends import manifests
+from kubetune.backends.kubeflow import manifests
 from kubetune.config import load_spec
 
 ROOT = Path(__file__).resolve().parents[2]

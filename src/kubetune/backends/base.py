@@ -50,9 +50,9 @@ class Backend(Protocol):
 
 # name -> "module:class" (imported on first use: the cluster backends load the Kubernetes client)
 REGISTRY = {
-    "local": "kubetune.backends.local_runs:LocalBackend",
-    "pytorchjob": "kubetune.backends.kubeflow:PyTorchJobBackend",
-    "trainjob": "kubetune.backends.kubeflow:TrainJobBackend",
+    "local": "kubetune.backends.local.runs:LocalBackend",
+    "pytorchjob": "kubetune.backends.kubeflow.backend:PyTorchJobBackend",
+    "trainjob": "kubetune.backends.kubeflow.backend:TrainJobBackend",
 }
 # The backends whose jobs are on a cluster: they take the connection options (namespace,
 # kubeconfig, context), and any process reaches their jobs by name (`kubetune submit`, `logs`,
@@ -65,7 +65,7 @@ GROUPS = {"kubeflow": CLUSTER}
 
 
 # What serves a finished job's export on a cluster (`--serve`): KServe InferenceServices
-SERVING = "kubetune.backends.kserve:KServeBackend"
+SERVING = "kubetune.backends.kserve.backend:KServeBackend"
 
 
 def serving(namespace: str | None = None, kubeconfig: str | None = None, context: str | None = None):
@@ -126,6 +126,6 @@ def of_job(
     Raises:
         KubetuneError: both kinds have a job of that name, or the cluster cannot be reached.
     """
-    from kubetune.backends.kubeflow import KubeflowBackend
+    from kubetune.backends.kubeflow.backend import KubeflowBackend
 
     return KubeflowBackend.of_job(name, namespace=namespace, kubeconfig=kubeconfig, context=context)

@@ -57,7 +57,9 @@ def render(
     ] = False,
 ) -> None:
     """Print the Kubernetes objects for a job spec (multi-document YAML); touches no cluster."""
-    from kubetune.backends import base, checks, manifests, serving
+    from kubetune.backends import base
+    from kubetune.backends.kserve import manifests as serving
+    from kubetune.backends.kubeflow import checks, manifests
     from kubetune.config import load_spec
 
     try:
@@ -145,7 +147,8 @@ def submit(
 ) -> None:
     """Create the job on Kubernetes (a PyTorchJob, or a TrainJob) and print its name; with --serve, the
     KServe InferenceService that serves its export (and the ServiceAccount naming the job's storage Secrets)."""
-    from kubetune.backends import checks, serving
+    from kubetune.backends.kserve import manifests as serving
+    from kubetune.backends.kubeflow import checks
     from kubetune.config import load_spec
 
     try:

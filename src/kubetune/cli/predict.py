@@ -51,7 +51,7 @@ def predict(
     seed: Annotated[int | None, typer.Option("--seed", help="Causal LMs: seed for sampling (default 0).")] = None,
 ) -> None:
     """Classify texts or generate text with an exported model (a directory, s3:// artifact or hf:// repo)."""
-    from kubetune.predict import model_path, read_texts
+    from kubetune.inference.model import model_path, read_texts
     from kubetune.providers import S3Settings
 
     s3 = S3Settings(endpoint_url=endpoint_url)
@@ -98,7 +98,7 @@ def _predicting_task(local: Path):
     """The task that predicts with the model in ``local``: the task of the job that exported it, else
     the first registered task whose models are of its kind (the pipeline that serves it)."""
     from kubetune import tasks
-    from kubetune.predict import model_kind, run_task
+    from kubetune.inference.model import model_kind, run_task
 
     name = run_task(local)
     if name in tasks.names() and tasks.get(name).predict is not None:
@@ -110,7 +110,7 @@ def _predicting_task(local: Path):
 def _check_predict_options(task, given: dict, model: str) -> None:
     """Refuse the options the model's task does not take, naming the kind of model that does."""
     from kubetune import tasks
-    from kubetune.predict import NOUNS
+    from kubetune.inference.model import NOUNS
 
     refused = [name for name in given if name not in task.predict_options]
     if not refused:

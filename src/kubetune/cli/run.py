@@ -50,7 +50,7 @@ def run(
     from kubetune.backends import base
     from kubetune.config import load_spec
     from kubetune.config.load import resolve_data_paths
-    from kubetune.launch import Stopped, WorkerFailed
+    from kubetune.pod.launch import Stopped, WorkerFailed
 
     started = time.time()
     job = record = None
@@ -143,7 +143,7 @@ def launch(spec: SpecArg) -> None:
     killed by signal N (137: the OOM killer); 200 an infrastructure failure (a
     lost peer, a timeout): the operator restarts the pod, which resumes from
     the last checkpoint. 1: a user error or a crash, and the job fails."""
-    from kubetune.launch import main as launch_main
+    from kubetune.pod.launch import main as launch_main
 
     raise typer.Exit(launch_main([str(spec)]))
 
@@ -151,7 +151,7 @@ def launch(spec: SpecArg) -> None:
 @app.command(rich_help_panel=INTERNAL)
 def worker(spec: SpecArg) -> None:
     """Run one worker process (what torchrun starts in each pod; reads RANK, WORLD_SIZE, ...)."""
-    from kubetune.worker import main as worker_main
+    from kubetune.pod.worker import main as worker_main
 
     worker_main([str(spec)])
 
@@ -166,7 +166,7 @@ def fetch(
     import logging
 
     from kubetune.config import load_spec
-    from kubetune.stage import stage
+    from kubetune.pod.stage import stage
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     try:

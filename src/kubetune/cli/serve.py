@@ -1,4 +1,4 @@
-"""`kubetune serve`: an exported model behind an HTTP server (``kubetune.serving``)."""
+"""`kubetune serve`: an exported model behind an HTTP server (``kubetune.inference.server``)."""
 
 from __future__ import annotations
 
@@ -51,10 +51,10 @@ def serve(
 ) -> None:
     """Serve an exported model over HTTP: the OpenAI API for causal LMs (/v1/completions,
     /v1/chat/completions, /v1/models), KServe's v1 and v2 protocols for classifiers, /health, /ready, /metrics."""
+    from kubetune.inference import engine as engines
+    from kubetune.inference.server.app import Limits, build_app
+    from kubetune.inference.server.http import serve as run_server
     from kubetune.providers import S3Settings
-    from kubetune.serving import engine as engines
-    from kubetune.serving.app import Limits, build_app
-    from kubetune.serving.http import serve as run_server
 
     try:
         token = _token(token_file)

@@ -149,7 +149,7 @@ class TrainingClient:
         )
         job_spec = _validate(spec, overrides)
         if self.backend == "kubeflow":
-            from kubetune.backends.checks import warnings_for
+            from kubetune.backends.kubeflow.checks import warnings_for
 
             for line in warnings_for(job_spec):
                 warnings.warn(line, UserWarning, stacklevel=2)

@@ -472,7 +472,7 @@ def _summary(m: dict) -> str:
 
 
 def _predict(path: str, prompts: list[str], options: dict, warn) -> list[dict]:
-    from kubetune import predict
+    from kubetune.inference import model as predict
 
     return predict.generate(
         path,

@@ -253,7 +253,7 @@ def _reference_card(m: dict) -> list[str]:
 
 
 def _predict(path: str, texts: list[str], options: dict, warn) -> list[dict]:
-    from kubetune import predict
+    from kubetune.inference import model as predict
 
     return predict.predict(path, texts)
 

@@ -1,7 +1,7 @@
 """The local backend (``LocalBackend``, registered as ``local``): jobs on this machine behind the
 ``Backend`` protocol. The Python client's runs are `kubetune run` in a background process
 (``_LocalRun``, one per run started from this Python process); `kubetune run` itself, in the
-foreground, is the backend's ``run`` (its launcher is ``backends/local.py``) and leaves a record
+foreground, is the backend's ``run`` (its launcher is ``backends/local/launcher.py``) and leaves a record
 that ``LocalBackend(recorded=True)`` reads from another shell (`kubetune status`, `list`)."""
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ class _LocalRun:
         if self._proc.poll() is not None:
             return
         if timeout is None:
-            from kubetune.backends.local import SHUTDOWN_GRACE_S
+            from kubetune.backends.local.launcher import SHUTDOWN_GRACE_S
 
             timeout = SHUTDOWN_GRACE_S + 10
         self._proc.terminate()
@@ -307,7 +307,7 @@ class LocalBackend:
             Stopped: SIGTERM/SIGINT stopped the run after a checkpoint.
             WorkerFailed: a worker crashed or was killed (names the rank and its exit code).
         """
-        from kubetune.backends import local  # torch's elastic launcher: imported only to run
+        from kubetune.backends.local import launcher as local  # torch's elastic launcher: imported only to run
 
         return local.run(spec, local_addr=local_addr)
 

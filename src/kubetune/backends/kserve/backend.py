@@ -15,10 +15,10 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 
-from kubetune.backends import serving
-from kubetune.backends.kubeflow import missing_paths
-from kubetune.backends.kubeflow_api import ClusterConnection
-from kubetune.backends.serving import ISVC_API, SERVES_LABEL
+from kubetune.backends.cluster.api import ClusterConnection
+from kubetune.backends.kserve import manifests as serving
+from kubetune.backends.kserve.manifests import ISVC_API, SERVES_LABEL
+from kubetune.backends.kubeflow.backend import missing_paths
 from kubetune.config import JobSpec
 from kubetune.errors import KubetuneError
 

@@ -14,7 +14,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kubetune.serving.batcher import Batcher, QueueFull
+from kubetune.inference.server.batcher import Batcher, QueueFull
 
 CLIENT_GONE = 499  # nginx's "client closed request": counted, never seen by the client
 

@@ -22,11 +22,11 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 
-from kubetune.serving import kserve_routes, openai_routes
-from kubetune.serving import protocol as api
-from kubetune.serving.batcher import Batcher
-from kubetune.serving.compute import HTTPError, Limits, Metrics, Runner
-from kubetune.serving.engine import Generator
+from kubetune.inference.engine import Generator
+from kubetune.inference.server import kserve_routes, openai_routes
+from kubetune.inference.server import protocol as api
+from kubetune.inference.server.batcher import Batcher
+from kubetune.inference.server.compute import HTTPError, Limits, Metrics, Runner
 
 PROBES = ("/health", "/ready", "/v2/health/live", "/v2/health/ready")
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import contextlib
 import time
 
-from kubetune.backends import manifests
-from kubetune.backends.kubeflow_api import TARGETS
-from kubetune.backends.kubeflow_read import KubeflowReader
-from kubetune.backends.objects import JOB_LABEL, own_claim
+from kubetune.backends.cluster.api import TARGETS
+from kubetune.backends.cluster.objects import JOB_LABEL, own_claim
+from kubetune.backends.kubeflow import manifests
+from kubetune.backends.kubeflow.read import KubeflowReader
 from kubetune.config import JobSpec
 from kubetune.errors import KubetuneError
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kubernetes import client as k8s
 
-from kubetune.backends.objects import PYTORCHJOB_API, TRAINJOB_API
+from kubetune.backends.cluster.objects import PYTORCHJOB_API, TRAINJOB_API
 from kubetune.errors import KubetuneError
 
 TARGETS = {"pytorchjob": (*PYTORCHJOB_API, "PyTorchJob"), "trainjob": (*TRAINJOB_API, "TrainJob")}

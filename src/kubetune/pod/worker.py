@@ -1,6 +1,6 @@
 """The worker entry point: what each training process runs, locally and in Kubernetes pods.
 
-    torchrun --nnodes N --nproc-per-node P ... -m kubetune.worker job.yaml
+    torchrun --nnodes N --nproc-per-node P ... -m kubetune.pod.worker job.yaml
 
 Reads the distributed environment once (RANK, WORLD_SIZE, ... as set by torchrun and the
 Training Operator), runs the trainer on the spec's task, and exits 0; 2 on a user error (one line, no
@@ -34,7 +34,7 @@ from kubetune import distributed  # noqa: E402
 from kubetune.config import JobSpec, load_spec  # noqa: E402
 from kubetune.errors import USER_ERROR_EXIT, KubetuneError, exit_now  # noqa: E402
 
-log = logging.getLogger("kubetune.worker")
+log = logging.getLogger("kubetune.pod.worker")
 
 
 def run_worker(spec: JobSpec) -> dict:
@@ -57,7 +57,7 @@ def run_worker(spec: JobSpec) -> dict:
     try:
         metrics = _train(spec, env, task, stop)
     except BaseException as e:
-        from kubetune.launch import is_infrastructure
+        from kubetune.pod.launch import is_infrastructure
 
         # After a lost peer, destroying the process group waits on gloo's pending work over the
         # broken connection, which can abort the process (SIGABRT) before the error is recorded:
@@ -121,7 +121,7 @@ def _limit_threads(spec: JobSpec, env: distributed.DistEnv) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m kubetune.worker SPEC.yaml", file=sys.stderr)
+        print("usage: python -m kubetune.pod.worker SPEC.yaml", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT)
     from kubetune.training.trainer import Preempted
 
@@ -153,7 +153,7 @@ def _exit_now(code) -> None:
 
 
 if __name__ == "__main__":
-    from kubetune.launch import note_exit, note_start
+    from kubetune.pod.launch import note_exit, note_start
 
     note_start()  # its launcher can tell this rank's exit from an early os._exit in code it runs
     try:

@@ -16,7 +16,7 @@ import struct
 
 from pydantic import Field, ValidationError
 
-from kubetune.serving.protocol import Body, Strict, describe
+from kubetune.inference.server.protocol import Body, Strict, describe
 
 BINARY_HEADER = "Inference-Header-Content-Length"
 INPUT = "text"

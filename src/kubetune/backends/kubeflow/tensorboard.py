@@ -8,7 +8,7 @@ from __future__ import annotations
 from kubernetes import client as k8s
 
 from kubetune.artifacts.output import Output
-from kubetune.backends.objects import JOB_LABEL, WORKSPACE, labels, pvc_name, serialized
+from kubetune.backends.cluster.objects import JOB_LABEL, WORKSPACE, labels, pvc_name, serialized
 from kubetune.config import JobSpec
 
 

@@ -13,9 +13,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from kubetune.errors import KubetuneError
-from kubetune.serving import protocol as api
-from kubetune.serving.compute import HTTPError, Limits, Runner, check_model
-from kubetune.serving.engine import Generation, Generator
+from kubetune.inference.engine import Generation, Generator
+from kubetune.inference.server import protocol as api
+from kubetune.inference.server.compute import HTTPError, Limits, Runner, check_model
 
 
 def add_routes(app: FastAPI, engine: Generator, name: str, limits: Limits, runner: Runner) -> None:

@@ -1,7 +1,7 @@
 """The pod's main process: torch's elastic launcher, configured exactly as ``torchrun`` configures
 it from the Training Operator's environment, exiting with codes the operator's restart policy acts on.
 
-    kubetune launch /workspace/stage/<job>/job.yaml          (or: python -m kubetune.launch ...)
+    kubetune launch /workspace/stage/<job>/job.yaml          (or: python -m kubetune.pod.launch ...)
 
 Why not torchrun itself: under ``restartPolicy: ExitCode`` the Training Operator restarts a pod
 only when its ``pytorch`` container exits with a code >= 128 and fails the job on any other code
@@ -32,7 +32,7 @@ and only maps how it ended:
 
 200 lies above every ``128 + signal`` code (Linux signals end at 64), so it is never mistaken for
 a signal. The pieces that turn torch's failures into these outcomes (``root_failure``,
-``translated_failures``) are shared with ``kubetune run`` (``kubetune.backends.local``).
+``translated_failures``) are shared with ``kubetune run`` (``kubetune.backends.local.launcher``).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from pathlib import Path
 
 from kubetune.errors import USER_ERROR_EXIT, KubetuneError
 
-WORKER_MODULE = "kubetune.worker"
+WORKER_MODULE = "kubetune.pod.worker"
 EXIT_FAILED = 1  # not retryable: the operator fails the job
 EXIT_INFRASTRUCTURE = 200  # retryable: an infrastructure failure that is not a signal
 
@@ -87,7 +87,7 @@ def pod_command(staged_spec_path: str) -> list[str]:
 
 
 def torchrun_args(staged_spec_path: str):
-    """The arguments ``torchrun -m kubetune.worker SPEC`` would run with, parsed by torch's own
+    """The arguments ``torchrun -m kubetune.pod.worker SPEC`` would run with, parsed by torch's own
     parser: every option it leaves out comes from its ``PET_*`` variable (PET_NNODES "N" or
     "MIN:MAX", PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR/PORT, PET_RDZV_BACKEND/ENDPOINT/
     ID/CONF, PET_MAX_RESTARTS, PET_STANDALONE, ...), as the Training Operator sets them.
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(staged_spec_path: str) -> int:
-    """Run this node's workers as ``torchrun -m kubetune.worker STAGED_SPEC`` would, with the same
+    """Run this node's workers as ``torchrun -m kubetune.pod.worker STAGED_SPEC`` would, with the same
     code (``torch.distributed.run.run`` over ``torchrun_args``); returns the exit code for how it
     ended, after one line on stderr saying why when it is not 0.
 

@@ -11,10 +11,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
 
-from kubetune.serving import protocol as api
-from kubetune.serving import v2
-from kubetune.serving.compute import HTTPError, Runner, check_model
-from kubetune.serving.engine import Classifier
+from kubetune.inference.engine import Classifier
+from kubetune.inference.server import protocol as api
+from kubetune.inference.server import v2
+from kubetune.inference.server.compute import HTTPError, Runner, check_model
 from kubetune.version import __version__
 
 

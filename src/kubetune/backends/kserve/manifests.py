@@ -17,8 +17,8 @@ from urllib.parse import urlsplit
 
 from kubetune import providers
 from kubetune.artifacts.output import Output
-from kubetune.backends.manifests import _BlockDumper
-from kubetune.backends.objects import WORKSPACE, pvc_name
+from kubetune.backends.cluster.objects import WORKSPACE, pvc_name
+from kubetune.backends.kubeflow.manifests import _BlockDumper
 from kubetune.config import JobSpec
 from kubetune.errors import SpecError
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kubetune import providers
 from kubetune.artifacts.output import Output
-from kubetune.backends.objects import WORKSPACE
+from kubetune.backends.cluster.objects import WORKSPACE
 from kubetune.config import JobSpec
 
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "0.0.0.0", "::1", "[::1]")
@@ -87,7 +87,7 @@ def cluster_problems(spec: JobSpec) -> list[str]:
 
 def typed_problems(spec: JobSpec) -> list[str]:
     """The user's affinity, checked against the Kubernetes typed model (unknown or mistyped fields)."""
-    from kubetune.backends import strict
+    from kubetune.backends.cluster import strict
 
     if not spec.kubernetes.affinity:
         return []

@@ -19,8 +19,7 @@ import yaml
 from kubernetes import client as k8s
 
 from kubetune.artifacts.output import Output
-from kubetune.backends.checks import cluster_problems, trainjob_problems, typed_problems
-from kubetune.backends.objects import (
+from kubetune.backends.cluster.objects import (
     CONTAINER,
     SPEC_DIR,
     WORKSPACE,
@@ -32,7 +31,8 @@ from kubetune.backends.objects import (
     serialized,
     stage_dir,
 )
-from kubetune.backends.tensorboard import build_tensorboard
+from kubetune.backends.kubeflow.checks import cluster_problems, trainjob_problems, typed_problems
+from kubetune.backends.kubeflow.tensorboard import build_tensorboard
 from kubetune.config import JobSpec, dump_spec
 from kubetune.config.cluster import default_image
 from kubetune.errors import SpecError
@@ -197,7 +197,7 @@ def worker_command(spec: JobSpec) -> list[str]:
     """`kubetune launch`: torch's elastic launcher configured from the operator's PET_*
     environment exactly as torchrun would, exiting with codes the restart policy can act on
     (143 after a graceful stop, >= 128 for infrastructure, 1 for user errors)."""
-    from kubetune.launch import pod_command
+    from kubetune.pod.launch import pod_command
 
     return pod_command(f"{stage_dir(spec)}/job.yaml")
 

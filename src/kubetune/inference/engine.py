@@ -1,5 +1,5 @@
 """What ``kubetune serve`` computes: a causal LM generating for a batch of requests, or a classifier
-labeling a batch of texts, loaded and checked as ``kubetune predict`` loads them (``kubetune.predict``),
+labeling a batch of texts, loaded and checked as ``kubetune predict`` loads them (``kubetune.inference.model``),
 so that a request answers what ``predict`` answers."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kubetune import predict as P
 from kubetune.errors import KubetuneError
+from kubetune.inference import model as P
 
 
 @dataclass

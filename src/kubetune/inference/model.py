@@ -270,7 +270,7 @@ def generate(
         chat: render each prompt as a user turn with the tokenizer's chat template (the template the
             model was trained with, saved beside it); default: when the tokenizer has one.
         temperature: 0 = greedy decoding; above 0 samples (seeded by ``seed``).
-        warn: called with one line when prompts were cut; default: the ``kubetune.predict`` logger.
+        warn: called with one line when prompts were cut; default: the ``kubetune.inference.model`` logger.
 
     Raises:
         KubetuneError: the model is not a causal LM or cannot be loaded, ``--chat`` without a chat

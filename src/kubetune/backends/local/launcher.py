@@ -16,7 +16,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from kubetune.config import JobSpec, dump_spec
 from kubetune.errors import KubetuneError
-from kubetune.launch import WORKER_MODULE, Stopped, WorkerFailed, root_failure, translated_failures
+from kubetune.pod.launch import WORKER_MODULE, Stopped, WorkerFailed, root_failure, translated_failures
 
 __all__ = ["SHUTDOWN_GRACE_S", "Stopped", "WorkerFailed", "launch_config", "root_failure", "run", "worker_env"]
 log = logging.getLogger(__name__)

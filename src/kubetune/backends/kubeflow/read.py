@@ -11,8 +11,8 @@ import threading
 import time
 from collections.abc import Iterator
 
-from kubetune.backends.kubeflow_api import KubeflowConnection
-from kubetune.backends.objects import CONTAINER, JOB_LABEL, WORKSPACE, pvc_name
+from kubetune.backends.cluster.api import KubeflowConnection
+from kubetune.backends.cluster.objects import CONTAINER, JOB_LABEL, WORKSPACE, pvc_name
 from kubetune.backends.status import TERMINAL, JobStatus, PodInfo, WaitTimeout
 from kubetune.config import JobSpec
 from kubetune.errors import KubetuneError
