@@ -1,4 +1,4 @@
-"""No process-global mutable state in library code (DESIGN.md: "pass a settings object"): no module
+"""No process-global mutable state in library code (a setting is built into an object and passed): no module
 of src/kubetune rebinds a module-level name at run time (``global``), changes a module-level dict,
 list, set or Event from inside a function, or writes the process environment, except where an
 allow-list below says why. Read from the source (ast), so a code path no test runs counts too."""
