@@ -19,15 +19,25 @@ pytestmark = pytest.mark.integration
 TOY = ROOT / "tests" / "toy_task"
 
 
-@pytest.fixture(scope="module")
-def plugin_env(tmp_path_factory) -> dict:
-    site = tmp_path_factory.mktemp("site")
+def _registered(site: Path, entry: str) -> dict:
+    """The environment of a process in which the toy task is registered as ``entry`` (of its package)."""
     info = site / "kubetune_toy_regression-0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kubetune-toy-regression\nVersion: 0\n")
-    (info / "entry_points.txt").write_text("[kubetune.tasks]\nregression = kubetune_toy_regression:ENTRY\n")
+    (info / "entry_points.txt").write_text(f"[kubetune.tasks]\nregression = kubetune_toy_regression:{entry}\n")
     path = os.pathsep.join(p for p in (str(site), str(TOY), os.environ.get("PYTHONPATH", "")) if p)
     return {"PYTHONPATH": path}
+
+
+@pytest.fixture(scope="module")
+def plugin_env(tmp_path_factory) -> dict:
+    return _registered(tmp_path_factory.mktemp("site"), "ENTRY")
+
+
+@pytest.fixture(scope="module")
+def bare_env(tmp_path_factory) -> dict:
+    """The toy task registered by an entry that names no starter."""
+    return _registered(tmp_path_factory.mktemp("bare-site"), "BARE")
 
 
 def _spec(train: Path, out: Path, **extra) -> dict:
@@ -67,6 +77,29 @@ def test_its_spec_is_validated_with_its_own_sections(plugin_env, small_csv, tmp_
     assert "data.target_column must differ from data.text_column" in proc.stderr, proc.stderr
     proc = kubetune("validate", str(good))
     assert proc.returncode == 2 and "task" in proc.stderr and "regression" in proc.stderr, proc.stderr
+
+
+def test_init_writes_its_own_starter_or_one_built_from_its_entry(plugin_env, bare_env, small_csv, tmp_path):
+    own, built = tmp_path / "own.yaml", tmp_path / "built.yaml"
+    first, second = kubetune_together(
+        (("init", "regression", "-o", str(own)), plugin_env), (("init", "regression", "-o", str(built)), bare_env)
+    )
+    assert first.returncode == 0 and second.returncode == 0, first.stderr[-2000:] + second.stderr[-2000:]
+    assert own.read_text() == (TOY / "kubetune_toy_regression" / "starter.yaml").read_text()
+    assert "fill in model.uri and data.train, then check it" in second.stdout
+    text = built.read_text()
+    assert "  target_column: target\n" in text and "#   target_scale: 1.0\n" in text  # its data field, its section
+    raw = yaml.safe_load(text)
+    filled = write_spec(
+        tmp_path / "filled.yaml", {**raw, "model": {"uri": MINILM}, "data": {**raw["data"], "train": str(small_csv)}}
+    )
+    ok, unfilled, filled_ok = kubetune_together(
+        (("validate", str(own)), plugin_env),
+        (("validate", str(built)), bare_env),
+        (("validate", str(filled)), bare_env),
+    )
+    assert ok.returncode == 0 and filled_ok.returncode == 0, ok.stderr[-2000:] + filled_ok.stderr[-2000:]
+    assert unfilled.returncode == 2 and "model.uri:" in unfilled.stderr and "data.train:" in unfilled.stderr
 
 
 @pytest.mark.e2e  # make test: its spec validated through the registry (above); each shipped task trains there

@@ -76,22 +76,25 @@ def init(
     task: Annotated[str, typer.Argument(help="The task: `kubetune explain task` lists them.")],
     out: Annotated[Path, typer.Option("--output", "-o", help="Where to write the spec.")] = Path("job.yaml"),
 ) -> None:
-    """Write a commented starter job spec for TASK (job.yaml), never over an existing file."""
-    from importlib.resources import files
+    """Write a commented starter job spec for TASK (job.yaml), never over an existing file: the task's own,
+    or (a task that ships none) one built from its registry entry, with model.uri and data.train to fill in."""
+    from kubetune.config.tasks import entries, starter_text
 
-    from kubetune.config.schema import DATA_SPECS
-
-    if task not in DATA_SPECS:
-        _fail(KubetuneError(f"no task {task!r}", field="task", fix=f"one of: {', '.join(DATA_SPECS)}"))
+    if task not in entries():
+        _fail(KubetuneError(f"no task {task!r}", field="task", fix=f"one of: {', '.join(entries())}"))
     if out.exists() or out.is_symlink():
         _fail(KubetuneError(f"{out} already exists", field="--output", fix="pass another path with --output"))
-    text = (files("kubetune") / "assets" / "starters" / f"{task}.yaml").read_text(encoding="utf-8")
+    try:
+        text = starter_text(task)
+    except KubetuneError as e:
+        _fail(e)
     try:
         with out.open("x", encoding="utf-8") as f:  # "x": never replaces a file that appeared meanwhile
             f.write(text)
     except OSError as e:
         _fail(KubetuneError(f"cannot write {out}: {e.strerror}", field="--output", fix="pass a writable path"))
-    typer.echo(f"wrote {out}: check it with `kubetune validate {out}`, run it with `kubetune run {out}`")
+    fill = "fill in model.uri and data.train, then " if entries()[task].starter is None else ""
+    typer.echo(f"wrote {out}: {fill}check it with `kubetune validate {out}`, run it with `kubetune run {out}`")
 
 
 @app.command()

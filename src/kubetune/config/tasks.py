@@ -12,13 +12,18 @@ nothing in kubetune names it. Entry points rather than a table in ``kubetune.tas
 from __future__ import annotations
 
 import functools
+import re
+import textwrap
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from importlib import metadata
+from importlib import metadata, resources
 from types import MappingProxyType
 from typing import Any
 
+import yaml
+
 from kubetune.config.base import DataCommon, Section
+from kubetune.errors import KubetuneError
 
 GROUP = "kubetune.tasks"
 
@@ -36,6 +41,9 @@ class TaskEntry:
             field is ``Literal[<the task's name>]``).
         summary: one line for the ``task`` field's help and ``kubetune init``.
         runtime: ``"module:attribute"`` of the task's ``Task`` (imported on first use: torch).
+        starter: ``"package:resource"`` of the commented starter job spec `kubetune init` writes for the
+            task, a file inside the task's own package (shipped as its package data); None: `init` writes
+            one built from the registry (``starter_text``).
         section: the model of the task's own top-level spec section, keyed by the task's name (absent
             from a spec: None, meaning its defaults); None when the task has none.
         checks: (data section, own section or None) -> the problems between them, one line each.
@@ -55,6 +63,7 @@ class TaskEntry:
     data: type[DataCommon]
     summary: str
     runtime: str
+    starter: str | None = None
     section: type[Section] | None = None
     checks: Callable[[Any, Any], list[str]] = _no_problems
     default: bool = False
@@ -87,3 +96,91 @@ def entries() -> Mapping[str, TaskEntry]:
 def default_task() -> str:
     """The task of a spec that names none."""
     return next((name for name, entry in entries().items() if entry.default), next(iter(entries()), ""))
+
+
+def starter_text(name: str) -> str:
+    """The commented starter job spec of task ``name`` (`kubetune init`): the one the task ships
+    (``TaskEntry.starter``), else one built from the registry (``generated_starter``).
+
+    Raises:
+        KeyError: no task of that name is registered.
+        KubetuneError: the task names a starter its package does not hold (a packaging error).
+    """
+    entry = entries()[name]
+    if entry.starter is None:
+        return generated_starter(name, entry)
+    package, _, resource = entry.starter.partition(":")
+    try:
+        return resources.files(package).joinpath(*resource.split("/")).read_text(encoding="utf-8")
+    except (ImportError, OSError, ValueError) as e:  # ValueError: no package named, or a namespace package
+        raise KubetuneError(
+            f"task {name!r} names the starter {entry.starter!r}, which its package does not hold ({type(e).__name__})",
+            field="task",
+            fix="reinstall the task's distribution (the starter is its package data), or tell its authors",
+        ) from None
+
+
+def generated_starter(name: str, entry: TaskEntry) -> str:
+    """A starter job spec for a task that ships none, built from its registry entry: the name, the task,
+    placeholders for model.uri and data.train (which `kubetune validate` refuses until they are filled),
+    the task's own data fields with their defaults and help, its own section (commented out unless a
+    field of it is required), a short training section and the output."""
+    job = ("my-" + re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-"))[:52].rstrip("-")
+    about = (
+        f"A job spec for task {name} ({entry.summary}), written by `kubetune init {name}` from the task's registry "
+        "entry (the task ships no starter of its own). Fill in model.uri and data.train, then check it with "
+        "`kubetune validate job.yaml`; `kubetune explain SECTION` lists every key of a section."
+    )
+    lines = [f"# {line}" for line in _wrap(about, 100)]
+    lines += [
+        f"name: {job}",
+        f"task: {_yaml_value(name)}",
+        "model:",
+        "  uri:                      # fill in: hf://ORG/NAME, s3://bucket/prefix or a local directory",
+        "data:",
+        "  train:                    # fill in: a CSV, JSON Lines or Parquet file, a directory, s3://... or hf://...",
+        "  # eval: PATH              # absent: data.eval_fraction of data.train is held out",
+    ]
+    own = {key: field for key, field in entry.data.model_fields.items() if key not in DataCommon.model_fields}
+    lines += _fields(own, "  ")
+    if entry.section is not None:
+        fields = entry.section.model_fields
+        required = any(field.is_required() for field in fields.values())
+        block = [f"{_yaml_value(name)}:  # the task's own section; absent: its defaults"]
+        block += _fields(fields, "  ")
+        lines += block if required else ["# " + line for line in block]
+    lines += [
+        "training:",
+        "  epochs: 1",
+        "  batch_size: 16",
+        "  learning_rate: 5.0e-5",
+        "output:",
+        f"  uri: runs/{job}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _fields(fields: Mapping[str, Any], indent: str) -> list[str]:
+    """``key: default`` lines, each after its help as comment lines (a required field: empty, to fill in)."""
+    lines = []
+    for key, field in fields.items():
+        if field.exclude:
+            continue
+        lines += [f"{indent}# {line}" for line in _wrap(field.description or "", 100 - len(indent))]
+        if field.is_required():
+            lines.append(f"{indent}{key}:  # required: fill in")
+        else:
+            lines.append(f"{indent}{key}: {_yaml_value(field.get_default(call_default_factory=True))}")
+    return lines
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    return textwrap.wrap(text, width, break_on_hyphens=False, break_long_words=False)
+
+
+def _yaml_value(value: Any) -> str:
+    """``value`` as one line of YAML (flow style)."""
+    if hasattr(value, "model_dump"):
+        value = value.model_dump(mode="json")
+    text = yaml.safe_dump(value, default_flow_style=True, width=float("inf"), allow_unicode=True)
+    return text.removesuffix("\n").removesuffix("\n...").strip()

@@ -3,10 +3,12 @@ with one output and a squared-error loss). tests/unit/test_task_seam.py register
 entry point of the group ``kubetune.tasks`` and runs it end to end; nothing in src/ names it.
 
 This half is what the spec needs (pydantic only): the data section, the task's own section and
-the registry entry."""
+the registry entry, which names the task's starter spec (``starter.yaml`` beside this file, its
+package data)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 from pydantic import Field
@@ -38,6 +40,11 @@ ENTRY = TaskEntry(
     data=RegressionData,
     summary="a number per text (a toy task registered by the tests)",
     runtime="kubetune_toy_regression.task:TASK",
+    starter="kubetune_toy_regression:starter.yaml",
     section=RegressionSpec,
     checks=_checks,
 )
+
+# The same task registered without a starter (tests/integration/test_task_plugin.py): `kubetune init`
+# then writes one built from this entry.
+BARE = dataclasses.replace(ENTRY, starter=None)

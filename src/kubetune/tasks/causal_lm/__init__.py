@@ -1,6 +1,7 @@
 """Causal-LM fine-tuning (next-token prediction on text, instruction or chat data; Llama-class
 decoders): the task's spec half, its data section and registry entry. The training half is
-``task.py`` (``TASK``); reading and tokenizing records is ``data.py``."""
+``task.py`` (``TASK``); reading and tokenizing records is ``data.py``; ``starter.yaml`` is the starter
+spec `kubetune init causal-lm` writes."""
 
 from __future__ import annotations
 
@@ -83,6 +84,7 @@ ENTRY = TaskEntry(
     data=CausalLMData,
     summary="next-token prediction on text, instruction or chat data, for Llama-class decoders",
     runtime="kubetune.tasks.causal_lm.task:TASK",
+    starter="kubetune.tasks.causal_lm:starter.yaml",
     checks=_checks,
     order=1,
     auto_model="AutoModelForCausalLM",

@@ -1,5 +1,6 @@
 """Sequence classification (a label per text; BERT-class encoders): the task's spec half, its data
-section and registry entry. The training half is ``task.py`` (``TASK``), its data ``data.py``."""
+section and registry entry. The training half is ``task.py`` (``TASK``), its data ``data.py``, the
+starter spec `kubetune init sequence-classification` writes ``starter.yaml``."""
 
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ ENTRY = TaskEntry(
     data=ClassificationData,
     summary="a label per text, for BERT-class encoders",
     runtime="kubetune.tasks.classify.task:TASK",
+    starter="kubetune.tasks.classify:starter.yaml",
     checks=_checks,
     default=True,
     order=0,

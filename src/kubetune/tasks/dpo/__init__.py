@@ -1,6 +1,7 @@
 """Direct Preference Optimization (preference tuning of a causal LM on chosen/rejected answer
 pairs): the task's spec half, its data section, its own ``dpo:`` section and registry entry. The
-training half is ``task.py`` (``TASK``); reading and tokenizing pairs is ``data.py``."""
+training half is ``task.py`` (``TASK``); reading and tokenizing pairs is ``data.py``; ``starter.yaml``
+is the starter spec `kubetune init dpo` writes."""
 
 from __future__ import annotations
 
@@ -79,6 +80,7 @@ ENTRY = TaskEntry(
     data=PreferenceData,
     summary="preference tuning of a causal LM on chosen/rejected answer pairs, Direct Preference Optimization",
     runtime="kubetune.tasks.dpo.task:TASK",
+    starter="kubetune.tasks.dpo:starter.yaml",
     section=DPOSpec,
     checks=_checks,
     order=2,

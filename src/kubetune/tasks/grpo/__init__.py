@@ -2,7 +2,7 @@
 the policy, scored by reward functions, and the policy moved toward the completions that beat their
 group. This is the task's spec half (its data section, its own ``grpo:`` section and registry entry);
 the training half is ``task.py`` (``TASK``), the rollouts ``rollout.py``, the rewards ``rewards.py``, the
-loss ``loss.py``."""
+loss ``loss.py``; ``starter.yaml`` is the starter spec `kubetune init grpo` writes."""
 
 from __future__ import annotations
 
@@ -245,6 +245,7 @@ ENTRY = TaskEntry(
     data=PromptData,
     summary="online RL of a causal LM from rewards you can verify: Group Relative Policy Optimization",
     runtime="kubetune.tasks.grpo.task:TASK",
+    starter="kubetune.tasks.grpo:starter.yaml",
     section=GRPOSpec,
     checks=_checks,
     order=3,
