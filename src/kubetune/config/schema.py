@@ -53,9 +53,41 @@ class TrainSpec(Section):
     grad_accum: int = Field(
         1, ge=1, description="Micro-batches per optimizer step; global batch = batch_size × grad_accum × world size."
     )
-    learning_rate: float = Field(5e-5, gt=0, le=1, description="Peak AdamW learning rate.")
+    learning_rate: float = Field(5e-5, gt=0, le=1, description="Peak learning rate (reached after the warmup).")
     warmup_ratio: float = Field(0.0, ge=0, lt=1, description="Fraction of optimizer steps with linear warmup.")
-    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay (not applied to biases and LayerNorm).")
+    weight_decay: float = Field(
+        0.01,
+        ge=0,
+        description="Weight decay, not applied to biases and norms (AdamW's decoupled decay; sgd's L2 on the "
+        "gradient).",
+    )
+    optimizer: Literal["adamw", "adamw_foreach", "sgd", "adamw_8bit"] = Field(
+        "adamw",
+        description="adamw: torch's fused AdamW (one kernel over all parameters; on a non-finite gradient the step is "
+        "skipped on the device); adamw_foreach: the same AdamW with its multi-tensor kernels; sgd: fused SGD with "
+        "training.momentum; adamw_8bit: bitsandbytes' 8-bit AdamW (optimizer state in 8 bits, about a quarter of "
+        "adamw's memory; needs bitsandbytes and a CUDA GPU).",
+    )
+    momentum: float = Field(
+        0.9,
+        ge=0,
+        lt=1,
+        description="Momentum of training.optimizer sgd (0: plain SGD); the other optimizers ignore it.",
+    )
+    lr_scheduler: Literal["linear", "cosine", "constant", "wsd"] = Field(
+        "linear",
+        description="The learning rate after training.warmup_ratio's linear warmup (transformers' schedules): linear: "
+        "down to 0 at the last step; cosine: along half a cosine down to 0; constant: stays at "
+        "training.learning_rate; wsd (warmup-stable-decay): constant, then along half a cosine down to 0 over the "
+        "last training.decay_ratio of the steps.",
+    )
+    decay_ratio: float = Field(
+        0.1,
+        gt=0,
+        le=1,
+        description="With training.lr_scheduler wsd: the fraction of optimizer steps, at the end, over which the "
+        "learning rate decays to 0 (warmup_ratio + decay_ratio at most 1); the other schedules ignore it.",
+    )
     max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient clipping norm; null disables clipping.")
     seed: int = Field(42, ge=0, description="Seed for data order, initialization and dropout.")
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
@@ -403,6 +435,12 @@ def cross_problems(
         out.append(
             "data.streaming needs training.max_steps: the stream's length is not known before it is read — set "
             "training.max_steps (training.epochs then bounds how often the stream is read)"
+        )
+    if training is not None and training.lr_scheduler == "wsd" and training.warmup_ratio + training.decay_ratio > 1:
+        out.append(
+            f"training.decay_ratio {training.decay_ratio} and training.warmup_ratio {training.warmup_ratio} add up to "
+            "more than the whole run: lr_scheduler wsd warms up, holds, then decays — lower one of them so that they "
+            "add up to at most 1"
         )
     if data is not None and getattr(data, "streaming", False) and TASKS[data.task].streaming_needs_lora and not lora:
         out.append(

@@ -1,8 +1,9 @@
 """Building a ``Trainer`` from its parts: the checkpoint to resume from and the data layout it
-implies, the tokenized data, the model wrapped by its strategy, the optimizer and schedule, the
-run's state (fresh or resumed) and its loggers. The worker has set up the process group and
-claimed the output before (``worker.run_worker``); the ``Trainer`` itself only holds what it is
-given (torchtune's ``setup(cfg)``, torchtitan's TrainSpec: built, not self-assembling)."""
+implies, the tokenized data, the model wrapped by its strategy, the optimizer and schedule (picked
+by the spec, ``recipe``), the run's state and checkpoint contents (fresh or resumed, ``state``) and
+its loggers. The worker has set up the process group and claimed the output before
+(``pod.worker.run_worker``); the ``Trainer`` itself only holds what it is given (torchtune's
+``setup(cfg)``, torchtitan's TrainSpec: built, not self-assembling)."""
 
 from __future__ import annotations
 
@@ -24,11 +25,13 @@ from kubetune.data.sharding import plan_epochs, steps_per_epoch, stream_epochs
 from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
 from kubetune.tasks.base import Task
-from kubetune.tasks.common import build_optimizer, load_tokenizer, resolve_precision, seed_everything
+from kubetune.tasks.common import load_tokenizer
 from kubetune.training import strategy as strategies
 from kubetune.training import trainer_status
 from kubetune.training.loggers import JSONLLogger, Loggers, ProgressLogger, TensorBoardLogger
-from kubetune.training.state import TrainState
+from kubetune.training.recipe import build_optimizer, check_available, resolve_precision, seed_everything
+from kubetune.training.state import Contents, TrainState
+from kubetune.training.state import contents as checkpointed
 from kubetune.training.strategy import Strategy
 from kubetune.training.trainer import FiniteGuard, Layout, Trace, Trainer
 
@@ -65,17 +68,13 @@ def build_trainer(
     """
     cfg = spec.training
     dtype = resolve_precision(cfg.precision, device)
+    check_available(cfg, device)  # before the data and the model are set up
     precision = cfg.precision if cfg.precision != "auto" else str(dtype).removeprefix("torch.")
     log.info(
         "job %s (%s): world size %d, device %s, precision %s", spec.name, spec.task, env.world_size, device, precision
     )
     # Found before the set-up: a checkpoint of another number of processes changes the layout.
-    found = _find_checkpoint(dest, env) if cfg.resume == "auto" else None
-    saved = checkpoint.saved_fingerprint(found) if found else None
-    # The data layout: the spec's, or a resumed run's on another number of processes (same global batch).
-    grad_accum, group_unit = checkpoint.layout(
-        saved, env.world_size, cfg.batch_size, cfg.grad_accum, str(found.path) if found else ""
-    )
+    found, saved, grad_accum, group_unit = _start(dest, env, cfg)
     # data: read and split on every rank (cheap, deterministic); tokenize once per node
     model_dir = artifacts.resolve_model(spec)
     tokenizer = load_tokenizer(model_dir)
@@ -91,37 +90,14 @@ def build_trainer(
     fingerprint = checkpoint.fingerprint(
         spec, data.labels, env.world_size, data.train_rows, grad_accum, group_unit, strategy.name, data.content
     )
-    state, saved_state = _state(
-        found,
-        fingerprint,
-        strategy,
-        optimizer,
-        scheduler,
-        scaler,
-        env,
-        device,
-        len(data.metric_names or task.train_metrics),
-    )
-    if found and data.stream is not None:
-        data.stream.resume(saved_state.get("stream"))  # a changed listing is refused now, before any step
-    if found and data.online is not None:
-        data.online.load_state_dict(saved_state.get("online"), env.world_size, state.global_step)
+    state = TrainState.fresh(device, len(data.metric_names or task.train_metrics))
+    where = str(found.path) if found else ""
+    contents = checkpointed(state, scheduler, scaler, fingerprint, env, data.stream, data.online, where)
     if found:
-        log.info(
-            "resumed from checkpoint step %d (epoch %d, step %d of %s in the epoch): %s",
-            state.global_step,
-            state.epoch + 1,
-            state.step_in_epoch,
-            "a stream's" if layout.streamed else layout.epoch_steps[0],
-            found.path,
-        )
+        _resume(found, contents, strategy, optimizer, state, layout)
     loggers, progress, mlflow = _loggers(
-        spec, env, dest, found, state, layout.total_steps, device, dtype, strategy, status_endpoint
+        spec, env, dest, found, state, layout.total_steps, device, dtype, strategy, status_endpoint, cleanup
     )
-    if cleanup is not None and progress is not None and progress.status is not None:
-        # last, however training ends: the final update goes after the export (loggers close before it)
-        cleanup.callback(progress.status.close)
-    bar = _bar(env, layout, state, loggers, cleanup)
     trainer = Trainer(
         spec=spec,
         env=env,
@@ -141,10 +117,10 @@ def build_trainer(
         guard=FiniteGuard(optimizer, device, enabled=not scaler.is_enabled()),
         autocast=autocast,
         layout=layout,
-        fingerprint=fingerprint,
+        contents=contents,
         state=state,
         loggers=loggers,
-        bar=bar,
+        bar=_bar(env, layout, state, loggers, cleanup),
         progress=progress,
         mlflow=mlflow,
         control_group=control_group,
@@ -153,6 +129,18 @@ def build_trainer(
     )
     _log_plan(trainer)
     return trainer
+
+
+def _start(dest: Output, env: DistEnv, cfg) -> tuple[checkpoint.Found | None, dict | None, int, int]:
+    """Where the run starts: the checkpoint to resume from (training.resume auto; None: a fresh start),
+    its fingerprint, and the data layout (grad_accum, length-grouping unit): the spec's, or a resumed
+    run's on another number of processes (the same global batch)."""
+    found = _find_checkpoint(dest, env) if cfg.resume == "auto" else None
+    saved = checkpoint.saved_fingerprint(found) if found else None
+    grad_accum, group_unit = checkpoint.layout(
+        saved, env.world_size, cfg.batch_size, cfg.grad_accum, str(found.path) if found else ""
+    )
+    return found, saved, grad_accum, group_unit
 
 
 def _model(spec: JobSpec, env: DistEnv, task: Task, data, model_dir, device, dtype, strategy, saved):
@@ -225,41 +213,46 @@ def _layout(spec: JobSpec, env: DistEnv, data, grad_accum: int, group_unit: int,
     return layout
 
 
-def _state(
-    found, fingerprint, strategy, optimizer, scheduler, scaler, env, device, metrics: int
-) -> tuple[TrainState, dict]:
-    """A fresh state, or the newest complete checkpoint's: weights, optimizer, schedule, position and
-    RNG; and the checkpoint's stream position and online rollouts (``stream``, ``online``; else absent)."""
-    if not found:
-        return TrainState.fresh(device, metrics), {}
-    saved = checkpoint.load(found)
-    checkpoint.check_compatible(saved["fingerprint"], fingerprint, str(found.path))
-    strategy.load(found.path, saved, optimizer)
-    scheduler.load_state_dict(saved["scheduler"])
-    scaler.load_state_dict(saved["scaler"])
-    state = TrainState.from_state_dict(saved, env.rank, env.world_size, device)
-    if env.rank < len(saved["rng"]):
-        checkpoint.set_rng_state(saved["rng"][env.rank])
-    elif env.rank == len(saved["rng"]):
-        log.info(
-            "ranks from %d on had no RNG state in the checkpoint; they keep their seeded streams (dropout only)",
-            len(saved["rng"]),
-        )
-    return state, {k: saved[k] for k in ("stream", "online") if k in saved}
+def _resume(found: checkpoint.Found, contents: Contents, strategy: Strategy, optimizer, state: TrainState, layout):
+    """Every rank: continue from the checkpoint ``found`` (its fingerprint checked first): the weights, the
+    optimizer, and every part of ``contents`` (the schedule, the position, the RNG; a stream's position and
+    an online task's rollouts)."""
+    contents.load_state_dict(checkpoint.load(found), strategy, found.path, optimizer)
+    log.info(
+        "resumed from checkpoint step %d (epoch %d, step %d of %s in the epoch): %s",
+        state.global_step,
+        state.epoch + 1,
+        state.step_in_epoch,
+        "a stream's" if layout.streamed else layout.epoch_steps[0],
+        found.path,
+    )
 
 
 def _loggers(
-    spec, env, dest: Output, found, state: TrainState, total_steps: int, device, dtype, strategy, status_endpoint=None
+    spec,
+    env,
+    dest: Output,
+    found,
+    state: TrainState,
+    total_steps: int,
+    device,
+    dtype,
+    strategy,
+    status_endpoint=None,
+    cleanup: contextlib.ExitStack | None = None,
 ):
     """Rank 0's metric loggers (history.jsonl, TensorBoard, progress.json, MLflow); none elsewhere.
     With a ``status_endpoint``, progress.json's records also go to the TrainJob's
-    ``status.trainerStatus`` (``trainer_status``)."""
+    ``status.trainerStatus`` (``trainer_status``), whose reporter ``cleanup`` closes."""
     if not env.is_main:
         return Loggers([]), None, None
     resume_step = state.global_step if found else None
     status = None
     if status_endpoint is not None:
         status = trainer_status.StatusReporter(status_endpoint, spec.kubernetes.status_interval_s).start()
+        if cleanup is not None:
+            # last, however training ends: the final update goes after the export (loggers close before it)
+            cleanup.callback(status.close)
     progress = ProgressLogger(dest.local, total_steps, spec.training.epochs, state.global_step, status)
     writers: list = [
         JSONLLogger(dest.local, resume_step, found.path / "history.jsonl" if found else None),

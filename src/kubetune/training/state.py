@@ -1,12 +1,25 @@
-"""TrainState: where a run is, and everything a checkpoint needs to continue it exactly."""
+"""TrainState: where a run is; and ``Contents``, a checkpoint's ``state.pt`` declared once (entry name ->
+the part that saves and loads it), which ``Trainer.save_checkpoint`` writes and ``training.build`` reads back."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+from kubetune import checkpoint, distributed
+
+if TYPE_CHECKING:
+    from kubetune.data.feed import Feed
+    from kubetune.distributed import DistEnv
+    from kubetune.tasks.base import Online
+    from kubetune.training.strategy import Strategy
+
+log = logging.getLogger(__name__)
 
 
 def _zero(device: torch.device | str = "cpu", size: tuple[int, ...] = ()) -> torch.Tensor:
@@ -69,25 +82,24 @@ class TrainState:
         """Seconds of training so far: the finished epochs' and the running epoch's."""
         return self.train_time + (time.perf_counter() - self.epoch_started)
 
-    def state_dict(self, train_time: float, per_rank: list[tuple[Any, list[float], list[float]]]) -> dict:
-        """The checkpoint's ``progress`` and ``rng`` entries.
+    def state_dict(self, train_time: float, per_rank: list[tuple[list[float], list[float]]]) -> dict:
+        """The checkpoint's ``progress`` entry.
 
         Args:
             train_time: training seconds up to now (the epoch in progress included).
-            per_rank: every rank's (RNG state, ``accumulated()`` as a list, [tokens_real, tokens_computed]), gathered.
+            per_rank: every rank's (``accumulated()`` as a list, [tokens_real, tokens_computed]), gathered.
         """
-        progress = {
+        return {
             "epoch": self.epoch,
             "step_in_epoch": self.step_in_epoch,
             "global_step": self.global_step,
             "samples_seen": self.samples_seen,
             "train_time": train_time,
             "logged_losses": list(self.logged_losses),
-            "log_loss": [loss for _, loss, _ in per_rank],
-            "tokens": [t for _, _, t in per_rank],
+            "log_loss": [loss for loss, _ in per_rank],
+            "tokens": [t for _, t in per_rank],
             "logger_runs": dict(self.logger_runs),
         }
-        return {"progress": progress, "rng": [rng for rng, _, _ in per_rank]}
 
     @classmethod
     def fresh(cls, device: torch.device, metrics: int = 0) -> TrainState:
@@ -96,25 +108,162 @@ class TrainState:
 
     @classmethod
     def from_state_dict(cls, state: dict, rank: int, world_size: int, device: torch.device) -> TrainState:
-        """This rank's state from a checkpoint's ``progress`` (the RNG is restored separately).
-        Written by another number of ranks: rank 0 takes the sums of every rank's accumulators."""
-        p = state["progress"]
+        """This rank's state from a checkpoint's ``progress`` (the RNG is restored separately)."""
+        restored = cls.fresh(device)
+        restored.load_state_dict(state["progress"], rank, world_size)
+        return restored
+
+    def load_state_dict(self, progress: dict, rank: int, world_size: int) -> None:
+        """Continue from a checkpoint's ``progress`` entry, this rank's part of it (the accumulators on this
+        state's device). Written by another number of ranks: rank 0 takes the sums of every rank's accumulators."""
+        p = progress
         losses, tokens = p["log_loss"], p.get("tokens", [[0.0, 0.0]] * len(p["log_loss"]))
         if len(losses) != world_size:
             losses = [[sum(x) for x in zip(*losses)]] + [[0.0] * len(losses[0])] * (world_size - 1)
             tokens = [[sum(x) for x in zip(*tokens)]] + [[0.0, 0.0]] * (world_size - 1)
-        mine = torch.tensor(losses[rank], device=device, dtype=torch.float64)
-        return cls(
-            epoch=p["epoch"],
-            step_in_epoch=p["step_in_epoch"],
-            global_step=p["global_step"],
-            samples_seen=p["samples_seen"],
-            train_time=p["train_time"],
-            logged_losses=list(p["logged_losses"]),
-            loss_sum=mine[0].clone(),
-            loss_units=mine[1].clone(),
-            metric_sums=mine[2:].clone(),
-            tokens_real=float(tokens[rank][0]),
-            tokens_computed=float(tokens[rank][1]),
-            logger_runs=dict(p.get("logger_runs", {})),
-        )
+        mine = torch.tensor(losses[rank], device=self.loss_sum.device, dtype=torch.float64)
+        self.epoch, self.step_in_epoch, self.global_step = p["epoch"], p["step_in_epoch"], p["global_step"]
+        self.samples_seen, self.train_time = p["samples_seen"], p["train_time"]
+        self.logged_losses = list(p["logged_losses"])
+        self.loss_sum, self.loss_units, self.metric_sums = mine[0].clone(), mine[1].clone(), mine[2:].clone()
+        self.tokens_real, self.tokens_computed = float(tokens[rank][0]), float(tokens[rank][1])
+        self.logger_runs = dict(p.get("logger_runs", {}))
+
+
+# ---- a checkpoint's contents, declared once ----
+class Stateful(Protocol):
+    """One entry of a checkpoint's ``state.pt``."""
+
+    def state_dict(self) -> Any:
+        """Every rank, at a checkpoint (it may gather over the ranks); the writer's is written."""
+
+    def load_state_dict(self, state: Any) -> None:
+        """Every rank, on resume: continue from the entry as written (None where the checkpoint has none)."""
+
+
+@dataclass
+class Contents:
+    """A checkpoint's ``state.pt``: the strategy's model and optimizer entries (``Strategy.save``; a sharded
+    strategy's shards beside it), then ``parts`` (entry name -> the part that writes and reads it, in the order
+    written). ``Trainer.save_checkpoint`` writes through ``state_dict`` and ``training.build`` reads back through
+    ``load_state_dict``, so what is saved is what is loaded."""
+
+    parts: dict[str, Stateful]
+
+    def state_dict(self) -> dict:
+        """Every rank, in the same order (parts gather over the ranks): the parts' entries."""
+        return {name: part.state_dict() for name, part in self.parts.items()}
+
+    def load_state_dict(
+        self, saved: dict, strategy: Strategy, directory: Path, optimizer: torch.optim.Optimizer
+    ) -> None:
+        """Every rank: continue from the checkpoint in ``directory`` (``saved``: its ``state.pt``). Its fingerprint
+        is checked first, so nothing is restored from another run's checkpoint; then the model and optimizer, then
+        every part in order (the progress before the parts that read its step)."""
+        gate = self.parts[FINGERPRINT]
+        gate.load_state_dict(saved[FINGERPRINT])
+        strategy.load(directory, saved, optimizer)
+        for name, part in self.parts.items():
+            if part is not gate:
+                part.load_state_dict(saved.get(name))
+
+
+FINGERPRINT = "fingerprint"
+
+
+def contents(
+    state: TrainState,
+    scheduler,
+    scaler: torch.amp.GradScaler,
+    fingerprint: dict,
+    env: DistEnv,
+    stream: Feed | None = None,
+    online: Online | None = None,
+    where: str = "",
+) -> Contents:
+    """A run's checkpoint contents (``where``: the checkpoint it resumes from, for messages).
+
+    ``state.pt`` holds, beside the strategy's entries: ``scheduler`` and ``scaler`` (their own state
+    dicts), ``progress`` (``TrainState``, every rank's accumulators), ``rng`` (every rank's random
+    states), ``fingerprint`` (what a resume must match), and where the run has them ``stream``
+    (data.streaming's position) and ``online`` (every rank's rollouts)."""
+    parts: dict[str, Stateful] = {
+        "scheduler": scheduler,
+        "scaler": scaler,
+        "progress": _Progress(state, env),
+        "rng": _Rng(env),
+        FINGERPRINT: _Fingerprint(fingerprint, where),
+    }
+    if stream is not None:
+        parts["stream"] = _Stream(stream)
+    if online is not None:
+        parts["online"] = _Online(online, env, state)
+    return Contents(parts)
+
+
+@dataclass
+class _Progress:
+    state: TrainState
+    env: DistEnv
+
+    def state_dict(self) -> dict:
+        s = self.state
+        per_rank = distributed.all_gather_object((s.accumulated().tolist(), [s.tokens_real, s.tokens_computed]))
+        return s.state_dict(s.training_time(), per_rank)
+
+    def load_state_dict(self, progress: dict) -> None:
+        self.state.load_state_dict(progress, self.env.rank, self.env.world_size)
+
+
+@dataclass
+class _Rng:
+    env: DistEnv
+
+    def state_dict(self) -> list[dict]:
+        return distributed.all_gather_object(checkpoint.rng_state())
+
+    def load_state_dict(self, states: list[dict]) -> None:
+        rank = self.env.rank
+        if rank < len(states):
+            checkpoint.set_rng_state(states[rank])
+        elif rank == len(states):
+            log.info(
+                "ranks from %d on had no RNG state in the checkpoint; they keep their seeded streams (dropout only)",
+                len(states),
+            )
+
+
+@dataclass
+class _Fingerprint:
+    current: dict
+    where: str
+
+    def state_dict(self) -> dict:
+        return self.current
+
+    def load_state_dict(self, saved: dict) -> None:
+        checkpoint.check_compatible(saved, self.current, self.where)
+
+
+@dataclass
+class _Stream:
+    feed: Feed
+
+    def state_dict(self) -> dict:
+        return self.feed.state_dict()
+
+    def load_state_dict(self, state: dict | None) -> None:
+        self.feed.resume(state)  # a changed listing is refused now, before any step
+
+
+@dataclass
+class _Online:
+    online: Online
+    env: DistEnv
+    state: TrainState  # restored before: its step says where in a generation the checkpoint is
+
+    def state_dict(self) -> list[dict]:
+        return distributed.all_gather_object(self.online.state_dict())
+
+    def load_state_dict(self, states: list[dict] | None) -> None:
+        self.online.load_state_dict(states, self.env.world_size, self.state.global_step)

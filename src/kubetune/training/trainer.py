@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 
-from kubetune import artifacts, checkpoint, distributed
+from kubetune import artifacts, distributed
 from kubetune.artifacts.output import Output
 from kubetune.checkpoint.store import CheckpointStore
 from kubetune.config import JobSpec
@@ -41,7 +41,7 @@ from kubetune.errors import AgreedError, KubetuneError
 from kubetune.tasks import base
 from kubetune.tasks.base import Prepared, Task
 from kubetune.training.loggers import Loggers, ProgressLogger
-from kubetune.training.state import TrainState
+from kubetune.training.state import Contents, TrainState
 from kubetune.training.strategy import Strategy
 
 log = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ class Trainer:
     guard: FiniteGuard
     autocast: Any
     layout: Layout
-    fingerprint: dict  # what a checkpoint must match to continue this run
+    contents: Contents  # what a checkpoint holds beside the model and optimizer (its fingerprint among it)
     state: TrainState
     loggers: Loggers
     bar: Any  # the tqdm progress bar
@@ -332,28 +332,15 @@ class Trainer:
         return metrics
 
     def save_checkpoint(self) -> None:
-        """All ranks: gather every rank's RNG state and accumulators; the strategy saves the model and
-        optimizer (a sharded one: every rank its shard, into the directory the writer stages); the
-        writer rank completes the checkpoint."""
+        """All ranks: the checkpoint's contents (``Contents``: every rank's RNG state and accumulators
+        gathered), then the strategy saves the model and optimizer (a sharded one: every rank its shard,
+        into the directory the writer stages); the writer rank completes the checkpoint."""
         s, writer = self.state, self.strategy.is_writer
-        per_rank = distributed.all_gather_object(
-            (checkpoint.rng_state(), s.accumulated().tolist(), [s.tokens_real, s.tokens_computed])
-        )
-        online = self.data.online
-        online_states = distributed.all_gather_object(online.state_dict()) if online is not None else None
+        parts = self.contents.state_dict()
         staged, entries, uploaded = self._save_model_state()
         if writer:
-            state = {
-                **entries,
-                "scheduler": self.scheduler.state_dict(),
-                "scaler": self.scaler.state_dict(),
-                **s.state_dict(s.training_time(), per_rank),
-                "fingerprint": self.fingerprint,
-                **({"stream": self.data.stream.state_dict()} if self.data.stream is not None else {}),
-                **({"online": online_states} if online is not None else {}),
-            }
             path = self.dest.checkpoints.save(
-                state, self.spec, s.global_step, self.cfg.keep_checkpoints, staged, uploaded
+                {**entries, **parts}, self.spec, s.global_step, self.cfg.keep_checkpoints, staged, uploaded
             )
             log.info("checkpoint at step %d: %s", s.global_step, path)
         distributed.barrier()
@@ -513,14 +500,17 @@ class FiniteGuard:
     """Stops a diverged run: a non-finite gradient norm (or logged loss) ends training on every
     rank at the same step, with the checkpoints written before it kept and nothing exported.
 
-    Without a host sync per step: the fused AdamW takes a ``found_inf`` flag on the device (the
-    mechanism GradScaler uses) and skips a non-finite update there, and the first such step is
-    remembered on the device; the ranks compare it where they synchronize anyway (a log step,
-    before a checkpoint, at the end of an epoch).
+    Without a host sync per step: a fused optimizer (adamw, sgd) takes a ``found_inf`` flag on the
+    device (the mechanism GradScaler uses) and skips a non-finite update there, and the first such
+    step is remembered on the device; the ranks compare it where they synchronize anyway (a log step,
+    before a checkpoint, at the end of an epoch). Another optimizer (adamw_foreach, adamw_8bit) refuses
+    or ignores the flag, so it is not handed one: its non-finite update is applied, and the run still
+    stops at the next comparison, before any checkpoint or export holds that update.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, enabled: bool):
         self.optimizer, self.enabled = optimizer, enabled
+        self.skips = bool(optimizer.defaults.get("fused"))  # torch's non-fused kernels assert found_inf is None
         self.first_bad = torch.full((), -1, dtype=torch.long, device=device)
 
     def after_backward(self, norm: torch.Tensor | None, grad_norm, step: int) -> None:
@@ -530,7 +520,8 @@ class FiniteGuard:
         if norm is None:
             norm = grad_norm()
         nonfinite = ~torch.isfinite(norm)
-        self.optimizer.found_inf = nonfinite.float()
+        if self.skips:
+            self.optimizer.found_inf = nonfinite.float()
         self.first_bad = torch.where(nonfinite & (self.first_bad < 0), step, self.first_bad)
 
     def check(self, step: int, store: CheckpointStore, loss: float | None = None) -> None:
