@@ -452,7 +452,7 @@ def datasets_child(fmt: str, path: str, result: str) -> None:
     datasets.disable_progress_bars()
     cache = os.environ["HF_DATASETS_CACHE"]
     if fmt == "chat":
-        from kubetune.tasks.causal_lm.data import FALLBACK_CHAT_TEMPLATE
+        from kubetune.tasks.common import FALLBACK_CHAT_TEMPLATE
 
         tokenizer = AutoTokenizer.from_pretrained(TINY_LLAMA)
         tokenizer.chat_template = tokenizer.chat_template or FALLBACK_CHAT_TEMPLATE

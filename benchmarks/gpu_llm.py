@@ -74,7 +74,7 @@ def make_model(dest: Path) -> None:
     import torch
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    from kubetune.tasks.causal_lm.data import FALLBACK_CHAT_TEMPLATE
+    from kubetune.tasks.common import FALLBACK_CHAT_TEMPLATE
 
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
@@ -102,7 +102,8 @@ def lengths(work: Path) -> list[int]:
     """Every SFT conversation's length in tokens, as kubetune tokenizes it (the attention term of the FLOPs)."""
     from transformers import AutoTokenizer
 
-    from kubetune.tasks.causal_lm.data import FALLBACK_CHAT_TEMPLATE, encode_record
+    from kubetune.tasks.causal_lm.data import encode_record
+    from kubetune.tasks.common import FALLBACK_CHAT_TEMPLATE
 
     tok = AutoTokenizer.from_pretrained(TOKENIZER)
     tok.chat_template = FALLBACK_CHAT_TEMPLATE

@@ -48,7 +48,7 @@ def make_model(dest: Path) -> None:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from kubetune.tasks.causal_lm.data import FALLBACK_CHAT_TEMPLATE
+    from kubetune.tasks.common import FALLBACK_CHAT_TEMPLATE
 
     cfg = LlamaConfig(
         vocab_size=32000,

@@ -30,7 +30,7 @@ VOCAB_SIZE = 2048
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"  # ids 0, 1, 2
 MODEL_MAX_LENGTH = 512
 
-# Chat-template scaffolding (kubetune.tasks.causal_lm.data.FALLBACK_CHAT_TEMPLATE renders "<|role|>\n") and the
+# Chat-template scaffolding (kubetune.tasks.common.FALLBACK_CHAT_TEMPLATE renders "<|role|>\n") and the
 # prompt/label words of the example data, repeated so the BPE learns compact tokens for them.
 SCAFFOLDING = [
     "<|system|>\n",

@@ -309,7 +309,7 @@ def test_dpo_loss_in_bf16_is_fp32s_within_rounding(tmp_path):
     from transformers import AutoTokenizer
 
     from kubetune.distributed import DistEnv
-    from kubetune.tasks.causal_lm.data import ensure_chat_template
+    from kubetune.tasks.common import ensure_chat_template
     from kubetune.tasks.dpo import DPOSpec, PreferenceData
     from kubetune.tasks.dpo import data as dpo_data
     from kubetune.tasks.dpo import task as dpo

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import MINILM, ROOT, kubetune, kubetune_together, write_spec
+from conftest import MINILM, ROOT, kubetune, kubetune_together, tiny_spec, write_spec
 
 pytestmark = pytest.mark.integration
 
@@ -116,6 +116,9 @@ def test_it_trains_on_two_processes_exports_reports_and_predicts(plugin_env, sma
     saved = yaml.safe_load((out / "job.yaml").read_text())
     assert saved["task"] == "regression" and saved["regression"] == {"target_scale": 2.0}
     assert (out / "model" / "model.safetensors").exists() and (out / "plots" / "eval_metrics.png").exists()
+    # the file its export writes beside kubetune's own (Task.artifact_files) arrived with them
+    residuals = (out / "residuals.csv").read_text().splitlines()
+    assert residuals[0] == "row,target,predicted,residual" and len(residuals) == 1 + metrics["eval_rows"]
     assert "eval MSE" in (out / "report.html").read_text()
 
     # a prediction, and the task's own options: a generation option is refused for this model (at the same time)
@@ -128,3 +131,10 @@ def test_it_trains_on_two_processes_exports_reports_and_predicts(plugin_env, sma
     assert [r["text"] for r in results] == ["great flight, thanks", "lost my bag again"]
     assert all(isinstance(r["value"], float) for r in results)
     assert refused.returncode == 2 and "--seed" in refused.stderr, refused.stderr
+
+    # replaced by another task's run (--overwrite): the toy task's own file goes with the rest of its run
+    clf = write_spec(tmp_path / "clf.yaml", tiny_spec(small_csv, out, output__overwrite=True))
+    proc = kubetune("run", str(clf), env=plugin_env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((out / "metrics.json").read_text())["task"] == "sequence-classification"
+    assert not (out / "residuals.csv").exists() and (out / "model" / "model.safetensors").exists()

@@ -12,15 +12,9 @@ import torch
 
 from kubetune.errors import KubetuneError
 from kubetune.tasks.causal_lm import CausalLMData
-from kubetune.tasks.causal_lm.data import (
-    FALLBACK_CHAT_TEMPLATE,
-    IGNORE,
-    encode_record,
-    ensure_chat_template,
-    load_lm_frames,
-    tokenize_frame,
-)
 from kubetune.tasks.causal_lm.data import collate as collate_lm
+from kubetune.tasks.causal_lm.data import encode_record, load_lm_frames, tokenize_frame
+from kubetune.tasks.common import FALLBACK_CHAT_TEMPLATE, IGNORE, ensure_chat_template
 
 TINY = Path(__file__).resolve().parents[2] / "src" / "kubetune" / "assets" / "tiny-llama"
 # A Llama-3-style template (header markers, end-of-turn token) to check spans with a template

@@ -13,7 +13,7 @@ import pytest
 
 from kubetune.data.rows import RowSplit
 from kubetune.errors import KubetuneError
-from kubetune.tasks.causal_lm.data import IGNORE, ensure_chat_template
+from kubetune.tasks.common import IGNORE, ensure_chat_template
 from kubetune.tasks.dpo import DPOSpec, PreferenceData
 from kubetune.tasks.dpo import data as dpo_data
 from kubetune.tasks.dpo import task as dpo

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kubetune.distributed import DistEnv
-from kubetune.tasks.causal_lm.data import ensure_chat_template
+from kubetune.tasks.common import ensure_chat_template
 from kubetune.tasks.dpo import DPOSpec, PreferenceData
 from kubetune.tasks.dpo import data as dpo_data
 from kubetune.tasks.dpo import task as dpo

@@ -18,7 +18,7 @@ import torch
 
 from kubetune.config.load import parse_spec
 from kubetune.errors import KubetuneError, SpecError
-from kubetune.tasks.causal_lm.data import IGNORE, ensure_chat_template
+from kubetune.tasks.common import IGNORE, ensure_chat_template
 from kubetune.tasks.grpo import PromptData, Reward
 from kubetune.tasks.grpo import data as grpo_data
 from kubetune.tasks.grpo import loss as grpo_loss

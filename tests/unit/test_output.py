@@ -128,6 +128,63 @@ def test_commit_replaces_only_kubetunes_entries_and_keeps_the_users(tmp_path):
     assert (out / "notes.txt").read_text() == "mine" and (out / "plots-of-mine").is_dir()
 
 
+def test_a_tasks_artifact_files_are_swapped_in_and_owned_and_no_other(tmp_path):
+    """A task's own files (``Task.artifact_files``), named by the caller: this run's arrive, the replaced
+    run's (its task's, named too) go; a file of the same kind that no task names is the user's and stays."""
+    out = tmp_path / "out"
+    _finished(out)
+    for name in ("completions.jsonl", "residuals.csv", "samples.jsonl"):
+        (out / name).write_text("old")
+    staged = Output.resolve(str(out)).staging()
+    (staged / "metrics.json").write_text("{}")
+    (staged / "residuals.csv").write_text("new")
+    Output.resolve(str(out)).commit(staged, ("residuals.csv", "completions.jsonl"))
+    assert (out / "residuals.csv").read_text() == "new" and not (out / "completions.jsonl").exists()
+    assert (out / "samples.jsonl").read_text() == "old" and (out / "metrics.json").read_text() == "{}"
+
+
+@pytest.mark.parametrize(
+    "name, problem",
+    [
+        ("../escape.csv", "is not a plain file name"),
+        ("sub/file.csv", "is not a plain file name"),
+        ("", "is not a plain file name"),
+        ("..", "is not a plain file name"),
+        ("checkpoints", "is one of kubetune's own names"),
+        ("metrics.json", "is one of kubetune's own names"),
+        (output.MARKER, "is one of kubetune's own names"),
+        ("_kubetune_manifest.json", "is one of kubetune's own names"),
+        ("residuals.csv", None),
+    ],
+)
+def test_a_tasks_artifact_file_is_a_plain_name_of_its_own(tmp_path, name, problem):
+    assert output.artifact_file_problem(name) == problem
+    if problem:
+        out = tmp_path / "out"
+        _finished(out)
+        staged = Output.resolve(str(out)).staging()
+        with pytest.raises(ValueError, match=f"artifact file {name!r} of the task {problem}"):
+            Output.resolve(str(out)).commit(staged, (name,))
+        assert (out / "metrics.json").exists()  # refused before anything moved
+
+
+def test_the_replaced_runs_task_names_the_files_it_leaves(tmp_path, caplog):
+    from kubetune.tasks import base
+
+    out = tmp_path / "out"
+    dest = Output.resolve(str(out))
+    assert dest.replaced_task() is None  # no output yet
+    _finished(out)
+    assert dest.replaced_task() is None  # metrics.json without a task (or unreadable): nothing known
+    (out / "metrics.json").write_text(json.dumps({"task": "grpo", "eval_reward": 0.5}))
+    assert dest.replaced_task() == "grpo" and base.artifact_files("grpo") == ("completions.jsonl",)
+    assert base.artifact_files("sequence-classification") == () and base.artifact_files(None) == ()
+    (out / "metrics.json").write_text(json.dumps({"task": "gone-plugin"}))
+    with caplog.at_level("WARNING"):
+        assert base.artifact_files(dest.replaced_task()) == ()  # its files are unknown: they stay
+    assert "task 'gone-plugin', which is not installed here" in caplog.text
+
+
 def test_clearing_checkpoints_removes_only_checkpoints(tmp_path):
 
     out = tmp_path / "out"

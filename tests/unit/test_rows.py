@@ -195,12 +195,13 @@ def test_a_pool_of_worker_processes_tokenizes_as_one_process_does(tmp_path, monk
 
     from kubetune.distributed import DistEnv
     from kubetune.tasks.causal_lm import task as causal
+    from kubetune.tasks.common import ensure_chat_template
 
     path = tmp_path / "chat.jsonl"
     path.write_text("\n".join(json.dumps(_chat(i)) for i in range(400)) + "\n")
     frames = load_lm_frames(CausalLMData(train=str(path), format="chat"), 0)
     tok = AutoTokenizer.from_pretrained(rows_mod.Path(causal.__file__).parents[2] / "assets" / "tiny-llama")
-    causal.ensure_chat_template(tok)
+    ensure_chat_template(tok)
     encode = functools.partial(causal._encode, tokenizer=tok, max_length=64, train_on_prompt=False)
 
     def run(fingerprint: str):

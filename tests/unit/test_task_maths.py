@@ -178,9 +178,9 @@ def test_the_chunked_target_only_loss_equals_the_full_logits_loss_and_its_gradie
     monkeypatch.setattr(causal_lm, "LOSS_CHUNK", 16)
     # the path under test: the loss in place of the output projection, or (a model whose head cannot
     # be replaced) the target rows of the full logits, chunked
-    assert causal_lm._replaceable_head(model) is model.lm_head
+    assert causal_lm.replaceable_head(model) is model.lm_head
     if not in_head:
-        monkeypatch.setattr(causal_lm, "_replaceable_head", lambda model: None)
+        monkeypatch.setattr(causal_lm, "replaceable_head", lambda model: None)
 
     def run(fn):
         model.zero_grad()

@@ -3,8 +3,9 @@
 kubetune deletes or overwrites only what it wrote. A run marks the directory (or ``s3://`` prefix)
 it creates with ``.kubetune-output``; a non-empty destination without that marker belongs to
 someone else and is refused unless the user passes ``--overwrite`` (``output.overwrite``). Inside
-a marked destination kubetune touches only its own names (``OWNED``), never a file the user put
-beside them. A finished run (its ``metrics.json``) is never replaced without ``--overwrite``, and
+a marked destination kubetune touches only its own names (``OWNED``, and the extra files a task's
+export writes, which its caller names: ``Task.artifact_files``), never a file the user put beside
+them. A finished run (its ``metrics.json``) is never replaced without ``--overwrite``, and
 then only when the new run has finished: the final artifacts are built in a staging directory and
 swapped in at the end (``commit``), so a run that fails leaves the previous state, never half.
 """
@@ -27,17 +28,18 @@ from kubetune.checkpoint.store import CheckpointStore
 from kubetune.config import JobSpec
 from kubetune.config.schema import output_uri_problem
 from kubetune.errors import KubetuneError
-from kubetune.paths import cache_root, set_default_mode, write_atomic
+from kubetune.paths import cache_root, read_regular, set_default_mode, write_atomic
 from kubetune.providers import S3Settings
 from kubetune.providers.base import parse_uri
 
 log = logging.getLogger(__name__)
 
 MARKER = ".kubetune-output"
-# Swapped in together when a run finishes; metrics.json last, since it marks a finished run.
-FINAL = ("model", "adapter", "plots", "report.html", "completions.jsonl", "job.yaml", "metrics.json")
+# Swapped in together when a run finishes, with the task's own files (``commit``'s ``extra``: this layer
+# knows no task); metrics.json last, since it marks a finished run.
+FINAL = ("model", "adapter", "plots", "report.html", "job.yaml", "metrics.json")
 LIVE = ("history.jsonl", "progress.json", "tensorboard", "checkpoints")  # written while the run goes
-OWNED = FINAL + LIVE + (MARKER,)
+OWNED = FINAL + LIVE + (MARKER,)  # and the task's artifact files
 STAGING_PREFIX = ".kubetune-staging-"
 _FIX = "pick a new output.uri, or pass --overwrite (output.overwrite: true)"
 
@@ -293,13 +295,22 @@ class Output:
         set_default_mode(path)
         return path
 
-    def commit(self, staged: Path) -> None:
+    def commit(self, staged: Path, extra: tuple[str, ...] = ()) -> None:
         """Swap the final artifacts built in ``staged`` into ``out``: the old ``metrics.json`` goes
         first (the directory stops looking finished), the new one comes last. Final entries of an
-        earlier run that this run did not produce (e.g. ``adapter/`` after a LoRA run) are removed."""
+        earlier run that this run did not produce (e.g. ``adapter/`` after a LoRA run) are removed.
+        ``extra``: the task's own files (``Task.artifact_files``), this run's and those of the finished
+        run it replaces; kubetune's as well, swapped in and removed the same way.
+
+        Raises:
+            ValueError: a name in ``extra`` that is not a plain file name, or is one of kubetune's own.
+        """
+        for name in extra:
+            if problem := artifact_file_problem(name):
+                raise ValueError(f"artifact file {name!r} of the task {problem}")
         out = self.local
         (out / "metrics.json").unlink(missing_ok=True)
-        for name in FINAL:
+        for name in (*FINAL[:-1], *dict.fromkeys(extra), FINAL[-1]):  # metrics.json last
             src, dst = staged / name, out / name
             if dst.is_symlink() or dst.is_file():
                 dst.unlink()
@@ -308,6 +319,16 @@ class Output:
             if src.exists():
                 os.replace(src, dst)
         shutil.rmtree(staged, ignore_errors=True)
+
+    def replaced_task(self) -> str | None:
+        """The task of the finished run in the local output (its ``metrics.json`` says), which ``commit``
+        replaces; None when there is none, or it cannot be read."""
+        try:
+            metrics = json.loads(read_regular(self.local / "metrics.json", field="output.uri", limit=16 << 20, fix=""))
+        except (OSError, ValueError, KubetuneError):
+            return None
+        task = metrics.get("task") if isinstance(metrics, dict) else None
+        return task if isinstance(task, str) else None
 
     def publish(self, spec: JobSpec, metrics: dict, present: Presentation) -> None:
         """Upload the finished artifacts from ``local`` when the output is remote (rank 0, after
@@ -337,6 +358,16 @@ class Output:
             except KubetuneError:
                 pass
         return "nothing"
+
+
+def artifact_file_problem(name: str) -> str | None:
+    """Why ``name`` cannot be a task's artifact file (``Task.artifact_files``), or None: it must be a plain
+    file name in the output's top directory, and none of kubetune's own."""
+    if not isinstance(name, str) or not name or name in (".", "..") or any(c in name for c in "/\\\0"):
+        return "is not a plain file name"
+    if name in OWNED or name.startswith((".kubetune", "_kubetune")):  # the marker, staging, an s3:// manifest
+        return "is one of kubetune's own names"
+    return None
 
 
 def refuse_special(uri: str, field: str = "output.uri") -> None:

@@ -1,10 +1,13 @@
 """The task seam: what one task plugs into the trainer (``training/trainer.py``), the artifacts and
-the CLI, and what every task shares (the evaluation loop, tokenizing on a node)."""
+the CLI, and what every task shares (the evaluation loop, tokenizing on a node, the artifact files of
+a registered task)."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import importlib
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,6 +20,7 @@ import torch
 from kubetune import distributed
 from kubetune.artifacts.presentation import Presentation
 from kubetune.config import JobSpec
+from kubetune.config.tasks import entries
 from kubetune.data import Batch, StepBatch
 from kubetune.data.feed import Feed
 from kubetune.data.rows import agreed, column
@@ -100,6 +104,10 @@ class Task:
     # Training metrics beyond the loss: ``loss`` then returns their sums over the micro-batch's units
     # (``LossOutput.metrics``); the log lines report each sum over the units since the last line.
     train_metrics: tuple[str, ...] = ()
+    # The files ``export`` writes into the output beside kubetune's own (model/, metrics.json, ...), plain
+    # names (e.g. GRPO's completions.jsonl): swapped in with them when a run finishes, and owned, so a run
+    # that replaces this one removes them (``artifacts.output.Output.commit``).
+    artifact_files: tuple[str, ...] = ()
     # (spec, model, data, env, device, autocast, lockstep) -> None, on every rank once the model is built
     # and before a checkpoint is loaded (the model still holds the base weights): e.g. the DPO reference.
     setup: Callable[..., None] | None = None
@@ -184,3 +192,21 @@ def tokenize_on_node(env: DistEnv, build) -> Any:
     if not env.is_local_main:
         result = build(False)
     return result
+
+
+def artifact_files(name: str | None) -> tuple[str, ...]:
+    """The artifact files (``Task.artifact_files``) of the task registered as ``name``: e.g. of the task of
+    the finished run a new run replaces (``artifacts.output.Output.replaced_task``), which kubetune wrote
+    and so removes; () for None, and for a task not installed here (its files unknown: they stay, logged)."""
+    if name is None:
+        return ()
+    entry = entries().get(name)  # read as ``tasks.get`` reads it: importing that package here is a cycle
+    if entry is None:
+        logging.getLogger(__name__).warning(
+            "the finished run being replaced was of task %r, which is not installed here: the files its export "
+            "wrote beside kubetune's own, if any, are kept",
+            name,
+        )
+        return ()
+    module, _, attr = entry.runtime.partition(":")
+    return getattr(importlib.import_module(module), attr).artifact_files

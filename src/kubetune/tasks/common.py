@@ -1,13 +1,28 @@
-"""Small pieces the tasks share (attention kernel, loading): plain functions."""
+"""What the tasks share, plain functions: the attention kernel and loading a model or tokenizer, and
+the pieces several tasks use (one public module, so no task imports another's private names): the
+label mask, the replaceable output head, chat messages, the tokenizer's chat template and pad token,
+and the ``prepare`` skeleton (tables read on each node, tokenized and cached, made ``Prepared``)."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
+import pyarrow as pa
 import torch
 
+from kubetune.data.rows import tokenized_rows
+from kubetune.data.tables import short
+from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
+from kubetune.providers import S3Settings
+from kubetune.tasks.base import Prepared, on_node_first
 
 log = logging.getLogger(__name__)
 
@@ -63,3 +78,204 @@ def load_pretrained(auto_cls, model_dir: Path, where: torch.device | None = None
             field="model.uri",
             fix="point it at a Hugging Face model directory or hf://ORG/NAME",
         ) from None
+
+
+# ---------------------------------------------------------------- what several tasks share
+# A task imports what another task also uses from here, never another task's private names
+# (tests/unit/test_task_closure.py checks it).
+
+# ---- labels: which tokens carry a loss
+
+IGNORE = -100  # the label of a token without a loss (cross-entropy's ignore_index)
+
+
+def target_mask(labels: torch.Tensor) -> torch.Tensor:
+    """(rows, positions − 1): the positions whose next token is a target (its label is not IGNORE);
+    position t predicts token t + 1."""
+    return labels[:, 1:] != IGNORE
+
+
+def next_token_targets(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A micro-batch's label mask (``target_mask``), its target token ids in row-major order, and the
+    positions that predict one as transformers' ``logits_to_keep`` takes them, (rows, positions): the
+    last position predicts nothing."""
+    mask = target_mask(labels)
+    keep = torch.cat([mask, mask.new_zeros(mask.shape[0], 1)], dim=1)
+    return mask, labels[:, 1:][mask], keep
+
+
+# ---- the replaceable head: a causal LM's output projection computed by the task instead
+
+# Causal LMs whose forward is ``lm_head(hidden_states[logits_to_keep])`` and nothing after it: the
+# projection can be replaced by what the task computes from the hidden states (the loss, the
+# log-probabilities). Others scale or soft-cap their logits after the head (Gemma 2, Cohere, Granite),
+# so the task reads their logits.
+PLAIN_HEAD = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3"})
+
+
+def replaceable_head(model) -> torch.nn.Linear | None:
+    """The output projection of a ``PLAIN_HEAD`` causal LM under its DDP, FSDP or PEFT wrapper, when
+    it is a bias-free linear layer (not LoRA-adapted: the task projects with its weight alone); else None."""
+    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    if hasattr(inner, "get_base_model"):  # PEFT passes logits_to_keep through to the base model
+        inner = inner.get_base_model()
+    if getattr(getattr(inner, "config", None), "model_type", None) not in PLAIN_HEAD:
+        return None
+    head = inner.get_output_embeddings()
+    return head if type(head) is torch.nn.Linear and head.bias is None else None
+
+
+@contextlib.contextmanager
+def head_forward(head: torch.nn.Linear, forward: Callable[[torch.Tensor], torch.Tensor]):
+    """Inside the block, ``head`` returns ``forward(hidden states)`` instead of projecting them (inside
+    the model's forward, so DDP and FSDP see its weight used where they expect)."""
+    head.forward = forward  # an instance attribute shadows the class's forward; removed below
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+# ---- chat rows: messages in TRL's conventions, a task's normalized rows
+
+ROLES = ("system", "user", "assistant", "tool")
+RECORD_SCHEMA = pa.schema([("record", pa.string())])  # a task's normalized rows: the JSON text of each
+
+
+def as_messages(value) -> list | None:
+    """``value`` as a list (of would-be messages) when it is one: a list, an Arrow array, a JSON list."""
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    if isinstance(value, str) and value.lstrip().startswith("["):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            return None
+    return value if isinstance(value, list) else None
+
+
+def cell_messages(value, role: str, key: str, col: str, source: str, i: int) -> list[dict] | None:
+    """The messages of one cell (row ``i`` of ``source``, column ``col``, set by the spec's ``key``):
+    a list of {role, content} as it is, text as one turn of ``role``; None when the cell is missing or
+    empty, or a message's content is not text.
+
+    Raises:
+        KubetuneError: a list that is not of {role, content} objects, or an unknown role.
+    """
+    if value is None or (isinstance(value, float) and np.isnan(value)):
+        return None
+    messages = as_messages(value)
+    if messages is None:
+        text = value if isinstance(value, str) and value.strip() else None
+        return [{"role": role, "content": text}] if text else None
+    if not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+        raise KubetuneError(
+            f"row {i} of {short(source)}: '{short(col, 40)}' must be text or a list of {{role, content}} objects, "
+            f"got {short(value, 60)!r}",
+            field=key,
+            fix='store a list like [{"role": "assistant", "content": "..."}], or plain text',
+        )
+    out = []
+    for m in messages:
+        if str(m["role"]) not in ROLES:
+            raise KubetuneError(
+                f"row {i} of {short(source)}: unknown message role {short(m['role'], 30)!r} in '{short(col, 40)}'",
+                field=key,
+                fix=f"use one of {list(ROLES)}",
+            )
+        if not isinstance(m["content"], str):
+            return None
+        out.append({"role": str(m["role"]), "content": m["content"]})
+    return out
+
+
+# ---- the tokenizer: its chat template and pad token
+
+# Used when the tokenizer brings no chat template (documented in the README). It is saved with the
+# exported tokenizer, so `kubetune predict` renders prompts exactly as training did.
+FALLBACK_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% else %}{{ '\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+
+def ensure_chat_template(tokenizer) -> bool:
+    """Give the tokenizer ``FALLBACK_CHAT_TEMPLATE`` when it has none; True when it did."""
+    if getattr(tokenizer, "chat_template", None):
+        return False
+    tokenizer.chat_template = FALLBACK_CHAT_TEMPLATE
+    return True
+
+
+def prepare_tokenizer(tokenizer, chat: bool, chat_template: str | None = None) -> str | None:
+    """The tokenizer of a task whose rows render as chat (``chat``) or as they are: with
+    ``data.chat_template`` if given, else its own or the fallback; a pad token (padding is masked out, so
+    the EOS will do). Returns which template renders the rows (None for text), for the log and metrics."""
+    template = None
+    if chat:
+        if chat_template:
+            tokenizer.chat_template, template = chat_template, "data.chat_template"
+        else:
+            template = "fallback" if ensure_chat_template(tokenizer) else "tokenizer"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return template
+
+
+# ---- the prepare skeleton: a task's tables read on each node, tokenized and cached, made ``Prepared``
+
+
+def load_on_node(load_frames: Callable[..., Any], spec, env: DistEnv):
+    """The task's checked tables, ``load_frames(spec.data, seed, S3Settings)``, read on local rank 0
+    first; the node's other ranks then find its normalized rows in the cache. Collective."""
+    return on_node_first(env, lambda: load_frames(spec.data, spec.training.seed, S3Settings.from_spec(spec)))
+
+
+@dataclass
+class Tokens:
+    """A task's rows tokenized (``tokenize_split``): its training and evaluation datasets, which the
+    task may cut further (e.g. rows left without a target), and their cache keys."""
+
+    train: Any  # None under data.streaming: the training rows come from a ``Feed``
+    eval: Any
+    hit: bool  # the training rows' tokens were in the cache
+    train_key: str  # the training rows' tokens' cache key: ``Prepared.content`` (a resume checks it)
+    eval_key: str
+
+    @property
+    def cache(self) -> str:
+        """The log's word for where the training tokens came from."""
+        return "hit" if self.hit else "miss (tokenized and cached)"
+
+
+def tokenize_split(frames, env: DistEnv, fingerprint: str, encode: Callable, train: bool = True) -> Tokens:
+    """The training rows (unless not ``train``: a stream brings them), then the evaluation rows, of a
+    task's ``frames`` (a ``data.rows.RowSplit``) tokenized by ``encode`` on every process of the node
+    and cached under ``fingerprint`` (the task's mode and all else its tokens depend on: part of the
+    cache key). Collective."""
+    train_ds, hit, train_key = (
+        tokenized_rows(frames.rows, frames.train_ids, env=env, fingerprint=fingerprint, encode=encode, what="train")
+        if train
+        else (None, False, "")
+    )
+    eval_ds, _, eval_key = tokenized_rows(
+        frames.eval_rows, frames.eval_ids, env=env, fingerprint=fingerprint, encode=encode, what="eval"
+    )
+    return Tokens(train_ds, eval_ds, hit, train_key, eval_key)
+
+
+def prepared(tokens: Tokens, **parts) -> Prepared:
+    """The ``Prepared`` of ``tokens`` (its datasets, their sizes, the training rows' content key) and of
+    the task's own ``parts`` (collate, dropped, info, ...)."""
+    return Prepared(
+        train_ds=tokens.train,
+        eval_ds=tokens.eval,
+        train_rows=0 if tokens.train is None else len(tokens.train),
+        eval_rows=len(tokens.eval),
+        content=tokens.train_key,
+        **parts,
+    )

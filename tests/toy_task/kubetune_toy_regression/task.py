@@ -22,6 +22,8 @@ from kubetune.tasks.base import LossOutput, Prepared, Task, tokenize_on_node
 from kubetune.tasks.common import load_pretrained
 
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+# The task's own artifact file, beside kubetune's (``Task.artifact_files``): each held-out row's residual.
+RESIDUALS = "residuals.csv"
 
 
 def load_frames(data, seed: int, s3: S3Settings = S3Settings(), scale: float = 1.0):
@@ -146,6 +148,20 @@ def export(spec, model, tokenizer, data: Prepared, out, metrics: dict) -> None:
         tokenizer.save_pretrained(d)
 
     artifacts.replace_dir(save, out / "model")
+    artifacts.write_atomic(out / RESIDUALS, _residuals(model, data))
+
+
+@torch.no_grad()
+def _residuals(model, data: Prepared) -> str:
+    """The held-out rows' targets, predictions and residuals, as CSV."""
+    device, lines = next(model.parameters()).device, ["row,target,predicted,residual"]
+    model.eval()
+    for start in range(0, data.eval_rows, 32):
+        batch = data.collate_eval(np.arange(start, min(start + 32, data.eval_rows))).to(device)
+        predicted = model(**batch.inputs).logits.float().squeeze(-1)
+        for row, target, value in zip(batch.index.tolist(), batch.labels.tolist(), predicted.tolist()):
+            lines.append(f"{row},{target:.6g},{value:.6g},{value - target:.6g}")
+    return "\n".join(lines) + "\n"
 
 
 def predict(path: str, texts: list[str], options: dict, warn) -> list[dict]:
@@ -167,6 +183,7 @@ TASK = Task(
     eval_totals=eval_totals,
     eval_metrics=eval_metrics,
     export=export,
+    artifact_files=(RESIDUALS,),
     headline=("eval_mse", "eval_mae"),
     predict=predict,
     show=lambda r: f"{r['value']:.4f}\t{r['text']}",

@@ -1,7 +1,7 @@
 """Causal-LM data: text, instruction (alpaca) and chat rows → token ids with response-only labels.
 
 Every row becomes a conversation (``messages``) or a plain document (``text``). Conversations are
-rendered with the tokenizer's chat template (``FALLBACK_CHAT_TEMPLATE`` when it has none); the
+rendered with the tokenizer's chat template (``tasks.common.FALLBACK_CHAT_TEMPLATE`` when it has none); the
 characters of each assistant turn are located by rendering the conversation up to that turn, and
 tokens whose first character falls inside an assistant turn get labels, every other token -100
 (unless ``data.train_on_prompt``). Plain documents are all response.
@@ -14,7 +14,6 @@ import logging
 
 import numpy as np
 import pandas as pd
-import pyarrow as pa
 import torch
 
 from kubetune.config import DataSpec
@@ -24,26 +23,9 @@ from kubetune.data.rows import RowSplit, read_split
 from kubetune.data.tables import short
 from kubetune.errors import KubetuneError
 from kubetune.providers import S3Settings
+from kubetune.tasks.common import IGNORE, RECORD_SCHEMA, ROLES
 
 log = logging.getLogger(__name__)
-
-IGNORE = -100
-
-# Used when the tokenizer brings no chat template (documented in the README). It is saved with the
-# exported tokenizer, so `kubetune predict` renders prompts exactly as training did.
-FALLBACK_CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\n' + message['content'] }}"
-    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% else %}{{ '\n' }}{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
-)
-
-ROLES = ("system", "user", "assistant", "tool")
-
-
-RECORD_SCHEMA = pa.schema([("record", pa.string())])
 
 
 def load_lm_frames(spec: DataSpec, seed: int, s3: S3Settings = S3Settings()) -> RowSplit:
@@ -232,29 +214,6 @@ def _messages(value, spec: DataSpec, source: str, i: int) -> list[dict] | None:
 
 
 # ---------------------------------------------------------------- tokenization
-
-
-def ensure_chat_template(tokenizer) -> bool:
-    """Give the tokenizer ``FALLBACK_CHAT_TEMPLATE`` when it has none; True when it did."""
-    if getattr(tokenizer, "chat_template", None):
-        return False
-    tokenizer.chat_template = FALLBACK_CHAT_TEMPLATE
-    return True
-
-
-def prepare_tokenizer(tokenizer, fmt: str, chat_template: str | None) -> str | None:
-    """The tokenizer of a task whose rows render as chat (``fmt`` "chat") or as they are: with
-    ``data.chat_template`` if given, else its own or the fallback; a pad token (padding is masked out, so
-    the EOS will do). Returns which template renders the rows (None for text), for the log and metrics."""
-    template = None
-    if fmt == "chat":
-        if chat_template:
-            tokenizer.chat_template, template = chat_template, "data.chat_template"
-        else:
-            template = "fallback" if ensure_chat_template(tokenizer) else "tokenizer"
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return template
 
 
 def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:

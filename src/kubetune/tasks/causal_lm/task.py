@@ -26,22 +26,24 @@ from kubetune import artifacts
 from kubetune.config import JobSpec
 from kubetune.data import Batch
 from kubetune.data.feed import Feed
-from kubetune.data.rows import column, tokenized_rows
+from kubetune.data.rows import column
 from kubetune.data.tokenize import tokenizer_fingerprint
 from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
-from kubetune.providers import S3Settings
 from kubetune.tasks import attention
-from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task, on_node_first
-from kubetune.tasks.causal_lm.data import (
-    IGNORE,
-    collate,
-    ensure_chat_template,
-    load_lm_frames,
-    shard_normalizer,
-    tokenize_frame,
+from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task
+from kubetune.tasks.causal_lm.data import collate, load_lm_frames, shard_normalizer, tokenize_frame
+from kubetune.tasks.common import (
+    attention_kwargs,
+    head_forward,
+    load_on_node,
+    load_pretrained,
+    next_token_targets,
+    prepare_tokenizer,
+    prepared,
+    replaceable_head,
+    tokenize_split,
 )
-from kubetune.tasks.common import attention_kwargs, load_pretrained
 
 log = logging.getLogger(__name__)
 
@@ -51,32 +53,29 @@ def _encode(frame: pd.DataFrame, tokenizer, max_length: int, train_on_prompt: bo
 
 
 def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
-    frames = on_node_first(env, lambda: load_lm_frames(spec.data, spec.training.seed, S3Settings.from_spec(spec)))
-    fallback = frames.format != "text" and ensure_chat_template(tokenizer)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token  # padding is masked out; any id will do
+    """The shared skeleton (``tasks.common``) around the task's own parts: instruction and chat rows both
+    render with the chat template; the tokens' mode says whether prompts carry a loss; rows left without
+    a target token are dropped."""
+    frames = load_on_node(load_lm_frames, spec, env)
+    template = prepare_tokenizer(tokenizer, chat=frames.format != "text")
     mode = "causal-lm+prompt" if spec.data.train_on_prompt else "causal-lm"
     encode = functools.partial(
         _encode, tokenizer=tokenizer, max_length=spec.data.max_length, train_on_prompt=spec.data.train_on_prompt
     )
     fingerprint = f"{mode}:{spec.data.max_length}:{tokenizer_fingerprint(tokenizer)}"
     if spec.data.streaming:
-        return _prepare_stream(spec, env, tokenizer, frames, encode, fingerprint, fallback)
-    train_ds, hit, content = tokenized_rows(
-        frames.rows, frames.train_ids, env=env, fingerprint=fingerprint, encode=encode, what="train"
-    )
-    eval_ds, _, _ = tokenized_rows(
-        frames.eval_rows, frames.eval_ids, env=env, fingerprint=fingerprint, encode=encode, what="eval"
-    )
+        return _prepare_stream(spec, env, tokenizer, frames, encode, fingerprint, template)
+    tokens = tokenize_split(frames, env, fingerprint, encode)
     dropped = dict(frames.dropped)
     # Rows whose response lies wholly beyond data.max_length teach nothing: drop them (counted).
-    train_ds = _with_targets(train_ds, dropped, "train_truncated", spec.data.max_length)
-    eval_ds = _with_targets(eval_ds, dropped, "eval_truncated", spec.data.max_length)
+    tokens.train = _with_targets(tokens.train, dropped, "train_truncated", spec.data.max_length)
+    tokens.eval = _with_targets(tokens.eval, dropped, "eval_truncated", spec.data.max_length)
+    train_ds, eval_ds = tokens.train, tokens.eval
     units = column(train_ds, "n_targets")  # int32: 4 bytes per row (its sums are int64)
     lengths = column(train_ds, "length")
     info = {
         "data_format": frames.format,
-        "chat_template": ("fallback" if fallback else "tokenizer") if frames.format != "text" else None,
+        "chat_template": template,
         # Per epoch, of the training data; the loop reports train_tokens over every epoch trained.
         "train_data_tokens": int(lengths.sum()),
         "train_data_target_tokens": int(units.sum()),
@@ -91,30 +90,26 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
             len(train_ds),
             len(eval_ds),
             frames.format,
-            ", fallback chat template" if fallback else "",
+            ", fallback chat template" if template == "fallback" else "",
             lengths.sum(),
             units.sum(),
             100 * units.sum() / max(lengths.sum(), 1),
             lengths.mean(),
             lengths.max(),
-            "hit" if hit else "miss (tokenized and cached)",
+            tokens.cache,
         )
-    return Prepared(
-        train_ds=train_ds,
-        eval_ds=eval_ds,
+    return prepared(
+        tokens,
         collate=functools.partial(collate, train_ds, pad_id=tokenizer.pad_token_id, packing=spec.data.packing),
         collate_eval=functools.partial(collate, eval_ds, pad_id=tokenizer.pad_token_id),
-        train_rows=len(train_ds),
-        eval_rows=len(eval_ds),
         units=units,
         dropped=dropped,
         info=info,
         raw=tokenizer,
-        content=content,
     )
 
 
-def _prepare_stream(spec: JobSpec, env: DistEnv, tokenizer, frames, encode, fingerprint: str, fallback: bool):
+def _prepare_stream(spec: JobSpec, env: DistEnv, tokenizer, frames, encode, fingerprint: str, template):
     """data.streaming: data.train as a ``Feed`` of rank 0's listing (every rank reads it; each
     tokenizes its own rows as they come), data.eval tokenized whole as without streaming."""
     feed = Feed.for_spec(
@@ -125,26 +120,21 @@ def _prepare_stream(spec: JobSpec, env: DistEnv, tokenizer, frames, encode, fing
         collate=functools.partial(collate, pad_id=tokenizer.pad_token_id, packing=spec.data.packing),
         units=lambda cols: np.asarray(cols["n_targets"], dtype=np.int64),
     )
-    eval_ds, _, _ = tokenized_rows(
-        frames.eval_rows, frames.eval_ids, env=env, fingerprint=fingerprint, encode=encode, what="eval"
-    )
+    tokens = tokenize_split(frames, env, fingerprint, encode, train=False)
     dropped = dict(frames.dropped)
-    eval_ds = _with_targets(eval_ds, dropped, "eval_truncated", spec.data.max_length)
+    tokens.eval = _with_targets(tokens.eval, dropped, "eval_truncated", spec.data.max_length)
     if env.is_local_main:
-        log.info("data: %s; %d eval rows (%s format)", feed.describe(), len(eval_ds), frames.format)
+        log.info("data: %s; %d eval rows (%s format)", feed.describe(), len(tokens.eval), frames.format)
     info = {
         "data_format": frames.format,
-        "chat_template": ("fallback" if fallback else "tokenizer") if frames.format != "text" else None,
+        "chat_template": template,
         "packing": spec.data.packing,
         "streamed_shards": len(feed.listing.shards),
     }
-    return Prepared(
-        train_ds=None,
-        eval_ds=eval_ds,
+    return prepared(
+        tokens,
         collate=feed.collate,
-        collate_eval=functools.partial(collate, eval_ds, pad_id=tokenizer.pad_token_id),
-        train_rows=0,
-        eval_rows=len(eval_ds),
+        collate_eval=functools.partial(collate, tokens.eval, pad_id=tokenizer.pad_token_id),
         dropped=dropped,
         info=info,
         raw=tokenizer,
@@ -260,10 +250,6 @@ def _quantized_load(quant: str, device: torch.device, dtype: torch.dtype) -> dic
 # Target positions projected onto the vocabulary together: a chunk's logits, their fp32 copy and
 # softmax (about 10 bytes x LOSS_CHUNK x vocabulary) are the loss's transient peak.
 LOSS_CHUNK = 512
-# Causal LMs whose forward is ``lm_head(hidden_states[logits_to_keep])`` and nothing after it: the
-# projection can be replaced by the loss. Others scale or soft-cap their logits after the head
-# (Gemma 2, Cohere, Granite), so their loss is taken from their logits.
-PLAIN_HEAD = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3"})
 
 
 def loss(model, batch: Batch, autocast) -> LossOutput:
@@ -298,12 +284,8 @@ def _token_loss(model, batch: Batch, autocast, count_correct: bool = False, per_
     and FSDP see the projection's weight used where they expect (FSDP gathers it again before the
     backward reaches it). Other models' loss is taken from the target rows of their logits, chunked
     the same way. ``per_token``: the cross-entropy of each target token instead of their sum."""
-    targets = batch.labels[:, 1:]
-    mask = targets != IGNORE
-    chosen = targets[mask]
-    # position t predicts token t + 1; the last position predicts nothing
-    keep = torch.cat([mask, mask.new_zeros(mask.shape[0], 1)], dim=1)
-    head = _replaceable_head(model)
+    mask, chosen, keep = next_token_targets(batch.labels)  # position t predicts token t + 1
+    head = replaceable_head(model)
     packed = "position_ids" in batch.inputs and "attention_mask" not in batch.inputs
     with autocast, attention.packed_call() if packed else contextlib.nullcontext():
         if head is not None:
@@ -357,18 +339,6 @@ def _chunk_loss(
     return F.cross_entropy(logits.float(), ids, reduction="none" if per_token else "sum"), hits
 
 
-def _replaceable_head(model) -> torch.nn.Linear | None:
-    """The output projection of a ``PLAIN_HEAD`` causal LM under its DDP, FSDP or PEFT wrapper, when
-    it is a bias-free linear layer (not LoRA-adapted: what ``_chunk_loss`` computes); else None."""
-    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-    if hasattr(inner, "get_base_model"):  # PEFT passes logits_to_keep through to the base model
-        inner = inner.get_base_model()
-    if getattr(getattr(inner, "config", None), "model_type", None) not in PLAIN_HEAD:
-        return None
-    head = inner.get_output_embeddings()
-    return head if type(head) is torch.nn.Linear and head.bias is None else None
-
-
 @contextlib.contextmanager
 def _loss_as_head(head: torch.nn.Linear, chosen: torch.Tensor, count_correct: bool, per_token: bool = False):
     """For one forward call, the output projection returns the chunked loss of the hidden states it
@@ -380,11 +350,8 @@ def _loss_as_head(head: torch.nn.Linear, chosen: torch.Tensor, count_correct: bo
         hits.append(correct)
         return total
 
-    head.forward = forward  # an instance attribute shadows the class's forward; removed below
-    try:
+    with head_forward(head, forward):
         yield hits
-    finally:
-        del head.forward
 
 
 def eval_totals(stats: list[dict], data: Prepared, device) -> dict[str, torch.Tensor]:

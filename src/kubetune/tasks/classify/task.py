@@ -21,13 +21,12 @@ from kubetune import artifacts
 from kubetune.artifacts.report import fmt
 from kubetune.config import JobSpec
 from kubetune.data import Batch
-from kubetune.data.rows import tokenized_rows
 from kubetune.data.tokenize import tokenizer_fingerprint
 from kubetune.distributed import DistEnv
-from kubetune.providers import S3Settings
-from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task, on_node_first
+from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task
 from kubetune.tasks.classify.baseline import tfidf_baseline
 from kubetune.tasks.classify.data import collate, encode, load_frames
+from kubetune.tasks.common import load_on_node, prepared, tokenize_split
 
 log = logging.getLogger(__name__)
 
@@ -37,37 +36,30 @@ MODE = "classify"
 
 
 def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
-    frames = on_node_first(env, lambda: load_frames(spec.data, spec.training.seed, S3Settings.from_spec(spec)))
+    """The shared skeleton (``tasks.common``) around the task's own parts: the classes, read from the
+    data, are the label ids and part of the tokens' cache key."""
+    frames = load_on_node(load_frames, spec, env)
     label2id = {name: i for i, name in enumerate(frames.labels)}
     enc = functools.partial(encode, tokenizer=tokenizer, max_length=spec.data.max_length, label2id=label2id)
     fingerprint = f"{MODE}:{spec.data.max_length}:{json.dumps(frames.labels)}:{tokenizer_fingerprint(tokenizer)}"
-    train_ds, hit, content = tokenized_rows(
-        frames.rows, frames.train_ids, env=env, fingerprint=fingerprint, encode=enc, what="train"
-    )
-    eval_ds, _, _ = tokenized_rows(
-        frames.eval_rows, frames.eval_ids, env=env, fingerprint=fingerprint, encode=enc, what="eval"
-    )
+    tokens = tokenize_split(frames, env, fingerprint, enc)
     if env.is_local_main:
         log.info(
             "data: %d train / %d eval rows, %d classes %s; tokenization cache %s",
-            len(train_ds),
-            len(eval_ds),
+            len(tokens.train),
+            len(tokens.eval),
             len(frames.labels),
             frames.labels,
-            "hit" if hit else "miss (tokenized and cached)",
+            tokens.cache,
         )
-    return Prepared(
-        train_ds=train_ds,
-        eval_ds=eval_ds,
-        collate=functools.partial(collate, train_ds, tokenizer=tokenizer),
-        collate_eval=functools.partial(collate, eval_ds, tokenizer=tokenizer),
-        train_rows=len(train_ds),
-        eval_rows=len(eval_ds),
+    return prepared(
+        tokens,
+        collate=functools.partial(collate, tokens.train, tokenizer=tokenizer),
+        collate_eval=functools.partial(collate, tokens.eval, tokenizer=tokenizer),
         labels=frames.labels,
         dropped=frames.dropped,
         info={"labels": frames.labels},
         raw=(frames, tokenizer),
-        content=content,
     )
 
 

@@ -1,6 +1,7 @@
 """DPO's data: preference pairs read in TRL's conventions (text, or chat message lists with an
 implicit prompt), tokenized as TRL's DPOTrainer does, and the micro-batches of pairs (chosen
-sequences, then rejected ones, answer tokens labeled)."""
+sequences, then rejected ones, answer tokens labeled). A cell's messages are read by ``tasks.common``
+(GRPO's prompts too)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from kubetune.data.rows import RowSplit, read_split
 from kubetune.data.tables import short
 from kubetune.errors import KubetuneError
 from kubetune.providers import S3Settings
-from kubetune.tasks.causal_lm.data import IGNORE, RECORD_SCHEMA, ROLES
+from kubetune.tasks.common import IGNORE, RECORD_SCHEMA, as_messages, cell_messages
 from kubetune.tasks.dpo import DPOSpec, PreferenceData
 
 log = logging.getLogger(__name__)
@@ -55,19 +56,7 @@ def _detect_format(df: pd.DataFrame, spec: PreferenceData) -> str:
     if spec.chosen_column not in df.columns:
         return "text"  # _normalize names the missing column
     values = df[spec.chosen_column].dropna()
-    return "chat" if len(values) and _as_messages(values.iloc[0]) is not None else "text"
-
-
-def _as_messages(value) -> list | None:
-    """``value`` as a list (of would-be messages) when it is one: a list, an Arrow array, a JSON list."""
-    if isinstance(value, np.ndarray):
-        value = value.tolist()
-    if isinstance(value, str) and value.lstrip().startswith("["):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError:
-            return None
-    return value if isinstance(value, list) else None
+    return "chat" if len(values) and as_messages(values.iloc[0]) is not None else "text"
 
 
 class _Normalizer:
@@ -171,8 +160,8 @@ def _chat_record(row: dict, spec: PreferenceData, source: str, i: int) -> dict |
     """{prompt, chosen, rejected} message lists. Strings become a user turn (prompt) or an assistant
     turn (answers). Answers that start with a turn not the assistant's hold the whole conversation:
     the prompt is then the turns they share (TRL's implicit prompt), else the prompt column's."""
-    chosen = _messages(row[spec.chosen_column], "assistant", "data.chosen_column", spec.chosen_column, source, i)
-    rejected = _messages(
+    chosen = cell_messages(row[spec.chosen_column], "assistant", "data.chosen_column", spec.chosen_column, source, i)
+    rejected = cell_messages(
         row[spec.rejected_column], "assistant", "data.rejected_column", spec.rejected_column, source, i
     )
     if not chosen or not rejected:
@@ -181,7 +170,7 @@ def _chat_record(row: dict, spec: PreferenceData, source: str, i: int) -> dict |
         n = min(_shared_prefix(chosen, rejected), len(chosen) - 1, len(rejected) - 1)
         prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
     elif spec.prompt_column in row:
-        prompt = _messages(row[spec.prompt_column], "user", "data.prompt_column", spec.prompt_column, source, i)
+        prompt = cell_messages(row[spec.prompt_column], "user", "data.prompt_column", spec.prompt_column, source, i)
         if prompt is None:
             return None
     else:
@@ -195,34 +184,6 @@ def _chat_record(row: dict, spec: PreferenceData, source: str, i: int) -> dict |
     if spec.system_prompt and (not prompt or prompt[0]["role"] != "system"):
         prompt = [{"role": "system", "content": spec.system_prompt}, *prompt]
     return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
-
-
-def _messages(value, role: str, key: str, col: str, source: str, i: int) -> list[dict] | None:
-    if value is None or (isinstance(value, float) and np.isnan(value)):
-        return None
-    messages = _as_messages(value)
-    if messages is None:
-        text = _text(value)
-        return [{"role": role, "content": text}] if text else None
-    if not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
-        raise KubetuneError(
-            f"row {i} of {short(source)}: '{short(col, 40)}' must be text or a list of {{role, content}} objects, "
-            f"got {short(value, 60)!r}",
-            field=key,
-            fix='store a list like [{"role": "assistant", "content": "..."}], or plain text',
-        )
-    out = []
-    for m in messages:
-        if str(m["role"]) not in ROLES:
-            raise KubetuneError(
-                f"row {i} of {short(source)}: unknown message role {short(m['role'], 30)!r} in '{short(col, 40)}'",
-                field=key,
-                fix=f"use one of {list(ROLES)}",
-            )
-        if not isinstance(m["content"], str):
-            return None
-        out.append({"role": str(m["role"]), "content": m["content"]})
-    return out
 
 
 def _shared_prefix(a: list, b: list) -> int:

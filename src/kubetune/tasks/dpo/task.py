@@ -34,15 +34,14 @@ import torch.nn.functional as F
 from kubetune import distributed
 from kubetune.config import JobSpec
 from kubetune.data.feed import Feed
-from kubetune.data.rows import column, tokenized_rows
+from kubetune.data.rows import column
 from kubetune.data.tokenize import tokenizer_fingerprint
 from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
 from kubetune.paths import cache_root, set_default_modes
-from kubetune.providers import S3Settings
-from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task, on_node_first, rank_batches
+from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task, rank_batches
 from kubetune.tasks.causal_lm import task as causal_lm
-from kubetune.tasks.causal_lm.data import IGNORE, prepare_tokenizer
+from kubetune.tasks.common import IGNORE, load_on_node, prepare_tokenizer, prepared, target_mask, tokenize_split
 from kubetune.tasks.dpo import DPOSpec
 from kubetune.tasks.dpo.data import Collate, PairBatch, encode_pairs, load_pair_frames, shard_normalizer
 
@@ -60,8 +59,10 @@ METRICS = ("reward_accuracy", "reward_chosen", "reward_rejected", "reward_margin
 
 
 def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
-    frames = on_node_first(env, lambda: load_pair_frames(spec.data, spec.training.seed, S3Settings.from_spec(spec)))
-    template = prepare_tokenizer(tokenizer, frames.format, spec.data.chat_template)
+    """The shared skeleton (``tasks.common``) around the task's own parts: pairs dropped whose prompt
+    leaves no answer token, and micro-batches of pairs keyed for the reference's cache."""
+    frames = load_on_node(load_pair_frames, spec, env)
+    template = prepare_tokenizer(tokenizer, frames.format == "chat", spec.data.chat_template)
     max_length = spec.data.max_length
 
     encode = functools.partial(encode_pairs, tokenizer=tokenizer, max_length=max_length)
@@ -69,16 +70,11 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
     fingerprint = f"dpo:{max_length}:{tokenizer_fingerprint(tokenizer)}"
     if spec.data.streaming:
         return _prepare_stream(spec, env, tokenizer, frames, encode, fingerprint, template)
-    train_ds, hit, train_key = tokenized_rows(
-        frames.rows, frames.train_ids, env=env, fingerprint=fingerprint, encode=encode, what="train"
-    )
-    eval_ds, _, eval_key = tokenized_rows(
-        frames.eval_rows, frames.eval_ids, env=env, fingerprint=fingerprint, encode=encode, what="eval"
-    )
+    tokens = tokenize_split(frames, env, fingerprint, encode)
     dropped = dict(frames.dropped)
     # A pair whose prompt alone fills data.max_length keeps no answer token (TRL drops it too).
-    train_ds = _with_answers(train_ds, dropped, "train_truncated", max_length)
-    eval_ds = _with_answers(eval_ds, dropped, "eval_truncated", max_length)
+    tokens.train = _with_answers(tokens.train, dropped, "train_truncated", max_length)
+    tokens.eval = _with_answers(tokens.eval, dropped, "eval_truncated", max_length)
     dpo = spec.dpo or DPOSpec()
     info = {
         "data_format": frames.format,
@@ -89,35 +85,24 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
         "dpo_reference": "the base model (LoRA adapter disabled)" if spec.lora else "precomputed (full fine-tune)",
     }
     if env.is_local_main:
-        lengths = column(train_ds, "length")
+        lengths = column(tokens.train, "length")
         log.info(
             "data: %d train / %d eval pairs (%s format%s); longest sequence %d tokens, mean %.0f; "
             "tokenization cache %s",
-            len(train_ds),
-            len(eval_ds),
+            len(tokens.train),
+            len(tokens.eval),
             frames.format,
             f", {template} chat template" if template else "",
             lengths.max(),
             lengths.mean(),
-            "hit" if hit else "miss (tokenized and cached)",
+            tokens.cache,
         )
     pad_id, model = tokenizer.pad_token_id, _model_identity(spec, model_dir)
     collate, collate_eval = (
         Collate(ds, pad_id, max_length, dpo, f"{model}:{key}")
-        for ds, key in ((train_ds, train_key), (eval_ds, eval_key))
+        for ds, key in ((tokens.train, tokens.train_key), (tokens.eval, tokens.eval_key))
     )
-    return Prepared(
-        train_ds=train_ds,
-        eval_ds=eval_ds,
-        collate=collate,
-        collate_eval=collate_eval,
-        train_rows=len(train_ds),
-        eval_rows=len(eval_ds),
-        dropped=dropped,
-        info=info,
-        raw=tokenizer,
-        content=train_key,
-    )
+    return prepared(tokens, collate=collate, collate_eval=collate_eval, dropped=dropped, info=info, raw=tokenizer)
 
 
 def _prepare_stream(spec: JobSpec, env: DistEnv, tokenizer, frames, encode, fingerprint: str, template) -> Prepared:
@@ -133,13 +118,11 @@ def _prepare_stream(spec: JobSpec, env: DistEnv, tokenizer, frames, encode, fing
         # a pair whose prompt alone fills data.max_length keeps no answer token: dropped, as without streaming
         units=lambda cols: np.asarray([len(p) < max_length for p in cols["prompt_ids"]], dtype=np.int64),
     )
-    eval_ds, _, eval_key = tokenized_rows(
-        frames.eval_rows, frames.eval_ids, env=env, fingerprint=fingerprint, encode=encode, what="eval"
-    )
+    tokens = tokenize_split(frames, env, fingerprint, encode, train=False)
     dropped = dict(frames.dropped)
-    eval_ds = _with_answers(eval_ds, dropped, "eval_truncated", max_length)
+    tokens.eval = _with_answers(tokens.eval, dropped, "eval_truncated", max_length)
     if env.is_local_main:
-        log.info("data: %s; %d eval pairs (%s format)", feed.describe(), len(eval_ds), frames.format)
+        log.info("data: %s; %d eval pairs (%s format)", feed.describe(), len(tokens.eval), frames.format)
     info = {
         "data_format": frames.format,
         "chat_template": template,
@@ -149,13 +132,11 @@ def _prepare_stream(spec: JobSpec, env: DistEnv, tokenizer, frames, encode, fing
         "dpo_reference": "the base model (LoRA adapter disabled)",
         "streamed_shards": len(feed.listing.shards),
     }
-    return Prepared(
-        train_ds=None,
-        eval_ds=eval_ds,
+    return prepared(
+        tokens,
         collate=feed.collate,
-        collate_eval=Collate(eval_ds, pad_id, max_length, dpo, eval_key),  # its key names a precomputed reference
-        train_rows=0,
-        eval_rows=len(eval_ds),
+        # its key names a precomputed reference
+        collate_eval=Collate(tokens.eval, pad_id, max_length, dpo, tokens.eval_key),
         dropped=dropped,
         info=info,
         raw=tokenizer,
@@ -278,7 +259,7 @@ def _write_cache(path: Path, arrays: dict[str, np.ndarray]) -> None:
 def _sequence_logps(model, batch: PairBatch, autocast) -> torch.Tensor:
     """Each sequence's summed answer-token log-probability (fp32), computed as the causal-LM loss is."""
     per_token = causal_lm.target_logps(model, batch, autocast)
-    mask = batch.labels[:, 1:] != IGNORE
+    mask = target_mask(batch.labels)
     # Scattered into the sequence layout and summed per row: deterministic, unlike index_add on a GPU.
     dense = torch.zeros(mask.shape, dtype=per_token.dtype, device=per_token.device)
     return dense.masked_scatter(mask, per_token).sum(dim=1)

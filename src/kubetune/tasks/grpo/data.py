@@ -1,6 +1,7 @@
 """GRPO's data: prompts in TRL's conventions (a string, or a chat message list), every other column of
 the row kept beside them for the reward functions, tokenized once (the chat template with its
-generation prompt) and cached like the other tasks' tokens; a micro-batch is a set of prompts."""
+generation prompt) and cached like the other tasks' tokens; a micro-batch is a set of prompts. A cell's
+messages are read as DPO reads its own (``tasks.common``)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,7 @@ from kubetune.data.rows import RowSplit, read_split
 from kubetune.data.tables import short
 from kubetune.errors import KubetuneError
 from kubetune.providers import S3Settings
-from kubetune.tasks.causal_lm.data import RECORD_SCHEMA
-from kubetune.tasks.dpo.data import _as_messages, _messages
+from kubetune.tasks.common import RECORD_SCHEMA, as_messages, cell_messages
 from kubetune.tasks.grpo import PromptData
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ class _Normalizer:
             )
         if self.fmt is None:
             values = df[col].dropna()
-            chat = len(values) and _as_messages(values.iloc[0]) is not None
+            chat = len(values) and as_messages(values.iloc[0]) is not None
             self.fmt = spec.format if spec.format != "auto" else ("chat" if chat else "text")
         self.rows += len(df)
         if self.fmt == "text":
@@ -99,7 +99,7 @@ class _Normalizer:
         spec = self.spec
         if self.fmt == "text":
             return value if isinstance(value, str) and value.strip() else None
-        messages = _messages(value, "user", "data.prompt_column", spec.prompt_column, self.source, i)
+        messages = cell_messages(value, "user", "data.prompt_column", spec.prompt_column, self.source, i)
         if not messages or not any(isinstance(m["content"], str) and m["content"].strip() for m in messages):
             return None
         if spec.system_prompt and messages[0]["role"] != "system":

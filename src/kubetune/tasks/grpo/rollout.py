@@ -27,8 +27,7 @@ import torch
 from kubetune import checkpoint, distributed
 from kubetune.data import Batch, StepBatch
 from kubetune.errors import AgreedError, KubetuneError
-from kubetune.tasks.causal_lm import task as causal_lm
-from kubetune.tasks.causal_lm.data import IGNORE
+from kubetune.tasks.common import IGNORE, head_forward, next_token_targets, replaceable_head, target_mask
 from kubetune.tasks.grpo import GRPOSpec
 from kubetune.tasks.grpo import loss as grpo_loss
 from kubetune.tasks.grpo import rewards as reward_fns
@@ -121,7 +120,7 @@ def _head_as_logps(head: torch.nn.Linear, chosen: torch.Tensor, temperature: flo
     """For one forward call, the output projection returns the log-probabilities of ``chosen`` under
     softmax(logits / temperature) at the positions it is given (their entropies into ``entropy``),
     ``LOGITS_CHUNK`` positions at a time, each chunk's logits recomputed in the backward pass instead of
-    kept: the causal-LM task's chunked head (``causal_lm._loss_as_head``) with GRPO's temperature."""
+    kept: the causal-LM task's chunked head (its loss in place of the projection) with GRPO's temperature."""
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         parts, ents = [], []
@@ -137,22 +136,16 @@ def _head_as_logps(head: torch.nn.Linear, chosen: torch.Tensor, temperature: flo
         entropy.append(torch.cat(ents) if ents else hidden.new_zeros(0, dtype=torch.float32))
         return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
 
-    head.forward = forward  # an instance attribute shadows the class's forward; removed below
-    try:
+    with head_forward(head, forward):
         yield
-    finally:
-        del head.forward
 
 
 def completion_logps(model, batch: Batch, temperature: float, autocast) -> tuple[torch.Tensor, torch.Tensor]:
     """The log-probability (fp32) and the entropy (no gradient) of every label token of ``batch``, in
     row-major order, under softmax(logits / temperature); the full logits of the batch never exist
     for a model whose output projection is a plain linear layer."""
-    targets = batch.labels[:, 1:]
-    mask = targets != IGNORE
-    chosen = targets[mask]
-    keep = torch.cat([mask, mask.new_zeros(mask.shape[0], 1)], dim=1)  # position t predicts token t + 1
-    head = causal_lm._replaceable_head(model)
+    mask, chosen, keep = next_token_targets(batch.labels)
+    head = replaceable_head(model)
     with autocast:
         if head is not None:
             entropy: list = []
@@ -165,7 +158,7 @@ def completion_logps(model, batch: Batch, temperature: float, autocast) -> tuple
 
 def dense(flat: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Flat per-label-token values laid out as (rows, positions − 1), 0 elsewhere."""
-    mask = labels[:, 1:] != IGNORE
+    mask = target_mask(labels)
     return torch.zeros(mask.shape, dtype=flat.dtype, device=flat.device).masked_scatter(mask, flat)
 
 

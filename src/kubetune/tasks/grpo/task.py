@@ -24,14 +24,13 @@ import torch
 
 from kubetune import artifacts, distributed
 from kubetune.config import JobSpec
-from kubetune.data.rows import column, tokenized_rows
+from kubetune.data.rows import column
 from kubetune.data.tokenize import tokenizer_fingerprint
 from kubetune.distributed import DistEnv
 from kubetune.errors import AgreedError, KubetuneError
-from kubetune.providers import S3Settings
-from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task, on_node_first
+from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task
 from kubetune.tasks.causal_lm import task as causal_lm
-from kubetune.tasks.causal_lm.data import IGNORE, prepare_tokenizer
+from kubetune.tasks.common import load_on_node, prepare_tokenizer, prepared, target_mask, tokenize_split
 from kubetune.tasks.dpo import task as dpo
 from kubetune.tasks.grpo import loss as grpo_loss
 from kubetune.tasks.grpo import rewards as reward_fns
@@ -42,6 +41,8 @@ log = logging.getLogger(__name__)
 
 
 def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
+    """The shared skeleton (``tasks.common``) around the task's own parts: the reward functions (a
+    user's module imported now), and the rollouts that make each step of prompts the step trained on."""
     g = spec.grpo
     if g.beta and spec.lora is None and not g.reference_copy:
         raise KubetuneError(
@@ -51,16 +52,11 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
             "grpo.reference_copy: true (a frozen copy of the base model in memory), or set grpo.beta: 0",
         )
     scorers = reward_fns.scorers(g.rewards)  # a user's module is imported now, not at the first step
-    frames = on_node_first(env, lambda: load_prompt_frames(spec.data, spec.training.seed, S3Settings.from_spec(spec)))
-    template = prepare_tokenizer(tokenizer, frames.format, spec.data.chat_template)
+    frames = load_on_node(load_prompt_frames, spec, env)
+    template = prepare_tokenizer(tokenizer, frames.format == "chat", spec.data.chat_template)
     encode = functools.partial(encode_prompts, tokenizer=tokenizer, max_length=spec.data.max_length)
     fingerprint = f"grpo:{spec.data.max_length}:{tokenizer_fingerprint(tokenizer)}"
-    train_ds, hit, train_key = tokenized_rows(
-        frames.rows, frames.train_ids, env=env, fingerprint=fingerprint, encode=encode, what="train"
-    )
-    eval_ds, _, _ = tokenized_rows(
-        frames.eval_rows, frames.eval_ids, env=env, fingerprint=fingerprint, encode=encode, what="eval"
-    )
+    tokens = tokenize_split(frames, env, fingerprint, encode)
     rollouts = Rollouts(
         grpo=g,
         tokenizer=tokenizer,
@@ -71,24 +67,24 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
         eos_ids=_eos_ids(model_dir, tokenizer),
     )
     collate, collate_eval = (
-        PromptCollate(train_ds, tokenizer.pad_token_id),
-        PromptCollate(eval_ds, tokenizer.pad_token_id),
+        PromptCollate(tokens.train, tokenizer.pad_token_id),
+        PromptCollate(tokens.eval, tokenizer.pad_token_id),
     )
     collate.context = collate_eval.context = rollouts
     if env.is_local_main:
-        lengths = column(train_ds, "length")
+        lengths = column(tokens.train, "length")
         log.info(
             "data: %d train / %d eval prompts (%s format%s); longest prompt %d tokens, mean %.0f; %d completions "
             "per prompt; rewards %s; tokenization cache %s",
-            len(train_ds),
-            len(eval_ds),
+            len(tokens.train),
+            len(tokens.eval),
             frames.format,
             f", {template} chat template" if template else "",
             lengths.max(),
             lengths.mean(),
             g.num_generations,
             ", ".join(f"{s.label} ×{s.weight:g}" for s in scorers),
-            "hit" if hit else "miss (tokenized and cached)",
+            tokens.cache,
         )
     info = {
         "data_format": frames.format,
@@ -99,17 +95,13 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
         "grpo_rewards": [s.label for s in scorers],
         "grpo_reference": None if not g.beta else "a frozen copy" if spec.lora is None else "the LoRA adapter disabled",
     }
-    return Prepared(
-        train_ds=train_ds,
-        eval_ds=eval_ds,
+    return prepared(
+        tokens,
         collate=collate,
         collate_eval=collate_eval,
-        train_rows=len(train_ds),
-        eval_rows=len(eval_ds),
         dropped=dict(frames.dropped),
         info=info,
         raw=tokenizer,
-        content=train_key,
         online=rollouts,
         metric_names=rollouts.metric_names(),
     )
@@ -152,7 +144,7 @@ def _policy(model, batch: RolloutBatch, autocast):
     g = batch.grpo
     logps, entropy = completion_logps(model, batch, g.temperature, autocast)
     labels = batch.labels
-    mask = labels[:, 1:] != IGNORE
+    mask = target_mask(labels)
     loss_sum, st = grpo_loss.policy_loss(
         dense(logps, labels),
         None if batch.old_logps is None else dense(batch.old_logps, labels),
@@ -287,6 +279,7 @@ TASK = Task(
     eval_totals=eval_totals,
     eval_metrics=eval_metrics,
     export=export,
+    artifact_files=("completions.jsonl",),  # what export writes beside the causal-LM task's export
     headline=("eval_reward",),
     predict=causal_lm.TASK.predict,  # the export is a causal LM
     predict_options=causal_lm.TASK.predict_options,
