@@ -357,11 +357,11 @@ REFUSED = [
         "trainer_parameters.training_parameters.adam_beta1",
         "0.8 is not supported",
     ),
-    ({"trainer_parameters": _trainer(optim="sgd")}, "trainer_parameters.training_parameters.optim", "AdamW"),
+    ({"trainer_parameters": _trainer(optim="adafactor")}, "trainer_parameters.training_parameters.optim", "sgd"),
     (
-        {"trainer_parameters": _trainer(lr_scheduler_type="cosine")},
+        {"trainer_parameters": _trainer(lr_scheduler_type="polynomial")},
         "trainer_parameters.training_parameters.lr_scheduler_type",
-        "'linear'",
+        "'cosine'",
     ),
     (
         {"trainer_parameters": _trainer(report_to="wandb")},
@@ -456,7 +456,9 @@ def test_refused_arguments_are_one_line_naming_the_parameter(over, field, says):
 def test_several_refusals_are_named_together_in_one_line():
     with pytest.raises(UnsupportedParameter) as err:
         spec_from_train(
-            **seed_call(trainer_parameters=_trainer(adam_beta1=0.8, optim="sgd", lora=LoraConfig(use_rslora=True)))
+            **seed_call(
+                trainer_parameters=_trainer(adam_beta1=0.8, optim="adafactor", lora=LoraConfig(use_rslora=True))
+            )
         )
     text = str(err.value)
     assert "\n" not in text
@@ -631,3 +633,21 @@ def test_signatures_and_defaults_mirror_the_sdk():
         "access_modes": constants.PVC_DEFAULT_ACCESS_MODES,
     }
     assert set(compat.CONDITIONS) == constants.JOB_CONDITIONS
+
+
+@pytest.mark.parametrize(
+    "arguments, training",
+    [
+        ({"optim": "sgd"}, {"optimizer": "sgd", "momentum": 0.0}),
+        ({"optim": "adamw_bnb_8bit"}, {"optimizer": "adamw_8bit"}),
+        ({"optim": "adamw_torch_fused"}, {"optimizer": "adamw"}),
+        ({"lr_scheduler_type": "cosine"}, {"lr_scheduler": "cosine"}),
+        ({"lr_scheduler_type": "constant_with_warmup"}, {"lr_scheduler": "constant"}),
+        ({"lr_scheduler_type": "linear"}, {"lr_scheduler": "linear"}),
+    ],
+)
+def test_the_optimizers_and_schedules_a_spec_carries_are_translated(arguments, training):
+    from kubetune.config import parse_spec
+
+    spec = parse_spec(spec_from_train(**seed_call(trainer_parameters=_trainer(**arguments))))  # a valid spec
+    assert {key: getattr(spec.training, key) for key in training} == training

@@ -178,14 +178,34 @@ def _compile(t: Translation) -> None:
             t.handled.add("torch_compile_backend")
 
 
+# HF's optim names -> training.optimizer (and its momentum: HF's sgd is torch's SGD at its defaults, no momentum)
+OPTIMIZERS = {
+    "adamw_torch": {},
+    "adamw_torch_fused": {},
+    "sgd": {"optimizer": "sgd", "momentum": 0.0},
+    "adamw_bnb_8bit": {"optimizer": "adamw_8bit"},
+    "adamw_8bit": {"optimizer": "adamw_8bit"},
+}
+# HF's lr_scheduler_type -> training.lr_scheduler (each after the warmup the arguments give)
+SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant_with_warmup": "constant"}
+
+
 def _optim(t: Translation) -> None:
-    if "optim" in t.changed and t.changed["optim"] not in ("adamw_torch", "adamw_torch_fused"):
-        t.refuse("optim", "kubetune trains with torch's (fused) AdamW: use adamw_torch or adamw_torch_fused")
+    if "optim" not in t.changed:
+        return
+    chosen = OPTIMIZERS.get(plain(t.changed["optim"]))
+    if chosen is None:
+        t.refuse("optim", f"kubetune trains with {', '.join(OPTIMIZERS)}: use one of them")
+    else:
+        t.training.update(chosen)
 
 
 def _scheduler(t: Translation) -> None:
-    if plain(t.args.lr_scheduler_type) != "linear":
-        t.refuse("lr_scheduler_type", "kubetune uses a linear schedule with warmup: use 'linear'")
+    chosen = SCHEDULES.get(plain(t.args.lr_scheduler_type))
+    if chosen is None:
+        t.refuse("lr_scheduler_type", f"kubetune schedules with {', '.join(map(repr, SCHEDULES))}: use one of them")
+    elif chosen != "linear":
+        t.training["lr_scheduler"] = chosen
 
 
 def _report_to(t: Translation) -> None:
