@@ -153,7 +153,7 @@ def test_fsdp2_bf16_mixed_precision_with_checkpointing_and_cpu_offload_trains_an
 
 
 def test_predict_runs_on_the_gpu(runs):
-    from kubetune.inference import model as predict
+    from kubetune.inference import causal
 
     _finished(runs["bf16"])
     to = torch.nn.Module.to
@@ -165,7 +165,7 @@ def test_predict_runs_on_the_gpu(runs):
 
     torch.nn.Module.to = spy
     try:
-        results = predict.generate(str(runs["bf16"][0]), ["What is the sentiment of this review? great seats"])
+        results = causal.generate(str(runs["bf16"][0]), ["What is the sentiment of this review? great seats"])
     finally:
         torch.nn.Module.to = to
     assert "cuda" in devices, devices

@@ -272,8 +272,8 @@ def _break(path, value):
     """render_serve, with one field of the InferenceService set to ``value``."""
     render = serving.render_serve
 
-    def broken(spec, namespace, pipeline=None):
-        rendered = render(spec, namespace, pipeline)
+    def broken(spec, namespace):
+        rendered = render(spec, namespace)
         node = rendered.inference_service
         *keys, last = path.split(".")
         for key in keys:

@@ -132,6 +132,24 @@ def test_it_trains_on_two_processes_exports_reports_and_predicts(plugin_env, sma
     assert all(isinstance(r["value"], float) for r in results)
     assert refused.returncode == 2 and "--seed" in refused.stderr, refused.stderr
 
+    # served as its task's inference says (KServe v1 and v2, its own output), with no line of src/ naming it
+    from test_serve import Server
+
+    server = Server(out, "--name", "toy", env=plugin_env).wait()
+    try:
+        texts = [r["text"] for r in results]
+        status, v1 = server.call("/v1/models/toy:predict", {"instances": texts})
+        assert status == 200, v1
+        assert [p["value"] for p in v1["predictions"]] == pytest.approx([r["value"] for r in results], abs=1e-4)
+        tensor = {"name": "text", "shape": [2], "datatype": "BYTES", "data": texts}
+        status, v2 = server.call("/v2/models/toy/infer", {"inputs": [tensor]})
+        assert status == 200 and [o["name"] for o in v2["outputs"]] == ["value"], v2
+        assert v2["outputs"][0]["data"] == pytest.approx([r["value"] for r in results], abs=1e-4)
+        status, wrong = server.call("/v2/models/toy/infer", {"inputs": [tensor], "outputs": [{"name": "label"}]})
+        assert status == 400 and "its outputs are 'value'" in wrong["error"], wrong
+    finally:
+        server.stop()
+
     # replaced by another task's run (--overwrite): the toy task's own file goes with the rest of its run
     clf = write_spec(tmp_path / "clf.yaml", tiny_spec(small_csv, out, output__overwrite=True))
     proc = kubetune("run", str(clf), env=plugin_env)

@@ -19,6 +19,8 @@ import pytest
 from typer.testing import CliRunner
 
 from kubetune.cli import app
+from kubetune.inference import causal
+from kubetune.inference import classifier as classifying
 from kubetune.inference import model as predict
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -174,7 +176,7 @@ MODEL_CASES = {
     "no_architectures": (_edit_config(architectures=None), ["{d}/config.json names no architectures"]),
     "base_encoder": (
         _edit_config(architectures=["BertModel"]),
-        ["{d}/config.json describes a BertModel, neither a sequence classifier nor a causal LM"],
+        ["{d}/config.json describes a BertModel, neither a text classifier nor a causal LM"],
     ),
     "more_layers_than_weights": (
         _edit_config(num_hidden_layers=2),
@@ -223,8 +225,8 @@ def test_weights_load_from_safetensors_only(classifier, monkeypatch):
         return original(cls, *args, **kwargs)
 
     monkeypatch.setattr(PreTrainedModel, "from_pretrained", classmethod(spy))
-    assert predict.predict(str(classifier), ["good"])[0]["label"] in {"neg", "pos"}
-    assert predict.generate(str(LLAMA), ["hi"], max_new_tokens=2)[0]["prompt"] == "hi"
+    assert classifying.classify(str(classifier), ["good"])[0]["label"] in {"neg", "pos"}
+    assert causal.generate(str(LLAMA), ["hi"], max_new_tokens=2)[0]["prompt"] == "hi"
     assert len(calls) == 2 and all(c.get("use_safetensors") is True for c in calls), calls
 
 
@@ -362,7 +364,7 @@ def test_1mb_prompt_keeps_its_end_within_the_context(chat, chat_llama, monkeypat
     warnings = []
     started = time.monotonic()
     prompt = "start " + "word " * 200_000 + "THE END"  # 1 MB
-    [result] = predict.generate(str(chat_llama), [prompt], max_new_tokens=16, chat=chat, warn=warnings.append)
+    [result] = causal.generate(str(chat_llama), [prompt], max_new_tokens=16, chat=chat, warn=warnings.append)
     assert time.monotonic() - started < 30
     assert result["prompt"] == prompt
     assert len(warnings) == 1 and warnings[0].startswith("prompt 1 has 400,00"), warnings
@@ -415,7 +417,7 @@ def test_classifier_cuts_a_1mb_text_to_its_context(classifier, tmp_path):
     text = "word " * 200_000
     for model in (classifier, unbounded):
         started = time.monotonic()
-        [result] = predict.predict(str(model), [text])
+        [result] = classifying.classify(str(model), [text])
         assert result["label"] in {"neg", "pos"} and time.monotonic() - started < 20
 
 

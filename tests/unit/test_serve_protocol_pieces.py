@@ -87,7 +87,7 @@ def test_each_item_gets_its_own_error_and_a_given_up_item_is_not_computed():
 
 
 def test_a_given_up_generation_stops_at_its_next_token_and_its_batch_goes_on():
-    from kubetune.inference.engine import Generation, Generator
+    from kubetune.inference.causal import Generation, Generator
 
     engine = Generator(LLAMA)
     ids = engine.encode("The seats were")
@@ -106,7 +106,7 @@ def test_a_given_up_generation_stops_at_its_next_token_and_its_batch_goes_on():
 
 
 def test_a_text_the_classifier_cannot_take_fails_alone():
-    from kubetune.inference.engine import Classifier
+    from kubetune.inference.classifier import Classifier
 
     def pipe(texts, **kw):
         if any("\ud800" in t for t in texts):

@@ -279,8 +279,8 @@ def test_a_classifier_is_served_as_sequence_classification():
         ),
         (
             {"lora": {}, "task": "sequence-classification", "serving": {"lora": "adapter", "gpu": 1}},
-            "serving.lora: adapter — the runtime serves LoRA adapters for text-generation only, and this job exports "
-            "a text-classification model — use serving.lora: merged",
+            "serving.lora: adapter — the runtime serves no LoRA adapter of a sequence_classification model (vLLM's "
+            "LoRA is for generation) — use serving.lora: merged",
         ),
         (
             {"lora": {}, "output": {"uri": "hf://org/tuned"}, "serving": {"lora": "adapter", "gpu": 1}},
@@ -308,12 +308,13 @@ def test_what_cannot_be_served_is_refused_in_one_line(sections, line):
     assert e.value.lines() == [line]
 
 
-def test_a_task_whose_export_the_runtime_does_not_serve_is_refused():
+def test_a_task_whose_export_the_runtime_does_not_serve_is_refused(monkeypatch):
+    monkeypatch.setattr(serving, "runtime_of", lambda task: None)  # a task whose entry names no KServe runtime
     with pytest.raises(SpecError) as e:
-        serving.render_serve(_spec(), "ns", pipeline="image-classification")
+        serving.render_serve(_spec(), "ns")
     assert e.value.lines() == [
-        "task causal-lm exports a image-classification model, which kubetune does not serve on KServe's Hugging "
-        "Face runtime (it serves text-generation, text-classification) — serve it with your own runtime"
+        "task causal-lm names no KServe runtime for its export (TaskEntry.kserve), so kubetune does not serve it "
+        "on KServe's Hugging Face runtime — serve it with your own runtime"
     ]
 
 
@@ -334,12 +335,16 @@ def test_the_serving_section_is_checked(serving_section, problem):
     assert problem in str(e.value)
 
 
-def test_every_task_that_names_its_pipeline_names_the_one_it_exports():
+def test_every_task_served_on_kserve_is_served_by_kubetune_serve_over_the_same_kind_of_protocol():
+    # the runtime's text_generation speaks OpenAI's API, as `kubetune serve` does for the same export
     from kubetune import tasks
+    from kubetune.inference.seam import OPENAI
 
     for name, entry in entries().items():
-        if entry.pipeline_tag is not None:
-            assert entry.pipeline_tag == tasks.get(name).present.pipeline_tag, name
+        if entry.kserve is not None:
+            inference = tasks.get(name).inference
+            assert (entry.kserve.task == "text_generation") == (inference.routes is OPENAI), name
+            assert entry.kserve.adapters == inference.adapters, name
 
 
 # ------------------------------------------------------------------------------- secrets, warnings

@@ -1,4 +1,5 @@
-"""`kubetune predict`: the model's task predicts (``Task.predict``), with the options it takes."""
+"""`kubetune predict`: the model's task predicts (its ``Inference.predict``, found through the task registry),
+with the options it takes."""
 
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ def predict(
     seed: Annotated[int | None, typer.Option("--seed", help="Causal LMs: seed for sampling (default 0).")] = None,
 ) -> None:
     """Classify texts or generate text with an exported model (a directory, s3:// artifact or hf:// repo)."""
+    from kubetune import tasks
     from kubetune.inference.model import model_path, read_texts
     from kubetune.providers import S3Settings
 
@@ -65,16 +67,16 @@ def predict(
         if not items:
             raise KubetuneError("no texts given", field="TEXTS", fix="pass texts as arguments or --file texts.txt")
         local = model_path(model, s3)  # s3:// and hf:// artifacts are downloaded and checked once
-        task = _predicting_task(local)
-        _check_predict_options(task, given, model)
-        results = task.predict(str(local), items, given, lambda line: typer.echo(f"warning: {line}", err=True))
+        inference = tasks.for_model(local)[1].inference
+        _check_predict_options(inference, given, model)
+        results = inference.predict(str(local), items, given, lambda line: typer.echo(f"warning: {line}", err=True))
     except KubetuneError as e:
         _fail(e)
     if as_json:
         typer.echo(json.dumps(results, ensure_ascii=False, indent=2))
     else:
         for r in results:
-            typer.echo(task.show(r))
+            typer.echo(inference.show(r))
 
 
 def _check_texts(items: list[str]) -> None:
@@ -94,32 +96,22 @@ def _check_texts(items: list[str]) -> None:
             ) from None
 
 
-def _predicting_task(local: Path):
-    """The task that predicts with the model in ``local``: the task of the job that exported it, else
-    the first registered task whose models are of its kind (the pipeline that serves it)."""
+def _check_predict_options(inference, given: dict, model: str) -> None:
+    """Refuse the options the model's task does not take, naming the kinds of model that do."""
     from kubetune import tasks
-    from kubetune.inference.model import model_kind, run_task
 
-    name = run_task(local)
-    if name in tasks.names() and tasks.get(name).predict is not None:
-        return tasks.get(name)
-    kind = model_kind(local)
-    return next(t for t in map(tasks.get, tasks.names()) if t.predict is not None and t.present.pipeline_tag == kind)
-
-
-def _check_predict_options(task, given: dict, model: str) -> None:
-    """Refuse the options the model's task does not take, naming the kind of model that does."""
-    from kubetune import tasks
-    from kubetune.inference.model import NOUNS
-
-    refused = [name for name in given if name not in task.predict_options]
+    refused = [name for name in given if name not in inference.predict_options]
     if not refused:
         return
     flags = [f"--{n.replace('_', '-')}" if n != "chat" or given[n] else "--no-chat" for n in refused]
-    takers = {t.present.pipeline_tag for t in map(tasks.get, tasks.names()) if refused[0] in t.predict_options}
+    takers = {
+        t.inference.noun
+        for t in map(tasks.get, tasks.names())
+        if t.inference is not None and refused[0] in t.inference.predict_options
+    }
     raise KubetuneError(
-        f"{'applies' if len(flags) == 1 else 'apply'} to {' and '.join(NOUNS[k] + 's' for k in sorted(takers))} "
-        f"only, and {model} is a {NOUNS[task.present.pipeline_tag]}",
+        f"{'applies' if len(flags) == 1 else 'apply'} to {' and '.join(k + 's' for k in sorted(takers))} "
+        f"only, and {model} is a {inference.noun}",
         field=", ".join(flags),
         fix=f"drop {' and '.join(flags)}",
     )

@@ -36,7 +36,7 @@ def pull(
 ) -> None:
     """Download an exported artifact and verify it against its manifest (sizes and sha256)."""
     from kubetune.artifacts import output
-    from kubetune.inference.model import pull as do_pull
+    from kubetune.artifacts.pull import pull as do_pull
     from kubetune.providers import S3Settings
 
     s3 = S3Settings(endpoint_url=endpoint_url)

@@ -51,14 +51,13 @@ def serve(
 ) -> None:
     """Serve an exported model over HTTP: the OpenAI API for causal LMs (/v1/completions,
     /v1/chat/completions, /v1/models), KServe's v1 and v2 protocols for classifiers, /health, /ready, /metrics."""
-    from kubetune.inference import engine as engines
     from kubetune.inference.server.app import Limits, build_app
     from kubetune.inference.server.http import serve as run_server
     from kubetune.providers import S3Settings
 
     try:
         token = _token(token_file)
-        served = engines.load(model, adapter, S3Settings(endpoint_url=endpoint_url))
+        path, engine, routes = _load(model, adapter, S3Settings(endpoint_url=endpoint_url))
         limits = Limits(
             max_batch,
             max_wait_ms,
@@ -68,15 +67,45 @@ def serve(
             max_tokens,
             header_timeout_s=header_timeout,
         )
-        name = name or _job_name(served.path)
-        server = build_app(served, name, limits, token)
+        name = name or _job_name(path)
+        server = build_app(engine, name, routes, limits, token)
     except KubetuneError as e:
         _fail(e)
     typer.echo(
-        f"serving {name} ({served.kind}) on http://{host}:{port}" + (" (bearer token required)" if token else ""),
+        f"serving {name} ({routes.name}) on http://{host}:{port}" + (" (bearer token required)" if token else ""),
         err=True,
     )
     run_server(server, host, port, limits.header_timeout_s)
+
+
+def _load(model: str, adapter: bool, s3):
+    """The export's model directory, the engine its task's inference serves it with, and the protocol.
+
+    Raises:
+        KubetuneError: nothing servable there, or ``--adapter`` where the task serves no adapter.
+    """
+    from kubetune import tasks
+    from kubetune.inference.model import adapter_beside, model_path
+
+    path = model_path(model, s3)
+    name, task = tasks.for_model(path)
+    inference = task.inference
+    if inference.serve is None or inference.routes is None:
+        raise KubetuneError(
+            f"the export of task {name} ({inference.noun}) is not served by kubetune serve",
+            field="MODEL",
+            fix="use kubetune predict",
+        )
+    if not adapter:
+        return path, inference.serve(path, None), inference.routes
+    if not inference.adapters:
+        raise KubetuneError(
+            f"--adapter serves a LoRA adapter beside its base model, and a {inference.noun} export has none",
+            field="--adapter",
+            fix="drop --adapter",
+        )
+    base, adapter_dir = adapter_beside(path)
+    return path, inference.serve(base, adapter_dir), inference.routes
 
 
 def _token(path: Path | None) -> str | None:

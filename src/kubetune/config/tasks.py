@@ -33,6 +33,14 @@ def _no_problems(data: Any, section: Any) -> list[str]:
 
 
 @dataclass(frozen=True)
+class KServeRuntime:
+    """How KServe's Hugging Face runtime serves a task's export (`kubetune render|submit --serve`)."""
+
+    task: str  # the runtime's --task (kserve python/huggingfaceserver, MLTask): text_generation, ...
+    adapters: bool = False  # it serves a LoRA adapter on its base model (through the runtime's vLLM backend)
+
+
+@dataclass(frozen=True)
 class TaskEntry:
     """A task as the spec sees it.
 
@@ -55,9 +63,8 @@ class TaskEntry:
             something of the whole training set before the first step).
         render_warnings: (the job spec) -> what a render must tell about the pods that it cannot check,
             one line each (e.g. the user's code the trainer image must hold).
-        pipeline_tag: the transformers pipeline that serves the exported model, as the training half's
-            ``Presentation.pipeline_tag`` says (`render --serve` picks the serving runtime's task by it
-            without importing torch); None: ask the training half.
+        kserve: how KServe's Hugging Face runtime serves the task's export (`render --serve`, without
+            importing torch); None: the runtime does not serve it, and a render refuses.
     """
 
     data: type[DataCommon]
@@ -72,7 +79,7 @@ class TaskEntry:
     peft_task_type: str | None = None
     streaming_needs_lora: bool = False
     render_warnings: Callable[[Any], list[str]] = lambda spec: []
-    pipeline_tag: str | None = None
+    kserve: KServeRuntime | None = None
 
 
 @functools.cache

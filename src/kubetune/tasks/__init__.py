@@ -1,13 +1,15 @@
 """The tasks: one package per task, each with its spec half in ``__init__.py`` (an ``ENTRY``,
 ``config.tasks.TaskEntry``: pydantic only) and its training half in ``task.py`` (a ``TASK``,
 ``tasks.base.Task``), registered by one entry point line (pyproject.toml, group ``kubetune.tasks``).
-Nothing outside this package names a task; what every task shares is ``base`` and ``common``.
+Nothing outside this package names a task; what every task shares is ``base`` and ``common``. A model a
+task exported is predicted with and served through ``for_model`` (the task's ``Inference``).
 
 This module stays light (no torch): importing a task's spec half imports it first."""
 
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kubetune.config.tasks import entries
@@ -15,7 +17,7 @@ from kubetune.config.tasks import entries
 if TYPE_CHECKING:
     from kubetune.tasks.base import Task
 
-__all__ = ["get", "names"]
+__all__ = ["for_model", "get", "names"]
 
 
 def names() -> list[str]:
@@ -31,3 +33,32 @@ def get(name: str) -> Task:
     """
     module, _, attr = entries()[name].runtime.partition(":")
     return getattr(importlib.import_module(module), attr)
+
+
+def for_model(path: Path) -> tuple[str, Task]:
+    """The task whose inference takes the exported model in ``path`` (a model directory): the task of
+    the run that exported it (its metrics.json beside ``model/``) where that task has an inference, else
+    the first registered task whose inference claims the model's config.json (which is checked).
+
+    Raises:
+        KubetuneError: the model cannot be loaded (``inference.model.check_model``), or no registered
+            task's inference takes it.
+    """
+    from kubetune.errors import KubetuneError
+    from kubetune.inference.model import check_model, run_task, short
+
+    config = check_model(path)
+    name = run_task(path)
+    if name in entries() and get(name).inference is not None:
+        return name, get(name)
+    inferring = [(n, get(n)) for n in names() if get(n).inference is not None]
+    for n, task in inferring:
+        if task.inference.claims(config):
+            return n, task
+    nouns = list(dict.fromkeys(task.inference.noun for _, task in inferring))
+    archs = config.get("architectures") or ["?"]
+    raise KubetuneError(
+        f"{short(str(path / 'config.json'))} describes a {short(archs[0], 60)}, neither a {' nor a '.join(nouns)}",
+        field="MODEL",
+        fix="pass a model kubetune exported (a job's output or its model/ directory)",
+    )

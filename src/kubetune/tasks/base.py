@@ -25,6 +25,7 @@ from kubetune.data import Batch, StepBatch
 from kubetune.data.feed import Feed
 from kubetune.data.rows import agreed, column
 from kubetune.distributed import DistEnv
+from kubetune.inference.seam import Inference
 from kubetune.providers import S3Settings
 
 
@@ -111,12 +112,8 @@ class Task:
     # (spec, model, data, env, device, autocast, lockstep) -> None, on every rank once the model is built
     # and before a checkpoint is loaded (the model still holds the base weights): e.g. the DPO reference.
     setup: Callable[..., None] | None = None
-    # `kubetune predict` on a model this task exported (``present.pipeline_tag`` tells which task a model
-    # directory is for): (model directory, texts, the options given by name, warn) -> JSON-able results;
-    # the option names it takes (the CLI's, without -- and with _); one result as text.
-    predict: Callable[[str, list[str], dict[str, Any], Callable[[str], None]], list[dict]] | None = None
-    predict_options: tuple[str, ...] = ()
-    show: Callable[[dict], str] = str
+    # How its export is predicted with and served (`kubetune predict`, `kubetune serve`); None: neither.
+    inference: Inference | None = None
 
 
 def rank_batches(lengths, env: DistEnv, batch_size: int, lockstep: bool) -> tuple[list[np.ndarray], int]:

@@ -1,7 +1,9 @@
 """The toy regression task's training half, written against kubetune's public task seam only:
 ``kubetune.tasks.base`` (Task, Prepared, LossOutput, tokenize_on_node), ``kubetune.data``
-(tables, the tokenization cache, Batch), ``kubetune.artifacts`` (replace_dir, Presentation) and
-``kubetune.providers`` (S3Settings, which ``load_frames`` takes for s3:// data)."""
+(tables, the tokenization cache, Batch), ``kubetune.artifacts`` (replace_dir, Presentation),
+``kubetune.providers`` (S3Settings, which ``load_frames`` takes for s3:// data) and
+``kubetune.inference`` (its model loaders and the seam: ``Inference``, the KServe routes), through which
+`kubetune predict` and `kubetune serve` take its export with no line of src/ naming it."""
 
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from kubetune.artifacts.presentation import Presentation
 from kubetune.data import Batch, tokenized
 from kubetune.data.splits import read_rows
 from kubetune.errors import KubetuneError
+from kubetune.inference.model import load_model, load_tokenizer
+from kubetune.inference.seam import KSERVE, Inference
 from kubetune.providers import S3Settings
 from kubetune.tasks.base import LossOutput, Prepared, Task, tokenize_on_node
 from kubetune.tasks.common import load_pretrained
@@ -164,14 +168,38 @@ def _residuals(model, data: Prepared) -> str:
     return "\n".join(lines) + "\n"
 
 
-def predict(path: str, texts: list[str], options: dict, warn) -> list[dict]:
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+class Scorer:
+    """The toy task's engine for `kubetune serve`: a number per text, over KServe's v1 and v2 (one FP32
+    output, ``value``), loaded with kubetune's checked loaders (``kubetune.inference.model``)."""
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForSequenceClassification.from_pretrained(path).eval()
-    with torch.no_grad():
-        values = model(**tokenizer(texts, padding=True, truncation=True, return_tensors="pt")).logits.squeeze(-1)
-    return [{"text": t, "value": float(v)} for t, v in zip(texts, values)]
+    outputs = {"value": "FP32"}
+
+    def __init__(self, path):
+        from transformers import AutoModelForSequenceClassification
+
+        self.path = path
+        self.tokenizer = load_tokenizer(path)
+        self.model = load_model(AutoModelForSequenceClassification, path).eval()
+
+    def run(self, texts: list[str]) -> list[dict]:
+        with torch.no_grad():
+            enc = self.tokenizer(texts, padding=True, truncation=True, return_tensors="pt")
+            values = self.model(**enc).logits.squeeze(-1)
+        return [{"value": float(v)} for v in values.reshape(-1)]
+
+
+def predict(path: str, texts: list[str], options: dict, warn) -> list[dict]:
+    return [{"text": t, **r} for t, r in zip(texts, Scorer(path).run(texts))]
+
+
+INFERENCE = Inference(
+    noun="regression model",
+    claims=lambda config: config.get("problem_type") == "regression",
+    predict=predict,
+    show=lambda r: f"{r['value']:.4f}\t{r['text']}",
+    serve=lambda path, adapter: Scorer(path),
+    routes=KSERVE,
+)
 
 
 TASK = Task(
@@ -185,8 +213,7 @@ TASK = Task(
     export=export,
     artifact_files=(RESIDUALS,),
     headline=("eval_mse", "eval_mae"),
-    predict=predict,
-    show=lambda r: f"{r['value']:.4f}\t{r['text']}",
+    inference=INFERENCE,
     present=Presentation(
         pipeline_tag="text-classification",
         report_rows=lambda m: [("eval MSE", m.get("eval_mse")), ("eval MAE", m.get("eval_mae"))],

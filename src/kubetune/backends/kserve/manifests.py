@@ -3,8 +3,8 @@ here): an ``InferenceService`` (serving.kserve.io/v1beta1) on KServe's Hugging F
 an export on S3, the ``ServiceAccount`` through which KServe's storage initializer reads the job's S3
 Secret (by reference: the Secret itself is never rendered).
 
-What the runtime serves follows the task's exported pipeline (``TaskEntry.pipeline_tag``), never the
-task's name: ``RUNTIME_TASKS`` maps it to the runtime's ``--task``. Where the export is follows the
+What the runtime serves is what the task's entry says (``TaskEntry.kserve``: the runtime's ``--task``, and
+whether it serves the task's LoRA adapter), never the task's name. Where the export is follows the
 job's output: ``s3://…/model``, ``hf://org/repo``, or ``pvc://CLAIM/path`` for an output on the job's
 workspace claim. A LoRA export is served merged (``model/``) or as the base model plus ``adapter/``
 (``serving.lora``), the latter through the runtime's vLLM backend.
@@ -20,17 +20,13 @@ from kubetune.artifacts.output import Output
 from kubetune.backends.cluster.objects import WORKSPACE, pvc_name
 from kubetune.backends.kubeflow.manifests import _BlockDumper
 from kubetune.config import JobSpec
+from kubetune.config.tasks import KServeRuntime, entries
 from kubetune.errors import SpecError
 
 ISVC_API = ("serving.kserve.io", "v1beta1", "inferenceservices")
 MODELS = "/mnt/models"  # where KServe's storage initializer puts what storageUri(s) name
 DEPLOYMENT_MODE = "serving.kserve.io/deploymentMode"
 SERVES_LABEL = "kubetune.io/serves"  # not kubetune.io/job: KServe copies the labels onto its pods
-# The transformers pipeline of an export (a task's Presentation.pipeline_tag) → the Hugging Face
-# runtime's --task (kserve python/huggingfaceserver task.py, MLTask).
-RUNTIME_TASKS = {"text-generation": "text_generation", "text-classification": "sequence_classification"}
-# The pipelines whose LoRA adapter the runtime can serve on the base model: vLLM's LoRA is for generation.
-ADAPTER_PIPELINES = ("text-generation",)
 # vLLM's --max-lora-rank takes one of these; the adapter's rank is rounded up to the next.
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 HF_TOKEN_KEY = "HF_TOKEN"  # the only key of a Secret that KServe's storage initializer reads a Hub token from
@@ -52,17 +48,9 @@ class RenderedServe:
         return yaml.dump_all(self.objects(), Dumper=_BlockDumper, sort_keys=False)
 
 
-def pipeline_of(task: str) -> str:
-    """The transformers pipeline of what task ``task`` exports: its entry's light ``pipeline_tag``,
-    else its training half's ``Presentation.pipeline_tag`` (which imports torch)."""
-    from kubetune.config.tasks import entries
-
-    tag = entries()[task].pipeline_tag
-    if tag is None:
-        from kubetune import tasks
-
-        tag = tasks.get(task).present.pipeline_tag
-    return tag
+def runtime_of(task: str) -> KServeRuntime | None:
+    """How KServe's Hugging Face runtime serves what task ``task`` exports (its entry's, light: no torch)."""
+    return entries()[task].kserve
 
 
 def serve_name(spec: JobSpec) -> str:
@@ -110,13 +98,13 @@ def base_uri(spec: JobSpec) -> str | None:
     return None
 
 
-def serving_problems(spec: JobSpec, pipeline: str) -> list[str]:
-    """Why the export of ``spec`` (a task exporting pipeline ``pipeline``) cannot be served, one line each."""
+def serving_problems(spec: JobSpec, runtime: KServeRuntime | None) -> list[str]:
+    """Why the export of ``spec`` (served by ``runtime``, its task's) cannot be served, one line each."""
     out = []
-    if pipeline not in RUNTIME_TASKS:
+    if runtime is None:
         out.append(
-            f"task {spec.task} exports a {pipeline} model, which kubetune does not serve on KServe's Hugging Face "
-            f"runtime (it serves {', '.join(RUNTIME_TASKS)}) — serve it with your own runtime"
+            f"task {spec.task} names no KServe runtime for its export (TaskEntry.kserve), so kubetune does not "
+            "serve it on KServe's Hugging Face runtime — serve it with your own runtime"
         )
     if spec.serving.lora == "adapter" and spec.lora is None:
         out.append(
@@ -131,10 +119,10 @@ def serving_problems(spec: JobSpec, pipeline: str) -> list[str]:
         )
     if not _adapter(spec):
         return out
-    if pipeline not in ADAPTER_PIPELINES:
+    if runtime is not None and not runtime.adapters:
         out.append(
-            f"serving.lora: adapter — the runtime serves LoRA adapters for {', '.join(ADAPTER_PIPELINES)} only, and "
-            f"this job exports a {pipeline} model — use serving.lora: merged"
+            f"serving.lora: adapter — the runtime serves no LoRA adapter of a {runtime.task} model (vLLM's LoRA is "
+            "for generation) — use serving.lora: merged"
         )
     if out_scheme == "hf":
         out.append(
@@ -239,11 +227,11 @@ def build_service_account(spec: JobSpec, namespace: str) -> dict | None:
     }
 
 
-def runtime_args(spec: JobSpec, pipeline: str) -> list[str]:
+def runtime_args(spec: JobSpec, runtime: KServeRuntime) -> list[str]:
     """The Hugging Face runtime's arguments after its own ``--model_name={{.Name}}``
     (kserve python/huggingfaceserver ``__main__.py``; vLLM's engine arguments pass through it)."""
     s = spec.serving
-    args = [f"--task={RUNTIME_TASKS[pipeline]}"]
+    args = [f"--task={runtime.task}"]
     if s.max_model_len is not None:
         args.append(f"--max_model_len={s.max_model_len}")
     if s.dtype is not None:
@@ -261,14 +249,14 @@ def runtime_args(spec: JobSpec, pipeline: str) -> list[str]:
     return args
 
 
-def build_inference_service(spec: JobSpec, namespace: str, pipeline: str) -> dict:
-    """The InferenceService serving the export of ``spec`` (its task exports pipeline ``pipeline``)."""
+def build_inference_service(spec: JobSpec, namespace: str, runtime: KServeRuntime) -> dict:
+    """The InferenceService serving the export of ``spec`` on ``runtime`` (its task's)."""
     s = spec.serving
     amounts = {k: v for k, v in {"cpu": s.cpu, "memory": s.memory}.items() if v}
     limits = {**amounts, **({s.gpu_resource: str(s.gpu)} if s.gpu else {})}
     model = {
         "modelFormat": {"name": "huggingface"},
-        "args": runtime_args(spec, pipeline),
+        "args": runtime_args(spec, runtime),
         **({} if _adapter(spec) else {"storageUri": export_uri(spec, "model")}),
         "resources": {k: v for k, v in {"requests": amounts, "limits": limits}.items() if v},
     }
@@ -293,15 +281,14 @@ def build_inference_service(spec: JobSpec, namespace: str, pipeline: str) -> dic
     }
 
 
-def render_serve(spec: JobSpec, namespace: str, pipeline: str | None = None) -> RenderedServe:
-    """The objects that serve the export of ``spec`` in ``namespace``; ``pipeline``: what its task
-    exports (default: ``pipeline_of(spec.task)``).
+def render_serve(spec: JobSpec, namespace: str) -> RenderedServe:
+    """The objects that serve the export of ``spec`` in ``namespace``, on its task's runtime (``runtime_of``).
 
     Raises:
         SpecError: the export cannot be served this way (every problem, one line each).
     """
-    pipeline = pipeline or pipeline_of(spec.task)
-    problems = serving_problems(spec, pipeline)
+    runtime = runtime_of(spec.task)
+    problems = serving_problems(spec, runtime)
     if problems:
         raise SpecError(problems, "spec")
-    return RenderedServe(build_service_account(spec, namespace), build_inference_service(spec, namespace, pipeline))
+    return RenderedServe(build_service_account(spec, namespace), build_inference_service(spec, namespace, runtime))

@@ -1,6 +1,6 @@
-"""The HTTP side of ``kubetune serve``, a FastAPI app: the OpenAI protocol for a causal LM
-(``serving.openai_routes``), KServe's v1 and the open inference protocol v2 for a classifier
-(``serving.kserve_routes``), health and readiness, Prometheus metrics; every request through the
+"""The HTTP side of ``kubetune serve``, a FastAPI app: the routes of the protocol the model's task serves it
+over (``seam.Routes``: the OpenAI protocol, ``openai_routes``; KServe's v1 and the open inference protocol
+v2, ``kserve_routes``), health and readiness, Prometheus metrics; every request through the
 dynamic batcher, with a queue bound (429), a body bound (413, counted as the body is read, whatever its
 framing), a timeout (504, and 408 for a body that does not arrive) and an optional bearer token (401).
 A bad request is a 4xx with one message in its protocol's error shape (OpenAI's
@@ -22,8 +22,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 
-from kubetune.inference.engine import Generator
-from kubetune.inference.server import kserve_routes, openai_routes
+from kubetune.inference.seam import Routes
 from kubetune.inference.server import protocol as api
 from kubetune.inference.server.batcher import Batcher
 from kubetune.inference.server.compute import HTTPError, Limits, Metrics, Runner
@@ -33,19 +32,20 @@ PROBES = ("/health", "/ready", "/v2/health/live", "/v2/health/ready")
 __all__ = ["HTTPError", "Limits", "build_app"]
 
 
-def build_app(engine, name: str, limits: Limits = Limits(), token: str | None = None) -> FastAPI:
-    """The app serving ``engine`` (a ``Generator`` or a ``Classifier``) as model ``name``."""
-    generator = isinstance(engine, Generator)
+def build_app(engine, name: str, routes: Routes, limits: Limits = Limits(), token: str | None = None) -> FastAPI:
+    """The app serving ``engine`` (a ``seam.Engine``) as model ``name`` over ``routes``."""
     batcher = Batcher(engine.run, limits.max_batch, limits.max_wait_ms / 1000, limits.max_queue)
     metrics = Metrics(batcher)
-    if generator:
-        batcher.on_cancel = lambda g: g.cancelled.set()
-        batcher.on_batch = lambda gens: (
-            metrics.batch.observe(len(gens)),
-            metrics.generated.inc(sum(len(g.tokens) for g in gens)),
-        )
-    else:
-        batcher.on_batch = lambda texts: metrics.batch.observe(len(texts))
+    generated = getattr(engine, "generated", None)
+    if getattr(engine, "cancel", None) is not None:
+        batcher.on_cancel = engine.cancel
+
+    def on_batch(items: list) -> None:
+        metrics.batch.observe(len(items))
+        if generated is not None:
+            metrics.generated.inc(generated(items))
+
+    batcher.on_batch = on_batch
     runner = Runner(batcher, limits, metrics)
 
     @contextlib.asynccontextmanager
@@ -58,13 +58,13 @@ def build_app(engine, name: str, limits: Limits = Limits(), token: str | None = 
 
     def render(path: str, e: HTTPError) -> JSONResponse:
         """``e`` in the error shape of the protocol ``path`` belongs to."""
-        if generator and not path.startswith("/v2"):
+        if routes.openai_errors and not path.startswith("/v2"):
             body = api.openai_error(e.status, e.message, e.kind, e.param)
         else:
             body = api.kserve_error(e.message)
         return JSONResponse(body, status_code=e.status, headers=e.headers)
 
-    routes = "/v1/completions, /v1/chat/completions, /v1/models" if generator else f"/v1/models/{name}:predict, /v2"
+    listing = routes.listing(name)
     # Starlette's RequestBodyLimitMiddleware counts the body as it is read, chunked or not, and raises a 413
     # that the handler below answers; inside _Guard (added last, so outermost), which answers a declared
     # Content-Length over the limit itself (FastAPI's max_body_size would answer that one in plain text).
@@ -73,7 +73,7 @@ def build_app(engine, name: str, limits: Limits = Limits(), token: str | None = 
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
-        return render(request.url.path, _as_error(request, e, limits, routes))
+        return render(request.url.path, _as_error(request, e, limits, listing))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError):
@@ -100,10 +100,7 @@ def build_app(engine, name: str, limits: Limits = Limits(), token: str | None = 
     async def prometheus():
         return PlainTextResponse(generate_latest(metrics.registry).decode(), media_type="text/plain; version=0.0.4")
 
-    if generator:
-        openai_routes.add_routes(app, engine, name, limits, runner)
-    else:
-        kserve_routes.add_routes(app, engine, name, runner)
+    routes.add(app, engine, name, limits, runner)
     return app
 
 

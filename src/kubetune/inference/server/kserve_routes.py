@@ -1,5 +1,6 @@
 """KServe's v1 (``/v1/models/NAME:predict``) and the open inference protocol v2 (``/v2``, ``/v2/models/NAME``,
-``.../ready``, ``.../infer``) for a classifier. A body is read as JSON whatever its Content-Type says, as
+``.../ready``, ``.../infer``) for an engine that maps texts to named outputs (a classifier's label and score,
+or a task engine's own ``outputs``). A body is read as JSON whatever its Content-Type says, as
 KServe's model server reads it (its examples send ``curl -d``, Triton's client sends none)."""
 
 from __future__ import annotations
@@ -11,14 +12,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
 
-from kubetune.inference.engine import Classifier
 from kubetune.inference.server import protocol as api
 from kubetune.inference.server import v2
 from kubetune.inference.server.compute import HTTPError, Runner, check_model
 from kubetune.version import __version__
 
 
-def add_routes(app: FastAPI, engine: Classifier, name: str, runner: Runner) -> None:
+def add_routes(app: FastAPI, engine, name: str, runner: Runner) -> None:
+    """KServe's v1 and v2 routes for ``engine`` (its ``run`` maps texts to one dict of outputs each; its
+    ``outputs``, the v2 names and datatypes, default to a classifier's)."""
+    outputs = getattr(engine, "outputs", v2.OUTPUTS)
+
     @app.get("/v1/models/{model}")
     async def v1_ready(model: str):
         check_model(model, name)
@@ -41,7 +45,7 @@ def add_routes(app: FastAPI, engine: Classifier, name: str, runner: Runner) -> N
     @app.get("/v2/models/{model}")
     async def v2_metadata(model: str):
         check_model(model, name)
-        return v2.model_metadata(name)
+        return v2.model_metadata(name, outputs)
 
     @app.get("/v2/models/{model}/ready")
     async def v2_ready(model: str):
@@ -54,10 +58,10 @@ def add_routes(app: FastAPI, engine: Classifier, name: str, runner: Runner) -> N
         if request.headers.get("content-encoding", "identity") != "identity":
             raise HTTPError(415, "Content-Encoding: send the request body uncompressed")
         try:
-            req, texts = v2.parse(await request.body(), request.headers.get(v2.BINARY_HEADER))
+            req, texts = v2.parse(await request.body(), request.headers.get(v2.BINARY_HEADER), outputs)
         except v2.ProtocolError as e:
             raise HTTPError(400, str(e)) from None
-        body, json_length = v2.response(name, req, await _classify(texts, runner, request))
+        body, json_length = v2.response(name, req, await _classify(texts, runner, request), outputs)
         if json_length is None:
             return Response(body, media_type="application/json")
         return Response(body, media_type="application/octet-stream", headers={v2.BINARY_HEADER: str(json_length)})

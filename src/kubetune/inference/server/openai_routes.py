@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from kubetune.errors import KubetuneError
-from kubetune.inference.engine import Generation, Generator
+from kubetune.inference.causal import Generation, Generator
 from kubetune.inference.server import protocol as api
 from kubetune.inference.server.compute import HTTPError, Limits, Runner, check_model
 

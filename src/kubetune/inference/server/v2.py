@@ -1,8 +1,9 @@
-"""The open inference protocol v2 (KServe's v2, Triton's HTTP/REST protocol) for a text classifier: the
+"""The open inference protocol v2 (KServe's v2, Triton's HTTP/REST protocol) for a model of texts: the
 request (one BYTES input of texts, as JSON ``data`` or with the binary tensor data extension, whose
 ``Inference-Header-Content-Length`` header says where the JSON ends and the tensors' bytes begin), the
-response (the ``label`` and ``score`` outputs, each as JSON or as binary where the request asks for it,
-as Triton's reference client does by default), and the server and model metadata.
+response (the engine's outputs, e.g. a classifier's ``label`` and ``score``, each as JSON or as binary
+where the request asks for it, as Triton's reference client does by default), and the server and model
+metadata.
 
 Why our own codec: KServe's (``kserve.protocol.infer_type``) comes with the whole KServe model server
 and its dependencies; the part a BYTES input and two outputs need is the length-prefixed encoding below.
@@ -20,7 +21,7 @@ from kubetune.inference.server.protocol import Body, Strict, describe
 
 BINARY_HEADER = "Inference-Header-Content-Length"
 INPUT = "text"
-OUTPUTS = {"label": "BYTES", "score": "FP32"}
+OUTPUTS = {"label": "BYTES", "score": "FP32"}  # a classifier's (an engine without ``outputs`` has these)
 EXTENSIONS = ["binary_tensor_data"]
 
 
@@ -50,8 +51,9 @@ class InferRequest(Body):
     parameters: dict | None = None
 
 
-def parse(body: bytes, json_length: str | None) -> tuple[InferRequest, list[str]]:
-    """An inference request's JSON and its texts; ``json_length``: the binary extension's header, if sent.
+def parse(body: bytes, json_length: str | None, outputs: dict[str, str] = OUTPUTS) -> tuple[InferRequest, list[str]]:
+    """An inference request's JSON and its texts; ``json_length``: the binary extension's header, if sent;
+    ``outputs``: the model's output names and datatypes.
 
     Raises:
         ProtocolError: what is wrong with the request, with where.
@@ -74,9 +76,11 @@ def parse(body: bytes, json_length: str | None) -> tuple[InferRequest, list[str]
         request = InferRequest.model_validate(obj)
     except ValidationError as e:
         raise ProtocolError(describe(e.errors())) from None
-    unknown = [o.name for o in request.outputs or () if o.name not in OUTPUTS]
+    unknown = [o.name for o in request.outputs or () if o.name not in outputs]
     if unknown:
-        raise ProtocolError(f"outputs: this model has no output {_names(unknown)}; its outputs are 'label', 'score'")
+        raise ProtocolError(
+            f"outputs: this model has no output {_names(unknown)}; its outputs are {', '.join(map(repr, outputs))}"
+        )
     return request, _texts(request, raw)
 
 
@@ -141,24 +145,26 @@ def _unpack_bytes(raw: bytes, where: str) -> list[str]:
     return out
 
 
-def response(name: str, request: InferRequest, results: list[dict]) -> tuple[bytes, int | None]:
-    """The response body for ``results`` (one ``{"label", "score"}`` per text), and the length of its JSON
-    part where outputs follow as binary (None: the body is JSON only)."""
+def response(
+    name: str, request: InferRequest, results: list[dict], outputs: dict[str, str] = OUTPUTS
+) -> tuple[bytes, int | None]:
+    """The response body for ``results`` (one dict per text, a value for each of ``outputs``), and the length
+    of its JSON part where outputs follow as binary (None: the body is JSON only)."""
     n = len(results)
-    values = {"label": [r["label"] for r in results], "score": [r["score"] for r in results]}
+    values = {key: [r[key] for r in results] for key in outputs}
     binary_default = bool((request.parameters or {}).get("binary_data_output", False))
-    wanted = request.outputs or [RequestedOutput(name=x) for x in OUTPUTS]
-    outputs, tail = [], []
+    wanted = request.outputs or [RequestedOutput(name=x) for x in outputs]
+    tensors, tail = [], []
     for out in wanted:
-        tensor = {"name": out.name, "datatype": OUTPUTS[out.name], "shape": [n]}
+        tensor = {"name": out.name, "datatype": outputs[out.name], "shape": [n]}
         if (out.parameters or {}).get("binary_data", binary_default):
-            data = _pack(OUTPUTS[out.name], values[out.name])
+            data = _pack(outputs[out.name], values[out.name])
             tensor["parameters"] = {"binary_data_size": len(data)}
             tail.append(data)
         else:
             tensor["data"] = values[out.name]
-        outputs.append(tensor)
-    head = json.dumps({"model_name": name, "id": request.id or "", "outputs": outputs}).encode()
+        tensors.append(tensor)
+    head = json.dumps({"model_name": name, "id": request.id or "", "outputs": tensors}).encode()
     return (head + b"".join(tail), len(head)) if tail else (head, None)
 
 
@@ -176,10 +182,10 @@ def server_metadata(version: str) -> dict:
     return {"name": "kubetune", "version": version, "extensions": EXTENSIONS}
 
 
-def model_metadata(name: str) -> dict:
+def model_metadata(name: str, outputs: dict[str, str] = OUTPUTS) -> dict:
     return {
         "name": name,
         "platform": "kubetune",
         "inputs": [{"name": INPUT, "datatype": "BYTES", "shape": [-1]}],
-        "outputs": [{"name": x, "datatype": t, "shape": [-1]} for x, t in OUTPUTS.items()],
+        "outputs": [{"name": x, "datatype": t, "shape": [-1]} for x, t in outputs.items()],
     }

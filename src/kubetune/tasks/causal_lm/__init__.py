@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import Field
 
 from kubetune.config.base import StreamingData, streaming_problems
-from kubetune.config.tasks import TaskEntry
+from kubetune.config.tasks import KServeRuntime, TaskEntry
 
 
 class CausalLMData(StreamingData):
@@ -89,5 +89,5 @@ ENTRY = TaskEntry(
     order=1,
     auto_model="AutoModelForCausalLM",
     peft_task_type="CAUSAL_LM",
-    pipeline_tag="text-generation",
+    kserve=KServeRuntime("text_generation", adapters=True),
 )

@@ -30,6 +30,7 @@ from kubetune.data.rows import column
 from kubetune.data.tokenize import tokenizer_fingerprint
 from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
+from kubetune.inference import kinds
 from kubetune.tasks import attention
 from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task
 from kubetune.tasks.causal_lm.data import collate, load_lm_frames, shard_normalizer, tokenize_frame
@@ -438,20 +439,6 @@ def _summary(m: dict) -> str:
     )
 
 
-def _predict(path: str, prompts: list[str], options: dict, warn) -> list[dict]:
-    from kubetune.inference import model as predict
-
-    return predict.generate(
-        path,
-        prompts,
-        max_new_tokens=options.get("max_new_tokens", 64),
-        temperature=options.get("temperature") or 0.0,
-        chat=options.get("chat"),
-        seed=options.get("seed") or 0,
-        warn=warn,
-    )
-
-
 TASK = Task(
     load_frames=load_lm_frames,
     prepare=prepare,
@@ -462,9 +449,7 @@ TASK = Task(
     eval_metrics=eval_metrics,
     export=export,
     headline=("eval_perplexity",),
-    predict=_predict,
-    predict_options=("max_new_tokens", "temperature", "chat", "seed"),
-    show=lambda r: f">>> {r['prompt']}\n{r['completion']}\n",
+    inference=kinds.CAUSAL_LM,
     present=Presentation(
         pipeline_tag="text-generation",
         report_rows=_report_rows,

@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import Field
 
 from kubetune.config.base import DataCommon
-from kubetune.config.tasks import TaskEntry
+from kubetune.config.tasks import KServeRuntime, TaskEntry
 
 
 class ClassificationData(DataCommon):
@@ -54,5 +54,5 @@ ENTRY = TaskEntry(
     order=0,
     auto_model="AutoModelForSequenceClassification",
     peft_task_type="SEQ_CLS",
-    pipeline_tag="text-classification",
+    kserve=KServeRuntime("sequence_classification"),
 )

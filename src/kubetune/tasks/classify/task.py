@@ -23,6 +23,7 @@ from kubetune.config import JobSpec
 from kubetune.data import Batch
 from kubetune.data.tokenize import tokenizer_fingerprint
 from kubetune.distributed import DistEnv
+from kubetune.inference import kinds
 from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task
 from kubetune.tasks.classify.baseline import tfidf_baseline
 from kubetune.tasks.classify.data import collate, encode, load_frames
@@ -244,12 +245,6 @@ def _reference_card(m: dict) -> list[str]:
     return [f"| baseline accuracy ({base['method']}) | {base['accuracy']:.4f} |"] if base else []
 
 
-def _predict(path: str, texts: list[str], options: dict, warn) -> list[dict]:
-    from kubetune.inference import model as predict
-
-    return predict.predict(path, texts)
-
-
 TASK = Task(
     load_frames=load_frames,
     prepare=prepare,
@@ -260,8 +255,7 @@ TASK = Task(
     eval_metrics=eval_metrics,
     export=export,
     headline=("eval_accuracy", "eval_f1_macro"),
-    predict=_predict,
-    show=lambda r: f"{r['label']}\t{r['score']:.4f}\t{r['text']}",
+    inference=kinds.TEXT_CLASSIFIER,
     present=Presentation(
         pipeline_tag="text-classification",
         report_rows=_report_rows,

@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import Field
 
 from kubetune.config.base import Section, StreamingData, streaming_problems
-from kubetune.config.tasks import TaskEntry
+from kubetune.config.tasks import KServeRuntime, TaskEntry
 
 
 class PreferenceData(StreamingData):
@@ -85,5 +85,5 @@ ENTRY = TaskEntry(
     checks=_checks,
     order=2,
     streaming_needs_lora=True,  # the full fine-tune's reference log-probabilities: the whole training set
-    pipeline_tag="text-generation",
+    kserve=KServeRuntime("text_generation", adapters=True),
 )

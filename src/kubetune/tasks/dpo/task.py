@@ -38,6 +38,7 @@ from kubetune.data.rows import column
 from kubetune.data.tokenize import tokenizer_fingerprint
 from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
+from kubetune.inference import kinds
 from kubetune.paths import cache_root, set_default_modes
 from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task, rank_batches
 from kubetune.tasks.causal_lm import task as causal_lm
@@ -405,9 +406,7 @@ TASK = Task(
     eval_metrics=eval_metrics,
     export=causal_lm.export,
     headline=("eval_reward_accuracy", "eval_reward_margin"),
-    predict=causal_lm.TASK.predict,  # the export is a causal LM
-    predict_options=causal_lm.TASK.predict_options,
-    show=causal_lm.TASK.show,
+    inference=kinds.CAUSAL_LM,  # the export is a causal LM
     present=Presentation(
         pipeline_tag="text-generation",
         report_rows=_report_rows,

@@ -12,7 +12,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, field_validator
 
 from kubetune.config.base import DataCommon, Section
-from kubetune.config.tasks import TaskEntry
+from kubetune.config.tasks import KServeRuntime, TaskEntry
 
 BUILTIN_REWARDS = ("exact_match", "regex", "length")
 
@@ -249,6 +249,6 @@ ENTRY = TaskEntry(
     section=GRPOSpec,
     checks=_checks,
     order=3,
-    pipeline_tag="text-generation",
+    kserve=KServeRuntime("text_generation", adapters=True),
     render_warnings=_render_warnings,
 )

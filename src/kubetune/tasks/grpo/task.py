@@ -28,6 +28,7 @@ from kubetune.data.rows import column
 from kubetune.data.tokenize import tokenizer_fingerprint
 from kubetune.distributed import DistEnv
 from kubetune.errors import AgreedError, KubetuneError
+from kubetune.inference import kinds
 from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task
 from kubetune.tasks.causal_lm import task as causal_lm
 from kubetune.tasks.common import load_on_node, prepare_tokenizer, prepared, target_mask, tokenize_split
@@ -281,9 +282,7 @@ TASK = Task(
     export=export,
     artifact_files=("completions.jsonl",),  # what export writes beside the causal-LM task's export
     headline=("eval_reward",),
-    predict=causal_lm.TASK.predict,  # the export is a causal LM
-    predict_options=causal_lm.TASK.predict_options,
-    show=causal_lm.TASK.show,
+    inference=kinds.CAUSAL_LM,  # the export is a causal LM
     present=Presentation(
         pipeline_tag="text-generation",
         report_rows=_report_rows,
