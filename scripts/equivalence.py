@@ -168,10 +168,17 @@ def _max_diff(a: Path, b: Path) -> float:
 
 def _untimed(value):
     if isinstance(value, dict):
-        return {k: _untimed(v) for k, v in value.items() if not any(t in k.lower() for t in TIMING)}
+        return {
+            k: _untimed(v) for k, v in value.items() if not (any(t in k.lower() for t in TIMING) or k.endswith("_s"))
+        }
     if isinstance(value, list):
         return [_untimed(v) for v in value]
     return value
+
+
+def _records(run: Path) -> list[dict]:
+    """history.jsonl's records (every train and eval line), their timings left out."""
+    return [_untimed(json.loads(line)) for line in (run / "history.jsonl").read_text().splitlines()]
 
 
 def compare(before: Path, after: Path) -> int:
@@ -181,15 +188,15 @@ def compare(before: Path, after: Path) -> int:
     for name, other in pairs:
         b, a = before / name, after / other
         diff = _max_diff(b, a)
-        same_history = (b / "history.jsonl").read_text() == (a / "history.jsonl").read_text()
+        same_history = _records(b) == _records(a)
         mb, ma = (
             _untimed(json.loads((b / "metrics.json").read_text())),
             _untimed(json.loads((a / "metrics.json").read_text())),
         )
         if other == "stopped":  # its own output.uri and checkpoint_every; the resume adds its facts
             same_metrics = all(mb.get(k) == ma.get(k) for k in ("eval_loss", "eval_accuracy", "eval_f1_macro"))
-            same_history = [json.loads(x) for x in (b / "history.jsonl").read_text().splitlines() if '"eval"' in x] == [
-                json.loads(x) for x in (a / "history.jsonl").read_text().splitlines() if '"eval"' in x
+            same_history = [r for r in _records(b) if r["type"] == "eval"] == [
+                r for r in _records(a) if r["type"] == "eval"
             ]
         else:
             same_metrics = mb == ma

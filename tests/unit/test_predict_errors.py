@@ -447,3 +447,9 @@ def test_invalid_hub_repo_name_fails_before_training(uri, tmp_path):
         err.value
     )
     assert len(str(err.value)) < 300
+
+
+def test_serve_adapter_of_an_export_its_task_serves_merged_only_is_one_line(classifier):
+    # the classifier's inference (kinds.TEXT_CLASSIFIER) serves no LoRA adapter: refused before anything loads
+    result = CliRunner().invoke(app, ["serve", str(classifier), "--adapter"])
+    assert_one_line(result, "--adapter: kubetune serve serves a text classifier export merged (its model/)")

@@ -269,3 +269,28 @@ def test_a_body_that_does_not_arrive_in_time_is_a_408_and_after_it_receive_passe
         assert (await waiting)["type"] == "http.disconnect"
 
     asyncio.run(main())
+
+
+def test_v2_packs_every_numeric_output_a_task_engine_declares():
+    outputs = {"value": "FP64", "count": "INT64", "ok": "BOOL"}
+    request, _ = v2.parse(
+        json.dumps(
+            {
+                "inputs": [{"name": "text", "shape": [2], "datatype": "BYTES", "data": ["a", "b"]}],
+                "parameters": {"binary_data_output": True},
+            }
+        ).encode(),
+        None,
+        outputs,
+    )
+    results = [{"value": 0.25, "count": 3, "ok": True}, {"value": -1.5, "count": -7, "ok": False}]
+    body, json_length = v2.response("m", request, results, outputs)
+    head = json.loads(body[:json_length])
+    assert [(o["name"], o["datatype"], o["parameters"]["binary_data_size"]) for o in head["outputs"]] == [
+        ("value", "FP64", 16),
+        ("count", "INT64", 16),
+        ("ok", "BOOL", 2),
+    ]
+    tail = body[json_length:]
+    assert struct.unpack("<2d", tail[:16]) == (0.25, -1.5) and struct.unpack("<2q", tail[16:32]) == (3, -7)
+    assert struct.unpack("<2?", tail[32:]) == (True, False)

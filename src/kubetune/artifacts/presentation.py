@@ -10,7 +10,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Presentation:
-    pipeline_tag: str  # the transformers pipeline that serves the exported model (and the card's tag)
+    pipeline_tag: str  # the model card's pipeline tag (the transformers pipeline that runs the export)
     report_rows: Callable[[dict], list[tuple[str, Any]]]  # metrics.json -> the report's first rows
     eval_curves: tuple[str, ...]  # history keys of the evaluations plotted over steps in the report (none: no plot)
     eval_log_scale: bool  # plot them on a log axis (perplexity) or on [0, 1] (scores)

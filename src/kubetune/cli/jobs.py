@@ -1,6 +1,6 @@
 """The job commands on a backend (``backends.base``): `render`, `submit`, `status`, `logs`, `wait`,
 `delete`, `runtimes`, `list`; with ``--serve``, `render`, `submit`, `status` and `delete` are about the
-KServe InferenceService that serves a finished job's export (``backends.serving``, ``backends.kserve``)."""
+KServe InferenceService that serves a finished job's export (``backends.kserve``: its ``manifests`` and ``backend``)."""
 
 from __future__ import annotations
 

@@ -100,7 +100,7 @@ def _load(model: str, adapter: bool, s3):
         return path, inference.serve(path, None), inference.routes
     if not inference.adapters:
         raise KubetuneError(
-            f"--adapter serves a LoRA adapter beside its base model, and a {inference.noun} export has none",
+            f"kubetune serve serves a {inference.noun} export merged (its model/), not as its base model plus adapter/",
             field="--adapter",
             fix="drop --adapter",
         )

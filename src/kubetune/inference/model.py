@@ -5,7 +5,7 @@ transformers opens them, the task of the run that exported it, and the model and
 Everything a user hands ``predict`` or ``serve`` is checked before transformers sees it (config.json,
 weights, tokenizer, the texts), so a bad input is one ``KubetuneError`` line, never a traceback. Weights
 load from safetensors only: kubetune never unpickles a file. What a model does with them (generate,
-classify, score) is its task's inference (``tasks.base.Inference``), built on ``causal`` or ``classifier``.
+classify, score) is its task's inference (``seam.Inference``), built on ``causal`` or ``classifier``.
 """
 
 from __future__ import annotations

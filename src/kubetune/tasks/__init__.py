@@ -30,9 +30,18 @@ def get(name: str) -> Task:
 
     Raises:
         KeyError: no task of that name is registered.
+        TypeError: its ``artifact_files`` names a file that is not a plain name or is one of kubetune's own.
     """
+    from kubetune.artifacts.output import artifact_file_problem
+
     module, _, attr = entries()[name].runtime.partition(":")
-    return getattr(importlib.import_module(module), attr)
+    task = getattr(importlib.import_module(module), attr)
+    # a plugin's mistake, found when its task is first used rather than at the export after training
+    for file in task.artifact_files:
+        problem = artifact_file_problem(file)
+        if problem is not None:
+            raise TypeError(f"task {name}: artifact_files entry {file!r} {problem}")
+    return task
 
 
 def for_model(path: Path) -> tuple[str, Task]:

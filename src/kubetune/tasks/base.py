@@ -206,4 +206,13 @@ def artifact_files(name: str | None) -> tuple[str, ...]:
         )
         return ()
     module, _, attr = entry.runtime.partition(":")
-    return getattr(importlib.import_module(module), attr).artifact_files
+    try:
+        return getattr(importlib.import_module(module), attr).artifact_files
+    except (ImportError, AttributeError) as e:  # registered, but its training half does not load here
+        logging.getLogger(__name__).warning(
+            "the finished run being replaced was of task %r, whose training half does not load here (%s): the "
+            "files its export wrote beside kubetune's own, if any, are kept",
+            name,
+            e,
+        )
+        return ()

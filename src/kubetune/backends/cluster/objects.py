@@ -2,12 +2,14 @@
 targets, the paths inside the pods, the container name, the labels and names by which the backend
 finds a job's objects again, their metadata, and how a typed model is serialized.
 
-The builders (``manifests``, ``tensorboard``), the pre-render checks (``checks``) and the cluster
-backend (``kubeflow``) all import these from here, so each is defined once.
+The builders (``kubeflow.manifests``, ``kubeflow.tensorboard``, ``kserve.manifests``), the pre-render checks
+(``kubeflow.checks``) and the cluster backends (``kubeflow.backend``, ``kserve.backend``) all import these from
+here, so each is defined once; ``to_yaml`` writes the objects a render prints.
 """
 
 from __future__ import annotations
 
+import yaml
 from kubernetes import client as k8s
 
 from kubetune.config import JobSpec
@@ -63,3 +65,17 @@ def own_claim(job: str) -> str:
 def stage_dir(spec: JobSpec) -> str:
     """Per job, so jobs sharing one claim never read each other's staged spec."""
     return f"{STAGE_ROOT}/{spec.name}"
+
+
+class _BlockDumper(yaml.SafeDumper):
+    """Multi-line strings (the spec in the ConfigMap) as readable ``|`` blocks."""
+
+
+_BlockDumper.add_representer(
+    str, lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None)
+)
+
+
+def to_yaml(objects: list[dict]) -> str:
+    """Objects as one multi-document YAML, in their order, multi-line strings as ``|`` blocks."""
+    return yaml.dump_all(objects, Dumper=_BlockDumper, sort_keys=False)

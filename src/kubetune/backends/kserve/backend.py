@@ -6,7 +6,7 @@ storage initializer finds the job's own Secrets through the ServiceAccount, by n
 
 Like the Kubeflow backend: a server-side dry run before anything is created, an object of the same
 name refused unless ``replace``, and nothing deleted that does not carry kubetune's serving labels.
-API errors are translated at the boundary (``kubeflow_api.ClusterConnection``).
+API errors are translated at the boundary (``cluster.api.ClusterConnection``).
 """
 
 from __future__ import annotations

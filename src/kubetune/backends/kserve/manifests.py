@@ -17,8 +17,7 @@ from urllib.parse import urlsplit
 
 from kubetune import providers
 from kubetune.artifacts.output import Output
-from kubetune.backends.cluster.objects import WORKSPACE, pvc_name
-from kubetune.backends.kubeflow.manifests import _BlockDumper
+from kubetune.backends.cluster.objects import WORKSPACE, pvc_name, to_yaml
 from kubetune.config import JobSpec
 from kubetune.config.tasks import KServeRuntime, entries
 from kubetune.errors import SpecError
@@ -43,9 +42,7 @@ class RenderedServe:
         return [*([self.service_account] if self.service_account else []), self.inference_service]
 
     def to_yaml(self) -> str:
-        import yaml
-
-        return yaml.dump_all(self.objects(), Dumper=_BlockDumper, sort_keys=False)
+        return to_yaml(self.objects())
 
 
 def runtime_of(task: str) -> KServeRuntime | None:

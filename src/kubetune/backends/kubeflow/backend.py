@@ -1,7 +1,7 @@
 """Kubeflow backend: submit / status / logs / wait / delete / list of PyTorchJobs (and TrainJobs)
 through the official ``kubernetes`` client. API errors are translated at the boundary
-(``kubeflow_api``) into one-line ``KubetuneError`` messages naming the verb, the resource and the
-namespace; the reading calls (status, logs, wait, list) are in ``kubeflow_read``. Here: what
+(``cluster.api``) into one-line ``KubetuneError`` messages naming the verb, the resource and the
+namespace; the reading calls (status, logs, wait, list) are in ``read``. Here: what
 changes the cluster (submit, with its server-side dry run, and delete), finding a job's kind, and
 the two registered backends.
 """

@@ -8,14 +8,13 @@ are only ever referenced (secretKeyRef / envFrom.secretRef), never copied.
 Here: the ConfigMap, the workspace PVC, the pod both job kinds run (containers, environment,
 volumes, commands), the PyTorchJob and the TrainJob, and ``render``, which checks the spec first
 (``checks``) and adds the TensorBoard objects (``tensorboard``). The names, labels and paths every
-object shares are in ``objects``.
+object shares are in ``cluster.objects``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import yaml
 from kubernetes import client as k8s
 
 from kubetune.artifacts.output import Output
@@ -30,6 +29,7 @@ from kubetune.backends.cluster.objects import (
     pvc_name,
     serialized,
     stage_dir,
+    to_yaml,
 )
 from kubetune.backends.kubeflow.checks import cluster_problems, trainjob_problems, typed_problems
 from kubetune.backends.kubeflow.tensorboard import build_tensorboard
@@ -51,16 +51,7 @@ class Rendered:
         return [self.config_map, *([self.pvc] if self.pvc else []), self.job, *self.tensorboard]
 
     def to_yaml(self) -> str:
-        return yaml.dump_all(self.objects(), Dumper=_BlockDumper, sort_keys=False)
-
-
-class _BlockDumper(yaml.SafeDumper):
-    """Multi-line strings (the spec in the ConfigMap) as readable ``|`` blocks."""
-
-
-_BlockDumper.add_representer(
-    str, lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None)
-)
+        return to_yaml(self.objects())
 
 
 def build_config_map(spec: JobSpec, namespace: str) -> dict:
@@ -234,7 +225,7 @@ def build_pod_template(spec: JobSpec) -> k8s.V1PodTemplateSpec:
         resources=_resources(spec),
         volume_mounts=_mounts(),
     )
-    # Elastic jobs have only Worker replicas, so a worker's index is its node rank (see kubeflow_read.pod_info).
+    # Elastic jobs have only Worker replicas, so a worker's index is its node rank (see read.pod_info).
     pod_labels = {**labels(spec), **({"kubetune.io/elastic": "true"} if kube.elastic else {})}
     return k8s.V1PodTemplateSpec(
         metadata=k8s.V1ObjectMeta(

@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
 
+from kubetune.errors import KubetuneError
 from kubetune.inference.server import protocol as api
 from kubetune.inference.server import v2
 from kubetune.inference.server.compute import HTTPError, Runner, check_model
@@ -22,6 +23,14 @@ def add_routes(app: FastAPI, engine, name: str, runner: Runner) -> None:
     """KServe's v1 and v2 routes for ``engine`` (its ``run`` maps texts to one dict of outputs each; its
     ``outputs``, the v2 names and datatypes, default to a classifier's)."""
     outputs = getattr(engine, "outputs", v2.OUTPUTS)
+    unknown = {name: kind for name, kind in outputs.items() if kind != "BYTES" and kind not in v2.NUMERIC}
+    if unknown:
+        raise KubetuneError(
+            f"the model's engine declares outputs {unknown} of datatypes the open inference protocol has no "
+            f"binary form for here",
+            field="outputs",
+            fix=f"declare each output as BYTES or one of {', '.join(v2.NUMERIC)}",
+        )
 
     @app.get("/v1/models/{model}")
     async def v1_ready(model: str):
@@ -80,5 +89,5 @@ def _v1_request(body: bytes) -> api.V1Request:
 
 async def _classify(texts: list[str], runner: Runner, request: Request) -> list[dict[str, Any]]:
     if not texts:
-        raise HTTPError(400, "no texts to classify: give instances (v1) or a BYTES input (v2)")
+        raise HTTPError(400, "no texts given: give instances (v1) or a BYTES input (v2)")
     return await runner.compute([(t, "classify") for t in texts], "texts", request.receive)

@@ -1,6 +1,6 @@
 """The wire formats ``kubetune serve`` speaks: OpenAI's completions and chat completions (the request
 fields by OpenAI's names; ones kubetune does not implement are refused by name, not ignored), KServe's
-v1 ``instances`` (the open inference protocol v2 is in ``serving.v2``), the responses, the two error
+v1 ``instances`` (the open inference protocol v2 is in ``v2``), the responses, the two error
 shapes, and one line for a request's first validation error. A request's strings must be text: a lone
 UTF-16 surrogate (a JSON ``\\ud800`` escape without its pair) is refused by where it is."""
 

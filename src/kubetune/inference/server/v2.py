@@ -23,6 +23,21 @@ BINARY_HEADER = "Inference-Header-Content-Length"
 INPUT = "text"
 OUTPUTS = {"label": "BYTES", "score": "FP32"}  # a classifier's (an engine without ``outputs`` has these)
 EXTENSIONS = ["binary_tensor_data"]
+# The protocol's fixed-size datatypes an output may have, as little-endian struct codes (binary tensor data);
+# BYTES is the other: length-prefixed strings.
+NUMERIC = {
+    "BOOL": "?",
+    "INT8": "b",
+    "INT16": "h",
+    "INT32": "i",
+    "INT64": "q",
+    "UINT8": "B",
+    "UINT16": "H",
+    "UINT32": "I",
+    "UINT64": "Q",
+    "FP32": "f",
+    "FP64": "d",
+}
 
 
 class ProtocolError(ValueError):
@@ -112,7 +127,7 @@ def _texts(request: InferRequest, raw: bytes) -> list[str]:
             f"{where}: shape {tensor.shape} does not hold the data's {len(texts)} elements; give shape [{len(texts)}]"
         )
     if not texts:
-        raise ProtocolError(f"{where}: no texts to classify")
+        raise ProtocolError(f"{where}: no texts given")
     return texts
 
 
@@ -169,8 +184,8 @@ def response(
 
 
 def _pack(datatype: str, values: list) -> bytes:
-    if datatype == "FP32":
-        return struct.pack(f"<{len(values)}f", *values)
+    if datatype in NUMERIC:
+        return struct.pack(f"<{len(values)}{NUMERIC[datatype]}", *values)
     return b"".join(struct.pack("<I", len(b)) + b for b in (v.encode() for v in values))
 
 
