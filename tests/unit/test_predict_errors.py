@@ -351,16 +351,18 @@ def chat_llama(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("chat", [False, True], ids=["raw", "chat"])
 def test_1mb_prompt_keeps_its_end_within_the_context(chat, chat_llama, monkeypatch):
-    from transformers import AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoTokenizer
+
+    from kubetune.inference.generation import Engine
 
     prompts = []
-    original = LlamaForCausalLM.generate
+    original = Engine.generate
 
-    def spy(self, **kwargs):
-        prompts.append(kwargs["input_ids"][0].tolist())
-        return original(self, **kwargs)
+    def spy(self, gens):  # the prompts the generation engine is given
+        prompts.extend(list(g.ids) for g in gens)
+        return original(self, gens)
 
-    monkeypatch.setattr(LlamaForCausalLM, "generate", spy)
+    monkeypatch.setattr(Engine, "generate", spy)
     warnings = []
     started = time.monotonic()
     prompt = "start " + "word " * 200_000 + "THE END"  # 1 MB

@@ -1,19 +1,19 @@
 """Generation with a causal LM export: ``generate`` (what `kubetune predict` runs for a task whose export
-is a causal LM, one prompt at a time) and ``Generator``, the engine `kubetune serve` batches requests into
-(the OpenAI protocol's routes, ``server.openai_routes``), loaded and checked as ``generate`` loads them so
-that a request answers what ``predict`` answers; ``is_causal_lm`` tells such a model by its config."""
+is a causal LM) and ``Generator``, what `kubetune serve` serves (the OpenAI protocol's routes,
+``server.openai_routes``), both on the one generation engine (``generation.Engine``: continuous batching),
+loaded and checked alike so that a request answers what ``predict`` answers; ``is_causal_lm`` tells such a
+model by its config."""
 
 from __future__ import annotations
 
 import functools
 import math
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from kubetune.errors import KubetuneError
 from kubetune.inference import model as M
+from kubetune.inference.generation import Engine, Generation
 from kubetune.inference.model import check_vocab, context_length, describe, load_model, load_tokenizer, short
 
 
@@ -81,24 +81,18 @@ def generate(
     budget = None if context is None else context - max_new_tokens
 
     render = functools.partial(render_prompt, tokenizer, use_chat, path)
-    results, cut = [], []
+    gens, cut = [], []
     for number, prompt in enumerate(prompts, 1):
         ids, kept, total = fit(tokenizer, render, prompt, budget)
         if kept is not None:
             cut.append((number, kept, total))
-        enc = torch.tensor([ids], device=device)
-        torch.manual_seed(seed)
-        sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
-        with torch.no_grad():
-            out = model.generate(
-                input_ids=enc,
-                attention_mask=torch.ones_like(enc),
-                max_new_tokens=max_new_tokens,
-                pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
-                **sampling,
-            )
-        completion = tokenizer.decode(out[0, enc.shape[1] :], skip_special_tokens=True)
-        results.append({"prompt": prompt, "completion": completion})
+        # each prompt seeded alike, as one `predict` call per prompt would be
+        gens.append(Generation(ids, max_new_tokens, temperature, seed=seed))
+    Engine(model, eos_ids(model, tokenizer), context=context).generate(gens)
+    results = [
+        {"prompt": prompt, "completion": tokenizer.decode(g.tokens, skip_special_tokens=True)}
+        for prompt, g in zip(prompts, gens)
+    ]
     if cut:
         (warn or _log_warning)(cut_line(cut, context, max_new_tokens))
     return results
@@ -178,71 +172,10 @@ def _log_warning(line: str) -> None:
     logging.getLogger(__name__).warning(line)
 
 
-@dataclass
-class Generation:
-    """One completion to make: its prompt's token ids and sampling, and (streaming) where each new
-    token goes as it is made."""
-
-    ids: list[int]
-    max_tokens: int
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    seed: int | None = None
-    on_token: Callable[[int], None] | None = None
-    # set from the event loop when its request is given up (timed out, client gone): stopped at the next token
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    # filled by the engine
-    tokens: list[int] = field(default_factory=list)
-    finish_reason: str = "length"
-
-    def key(self) -> tuple:
-        """Requests that may share a batch: the same sampling (a seeded one runs alone)."""
-        if self.seed is not None and self.temperature > 0:
-            return ("seeded", id(self))
-        return ("greedy",) if self.temperature == 0 else ("sample", self.temperature, self.top_p)
-
-
-class _Streamer:
-    """transformers' streamer protocol for a whole batch: ``put`` gets each step's new token of every
-    row (its first call, the prompts, is skipped); each row's tokens go to its request until its end
-    (its max_tokens, an end-of-sequence token, or its request given up). Called as a stopping criterion,
-    it tells ``generate`` which rows have ended, so that a batch whose rows have all ended stops there."""
-
-    def __init__(self, batch: list[Generation], eos: set[int]):
-        self.batch, self.eos, self.first, self.done = batch, eos, True, [False] * len(batch)
-
-    def put(self, value) -> None:
-        if self.first:
-            self.first = False
-            return
-        for k, token in enumerate(value.reshape(-1).tolist()):
-            g = self.batch[k]
-            if self.done[k] or g.cancelled.is_set():
-                self.done[k] = True
-                continue
-            if token in self.eos:
-                self.done[k], g.finish_reason = True, "stop"
-                continue
-            g.tokens.append(token)
-            if g.on_token is not None:
-                g.on_token(token)
-            if len(g.tokens) >= g.max_tokens:
-                self.done[k] = True
-
-    def end(self) -> None:
-        pass
-
-    def __call__(self, input_ids, scores, **kwargs):
-        import torch
-
-        done = [d or g.cancelled.is_set() for d, g in zip(self.done, self.batch)]
-        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
-
-
 class Generator:
     """A causal LM export (its ``model/``, or a model directory), on the GPU when there is one."""
 
-    def __init__(self, path: Path, adapter: Path | None = None):
+    def __init__(self, path: Path, adapter: Path | None = None, slots: int = 16):
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -261,10 +194,8 @@ class Generator:
             model.config if adapter is None else model.get_base_model().config, self.tokenizer
         )
         self.chat = bool(getattr(self.tokenizer, "chat_template", None))
-        self.pad = self.tokenizer.pad_token_id or self.tokenizer.eos_token_id  # as predict's call
-        eos = self.model.generation_config.eos_token_id
-        self.eos = {self.tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
-        self._lock = threading.Lock()
+        self.eos = eos_ids(self.model, self.tokenizer)
+        self.engine = Engine(self.model, self.eos, slots, self.context)
 
     def encode(self, prompt: str) -> list[int]:
         """A raw prompt's token ids, as ``predict --no-chat`` makes them."""
@@ -302,33 +233,33 @@ class Generator:
         return sum(len(g.tokens) for g in batch)
 
     def run(self, batch: list[Generation]) -> None:
-        """Generate every request of ``batch`` (one sampling, see ``Generation.key``) in one call, left-padded;
-        a batch of one is exactly ``predict``'s call."""
-        import torch
-        from transformers import StoppingCriteriaList
+        """Make every generation of ``batch`` to its end, in the calling thread (the engine's continuous
+        batching within the list)."""
+        self.engine.generate(batch)
 
-        width = max(len(g.ids) for g in batch)
-        ids = torch.full((len(batch), width), self.pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for k, g in enumerate(batch):
-            ids[k, width - len(g.ids) :] = torch.tensor(g.ids)
-            mask[k, width - len(g.ids) :] = 1
-        first = batch[0]
-        sampling = (
-            {"do_sample": True, "temperature": first.temperature, "top_p": first.top_p}
-            if first.temperature > 0
-            else {"do_sample": False}
-        )
-        streamer = _Streamer(batch, self.eos)
-        with self._lock, torch.no_grad():  # one generation at a time on the model
-            if first.seed is not None and first.temperature > 0:  # a seeded sampling runs alone (Generation.key)
-                torch.manual_seed(first.seed)
-            self.model.generate(
-                input_ids=ids.to(self.device),
-                attention_mask=mask.to(self.device),
-                max_new_tokens=max(g.max_tokens for g in batch),
-                pad_token_id=self.pad,
-                streamer=streamer,
-                stopping_criteria=StoppingCriteriaList([streamer]),
-                **sampling,
-            )
+    # a continuous engine for the server's Feeder (``server.batcher``): requests join the batch in flight
+    def start(self, slots: int, on_step=None) -> None:
+        """Run the engine's loop in its own thread with ``slots`` requests in flight at most; ``on_step(n)``
+        after each step of ``n`` requests."""
+        self.engine.slots, self.engine.on_step = slots, on_step
+        self.engine.start()
+
+    def submit(self, g: Generation, done) -> None:
+        self.engine.submit(g, done)
+
+    def close(self) -> None:
+        self.engine.close()
+
+    @property
+    def waiting(self) -> int:
+        return self.engine.waiting
+
+    @property
+    def running(self) -> int:
+        return self.engine.running
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    """The tokens that end a generation: the tokenizer's end of sequence and the model's generation config's."""
+    eos = model.generation_config.eos_token_id
+    return {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}

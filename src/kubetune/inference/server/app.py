@@ -24,7 +24,7 @@ from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 
 from kubetune.inference.seam import Routes
 from kubetune.inference.server import protocol as api
-from kubetune.inference.server.batcher import Batcher
+from kubetune.inference.server.batcher import Batcher, Feeder
 from kubetune.inference.server.compute import HTTPError, Limits, Metrics, Runner
 
 PROBES = ("/health", "/ready", "/v2/health/live", "/v2/health/ready")
@@ -34,18 +34,29 @@ __all__ = ["HTTPError", "Limits", "build_app"]
 
 def build_app(engine, name: str, routes: Routes, limits: Limits = Limits(), token: str | None = None) -> FastAPI:
     """The app serving ``engine`` (a ``seam.Engine``) as model ``name`` over ``routes``."""
-    batcher = Batcher(engine.run, limits.max_batch, limits.max_wait_ms / 1000, limits.max_queue)
-    metrics = Metrics(batcher)
     generated = getattr(engine, "generated", None)
-    if getattr(engine, "cancel", None) is not None:
-        batcher.on_cancel = engine.cancel
+    if getattr(engine, "submit", None) is not None:  # continuous batching: requests join the batch in flight
+        batcher = Feeder(
+            engine,
+            limits.max_batch,
+            limits.max_queue,
+            on_done=lambda g: metrics.generated.inc(generated([g])) if generated is not None else None,
+            on_cancel=getattr(engine, "cancel", None),
+            on_step=lambda n: metrics.batch.observe(n),  # the requests in each engine step
+        )
+        metrics = Metrics(batcher)
+    else:
+        batcher = Batcher(engine.run, limits.max_batch, limits.max_wait_ms / 1000, limits.max_queue)
+        metrics = Metrics(batcher)
+        if getattr(engine, "cancel", None) is not None:
+            batcher.on_cancel = engine.cancel
 
-    def on_batch(items: list) -> None:
-        metrics.batch.observe(len(items))
-        if generated is not None:
-            metrics.generated.inc(generated(items))
+        def on_batch(items: list) -> None:
+            metrics.batch.observe(len(items))
+            if generated is not None:
+                metrics.generated.inc(generated(items))
 
-    batcher.on_batch = on_batch
+        batcher.on_batch = on_batch
     runner = Runner(batcher, limits, metrics)
 
     @contextlib.asynccontextmanager

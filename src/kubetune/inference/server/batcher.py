@@ -1,6 +1,9 @@
-"""Dynamic batching for ``kubetune serve``: requests wait in a bounded queue; one worker thread takes the
-oldest, gathers the requests that may share its batch (``key``) that arrive within ``max_wait_s``, up to
-``max_batch``, runs them in one call of the engine and hands each request its result (or its own error).
+"""Batching for ``kubetune serve``. ``Batcher`` (an engine that computes a list at a time: the classifier):
+requests wait in a bounded queue; one worker thread takes the oldest, gathers the requests that may share its
+batch (``key``) that arrive within ``max_wait_s``, up to ``max_batch``, runs them in one call of the engine and
+hands each request its result (or its own error). ``Feeder`` (an engine that batches continuously:
+``generation.Engine``): each request goes to the engine at once, which admits it at its next step; the same
+bounded queue (the requests not yet admitted), the same futures.
 
 A request's items are queued all at once or not at all (a refused request leaves nothing behind), and
 a request given up (timed out, its client gone) is not computed: it is dropped from the queue, and
@@ -146,3 +149,52 @@ def _set(future: asyncio.Future, result) -> None:
         future.set_exception(result)
     else:
         future.set_result(result)
+
+
+class Feeder:
+    """``Batcher``'s interface over a continuous engine (``start(slots, on_step)``, ``submit(payload, done)``,
+    ``close``, and its ``waiting`` and ``running`` counts): ``enqueue`` hands the payloads to the engine at once,
+    and each future is done when the engine calls back (the payload, or its ``error``). ``on_done(payload)``
+    for each payload done; ``on_step(n)`` after each engine step of ``n`` requests."""
+
+    def __init__(self, engine, max_batch: int, max_queue: int, on_done=None, on_cancel=None, on_step=None):
+        self.engine, self.max_queue, self.on_done, self.on_cancel = engine, max_queue, on_done, on_cancel
+        self._lock = threading.Lock()
+        engine.start(max_batch, on_step)
+
+    @property
+    def depth(self) -> int:
+        """Requests waiting for a slot in the engine."""
+        return self.engine.waiting
+
+    @property
+    def running(self) -> int:
+        """Requests in flight in the engine."""
+        return self.engine.running
+
+    def enqueue(self, items: list[tuple[Any, Hashable]]) -> list[asyncio.Future]:
+        """As ``Batcher.enqueue``; the queue is the engine's requests not yet admitted."""
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future() for _ in items]
+        with self._lock:
+            if self.engine.waiting + len(items) > self.max_queue:
+                raise QueueFull
+            for (payload, _), future in zip(items, futures):
+                self.engine.submit(payload, lambda g, f=future: loop.call_soon_threadsafe(self._done, f, g))
+        if self.on_cancel is not None:
+            for (payload, _), future in zip(items, futures):
+                future.add_done_callback(lambda f, p=payload: f.cancelled() and self.on_cancel(p))
+        return futures
+
+    async def submit(self, payload, key: Hashable = None):
+        [future] = self.enqueue([(payload, key)])
+        return await future
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def _done(self, future: asyncio.Future, payload) -> None:
+        if self.on_done is not None:
+            self.on_done(payload)
+        error = getattr(payload, "error", None)
+        _set(future, error if error is not None else payload)
