@@ -42,12 +42,17 @@ class Generation:
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
     seed: int | None = None
+    top_k: int = 0  # 0: no top-k cut
+    # where its draws come from, shared with other requests when given (a GRPO step's generator: a function
+    # of seed, step and rank); else its own seeded one, or the engine's
+    generator: torch.Generator | None = None
     on_token: Callable[[int], None] | None = None
     # set from another thread when its request is given up (timed out, client gone): stopped at the next token
     cancelled: threading.Event = field(default_factory=threading.Event)
     # filled by the engine
     tokens: list[int] = field(default_factory=list)
     finish_reason: str = "length"
+    end_token: int | None = None  # the end-of-sequence token that ended it (not in ``tokens``)
     error: Exception | None = None  # what ended it in the engine's thread, where something failed
 
     def key(self) -> tuple:
@@ -135,13 +140,31 @@ class Engine:
 
     # ------------------------------------------------------------------ the two ways in
 
-    def generate(self, gens: list[Generation]) -> None:
+    def generate(self, gens: list[Generation], lockstep: Callable[[bool], bool] | None = None) -> None:
         """Make every generation of ``gens`` to its end (their ``tokens`` and ``finish_reason``), at most
-        ``slots`` at a time, in the calling thread."""
+        ``slots`` at a time, in the calling thread.
+
+        Args:
+            lockstep: a sharded model, whose every forward is collective: ``lockstep(busy)`` answers whether any
+                rank is still busy (an all-reduce); this rank then makes as many forwards as the busiest,
+                with one idle row once its own have ended. Every generation is admitted at once (one prefill
+                on every rank), so ``slots`` grows to ``len(gens)``.
+        """
+        if lockstep is not None:
+            self.slots = max(self.slots, len(gens))
         self._waiting.extend(_Row(g, None, len(g.ids)) for g in gens)
         with torch.no_grad():
-            while self._waiting or self._rows:
-                self._step()
+            while True:
+                busy = bool(self._waiting or self._rows)
+                if lockstep is not None:
+                    if not lockstep(busy):
+                        break
+                    if not busy:
+                        self._idle()
+                        continue
+                elif not busy:
+                    break
+                self._step(lockstep is not None)
 
     def start(self) -> None:
         """Run the loop in a thread of its own, taking what ``submit`` hands it."""
@@ -190,11 +213,26 @@ class Engine:
 
     # ------------------------------------------------------------------ one step
 
-    def _step(self) -> None:
+    def _step(self, lockstep: bool = False) -> None:
         self._drop_cancelled()
-        self._admit()
+        admitted = self._admit()
         if self._rows:
             self._decode()
+        elif lockstep and admitted:  # every row ended at its first token: the other ranks' decode forward
+            self._idle()
+
+    def _idle(self) -> None:
+        """One forward of one row that nobody reads (a sharded model's other ranks are still generating)."""
+        cache = self._ensure_cache(1)
+        cache.lo, cache.hi, cache.width, cache.pos = 0, 1, 1, torch.zeros(1, dtype=torch.long, device=self.device)
+        self.model(
+            input_ids=torch.zeros((1, 1), dtype=torch.long, device=self.device),
+            attention_mask=self._mask(torch.ones((1, 1, 1, 1), dtype=torch.bool)),
+            position_ids=torch.zeros((1, 1), dtype=torch.long, device=self.device),
+            past_key_values=cache,
+            use_cache=True,
+        )
+        cache.pos = None
 
     def _drop_cancelled(self) -> None:
         for row in [r for r in self._waiting if r.gen.cancelled.is_set()]:
@@ -202,12 +240,12 @@ class Engine:
             self._finish(row)
         self._retire([k for k, r in enumerate(self._rows) if r.gen.cancelled.is_set()])
 
-    def _admit(self) -> None:
+    def _admit(self) -> bool:
         """Take waiting requests into the free slots and prefill their prompts in one forward (each distinct
-        prompt once), then pick each one's first token."""
+        prompt once), then pick each one's first token. Returns whether it made a forward."""
         room = self.slots - len(self._rows)
         if room <= 0 or not self._waiting:
-            return
+            return False
         with self._cond:
             new = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
         need = max(len(r.gen.ids) + r.gen.max_tokens for r in new + self._rows)
@@ -252,6 +290,7 @@ class Engine:
         self._rows.extend(ordered)
         tokens = self._sample(last[logit_rows], ordered)
         self._take(ordered, tokens, lo)
+        return True
 
     def _decode(self) -> None:
         """One token for every request in flight, in one forward."""
@@ -286,7 +325,7 @@ class Engine:
                 ended.append(lo + k)
                 continue
             if token in self.eos:
-                g.finish_reason = "stop"
+                g.finish_reason, g.end_token = "stop", token
                 ended.append(lo + k)
                 continue
             g.tokens.append(token)
@@ -328,6 +367,8 @@ class Engine:
     def _rng(self, g: Generation) -> torch.Generator | None:
         if g.temperature <= 0:
             return None
+        if g.generator is not None:
+            return g.generator
         if g.seed is None:
             return self._default_rng
         rng = torch.Generator(device=self.device)
@@ -335,13 +376,17 @@ class Engine:
         return rng
 
     def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> list[int]:
-        """Each row's next token from its logits: the argmax, or drawn with its temperature and top-p."""
+        """Each row's next token from its logits: the argmax, or drawn with its temperature, top-k and top-p
+        (in that order, as transformers' warpers)."""
         tokens = logits.argmax(-1).tolist()
         for k, row in enumerate(rows):
             g = row.gen
             if g.temperature <= 0:
                 continue
-            probs = torch.softmax(logits[k] / g.temperature, -1)
+            scores = logits[k] / g.temperature
+            if 0 < g.top_k < scores.numel():
+                scores = scores.masked_fill(scores < scores.topk(g.top_k).values[-1], float("-inf"))
+            probs = torch.softmax(scores, -1)
             if g.top_p < 1.0:
                 sorted_probs, order = probs.sort(descending=True)
                 keep = sorted_probs.cumsum(-1) - sorted_probs < g.top_p  # the smallest set reaching top_p

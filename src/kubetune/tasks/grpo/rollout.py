@@ -1,8 +1,9 @@
 """GRPO's rollouts: one step of prompts (this rank's micro-batches) turned into the step trained on.
 
 Every rank samples ``num_generations`` completions for each of its own prompts with the current policy
-(``generate``: the KV cache, every prompt of the step in one batch; LoRA with its adapter on; a sharded
-model with every rank in step, so no rank gathers the whole model), scores them (``rewards``), and
+(the generation engine, ``inference.generation``: every completion of the step in flight at once, a group's
+prompt prefilled once, its KV cache written in place; LoRA with its adapter on; a sharded model with every
+rank in step, so no rank gathers the whole model), scores them (``rewards``), and
 gathers every rank's rewards for the batch's statistics; a group never leaves its rank, so its
 advantages are computed where it was sampled. The sampling RNG is a pure function of (seed, step,
 rank): a resumed run draws what the uninterrupted one drew. With ``num_iterations`` > 1 the step's
@@ -27,6 +28,7 @@ import torch
 from kubetune import checkpoint, distributed
 from kubetune.data import Batch, StepBatch
 from kubetune.errors import AgreedError, KubetuneError
+from kubetune.inference.generation import Engine, Generation
 from kubetune.tasks.common import IGNORE, head_forward, next_token_targets, replaceable_head, target_mask
 from kubetune.tasks.grpo import GRPOSpec
 from kubetune.tasks.grpo import loss as grpo_loss
@@ -255,7 +257,8 @@ class Rollouts:
 
     def _sample(self, model, prompts: list, global_step: int | None) -> Sampled:
         """Every prompt of ``prompts`` (PromptBatches) ``num_generations`` times (``global_step`` None:
-        evaluation, one greedy completion each)."""
+        evaluation, one greedy completion each), on the generation engine: every completion of the step in
+        flight at once, a group's prompt prefilled once."""
         g = self.grpo
         n = 1 if global_step is None else g.num_generations
         prompt_ids, records = [], []
@@ -263,66 +266,46 @@ class Rollouts:
             for ids, mask, rec in zip(m.inputs["input_ids"], m.inputs["attention_mask"], m.records):
                 prompt_ids += [ids[mask.bool()].tolist()] * n
                 records += [rec] * n
-        width = max(len(p) for p in prompt_ids)
-        pad = self.tokenizer.pad_token_id
-        ids = torch.full((len(prompt_ids), width), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for k, p in enumerate(prompt_ids):
-            ids[k, width - len(p) :], mask[k, width - len(p) :] = torch.tensor(p), 1
-        out = self._generate(model, ids, mask, global_step)
-        return self._completions(out[:, width:], prompt_ids, records)
-
-    @torch.no_grad()
-    def _generate(self, model, ids: torch.Tensor, mask: torch.Tensor, global_step: int | None) -> torch.Tensor:
-        from transformers import GenerationConfig
-
-        g = self.grpo
-        sample = global_step is not None
-        config = GenerationConfig(
-            max_new_tokens=g.max_completion_length,
-            do_sample=sample,
-            temperature=g.temperature if sample else None,
-            top_p=g.top_p if sample else None,
-            top_k=(g.top_k or None) if sample else None,
-            pad_token_id=self.tokenizer.pad_token_id,
-            eos_token_id=self.eos_ids,
-            use_cache=True,
-        )
-        was_training = model.training
-        model.eval()
-        devices = [self.device] if self.device.type == "cuda" else []
-        try:
-            with torch.random.fork_rng(devices=devices):
-                if sample:  # a pure function of (seed, step, rank): a resumed run samples what this one did
-                    torch.manual_seed(
-                        int(np.random.SeedSequence([self.seed, global_step, self.rank]).generate_state(1)[0])
-                    )
-                out = model.generate(
-                    input_ids=ids.to(self.device),
-                    attention_mask=mask.to(self.device),
-                    generation_config=config,
-                    synced_gpus=self.lockstep,
-                )
-        finally:
-            model.train(was_training)
-        return out.cpu()
-
-    def _completions(self, out: torch.Tensor, prompt_ids: list, records: list) -> Sampled:
-        is_end = torch.isin(out, torch.tensor(self.eos_ids))
-        ended = is_end.any(dim=1)
-        lengths = torch.where(ended, is_end.int().argmax(dim=1) + 1, out.shape[1]).tolist()
-        completion_ids = [row[:n].tolist() for row, n in zip(out, lengths)]
-        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        gens = self._generate(model, prompt_ids, global_step)
+        # a completion keeps its end token (the policy learns to end)
+        completion_ids = [x.tokens + ([x.end_token] if x.end_token is not None else []) for x in gens]
         names = list(dict.fromkeys(k for r in records for k in r["columns"]))
-        columns = {k: [r["columns"].get(k) for r in records] for k in names}
         return Sampled(
             prompt_ids=prompt_ids,
             completion_ids=completion_ids,
-            truncated=(~ended).numpy(),
-            texts=texts,
+            truncated=np.array([x.end_token is None for x in gens]),
+            texts=self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
             prompts=[r["prompt"] for r in records],
-            columns=columns,
+            columns={k: [r["columns"].get(k) for r in records] for k in names},
         )
+
+    @torch.no_grad()
+    def _generate(self, model, prompt_ids: list[list[int]], global_step: int | None) -> list[Generation]:
+        g = self.grpo
+        sample = global_step is not None
+        generator = None
+        if sample:  # a pure function of (seed, step, rank): a resumed run samples what this one did
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(int(np.random.SeedSequence([self.seed, global_step, self.rank]).generate_state(1)[0]))
+        gens = [
+            Generation(
+                ids,
+                g.max_completion_length,
+                temperature=g.temperature if sample else 0.0,
+                top_p=g.top_p if sample else 1.0,
+                top_k=(g.top_k or 0) if sample else 0,
+                generator=generator,
+            )
+            for ids in prompt_ids
+        ]
+        was_training = model.training
+        model.eval()
+        try:
+            engine = Engine(model, set(self.eos_ids), slots=len(gens))
+            engine.generate(gens, lockstep=_any_rank_busy if self.lockstep else None)
+        finally:
+            model.train(was_training)
+        return gens
 
     def _score(self, s: Sampled, global_step: int, stop: threading.Event | None) -> tuple[np.ndarray, np.ndarray]:
         """Every completion's rewards (N, functions) and total; a function's failure on any rank stops
@@ -535,6 +518,11 @@ class Rollouts:
             self.cache = [RolloutBatch.from_state(s, self.grpo) for s in mine["cache"]]
             self.cache_units = mine["cache_units"]
         self.samples.extend(json.loads(r) for r in states[0]["samples"] if self.rank == 0)
+
+
+def _any_rank_busy(busy: bool) -> bool:
+    """Whether any rank's generation is still going (a sharded model's forwards are collective)."""
+    return bool(distributed.all_reduce_sum(torch.tensor([float(busy)])).item() > 0)
 
 
 def _finite(x: float) -> float | None:
