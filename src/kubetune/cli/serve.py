@@ -29,9 +29,17 @@ def serve(
     adapter: Annotated[
         bool, typer.Option("--adapter", help="A LoRA export: serve the base model plus adapter/ instead of model/.")
     ] = False,
-    max_batch: Annotated[int, typer.Option(min=1, max=1024, help="Requests per engine call at most.")] = 8,
+    max_batch: Annotated[
+        int,
+        typer.Option(min=1, max=1024, help="Requests computed together at most (a causal LM: in flight at once)."),
+    ] = 8,
     max_wait_ms: Annotated[
-        float, typer.Option(min=0.0, max=10_000.0, help="How long a request waits for others to batch with.")
+        float,
+        typer.Option(
+            min=0.0,
+            max=10_000.0,
+            help="Classifiers: how long a text waits for others to batch with (a causal LM batches continuously).",
+        ),
     ] = 10.0,
     max_queue: Annotated[int, typer.Option(min=1, help="Requests waiting at most; more are answered 429.")] = 64,
     timeout: Annotated[float, typer.Option(min=0.1, help="Seconds a request may take; then 504.")] = 60.0,

@@ -1,0 +1,148 @@
+"""The generation engine (``inference.generation``) on the packaged tiny Llama (random init, so a greedy
+completion never ends early): continuous batching gives each request what it gets alone and what
+transformers' ``generate`` gives it; requests join a batch in flight; a shared prompt is prefilled once;
+a seeded sample does not depend on its batch; a sharded model's ranks stay in lockstep; the cache is
+written in place (no copy per step)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from kubetune.inference.generation import Engine, Generation
+
+LLAMA = Path(__file__).resolve().parents[2] / "src" / "kubetune" / "assets" / "tiny-llama"
+PROMPTS = ["The crew was lovely", "My flight was delayed for six hours and nobody said why", "Quiet", "Best ride"]
+
+
+@pytest.fixture(scope="module")
+def lm():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(LLAMA)
+    model = AutoModelForCausalLM.from_pretrained(LLAMA).eval()
+    return model, [tokenizer(p)["input_ids"] for p in PROMPTS]
+
+
+def _reference(model, ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+        )  # fmt: skip
+    return out[0, len(ids) :].tolist()
+
+
+def test_a_continuous_batch_gives_each_request_what_generate_gives_it_alone(lm):
+    model, prompts = lm
+    gens = [Generation(ids, 12) for ids in prompts * 3]  # more requests than slots: they join as others end
+    Engine(model, set(), slots=5).generate(gens)
+    for g in gens:
+        assert g.tokens == _reference(model, g.ids, 12) and g.finish_reason == "length"
+
+
+def test_requests_of_different_lengths_join_and_leave_the_batch_in_flight(lm):
+    model, prompts = lm
+    engine, steps = Engine(model, set(), slots=4), []
+    engine.on_step = steps.append
+    gens = [Generation(prompts[k % 4], n) for k, n in enumerate([3, 20, 7, 20, 5, 9])]
+    engine.generate(gens)
+    assert [len(g.tokens) for g in gens] == [3, 20, 7, 20, 5, 9]
+    assert all(g.tokens == _reference(model, g.ids, len(g.tokens)) for g in gens)
+    # the fifth and sixth requests took the slots of the ones that ended: never more than 4 in a step, and no
+    # step waited for the batch's longest (a static batch of 4 then one of 2 would take 20 + 9 steps)
+    assert max(steps) == 4 and len(steps) < 20 + 9 - 1
+
+
+def test_a_shared_prompt_is_prefilled_once(lm, monkeypatch):
+    model, prompts = lm
+    rows = []
+    forward = type(model).forward
+
+    def counting(self, input_ids=None, **kw):
+        rows.append(tuple(input_ids.shape))
+        return forward(self, input_ids=input_ids, **kw)
+
+    monkeypatch.setattr(type(model), "forward", counting)
+    gens = [Generation(prompts[1], 6) for _ in range(8)] + [Generation(prompts[0], 6) for _ in range(8)]
+    Engine(model, set(), slots=16).generate(gens)
+    prefill = [shape for shape in rows if shape[1] > 1]
+    assert prefill == [(2, len(prompts[1]))]  # two distinct prompts, one prefill row each
+    assert {tuple(g.tokens) for g in gens[:8]} == {tuple(_reference(model, prompts[1], 6))}
+    assert {tuple(g.tokens) for g in gens[8:]} == {tuple(_reference(model, prompts[0], 6))}
+
+
+def test_a_seeded_sample_is_the_same_whatever_else_is_in_flight(lm):
+    model, prompts = lm
+    alone = Generation(prompts[0], 10, temperature=1.0, top_p=0.9, seed=7)
+    Engine(model, set(), slots=4).generate([alone])
+    crowd = [Generation(p, 10, temperature=0.7) for p in prompts[1:]]
+    again = Generation(prompts[0], 10, temperature=1.0, top_p=0.9, seed=7)
+    Engine(model, set(), slots=4).generate([*crowd, again])
+    assert again.tokens == alone.tokens
+    other = Generation(prompts[0], 10, temperature=1.0, top_p=0.9, seed=8)
+    Engine(model, set(), slots=4).generate([other])
+    assert other.tokens != alone.tokens
+    top1 = Generation(prompts[0], 10, temperature=1.0, top_k=1, seed=3)  # top-k 1 is greedy
+    Engine(model, set(), slots=4).generate([top1])
+    assert top1.tokens == _reference(model, prompts[0], 10)
+
+
+def test_an_end_token_ends_a_request_and_is_reported(lm):
+    model, prompts = lm
+    first = _reference(model, prompts[2], 4)
+    g = Generation(prompts[2], 10)
+    Engine(model, {first[2]}, slots=2).generate([g])
+    assert g.tokens == first[:2] and g.finish_reason == "stop" and g.end_token == first[2]
+
+
+def test_lockstep_makes_as_many_forwards_as_the_busiest_rank(lm, monkeypatch):
+    model, prompts = lm
+    calls = []
+    forward = type(model).forward
+    monkeypatch.setattr(type(model), "forward", lambda self, **kw: calls.append(1) or forward(self, **kw))
+    other_rank_steps = 30  # the other rank's generation makes 30 forwards
+    seen = []
+
+    def lockstep(busy: bool) -> bool:
+        seen.append(busy)
+        return busy or len(seen) <= other_rank_steps
+
+    g = Generation(prompts[0], 5)
+    Engine(model, set(), slots=1).generate([g], lockstep=lockstep)
+    # one forward per round on every rank (the first round: the prefill and the first decode), this rank's
+    # last ones on an idle row
+    assert len(g.tokens) == 5 and len(calls) == other_rank_steps + 1
+
+
+def test_the_server_mode_answers_requests_submitted_while_others_run(lm):
+    model, prompts = lm
+    engine = Engine(model, set(), slots=3)
+    engine.start()
+    try:
+        done, events = {}, [threading.Event() for _ in range(6)]
+        for k in range(6):
+            g = Generation(prompts[k % 4], 8 + k)
+            engine.submit(g, lambda g, k=k: (done.__setitem__(k, g), events[k].set()))
+        assert all(e.wait(60) for e in events)
+        assert all(done[k].tokens == _reference(model, prompts[k % 4], 8 + k) for k in range(6))
+        gone = Generation(prompts[0], 200)
+        stopped = threading.Event()
+        gone.on_token = lambda token: len(gone.tokens) == 2 and gone.cancelled.set()
+        engine.submit(gone, lambda g: stopped.set())
+        assert stopped.wait(60) and len(gone.tokens) == 2
+    finally:
+        engine.close()
+
+
+def test_the_cache_is_written_in_place_not_copied_per_step(lm):
+    model, prompts = lm
+    engine = Engine(model, set(), slots=2)
+    engine.generate([Generation(prompts[1], 40)])  # the cache sized for what follows
+    keys = engine._cache.keys[0]
+    pointer = keys.data_ptr()
+    engine.generate([Generation(prompts[1], 20), Generation(prompts[3], 20)])
+    assert engine._cache.keys[0].data_ptr() == pointer  # the same storage: nothing reallocated or concatenated
