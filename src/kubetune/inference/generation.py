@@ -152,7 +152,8 @@ class Engine:
         """
         if lockstep is not None:
             self.slots = max(self.slots, len(gens))
-        self._waiting.extend(_Row(g, None, len(g.ids)) for g in gens)
+        with self._cond:
+            self._waiting.extend(_Row(g, None, len(g.ids)) for g in gens)
         with torch.no_grad():
             while True:
                 busy = bool(self._waiting or self._rows)
@@ -235,8 +236,11 @@ class Engine:
         cache.pos = None
 
     def _drop_cancelled(self) -> None:
-        for row in [r for r in self._waiting if r.gen.cancelled.is_set()]:
-            self._waiting.remove(row)
+        with self._cond:  # ``submit`` appends from the server's event loop while this runs
+            gone = [r for r in self._waiting if r.gen.cancelled.is_set()]
+            for row in gone:
+                self._waiting.remove(row)
+        for row in gone:
             self._finish(row)
         self._retire([k for k, r in enumerate(self._rows) if r.gen.cancelled.is_set()])
 
