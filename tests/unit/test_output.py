@@ -169,7 +169,7 @@ def test_a_tasks_artifact_file_is_a_plain_name_of_its_own(tmp_path, name, proble
 
 
 def test_the_replaced_runs_task_names_the_files_it_leaves(tmp_path, caplog):
-    from kubetune.tasks import base
+    from kubetune import tasks
 
     out = tmp_path / "out"
     dest = Output.resolve(str(out))
@@ -177,12 +177,12 @@ def test_the_replaced_runs_task_names_the_files_it_leaves(tmp_path, caplog):
     _finished(out)
     assert dest.replaced_task() is None  # metrics.json without a task (or unreadable): nothing known
     (out / "metrics.json").write_text(json.dumps({"task": "grpo", "eval_reward": 0.5}))
-    assert dest.replaced_task() == "grpo" and base.artifact_files("grpo") == ("completions.jsonl",)
-    assert base.artifact_files("sequence-classification") == () and base.artifact_files(None) == ()
+    assert dest.replaced_task() == "grpo" and tasks.artifact_files("grpo") == ("completions.jsonl",)
+    assert tasks.artifact_files("sequence-classification") == () and tasks.artifact_files(None) == ()
     (out / "metrics.json").write_text(json.dumps({"task": "gone-plugin"}))
     with caplog.at_level("WARNING"):
-        assert base.artifact_files(dest.replaced_task()) == ()  # its files are unknown: they stay
-    assert "task 'gone-plugin', which is not installed here" in caplog.text
+        assert tasks.artifact_files(dest.replaced_task()) == ()  # its files are unknown: they stay
+    assert "task 'gone-plugin', which does not load here (" in caplog.text
 
 
 def test_clearing_checkpoints_removes_only_checkpoints(tmp_path):

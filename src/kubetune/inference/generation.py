@@ -55,10 +55,6 @@ class Generation:
     end_token: int | None = None  # the end-of-sequence token that ended it (not in ``tokens``)
     error: Exception | None = None  # what ended it in the engine's thread, where something failed
 
-    def key(self) -> tuple:
-        """Requests that may share a batch (the static batcher's grouping; the engine takes any mix)."""
-        return ("any",)
-
 
 class SlotCache:
     """transformers' cache protocol over preallocated per-request slots: layer ``i``'s keys and values are

@@ -17,7 +17,7 @@ from kubetune.config.tasks import entries
 if TYPE_CHECKING:
     from kubetune.tasks.base import Task
 
-__all__ = ["for_model", "get", "names"]
+__all__ = ["artifact_files", "for_model", "get", "names"]
 
 
 def names() -> list[str]:
@@ -71,3 +71,24 @@ def for_model(path: Path) -> tuple[str, Task]:
         field="MODEL",
         fix="pass a model kubetune exported (a job's output or its model/ directory)",
     )
+
+
+def artifact_files(name: str | None) -> tuple[str, ...]:
+    """The artifact files (``Task.artifact_files``) of the task registered as ``name``: e.g. of the task of
+    the finished run a new run replaces (``artifacts.output.Output.replaced_task``), which kubetune wrote
+    and so removes; () for None, and for a task not installed or not loading here (its files unknown: they
+    stay, logged)."""
+    import logging
+
+    if name is None:
+        return ()
+    try:
+        return get(name).artifact_files
+    except (KeyError, ImportError, AttributeError, TypeError) as e:
+        logging.getLogger(__name__).warning(
+            "the finished run being replaced was of task %r, which does not load here (%s): the files its export "
+            "wrote beside kubetune's own, if any, are kept",
+            name,
+            e,
+        )
+        return ()

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import importlib
-import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,7 +18,6 @@ import torch
 from kubetune import distributed
 from kubetune.artifacts.presentation import Presentation
 from kubetune.config import JobSpec
-from kubetune.config.tasks import entries
 from kubetune.data import Batch, StepBatch
 from kubetune.data.feed import Feed
 from kubetune.data.rows import agreed, column
@@ -189,30 +186,3 @@ def tokenize_on_node(env: DistEnv, build) -> Any:
     if not env.is_local_main:
         result = build(False)
     return result
-
-
-def artifact_files(name: str | None) -> tuple[str, ...]:
-    """The artifact files (``Task.artifact_files``) of the task registered as ``name``: e.g. of the task of
-    the finished run a new run replaces (``artifacts.output.Output.replaced_task``), which kubetune wrote
-    and so removes; () for None, and for a task not installed here (its files unknown: they stay, logged)."""
-    if name is None:
-        return ()
-    entry = entries().get(name)  # read as ``tasks.get`` reads it: importing that package here is a cycle
-    if entry is None:
-        logging.getLogger(__name__).warning(
-            "the finished run being replaced was of task %r, which is not installed here: the files its export "
-            "wrote beside kubetune's own, if any, are kept",
-            name,
-        )
-        return ()
-    module, _, attr = entry.runtime.partition(":")
-    try:
-        return getattr(importlib.import_module(module), attr).artifact_files
-    except (ImportError, AttributeError) as e:  # registered, but its training half does not load here
-        logging.getLogger(__name__).warning(
-            "the finished run being replaced was of task %r, whose training half does not load here (%s): the "
-            "files its export wrote beside kubetune's own, if any, are kept",
-            name,
-            e,
-        )
-        return ()

@@ -21,6 +21,7 @@ from kubetune.data.rows import tokenized_rows
 from kubetune.data.tables import short
 from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
+from kubetune.inference.model import quiet_transformers
 from kubetune.providers import S3Settings
 from kubetune.tasks.base import Prepared, on_node_first
 
@@ -34,17 +35,10 @@ def attention_kwargs(device: torch.device, dtype: torch.dtype) -> dict:
     return {"attn_implementation": "eager"} if device.type == "cpu" and dtype == torch.bfloat16 else {}
 
 
-def _quiet_transformers() -> None:
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-
-
 def load_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
-    _quiet_transformers()
+    quiet_transformers()
     try:
         return AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError) as e:
@@ -62,7 +56,7 @@ _MODEL_KWARGS = ("dtype", "attn_implementation")
 def load_pretrained(auto_cls, model_dir: Path, where: torch.device | None = None, **kwargs):
     """The pretrained model; with ``where`` on the meta device, the same modules without weights
     (built from the config: no file is read beyond it, no memory is taken)."""
-    _quiet_transformers()
+    quiet_transformers()
     try:
         if where is not None and where.type == "meta":
             from transformers import AutoConfig

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 
-from kubetune import artifacts, distributed
+from kubetune import artifacts, distributed, tasks
 from kubetune.artifacts.output import Output
 from kubetune.checkpoint.store import CheckpointStore
 from kubetune.config import JobSpec
@@ -470,7 +470,7 @@ class Trainer:
             self.task.export(spec, model, self.tokenizer, self.data, staged, metrics)
             metrics["total_runtime_s"] = time.perf_counter() - self.t_start
             artifacts.finish(spec, metrics, staged, out / "history.jsonl", self.task.present)
-            self.dest.commit(staged, self.task.artifact_files + base.artifact_files(self.dest.replaced_task()))
+            self.dest.commit(staged, self.task.artifact_files + tasks.artifact_files(self.dest.replaced_task()))
         except (OSError, SafetensorError) as e:  # a full disk, a quota: the output keeps its previous state
             reason = getattr(e, "strerror", None) or str(e).rsplit(": ", 1)[-1].split(" (os error")[0]
             raise KubetuneError(

@@ -54,10 +54,10 @@ def add_routes(app: FastAPI, engine: Generator, name: str, limits: Limits, runne
                 raise HTTPError(400, "stream: true takes one prompt", param="stream")
             g, loop, queue = gens[0], asyncio.get_running_loop(), asyncio.Queue()
             g.on_token = lambda token: loop.call_soon_threadsafe(queue.put_nowait, token)
-            task = asyncio.ensure_future(runner.wait(runner.enqueue([(g, g.key())], "prompts")))  # 429 before 200
+            task = asyncio.ensure_future(runner.wait(runner.enqueue([(g, None)], "prompts")))  # 429 before 200
             task.add_done_callback(lambda _: queue.put_nowait(None))
             return _Stream(_stream(g, queue, task, kind, rid, name, req.stop, engine, metrics), task, metrics)
-        done = await runner.compute([(g, g.key()) for g in gens], "prompts", request.receive)
+        done = await runner.compute([(g, None) for g in gens], "prompts", request.receive)
         choices = []
         for k, g in enumerate(done):
             text, finish = _stop_at(engine.decode(g.tokens), req.stop, g.finish_reason)
