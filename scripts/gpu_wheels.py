@@ -39,6 +39,13 @@ WHEELS = {
     "dill": "datasets",
     "multiprocess": "datasets",
     "xxhash": "datasets",
+    # the machine's transformers (5.17) is older than kubetune needs (5.21: logits_to_keep as a boolean mask)
+    "transformers": "kubetune's models (>= 5.21); the machine's is older",
+    "peft": "LoRA, at the version CI tests (the machine's is older)",
+    "fastapi": "kubetune serve",
+    "starlette": "fastapi",
+    "opentelemetry-api": "fastapi",
+    "uvicorn": "kubetune serve",
     "trl": "the SFTTrainer and DPOTrainer baselines of benchmarks/gpu_llm.py",
     "pytest": "pytest -m gpu",
     "pluggy": "pytest",

@@ -112,8 +112,22 @@ def runs(tmp_path_factory):
         "fsdp": _spec(tmp / "fsdp", "bf16", "fsdp", gradient_checkpointing=True),
     }
     specs["fsdp"]["distributed"]["fsdp"] = {"cpu_offload": True}
+    specs["grpo"] = _grpo_spec(tmp / "grpo")
     results = kubetune_together(*((("run", str(write_spec(tmp / f"{n}.yaml", s))), None) for n, s in specs.items()))
     return {name: (tmp / name, r) for name, r in zip(specs, results)}
+
+
+def _grpo_spec(out: Path) -> dict:
+    """examples/grpo-tiny-digits.yaml in bf16 on one process: the same 8 prompts per step, 16 steps."""
+    import yaml
+
+    spec = yaml.safe_load((ROOT / "examples" / "grpo-tiny-digits.yaml").read_text())
+    spec.pop("kubernetes")
+    spec["training"].pop("checkpoint_every")
+    spec["training"].update(max_steps=16, batch_size=8, precision="bf16", seed=3)
+    spec["distributed"] = {"procs_per_node": 1}
+    spec["output"] = {"uri": str(out)}
+    return spec
 
 
 def _finished(run) -> dict:
@@ -173,6 +187,80 @@ def test_predict_runs_on_the_gpu(runs):
     r = kubetune("predict", str(runs["bf16"][0]), "What is the sentiment of this review? slow service", "--json")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "completion" in json.loads(r.stdout)[0]
+
+
+def test_grpo_generates_and_learns_in_bf16_on_cuda(runs):
+    """GRPO's rollouts on the generation engine in bf16 on CUDA: every reward and loss finite, the
+    completions written, the held-out reward up from its step-0 value."""
+    import math
+
+    metrics = _finished(runs["grpo"])
+    out = runs["grpo"][0]
+    history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
+    train = [h for h in history if h["type"] == "train"]
+    evals = [h for h in history if h["type"] == "eval"]
+    print(
+        f"grpo bf16 on cuda: held-out reward {evals[0]['eval_reward']:.3f} -> {evals[-1]['eval_reward']:.3f}, "
+        f"train reward {train[0]['reward']:.3f} -> {train[-1]['reward']:.3f}"
+    )
+    assert all(math.isfinite(h["loss"]) and math.isfinite(h["reward"]) for h in train)
+    assert [e["step"] for e in evals] == [0, 8, 16] and metrics["global_step"] == 16
+    assert evals[-1]["eval_reward"] > evals[0]["eval_reward"]
+    samples = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert samples and all(math.isfinite(s["reward"]) and isinstance(s["completion"], str) for s in samples)
+
+
+def test_serve_on_cuda_answers_chat_completions_equal_to_predict(runs):
+    """`kubetune serve` on the GPU (the real CLI over HTTP on 127.0.0.1): greedy chat completions equal
+    `kubetune predict`'s, one prompt at a time."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from conftest import _free_port
+
+    _finished(runs["bf16"])
+    model = runs["bf16"][0]
+    prompts = ["What is the sentiment of this review? great seats", "What is the sentiment of this review? cold food"]
+    want = []
+    for prompt in prompts:
+        r = kubetune("predict", str(model), prompt, "--max-new-tokens", "16", "--json")
+        assert r.returncode == 0, r.stderr[-2000:]
+        want.append(json.loads(r.stdout)[0]["completion"])
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "kubetune", "serve", str(model), "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert server.poll() is None, server.communicate()[1][-3000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2):
+                    break
+            except OSError:
+                assert time.time() < deadline, "kubetune serve did not become ready in 120 s"
+                time.sleep(0.2)
+        got = []
+        for prompt in prompts:
+            body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 16, "temperature": 0}
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(), method="POST"
+            )
+            req.add_header("content-type", "application/json")
+            with urllib.request.urlopen(req, timeout=60) as r:
+                got.append(json.loads(r.read())["choices"][0]["message"]["content"])
+    finally:
+        server.terminate()
+        stderr = server.communicate(timeout=30)[1]
+    print(f"serve on cuda: {got!r}, predict: {want!r}")
+    assert "cuda" in stderr, stderr[-2000:]  # the server's start-up line names its device
+    assert got == want
 
 
 def _tiny(dtype=torch.float32, attn: str = "sdpa"):

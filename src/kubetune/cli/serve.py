@@ -79,8 +79,11 @@ def serve(
         server = build_app(engine, name, routes, limits, token)
     except KubetuneError as e:
         _fail(e)
+    device = getattr(engine, "device", None)  # the causal engines say where the model runs
     typer.echo(
-        f"serving {name} ({routes.name}) on http://{host}:{port}" + (" (bearer token required)" if token else ""),
+        f"serving {name} ({routes.name}) on http://{host}:{port}"
+        + (f", device {device}" if device is not None else "")
+        + (" (bearer token required)" if token else ""),
         err=True,
     )
     run_server(server, host, port, limits.header_timeout_s)

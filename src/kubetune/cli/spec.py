@@ -33,7 +33,10 @@ def validate(spec: SpecArg, set_: SetOpt = None) -> None:
 
 def _check_this_machine(job) -> None:
     """Refuse what needs a CUDA GPU (QLoRA, FSDP CPU offload) on a machine without one, before any
-    worker starts (they failed 20 s into start-up)."""
+    worker starts (they failed 20 s into start-up), and a transformers older than kubetune needs."""
+    from kubetune.inference.model import check_transformers
+
+    check_transformers()
     needs = []
     if job.lora and job.lora.quantization:
         needs.append(("lora.quantization", f"{job.lora.quantization} quantization (QLoRA)"))

@@ -225,7 +225,30 @@ def load_tokenizer(path: Path):
         ) from None
 
 
+# The oldest transformers kubetune runs on: training, GRPO's log-probabilities and the generation engine
+# pass ``logits_to_keep`` as a 2-D boolean mask (the positions that predict a target), which transformers
+# reads as a mask from 5.21 on (``slice_logits_to_keep``); older versions index with it and fail deep in
+# the model's forward (IndexError: too many indices for tensor of dimension 3). pyproject.toml says the same.
+MIN_TRANSFORMERS = "5.21"
+
+
+def check_transformers() -> None:
+    """One line naming the installed version and the fix when transformers is older than
+    ``MIN_TRANSFORMERS``; nothing otherwise."""
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):
+        raise KubetuneError(
+            f"transformers {transformers.__version__} is installed; kubetune needs {MIN_TRANSFORMERS} or newer "
+            "(it passes logits_to_keep as a boolean mask)",
+            field="transformers",
+            fix=f"pip install 'transformers>={MIN_TRANSFORMERS}'",
+        )
+
+
 def load_model(auto_class, path: Path):
+    check_transformers()
     quiet_transformers()
     shown = short(str(path))
     try:
