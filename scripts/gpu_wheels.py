@@ -4,8 +4,9 @@
 
 The GPU machine (lent now and then, no network) has its own Python 3.12 with torch 2.11 (CUDA 13),
 transformers, peft, accelerate, safetensors, pandas, pyarrow, scikit-learn, matplotlib, tensorboard and
-typer, and their dependencies. What kubetune's run path (``kubetune run`` → launch → worker → training),
-``predict``, the ``gpu`` tests and ``benchmarks/gpu_llm.py`` import beyond that is ``WHEELS``: found by
+typer, and their dependencies (its transformers 5.17 and peft 0.21.0 older than kubetune needs or CI tests:
+both travel too). What kubetune's run path (``kubetune run`` → launch → worker → training), ``predict``,
+``serve``, the ``gpu`` tests and ``benchmarks/gpu_llm.py`` import beyond that is ``WHEELS``: found by
 running those paths here under ``python -X importtime`` and subtracting the machine's packages and their
 dependency closure. The Kubernetes, MLflow and boto3 clients are not among them (boto3 is imported only by
 accelerate, and only when installed). Every wheel is for CPython 3.12 on manylinux x86-64, without

@@ -26,7 +26,8 @@ def _example(out: Path) -> dict:
     spec = yaml.safe_load((ROOT / "examples" / "grpo-tiny-digits.yaml").read_text())
     spec["output"] = {"uri": str(out)}
     spec.pop("kubernetes")
-    spec["training"].update(max_steps=16, checkpoint_every=None)
+    # dataloader_workers: not used by an online task (loader workers pickled the live rollouts back: a hang)
+    spec["training"].update(max_steps=16, checkpoint_every=None, dataloader_workers=2)
     return spec
 
 
@@ -58,6 +59,8 @@ def _spec(out: Path, name: str, **grpo) -> dict:
             "log_every": 1,
             "checkpoint_every": 3,  # inside a generation of num_iterations 2
             "seed": 3,
+            # not used by an online task: loader workers pickled the live rollouts back (a hang on a CPU)
+            "dataloader_workers": 2,
         },
         "distributed": {"procs_per_node": 2},
         "output": {"uri": str(out)},

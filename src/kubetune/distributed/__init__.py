@@ -86,18 +86,31 @@ def barrier() -> None:
         dist.barrier()
 
 
-def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum a tensor over all ranks (in place; a no-op when not distributed)."""
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+def _this_gpu() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _all_reduce(t: torch.Tensor, op) -> torch.Tensor:
+    """``t`` reduced over all ranks, in place. A CPU tensor under NCCL (which reduces only GPU tensors:
+    "No backend type associated with device type cpu") goes through a copy on this rank's GPU."""
+    if not dist.is_initialized():
+        return t
+    if t.device.type == "cpu" and dist.get_backend() == "nccl":
+        on_gpu = t.to(_this_gpu(), copy=True)
+        dist.all_reduce(on_gpu, op=op)
+        return t.copy_(on_gpu)
+    dist.all_reduce(t, op=op)
     return t
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over all ranks (in place, on any device; a no-op when not distributed)."""
+    return _all_reduce(t, dist.ReduceOp.SUM)
 
 
 def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
-    """Maximum of a tensor over all ranks (in place; a no-op when not distributed)."""
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t
+    """Maximum of a tensor over all ranks (in place, on any device; a no-op when not distributed)."""
+    return _all_reduce(t, dist.ReduceOp.MAX)
 
 
 def all_gather_object(obj) -> list:

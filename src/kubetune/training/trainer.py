@@ -439,6 +439,8 @@ class Trainer:
         peaks = distributed.all_gather_object(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
         metrics["peak_host_memory_gib"] = [round(p, 3) for p in peaks]
         metrics["strategy"] = self.strategy.name
+        if self.scaler.is_enabled():  # fp16: each skipped (overflowing) step halved it from 2**16
+            metrics["fp16_grad_scale"] = self.scaler.get_scale()
         if self.device.type == "cuda":
             metrics["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30  # rank 0's device
         # Training is over: AdamW's moments (8 bytes per trainable parameter, on every rank) make room
