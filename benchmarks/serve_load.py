@@ -84,7 +84,7 @@ def kubetune_server(model: str, max_batch: int, a, src: str | None = None) -> Se
     settings = ["--max-batch", str(max_batch), "--max-wait-ms", "10", "--max-queue", str(max(64, 2 * max(a.clients)))]
     settings += ["--timeout", "600"]
     cmd = [sys.executable, "-m", "kubetune", "serve", model, *settings]
-    label = f"kubetune {_commit(src or str(ROOT))} --max-batch {max_batch}"
+    label = f"kubetune {_commit(src) if src else _here()} --max-batch {max_batch}"
     return Server(label, "kubetune", cmd, "/ready", str(Path(src).resolve()) if src else None)
 
 
@@ -96,6 +96,13 @@ def _commit(src: str) -> str:
             return path.read_text().strip()[:7]
     git = subprocess.run(["git", "-C", src, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     return git.stdout.strip() if git.returncode == 0 else Path(src).resolve().name
+
+
+def _here() -> str:
+    """This checkout's commit, with ``+`` when its src/ differs from it (a ``--before`` tree of the same commit
+    then reads apart from it)."""
+    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "src"], capture_output=True, text=True)
+    return _commit(str(ROOT)) + ("+" if dirty.stdout.strip() else "")
 
 
 def transformers_server(model: str, extra: str) -> Server:

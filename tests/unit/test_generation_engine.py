@@ -146,3 +146,49 @@ def test_the_cache_is_written_in_place_not_copied_per_step(lm):
     pointer = keys.data_ptr()
     engine.generate([Generation(prompts[1], 20), Generation(prompts[3], 20)])
     assert engine._cache.keys[0].data_ptr() == pointer  # the same storage: nothing reallocated or concatenated
+
+
+def test_the_swapped_gemm_computes_f_linear_on_its_rows_and_leaves_the_rest_alone():
+    """``_SwappedGemm`` (a CPU decode step of 16 to 48 rows): ``F.linear`` of a large fp32 weight runs as
+    ``(W @ x.T).T`` — the same product within float rounding, bias and leading dimensions kept — and exactly
+    as before outside those rows, for small weights, and for other dtypes."""
+    import torch.nn.functional as F
+
+    from kubetune.inference.generation import GEMM_MIN_WEIGHT, GEMM_ROWS, _SwappedGemm
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(1024, 512, generator=g)
+    assert w.numel() >= GEMM_MIN_WEIGHT
+    b = torch.randn(1024, generator=g)
+    calls = []
+    mm = torch.mm
+
+    def counting_mm(*args):
+        calls.append(args[0].shape)
+        return mm(*args)
+
+    for rows, swapped in (
+        (GEMM_ROWS[0], True),
+        (GEMM_ROWS[1], True),
+        (GEMM_ROWS[0] - 1, False),
+        (GEMM_ROWS[1] + 1, False),
+    ):
+        x = torch.randn(rows, 1, 512, generator=g)
+        calls.clear()
+        torch.mm = counting_mm
+        try:
+            with _SwappedGemm():
+                got = F.linear(x, w, b)
+        finally:
+            torch.mm = mm
+        want = F.linear(x, w, b)
+        assert got.shape == want.shape == (rows, 1, 1024)
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-5)
+        assert (calls == [w.shape]) is swapped, (rows, calls)
+        if not swapped:
+            assert torch.equal(got, want)
+    small, x = torch.randn(96, 96, generator=g), torch.randn(16, 96, generator=g)
+    xb, wb = torch.randn(16, 512, generator=g).to(torch.bfloat16), w.to(torch.bfloat16)
+    with _SwappedGemm():
+        inside = F.linear(x, small), F.linear(xb, wb)  # a small weight, a bf16 one: F.linear itself
+    assert torch.equal(inside[0], F.linear(x, small)) and torch.equal(inside[1], F.linear(xb, wb))

@@ -25,6 +25,7 @@ architecture whose attention goes through ``past_key_values.update`` and takes a
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -102,6 +103,37 @@ class SlotCache:
         for store in (self.keys, self.values):
             for t in store:
                 t[dst] = t[src]
+
+
+# Rows per forward where, on a CPU, MKL's fp32 GEMM of ``x @ W.T`` (what ``F.linear`` runs) is slow: at 16 to
+# 48 rows ``(W @ x.T).T`` — the same product, the operands swapped — measured 1.2 to 2.6x faster for every
+# weight of 512 x 256 and up on a 2-core Xeon (AVX-512; benchmarks/README.md "Serving"), and slower below 16
+# rows. 16 is serve's default slot count, so a full decode step is exactly there. A fixed range, not a
+# timing taken at start-up: the choice changes the result's last bits, and predict and serve must agree.
+GEMM_ROWS = (16, 48)
+GEMM_MIN_WEIGHT = 1 << 18  # elements: smaller weights cost too little to matter (the tiny test models' all do)
+
+
+class _SwappedGemm(torch.overrides.TorchFunctionMode):
+    """Inside it, ``F.linear`` of a large fp32 weight on ``GEMM_ROWS`` rows runs as ``(W @ x.T).T``."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear:
+            x, w = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            rows = x.numel() // x.shape[-1] if x.dim() else 0
+            if (
+                type(w) in (torch.Tensor, torch.nn.Parameter)
+                and w.dtype == torch.float32
+                and w.numel() >= GEMM_MIN_WEIGHT
+                and GEMM_ROWS[0] <= rows <= GEMM_ROWS[1]
+            ):
+                out = torch.mm(w, x.reshape(rows, x.shape[-1]).t()).t()
+                if bias is not None:
+                    out = out + bias
+                return out.reshape(*x.shape[:-1], w.shape[0])
+        return func(*args, **(kwargs or {}))
 
 
 @dataclass
@@ -306,13 +338,15 @@ class Engine:
             cache.grow(min(max(width, 2 * cache.capacity), self.context))
         cache.lo, cache.hi, cache.width, cache.pos = 0, n, width, pos.to(self.device)
         allowed = torch.arange(width)[None, :] <= pos[:, None]
-        out = self.model(
-            input_ids=torch.tensor([[r.next_token] for r in self._rows], device=self.device),
-            attention_mask=self._mask(allowed[:, None, None, :]),
-            position_ids=pos[:, None].to(self.device),
-            past_key_values=cache,
-            use_cache=True,
-        )
+        swapped = self.device.type == "cpu" and GEMM_ROWS[0] <= n <= GEMM_ROWS[1]
+        with _SwappedGemm() if swapped else contextlib.nullcontext():
+            out = self.model(
+                input_ids=torch.tensor([[r.next_token] for r in self._rows], device=self.device),
+                attention_mask=self._mask(allowed[:, None, None, :]),
+                position_ids=pos[:, None].to(self.device),
+                past_key_values=cache,
+                use_cache=True,
+            )
         cache.pos = None
         for row in self._rows:
             row.length += 1
