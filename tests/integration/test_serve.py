@@ -196,7 +196,10 @@ def test_the_openai_client_talks_to_it_unchanged(servers):
         ("/v1/completions", {"prompt": "hi", "max_tokens": 10**9}, 400, "over this server's limit"),
         ("/v1/completions", {"prompt": "word " * 4000, "max_tokens": 8}, 400, "context"),
         ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "'gpt-4' is not served here"),
-        ("/v1/completions", {"prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+        ("/v1/completions", {"prompt": "hi", "logprobs": 30}, 400, "logprobs"),
+        ("/v1/completions", {"prompt": [[5, 99999]]}, 400, "token id 99999 is outside this model's vocabulary"),
+        ("/v1/completions", {"prompt": [[]]}, 400, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "logprobs": 1, "stream": True}, 400, "without stream"),
         ("/v1/chat/completions", {"messages": []}, 400, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "role"),
     ],
@@ -251,3 +254,40 @@ def test_under_load_no_request_is_lost_and_429s_are_counted(servers):
     assert counted["429"] >= rejected and counted["200"] >= ok
     assert "kubetune_batch_size_bucket" in metrics and "kubetune_queue_depth" in metrics
     print(f"serve under load: {ok} answered, {rejected} answered 429")
+
+
+def test_echo_and_logprobs_score_token_id_prompts_as_the_model_does(servers, tiny_chat_sft):
+    """What evaluation clients send (lm-eval's local-completions): prompts as token-id lists, several at once,
+    ``echo`` with ``logprobs``, ``max_tokens`` 0 or 1. Each prompt token's log-probability (after the first,
+    which has none) is the model's own log-softmax at the position before it; the token made last; the top
+    alternative of a greedy token is that token."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = tiny_chat_sft[0] / "model"
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    prompts = [tok.encode(p) for p in PROMPTS[:2]]
+    status, out = servers["sft"].call(
+        "/v1/completions",
+        {"prompt": prompts, "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True},
+        TOKEN,
+    )
+    assert status == 200, out
+    for ids, choice in zip(prompts, sorted(out["choices"], key=lambda c: c["index"])):
+        with torch.no_grad():
+            want = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+        lp = choice["logprobs"]
+        assert len(lp["token_logprobs"]) == len(ids) + 1 and lp["token_logprobs"][0] is None
+        for t in range(1, len(ids)):
+            assert abs(lp["token_logprobs"][t] - want[t - 1, ids[t]].item()) < 1e-4
+        made = lp["token_logprobs"][-1]
+        assert abs(made - want[-1].max().item()) < 1e-4  # greedy: the most likely token
+        assert made == max(lp["top_logprobs"][-1].values())
+        assert choice["text"].startswith(tok.decode(ids, skip_special_tokens=True))
+    status, out = servers["sft"].call(
+        "/v1/completions", {"prompt": prompts[0], "max_tokens": 0, "echo": True, "logprobs": 0}, TOKEN
+    )
+    assert status == 200, out
+    lp = out["choices"][0]["logprobs"]
+    assert len(lp["token_logprobs"]) == len(prompts[0]) and out["usage"]["completion_tokens"] == 0

@@ -222,6 +222,15 @@ class Generator:
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
+    def token_text(self, token: int) -> str:
+        """One token's text on its own (special tokens too: a log-probability's token is named)."""
+        return self.tokenizer.decode([token])
+
+    @property
+    def vocab_size(self) -> int:
+        """The token ids the model takes: its input embedding's rows."""
+        return self.model.get_input_embeddings().num_embeddings
+
     @staticmethod
     def cancel(g: Generation) -> None:
         """A request given up (timed out, client gone): its generation stops at the next token."""

@@ -47,6 +47,11 @@ class Generation:
     # where its draws come from, shared with other requests when given (a GRPO step's generator: a function
     # of seed, step and rank); else its own seeded one, or the engine's
     generator: torch.Generator | None = None
+    # log-probabilities (of the model's own distribution: its logits' log-softmax, before temperature and top-k/p):
+    # ``logprobs``: each new token's and the ``logprobs`` most likely there (None: not recorded);
+    # ``prompt_logprobs``: also each prompt token's after the first (OpenAI's ``echo`` with ``logprobs``)
+    logprobs: int | None = None
+    prompt_logprobs: bool = False
     on_token: Callable[[int], None] | None = None
     # set from another thread when its request is given up (timed out, client gone): stopped at the next token
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -55,6 +60,12 @@ class Generation:
     finish_reason: str = "length"
     end_token: int | None = None  # the end-of-sequence token that ended it (not in ``tokens``)
     error: Exception | None = None  # what ended it in the engine's thread, where something failed
+    # with ``logprobs``: per new token (ended by an end token: that one too, last), its log-probability and the
+    # most likely (token, log-probability) pairs there; with ``prompt_logprobs``: the same for prompt tokens 2..n
+    token_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_token_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 class SlotCache:
@@ -134,6 +145,32 @@ class _SwappedGemm(torch.overrides.TorchFunctionMode):
                     out = out + bias
                 return out.reshape(*x.shape[:-1], w.shape[0])
         return func(*args, **(kwargs or {}))
+
+
+def _pick(scores: torch.Tensor, tokens: list[int], top: int) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """From log-probabilities ``scores`` [positions, vocabulary]: each position's token's, and its ``top`` most
+    likely (token, log-probability) pairs (both read from the same values, so a greedy token's equals the top one)."""
+    chosen = scores.gather(-1, torch.tensor(tokens, device=scores.device)[:, None])[:, 0].tolist()
+    if top <= 0:
+        return chosen, [[] for _ in tokens]
+    values, ids = scores.topk(min(top, scores.shape[-1]), dim=-1)
+    return chosen, [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+
+
+def _record(logits: torch.Tensor, rows: list[_Row], tokens: list[int]) -> None:
+    """Each new token's log-probability (and the most likely there) for the rows that ask for them."""
+    asking = [k for k, row in enumerate(rows) if row.gen.logprobs is not None and not row.gen.cancelled.is_set()]
+    if not asking:
+        return
+    scores = torch.log_softmax(logits[asking], -1)
+    for k, (lp, top) in zip(
+        asking, zip(*_pick(scores, [tokens[k] for k in asking], max(r.gen.logprobs for r in (rows[k] for k in asking))))
+    ):
+        g = rows[k].gen
+        if g.max_tokens == 0:
+            continue
+        g.token_logprobs.append(lp)
+        g.top_logprobs.append(top[: g.logprobs])
 
 
 @dataclass
@@ -295,8 +332,10 @@ class Engine:
         col = torch.arange(width)
         allowed = (col[None, None, :] <= col[None, :, None]) & (col[None, None, :] < lengths[:, None, None])
         cache.lo, cache.hi, cache.width, cache.pos = lo, lo + len(prompts), width, None
-        # the logits of each prompt's last position only (a vocabulary-wide row per prompt, not per position)
-        keep = torch.unique(lengths - 1)
+        # the logits of each prompt's last position only (a vocabulary-wide row per prompt, not per position),
+        # unless a prompt is scored: then every position's
+        scored = {unique[tuple(r.gen.ids)] for r in new if r.gen.prompt_logprobs}
+        keep = torch.unique(lengths - 1) if not scored else torch.arange(width)
         out = self.model(
             input_ids=ids.to(self.device),
             attention_mask=self._mask(allowed[:, None]),
@@ -307,6 +346,12 @@ class Engine:
         )
         where = torch.searchsorted(keep, lengths - 1).to(self.device)
         last = out.logits[torch.arange(len(prompts), device=self.device), where].float()
+        for row in new:
+            if row.gen.prompt_logprobs:
+                u, g = unique[tuple(row.gen.ids)], row.gen
+                n = len(g.ids)
+                scores = torch.log_softmax(out.logits[u, : n - 1].float(), -1)
+                g.prompt_token_logprobs, g.prompt_top_logprobs = _pick(scores, g.ids[1:], g.logprobs or 0)
         # slots: each distinct prompt's first request where its prompt was prefilled, then the other requests
         # of a shared prompt, each given a copy of its prompt's cache
         firsts: dict[int, _Row] = {}
@@ -325,6 +370,7 @@ class Engine:
             row.rng = self._rng(row.gen)
         self._rows.extend(ordered)
         tokens = self._sample(last[logit_rows], ordered)
+        _record(last[logit_rows], ordered, tokens)
         self._take(ordered, tokens, lo)
         return True
 
@@ -352,14 +398,17 @@ class Engine:
             row.length += 1
         if self.on_step is not None:
             self.on_step(n)
-        self._take(self._rows, self._sample(out.logits[:, -1].float(), self._rows), 0)
+        logits = out.logits[:, -1].float()
+        tokens = self._sample(logits, self._rows)
+        _record(logits, self._rows, tokens)
+        self._take(self._rows, tokens, 0)
 
     def _take(self, rows: list[_Row], tokens: list[int], lo: int) -> None:
         """Each row's new token: kept (and streamed), or its end; the ended rows retired."""
         ended = []
         for k, (row, token) in enumerate(zip(rows, tokens)):
             g = row.gen
-            if g.cancelled.is_set():
+            if g.cancelled.is_set() or g.max_tokens == 0:  # 0: the prompt scored (echo), nothing made
                 ended.append(lo + k)
                 continue
             if token in self.eos:

@@ -42,7 +42,10 @@ def add_routes(app: FastAPI, engine: Generator, name: str, limits: Limits, runne
                     f"{context}-token context; shorten the prompt or lower max_tokens",
                     "context_length_exceeded",
                 )
-            out.append(Generation(ids, max_tokens, req.temperature, req.top_p, req.seed))
+            g = Generation(ids, max_tokens, req.temperature, req.top_p, req.seed)
+            g.logprobs = getattr(req, "logprobs", None)
+            g.prompt_logprobs = bool(getattr(req, "echo", False)) and g.logprobs is not None
+            out.append(g)
         return out
 
     async def answer(kind: str, prompts: list[list[int]], req, request: Request):
@@ -52,6 +55,8 @@ def add_routes(app: FastAPI, engine: Generator, name: str, limits: Limits, runne
         if req.stream:
             if len(gens) != 1:
                 raise HTTPError(400, "stream: true takes one prompt", param="stream")
+            if getattr(req, "logprobs", None) is not None or getattr(req, "echo", False):
+                raise HTTPError(400, "logprobs and echo are answered without stream: true", param="stream")
             g, loop, queue = gens[0], asyncio.get_running_loop(), asyncio.Queue()
             g.on_token = lambda token: loop.call_soon_threadsafe(queue.put_nowait, token)
             task = asyncio.ensure_future(runner.wait(runner.enqueue([(g, None)], "prompts")))  # 429 before 200
@@ -59,19 +64,24 @@ def add_routes(app: FastAPI, engine: Generator, name: str, limits: Limits, runne
             return _Stream(_stream(g, queue, task, kind, rid, name, req.stop, engine, metrics), task, metrics)
         done = await runner.compute([(g, None) for g in gens], "prompts", request.receive)
         choices = []
+        echo = getattr(req, "echo", False)
         for k, g in enumerate(done):
             text, finish = _stop_at(engine.decode(g.tokens), req.stop, g.finish_reason)
             metrics.tokens.inc(len(g.tokens))
-            choices.append(api.choice(kind, k, text, finish))
+            made = g.tokens + ([g.end_token] if g.end_token is not None and g.max_tokens else [])
+            scored = None
+            if g.logprobs is not None:  # the end token too: a scorer reads the last one as the one made
+                ids = (g.ids if echo else []) + made
+                values = ([None, *g.prompt_token_logprobs] if echo else []) + g.token_logprobs
+                top = ([None, *g.prompt_top_logprobs] if echo else []) + g.top_logprobs
+                scored = api.logprobs([engine.token_text(i) for i in ids], values, top, engine.token_text)
+            choices.append(api.choice(kind, k, (engine.decode(g.ids) if echo else "") + text, finish, scored))
         usage = api.usage(sum(len(p) for p in prompts), sum(len(g.tokens) for g in done))
         return api.response(kind, rid, name, choices, usage)
 
     @app.post("/v1/completions")
     async def completions(req: api.CompletionRequest, request: Request):
-        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-        if not prompts:
-            raise HTTPError(400, "prompt: give a string or a list of strings", param="prompt")
-        return await answer("text", [engine.encode(p) for p in prompts], req, request)
+        return await answer("text", _prompt_ids(req.prompt, engine), req, request)
 
     @app.post("/v1/chat/completions")
     async def chat(req: api.ChatRequest, request: Request):
@@ -80,6 +90,30 @@ def add_routes(app: FastAPI, engine: Generator, name: str, limits: Limits, runne
         except KubetuneError as e:
             raise HTTPError(400, str(e), param="messages") from None
         return await answer("chat", [ids], req, request)
+
+
+def _prompt_ids(prompt, engine: Generator) -> list[list[int]]:
+    """A completion request's prompts as token ids: texts encoded, token ids checked against the vocabulary."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompt = [prompt]
+    if not prompt or any(len(p) == 0 for p in prompt):
+        raise HTTPError(
+            400, "prompt: give a string, a list of strings, or token ids (a list, or lists)", param="prompt"
+        )
+    out = []
+    for p in prompt:
+        if isinstance(p, str):
+            out.append(engine.encode(p))
+            continue
+        bad = next((i for i in p if not 0 <= i < engine.vocab_size), None)
+        if bad is not None:
+            raise HTTPError(
+                400,
+                f"prompt: token id {bad} is outside this model's vocabulary (0 to {engine.vocab_size - 1})",
+                param="prompt",
+            )
+        out.append(list(p))
+    return out
 
 
 class _Stream(StreamingResponse):

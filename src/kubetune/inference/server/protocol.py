@@ -94,6 +94,9 @@ class Body(Strict):
         return data
 
 
+MAX_LOGPROBS = 20  # OpenAI's legacy completions allow 5; vLLM 20
+
+
 class _Sampling(Body):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -136,7 +139,12 @@ class _Sampling(Body):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str]
+    # text, texts, one prompt's token ids, or several prompts' (what evaluation clients send: lm-eval's
+    # local-completions tokenizes itself)
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0: nothing made (with echo and logprobs: the prompt scored)
+    echo: bool = False  # the prompt before the completion, in the text and (with logprobs) in the log-probabilities
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # each token's, and this many most likely there
     default_max_tokens: ClassVar[int] = 16  # OpenAI's default for completions
 
 
@@ -150,10 +158,24 @@ class ChatRequest(_Sampling):
     default_max_tokens: ClassVar[int] = 256
 
 
-def choice(kind: str, index: int, text: str, finish: str) -> dict:
+def choice(kind: str, index: int, text: str, finish: str, logprobs: dict | None = None) -> dict:
     if kind == "chat":
         return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+
+def logprobs(
+    texts: list[str], token_logprobs: list[float | None], top: list[list[tuple[int, float]] | None], decode
+) -> dict:
+    """OpenAI's legacy ``logprobs`` object: each token's text, log-probability (None for a prompt's first) and
+    most likely alternatives ({text: log-probability}), and where each token's text starts in the answer's text
+    (each token decoded on its own, so a character split over tokens counts in each)."""
+    offsets, at = [], 0
+    for t in texts:
+        offsets.append(at)
+        at += len(t)
+    tops = [None if pairs is None else {decode(i): lp for i, lp in pairs} for pairs in top]
+    return {"tokens": texts, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
 def usage(prompt: int, completion: int) -> dict:
