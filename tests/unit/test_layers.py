@@ -23,6 +23,8 @@ LAYERS = {
     # what a task's inference plugs into: model loading and checks, the engines, the server
     "kubetune.inference": 5,
     "kubetune.tasks": 6,
+    # lm-evaluation-harness on a loaded model: above inference (model loading), below training (which evaluates)
+    "kubetune.evaluation": 6,
     "kubetune.summary": 6,
     "kubetune.training": 7,
     "kubetune.pod": 8,

@@ -1,0 +1,41 @@
+"""One rank of ``kubetune eval --procs N`` (started by torch's elastic launcher, as torchrun starts one):
+joins the process group, evaluates its share, and rank 0 writes the results where it is told.
+
+    python -m kubetune.evaluation.worker PARAMS.json     (RANK, WORLD_SIZE, MASTER_ADDR, ... from the launcher)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from kubetune import distributed
+from kubetune.errors import USER_ERROR_EXIT, KubetuneError
+from kubetune.evaluation.harness import evaluate
+
+
+def main(argv: list[str]) -> int:
+    import torch
+
+    params = json.loads(Path(argv[0]).read_text())
+    out = Path(params.pop("out"))
+    env = distributed.read_env()
+    device = torch.device("cuda", env.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    distributed.setup(env, device)
+    try:
+        results = evaluate(**params, rank=env.rank, world_size=env.world_size)
+    except KubetuneError as e:
+        print(f"[rank {env.rank}] error: {e}", file=sys.stderr)
+        return USER_ERROR_EXIT
+    finally:
+        distributed.teardown()
+    if env.rank == 0:
+        tmp = out.with_suffix(".partial")
+        tmp.write_text(json.dumps(results, default=str))
+        tmp.replace(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
