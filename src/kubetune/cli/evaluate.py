@@ -106,7 +106,7 @@ def _run(params: dict, procs: int, endpoint_url: str | None) -> dict:
 
     from kubetune.inference.model import model_path
 
-    check_tasks(params["tasks"], task_manager(params["include_path"]))  # one line before N processes start
+    check_tasks(params["tasks"], task_manager(params["include_path"], params["tasks"]))  # one line, before N start
     params = {**params, "model_uri": str(model_path(params["model_uri"], s3))}  # fetched once, not per rank
     with tempfile.TemporaryDirectory(prefix="kubetune-eval-") as tmp:
         out = Path(tmp) / "results.json"

@@ -17,8 +17,10 @@ from pathlib import Path
 from kubetune.errors import KubetuneError
 
 
-def task_manager(include_path: str | None = None):
-    """The harness's task registry, with the task YAML under ``include_path`` (a directory) added.
+def task_manager(include_path: str | None = None, names: list[str] | None = None):
+    """The harness's task registry, with the task YAML under ``include_path`` (a directory) added. When every
+    one of ``names`` is a task there, the registry is that directory alone: indexing the harness's own 14,685
+    task files took 5.9 s here, in every process.
 
     Raises:
         KubetuneError: the harness is not installed, or ``include_path`` is not a directory.
@@ -38,7 +40,19 @@ def task_manager(include_path: str | None = None):
             field="--include-path",
             fix="give a directory of the harness's task YAML files",
         )
-    return TaskManager(include_path=include_path, verbosity="ERROR")
+    local = names is not None and include_path is not None and set(names) <= _local_tasks(Path(include_path))
+    return TaskManager(include_path=include_path, include_defaults=not local)
+
+
+def _local_tasks(root: Path) -> set[str]:
+    """The ``task:`` (or ``group:``) names of the YAML files under ``root`` (a line read, nothing imported)."""
+    found = set()
+    for f in [*root.rglob("*.yaml"), *root.rglob("*.yml")]:
+        for line in f.read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key in ("task", "group") and value.strip():
+                found.add(value.strip().strip("'\""))
+    return found
 
 
 def check_tasks(names: list[str], manager) -> None:
@@ -120,7 +134,7 @@ def evaluate(
     from kubetune.inference import causal
     from kubetune.inference import model as M
 
-    manager = task_manager(include_path)
+    manager = task_manager(include_path, tasks)
     check_tasks(tasks, manager)
     path = M.model_path(model_uri, s3)
     M.expect(path, causal.is_causal_lm, "causal LM")

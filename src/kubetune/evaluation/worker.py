@@ -7,6 +7,7 @@ joins the process group, evaluates its share, and rank 0 writes the results wher
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -22,6 +23,8 @@ def main(argv: list[str]) -> int:
     out = Path(params.pop("out"))
     env = distributed.read_env()
     device = torch.device("cuda", env.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # the cores shared out, as `kubetune run` does
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, env.local_world_size)))
     distributed.setup(env, device)
     try:
         results = evaluate(**params, rank=env.rank, world_size=env.world_size)
