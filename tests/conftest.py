@@ -185,6 +185,16 @@ def mlflow_server():
     proc.wait()
 
 
+def lm_eval_tasks(tmp: Path, rows: int) -> Path:
+    """tests/data/lm_eval_tasks's harness task YAML in ``tmp``, over the first ``rows`` packaged reviews."""
+    source = ROOT / "src" / "kubetune" / "assets" / "sentiment" / "sentiment-instructions.jsonl"
+    data = tmp / "reviews.jsonl"
+    data.write_text("".join(source.read_text().splitlines(keepends=True)[:rows]))
+    for f in (ROOT / "tests" / "data" / "lm_eval_tasks").glob("*.yaml"):
+        (tmp / f.name).write_text(f.read_text().replace("DATA", str(data)))
+    return tmp
+
+
 def write_spec(path: Path, spec: dict) -> Path:
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path

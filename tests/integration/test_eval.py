@@ -10,22 +10,16 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, kubetune
+from conftest import kubetune, lm_eval_tasks
 
 pytestmark = pytest.mark.integration
 TASKS = ["kubetune_sentiment_mc", "kubetune_sentiment_gen"]
-DATA = ROOT / "src" / "kubetune" / "assets" / "sentiment" / "sentiment-instructions.jsonl"
 
 
 @pytest.fixture(scope="module")
 def task_dir(tmp_path_factory) -> Path:
     """The harness task YAML of tests/data/lm_eval_tasks over the first 12 reviews."""
-    tmp = tmp_path_factory.mktemp("lm-eval-tasks")
-    data = tmp / "reviews.jsonl"
-    data.write_text("".join(DATA.read_text().splitlines(keepends=True)[:12]))
-    for f in (ROOT / "tests" / "data" / "lm_eval_tasks").glob("*.yaml"):
-        (tmp / f.name).write_text(f.read_text().replace("DATA", str(data)))
-    return tmp
+    return lm_eval_tasks(tmp_path_factory.mktemp("lm-eval-tasks"), 12)
 
 
 def _per_example(samples: dict) -> dict:

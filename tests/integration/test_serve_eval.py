@@ -14,20 +14,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, _free_port
+from conftest import ROOT, _free_port, lm_eval_tasks
 
 pytestmark = pytest.mark.integration
-TASKS = ROOT / "tests" / "data" / "lm_eval_tasks"
-DATA = ROOT / "src" / "kubetune" / "assets" / "sentiment" / "sentiment-instructions.jsonl"
-
-
-def _tasks(tmp: Path, rows: int) -> Path:
-    """The task YAMLs with DATA set to a JSONL of the first ``rows`` reviews."""
-    data = tmp / "reviews.jsonl"
-    data.write_text("".join(DATA.read_text().splitlines(keepends=True)[:rows]))
-    for f in TASKS.glob("*.yaml"):
-        (tmp / f.name).write_text(f.read_text().replace("DATA", str(data)))
-    return tmp
 
 
 def _serve(model: Path, port: int) -> subprocess.Popen:
@@ -63,7 +52,7 @@ def test_lm_eval_local_completions_against_serve_equals_the_hf_model(tiny_chat_s
     from lm_eval.tasks import TaskManager
 
     model = tiny_chat_sft[0] / "model"
-    manager = TaskManager(include_path=str(_tasks(tmp_path, 24)))
+    manager = TaskManager(include_path=str(lm_eval_tasks(tmp_path, 24)))
     tasks = ["kubetune_sentiment_mc", "kubetune_sentiment_gen"]
     # the chat template on both sides: the tiny chat model answers a user turn (a raw prompt, it ends at once)
     common = {

@@ -134,6 +134,7 @@ def test_a_text_the_classifier_cannot_take_fails_alone():
         (api.CompletionRequest, {"prompt": "x", "top_logprobs": 2}, "top_logprobs: not a field this server implements"),
         (api.CompletionRequest, {"prompt": "x", "max_tokens": -1}, "max_tokens: Input should be greater than or equal"),
         (api.CompletionRequest, [1], "body: must be a JSON object"),
+        (api.ChatRequest, {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs: not a field"),
         (api.ChatRequest, {"messages": [{"role": "user", "content": "\udfff"}]}, "messages[0].content: a lone"),
         (api.ChatRequest, {"messages": [{"role": "bot", "content": "x"}]}, "messages[0].role: Input should be"),
         (api.V1Request, {"instances": [{"text": "a\udc00"}]}, "instances[0].text: a lone surrogate"),

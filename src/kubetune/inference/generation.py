@@ -144,7 +144,7 @@ class _SwappedGemm(torch.overrides.TorchFunctionMode):
                 if bias is not None:
                     out = out + bias
                 return out.reshape(*x.shape[:-1], w.shape[0])
-        return func(*args, **(kwargs or {}))
+        return func(*args, **kwargs)
 
 
 def _pick(scores: torch.Tensor, tokens: list[int], top: int) -> tuple[list[float], list[list[tuple[int, float]]]]:
@@ -158,17 +158,16 @@ def _pick(scores: torch.Tensor, tokens: list[int], top: int) -> tuple[list[float
 
 
 def _record(logits: torch.Tensor, rows: list[_Row], tokens: list[int]) -> None:
-    """Each new token's log-probability (and the most likely there) for the rows that ask for them."""
-    asking = [k for k, row in enumerate(rows) if row.gen.logprobs is not None and not row.gen.cancelled.is_set()]
+    """Each new token's log-probability (and the most likely there) for the rows that ask for them (not those
+    of ``max_tokens`` 0, which make nothing)."""
+    asking = [k for k, r in enumerate(rows) if r.gen.logprobs is not None and r.gen.max_tokens > 0]
     if not asking:
         return
-    scores = torch.log_softmax(logits[asking], -1)
-    for k, (lp, top) in zip(
-        asking, zip(*_pick(scores, [tokens[k] for k in asking], max(r.gen.logprobs for r in (rows[k] for k in asking))))
-    ):
-        g = rows[k].gen
-        if g.max_tokens == 0:
-            continue
+    gens = [rows[k].gen for k in asking]
+    chosen, tops = _pick(
+        torch.log_softmax(logits[asking], -1), [tokens[k] for k in asking], max(g.logprobs for g in gens)
+    )
+    for g, lp, top in zip(gens, chosen, tops):
         g.token_logprobs.append(lp)
         g.top_logprobs.append(top[: g.logprobs])
 
@@ -334,8 +333,8 @@ class Engine:
         cache.lo, cache.hi, cache.width, cache.pos = lo, lo + len(prompts), width, None
         # the logits of each prompt's last position only (a vocabulary-wide row per prompt, not per position),
         # unless a prompt is scored: then every position's
-        scored = {unique[tuple(r.gen.ids)] for r in new if r.gen.prompt_logprobs}
-        keep = torch.unique(lengths - 1) if not scored else torch.arange(width)
+        scored = any(r.gen.prompt_logprobs for r in new)
+        keep = torch.arange(width) if scored else torch.unique(lengths - 1)
         out = self.model(
             input_ids=ids.to(self.device),
             attention_mask=self._mask(allowed[:, None]),

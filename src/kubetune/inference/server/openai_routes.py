@@ -42,10 +42,12 @@ def add_routes(app: FastAPI, engine: Generator, name: str, limits: Limits, runne
                     f"{context}-token context; shorten the prompt or lower max_tokens",
                     "context_length_exceeded",
                 )
-            g = Generation(ids, max_tokens, req.temperature, req.top_p, req.seed)
-            g.logprobs = getattr(req, "logprobs", None)
-            g.prompt_logprobs = bool(getattr(req, "echo", False)) and g.logprobs is not None
-            out.append(g)
+            scored = req.echo and req.logprobs is not None
+            out.append(
+                Generation(
+                    ids, max_tokens, req.temperature, req.top_p, req.seed, logprobs=req.logprobs, prompt_logprobs=scored
+                )
+            )
         return out
 
     async def answer(kind: str, prompts: list[list[int]], req, request: Request):
@@ -55,7 +57,7 @@ def add_routes(app: FastAPI, engine: Generator, name: str, limits: Limits, runne
         if req.stream:
             if len(gens) != 1:
                 raise HTTPError(400, "stream: true takes one prompt", param="stream")
-            if getattr(req, "logprobs", None) is not None or getattr(req, "echo", False):
+            if req.logprobs is not None or req.echo:
                 raise HTTPError(400, "logprobs and echo are answered without stream: true", param="stream")
             g, loop, queue = gens[0], asyncio.get_running_loop(), asyncio.Queue()
             g.on_token = lambda token: loop.call_soon_threadsafe(queue.put_nowait, token)
@@ -64,11 +66,11 @@ def add_routes(app: FastAPI, engine: Generator, name: str, limits: Limits, runne
             return _Stream(_stream(g, queue, task, kind, rid, name, req.stop, engine, metrics), task, metrics)
         done = await runner.compute([(g, None) for g in gens], "prompts", request.receive)
         choices = []
-        echo = getattr(req, "echo", False)
+        echo = req.echo
         for k, g in enumerate(done):
             text, finish = _stop_at(engine.decode(g.tokens), req.stop, g.finish_reason)
             metrics.tokens.inc(len(g.tokens))
-            made = g.tokens + ([g.end_token] if g.end_token is not None and g.max_tokens else [])
+            made = g.tokens + ([g.end_token] if g.end_token is not None else [])
             scored = None
             if g.logprobs is not None:  # the end token too: a scorer reads the last one as the one made
                 ids = (g.ids if echo else []) + made

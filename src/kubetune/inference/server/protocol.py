@@ -155,6 +155,9 @@ class Message(Strict):
 
 class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
+    # not fields (a body that gives them is refused by name): what the routes read where a completion has them
+    echo: ClassVar[bool] = False
+    logprobs: ClassVar[None] = None
     default_max_tokens: ClassVar[int] = 256
 
 
