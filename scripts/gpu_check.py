@@ -159,6 +159,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=30, help="benchmarks/gpu_llm.py --steps")
     ap.add_argument("--skip-bench", action="store_true")
+    ap.add_argument("--tests", metavar="EXPR", help="only the gpu tests pytest -k EXPR selects (a targeted rerun)")
     args = ap.parse_args()
     out, wheels = Path(args.out).resolve(), Path(args.wheels).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -189,6 +190,7 @@ def main() -> None:
                 "no:cacheprovider",
                 "tests/gpu",
                 f"--junitxml={junit}",
+                *(["-k", args.tests] if args.tests else []),
             ],
             site,
             out / "pytest-gpu.log",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
@@ -25,17 +25,28 @@ class Batch:
     index: torch.Tensor | None = None  # dataset row ids, for tracing; stays on the CPU
 
     def to(self, device: torch.device) -> Batch:
-        """The inputs and labels on ``device`` (the same object on the CPU)."""
+        """A copy with every tensor field (and the inputs) on ``device``, the same object on the CPU. A
+        subclass's fields come along (``dataclasses.replace``): GPU run 3 found a hand-written copy that
+        dropped one (GRPO's evaluation lost its rollouts). ``index`` stays on the CPU."""
         if device.type == "cpu":
             return self
-        inputs = {k: v.to(device, non_blocking=True) for k, v in self.inputs.items()}
-        return Batch(inputs, self.labels.to(device, non_blocking=True), self.weight, self.index)
+        return self._map(lambda t: t.to(device, non_blocking=True))
 
     def pin_memory(self) -> Batch:
         """Page-locked copies (the DataLoader's pinning thread calls this), for asynchronous copies to a GPU."""
-        return Batch(
-            {k: v.pin_memory() for k, v in self.inputs.items()}, self.labels.pin_memory(), self.weight, self.index
-        )
+        return self._map(lambda t: t.pin_memory())
+
+    def _map(self, fn) -> Batch:
+        changes = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "index":
+                continue
+            if isinstance(value, torch.Tensor):
+                changes[f.name] = fn(value)
+            elif f.name == "inputs":
+                changes[f.name] = {k: fn(v) for k, v in value.items()}
+        return replace(self, **changes)
 
     @property
     def tokens(self) -> tuple[float, float]:

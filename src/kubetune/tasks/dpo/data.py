@@ -236,18 +236,6 @@ class PairBatch(Batch):
     reference: torch.Tensor | None = None  # [pairs, 2] the reference log-probabilities, when precomputed
     dpo: DPOSpec = field(default_factory=DPOSpec)  # the loss's settings (the trainer passes no spec to the loss)
 
-    def to(self, device: torch.device) -> PairBatch:
-        if device.type == "cpu":
-            return self
-        moved = super().to(device)
-        ref = self.reference.to(device, non_blocking=True) if self.reference is not None else None
-        return PairBatch(moved.inputs, moved.labels, self.weight, self.index, ref, self.dpo)
-
-    def pin_memory(self) -> PairBatch:
-        pinned = super().pin_memory()
-        ref = self.reference.pin_memory() if self.reference is not None else None
-        return PairBatch(pinned.inputs, pinned.labels, self.weight, self.index, ref, self.dpo)
-
 
 class Collate:
     """Dataset row ids -> a ``PairBatch``: prompt + answer cut to ``max_length`` (TRL's keep_start),

@@ -52,27 +52,6 @@ class RolloutBatch(Batch):
     grpo: GRPOSpec | None = None
     units: float = 0.0  # this micro-batch's loss units (completions, or dapo's tokens)
 
-    def to(self, device: torch.device) -> RolloutBatch:
-        if device.type == "cpu":
-            return self
-        moved = super().to(device)
-
-        def mv(t):
-            return None if t is None else t.to(device, non_blocking=True)
-
-        return RolloutBatch(
-            moved.inputs,
-            moved.labels,
-            self.weight,
-            self.index,
-            mv(self.advantages),
-            mv(self.old_logps),
-            mv(self.ref_logps),
-            mv(self.stats),
-            self.grpo,
-            self.units,
-        )
-
     def state(self) -> dict:
         """Plain tensors and numbers (a checkpoint is loaded with weights_only)."""
         return {
