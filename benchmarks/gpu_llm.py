@@ -385,23 +385,34 @@ def main() -> None:
         print(
             f"{label}: {table[label]['tokens_per_s']:.0f} tokens/s, peak {res['peak_gpu_gib'] or 0:.2f} GiB", flush=True
         )
+        # the table so far, MFU against the first peak: a run stopped at its time limit keeps its rows
+        write(Path(a.out), _meta(n, mean, a.steps, peaks), _with_mfu(table, n, attn, peaks))
     peaks.append(peak_flops())
+    print(write(Path(a.out), _meta(n, mean, a.steps, peaks), _with_mfu(table, n, attn, peaks)))
+
+
+def _with_mfu(table: dict, n: int, attn: float, peaks: list[float]) -> dict:
     peak = sum(peaks) / len(peaks)
+    out = {}
     for label, r in table.items():
-        if "error" not in r:
-            kind = SYSTEMS[label][1]
-            table[label] = row(label, r, kind, (6.0 if kind == "full" else 4.0) * n, attn, peak)
-    meta = {
+        kind = SYSTEMS[label][1]
+        out[label] = r if "error" in r else row(label, r, kind, (6.0 if kind == "full" else 4.0) * n, attn, peak)
+    return out
+
+
+def _meta(n: int, mean: float, steps: int, peaks: list[float]) -> dict:
+    import torch
+
+    return {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "params": n,
         "mean_tokens": mean,
-        "steps": a.steps,
-        "peak_tflops": peak / 1e12,
+        "steps": steps,
+        "peak_tflops": sum(peaks) / len(peaks) / 1e12,
         "peaks_tflops": [p / 1e12 for p in peaks],
     }
-    print(write(Path(a.out), meta, table))
 
 
 if __name__ == "__main__":
