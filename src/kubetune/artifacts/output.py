@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 MARKER = ".kubetune-output"
 # Swapped in together when a run finishes, with the task's own files (``commit``'s ``extra``: this layer
 # knows no task); metrics.json last, since it marks a finished run.
-FINAL = ("model", "adapter", "plots", "report.html", "job.yaml", "metrics.json")
+FINAL = ("model", "adapter", "plots", "report.html", "job.yaml", "lm_eval_samples", "metrics.json")
 LIVE = ("history.jsonl", "progress.json", "tensorboard", "checkpoints")  # written while the run goes
 OWNED = FINAL + LIVE + (MARKER,)  # and the task's artifact files
 STAGING_PREFIX = ".kubetune-staging-"

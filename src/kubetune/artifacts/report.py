@@ -11,6 +11,9 @@ from kubetune.artifacts.presentation import Presentation
 from kubetune.config import JobSpec, dump_spec
 from kubetune.paths import write_atomic
 
+# The bookkeeping fields of a history record (``training.loggers``): not metrics.
+HISTORY_CONTEXT = ("type", "step", "epoch", "samples", "tokens", "train_s", "eval_s")
+
 
 def _read_history(path: Path) -> list[dict]:
     if not path.exists():
@@ -80,6 +83,17 @@ def plot(history: list[dict], out: Path, present: Presentation, metrics: dict | 
         # at their step: evaluations within an epoch (eval_every) too
         curves = [(key.removeprefix("eval_"), *steps(evals, key), "o-") for key in present.eval_curves]
         paths.append(figure("eval_metrics", "Evaluation", curves, style=style))
+    harness = [h for h in history if h["type"] == "lm_eval"]
+    if harness:  # lm-evaluation-harness: a curve per task and metric, from the base model's score at step 0
+        names = list(dict.fromkeys(k for h in harness for k in h if k not in HISTORY_CONTEXT))
+        values = [h[k] for h in harness for k in names if isinstance(h.get(k), (int, float))]
+
+        def unit(ax) -> None:
+            if values and all(0 <= v <= 1 for v in values):
+                ax.set_ylim(0, 1)
+
+        curves = [(name, *steps(harness, name), "o-") for name in names]
+        paths.append(figure("lm_eval", "lm-evaluation-harness", curves, style=unit))
     for title, keys in present.step_plots:
         curves = [
             (
@@ -95,7 +109,8 @@ def plot(history: list[dict], out: Path, present: Presentation, metrics: dict | 
 
 def write_report(spec: JobSpec, metrics: dict, out: Path, present: Presentation, history: Path | None = None) -> Path:
     """Write ``report.html`` (self-contained: the PNGs are embedded as data URIs)."""
-    images = plot(_read_history(history or out / "history.jsonl"), out, present, metrics)
+    records = _read_history(history or out / "history.jsonl")
+    images = plot(records, out, present, metrics)
     head = present.report_rows(metrics)
     rows = [
         *head,
@@ -122,11 +137,49 @@ pre{{background:#f5f5f5;padding:1rem;overflow:auto}}</style></head>
 <body><h1>kubetune report: {html.escape(spec.name)}</h1>
 <p>Task {html.escape(spec.task)}, model {html.escape(spec.model.uri)}, \
 {"LoRA r=" + str(spec.lora.r) if spec.lora else "full fine-tune"}.</p>
-<table>{table}</table>{compare}{confusion}<h2>Curves</h2>{imgs}
+<table>{table}</table>{compare}{_harness_html(metrics, records)}{confusion}<h2>Curves</h2>{imgs}
 <h2>Job spec</h2><pre>{html.escape(dump_spec(spec))}</pre></body></html>"""
     path = out / "report.html"
     write_atomic(path, page)
     return path
+
+
+def harness_scalars(per_task: dict[str, dict[str, float]]) -> dict[str, float]:
+    """lm-evaluation-harness's scores (per task, its own metric names: ``acc,none``) as one scalar per task and
+    metric for the curves (history.jsonl, TensorBoard, MLflow, status): ``task/acc`` for the unfiltered
+    ``acc,none``, ``task/exact_match/strict-match`` for a filter's; no stderr. Slashes, not the harness's
+    comma: MLflow refuses a comma in a metric name. ``sample_len`` (the documents scored) is left out."""
+    out = {}
+    for task, values in per_task.items():
+        for key, value in values.items():
+            metric, _, filt = key.partition(",")
+            if metric.endswith("_stderr") or metric == "sample_len":  # a count, not a score
+                continue
+            out[f"{task}/{metric}" + (f"/{filt}" if filt and filt != "none" else "")] = value
+    return out
+
+
+def _harness_html(metrics: dict, history: list[dict]) -> str:
+    """lm-evaluation-harness's scores after training (metrics.json's ``lm_eval``) against the base model's
+    (the step-0 evaluation of ``evaluation.on_start``, from the history), one row per task and metric."""
+    scores = metrics.get("lm_eval")
+    if not isinstance(scores, dict) or not scores:
+        return ""
+    final = harness_scalars(scores)
+    base = next((h for h in history if h.get("type") == "lm_eval" and h.get("step") == 0), {})
+    rows = []
+    for name, value in final.items():
+        before = base.get(name)
+        change = f"{value - before:+.4f}" if isinstance(before, (int, float)) else ""
+        rows.append(
+            f"<tr><th>{html.escape(name)}</th><td>{fmt(before) if before is not None else ''}</td>"
+            f"<td>{fmt(value)}</td><td>{change}</td></tr>"
+        )
+    version = html.escape(str(metrics.get("lm_eval_harness", "")))
+    return (
+        f"<h2>lm-evaluation-harness {version}</h2><table><tr><th>task / metric</th><th>base model (step 0)</th>"
+        f"<th>after training</th><th>change</th></tr>{''.join(rows)}</table>"
+    )
 
 
 # More classes than this make a table nobody reads (metrics.json keeps the matrix up to 100 classes).

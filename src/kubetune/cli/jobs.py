@@ -267,6 +267,10 @@ def _print_progress(st) -> None:
     if ev:
         shown = " ".join(f"{k} {v:.4f}" for k, v in ev.items() if k != "step" and isinstance(v, float))
         typer.echo(f"  last evaluation (step {ev['step']}): {shown}")
+    harness = p.get("lm_eval")
+    if harness:
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in harness.items() if k != "step" and isinstance(v, float))
+        typer.echo(f"  lm-evaluation-harness (step {harness['step']}): {shown}")
     if st.phase == "Succeeded":
         # the task's headline: what the finished run recorded as such (progress.json, the `done:` line)
         # beside the eval and train loss; without that record, every eval metric

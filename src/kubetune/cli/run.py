@@ -124,6 +124,12 @@ def _preflight(job) -> str:
         from kubetune.training import tracking
 
         tracking.connect(job)
+    if job.evaluation:  # the harness, its tasks and their data, before any worker starts (not after training)
+        from kubetune.evaluation import harness
+
+        manager = harness.task_manager(job.evaluation.include_path, job.evaluation.tasks, field="evaluation")
+        harness.check_tasks(job.evaluation.tasks, manager, field="evaluation.tasks")
+        harness.check_data(job.evaluation.tasks, manager, field="evaluation.tasks")
     artifacts.resolve_model(job)
     tasks.get(job.task).load_frames(job.data, job.training.seed, providers.S3Settings.from_spec(job))
     from kubetune.artifacts.output import Output

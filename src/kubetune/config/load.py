@@ -214,6 +214,7 @@ def _cross_problems_of(raw: dict) -> list[str]:
         INVALID,
         TASK_SECTIONS,
         DistributedSpec,
+        EvaluationSpec,
         KubernetesSpec,
         LoraSpec,
         OutputSpec,
@@ -244,20 +245,28 @@ def _cross_problems_of(raw: dict) -> list[str]:
         },
         section(TrainSpec, raw.get("training")),
         section(LoraSpec, raw.get("lora")) if raw.get("lora") is not None else None,
+        section(EvaluationSpec, raw.get("evaluation")) if raw.get("evaluation") is not None else None,
     )
 
 
 def resolve_data_paths(spec: JobSpec, base: Path) -> JobSpec:
-    """``spec`` with its relative local data paths (data.train, data.eval) made absolute against
-    ``base``: the spec file's directory for `kubetune run`, so a spec and its data move together
+    """``spec`` with its relative local paths (data.train, data.eval, evaluation.include_path) made absolute
+    against ``base``: the spec file's directory for `kubetune run`, so a spec and its data move together
     and run from any directory; the working directory for a spec object from Python. Not in a pod:
     there a relative path is on the workspace claim (README, "Paths")."""
-    update = {}
-    for key in ("train", "eval"):
-        value = getattr(spec.data, key, None)
-        if isinstance(value, str) and value and "://" not in value and not value.startswith(("/", "~")):
-            update[key] = str(base.resolve() / value)
-    return spec.model_copy(update={"data": spec.data.model_copy(update=update)}) if update else spec
+
+    def relative(value) -> bool:
+        return isinstance(value, str) and bool(value) and "://" not in value and not value.startswith(("/", "~"))
+
+    values = {key: getattr(spec.data, key, None) for key in ("train", "eval")}
+    update = {key: str(base.resolve() / value) for key, value in values.items() if relative(value)}
+    if update:
+        spec = spec.model_copy(update={"data": spec.data.model_copy(update=update)})
+    evaluation = spec.evaluation
+    if evaluation is not None and relative(evaluation.include_path):  # the harness's task YAML directory too
+        resolved = str(base.resolve() / evaluation.include_path)
+        spec = spec.model_copy(update={"evaluation": evaluation.model_copy(update={"include_path": resolved})})
+    return spec
 
 
 def dump_spec(spec: JobSpec) -> str:

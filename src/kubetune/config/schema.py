@@ -226,6 +226,41 @@ class MLflowSpec(Section):
         return v
 
 
+class EvaluationSpec(Section):
+    """lm-evaluation-harness tasks scored on the model being trained (a causal-LM task): after training on the
+    final weights, and optionally every N steps and before the first step (the base model's score)."""
+
+    tasks: list[Annotated[str, Field(min_length=1, max_length=200)]] = Field(
+        min_length=1,
+        description="The harness's task names (its registry: hellaswag, arc_easy, gsm8k, ... where their data can "
+        "be had) or tasks defined in include_path.",
+    )
+    include_path: str | None = Field(
+        None,
+        description="A directory of the harness's task YAML (offline and private suites), relative to the spec "
+        "file or absolute; on Kubernetes a path the pods see (a PVC or the image).",
+    )
+    num_fewshot: int | None = Field(None, ge=0, le=1000, description="Few-shot examples; default: each task's own.")
+    limit: float | None = Field(
+        None, gt=0, description="Documents per task: a count (1 and up) or a fraction (below 1); default: all."
+    )
+    batch_size: int = Field(8, ge=1, le=4096, description="Requests per forward, per process.")
+    chat: bool = Field(False, description="Format the prompts with the tokenizer's chat template.")
+    gen_kwargs: dict[str, int | float | bool | str] | None = Field(
+        None,
+        description="Generation settings for generation tasks, over the tasks' own (the harness's gen_kwargs: "
+        "max_gen_toks, temperature, do_sample, ...).",
+    )
+    every: int | None = Field(None, ge=1, description="Also evaluate every N optimizer steps (a curve per task).")
+    on_start: bool = Field(
+        False, description="Also evaluate before the first step: the base model's score the curves start from."
+    )
+    after: bool = Field(True, description="Evaluate after training on the final weights (metrics.json's lm_eval).")
+    log_samples: bool = Field(
+        False, description="Keep the final evaluation's per-sample log (lm_eval_samples/<task>.jsonl in the output)."
+    )
+
+
 class TrackingSpec(Section):
     mlflow: MLflowSpec | None = Field(
         None,
@@ -321,7 +356,15 @@ class _JobSpecBase(Section):
     def _cross_checks(self):
         own = {name: getattr(self, name) for name in TASK_SECTIONS}
         problems = cross_problems(
-            self.data, self.distributed, self.kubernetes, self.output, self.tracking, own, self.training, self.lora
+            self.data,
+            self.distributed,
+            self.kubernetes,
+            self.output,
+            self.tracking,
+            own,
+            self.training,
+            self.lora,
+            self.evaluation,
         )
         if problems:
             raise ValueError(CROSS_SEPARATOR.join(problems))  # parse_spec reports each on its own line
@@ -375,6 +418,10 @@ JobSpec = create_model(
     training=(TrainSpec, Field(default_factory=TrainSpec, description="The training recipe.")),
     distributed=(DistributedSpec, Field(default_factory=DistributedSpec, description="Nodes × processes per node.")),
     output=(OutputSpec, Field(description="Where the exported model, metrics and report are written.")),
+    evaluation=(
+        EvaluationSpec | None,
+        Field(None, description="lm-evaluation-harness tasks on the model being trained; absent: none."),
+    ),
     tracking=(TrackingSpec, Field(default_factory=TrackingSpec, description="Experiment trackers (MLflow).")),
     s3=(
         S3Spec,
@@ -415,6 +462,7 @@ def cross_problems(
     own: Mapping[str, Section | None] | None = None,
     training: TrainSpec | None = None,
     lora: LoraSpec | None = None,
+    evaluation: EvaluationSpec | None = None,
 ) -> list[str]:
     """The problems between fields of different sections (each section valid on its own); ``None``
     for a section that is not valid (its checks are skipped); ``own``: the tasks' own sections by
@@ -466,6 +514,18 @@ def cross_problems(
                 "lora.quantization (QLoRA) under distributed.strategy fsdp is not supported yet — use "
                 "distributed.strategy: ddp (every GPU holds the quantized base, which is what QLoRA saves)"
             )
+    if evaluation is not None and data is not None and not TASKS[data.task].language_model:
+        language = [name for name, entry in TASKS.items() if entry.language_model]
+        out.append(
+            f"evaluation: lm-evaluation-harness scores causal language models, and task {data.task} trains "
+            f"something else — remove the evaluation section, or use one of the tasks {', '.join(language)}"
+        )
+    if evaluation is not None and evaluation.every and distributed is not None and distributed.strategy == "fsdp":
+        out.append(
+            "evaluation.every under distributed.strategy fsdp is not supported yet (each rank holds a shard of the "
+            "model) — drop evaluation.every (the evaluation after training still runs), or use "
+            "distributed.strategy: ddp"
+        )
     elastic = kubernetes.elastic if kubernetes is not None else None
     if elastic and distributed is not None and not elastic.min_nodes <= distributed.nodes <= elastic.max_nodes:
         out.append("distributed.nodes must lie between kubernetes.elastic.min_nodes and max_nodes")

@@ -65,6 +65,8 @@ class TaskEntry:
             one line each (e.g. the user's code the trainer image must hold).
         kserve: how KServe's Hugging Face runtime serves the task's export (`render --serve`, without
             importing torch); None: the runtime does not serve it, and a render refuses.
+        language_model: the task trains and exports a causal LM, so lm-evaluation-harness can score it
+            (the spec's ``evaluation`` section).
     """
 
     data: type[DataCommon]
@@ -80,6 +82,7 @@ class TaskEntry:
     streaming_needs_lora: bool = False
     render_warnings: Callable[[Any], list[str]] = lambda spec: []
     kserve: KServeRuntime | None = None
+    language_model: bool = False
 
 
 @functools.cache

@@ -10,14 +10,16 @@ it loads itself.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import io
 import logging
 from pathlib import Path
 
 from kubetune.errors import KubetuneError
 
 
-def task_manager(include_path: str | None = None, names: list[str] | None = None):
+def task_manager(include_path: str | None = None, names: list[str] | None = None, field: str = "--tasks"):
     """The harness's task registry, with the task YAML under ``include_path`` (a directory) added. When every
     one of ``names`` is a task there, the registry is that directory alone: indexing the harness's own 14,685
     task files took 5.9 s here, in every process.
@@ -29,15 +31,15 @@ def task_manager(include_path: str | None = None, names: list[str] | None = None
         from lm_eval.tasks import TaskManager
     except ImportError:
         raise KubetuneError(
-            "kubetune eval needs lm-evaluation-harness, which is not installed",
-            field="--tasks",
+            "evaluation with lm-evaluation-harness needs the harness, which is not installed",
+            field=field,
             fix="pip install 'kubetune[eval]'",
         ) from None
 
     if include_path is not None and not Path(include_path).is_dir():
         raise KubetuneError(
             f"{include_path} is not a directory",
-            field="--include-path",
+            field="--include-path" if field.startswith("--") else "evaluation.include_path",
             fix="give a directory of the harness's task YAML files",
         )
     if include_path is not None and names is not None:
@@ -47,7 +49,7 @@ def task_manager(include_path: str | None = None, names: list[str] | None = None
     return TaskManager(include_path=include_path)
 
 
-def check_tasks(names: list[str], manager) -> None:
+def check_tasks(names: list[str], manager, field: str = "--tasks") -> None:
     """One line for the first name the registry does not know, with the closest names it does."""
     known = set(manager.all_tasks)
     for name in names:
@@ -56,8 +58,9 @@ def check_tasks(names: list[str], manager) -> None:
             raise KubetuneError(
                 f"{name!r} is not a task of lm-evaluation-harness {_version()}"
                 + (f" (closest: {', '.join(close)})" if close else ""),
-                field="--tasks",
-                fix="give the harness's task names (`lm-eval ls tasks`), or task YAML with --include-path DIR",
+                field=field,
+                fix="give the harness's task names (`lm-eval ls tasks`), or task YAML with "
+                + ("--include-path DIR" if field.startswith("--") else "evaluation.include_path"),
             )
 
 
@@ -119,7 +122,6 @@ def evaluate(
     Raises:
         KubetuneError: not a causal LM, an unknown task, a task whose data cannot be had.
     """
-    import lm_eval
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -134,24 +136,119 @@ def evaluate(
     model = M.load_model(AutoModelForCausalLM, path)
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
     model = model.to(device).eval()
+    return run(
+        model,
+        tokenizer,
+        tasks,
+        manager,
+        num_fewshot=num_fewshot,
+        limit=limit,
+        batch_size=batch_size,
+        chat=chat,
+        log_samples=log_samples,
+        seed=seed,
+        rank=rank,
+        world_size=world_size,
+    )
+
+
+def run(
+    model,
+    tokenizer,
+    tasks: list[str],
+    manager,
+    *,
+    num_fewshot: int | None = None,
+    limit: float | None = None,
+    batch_size: int = 1,
+    chat: bool = False,
+    gen_kwargs: dict | None = None,
+    log_samples: bool = False,
+    seed: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+    field: str = "--tasks",
+    quiet: bool = False,
+) -> dict | None:
+    """``simple_evaluate`` of ``tasks`` on a loaded causal LM (a model in training too: a PEFT model, in eval
+    mode), this process one rank of ``world_size`` (every rank calls it): the results on rank 0, None elsewhere.
+    ``quiet``: without the harness's progress bars (in a training job's log, each evaluation is one line).
+
+    Raises:
+        KubetuneError: a task's data cannot be had (``field`` names where the tasks were given).
+    """
+    import lm_eval
+
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
     try:
-        return lm_eval.simple_evaluate(
-            model=_lm(model, tokenizer, batch_size, rank, world_size),
-            tasks=tasks,
-            task_manager=manager,
-            num_fewshot=num_fewshot,
-            limit=limit,
-            apply_chat_template=chat,
-            log_samples=log_samples,
-            random_seed=seed,
-            numpy_random_seed=seed,
-            torch_random_seed=seed,
-            fewshot_random_seed=seed,
-        )
+        with _quiet() if quiet else contextlib.nullcontext(), _no_git():
+            return lm_eval.simple_evaluate(
+                model=_lm(model, tokenizer, batch_size, rank, world_size),
+                tasks=tasks,
+                task_manager=manager,
+                num_fewshot=num_fewshot,
+                limit=limit,
+                apply_chat_template=chat,
+                gen_kwargs=dict(gen_kwargs) if gen_kwargs else None,
+                log_samples=log_samples,
+                random_seed=seed,
+                numpy_random_seed=seed,
+                torch_random_seed=seed,
+                fewshot_random_seed=seed,
+            )
     except (ConnectionError, OSError) as e:  # a task's data on the Hub, offline
-        raise KubetuneError(
-            f"the data of {', '.join(tasks)} cannot be had here: {' '.join(str(e).split())[:200]}",
-            field="--tasks",
-            fix="put the task's data in local files and give its task YAML with --include-path",
-        ) from None
+        raise _no_data(tasks, e, field) from None
+
+
+@contextlib.contextmanager
+def _quiet():
+    """The harness's progress bars (tqdm, on stderr) kept out of a training job's log."""
+    with contextlib.redirect_stderr(io.StringIO()):
+        yield
+
+
+@contextlib.contextmanager
+def _no_git():
+    """The harness records the git commit of the working directory with ``git describe``, which prints "fatal: not
+    a git repository" into the log of any job that does not run in a checkout (a pod, a run directory): the
+    record is left empty instead (lm_eval.loggers.utils.get_git_commit_hash; kubetune records the harness's version)."""
+    import lm_eval.evaluator as evaluator
+
+    saved = evaluator.get_git_commit_hash
+    evaluator.get_git_commit_hash = lambda: None
+    try:
+        yield
+    finally:
+        evaluator.get_git_commit_hash = saved
+
+
+def _no_data(tasks: list[str], e: Exception, field: str) -> KubetuneError:
+    return KubetuneError(
+        f"the data of {', '.join(tasks)} cannot be had here: {' '.join(str(e).split())[:200]}",
+        field=field,
+        fix="put the task's data in local files and give its task YAML with "
+        + ("--include-path" if field.startswith("--") else "evaluation.include_path"),
+    )
+
+
+def check_data(tasks: list[str], manager, field: str) -> None:
+    """Each task's documents loaded once (what the first evaluation would do), so that a task whose data needs
+    an unreachable network fails in one line before training starts, not after it."""
+    from lm_eval.tasks import get_task_dict
+
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)
+    try:
+        with _quiet():
+            get_task_dict(tasks, manager)
+    except (ConnectionError, OSError) as e:
+        raise _no_data(tasks, e, field) from None
+
+
+def scores(results: dict) -> dict[str, dict[str, float]]:
+    """The harness's scores per task under its own metric names (``acc,none``, ``exact_match,strict-match``,
+    their ``_stderr``), numbers only (its ``alias`` and N/A stderrs dropped)."""
+    out = {}
+    for task, values in (results.get("results") or {}).items():
+        kept = {k: float(v) for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        out[task] = kept
+    return out

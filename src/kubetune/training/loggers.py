@@ -1,7 +1,8 @@
 """Metric loggers behind one ``log(kind, step, metrics, context)`` fan-out (rank 0 only).
 
-``kind`` is "train" or "eval"; ``metrics`` are the values to plot; ``context`` is bookkeeping
-(epoch, samples, training seconds) that the JSONL history keeps and plotting loggers skip.
+``kind`` is "train", "eval" or "lm_eval" (lm-evaluation-harness's scores); ``metrics`` are the values to
+plot; ``context`` is bookkeeping (epoch, samples, training seconds) that the JSONL history keeps and
+plotting loggers skip.
 """
 
 from __future__ import annotations
@@ -92,13 +93,20 @@ class ProgressLogger:
         self.last = (self.t0, None, None)
         self.record: dict = {"phase": "training", "step": start_step, "total_steps": total_steps}
         previous = _read(self.path)
-        if previous.get("last_eval"):
-            self.record["last_eval"] = previous["last_eval"]
+        for key in ("last_eval", "lm_eval"):  # a resumed run's
+            if previous.get(key):
+                self.record[key] = previous[key]
         if self.status is not None:  # the start (a resumed run: where it resumes)
             self.status.update(self.record)
 
     def log(self, kind: str, step: int, metrics: dict, context: dict) -> None:
         now = time.monotonic()
+        if kind == "lm_eval":  # the harness's scores: beside the run's own evaluation, as ``lm_eval``
+            t, samples, tokens = self.last
+            self.last = (t + context.get("eval_s", 0.0), samples, tokens)
+            self.record["lm_eval"] = {"step": step, **{k: v for k, v in metrics.items() if isinstance(v, float)}}
+            self._write()
+            return
         if kind == "eval":
             # the next line's samples/s and tokens/s are training rates: the evaluation's time is not in them
             t, samples, tokens = self.last
@@ -223,11 +231,11 @@ def _checked_progress(raw: dict) -> dict:
         rec["phase"] = raw["phase"][:40]
     if isinstance(raw.get("output"), str):
         rec["output"] = raw["output"][:4096]
-    for key in ("last_eval", "metrics"):
+    for key in ("last_eval", "lm_eval", "metrics"):
         value = raw.get(key)
         if isinstance(value, dict):
             metrics = {str(k)[:80]: v for k, v in list(value.items())[:64] if _number(v) and k != "step"}
-            if key == "last_eval":
+            if key != "metrics":
                 if type(value.get("step")) is not int:
                     continue
                 metrics = {"step": value["step"], **{k: float(v) for k, v in metrics.items()}}
@@ -246,12 +254,14 @@ def read_progress(out: Path) -> dict | None:
 
 def progress_from_log(lines: list[str]) -> dict | None:
     """Rank 0's progress read back from its log: the last ``progress:`` line, with the last
-    evaluation line (``epoch E, step S: eval_loss X ...``) as ``last_eval`` and, once the run is
+    evaluation line (``epoch E, step S: eval_loss X ...``) as ``last_eval``, the last harness line
+    (``step S: lm_eval task/acc X, ...``) as ``lm_eval`` and, once the run is
     done, the headline ``metrics`` and ``output`` of its ``done:`` line; None without any."""
     import re
 
-    record, last_eval, done = None, None, None
+    record, last_eval, done, harness = None, None, None, None
     evaluation = re.compile(r"epoch \d+, step (\d+): ((?:eval_\w+ \S+ ?)+)$")
+    scored = re.compile(r"step (\d+): lm_eval ((?:\S+ [-+.\deE]+(?:, )?)+)$")  # Trainer.harness_evaluate's line
     finished = re.compile(r"done: ((?:\w+ [-+.\deE]+, )+)[\d.]+ samples/s; artifacts in (\S+)")
     for line in lines:
         m = finished.search(line)
@@ -263,6 +273,14 @@ def progress_from_log(lines: list[str]) -> dict | None:
         if found:
             record = found
             continue
+        m = scored.search(line.rstrip())
+        if m:
+            pairs = [p.split() for p in m.group(2).split(", ")]
+            try:
+                harness = {"step": int(m.group(1)), **{k: float(v) for k, v in pairs}}
+            except ValueError:
+                pass
+            continue
         m = evaluation.search(line.rstrip())
         if m:
             pairs = m.group(2).split()
@@ -270,11 +288,13 @@ def progress_from_log(lines: list[str]) -> dict | None:
                 last_eval = {"step": int(m.group(1)), **{k: float(v) for k, v in zip(pairs[::2], pairs[1::2])}}
             except ValueError:
                 pass
-    if record is None and last_eval is None and done is None:
+    if record is None and last_eval is None and done is None and harness is None:
         return None
     record = record or {}
     if last_eval:
         record["last_eval"] = last_eval
+    if harness:
+        record["lm_eval"] = harness
     if done:
         record.update(phase="succeeded", **done)
     return record

@@ -152,6 +152,7 @@ class MLflowLogger:
         self.failed: list[int] = []  # the steps whose metrics did not reach the server
         self.ended = False  # finish() ended the run; otherwise close() marks it FAILED
         self.skip: dict[str, int] = {}
+        self.resumed = False  # continuing the MLflow run of the checkpoint
         run_id = run_ids.get("mlflow")
         if run_id and not self._exists(run_id):
             log.warning(
@@ -161,7 +162,7 @@ class MLflowLogger:
             )
             run_id = None
         if run_id:  # a resumed run: the same MLflow run, without the steps the server already has
-            self.run_id = run_id
+            self.run_id, self.resumed = run_id, True
             for kind in ("train", "eval"):
                 history = self.client.get_metric_history(run_id, f"{kind}/loss")
                 self.skip[kind] = max((m.step for m in history), default=-1)
@@ -200,6 +201,12 @@ class MLflowLogger:
     def log(self, kind: str, step: int, metrics: dict, context: dict) -> None:
         from mlflow.entities import Metric
 
+        if self.resumed and kind not in self.skip and metrics:  # a kind without a loss (lm_eval): its first metric
+            try:
+                history = self.client.get_metric_history(self.run_id, f"{kind}/{next(iter(metrics))}")
+                self.skip[kind] = max((m.step for m in history), default=-1)
+            except Exception:  # the server went away: log_batch below reports it
+                self.skip[kind] = -1
         if step <= self.skip.get(kind, -1):
             return
         now = int(time.time() * 1000)

@@ -55,6 +55,7 @@ _RATES = (
     ("tokens_per_s", "tokens_per_second"),
 )
 EVAL_STEP = "eval_step"
+LM_EVAL_STEP = "lm_eval_step"  # the step of the lm-evaluation-harness scores (lm_eval/<task>/<metric>)
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,10 @@ def _metrics(record: dict) -> list[dict]:
         # eval_loss first: what any task reports, kept if the 256 cut ever bites
         names = sorted((k for k in last_eval if k != "step"), key=lambda k: k != "eval_loss")
         pairs += [(k, last_eval[k]) for k in names]
+    harness = record.get("lm_eval") or {}
+    if harness:  # lm-evaluation-harness's scores, as lm_eval/<task>/<metric>
+        pairs.append((LM_EVAL_STEP, harness.get("step")))
+        pairs += [(f"lm_eval/{k}", v) for k, v in harness.items() if k != "step"]
     out, seen = [], set()
     for name, value in pairs:
         name, text = str(name)[:MAX_CHARS], metric_value(value)
@@ -197,6 +202,11 @@ def progress_of(status) -> dict | None:
         rec["last_eval"] = {"step": eval_step, **evals}
         if rec["phase"] == "succeeded":
             rec["metrics"] = evals
+    harness = {k.removeprefix("lm_eval/"): _number(v) for k, v in values.items() if k.startswith("lm_eval/")}
+    harness = {k: v for k, v in harness.items() if v is not None}
+    harness_step = _count(values.get(LM_EVAL_STEP))
+    if harness and harness_step is not None:
+        rec["lm_eval"] = {"step": harness_step, **harness}
     updated = status.get("lastUpdatedTime")
     if isinstance(updated, str):
         try:

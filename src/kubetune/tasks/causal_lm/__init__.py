@@ -90,4 +90,5 @@ ENTRY = TaskEntry(
     auto_model="AutoModelForCausalLM",
     peft_task_type="CAUSAL_LM",
     kserve=KServeRuntime("text_generation", adapters=True),
+    language_model=True,
 )

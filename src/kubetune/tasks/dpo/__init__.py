@@ -86,4 +86,5 @@ ENTRY = TaskEntry(
     order=2,
     streaming_needs_lora=True,  # the full fine-tune's reference log-probabilities: the whole training set
     kserve=KServeRuntime("text_generation", adapters=True),
+    language_model=True,
 )

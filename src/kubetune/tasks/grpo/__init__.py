@@ -250,5 +250,6 @@ ENTRY = TaskEntry(
     checks=_checks,
     order=3,
     kserve=KServeRuntime("text_generation", adapters=True),
+    language_model=True,
     render_warnings=_render_warnings,
 )

@@ -1,0 +1,98 @@
+"""lm-evaluation-harness during and after training (the spec's ``evaluation`` section): the tiny chat example
+as a full fine-tune on 2 processes, its harness tasks scored at step 0 (the base model), every 4 steps and after
+training. The scores after training equal ``lm_eval.simple_evaluate(model="hf")`` on the exported model exactly
+(each rank scored its share); the curve is in history.jsonl, progress.json and report.html; the per-sample log
+is kept. Bad input fails in one line before any worker starts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import ROOT, kubetune, lm_eval_tasks, write_spec
+
+pytestmark = pytest.mark.integration
+TASKS = ["kubetune_sentiment_mc", "kubetune_sentiment_gen"]
+
+
+def _spec(tmp: Path, **evaluation) -> dict:
+    spec = yaml.safe_load((ROOT / "examples" / "causal-tiny-chat.yaml").read_text())
+    spec.pop("lora")
+    spec["data"]["max_train_samples"] = 256
+    spec["training"].update(max_steps=8, log_every=4, precision="fp32", learning_rate=1e-3)
+    spec["output"] = {"uri": str(tmp / "run")}
+    spec["evaluation"] = {
+        "tasks": TASKS,
+        "include_path": str(lm_eval_tasks(tmp / "tasks", 12)) if (tmp / "tasks").mkdir() is None else "",
+        "chat": True,
+        "batch_size": 4,
+        **evaluation,
+    }
+    return spec
+
+
+@pytest.fixture(scope="module")
+def scored_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("train-eval")
+    spec = _spec(tmp, every=4, on_start=True, log_samples=True)
+    r = kubetune("run", str(write_spec(tmp / "job.yaml", spec)), timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return tmp / "run", spec, r
+
+
+def test_the_scores_after_training_equal_the_harness_on_the_export(scored_run):
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    out, spec, _ = scored_run
+    metrics = json.loads((out / "metrics.json").read_text())
+    want = lm_eval.simple_evaluate(
+        model="hf",
+        model_args=f"pretrained={out / 'model'},dtype=float32,device=cpu",
+        tasks=TASKS,
+        task_manager=TaskManager(include_path=spec["evaluation"]["include_path"]),
+        batch_size=4,
+        apply_chat_template=True,
+        random_seed=0,
+    )
+    print({t: metrics["lm_eval"][t] for t in TASKS})
+    for task in TASKS:
+        expected = {k: v for k, v in want["results"][task].items() if isinstance(v, (int, float))}
+        assert metrics["lm_eval"][task] == pytest.approx(expected, abs=0), task
+    assert metrics["lm_eval_harness"]
+    samples = {t: (out / "lm_eval_samples" / f"{t}.jsonl").read_text().splitlines() for t in TASKS}
+    assert all(len(rows) == 12 for rows in samples.values()), {t: len(r) for t, r in samples.items()}
+
+
+def test_the_curve_starts_at_the_base_model_and_is_everywhere_a_user_looks(scored_run):
+    out, _, r = scored_run
+    history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
+    scored = [h for h in history if h["type"] == "lm_eval"]
+    assert [h["step"] for h in scored] == [0, 4, 8], scored
+    assert all(0 <= h["kubetune_sentiment_mc/acc"] <= 1 for h in scored)
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert scored[-1]["kubetune_sentiment_mc/acc"] == metrics["lm_eval"]["kubetune_sentiment_mc"]["acc,none"]
+    progress = json.loads((out / "progress.json").read_text())
+    assert progress["lm_eval"]["step"] == 8 and "kubetune_sentiment_gen/exact_match" in progress["lm_eval"]
+    report = (out / "report.html").read_text()
+    assert "lm-evaluation-harness" in report and "base model (step 0)" in report and 'alt="lm_eval"' in report
+    assert (out / "plots" / "lm_eval.png").stat().st_size > 0
+    # one line per evaluation, nothing of the harness's own output (progress bars, its `git describe`)
+    lines = [line for line in r.stderr.splitlines() if "lm_eval" in line]
+    assert len(lines) == 3 and all(": lm_eval kubetune_sentiment_mc/acc " in line for line in lines), lines
+    assert "fatal:" not in r.stderr and "Running loglikelihood" not in r.stderr, r.stderr[-3000:]
+
+
+def test_bad_evaluation_input_is_one_line_before_training(tmp_path):
+    spec = _spec(tmp_path)
+    spec["evaluation"]["tasks"] = ["kubetune_sentimnt_mc"]
+    r = kubetune("run", str(write_spec(tmp_path / "a.yaml", spec)))
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().count("\n") == 0 and "closest: kubetune_sentiment_mc" in r.stderr, r.stderr
+    assert "evaluation.tasks" in r.stderr and not (tmp_path / "run").exists()
+    minilm = yaml.safe_load((ROOT / "examples" / "sentiment-minilm.yaml").read_text())
+    minilm["evaluation"] = {"tasks": TASKS}
+    r = kubetune("run", str(write_spec(tmp_path / "b.yaml", minilm)))
+    assert r.returncode == 2 and "lm-evaluation-harness scores causal language models" in r.stderr, r.stderr
