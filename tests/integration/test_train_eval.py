@@ -7,11 +7,12 @@ is kept. Bad input fails in one line before any worker starts."""
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, kubetune, lm_eval_tasks, write_spec
+from conftest import ROOT, kubetune, lm_eval_tasks, start_run, wait_for_checkpoint, write_spec
 
 pytestmark = pytest.mark.integration
 TASKS = ["kubetune_sentiment_mc", "kubetune_sentiment_gen"]
@@ -21,7 +22,7 @@ def _spec(tmp: Path, **evaluation) -> dict:
     spec = yaml.safe_load((ROOT / "examples" / "causal-tiny-chat.yaml").read_text())
     spec.pop("lora")
     spec["data"]["max_train_samples"] = 256
-    spec["training"].update(max_steps=8, log_every=4, precision="fp32", learning_rate=1e-3)
+    spec["training"].update(max_steps=16, log_every=4, precision="fp32", learning_rate=1e-3)
     spec["output"] = {"uri": str(tmp / "run")}
     spec["evaluation"] = {
         "tasks": TASKS,
@@ -70,18 +71,18 @@ def test_the_curve_starts_at_the_base_model_and_is_everywhere_a_user_looks(score
     out, _, r = scored_run
     history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
     scored = [h for h in history if h["type"] == "lm_eval"]
-    assert [h["step"] for h in scored] == [0, 4, 8], scored
+    assert [h["step"] for h in scored] == [0, 4, 8, 12, 16], scored
     assert all(0 <= h["kubetune_sentiment_mc/acc"] <= 1 for h in scored)
     metrics = json.loads((out / "metrics.json").read_text())
     assert scored[-1]["kubetune_sentiment_mc/acc"] == metrics["lm_eval"]["kubetune_sentiment_mc"]["acc,none"]
     progress = json.loads((out / "progress.json").read_text())
-    assert progress["lm_eval"]["step"] == 8 and "kubetune_sentiment_gen/exact_match" in progress["lm_eval"]
+    assert progress["lm_eval"]["step"] == 16 and "kubetune_sentiment_gen/exact_match" in progress["lm_eval"]
     report = (out / "report.html").read_text()
     assert "lm-evaluation-harness" in report and "base model (step 0)" in report and 'alt="lm_eval"' in report
     assert (out / "plots" / "lm_eval.png").stat().st_size > 0
     # one line per evaluation, nothing of the harness's own output (progress bars, its `git describe`)
     lines = [line for line in r.stderr.splitlines() if "lm_eval" in line]
-    assert len(lines) == 3 and all(": lm_eval kubetune_sentiment_mc/acc " in line for line in lines), lines
+    assert len(lines) == 5 and all(": lm_eval kubetune_sentiment_mc/acc " in line for line in lines), lines
     assert "fatal:" not in r.stderr and "Running loglikelihood" not in r.stderr, r.stderr[-3000:]
 
 
@@ -96,3 +97,30 @@ def test_bad_evaluation_input_is_one_line_before_training(tmp_path):
     minilm["evaluation"] = {"tasks": TASKS}
     r = kubetune("run", str(write_spec(tmp_path / "b.yaml", minilm)))
     assert r.returncode == 2 and "lm-evaluation-harness scores causal language models" in r.stderr, r.stderr
+
+
+@pytest.mark.e2e  # make test: the uninterrupted run above
+def test_a_run_stopped_by_sigterm_and_resumed_keeps_one_curve_equal_to_the_uninterrupted_one(scored_run, tmp_path):
+    """The same job with checkpoints every 4 steps, SIGTERM after the checkpoint of step 4, run again: the
+    harness's curve has each evaluation once (the history is cut back to the checkpoint, the evaluations after
+    it are made again), and every score equals the uninterrupted run's (an exact resume)."""
+    _, reference, _ = scored_run
+    spec = {**reference, "output": {"uri": str(tmp_path / "run")}}
+    spec["training"] = {**reference["training"], "checkpoint_every": 4}
+    path = write_spec(tmp_path / "job.yaml", spec)
+    proc = start_run(path)
+    wait_for_checkpoint(tmp_path / "run", 4, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    again = kubetune("run", str(path), timeout=600)
+    assert again.returncode == 0 and "resumed from checkpoint step" in again.stderr, again.stderr[-3000:]
+
+    def curve(out: Path) -> list[dict]:
+        records = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
+        keep = ("step", "kubetune_sentiment_mc/acc", "kubetune_sentiment_gen/exact_match")
+        return [{k: h[k] for k in keep} for h in records if h["type"] == "lm_eval"]
+
+    resumed, uninterrupted = curve(tmp_path / "run"), curve(scored_run[0])
+    print(resumed)
+    assert resumed == uninterrupted and [h["step"] for h in resumed] == [0, 4, 8, 12, 16]

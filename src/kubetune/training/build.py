@@ -33,7 +33,8 @@ from kubetune.training.recipe import build_optimizer, check_available, resolve_p
 from kubetune.training.state import Contents, TrainState
 from kubetune.training.state import contents as checkpointed
 from kubetune.training.strategy import Strategy
-from kubetune.training.trainer import FiniteGuard, Layout, Trace, Trainer
+from kubetune.training.trace import Trace
+from kubetune.training.trainer import FiniteGuard, Layout, Trainer
 
 log = logging.getLogger(__name__)
 

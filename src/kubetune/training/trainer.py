@@ -29,7 +29,7 @@ from kubetune import artifacts, distributed, tasks
 from kubetune.artifacts.output import Output
 from kubetune.checkpoint.store import CheckpointStore
 from kubetune.config import JobSpec
-from kubetune.data import Batch, StepBatch, batches
+from kubetune.data import StepBatch, batches
 from kubetune.data.sharding import (
     epoch_order,
     rank_plan,
@@ -40,9 +40,11 @@ from kubetune.distributed import DistEnv
 from kubetune.errors import AgreedError, KubetuneError
 from kubetune.tasks import base
 from kubetune.tasks.base import Prepared, Task
+from kubetune.training import scoring
 from kubetune.training.loggers import Loggers, ProgressLogger
 from kubetune.training.state import Contents, TrainState
 from kubetune.training.strategy import Strategy
+from kubetune.training.trace import Trace
 
 log = logging.getLogger(__name__)
 
@@ -128,8 +130,8 @@ class Trainer:
     t_start: float = field(default_factory=time.perf_counter)
     _epoch_ended: bool = False  # the running epoch's data ran out (not cut short by the step limit)
     _saved_step: int | None = None  # the step of the checkpoint this run wrote or resumed from last
-    _harness: Any = None  # lm-evaluation-harness's task registry (evaluation section), built once
-    _samples: dict | None = None  # the final harness evaluation's per-sample log (evaluation.log_samples)
+    harness_tasks: Any = None  # lm-evaluation-harness's task registry (evaluation section), built once
+    harness_samples: dict | None = None  # the final harness evaluation's per-sample log (evaluation.log_samples)
 
     def __post_init__(self) -> None:
         # every rank's real tokens so far, for the progress line's tokens/s, in a buffer that lives as
@@ -158,7 +160,7 @@ class Trainer:
         harness = self.spec.evaluation
         if harness and harness.on_start and s.global_step == 0:  # the base model's score (not on resume)
             s.epoch_started = time.perf_counter()
-            self.harness_evaluate(0.0)
+            scoring.evaluate(self, 0.0)
         for epoch in range(start_epoch, len(self.layout.epoch_steps)):
             s.epoch, s.step_in_epoch = epoch, start_step if epoch == start_epoch else 0
             self.wrapped.train()
@@ -187,7 +189,7 @@ class Trainer:
                     and s.global_step % harness.every == 0
                     and (s.global_step < self.layout.total_steps or not harness.after)
                 ):
-                    self.harness_evaluate(s.training_time())
+                    scoring.evaluate(self, s.training_time())
                 # Every rank must agree, at the same step, on stopping and on checkpointing.
                 timed = (
                     bool(cfg.checkpoint_minutes)
@@ -344,75 +346,6 @@ class Trainer:
         s.epoch_started += time.perf_counter() - t_eval
         return metrics
 
-    def harness_evaluate(
-        self, train_s: float, model: torch.nn.Module | None = None, final: bool = False
-    ) -> dict | None:
-        """The spec's lm-evaluation-harness tasks (``evaluation``) on the model as it is now: every rank its
-        share of the requests, or the writer alone on ``model`` (a sharded run's exported model, after training;
-        ``final``: the evaluation after training). Rank 0 logs the scores (``lm_eval`` records: history.jsonl,
-        TensorBoard, MLflow, progress) and returns the harness's results; None elsewhere. Not training time."""
-        import copy
-
-        from kubetune.artifacts.report import harness_scalars
-        from kubetune.evaluation import harness
-
-        s, ev, env = self.state, self.spec.evaluation, self.env
-        t_eval = time.perf_counter()
-        if self._harness is None:
-            self._harness = harness.task_manager(ev.include_path, ev.tasks, field="evaluation")
-        target = model if model is not None else self.model
-        target.eval()
-        with self.autocast:
-            results = harness.run(
-                target,
-                copy.deepcopy(self.tokenizer),  # the harness may set a pad token: not on the tokenizer exported
-                ev.tasks,
-                self._harness,
-                num_fewshot=ev.num_fewshot,
-                limit=ev.limit,
-                batch_size=ev.batch_size,
-                chat=ev.chat,
-                gen_kwargs=ev.gen_kwargs,
-                log_samples=final and ev.log_samples,
-                seed=self.cfg.seed,
-                rank=0 if model is not None else env.rank,
-                world_size=1 if model is not None else env.world_size,
-                field="evaluation.tasks",
-                quiet=True,
-            )
-        self.wrapped.train()
-        s.epoch_started += time.perf_counter() - t_eval
-        if results is None:
-            return None
-        values = harness_scalars(harness.scores(results))
-        log.info("step %d: lm_eval %s", s.global_step, ", ".join(f"{k} {v:.4f}" for k, v in values.items()))
-        self.loggers.log(
-            "lm_eval",
-            s.global_step,
-            values,
-            {
-                "epoch": s.epoch + 1,
-                "samples": s.samples_seen,
-                "train_s": round(train_s, 3),
-                "eval_s": round(time.perf_counter() - t_eval, 3),
-            },
-        )
-        return results
-
-    def _final_harness(self, metrics: dict, model: torch.nn.Module | None) -> None:
-        """After training (``evaluation.after``): the scores into ``metrics`` (``lm_eval``: per task, the
-        harness's own metric names; ``lm_eval_base``: the step-0 scores, when ``on_start`` gave them), the
-        per-sample log kept for the export (``log_samples``)."""
-        from kubetune.evaluation import harness
-
-        results = self.harness_evaluate(self.state.train_time, model, final=True)
-        if results is None:
-            return
-        metrics["lm_eval"] = harness.scores(results)
-        metrics["lm_eval_harness"] = harness._version()
-        if self.spec.evaluation.log_samples:
-            self._samples = results.get("samples") or {}
-
     def save_checkpoint(self) -> None:
         """All ranks: the checkpoint's contents (``Contents``: every rank's RNG state and accumulators
         gathered), then the strategy saves the model and optimizer (a sharded one: every rank its shard,
@@ -530,10 +463,10 @@ class Trainer:
         self.optimizer.state.clear()
         harness = self.spec.evaluation
         if harness and harness.after and not self.strategy.sharded:  # every rank its share, before the export
-            self._final_harness(metrics, None)
+            scoring.final(self, metrics, None)
         model = self.strategy.export_model()  # collective where sharded
         if harness and harness.after and self.strategy.sharded and self.strategy.is_writer:
-            self._final_harness(metrics, model)  # the writer alone, on the gathered model
+            scoring.final(self, metrics, model)  # the writer alone, on the gathered model
         if self.strategy.is_writer:
             self._export(model, metrics)
         distributed.barrier()
@@ -557,8 +490,8 @@ class Trainer:
         staged = self.dest.staging()
         try:
             self.task.export(spec, model, self.tokenizer, self.data, staged, metrics)
-            if self._samples is not None:
-                _write_samples(staged / "lm_eval_samples", self._samples)
+            if self.harness_samples is not None:
+                scoring.write_samples(staged / "lm_eval_samples", self.harness_samples)
             metrics["total_runtime_s"] = time.perf_counter() - self.t_start
             artifacts.finish(spec, metrics, staged, out / "history.jsonl", self.task.present)
             self.dest.commit(staged, self.task.artifact_files + tasks.artifact_files(self.dest.replaced_task()))
@@ -585,17 +518,6 @@ class Trainer:
         log.info(
             "done: %s, %.1f samples/s; artifacts in %s", headline, metrics["train_samples_per_second"], spec.output.uri
         )
-
-
-def _write_samples(dest: Path, samples: dict) -> None:
-    """The harness's per-sample log: one JSONL file per task, as ``lm_eval --log_samples`` keeps it."""
-    import json
-
-    dest.mkdir()
-    for task, rows in samples.items():
-        with (dest / f"{task}.jsonl").open("w") as f:
-            for row in rows:
-                f.write(json.dumps(row, default=str, ensure_ascii=False) + "\n")
 
 
 class FiniteGuard:
@@ -669,25 +591,3 @@ class Preempted(Exception):
     def __init__(self, step: int):
         super().__init__(f"stopped after step {step}; checkpoint written")
         self.step = step
-
-
-class Trace:
-    """Appends ``{"epoch", "step", "rows", "tokens"}`` lines (one per micro-batch) to
-    ``<root>/rank<R>.jsonl``: the proof that every example is trained on exactly once per epoch
-    across ranks, and at which global step (tests set ``KUBETUNE_TRACE_DIR``; the worker passes it)."""
-
-    def __init__(self, root: Path | None, rank: int):
-        self.path = None
-        if root:
-            Path(root).mkdir(parents=True, exist_ok=True)
-            self.path = Path(root) / f"rank{rank}.jsonl"
-
-    def add(self, epoch: int, step: int, batch: Batch) -> None:
-        if self.path is None:
-            return
-        import json
-
-        rows = batch.index.tolist() if batch.weight > 0 else []
-        tokens = int(batch.tokens[0]) if batch.weight > 0 else 0
-        with self.path.open("a") as f:
-            f.write(json.dumps({"epoch": epoch, "step": step, "rows": rows, "tokens": tokens}) + "\n")
