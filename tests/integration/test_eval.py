@@ -77,3 +77,33 @@ def test_bad_input_is_one_line(minilm_run, task_dir):
     assert r.returncode == 2 and "causal LM" in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
     r = kubetune("eval", str(minilm_run[0]), "--tasks", TASKS[0], "--include-path", str(task_dir / "none"))
     assert r.returncode == 2 and "is not a directory" in r.stderr, r.stderr
+
+
+def test_eval_of_a_lora_adapter_unmerged_equals_the_harness_with_peft(tiny_chat_sft, task_dir, tmp_path):
+    """`--adapter`: the base model plus adapter/ as PEFT applies it, equal to the harness's own `peft=`."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from kubetune.inference.model import adapter_beside
+
+    base, adapter = adapter_beside(tiny_chat_sft[0] / "model")
+    want = lm_eval.simple_evaluate(
+        model="hf",
+        model_args=f"pretrained={base},peft={adapter},tokenizer={adapter},dtype=float32,device=cpu",
+        tasks=TASKS,
+        task_manager=TaskManager(include_path=str(task_dir)),
+        batch_size=1,
+        apply_chat_template=True,
+        log_samples=True,
+        random_seed=0,
+    )
+    out = tmp_path / "adapter.json"
+    r = kubetune(
+        "eval", str(tiny_chat_sft[0]), "--adapter", "--tasks", ",".join(TASKS), "--include-path", str(task_dir),
+        "--chat", "--output", str(out), "--log-samples",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(out.read_text())
+    for task in TASKS:
+        assert got["results"][task] == json.loads(json.dumps(want["results"][task])), task
+    assert _per_example(got["samples"]) == _per_example(want["samples"])

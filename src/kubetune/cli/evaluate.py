@@ -45,6 +45,10 @@ def evaluate_command(
     output: Annotated[
         Path | None, typer.Option("--output", "-o", help="Also write the results (JSON) to this file.")
     ] = None,
+    adapter: Annotated[
+        bool,
+        typer.Option("--adapter", help="A LoRA export: score its base model plus adapter/ (unmerged), not model/."),
+    ] = False,
     endpoint_url: Annotated[
         str | None, typer.Option("--endpoint-url", help="S3 endpoint for s3:// models (MinIO).")
     ] = None,
@@ -61,6 +65,7 @@ def evaluate_command(
         "chat": chat,
         "seed": seed,
         "log_samples": log_samples,
+        "adapter": adapter,
     }
     try:
         if not names:

@@ -115,9 +115,11 @@ def evaluate(
     rank: int = 0,
     world_size: int = 1,
     s3=None,
+    adapter: bool = False,
 ) -> dict | None:
     """The harness's results for ``tasks`` on the causal LM at ``model_uri``: its ``simple_evaluate`` dict
     (``results``, ``n-samples``, ``configs``; ``samples`` with ``log_samples``) on rank 0, None on the others.
+    ``adapter``: a LoRA export scored as its base model plus ``adapter/``, unmerged (as ``peft=`` in the harness).
 
     Raises:
         KubetuneError: not a causal LM, an unknown task, a task whose data cannot be had.
@@ -131,9 +133,16 @@ def evaluate(
     manager = task_manager(include_path, tasks)
     check_tasks(tasks, manager)
     path = M.model_path(model_uri, s3)
+    adapter_dir = None
+    if adapter:
+        path, adapter_dir = M.adapter_beside(path)
     M.expect(path, causal.is_causal_lm, "causal LM")
-    tokenizer = M.load_tokenizer(path)
+    tokenizer = M.load_tokenizer(adapter_dir or path)
     model = M.load_model(AutoModelForCausalLM, path)
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter_dir)
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
     model = model.to(device).eval()
     return run(

@@ -376,13 +376,13 @@ def adapter_beside(path: Path) -> tuple[Path, Path]:
         raise KubetuneError(
             f"no LoRA adapter beside {short(str(path))} (no adapter/adapter_config.json)",
             field="--adapter",
-            fix="serve the merged model (drop --adapter); only a LoRA run exports an adapter",
+            fix="use the merged model (drop --adapter); only a LoRA run exports an adapter",
         )
     name = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
     if not name:
         raise KubetuneError(
             f"{short(str(adapter_dir))}/adapter_config.json names no base model",
             field="--adapter",
-            fix="serve the merged model (drop --adapter)",
+            fix="use the merged model (drop --adapter)",
         )
     return model_path(name), adapter_dir
