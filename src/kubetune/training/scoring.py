@@ -1,5 +1,6 @@
 """lm-evaluation-harness inside a training run (the spec's ``evaluation`` section): the tasks scored on the model
-being trained, before the first step, every N steps and after training, and where the scores go."""
+being trained, before the first step, every N steps and after training, and where the scores go. ``trainer``:
+the run's ``training.trainer.Trainer`` (not imported: it imports this module)."""
 
 from __future__ import annotations
 
@@ -7,19 +8,13 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from kubetune.training.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
 
-def evaluate(
-    trainer: Trainer, train_s: float, model: torch.nn.Module | None = None, final: bool = False
-) -> dict | None:
+def evaluate(trainer, train_s: float, model: torch.nn.Module | None = None, final: bool = False) -> dict | None:
     """The spec's lm-evaluation-harness tasks (``evaluation``) on the model as it is now: every rank its
     share of the requests, or the writer alone on ``model`` (a sharded run's exported model, after training;
     ``final``: the evaluation after training). Rank 0 logs the scores (``lm_eval`` records: history.jsonl,
@@ -73,7 +68,7 @@ def evaluate(
     return results
 
 
-def final(trainer: Trainer, metrics: dict, model: torch.nn.Module | None) -> None:
+def final(trainer, metrics: dict, model: torch.nn.Module | None) -> None:
     """After training (``evaluation.after``): the scores into ``metrics`` (``lm_eval``: per task, under the
     harness's own metric names, and the harness's version), the per-sample log kept for the export
     (``log_samples``)."""
