@@ -29,6 +29,8 @@ LAYERS = {
     "kubetune.training": 7,
     "kubetune.pod": 8,
     "kubetune.backends": 9,
+    # a study whose trials are `kubetune run` processes (beside the backends, which run jobs too)
+    "kubetune.tune": 9,
     "kubetune.client": 10,
     "kubetune.compat": 10,
     "kubetune.cli": 11,

@@ -74,4 +74,4 @@ def _click_exceptions():
 
 
 # The commands (registered on import, in --help's order).
-from kubetune.cli import evaluate, jobs, predict, pull, run, serve, spec  # noqa: E402, F401, I001
+from kubetune.cli import evaluate, jobs, predict, pull, run, serve, spec, tune  # noqa: E402, F401, I001

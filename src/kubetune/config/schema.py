@@ -16,6 +16,7 @@ from kubetune.config.base import DataCommon, Section, Uri
 from kubetune.config.cluster import KubernetesSpec, ResourcesSpec
 from kubetune.config.serving import ServingSpec
 from kubetune.config.tasks import default_task, entries
+from kubetune.config.tune import TuneSpec
 
 
 class ModelSpec(Section):
@@ -421,6 +422,10 @@ JobSpec = create_model(
     evaluation=(
         EvaluationSpec | None,
         Field(None, description="lm-evaluation-harness tasks on the model being trained; absent: none."),
+    ),
+    tune=(
+        TuneSpec | None,
+        Field(None, description="A hyperparameter search over this spec's fields (`kubetune tune`); absent: none."),
     ),
     tracking=(TrackingSpec, Field(default_factory=TrackingSpec, description="Experiment trackers (MLflow).")),
     s3=(

@@ -1,0 +1,144 @@
+"""The search space against the spec: each trial's spec, and every problem of a ``tune`` section found before
+any trial starts (a path that is not a spec field, a value the field refuses, an objective the task never
+reports, more trials at once than the machine runs), one line each."""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+from kubetune.config import JobSpec
+from kubetune.config.load import parse_spec
+from kubetune.config.tune import ParamSpec, TuneSpec
+from kubetune.errors import KubetuneError, SpecError
+
+
+def set_path(raw: dict, path: str, value: Any) -> None:
+    """``raw`` (a spec as a mapping) with the field at the dotted ``path`` set to ``value`` (sections made)."""
+    *parents, last = path.split(".")
+    node = raw
+    for part in parents:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = node[part] = {}
+        node = child
+    node[last] = value
+
+
+def trial_spec(base: dict, values: dict[str, Any], output: str, tags: dict[str, str] | None = None) -> dict:
+    """The spec of one trial: ``base`` (the user's, validated, relative paths resolved) without its ``tune``
+    section, with the trial's values in and its own output (and, with MLflow, the tags that nest its run)."""
+    raw = copy.deepcopy(base)
+    raw.pop("tune", None)
+    for path, value in values.items():
+        set_path(raw, path, value)
+    set_path(raw, "output.uri", output)
+    mlflow = (raw.get("tracking") or {}).get("mlflow")
+    if tags and isinstance(mlflow, dict):
+        mlflow["tags"] = {**(mlflow.get("tags") or {}), **tags}
+    return raw
+
+
+def check(base: dict, spec: JobSpec, objectives: set[str]) -> None:
+    """Every problem of the ``tune`` section of ``spec`` against the spec itself, before any trial runs.
+
+    Raises:
+        KubetuneError: the first problem, in one line naming the field, the value and the fix.
+    """
+    tune = spec.tune
+    for path, param in tune.space.items():
+        if path.split(".")[0] in ("tune", "output", "name"):
+            raise KubetuneError(
+                f"{path} cannot be searched: each trial's {path.split('.')[0]} is kubetune's",
+                field=f"tune.space.{path}",
+                fix="search training, lora, data or a task's own fields",
+            )
+        for value in param.candidates():
+            try:
+                parse_spec(trial_spec(base, {path: value}, spec.output.uri))
+            except SpecError as e:
+                raise KubetuneError(
+                    f"{path} = {value!r} is not a valid spec: {e.problems[0]}",
+                    field=f"tune.space.{path}",
+                    fix="search a field of the spec (kubetune explain) within the values it takes",
+                ) from None
+    name = tune.objective
+    if name not in objectives and not (spec.evaluation and name.split("/")[0] in spec.evaluation.tasks):
+        shown = ", ".join(sorted(objectives))
+        raise KubetuneError(
+            f"objective {name!r} is not a metric task {spec.task} reports (it reports {shown}"
+            + (", and task/metric of the evaluation section's tasks)" if spec.evaluation else ")"),
+            field="tune.objective",
+            fix="name one of those",
+        )
+    if tune.early_stopping and not _evaluates_during_training(spec):
+        raise KubetuneError(
+            "tune.early_stopping stops trials from their evaluations during training, and this spec evaluates "
+            "only at the end of each epoch",
+            field="tune.early_stopping",
+            fix="set training.eval_every (or evaluation.every for an lm-eval objective), or drop early_stopping",
+        )
+    if tune.algorithm == "cmaes" and any(p.type == "choice" for p in tune.space.values()):
+        raise KubetuneError(
+            "algorithm cmaes searches float and int ranges only, and the space has a choice",
+            field="tune.algorithm",
+            fix="use tpe or random, or make every dimension a range",
+        )
+    if tune.algorithm == "grid" and any(p.grid() is None for p in tune.space.values()):
+        path = next(path for path, p in tune.space.items() if p.grid() is None)
+        raise KubetuneError(
+            f"algorithm grid needs a finite set of values, and {path} is a continuous range",
+            field=f"tune.space.{path}",
+            fix="give it a step, or make it a choice",
+        )
+    if spec.distributed.nodes > 1:
+        raise KubetuneError(
+            "kubetune tune runs the trials on this machine, and the spec asks for several nodes",
+            field="distributed.nodes",
+            fix="set distributed.nodes: 1 for a local study",
+        )
+    cores = os.cpu_count() or 1
+    if tune.parallel * spec.distributed.procs_per_node > cores:
+        raise KubetuneError(
+            f"{tune.parallel} trials at once of {spec.distributed.procs_per_node} processes each need "
+            f"{tune.parallel * spec.distributed.procs_per_node} cores, and this machine has {cores}",
+            field="tune.parallel",
+            fix=f"set tune.parallel to at most {max(1, cores // spec.distributed.procs_per_node)}",
+        )
+
+
+def _evaluates_during_training(spec: JobSpec) -> bool:
+    if "/" in spec.tune.objective:
+        return bool(spec.evaluation and spec.evaluation.every)
+    return bool(spec.training.eval_every) or spec.training.epochs > 1
+
+
+def suggest(trial, path: str, param: ParamSpec):
+    """The trial's value for one dimension (Optuna's ``suggest_*``; an enqueued trial gets its fixed value)."""
+    if param.type == "choice":
+        return trial.suggest_categorical(path, param.values)
+    if param.type == "int":
+        return trial.suggest_int(path, int(param.low), int(param.high), step=int(param.step or 1), log=param.log)
+    return trial.suggest_float(path, param.low, param.high, step=param.step, log=param.log)
+
+
+def sampler(tune: TuneSpec):
+    import optuna
+
+    if tune.algorithm == "grid":
+        return optuna.samplers.GridSampler({p: s.grid() for p, s in tune.space.items()}, seed=tune.seed)
+    if tune.algorithm == "random":
+        return optuna.samplers.RandomSampler(seed=tune.seed)
+    if tune.algorithm == "cmaes":
+        return optuna.samplers.CmaEsSampler(seed=tune.seed)
+    return optuna.samplers.TPESampler(seed=tune.seed)
+
+
+def pruner(tune: TuneSpec):
+    import optuna
+
+    stop = tune.early_stopping
+    if stop is None:
+        return optuna.pruners.NopPruner()
+    return optuna.pruners.MedianPruner(n_startup_trials=stop.min_trials, n_warmup_steps=stop.warmup_steps)

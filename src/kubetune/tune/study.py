@@ -1,0 +1,263 @@
+"""A durable Optuna study whose trials are ``kubetune run`` processes.
+
+The study lives in the output directory (Optuna's RDB storage on SQLite, ``study.db``), so the same command
+continues it after any interruption, a ``kill -9`` included: finished trials are not run again, and a trial
+that was running is run again in its own directory, where ``kubetune run`` resumes it from its last
+checkpoint. Each trial's run gets SIGTERM when this process dies (Linux's parent-death signal), so it writes
+that checkpoint and stops rather than running on unwatched.
+
+Why Optuna's own ``optimize`` loop: its samplers, pruners and storage are the well-kept pieces; what kubetune
+adds is the trial (a subprocess, its intermediate evaluations read from the run's ``history.jsonl`` and
+reported to the pruner, SIGTERM when the pruner says stop) and the bookkeeping of an interrupted study.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kubetune.config import JobSpec
+from kubetune.config.tune import TuneSpec
+from kubetune.errors import KubetuneError
+from kubetune.tune import space
+
+POLL_S = 0.5  # how often a running trial's history is read
+_PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True)  # loaded here: the child between fork and exec only calls it
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class TrialFailed(Exception):
+    """A trial's run exited with an error (not stopped early): Optuna records the trial as failed."""
+
+
+def say(line: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} tune: {line}", file=sys.stderr, flush=True)
+
+
+class Search:
+    """One ``kubetune tune`` session over the study in ``out``."""
+
+    def __init__(self, base: dict, spec: JobSpec, out: Path):
+        self.base, self.spec, self.out = base, spec, out
+        self.tune: TuneSpec = spec.tune
+        self.lock = threading.Lock()  # the progress lines and the best-so-far, across parallel trials
+
+    # ---- the study ----
+    def run(self) -> Any:
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        self.out.mkdir(parents=True, exist_ok=True)
+        for sub in ("trials", "specs", "logs"):
+            (self.out / sub).mkdir(exist_ok=True)
+        lock = open(self.out / ".tune.lock", "w")  # noqa: SIM115 - held for the whole session
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise KubetuneError(
+                f"another kubetune tune is running the study in {self.out}",
+                field="output.uri",
+                fix="wait for it to finish, or stop it (it continues where it stopped when run again)",
+            ) from None
+        storage = optuna.storages.RDBStorage(
+            f"sqlite:///{self.out / 'study.db'}", engine_kwargs={"connect_args": {"timeout": 60}}
+        )
+        study = optuna.create_study(
+            storage=storage,
+            study_name=self.spec.name,
+            sampler=space.sampler(self.tune),
+            pruner=space.pruner(self.tune),
+            direction="minimize" if self.tune.minimize() else "maximize",
+            load_if_exists=True,
+        )
+        self._resume_interrupted(study)
+        remaining = self.tune.trials - len(counted(study))
+        if self.tune.algorithm == "grid":
+            combos = 1
+            for p in self.tune.space.values():
+                combos *= len(p.grid())
+            remaining = min(remaining, combos - len(counted(study)))
+        if remaining > 0:
+            say(
+                f"study {self.spec.name}: {remaining} of {self.tune.trials} trials to run, {self.tune.parallel} at "
+                f"once, {self.tune.algorithm}, {'minimize' if self.tune.minimize() else 'maximize'} "
+                f"{self.tune.objective}"
+            )
+            study.optimize(
+                self._objective,
+                n_trials=remaining,
+                n_jobs=self.tune.parallel,
+                catch=(TrialFailed,),
+                callbacks=[self._after_trial],
+            )
+        failed = genuinely_failed(study)
+        if len(failed) > self.tune.max_failed:
+            raise KubetuneError(
+                f"{len(failed)} trials failed (trial {failed[0].number}: {failed[0].user_attrs.get('error', '?')})",
+                field="tune.max_failed",
+                fix=f"read the trial's log under {self.out / 'logs'}; raise tune.max_failed to go on past failures",
+            )
+        return study
+
+    def _resume_interrupted(self, study) -> None:
+        """Trials left running by a session that died: each marked failed and queued again with its values and
+        its directory, where its run resumes from its checkpoint (after the old run has stopped)."""
+        from optuna.trial import TrialState
+
+        queued = {t.user_attrs.get("resumes") for t in study.get_trials(deepcopy=False)}
+        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            _wait_gone(t.user_attrs.get("pid"), t.user_attrs.get("spec"))
+            study.tell(t.number, state=TrialState.FAIL)
+            if t.number not in queued:
+                study.enqueue_trial(t.params, user_attrs={"dir": t.user_attrs.get("dir"), "resumes": t.number})
+                say(
+                    f"trial {t.number} was interrupted: it runs again in {t.user_attrs.get('dir')}, from its checkpoint"
+                )
+
+    def _after_trial(self, study, trial) -> None:
+        if len(genuinely_failed(study)) > self.tune.max_failed:
+            study.stop()
+
+    # ---- one trial ----
+    def _objective(self, trial) -> float:
+        import optuna
+
+        values = {path: space.suggest(trial, path, p) for path, p in self.tune.space.items()}
+        name = trial.user_attrs.get("dir") or f"trial-{trial.number:03d}"
+        out, spec_path, log_path = self.out / "trials" / name, self.out / "specs" / f"{name}.yaml", self.out / "logs"
+        spec_path.write_text(yaml.safe_dump(space.trial_spec(self.base, values, str(out)), sort_keys=False))
+        env = dict(os.environ)
+        procs = self.spec.distributed.procs_per_node
+        if self.tune.parallel > 1 and "OMP_NUM_THREADS" not in env:  # the cores shared out among the trials
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // (self.tune.parallel * procs)))
+        with open(log_path / f"{name}.log", "a") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "kubetune", "run", str(spec_path)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                preexec_fn=_die_with_parent,  # noqa: PLW1509 - only prctl, on a library loaded before the fork
+            )
+        trial.set_user_attr("dir", name)
+        trial.set_user_attr("spec", str(spec_path))
+        trial.set_user_attr("pid", proc.pid)
+        shown = ", ".join(f"{p}={v:.3g}" if isinstance(v, float) else f"{p}={v}" for p, v in values.items())
+        say(f"trial {trial.number} started: {shown}" + (" (resumed)" if "resumes" in trial.user_attrs else ""))
+        reported: set[int] = set()
+        while True:
+            done = proc.poll() is not None
+            for step, value in intermediate(out, self.tune.objective):
+                if step in reported:
+                    continue
+                reported.add(step)
+                trial.report(value, step)
+                say(f"trial {trial.number} step {step}: {self.tune.objective} {value:.4f}{self._best_text(trial)}")
+                if not done and trial.should_prune():
+                    proc.send_signal(signal.SIGTERM)  # the run stops at its next step boundary, checkpointed
+                    proc.wait()
+                    trial.set_user_attr("stopped_at", step)
+                    say(f"trial {trial.number} stopped early at step {step} (below the median of earlier trials)")
+                    raise optuna.TrialPruned()
+            if done:
+                break
+            time.sleep(POLL_S)
+        if proc.returncode != 0:
+            error = _last_error(log_path / f"{name}.log")
+            trial.set_user_attr("error", error)
+            say(f"trial {trial.number} failed (exit {proc.returncode}): {error}")
+            raise TrialFailed(error)
+        value = final_value(out, self.tune.objective)
+        say(f"trial {trial.number} finished: {self.tune.objective} {value:.4f}{self._best_text(trial)}")
+        return value
+
+    def _best_text(self, trial) -> str:
+        try:
+            best = trial.study.best_trial
+        except ValueError:  # none finished yet
+            return ""
+        return f" (best so far {best.value:.4f}, trial {best.number})"
+
+
+def counted(study) -> list:
+    """The trials that count towards ``tune.trials``: finished, stopped early, or failed (not the interrupted
+    ones, which run again)."""
+    from optuna.trial import TrialState
+
+    done = (TrialState.COMPLETE, TrialState.PRUNED)
+    return [t for t in study.get_trials(deepcopy=False) if t.state in done] + genuinely_failed(study)
+
+
+def genuinely_failed(study) -> list:
+    from optuna.trial import TrialState
+
+    trials = study.get_trials(deepcopy=False)
+    resumed = {t.user_attrs.get("resumes") for t in trials}
+    return [t for t in trials if t.state == TrialState.FAIL and t.number not in resumed]
+
+
+def intermediate(out: Path, objective: str) -> list[tuple[int, float]]:
+    """The run's evaluations of ``objective`` so far (step, value), from its history.jsonl."""
+    path = out / "history.jsonl"
+    if not path.exists():
+        return []
+    kind = "lm_eval" if "/" in objective else "eval"
+    points = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:  # a line being written
+            continue
+        value = record.get(objective)
+        if record.get("type") == kind and isinstance(value, (int, float)) and record.get("step"):
+            points.append((int(record["step"]), float(value)))
+    return points
+
+
+def final_value(out: Path, objective: str) -> float:
+    """The objective in the finished run's metrics.json (an lm-eval score from its ``lm_eval``)."""
+    metrics = json.loads((out / "metrics.json").read_text())
+    if "/" in objective:
+        from kubetune.artifacts.report import harness_scalars
+
+        metrics = harness_scalars(metrics.get("lm_eval") or {})
+    value = metrics.get(objective)
+    if not isinstance(value, (int, float)):
+        raise TrialFailed(f"the run reported no {objective} (metrics.json has {sorted(metrics)[:12]})")
+    return float(value)
+
+
+def _last_error(log: Path) -> str:
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error") or " ERROR " in line or "Error" in line]
+    return (errors or lines or ["no output"])[-1][-300:]
+
+
+def _wait_gone(pid, spec: str | None, timeout: float = 300.0) -> None:
+    """Until the run of an interrupted trial (``pid``, started on ``spec``) has stopped: its parent-death
+    SIGTERM makes it write a checkpoint first, which the trial's next run resumes from."""
+    if not pid or not spec:
+        return
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            return
+        if spec not in cmdline:  # the pid is another process's now
+            return
+        time.sleep(0.2)
