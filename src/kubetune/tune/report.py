@@ -17,11 +17,15 @@ from kubetune.tune import space
 def summary(study, out: Path) -> dict:
     """Every trial: its number, state, values, objective value, intermediate evaluations, directory."""
     trials = []
-    for t in study.get_trials(deepcopy=False):
+    every = study.get_trials(deepcopy=False)
+    resumed = {t.user_attrs["resumes"]: t.number for t in every if t.user_attrs.get("resumes") is not None}
+    for t in every:
         trials.append(
             {
                 "number": t.number,
-                "state": t.state.name.lower(),
+                # a trial a session left running: it ran again as trial `resumed_by`, from its checkpoint
+                "state": "interrupted" if t.number in resumed else t.state.name.lower(),
+                "resumed_by": resumed.get(t.number),
                 "params": t.params,
                 "value": t.value,
                 "intermediate": {str(k): v for k, v in sorted(t.intermediate_values.items())},
@@ -64,6 +68,8 @@ def table(data: dict) -> str:
         if t["state"] == "pruned" and t["intermediate"]:
             last = list(t["intermediate"].items())[-1]
             value = f"({last[1]:.4f} at step {last[0]})"
+        if t["state"] == "interrupted":
+            value = f"(resumed as trial {t['resumed_by']})"
         rows.append([str(t["number"]), t["state"], value, *(_fmt(t["params"].get(n)) for n in names)])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
@@ -78,12 +84,14 @@ def _html(study, data: dict, out: Path) -> str:
 
     from optuna.exceptions import ExperimentalWarning
 
-    warnings.simplefilter("ignore", ExperimentalWarning)  # Optuna's matplotlib plots are all marked experimental
     images = []
     for name, draw in _plots():
         path = out / "plots" / f"{name}.png"
         try:
-            draw(study, path)
+            with warnings.catch_warnings():  # Optuna's plots are marked experimental; few trials make them warn
+                warnings.simplefilter("ignore", ExperimentalWarning)
+                warnings.simplefilter("ignore", UserWarning)
+                draw(study, path)
         except Exception as e:  # too few trials for a plot (importances need two finished): said in the report
             images.append(f"<p>{html.escape(name)}: not drawn ({html.escape(str(e)[:200])})</p>")
             continue

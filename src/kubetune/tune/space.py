@@ -123,16 +123,18 @@ def suggest(trial, path: str, param: ParamSpec):
     return trial.suggest_float(path, param.low, param.high, step=param.step, log=param.log)
 
 
-def sampler(tune: TuneSpec):
+def sampler(tune: TuneSpec, offset: int = 0):
+    """Optuna's sampler of ``tune.algorithm``, seeded with ``tune.seed + offset`` (the trials a study already has)."""
     import optuna
 
+    seed = tune.seed + offset
     if tune.algorithm == "grid":
-        return optuna.samplers.GridSampler({p: s.grid() for p, s in tune.space.items()}, seed=tune.seed)
+        return optuna.samplers.GridSampler({p: s.grid() for p, s in tune.space.items()}, seed=seed)
     if tune.algorithm == "random":
-        return optuna.samplers.RandomSampler(seed=tune.seed)
+        return optuna.samplers.RandomSampler(seed=seed)
     if tune.algorithm == "cmaes":
-        return optuna.samplers.CmaEsSampler(seed=tune.seed)
-    return optuna.samplers.TPESampler(seed=tune.seed)
+        return optuna.samplers.CmaEsSampler(seed=seed)
+    return optuna.samplers.TPESampler(seed=seed)
 
 
 def pruner(tune: TuneSpec):

@@ -85,6 +85,9 @@ class Search:
             direction="minimize" if self.tune.minimize() else "maximize",
             load_if_exists=True,
         )
+        # a new session's sampler continues from a seed of its own: the same seed again would draw the values
+        # of the first session's first trials again
+        study.sampler = space.sampler(self.tune, offset=len(study.get_trials(deepcopy=False)))
         self._resume_interrupted(study)
         remaining = self.tune.trials - len(counted(study))
         if self.tune.algorithm == "grid":

@@ -1,0 +1,95 @@
+"""`kubetune tune` as a user runs it: a study of MiniLM trials on the small real corpus (Optuna, random
+sampling over the learning rate and the LoRA rank, median early stopping), its table, tune.json, report and
+best.yaml, which `kubetune run` trains again to the best trial's metric exactly; and (e2e) a study killed
+with SIGKILL during a trial and run again: the requested trials, none twice, the interrupted one resumed from
+its checkpoint to the same weights as an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, kubetune, tiny_spec, wait_for_checkpoint, write_spec
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.integration
+
+
+def _study(train: Path, out: Path, **tune) -> dict:
+    spec = tiny_spec(train, out, training={"epochs": 1, "batch_size": 8, "eval_every": 3, "seed": 7, "log_every": 3})
+    spec["distributed"] = {"nodes": 1, "procs_per_node": 1}
+    spec["output"]["report_baseline"] = False
+    spec["tune"] = {
+        "space": {
+            "training.learning_rate": {"type": "float", "low": 1e-5, "high": 1e-3, "log": True},
+            "lora.r": {"type": "choice", "values": [4, 8]},
+        },
+        "objective": "eval_accuracy",
+        "algorithm": "random",
+        "trials": 3,
+        "seed": 1,
+        **tune,
+    }
+    return spec
+
+
+def test_a_study_finds_a_best_trial_that_kubetune_run_trains_again_exactly(small_csv, tmp_path):
+    path = write_spec(tmp_path / "job.yaml", _study(small_csv, tmp_path / "study", early_stopping={"min_trials": 1}))
+    r = kubetune("tune", str(path), timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = tmp_path / "study"
+    data = json.loads((out / "tune.json").read_text())
+    states = [t["state"] for t in data["trials"]]
+    assert len(states) == 3 and set(states) <= {"complete", "pruned"} and "complete" in states, states
+    for t in data["trials"]:
+        assert t["intermediate"], t  # every trial reported its evaluations to the pruner
+        if t["state"] == "pruned":  # stopped within one evaluation of the decision, its partial metrics kept
+            last = max(int(s) for s in t["intermediate"])
+            assert t["stopped_at"] == last and (Path(t["dir"]) / "history.jsonl").exists()
+    best = data["best"]
+    assert best["value"] == max(t["value"] for t in data["trials"] if t["state"] == "complete")
+    assert f"best: trial {best['number']}" in r.stdout and "eval_accuracy" in r.stdout
+    assert (out / "report.html").stat().st_size > 0 and (out / "plots" / "optimization_history.png").exists()
+    again = kubetune("run", str(out / "best.yaml"), timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads((out / "best" / "metrics.json").read_text())["eval_accuracy"] == best["value"]
+
+
+@pytest.mark.e2e  # make test: the study above
+def test_a_study_killed_during_a_trial_continues_and_resumes_that_trial(small_csv, tmp_path):
+    out = tmp_path / "study"
+    spec = _study(small_csv, out, trials=2)
+    spec["training"]["checkpoint_every"] = 3
+    path = write_spec(tmp_path / "job.yaml", spec)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kubetune", "tune", str(path)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=os.environ,
+    )
+    wait_for_checkpoint(out / "trials" / "trial-000", 3, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    r = kubetune("tune", str(path), timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "trial 0 was interrupted: it runs again in trial-000" in r.stderr, r.stderr[-3000:]
+    data = json.loads((out / "tune.json").read_text())
+    states = {t["number"]: t["state"] for t in data["trials"]}
+    assert sorted(states.values()) == ["complete", "complete", "interrupted"], states
+    params = [json.dumps(t["params"], sort_keys=True) for t in data["trials"] if t["state"] == "complete"]
+    assert len(set(params)) == 2, params  # none run twice
+    log = (out / "logs" / "trial-000.log").read_text()
+    assert "resumed from checkpoint step" in log, log[-3000:]
+    # the resumed trial's weights equal an uninterrupted run of the same trial spec
+    ref = kubetune("run", str(out / "specs" / "trial-000.yaml"), "--set", f"output.uri={tmp_path / 'ref'}")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    a = load_file(out / "trials" / "trial-000" / "adapter" / "adapter_model.safetensors")
+    b = load_file(tmp_path / "ref" / "adapter" / "adapter_model.safetensors")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) == 0

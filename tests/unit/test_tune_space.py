@@ -1,0 +1,93 @@
+"""The ``tune`` section checked against the spec before any trial starts (one line naming the field, the value
+and the fix), the trials' specs, and the samplers' grids — without running a trial."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kubetune.config.load import parse_spec
+from kubetune.errors import KubetuneError, SpecError
+from kubetune.tune import space
+
+OBJECTIVES = {"eval_loss", "train_loss", "eval_accuracy", "eval_f1_macro"}
+
+
+def _raw(**tune) -> dict:
+    return {
+        "name": "search",
+        "task": "sequence-classification",
+        "model": {"uri": "/models/minilm"},
+        "data": {"train": "/data/reviews.csv"},
+        "training": {"eval_every": 10},
+        "distributed": {"procs_per_node": 1},
+        "output": {"uri": "/tmp/study"},
+        "tune": {
+            "space": {
+                "training.learning_rate": {"type": "float", "low": 1e-5, "high": 1e-3, "log": True},
+                "lora.r": {"type": "choice", "values": [4, 8]},
+            },
+            "objective": "eval_accuracy",
+            **tune,
+        },
+    }
+
+
+def _check(raw: dict) -> None:
+    spec = parse_spec(raw)
+    space.check(spec.model_dump(mode="json", exclude_unset=True), spec, OBJECTIVES)
+
+
+def test_a_valid_section_passes_and_a_trial_spec_is_the_users_with_the_values_in():
+    raw = _raw()
+    _check(raw)
+    trial = space.trial_spec(raw, {"training.learning_rate": 3e-4, "lora.r": 8}, "/tmp/study/trials/trial-000")
+    spec = parse_spec(trial)
+    assert spec.tune is None and spec.output.uri == "/tmp/study/trials/trial-000"
+    assert spec.training.learning_rate == 3e-4 and spec.lora.r == 8 and spec.training.eval_every == 10
+    assert raw["tune"] and "lora" not in raw  # the user's spec is not changed
+
+
+@pytest.mark.parametrize(
+    "change, field, says",
+    [
+        ({"space": {"training.learnin_rate": {"type": "float", "low": 1e-5, "high": 1e-3}}}, "tune.space", "learnin"),
+        ({"space": {"training.warmup_ratio": {"type": "float", "low": 0.1, "high": 1.5}}}, "tune.space", "1.5"),
+        ({"space": {"lora.r": {"type": "choice", "values": [8, 0]}}}, "tune.space.lora.r", "lora.r = 0"),
+        ({"space": {"output.uri": {"type": "choice", "values": ["/a"]}}}, "tune.space.output.uri", "kubetune's"),
+        ({"objective": "eval_acuracy"}, "tune.objective", "eval_accuracy"),
+        ({"algorithm": "cmaes"}, "tune.algorithm", "choice"),
+        ({"algorithm": "grid"}, "tune.space.training.learning_rate", "continuous"),
+        ({"parallel": (os.cpu_count() or 1) + 1}, "tune.parallel", "cores"),
+    ],
+)
+def test_what_cannot_run_is_one_line_before_any_trial(change, field, says):
+    with pytest.raises(KubetuneError) as e:
+        _check(_raw(**change))
+    text = str(e.value)
+    assert e.value.field.startswith(field) and says in text and "\n" not in text, (e.value.field, text)
+
+
+def test_early_stopping_needs_evaluations_during_training():
+    raw = _raw(early_stopping={"min_trials": 2})
+    raw["training"] = {}
+    with pytest.raises(KubetuneError) as e:
+        _check(raw)
+    assert e.value.field == "tune.early_stopping" and "eval_every" in str(e.value)
+
+
+def test_the_section_itself_is_checked_by_the_spec():
+    with pytest.raises(SpecError) as e:
+        parse_spec(_raw(space={"training.learning_rate": {"type": "float", "low": 0, "high": 1e-3, "log": True}}))
+    assert "log scale needs low above 0" in str(e.value)
+    with pytest.raises(SpecError):
+        parse_spec(_raw(space={"lora.r": {"type": "choice"}}))
+
+
+def test_a_grid_lists_every_value_and_the_samplers_are_optunas():
+    spec = parse_spec(_raw(space={"lora.r": {"type": "int", "low": 4, "high": 16, "step": 4}}, algorithm="grid"))
+    assert spec.tune.space["lora.r"].grid() == [4, 8, 12, 16]
+    assert type(space.sampler(spec.tune)).__name__ == "GridSampler"
+    assert spec.tune.minimize() is False  # accuracy: maximized
+    assert parse_spec(_raw(objective="eval_loss")).tune.minimize() is True
