@@ -32,6 +32,7 @@ NODE_LOCAL = (
 REFUSED = {
     "causal-tiny-chat": NODE_LOCAL.format(uri="runs/causal-tiny-chat"),
     "sentiment-minilm": NODE_LOCAL.format(uri="runs/sentiment-minilm"),
+    "sentiment-minilm-tune": NODE_LOCAL.format(uri="runs/sentiment-minilm-tune"),
 }
 SERVED = [pytest.param(p, id=p.stem) for p in EXAMPLES if p.stem not in REFUSED]
 

@@ -55,6 +55,14 @@ def render(
             "(and the ServiceAccount that lends KServe the job's storage Secrets); see the spec's serving section.",
         ),
     ] = False,
+    tune: Annotated[
+        bool,
+        typer.Option(
+            "--tune",
+            help="Instead of the job, the Katib Experiment that runs the spec's tune section on the cluster (its "
+            "trials: the job's PyTorchJob with each trial's values).",
+        ),
+    ] = False,
 ) -> None:
     """Print the Kubernetes objects for a job spec (multi-document YAML); touches no cluster."""
     from kubetune.backends import base
@@ -68,10 +76,23 @@ def render(
         _check_namespace(namespace)
         job = load_spec(spec, set_)
         ns = namespace or job.kubernetes.namespace or "default"
-        rendered = serving.render_serve(job, ns) if serve else manifests.render(job, ns, target)
+        if tune and serve:
+            raise KubetuneError("--tune and --serve render different things", field="--tune", fix="give one of them")
+        if tune:
+            from kubetune.backends.kubeflow.katib import render_tune
+
+            rendered = render_tune(job, ns, target)
+        else:
+            rendered = serving.render_serve(job, ns) if serve else manifests.render(job, ns, target)
     except KubetuneError as e:
         _fail(e)
-    for warning in serving.serve_warnings(job, ns) if serve else checks.warnings_for(job):
+    if tune:
+        from kubetune.backends.kubeflow.katib import tune_warnings
+
+        warnings = tune_warnings(job, ns) + checks.warnings_for(job)
+    else:
+        warnings = serving.serve_warnings(job, ns) if serve else checks.warnings_for(job)
+    for warning in warnings:
         typer.echo(f"warning: {warning}", err=True)
     text = rendered.to_yaml()
     if output:

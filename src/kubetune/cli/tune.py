@@ -37,7 +37,7 @@ def tune(
                 "objective: eval_loss}",
             )
         base = job.model_dump(mode="json", exclude_unset=True)
-        out = _local_output(job.output.uri)
+        out = _local_output(job)
         from kubetune import tasks
         from kubetune.tune import report, space, study
 
@@ -62,12 +62,14 @@ def tune(
         )
 
 
-def _local_output(uri: str) -> Path:
-    scheme, sep, rest = uri.partition("://")
-    if sep and scheme != "file":
+def _local_output(job) -> Path:
+    from kubetune.artifacts.output import Output
+
+    out = Output.for_spec(job)
+    if out.scheme != "file":
         raise KubetuneError(
-            f"kubetune tune keeps its study in a local directory, and output.uri is {uri}",
+            f"kubetune tune keeps its study in a local directory, and output.uri is {out.uri}",
             field="output.uri",
             fix="give a local directory (each trial's run goes under it)",
         )
-    return Path(rest if sep else uri).expanduser().resolve()
+    return out.local.resolve()

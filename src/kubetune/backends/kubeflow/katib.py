@@ -1,0 +1,215 @@
+"""Pure builders: a spec's ``tune`` section → a Katib ``Experiment`` (kubeflow.org/v1beta1) whose trials are the
+PyTorchJob kubetune renders for the spec, built with Katib's own typed models (``kubeflow-katib-api``).
+
+Each trial's values reach kubetune as ``--set PATH=VALUE`` on the pods' staging command (``kubetune fetch``),
+which writes the trial's own spec into the trial's own staging directory; the trial's output is
+``output.uri/trials/<trial name>``. Katib's StdOut metrics collector reads the primary pod's log: kubetune's
+evaluation lines (``epoch 1, step 50: eval_loss 0.52 eval_accuracy 0.81``, lm-eval's ``step 50: lm_eval
+arc_easy/acc 0.41``) through a metrics format of two groups (name, value), and the objective is the latest
+value (the evaluation after training). Early stopping is Katib's medianstop; the algorithms have the same
+names in Katib as in the spec (Katib's Optuna and Goptuna suggestion services).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+from kubetune.artifacts.output import Output
+from kubetune.backends.cluster.objects import CONTAINER, stage_dir, to_yaml
+from kubetune.config import JobSpec
+from kubetune.config.tune import ParamSpec
+from kubetune.errors import KubetuneError
+
+KATIB_API = ("kubeflow.org", "v1beta1", "experiments")
+# kubetune's evaluation lines: a metric's name (eval_*, train_*, or an lm-eval task/metric) and its value
+METRICS_FORMAT = (
+    r"((?:eval|train)_[A-Za-z0-9_]+|[A-Za-z0-9_.-]+/[A-Za-z0-9_./-]+)[ =]([-+]?[0-9]+(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?)"
+)
+MAX_NAME = 40  # Katib's webhook: an Experiment's name (its trials' and suggestion's names derive from it)
+INJECTION_LABEL = "katib.kubeflow.org/metrics-collector-injection"  # the namespace label Katib's webhook needs
+TRIAL_NAME = "trialName"  # the trial parameter that carries the trial's name (``${trialSpec.Name}``)
+# Katib's PyTorchJob conditions (as its SDK's tune() sets them)
+SUCCESS = 'status.conditions.#(type=="Succeeded")#|#(status=="True")#'
+FAILURE = 'status.conditions.#(type=="Failed")#|#(status=="True")#'
+
+
+@dataclass(frozen=True)
+class RenderedTune:
+    """What a study on Katib needs, in creation order: the spec's ConfigMap (the trials' shared spec), the
+    workspace claim, the Experiment."""
+
+    config_map: dict
+    pvc: dict | None
+    experiment: dict
+
+    def objects(self) -> list[dict]:
+        return [self.config_map, *([self.pvc] if self.pvc else []), self.experiment]
+
+    def to_yaml(self) -> str:
+        return to_yaml(self.objects())
+
+
+def param_name(path: str) -> str:
+    """A search-space path as a Katib parameter and trial-parameter name: ``training.learning_rate`` ->
+    ``training-learning_rate`` (Katib substitutes ``${trialParameters.NAME}`` for names of letters, digits,
+    ``-`` and ``_``)."""
+    return path.replace(".", "-")
+
+
+def render_tune(spec: JobSpec, namespace: str, target: str = "pytorchjob") -> RenderedTune:
+    """The Katib Experiment for ``spec``'s tune section.
+
+    Raises:
+        KubetuneError / SpecError: no tune section, a target Katib does not run, what the job's render refuses.
+    """
+    from kubetune.backends.kubeflow import manifests
+
+    if spec.tune is None:
+        raise KubetuneError("the spec has no tune section", field="tune", fix="add one, or drop --tune")
+    if target != "pytorchjob":
+        raise KubetuneError(
+            f"--tune renders a Katib Experiment whose trials are PyTorchJobs, and --target is {target}",
+            field="--target",
+            fix="drop --target (or use pytorchjob)",
+        )
+    if len(spec.name) > MAX_NAME:
+        raise KubetuneError(
+            f"the Experiment is named after the job, and Katib refuses names over {MAX_NAME} characters "
+            f"({spec.name!r} has {len(spec.name)})",
+            field="name",
+            fix=f"a name of at most {MAX_NAME} characters",
+        )
+    if Output.for_spec(spec).scheme == "hf":
+        raise KubetuneError(
+            "each trial writes its own output under output.uri/trials/, and a Hub repository holds one model",
+            field="output.uri",
+            fix="give the study an s3:// output or a path on the workspace claim, then push the best trial",
+        )
+    job_spec = spec.model_copy(update={"tune": None})
+    rendered = manifests.render(job_spec, namespace, target)
+    return RenderedTune(rendered.config_map, rendered.pvc, build_experiment(spec, rendered.job, namespace))
+
+
+def build_experiment(spec: JobSpec, job: dict, namespace: str) -> dict:
+    from kubeflow_katib_api import models as kt
+
+    tune = spec.tune
+    parameters = [_parameter(path, p) for path, p in tune.space.items()]
+    trial_parameters = [
+        kt.V1beta1TrialParameterSpec(name=param_name(path), reference=param_name(path), description=f"spec {path}")
+        for path in tune.space
+    ] + [kt.V1beta1TrialParameterSpec(name=TRIAL_NAME, reference="${trialSpec.Name}", description="the trial")]
+    stop = tune.early_stopping
+    early = None
+    if stop is not None:
+        every = spec.evaluation.every if "/" in tune.objective else spec.training.eval_every
+        early = kt.V1beta1EarlyStoppingSpec(
+            algorithm_name="medianstop",
+            algorithm_settings=[
+                kt.V1beta1EarlyStoppingSetting(name="min_trials_required", value=str(stop.min_trials)),
+                # medianstop counts evaluations reported, not steps
+                kt.V1beta1EarlyStoppingSetting(
+                    name="start_step", value=str(max(1, math.ceil(stop.warmup_steps / every)) if every else 1)
+                ),
+            ],
+        )
+    settings = (
+        [] if tune.algorithm == "grid" else [kt.V1beta1AlgorithmSetting(name="random_state", value=str(tune.seed))]
+    )
+    experiment = kt.V1beta1Experiment(
+        api_version="kubeflow.org/v1beta1",
+        kind="Experiment",
+        metadata={"name": spec.name, "namespace": namespace, "labels": {"app.kubernetes.io/managed-by": "kubetune"}},
+        spec=kt.V1beta1ExperimentSpec(
+            objective=kt.V1beta1ObjectiveSpec(
+                type="minimize" if tune.minimize() else "maximize",
+                objective_metric_name=tune.objective,
+                metric_strategies=[kt.V1beta1MetricStrategy(name=tune.objective, value="latest")],
+            ),
+            algorithm=kt.V1beta1AlgorithmSpec(algorithm_name=tune.algorithm, algorithm_settings=settings or None),
+            early_stopping=early,
+            # Katib refuses more at once, or more failures, than trials
+            parallel_trial_count=min(tune.parallel, tune.trials),
+            max_trial_count=tune.trials,
+            max_failed_trial_count=min(tune.max_failed, tune.trials),
+            parameters=parameters,
+            metrics_collector_spec=kt.V1beta1MetricsCollectorSpec(
+                collector=kt.V1beta1CollectorSpec(kind="StdOut"),
+                source=kt.V1beta1SourceSpec(filter=kt.V1beta1FilterSpec(metrics_format=[METRICS_FORMAT])),
+            ),
+            trial_template=kt.V1beta1TrialTemplate(
+                primary_container_name=CONTAINER,
+                primary_pod_labels=_primary_pod(job),
+                success_condition=SUCCESS,
+                failure_condition=FAILURE,
+                trial_parameters=trial_parameters,
+                trial_spec=trial_job(spec, job),
+            ),
+        ),
+    )
+    return experiment.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+def _parameter(path: str, p: ParamSpec):
+    from kubeflow_katib_api import models as kt
+
+    if p.type == "choice":
+        numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in p.values)
+        return kt.V1beta1ParameterSpec(
+            name=param_name(path),
+            parameter_type="discrete" if numeric else "categorical",
+            feasible_space=kt.V1beta1FeasibleSpace(list=[_text(v) for v in p.values]),
+        )
+    cast = int if p.type == "int" else float
+    return kt.V1beta1ParameterSpec(
+        name=param_name(path),
+        parameter_type="int" if p.type == "int" else "double",
+        feasible_space=kt.V1beta1FeasibleSpace(
+            min=_text(cast(p.low)),
+            max=_text(cast(p.high)),
+            step=_text(cast(p.step)) if p.step is not None else None,
+            distribution="logUniform" if p.log else "uniform",
+        ),
+    )
+
+
+def _text(v) -> str:
+    return ("true" if v else "false") if isinstance(v, bool) else repr(v) if isinstance(v, float) else str(v)
+
+
+def _primary_pod(job: dict) -> dict[str, str]:
+    """The pod whose log holds the metrics: the Master (rank 0), or worker 0 of an elastic job."""
+    if "Master" in job["spec"]["pytorchReplicaSpecs"]:
+        return {"training.kubeflow.org/job-role": "master"}
+    return {"training.kubeflow.org/replica-type": "worker", "training.kubeflow.org/replica-index": "0"}
+
+
+def trial_job(spec: JobSpec, job: dict) -> dict:
+    """The PyTorchJob as a trial template: staged into the trial's own directory with the trial's values set
+    (``kubetune fetch --set``), writing to the trial's own output."""
+    trial = copy.deepcopy(job)
+    trial["metadata"] = {k: v for k, v in trial["metadata"].items() if k in ("labels", "annotations")}
+    own = f"{stage_dir(spec)}/${{trialParameters.{TRIAL_NAME}}}"
+    sets = [f"{path}=${{trialParameters.{param_name(path)}}}" for path in spec.tune.space]
+    sets.append(f"output.uri={Output.for_spec(spec).prefix}/trials/${{trialParameters.{TRIAL_NAME}}}")
+    for replica in trial["spec"]["pytorchReplicaSpecs"].values():
+        pod = replica["template"]["spec"]
+        for container in pod.get("initContainers", []) + pod["containers"]:
+            command = [own if arg == stage_dir(spec) else arg for arg in container["command"]]
+            command = [f"{own}/job.yaml" if arg == f"{stage_dir(spec)}/job.yaml" else arg for arg in command]
+            if command[:2] == ["kubetune", "fetch"]:
+                for item in sets:
+                    command += ["--set", item]
+            container["command"] = command
+    return trial
+
+
+def tune_warnings(spec: JobSpec, namespace: str) -> list[str]:
+    """What a render cannot check about the cluster, one line each."""
+    return [
+        f"Katib admits an Experiment only in a namespace labelled {INJECTION_LABEL}=enabled: "
+        f"kubectl label namespace {namespace} {INJECTION_LABEL}=enabled (deploy/install.sh --with katib does it "
+        "for the kubeflow namespace)"
+    ]
