@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import ROOT, kubetune, tiny_spec, wait_for_checkpoint, write_spec
 from safetensors.torch import load_file
 
@@ -38,8 +39,10 @@ def _study(train: Path, out: Path, **tune) -> dict:
     return spec
 
 
-def test_a_study_finds_a_best_trial_that_kubetune_run_trains_again_exactly(small_csv, tmp_path):
-    path = write_spec(tmp_path / "job.yaml", _study(small_csv, tmp_path / "study", early_stopping={"min_trials": 1}))
+def test_a_study_finds_a_best_trial_that_kubetune_run_trains_again_exactly(small_csv, tmp_path, mlflow_server):
+    spec = _study(small_csv, tmp_path / "study", early_stopping={"min_trials": 1})
+    spec["tracking"] = {"mlflow": {"uri": mlflow_server, "experiment": "tune-test"}}
+    path = write_spec(tmp_path / "job.yaml", spec)
     r = kubetune("tune", str(path), timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     out = tmp_path / "study"
@@ -55,6 +58,25 @@ def test_a_study_finds_a_best_trial_that_kubetune_run_trains_again_exactly(small
     assert best["value"] == max(t["value"] for t in data["trials"] if t["state"] == "complete")
     assert f"best: trial {best['number']}" in r.stdout and "eval_accuracy" in r.stdout
     assert (out / "report.html").stat().st_size > 0 and (out / "plots" / "optimization_history.png").exists()
+    shown = kubetune("tune", str(path), "--status", "--json")
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert [t["state"] for t in json.loads(shown.stdout)["trials"]] == states
+    # MLflow: the study's run, every trial's run nested under it, the best value on the parent
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(mlflow_server)
+    experiment = client.get_experiment_by_name("tune-test").experiment_id
+    runs = client.search_runs([experiment])
+    parents = [r for r in runs if r.info.run_name == "tiny-tune"]
+    assert len(parents) == 1, [r.info.run_name for r in runs]
+    parent = parents[0]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert sorted(r.info.run_name for r in children) == [f"tiny-trial-{n:03d}" for n in range(3)]
+    assert parent.data.metrics["best_eval_accuracy"] == best["value"]
+    assert parent.data.tags["kubetune.best_trial"] == str(best["number"])
+    best_spec = yaml.safe_load((out / "best.yaml").read_text())
+    best_spec.pop("tracking")  # trained again outside the study
+    write_spec(out / "best.yaml", best_spec)
     again = kubetune("run", str(out / "best.yaml"), timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert json.loads((out / "best" / "metrics.json").read_text())["eval_accuracy"] == best["value"]

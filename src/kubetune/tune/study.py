@@ -20,7 +20,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -55,7 +54,7 @@ class Search:
     def __init__(self, base: dict, spec: JobSpec, out: Path):
         self.base, self.spec, self.out = base, spec, out
         self.tune: TuneSpec = spec.tune
-        self.lock = threading.Lock()  # the progress lines and the best-so-far, across parallel trials
+        self.parent: tuple[Any, str] | None = None  # the MLflow client and the study's run (tracking.mlflow)
 
     # ---- the study ----
     def run(self) -> Any:
@@ -88,6 +87,7 @@ class Search:
         # a new session's sampler continues from a seed of its own: the same seed again would draw the values
         # of the first session's first trials again
         study.sampler = space.sampler(self.tune, offset=len(study.get_trials(deepcopy=False)))
+        self.parent = self._mlflow_parent(study)
         self._resume_interrupted(study)
         remaining = self.tune.trials - len(counted(study))
         if self.tune.algorithm == "grid":
@@ -108,6 +108,7 @@ class Search:
                 catch=(TrialFailed,),
                 callbacks=[self._after_trial],
             )
+        self._mlflow_finish(study)
         failed = genuinely_failed(study)
         if len(failed) > self.tune.max_failed:
             raise KubetuneError(
@@ -116,6 +117,45 @@ class Search:
                 fix=f"read the trial's log under {self.out / 'logs'}; raise tune.max_failed to go on past failures",
             )
         return study
+
+    def _mlflow_parent(self, study) -> tuple[Any, str] | None:
+        """With tracking.mlflow: the study's parent run (made once, its id kept in the study), under which every
+        trial's own run is nested (the ``mlflow.parentRunId`` tag); None without."""
+        cfg = self.spec.tracking.mlflow
+        if cfg is None:
+            return None
+        from kubetune.training import tracking
+
+        client = tracking.connect(self.spec)
+        run_id = study.user_attrs.get("mlflow_run")
+        if run_id is None:
+            experiment = client.get_experiment_by_name(cfg.experiment)
+            experiment_id = experiment.experiment_id if experiment else client.create_experiment(cfg.experiment)
+            tags = {"kubetune.job": self.spec.name, "kubetune.study": str(self.out), **cfg.tags}
+            run_id = client.create_run(
+                experiment_id, run_name=f"{cfg.run_name or self.spec.name}-tune", tags=tags
+            ).info.run_id
+            study.set_user_attr("mlflow_run", run_id)
+            for path, p in self.tune.space.items():
+                client.log_param(run_id, f"tune.space.{path}", json.dumps(p.model_dump(exclude_none=True)))
+            for key in ("objective", "algorithm", "trials", "parallel", "seed"):
+                client.log_param(run_id, f"tune.{key}", str(getattr(self.tune, key)))
+        say(f"MLflow: study run {run_id}, each trial's run nested under it")
+        return client, run_id
+
+    def _mlflow_finish(self, study) -> None:
+        if self.parent is None:
+            return
+        client, run_id = self.parent
+        try:
+            best = study.best_trial
+        except ValueError:
+            return
+        client.log_metric(run_id, f"best_{self.tune.objective}", best.value)
+        client.set_tag(run_id, "kubetune.best_trial", str(best.number))
+        for path, value in best.params.items():
+            client.set_tag(run_id, f"best.{path}", str(value))
+        client.set_terminated(run_id)
 
     def _resume_interrupted(self, study) -> None:
         """Trials left running by a session that died: each marked failed and queued again with its values and
@@ -143,7 +183,13 @@ class Search:
         values = {path: space.suggest(trial, path, p) for path, p in self.tune.space.items()}
         name = trial.user_attrs.get("dir") or f"trial-{trial.number:03d}"
         out, spec_path, log_path = self.out / "trials" / name, self.out / "specs" / f"{name}.yaml", self.out / "logs"
-        spec_path.write_text(yaml.safe_dump(space.trial_spec(self.base, values, str(out)), sort_keys=False))
+        nested = None
+        if self.parent is not None:  # the trial's MLflow run under the study's, named after the trial
+            nested = {"mlflow.parentRunId": self.parent[1]}
+            values = {**values, "tracking.mlflow.run_name": f"{self.spec.name}-{name}"}
+        trial_raw = space.trial_spec(self.base, values, str(out), nested)
+        spec_path.write_text(yaml.safe_dump(trial_raw, sort_keys=False))
+        values = {k: v for k, v in values.items() if k in self.tune.space}
         env = dict(os.environ)
         procs = self.spec.distributed.procs_per_node
         if self.tune.parallel > 1 and "OMP_NUM_THREADS" not in env:  # the cores shared out among the trials
@@ -194,6 +240,22 @@ class Search:
         except ValueError:  # none finished yet
             return ""
         return f" (best so far {best.value:.4f}, trial {best.number})"
+
+
+def load(spec: JobSpec, out: Path):
+    """The study in ``out`` as it stands, read only (a session may be running it).
+
+    Raises:
+        KubetuneError: there is no study there.
+    """
+    import optuna
+
+    if not (out / "study.db").is_file():
+        raise KubetuneError(
+            f"no study in {out} (no study.db)", field="output.uri", fix="run `kubetune tune SPEC` to start it"
+        )
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna.load_study(study_name=spec.name, storage=f"sqlite:///{out / 'study.db'}")
 
 
 def counted(study) -> list:
