@@ -91,3 +91,12 @@ def test_a_grid_lists_every_value_and_the_samplers_are_optunas():
     assert type(space.sampler(spec.tune)).__name__ == "GridSampler"
     assert spec.tune.minimize() is False  # accuracy: maximized
     assert parse_spec(_raw(objective="eval_loss")).tune.minimize() is True
+
+
+def test_trials_side_by_side_share_the_cores():
+    cores = os.cpu_count() or 1
+    assert space.threads_per_trial(parse_spec(_raw())) is None  # one at a time: the run takes them all
+    assert space.threads_per_trial(parse_spec(_raw(parallel=2))) == max(1, cores // 2)
+    raw = _raw(parallel=2)
+    raw["distributed"]["threads_per_proc"] = 1
+    assert space.threads_per_trial(parse_spec(raw)) is None  # the spec's own setting stands

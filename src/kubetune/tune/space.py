@@ -108,6 +108,16 @@ def check(base: dict, spec: JobSpec, objectives: set[str]) -> None:
         )
 
 
+def threads_per_trial(spec: JobSpec) -> int | None:
+    """Each trial process's threads when trials run side by side: the cores shared out, so that ``parallel``
+    trials do not each take every core (the spec's own ``distributed.threads_per_proc`` wins); None for one
+    trial at a time. Set in the trial's spec: ``kubetune run`` sizes its workers' threads from it, not from
+    OMP_NUM_THREADS (two trials of two threads each on 2 cores trained 18x slower, benchmarks/tune_study.py)."""
+    if spec.tune.parallel == 1 or spec.distributed.threads_per_proc:
+        return None
+    return max(1, (os.cpu_count() or 1) // (spec.tune.parallel * spec.distributed.procs_per_node))
+
+
 def _evaluates_during_training(spec: JobSpec) -> bool:
     if "/" in spec.tune.objective:
         return bool(spec.evaluation and spec.evaluation.every)

@@ -184,6 +184,9 @@ class Search:
         name = trial.user_attrs.get("dir") or f"trial-{trial.number:03d}"
         out, spec_path, log_path = self.out / "trials" / name, self.out / "specs" / f"{name}.yaml", self.out / "logs"
         nested = None
+        threads = space.threads_per_trial(self.spec)
+        if threads is not None:  # the cores shared out among the trials running at once
+            values = {**values, "distributed.threads_per_proc": threads}
         if self.parent is not None:  # the trial's MLflow run under the study's, named after the trial
             nested = {"mlflow.parentRunId": self.parent[1]}
             values = {**values, "tracking.mlflow.run_name": f"{self.spec.name}-{name}"}
@@ -191,9 +194,6 @@ class Search:
         spec_path.write_text(yaml.safe_dump(trial_raw, sort_keys=False))
         values = {k: v for k, v in values.items() if k in self.tune.space}
         env = dict(os.environ)
-        procs = self.spec.distributed.procs_per_node
-        if self.tune.parallel > 1 and "OMP_NUM_THREADS" not in env:  # the cores shared out among the trials
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // (self.tune.parallel * procs)))
         with open(log_path / f"{name}.log", "a") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "kubetune", "run", str(spec_path)],
