@@ -14,7 +14,8 @@ import yaml
 from fakes import katib as fake_katib
 
 from kubetune.backends.cluster import strict
-from kubetune.backends.kubeflow.katib import METRICS_FORMAT, render_tune
+from kubetune.backends.kubeflow.katib import METRICS_FORMAT
+from kubetune.backends.kubeflow.manifests import render_tune
 from kubetune.config import load_spec
 from kubetune.config.load import parse_spec
 from kubetune.errors import KubetuneError

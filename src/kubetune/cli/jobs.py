@@ -79,17 +79,13 @@ def render(
         if tune and serve:
             raise KubetuneError("--tune and --serve render different things", field="--tune", fix="give one of them")
         if tune:
-            from kubetune.backends.kubeflow.katib import render_tune
-
-            rendered = render_tune(job, ns, target)
+            rendered = manifests.render_tune(job, ns, target)
         else:
             rendered = serving.render_serve(job, ns) if serve else manifests.render(job, ns, target)
     except KubetuneError as e:
         _fail(e)
     if tune:
-        from kubetune.backends.kubeflow.katib import tune_warnings
-
-        warnings = tune_warnings(job, ns) + checks.warnings_for(job)
+        warnings = manifests.tune_warnings(job, ns) + checks.warnings_for(job)
     else:
         warnings = serving.serve_warnings(job, ns) if serve else checks.warnings_for(job)
     for warning in warnings:

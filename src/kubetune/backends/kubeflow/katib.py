@@ -20,7 +20,6 @@ from kubetune.artifacts.output import Output
 from kubetune.backends.cluster.objects import CONTAINER, stage_dir, to_yaml
 from kubetune.config import JobSpec
 from kubetune.config.tune import ParamSpec
-from kubetune.errors import KubetuneError
 
 KATIB_API = ("kubeflow.org", "v1beta1", "experiments")
 # kubetune's evaluation lines: a metric's name (eval_*, train_*, or an lm-eval task/metric) and its value
@@ -56,40 +55,6 @@ def param_name(path: str) -> str:
     ``training-learning_rate`` (Katib substitutes ``${trialParameters.NAME}`` for names of letters, digits,
     ``-`` and ``_``)."""
     return path.replace(".", "-")
-
-
-def render_tune(spec: JobSpec, namespace: str, target: str = "pytorchjob") -> RenderedTune:
-    """The Katib Experiment for ``spec``'s tune section.
-
-    Raises:
-        KubetuneError / SpecError: no tune section, a target Katib does not run, what the job's render refuses.
-    """
-    from kubetune.backends.kubeflow import manifests
-
-    if spec.tune is None:
-        raise KubetuneError("the spec has no tune section", field="tune", fix="add one, or drop --tune")
-    if target != "pytorchjob":
-        raise KubetuneError(
-            f"--tune renders a Katib Experiment whose trials are PyTorchJobs, and --target is {target}",
-            field="--target",
-            fix="drop --target (or use pytorchjob)",
-        )
-    if len(spec.name) > MAX_NAME:
-        raise KubetuneError(
-            f"the Experiment is named after the job, and Katib refuses names over {MAX_NAME} characters "
-            f"({spec.name!r} has {len(spec.name)})",
-            field="name",
-            fix=f"a name of at most {MAX_NAME} characters",
-        )
-    if Output.for_spec(spec).scheme == "hf":
-        raise KubetuneError(
-            "each trial writes its own output under output.uri/trials/, and a Hub repository holds one model",
-            field="output.uri",
-            fix="give the study an s3:// output or a path on the workspace claim, then push the best trial",
-        )
-    job_spec = spec.model_copy(update={"tune": None})
-    rendered = manifests.render(job_spec, namespace, target)
-    return RenderedTune(rendered.config_map, rendered.pvc, build_experiment(spec, rendered.job, namespace))
 
 
 def build_experiment(spec: JobSpec, job: dict, namespace: str) -> dict:

@@ -31,11 +31,12 @@ from kubetune.backends.cluster.objects import (
     stage_dir,
     to_yaml,
 )
+from kubetune.backends.kubeflow import katib
 from kubetune.backends.kubeflow.checks import cluster_problems, trainjob_problems, typed_problems
 from kubetune.backends.kubeflow.tensorboard import build_tensorboard
 from kubetune.config import JobSpec, dump_spec
 from kubetune.config.cluster import default_image
-from kubetune.errors import SpecError
+from kubetune.errors import KubetuneError, SpecError
 
 
 @dataclass(frozen=True)
@@ -412,3 +413,38 @@ def _drop_none(obj):
     if isinstance(obj, list):
         return [_drop_none(v) for v in obj]
     return obj
+
+
+def render_tune(spec: JobSpec, namespace: str, target: str = "pytorchjob") -> katib.RenderedTune:
+    """The Katib Experiment for ``spec``'s tune section.
+
+    Raises:
+        KubetuneError / SpecError: no tune section, a target Katib does not run, what the job's render refuses.
+    """
+    if spec.tune is None:
+        raise KubetuneError("the spec has no tune section", field="tune", fix="add one, or drop --tune")
+    if target != "pytorchjob":
+        raise KubetuneError(
+            f"--tune renders a Katib Experiment whose trials are PyTorchJobs, and --target is {target}",
+            field="--target",
+            fix="drop --target (or use pytorchjob)",
+        )
+    if len(spec.name) > katib.MAX_NAME:
+        raise KubetuneError(
+            f"the Experiment is named after the job, and Katib refuses names over {katib.MAX_NAME} characters "
+            f"({spec.name!r} has {len(spec.name)})",
+            field="name",
+            fix=f"a name of at most {katib.MAX_NAME} characters",
+        )
+    if Output.for_spec(spec).scheme == "hf":
+        raise KubetuneError(
+            "each trial writes its own output under output.uri/trials/, and a Hub repository holds one model",
+            field="output.uri",
+            fix="give the study an s3:// output or a path on the workspace claim, then push the best trial",
+        )
+    job_spec = spec.model_copy(update={"tune": None})
+    rendered = render(job_spec, namespace, target)
+    return katib.RenderedTune(rendered.config_map, rendered.pvc, katib.build_experiment(spec, rendered.job, namespace))
+
+
+tune_warnings = katib.tune_warnings
