@@ -79,6 +79,7 @@ def test_bad_input_is_one_line(minilm_run, task_dir):
     assert r.returncode == 2 and "is not a directory" in r.stderr, r.stderr
 
 
+@pytest.mark.e2e  # make test: the merged export above (the same path, the model loaded otherwise)
 def test_eval_of_a_lora_adapter_unmerged_equals_the_harness_with_peft(tiny_chat_sft, task_dir, tmp_path):
     """`--adapter`: the base model plus adapter/ as PEFT applies it, equal to the harness's own `peft=`."""
     import lm_eval

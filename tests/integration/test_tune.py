@@ -39,6 +39,7 @@ def _study(train: Path, out: Path, **tune) -> dict:
     return spec
 
 
+@pytest.mark.e2e  # 40-70 s: make test checks the tune section's checks and the Katib render (tests/unit)
 def test_a_study_stops_poor_trials_tracks_them_in_mlflow_and_writes_its_best_spec(small_csv, tmp_path, mlflow_server):
     spec = _study(small_csv, tmp_path / "study", early_stopping={"min_trials": 1}, trials=2)
     spec["tracking"] = {"mlflow": {"uri": mlflow_server, "experiment": "tune-test"}}
@@ -79,7 +80,7 @@ def test_a_study_stops_poor_trials_tracks_them_in_mlflow_and_writes_its_best_spe
     assert best_spec["training"]["learning_rate"] == best["params"]["training.learning_rate"]
 
 
-@pytest.mark.e2e  # make test: the study above
+@pytest.mark.e2e
 def test_a_study_killed_during_a_trial_continues_and_resumes_that_trial(small_csv, tmp_path):
     out = tmp_path / "study"
     spec = _study(small_csv, out, trials=2)
