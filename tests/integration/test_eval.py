@@ -30,13 +30,14 @@ def _per_example(samples: dict) -> dict:
     }
 
 
-def _same_as_the_harness(model: Path, task_dir: Path, tmp_path: Path) -> None:
+def _harness(model_args: str, task_dir: Path) -> dict:
+    """The harness's own scoring (`lm_eval --model hf`) of TASKS: the reference kubetune eval must equal."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    want = lm_eval.simple_evaluate(
+    return lm_eval.simple_evaluate(
         model="hf",
-        model_args=f"pretrained={model},dtype=float32,device=cpu",
+        model_args=f"{model_args},dtype=float32,device=cpu",
         tasks=TASKS,
         task_manager=TaskManager(include_path=str(task_dir)),
         batch_size=1,
@@ -44,6 +45,10 @@ def _same_as_the_harness(model: Path, task_dir: Path, tmp_path: Path) -> None:
         log_samples=True,
         random_seed=0,
     )
+
+
+def _same_as_the_harness(model: Path, task_dir: Path, tmp_path: Path) -> None:
+    want = _harness(f"pretrained={model}", task_dir)
     for procs in (1, 2):
         out = tmp_path / f"eval-{procs}.json"
         r = kubetune(
@@ -82,22 +87,10 @@ def test_bad_input_is_one_line(minilm_run, task_dir):
 @pytest.mark.e2e  # make test: the merged export above (the same path, the model loaded otherwise)
 def test_eval_of_a_lora_adapter_unmerged_equals_the_harness_with_peft(tiny_chat_sft, task_dir, tmp_path):
     """`--adapter`: the base model plus adapter/ as PEFT applies it, equal to the harness's own `peft=`."""
-    import lm_eval
-    from lm_eval.tasks import TaskManager
-
     from kubetune.inference.model import adapter_beside
 
     base, adapter = adapter_beside(tiny_chat_sft[0] / "model")
-    want = lm_eval.simple_evaluate(
-        model="hf",
-        model_args=f"pretrained={base},peft={adapter},tokenizer={adapter},dtype=float32,device=cpu",
-        tasks=TASKS,
-        task_manager=TaskManager(include_path=str(task_dir)),
-        batch_size=1,
-        apply_chat_template=True,
-        log_samples=True,
-        random_seed=0,
-    )
+    want = _harness(f"pretrained={base},peft={adapter},tokenizer={adapter}", task_dir)
     out = tmp_path / "adapter.json"
     r = kubetune(
         "eval", str(tiny_chat_sft[0]), "--adapter", "--tasks", ",".join(TASKS), "--include-path", str(task_dir),

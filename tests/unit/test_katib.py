@@ -76,9 +76,7 @@ def test_every_examples_experiment_is_admitted_and_its_trials_are_valid_pytorchj
     # the trial's overrides make a valid spec (what `kubetune fetch --set` stages)
     load_spec_raw = yaml.safe_load(rendered.config_map["data"]["job.yaml"])
     assert "tune" not in load_spec_raw or load_spec_raw["tune"] is None
-    from kubetune.config.load import parse_spec as parse
-
-    parse(load_spec_raw, sets)
+    parse_spec(load_spec_raw, sets)
     for obj in rendered.objects()[:-1]:
         assert strict.validate(obj) == [], obj["kind"]
 

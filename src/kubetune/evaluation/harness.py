@@ -56,7 +56,7 @@ def check_tasks(names: list[str], manager, field: str = "--tasks") -> None:
         if name not in known:
             close = difflib.get_close_matches(name, sorted(known), n=3, cutoff=0.6)
             raise KubetuneError(
-                f"{name!r} is not a task of lm-evaluation-harness {_version()}"
+                f"{name!r} is not a task of lm-evaluation-harness {version()}"
                 + (f" (closest: {', '.join(close)})" if close else ""),
                 field=field,
                 fix="give the harness's task names (`lm-eval ls tasks`), or task YAML with "
@@ -64,7 +64,7 @@ def check_tasks(names: list[str], manager, field: str = "--tasks") -> None:
             )
 
 
-def _version() -> str:
+def version() -> str:
     from importlib.metadata import version
 
     return version("lm_eval")

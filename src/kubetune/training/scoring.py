@@ -54,17 +54,7 @@ def evaluate(trainer, train_s: float, model: torch.nn.Module | None = None, fina
         return None
     values = harness_scalars(harness.scores(results))
     log.info("step %d: lm_eval %s", s.global_step, ", ".join(f"{k} {v:.4f}" for k, v in values.items()))
-    trainer.loggers.log(
-        "lm_eval",
-        s.global_step,
-        values,
-        {
-            "epoch": s.epoch + 1,
-            "samples": s.samples_seen,
-            "train_s": round(train_s, 3),
-            "eval_s": round(time.perf_counter() - t_eval, 3),
-        },
-    )
+    trainer.loggers.log("lm_eval", s.global_step, values, trainer.eval_context(train_s, t_eval))
     return results
 
 
@@ -78,7 +68,7 @@ def final(trainer, metrics: dict, model: torch.nn.Module | None) -> None:
     if results is None:
         return
     metrics["lm_eval"] = harness.scores(results)
-    metrics["lm_eval_harness"] = harness._version()
+    metrics["lm_eval_harness"] = harness.version()
     if trainer.spec.evaluation.log_samples:
         trainer.harness_samples = results.get("samples") or {}
 

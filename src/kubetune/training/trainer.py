@@ -331,20 +331,21 @@ class Trainer:
         )
         # Scalars only: a per-class matrix at every evaluation would grow the file with the classes squared.
         scalars = {k: v for k, v in metrics.items() if not isinstance(v, (list, dict))}
-        self.loggers.log(
-            "eval",
-            s.global_step,
-            scalars,
-            {
-                "epoch": s.epoch + 1,
-                "samples": s.samples_seen,
-                "train_s": round(train_s, 3),
-                "eval_s": round(time.perf_counter() - t_eval, 3),
-            },
-        )
+        self.loggers.log("eval", s.global_step, scalars, self.eval_context(train_s, t_eval))
         self.wrapped.train()
         s.epoch_started += time.perf_counter() - t_eval
         return metrics
+
+    def eval_context(self, train_s: float, t_eval: float) -> dict:
+        """An evaluation record's bookkeeping (the run's own, the harness's): where training stands, and the
+        evaluation's duration since ``t_eval``."""
+        s = self.state
+        return {
+            "epoch": s.epoch + 1,
+            "samples": s.samples_seen,
+            "train_s": round(train_s, 3),
+            "eval_s": round(time.perf_counter() - t_eval, 3),
+        }
 
     def save_checkpoint(self) -> None:
         """All ranks: the checkpoint's contents (``Contents``: every rank's RNG state and accumulators
