@@ -1,7 +1,7 @@
 """`kubetune render --tune`: the Katib Experiment of every example (those without a tune section given one),
 checked against Katib v0.19.0's admission rules (tests/fakes/katib.py, restated from its webhook: no Katib can
-run here), its trial PyTorchJob, once Katib has put a trial's values in, strictly valid against the
-PyTorchJob CRD, and Katib's metrics collector reading the objective from kubetune's own log lines."""
+run here), its trial PyTorchJob, once Katib has put a trial's values in, valid against the typed model and
+admitted by the upstream PyTorchJob CRDs (schema, pruning, CEL) and the Training Operator's webhook rules, and Katib's metrics collector reading the objective from kubetune's own log lines."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from fakes import crds, webhooks
 from fakes import katib as fake_katib
 
 from kubetune.backends.cluster import strict
@@ -65,7 +66,11 @@ def test_every_examples_experiment_is_admitted_and_its_trials_are_valid_pytorchj
     assert fake_katib.validate(exp) == [], exp
     assert exp["spec"]["parallelTrialCount"] <= exp["spec"]["maxTrialCount"]
     job = _substituted(exp)
-    assert strict.validate(job) == []
+    assert strict.validate(job) == []  # the typed model; and what the operator's API server does with it:
+    for release in ("v1.8.1", "v1.9.0"):  # the upstream CRD (schema, unknown fields pruned, CEL), the webhook
+        outcome = crds.crd("pytorchjobs", release).admit(job)
+        assert outcome.errors == [] and outcome.pruned == [], (release, outcome)
+        assert webhooks.pytorchjob_errors(outcome.stored, release) == []
     pod = next(iter(job["spec"]["pytorchReplicaSpecs"].values()))["template"]["spec"]
     fetch, launch = pod["initContainers"][0]["command"], pod["containers"][0]["command"]
     staged = fetch[fetch.index("--dest") + 1]
