@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from fakes import katib as fake_katib
 
 from kubetune.backends.cluster import strict
 from kubetune.backends.kubeflow.katib import METRICS_FORMAT
-from kubetune.backends.kubeflow.manifests import render_tune
+from kubetune.backends.kubeflow.manifests import render, render_tune
 from kubetune.config import load_spec
 from kubetune.config.load import parse_spec
 from kubetune.errors import KubetuneError
@@ -84,6 +85,40 @@ def test_every_examples_experiment_is_admitted_and_its_trials_are_valid_pytorchj
     parse_spec(load_spec_raw, sets)
     for obj in rendered.objects()[:-1]:
         assert strict.validate(obj) == [], obj["kind"]
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_every_examples_trainjob_experiment_is_admitted_and_its_trials_are_valid_trainjobs(path):
+    """--target trainjob: the trials are the TrainJob kubetune renders; where the job itself cannot be a TrainJob,
+    the Experiment is refused with the job's own reasons."""
+    spec = _with_tune(path)
+    ns = spec.kubernetes.namespace or "kubeflow"
+    try:
+        render(spec.model_copy(update={"tune": None}), ns, "trainjob")
+    except KubetuneError as refused:
+        with pytest.raises(KubetuneError) as e:
+            render_tune(spec, ns, "trainjob")
+        assert str(e.value) == str(refused)
+        return
+    exp = render_tune(spec, ns, "trainjob").experiment
+    assert fake_katib.validate(exp) == [], exp
+    template = exp["spec"]["trialTemplate"]
+    assert (template["primaryContainerName"], template["successCondition"]) == (
+        "node",
+        'status.conditions.#(type=="Complete")#|#(status=="True")#',
+    )
+    job = _substituted(exp)
+    outcome = crds.crd("trainjobs", "v2.3.0").admit(job)
+    assert outcome.errors == [] and outcome.pruned == [], outcome
+    runtimes = {r["metadata"]["name"]: r for r in crds.shipped_runtimes()}
+    assert webhooks.trainjob_errors(outcome.stored, runtimes) == []
+    words = shlex.split(job["spec"]["trainer"]["command"][-1])  # as the pod's shell reads the one line
+    fetch, launch = words[: words.index("&&")], words[words.index("&&") + 1 :]
+    staged = fetch[fetch.index("--dest") + 1]
+    assert staged.endswith("/trial-abc123") and launch[-1] == f"{staged}/job.yaml"
+    sets = [fetch[i + 1] for i, arg in enumerate(fetch) if arg == "--set"]
+    assert any(s.startswith("output.uri=") and s.endswith("/trials/trial-abc123") for s in sets)
+    parse_spec(yaml.safe_load(render_tune(spec, ns, "trainjob").config_map["data"]["job.yaml"]), sets)
 
 
 def test_katibs_rules_refuse_what_they_should():

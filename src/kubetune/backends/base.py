@@ -74,6 +74,16 @@ def serving(namespace: str | None = None, kubeconfig: str | None = None, context
     return getattr(importlib.import_module(module), cls)(namespace=namespace, kubeconfig=kubeconfig, context=context)
 
 
+# What runs a spec's tune section on a cluster (`--tune`): Katib Experiments
+TUNING = "kubetune.backends.kubeflow.experiments:KatibBackend"
+
+
+def tuning(namespace: str | None = None, kubeconfig: str | None = None, context: str | None = None):
+    """The tuning backend (``TUNING``) with these connection options (imported on first use)."""
+    module, _, cls = TUNING.partition(":")
+    return getattr(importlib.import_module(module), cls)(namespace=namespace, kubeconfig=kubeconfig, context=context)
+
+
 def get(name: str, **options: Any) -> Backend:
     """The backend registered as ``name``, made with ``options`` (e.g. namespace, kubeconfig).
 

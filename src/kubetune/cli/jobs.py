@@ -32,6 +32,14 @@ ServeOpt = Annotated[
         "instead of the job.",
     ),
 ]
+TuneOpt = Annotated[
+    bool,
+    typer.Option(
+        "--tune",
+        help="The Katib Experiment that runs the spec's tune section (NAME: the Experiment's, the job's name), "
+        "instead of the job.",
+    ),
+]
 
 
 @app.command()
@@ -60,7 +68,7 @@ def render(
         typer.Option(
             "--tune",
             help="Instead of the job, the Katib Experiment that runs the spec's tune section on the cluster (its "
-            "trials: the job's PyTorchJob with each trial's values).",
+            "trials: the job's PyTorchJob, or TrainJob with --target trainjob, with each trial's values).",
         ),
     ] = False,
 ) -> None:
@@ -134,6 +142,31 @@ def _serve_backend(namespace, context, kubeconfig, target=None):
     return base.serving(namespace=namespace, kubeconfig=kubeconfig, context=context)
 
 
+def _tune_backend(namespace, context, kubeconfig, target=None, serve=False):
+    """The tuning backend (Katib Experiments) with these connection options; --serve with it is refused, and a
+    --target (which picks the trials' kind at submit) too where ``target`` is given here."""
+    from kubetune.backends import base
+
+    if serve:
+        raise KubetuneError("--tune and --serve are about different objects", field="--tune", fix="give one of them")
+    if target is not None:
+        raise KubetuneError(
+            "--target picks the trials' kind at submit and means nothing here with --tune",
+            field="--target",
+            fix="drop it",
+        )
+    _check_namespace(namespace)
+    return base.tuning(namespace=namespace, kubeconfig=kubeconfig, context=context)
+
+
+def _cluster_target(target: str) -> str:
+    from kubetune.backends import base
+
+    if target not in base.CLUSTER:
+        raise KubetuneError(f"unknown target {target!r}", field="--target", fix=f"use {' or '.join(base.CLUSTER)}")
+    return target
+
+
 def _job_backend(name, namespace, context, kubeconfig, target, here=False):
     """The backend of the job called ``name``: ``target``'s; without one, (``here``) a `kubetune run`
     of that name recorded on this machine unless a cluster option is given, else the cluster backend
@@ -161,25 +194,37 @@ def submit(
     kubeconfig: KcOpt = None,
     target: TargetOpt = "pytorchjob",
     serve: ServeOpt = False,
+    tune: TuneOpt = False,
 ) -> None:
     """Create the job on Kubernetes (a PyTorchJob, or a TrainJob) and print its name; with --serve, the
-    KServe InferenceService that serves its export (and the ServiceAccount naming the job's storage Secrets)."""
+    KServe InferenceService that serves its export (and the ServiceAccount naming the job's storage Secrets);
+    with --tune, the Katib Experiment of the spec's tune section (its trials: the job with each trial's values)."""
+    import functools
+
     from kubetune.backends.kserve import manifests as serving
-    from kubetune.backends.kubeflow import checks
+    from kubetune.backends.kubeflow import checks, manifests
     from kubetune.config import load_spec
 
     try:
         job = load_spec(spec, set_)
         ns = namespace or job.kubernetes.namespace
-        if serve:
+        if serve and tune:
+            raise KubetuneError("--tune and --serve submit different things", field="--tune", fix="give one of them")
+        if tune:
+            backend = _tune_backend(ns, context, kubeconfig)
+            warnings = manifests.tune_warnings(job, backend.namespace) + checks.warnings_for(job)
+            create = functools.partial(backend.submit, target=_cluster_target(target))
+        elif serve:
             backend = _serve_backend(ns, context, kubeconfig)
             warnings = serving.serve_warnings(job, backend.namespace)
+            create = backend.submit
         else:
             backend = _backend(ns, context, kubeconfig, target)
             warnings = checks.warnings_for(job)
+            create = backend.submit
         for warning in warnings:
             typer.echo(f"warning: {warning}", err=True)
-        name = backend.submit(job, replace=replace)
+        name = create(job, replace=replace)
     except KubetuneError as e:
         _fail(e)
     typer.echo(name)
@@ -197,16 +242,21 @@ def status(
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     serve: ServeOpt = False,
+    tune: TuneOpt = False,
 ) -> None:
     """Phase, progress (step, loss, ETA, the last evaluation), and why the job failed (with its last log lines).
 
     NAME is a `kubetune run` on this machine if one of that name ran here (unless --namespace,
     --context, --kubeconfig or a cluster --target is given), else the job on the cluster. With --serve,
-    NAME is an InferenceService: whether it is Ready, its URLs and its predictor's replicas."""
+    NAME is an InferenceService: whether it is Ready, its URLs and its predictor's replicas. With --tune,
+    NAME is a Katib Experiment: its trials by state and the best trial so far (a local study: `kubetune tune
+    SPEC --status`)."""
     import dataclasses
 
     try:
-        if serve:
+        if tune:
+            st = _tune_backend(namespace, context, kubeconfig, target, serve).status(name)
+        elif serve:
             st = _serve_backend(namespace, context, kubeconfig, target).status(name)
         else:
             st = _job_backend(name, namespace, context, kubeconfig, target, here=True).status(name)
@@ -217,6 +267,9 @@ def status(
         return
     if serve:
         _print_serve_status(st)
+        return
+    if tune:
+        _print_tune_status(st)
         return
     if st.kind == "LocalRun":
         _print_local_status(st)
@@ -253,6 +306,25 @@ def _print_serve_status(st) -> None:
         typer.echo(f"  reason: {st.reason or 'unknown'}" + (f": {st.message}" if st.message else ""))
     if st.job:
         typer.echo(f"  serves: the export of job {st.job}")
+
+
+def _print_tune_status(st) -> None:
+    done = sum(v for k, v in st.trials.items() if k not in ("trials", "pending", "running"))
+    typer.echo(f"{st.kind} {st.name} in {st.namespace}: {st.phase}, {done} of {st.max_trials or '?'} trials done")
+    counts = {k: v for k, v in st.trials.items() if k != "trials"}
+    if counts:
+        typer.echo("  trials: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+    if st.running:
+        typer.echo("  running: " + ", ".join(st.running))
+    if st.best_trial:
+        metric = st.best_metrics.get(st.objective or "", {}).get("latest")
+        typer.echo(f"  best: {st.best_trial}" + (f", {st.objective} {metric}" if metric is not None else ""))
+        for path, value in st.best_values.items():
+            typer.echo(f"    {path} = {value}")
+        if st.best_output:
+            typer.echo(f"  its output: {st.best_output}")
+    if st.reason or st.message:
+        typer.echo(f"  reason: {st.reason or 'unknown'}" + (f": {st.message}" if st.message else ""))
 
 
 def _print_local_status(st) -> None:
@@ -384,11 +456,13 @@ def delete(
         ),
     ] = False,
     serve: ServeOpt = False,
+    tune: TuneOpt = False,
 ) -> None:
     """Delete the job, its ConfigMap and TensorBoard; its workspace claim (the output) only with --delete-storage.
 
     With --serve: the InferenceService NAME and the ServiceAccount kubetune made for it (never a Secret,
-    nor anything kubetune did not make)."""
+    nor anything kubetune did not make). With --tune: the Katib Experiment NAME (Katib removes its trials'
+    jobs) and its ConfigMap; the trials' workspace claim only with --delete-storage."""
     try:
         if serve and delete_storage:
             raise KubetuneError(
@@ -396,7 +470,9 @@ def delete(
                 field="--delete-storage",
                 fix="drop it, or delete the job without --serve",
             )
-        if serve:
+        if tune:
+            notes = _tune_backend(namespace, context, kubeconfig, target, serve).delete(name, storage=delete_storage)
+        elif serve:
             notes = _serve_backend(namespace, context, kubeconfig, target).delete(name)
         else:
             notes = _job_backend(name, namespace, context, kubeconfig, target).delete(name, storage=delete_storage)

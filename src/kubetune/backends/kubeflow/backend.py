@@ -19,7 +19,79 @@ from kubetune.config import JobSpec
 from kubetune.errors import KubetuneError
 
 
-class KubeflowBackend(KubeflowReader):
+class OwnedObjects:
+    """Creating what a job (or a Katib Experiment) brings along, for a backend on a ``ClusterConnection``: the
+    workspace claim it keeps and the objects it owns."""
+
+    def _ensure_claim(self, pvc: dict, job: str) -> None:
+        """Create the workspace claim, or keep the one an earlier run of this job left (it holds
+        that run's output and checkpoints, which a resubmitted job resumes from). A claim of that
+        name that kubetune did not make for this job is never touched."""
+        from kubernetes.client.exceptions import ApiException
+
+        name = pvc["metadata"]["name"]
+        with self._errors("create", "persistentvolumeclaims", name):
+            try:
+                self.core.create_namespaced_persistent_volume_claim(self.namespace, pvc)
+                return
+            except ApiException as e:
+                if e.status != 409:
+                    raise
+            existing = self.core.read_namespaced_persistent_volume_claim(name, self.namespace)
+        if (existing.metadata.labels or {}).get(JOB_LABEL) != job:
+            raise KubetuneError(
+                (
+                    f"persistentvolumeclaim '{name}' already exists in namespace '{self.namespace}' and is not job "
+                    f"'{job}''s workspace"
+                ),
+                field="kubernetes.storage",
+                fix="set kubernetes.storage.existing_claim to use it, or rename the job",
+            )
+
+    def _drop_claim(self, name: str, storage: bool, holds: str, command: str) -> list[str]:
+        """After ``name`` is deleted: delete the workspace claim kubetune created for it when ``storage``, else
+        say it was kept (what it ``holds``, and the ``command`` that with ``--delete-storage`` removes it). A
+        claim kubetune did not create for ``name`` is never touched."""
+        from kubernetes.client.exceptions import ApiException
+
+        claim = own_claim(name)
+        with self._errors("get", "persistentvolumeclaims", claim):
+            try:
+                pvc = self.core.read_namespaced_persistent_volume_claim(claim, self.namespace)
+            except ApiException as e:
+                if e.status == 404:
+                    return []
+                raise
+        if (pvc.metadata.labels or {}).get(JOB_LABEL) != name:
+            return []
+        if not storage:
+            return [f"kept persistentvolumeclaim '{claim}' ({holds}); `{command} --delete-storage` removes it"]
+        with self._errors("delete", "persistentvolumeclaims", claim):
+            self.core.delete_namespaced_persistent_volume_claim(claim, self.namespace)
+        return [f"deleted persistentvolumeclaim '{claim}'"]
+
+    def _create_owned(self, obj: dict, replace: bool) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        kind, name = obj["kind"], obj["metadata"]["name"]
+        create, delete = {
+            "ConfigMap": (self.core.create_namespaced_config_map, self.core.delete_namespaced_config_map),
+            "Service": (self.core.create_namespaced_service, self.core.delete_namespaced_service),
+            "Deployment": (self.apps.create_namespaced_deployment, self.apps.delete_namespaced_deployment),
+        }[kind]
+        resource = kind.lower() + "s"
+        with self._errors("create", resource, name):
+            try:
+                create(self.namespace, obj)
+            except ApiException as e:
+                if e.status != 409:
+                    raise
+                # Left over from a job deleted without its garbage collector having finished.
+                delete(name, self.namespace)
+                create(self.namespace, obj)
+
+
+class KubeflowBackend(OwnedObjects, KubeflowReader):
     """Runs job specs on a cluster with the Kubeflow Training Operator (or Trainer v2)."""
 
     @classmethod
@@ -188,51 +260,6 @@ class KubeflowBackend(KubeflowReader):
             for r in items
         ]
 
-    def _ensure_claim(self, pvc: dict, job: str) -> None:
-        """Create the workspace claim, or keep the one an earlier run of this job left (it holds
-        that run's output and checkpoints, which a resubmitted job resumes from). A claim of that
-        name that kubetune did not make for this job is never touched."""
-        from kubernetes.client.exceptions import ApiException
-
-        name = pvc["metadata"]["name"]
-        with self._errors("create", "persistentvolumeclaims", name):
-            try:
-                self.core.create_namespaced_persistent_volume_claim(self.namespace, pvc)
-                return
-            except ApiException as e:
-                if e.status != 409:
-                    raise
-            existing = self.core.read_namespaced_persistent_volume_claim(name, self.namespace)
-        if (existing.metadata.labels or {}).get(JOB_LABEL) != job:
-            raise KubetuneError(
-                (
-                    f"persistentvolumeclaim '{name}' already exists in namespace '{self.namespace}' and is not job "
-                    f"'{job}''s workspace"
-                ),
-                field="kubernetes.storage",
-                fix="set kubernetes.storage.existing_claim to use it, or rename the job",
-            )
-
-    def _create_owned(self, obj: dict, replace: bool) -> None:
-        from kubernetes.client.exceptions import ApiException
-
-        kind, name = obj["kind"], obj["metadata"]["name"]
-        create, delete = {
-            "ConfigMap": (self.core.create_namespaced_config_map, self.core.delete_namespaced_config_map),
-            "Service": (self.core.create_namespaced_service, self.core.delete_namespaced_service),
-            "Deployment": (self.apps.create_namespaced_deployment, self.apps.delete_namespaced_deployment),
-        }[kind]
-        resource = kind.lower() + "s"
-        with self._errors("create", resource, name):
-            try:
-                create(self.namespace, obj)
-            except ApiException as e:
-                if e.status != 409:
-                    raise
-                # Left over from a job deleted without its garbage collector having finished.
-                delete(name, self.namespace)
-                create(self.namespace, obj)
-
     def _delete_and_wait(self, name: str, timeout: float = 60) -> None:
         from kubernetes.client.exceptions import ApiException
 
@@ -270,32 +297,11 @@ class KubeflowBackend(KubeflowReader):
         Returns:
             What was kept or removed, one line each (for the CLI to print).
         """
-        from kubernetes.client.exceptions import ApiException
-
         with self._errors("delete", f"{self.plural}.{self.group}", name):
             self.custom.delete_namespaced_custom_object(
                 self.group, self.version, self.namespace, self.plural, name, propagation_policy="Background"
             )
-        claim = own_claim(name)
-        with self._errors("get", "persistentvolumeclaims", claim):
-            try:
-                pvc = self.core.read_namespaced_persistent_volume_claim(claim, self.namespace)
-            except ApiException as e:
-                if e.status == 404:
-                    return []
-                raise
-        if (pvc.metadata.labels or {}).get(JOB_LABEL) != name:
-            return []
-        if not storage:
-            return [
-                (
-                    f"kept persistentvolumeclaim '{claim}' (the job's output and checkpoints); `kubetune delete "
-                    f"{name} --delete-storage` removes it"
-                )
-            ]
-        with self._errors("delete", "persistentvolumeclaims", claim):
-            self.core.delete_namespaced_persistent_volume_claim(claim, self.namespace)
-        return [f"deleted persistentvolumeclaim '{claim}'"]
+        return self._drop_claim(name, storage, "the job's output and checkpoints", f"kubetune delete {name}")
 
 
 class PyTorchJobBackend(KubeflowBackend):

@@ -1,5 +1,6 @@
 """Pure builders: a spec's ``tune`` section → a Katib ``Experiment`` (kubeflow.org/v1beta1) whose trials are the
-PyTorchJob kubetune renders for the spec, built with Katib's own typed models (``kubeflow-katib-api``).
+PyTorchJob (or the Trainer v2 TrainJob) kubetune renders for the spec, built with Katib's own typed models
+(``kubeflow-katib-api``).
 
 Each trial's values reach kubetune as ``--set PATH=VALUE`` on the pods' staging command (``kubetune fetch``),
 which writes the trial's own spec into the trial's own staging directory; the trial's output is
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import math
+import shlex
 from dataclasses import dataclass
 
 from kubetune.artifacts.output import Output
@@ -29,9 +31,20 @@ METRICS_FORMAT = (
 MAX_NAME = 40  # Katib's webhook: an Experiment's name (its trials' and suggestion's names derive from it)
 INJECTION_LABEL = "katib.kubeflow.org/metrics-collector-injection"  # the namespace label Katib's webhook needs
 TRIAL_NAME = "trialName"  # the trial parameter that carries the trial's name (``${trialSpec.Name}``)
-# Katib's PyTorchJob conditions (as its SDK's tune() sets them)
-SUCCESS = 'status.conditions.#(type=="Succeeded")#|#(status=="True")#'
-FAILURE = 'status.conditions.#(type=="Failed")#|#(status=="True")#'
+# When Katib counts a trial job as finished (GJSON over the job): a PyTorchJob's conditions (as Katib's SDK sets
+# them), a TrainJob's (Trainer v2's Complete and Failed, as the Kubeflow SDK's OptimizerClient sets them)
+CONDITIONS = {
+    "PyTorchJob": (
+        'status.conditions.#(type=="Succeeded")#|#(status=="True")#',
+        'status.conditions.#(type=="Failed")#|#(status=="True")#',
+    ),
+    "TrainJob": (
+        'status.conditions.#(type=="Complete")#|#(status=="True")#',
+        'status.conditions.#(type=="Failed")#|#(status=="True")#',
+    ),
+}
+# A TrainJob's pods (Trainer v2's torch runtimes): JobSet's replicated job "node", its container "node"
+TRAINJOB_CONTAINER = "node"
 
 
 @dataclass(frozen=True)
@@ -105,10 +118,10 @@ def build_experiment(spec: JobSpec, job: dict, namespace: str) -> dict:
                 source=kt.V1beta1SourceSpec(filter=kt.V1beta1FilterSpec(metrics_format=[METRICS_FORMAT])),
             ),
             trial_template=kt.V1beta1TrialTemplate(
-                primary_container_name=CONTAINER,
+                primary_container_name=TRAINJOB_CONTAINER if job["kind"] == "TrainJob" else CONTAINER,
                 primary_pod_labels=_primary_pod(job),
-                success_condition=SUCCESS,
-                failure_condition=FAILURE,
+                success_condition=CONDITIONS[job["kind"]][0],
+                failure_condition=CONDITIONS[job["kind"]][1],
                 trial_parameters=trial_parameters,
                 trial_spec=trial_job(spec, job),
             ),
@@ -145,29 +158,43 @@ def _text(v) -> str:
 
 
 def _primary_pod(job: dict) -> dict[str, str]:
-    """The pod whose log holds the metrics: the Master (rank 0), or worker 0 of an elastic job."""
+    """The pod whose log holds the metrics: the Master (rank 0), worker 0 of an elastic job, a TrainJob's node 0."""
+    if job["kind"] == "TrainJob":
+        return {"jobset.sigs.k8s.io/replicatedjob-name": "node", "batch.kubernetes.io/job-completion-index": "0"}
     if "Master" in job["spec"]["pytorchReplicaSpecs"]:
         return {"training.kubeflow.org/job-role": "master"}
     return {"training.kubeflow.org/replica-type": "worker", "training.kubeflow.org/replica-index": "0"}
 
 
 def trial_job(spec: JobSpec, job: dict) -> dict:
-    """The PyTorchJob as a trial template: staged into the trial's own directory with the trial's values set
-    (``kubetune fetch --set``), writing to the trial's own output."""
+    """The PyTorchJob or TrainJob as a trial template: staged into the trial's own directory with the trial's
+    values set (``kubetune fetch --set``), writing to the trial's own output."""
     trial = copy.deepcopy(job)
     trial["metadata"] = {k: v for k, v in trial["metadata"].items() if k in ("labels", "annotations")}
-    own = f"{stage_dir(spec)}/${{trialParameters.{TRIAL_NAME}}}"
+    stage = stage_dir(spec)
+    own = f"{stage}/${{trialParameters.{TRIAL_NAME}}}"
     sets = [f"{path}=${{trialParameters.{param_name(path)}}}" for path in spec.tune.space]
     sets.append(f"output.uri={Output.for_spec(spec).prefix}/trials/${{trialParameters.{TRIAL_NAME}}}")
+    moved = {stage: own, f"{stage}/job.yaml": f"{own}/job.yaml"}
+
+    def retarget(command: list[str]) -> list[str]:
+        command = [moved.get(arg, arg) for arg in command]
+        if command[:2] != ["kubetune", "fetch"]:
+            return command
+        end = command.index("&&") if "&&" in command else len(command)
+        return command[:end] + [a for item in sets for a in ("--set", item)] + command[end:]
+
+    if trial["kind"] == "TrainJob":
+        # one shell line: `kubetune fetch ... && exec kubetune launch ...`; Katib puts the values in as text, so
+        # every word is quoted for the shell
+        trainer = trial["spec"]["trainer"]
+        words = retarget(shlex.split(trainer["command"][-1]))
+        trainer["command"] = [*trainer["command"][:-1], " ".join(w if w == "&&" else shlex.quote(w) for w in words)]
+        return trial
     for replica in trial["spec"]["pytorchReplicaSpecs"].values():
         pod = replica["template"]["spec"]
         for container in pod.get("initContainers", []) + pod["containers"]:
-            command = [own if arg == stage_dir(spec) else arg for arg in container["command"]]
-            command = [f"{own}/job.yaml" if arg == f"{stage_dir(spec)}/job.yaml" else arg for arg in command]
-            if command[:2] == ["kubetune", "fetch"]:
-                for item in sets:
-                    command += ["--set", item]
-            container["command"] = command
+            container["command"] = retarget(container["command"])
     return trial
 
 

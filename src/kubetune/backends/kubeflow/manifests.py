@@ -419,16 +419,10 @@ def render_tune(spec: JobSpec, namespace: str, target: str = "pytorchjob") -> ka
     """The Katib Experiment for ``spec``'s tune section.
 
     Raises:
-        KubetuneError / SpecError: no tune section, a target Katib does not run, what the job's render refuses.
+        KubetuneError / SpecError: no tune section, a name Katib refuses, what the job's render refuses.
     """
     if spec.tune is None:
         raise KubetuneError("the spec has no tune section", field="tune", fix="add one, or drop --tune")
-    if target != "pytorchjob":
-        raise KubetuneError(
-            f"--tune renders a Katib Experiment whose trials are PyTorchJobs, and --target is {target}",
-            field="--target",
-            fix="drop --target (or use pytorchjob)",
-        )
     if len(spec.name) > katib.MAX_NAME:
         raise KubetuneError(
             f"the Experiment is named after the job, and Katib refuses names over {katib.MAX_NAME} characters "
