@@ -7,6 +7,8 @@
 #      the JobSet it ships, then its ClusterTrainingRuntimes
 #   +  only with --with kserve: KServe (InferenceService CRD, controller,    kubectl (release URL)
 #      the Hugging Face ClusterServingRuntime); needs cert-manager
+#   +  only with --with katib: Katib (Experiment CRD, controller, its DB),    kubectl -k (remote)
+#      then the kubetune namespace labelled for Katib's webhook
 #   4. RBAC for notebooks, then JupyterHub                                 kustomize + helm
 #   5. TensorBoard over the shared workspace claim                         kustomize
 #   6. An MLflow tracking server (artifacts in the MinIO bucket)           kustomize
@@ -14,17 +16,19 @@
 # Every step is idempotent (apply, helm upgrade --install): run it again after a change.
 #
 # Usage: deploy/install.sh [--overlay dev|nebius] [--context NAME] [--env-file FILE]
-#                          [--with trainer|kserve]... [--trainjob-status] [--skip STEP]... [--dry-run]
+#                          [--with trainer|kserve|katib]... [--trainjob-status] [--skip STEP]... [--dry-run]
 #   --overlay   deploy/overlays/NAME: storage classes and sizes (default: dev)
 #   --with      trainer: also install Kubeflow Trainer v2 and JobSet, for kubetune's
 #               --target trainjob (needs Kubernetes and kubectl >= 1.31);
-#               kserve: also install KServe, for `kubetune render --serve` (needs cert-manager)
+#               kserve: also install KServe, for `kubetune render --serve` (needs cert-manager);
+#               katib: also install Katib, for `kubetune submit --tune` (its DB needs a default
+#               StorageClass: OpenEBS's, step 1)
 #   --trainjob-status  with --with trainer: turn on the Trainer's TrainJobStatus feature gate
 #               (alpha), so a TrainJob's rank 0 reports progress into status.trainerStatus
 #   --skip      openebs | minio | training-operator | jupyterhub | tensorboard | mlflow
 #   --dry-run   check the prerequisites, then print every change instead of making it
 # Versions (environment): TRAINING_OPERATOR_REF (v1.8.1), TRAINER_REF (v2.3.0, which ships
-#   JobSet v0.12.0), KSERVE_REF (v0.20.0), OPENEBS_CHART_VERSION (4.1.1),
+#   JobSet v0.12.0), KSERVE_REF (v0.20.0), KATIB_REF (v0.19.0), OPENEBS_CHART_VERSION (4.1.1),
 #   JUPYTERHUB_CHART_VERSION (4.2.0).
 # shellcheck source-path=SCRIPTDIR
 set -euo pipefail
@@ -66,6 +70,14 @@ KSERVE_REF=${KSERVE_REF:-v0.20.0}
 KSERVE_MANIFESTS="https://github.com/kserve/kserve/releases/download/${KSERVE_REF}/kserve.yaml"
 KSERVE_RESOURCES="https://github.com/kserve/kserve/releases/download/${KSERVE_REF}/kserve-cluster-resources.yaml"
 KSERVE_NAMESPACE=kserve
+# Katib (--with katib), upstream's standalone install (kubeflow/katib docs: installation): the
+# Experiment, Suggestion and Trial CRDs, katib-controller (its webhook certificate it makes itself),
+# katib-db-manager and katib-mysql (on a claim of the default StorageClass), katib-ui, in namespace
+# kubeflow. Katib's webhook admits Experiments only in namespaces labelled for its metrics collector.
+KATIB_REF=${KATIB_REF:-v0.19.0}
+KATIB_KUSTOMIZE="github.com/kubeflow/katib.git/manifests/v1beta1/installs/katib-standalone?ref=${KATIB_REF}"
+KATIB_NAMESPACE=kubeflow
+KATIB_LABEL=katib.kubeflow.org/metrics-collector-injection=enabled
 CERT_MANAGER_HINT="kubectl apply -f https://github.com/cert-manager/cert-manager/releases/download/v1.16.2/cert-manager.yaml"
 
 OVERLAY=dev
@@ -74,8 +86,8 @@ WITH=" "
 TRAINJOB_STATUS=0
 TRAINER_GATE_DIR=""
 
-usage() {
-  sed -n '2,28p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+usage() {  # the header: every comment line from line 2 up to the shellcheck directive
+  sed -n '2,/^# shellcheck/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
 }
 
 parse_args() {
@@ -93,10 +105,10 @@ parse_args() {
         shift 2
         ;;
       --with)
-        [[ $# -ge 2 ]] || die "--with needs a COMPONENT (trainer or kserve)"
+        [[ $# -ge 2 ]] || die "--with needs a COMPONENT (trainer, kserve or katib)"
         case $2 in
-          trainer | kserve) WITH+="$2 " ;;
-          *) die "--with '$2' is not an optional component — use trainer or kserve" ;;
+          trainer | kserve | katib) WITH+="$2 " ;;
+          *) die "--with '$2' is not an optional component — use trainer, kserve or katib" ;;
         esac
         shift 2
         ;;
@@ -117,6 +129,9 @@ parse_args() {
   fi
   if wanted kserve; then
     PLAN+=" kserve"
+  fi
+  if wanted katib; then
+    PLAN+=" katib"
   fi
   PLAN+=" jupyterhub tensorboard mlflow"
 }
@@ -160,6 +175,9 @@ preflight() {
   skipped training-operator || need_cmd git "install git (kubectl -k fetches the Training Operator manifests with it), or --skip training-operator"
   if wanted trainer; then
     need_cmd git "install git (kubectl -k fetches the Kubeflow Trainer manifests with it), or leave out --with trainer"
+  fi
+  if wanted katib; then
+    need_cmd git "install git (kubectl -k fetches the Katib manifests with it), or leave out --with katib"
   fi
 
   local minor
@@ -330,6 +348,18 @@ step_kserve() {
   run kc apply --server-side -f "$KSERVE_RESOURCES"
 }
 
+step_katib() {
+  step_title katib "Katib $KATIB_REF, then namespace kubetune labelled for its webhook"
+  run kc apply -k "$KATIB_KUSTOMIZE"
+  run kc wait --for=condition=established crd/experiments.kubeflow.org crd/suggestions.kubeflow.org \
+    crd/trials.kubeflow.org --timeout=2m
+  # The DB first (the db-manager waits for it), then the controller, whose webhook admits Experiments.
+  run kc -n "$KATIB_NAMESPACE" rollout status deployment/katib-mysql --timeout=5m
+  run kc -n "$KATIB_NAMESPACE" rollout status deployment/katib-db-manager --timeout=5m
+  run kc -n "$KATIB_NAMESPACE" rollout status deployment/katib-controller --timeout=5m
+  run kc label namespace kubetune "$KATIB_LABEL" --overwrite
+}
+
 step_jupyterhub() {
   step_title jupyterhub "RBAC for notebooks, then JupyterHub (chart jupyterhub $JUPYTERHUB_CHART_VERSION)"
   apply_component rbac
@@ -393,6 +423,13 @@ EOF
 EOF
     fi
   fi
+  if wanted katib; then
+    cat <<EOF
+Hyperparameter search (Katib $KATIB_REF): kubetune submit --tune job.yaml --namespace kubetune (the spec's
+  tune section as an Experiment); kubetune status --tune NAME; Katib's UI:
+  kubectl$ctx -n $KATIB_NAMESPACE port-forward svc/katib-ui 8081:80 -> http://localhost:8081/katib/
+EOF
+  fi
   if wanted kserve; then
     cat <<EOF
 Serving (KServe $KSERVE_REF): once a job has finished, kubetune render --serve job.yaml | kubectl$ctx apply -f -
@@ -417,6 +454,9 @@ main() {
   fi
   if wanted kserve; then
     step_kserve
+  fi
+  if wanted katib; then
+    step_katib
   fi
   skipped jupyterhub || step_jupyterhub
   skipped tensorboard || step_tensorboard

@@ -537,13 +537,15 @@ def test_with_trainer_needs_git_even_when_the_training_operator_is_skipped(tmp_p
 
 def test_with_takes_only_known_components_and_help_shows_it(tmp_path):
     proc, _, _ = install(tmp_path, "--with", "kueue")
-    assert _one_error_line(proc) == "error: --with 'kueue' is not an optional component — use trainer or kserve"
+    assert _one_error_line(proc) == (
+        "error: --with 'kueue' is not an optional component — use trainer, kserve or katib"
+    )
     proc, _, _ = install(tmp_path, "--with")
-    assert proc.returncode != 0 and proc.stderr.startswith("error: --with needs a COMPONENT (trainer or kserve)")
+    assert proc.returncode != 0 and proc.stderr.startswith("error: --with needs a COMPONENT (trainer, kserve or katib)")
     proc, calls, _ = install(tmp_path, "--help")
     assert proc.returncode == 0 and calls == []
-    assert "[--with trainer|kserve]" in proc.stdout and "TRAINER_REF (v2.3.0, which ships" in proc.stdout
-    assert "KSERVE_REF (v0.20.0)" in proc.stdout
+    assert "[--with trainer|kserve|katib]" in proc.stdout and "TRAINER_REF (v2.3.0, which ships" in proc.stdout
+    assert "KSERVE_REF (v0.20.0)" in proc.stdout and "KATIB_REF (v0.19.0)" in proc.stdout
     assert proc.stdout.rstrip().endswith("JUPYTERHUB_CHART_VERSION (4.2.0).")  # the whole header, nothing after it
 
 
@@ -595,4 +597,62 @@ def test_with_kserve_refuses_a_cluster_without_cert_manager_before_any_change(tm
     line = _one_error_line(proc)
     assert line.startswith("error: cert-manager is not installed on context 'fake-ctx'")
     assert line.endswith("or leave out --with kserve")
+    _nothing_changed(calls)
+
+
+# ------------------------------------------------------------------------------- --with katib (Katib)
+
+KATIB_KUSTOMIZE = "github.com/kubeflow/katib.git/manifests/v1beta1/installs/katib-standalone?ref=v0.19.0"
+# The katib step, in order: upstream's standalone install, its CRDs established, the DB, the db-manager
+# and the controller (whose webhook admits Experiments) ready, then the jobs namespace labelled so that
+# Katib's webhook admits Experiments there (`kubetune submit --tune`).
+KATIB_STEP = [
+    ["kubectl", "apply", "-k", KATIB_KUSTOMIZE],
+    [
+        "kubectl",
+        "wait",
+        "--for=condition=established",
+        "crd/experiments.kubeflow.org",
+        "crd/suggestions.kubeflow.org",
+        "crd/trials.kubeflow.org",
+        "--timeout=2m",
+    ],
+    ["kubectl", "-n", "kubeflow", "rollout", "status", "deployment/katib-mysql", "--timeout=5m"],
+    ["kubectl", "-n", "kubeflow", "rollout", "status", "deployment/katib-db-manager", "--timeout=5m"],
+    ["kubectl", "-n", "kubeflow", "rollout", "status", "deployment/katib-controller", "--timeout=5m"],
+    ["kubectl", "label", "namespace", "kubetune", "katib.kubeflow.org/metrics-collector-injection=enabled",
+     "--overwrite"],
+]  # fmt: skip
+
+
+def test_with_katib_installs_katib_and_labels_the_jobs_namespace_idempotently(tmp_path, env_file):
+    runs = [install(tmp_path, "--with", "katib", env={"KUBETUNE_ENV_FILE": str(env_file)}) for _ in range(2)]
+    (proc, calls, _), (_, calls2, _) = runs
+    assert proc.returncode == 0, proc.stderr
+    start = calls.index(KATIB_STEP[0])
+    assert calls[start : start + len(KATIB_STEP)] == KATIB_STEP
+    assert (
+        _index(calls, STEPS["training-operator"], "training-operator")
+        < start
+        < _index(calls, STEPS["jupyterhub"], "jupyterhub")
+    )
+    assert "==> 4/7 Katib v0.19.0" in proc.stdout and "kubetune submit --tune" in proc.stdout
+    piped = ["kubectl", "apply", "-f", "-"]
+    assert [a for a in calls2 if a != piped] == [a for a in calls if a != piped]
+
+
+def test_with_katib_needs_git_before_any_change(tmp_path, env_file):
+    proc, calls, _ = install(
+        tmp_path,
+        "--with",
+        "katib",
+        "--skip",
+        "training-operator",
+        env={"KUBETUNE_ENV_FILE": str(env_file)},
+        path=make_bin(tmp_path, git=False),
+    )
+    assert _one_error_line(proc) == (
+        "error: git not found on PATH — install git (kubectl -k fetches the Katib manifests with it), or leave out "
+        "--with katib"
+    )
     _nothing_changed(calls)

@@ -1,7 +1,7 @@
 """deploy/rbac grants exactly what kubetune needs: the whole job lifecycle of the Python client
 (submit with leftovers in the way, --replace, status with a failing pod, logs, wait, list,
 delete; PyTorchJob and TrainJob, with the ClusterTrainingRuntime a TrainJob names and the
-runtimes listing) runs against a FAKE Kubernetes API server (tests/fakes, real HTTP and the real
+runtimes listing; a Katib Experiment's submit, replace, status and delete) runs against a FAKE Kubernetes API server (tests/fakes, real HTTP and the real
 `kubernetes` client; no real apiserver can run here) that authorizes every request with the
 rendered Role (namespace kubetune) and ClusterRole (cluster-scoped), as kube-apiserver's RBAC
 authorizer would. Then every permission granted must have been used, or be on a short list of
@@ -19,6 +19,8 @@ from fakes.kube_api import FakeKubeAPI
 from fakes.objects import pod
 
 from kubetune import Client
+from kubetune.backends import base
+from kubetune.config.load import parse_spec
 
 pytestmark = pytest.mark.integration
 NS = "kubetune"  # the jobs namespace deploy/namespaces creates and the RoleBinding is in
@@ -35,6 +37,7 @@ EXTRAS = {
         "update",
     ),  # blockOwnerDeletion under OwnerReferencesPermissionEnforcement
     ("trainer.kubeflow.org", "trainjobs/finalizers", "update"),
+    ("kubeflow.org", "experiments/finalizers", "update"),
 }
 
 
@@ -88,7 +91,7 @@ class RbacKubeAPI(FakeKubeAPI):
     ClusterRole bound cluster-wide (it applies to cluster-scoped requests and every namespace)."""
 
     def __init__(self, granted: set[tuple[str, str, str]], cluster_granted: set[tuple[str, str, str]]):
-        super().__init__(user=SUBJECT)
+        super().__init__(user=SUBJECT, katib="v0.19.0")
         self.granted = granted
         self.cluster_granted = cluster_granted
         self.used: set[tuple[str, str, str]] = set()
@@ -220,6 +223,21 @@ def test_role_covers_the_whole_lifecycle_and_nothing_more(tmp_path):
         assert [j["name"] for j in job.backend.list()] == ["demo-v2"]
         job = client.train(_spec("demo-v2"), replace=True)
         assert "deleted persistentvolumeclaim 'demo-v2-workspace'" in " ".join(job.delete(storage=True))
+
+        # A Katib Experiment (`kubetune submit|status|delete --tune`): submit, replace, status, delete with the claim
+        tuning = base.tuning(kubeconfig=kubeconfig)
+        tuned = {
+            **_spec("demo-tune"),
+            "output": {"uri": "s3://kubeflow-examples/runs/demo-tune"},
+            "training": {"eval_every": 10},
+            "tune": {"space": {"training.learning_rate": {"type": "float", "low": 1e-5, "high": 1e-3}}, "trials": 2},
+        }
+        assert tuning.submit(parse_spec(tuned)) == "demo-tune"
+        assert tuning.submit(parse_spec(tuned), replace=True) == "demo-tune"
+        assert tuning.status("demo-tune").phase == "Pending"
+        assert "deleted persistentvolumeclaim 'demo-tune-workspace'" in " ".join(
+            tuning.delete("demo-tune", storage=True)
+        )
 
         assert server.denied == []
         # the same Role does not reach into another namespace
