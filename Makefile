@@ -8,13 +8,15 @@ export TOKENIZERS_PARALLELISM ?= false
 
 .PHONY: install seed-cache demo test test-e2e test-all bench gpu-wheels gpu-check image image-test clean
 
-$(BIN)/.installed: pyproject.toml requirements.txt requirements-test.txt
+$(BIN)/.installed: pyproject.toml requirements.txt requirements-test.txt requirements-test-nodeps.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first, pinned: on the dev/CI machines this takes the local CPU wheel.
 	$(BIN)/python -m pip install -q "$$(grep '^torch==' requirements.txt)"
 	# requirements-test.txt includes requirements.txt (the image installs only the latter).
 	$(BIN)/python -m pip install -q -r requirements-test.txt
+	# pins whose own requirements conflict with the ones above (see the file): without their dependencies
+	$(BIN)/python -m pip install -q --no-deps -r requirements-test-nodeps.txt
 	$(BIN)/python -m pip install -q --no-deps -e .
 	touch $@
 

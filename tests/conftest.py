@@ -465,3 +465,22 @@ def seed004_call(**over) -> dict:
         "resources_per_worker": {"gpu": 2, "cpu": 5, "memory": "10G"},
     }
     return {**call, **over}
+
+
+HUB_DATASET = "kubetune-tests/sentiment-small"
+
+
+@pytest.fixture
+def hub_dataset(tmp_path, small_csv) -> str:
+    """A Hub dataset repo (text, label) in the offline Hugging Face cache: what a user who has
+    loaded a dataset once has, read through the real huggingface_hub / datasets code path."""
+    from huggingface_hub import constants
+
+    from kubetune.providers.hf import seed_cache
+
+    repo = tmp_path / "dataset-repo" / "data"
+    repo.mkdir(parents=True)
+    df = pd.read_csv(small_csv).rename(columns={"sentiment": "label"})[["text", "label"]]
+    df.to_parquet(repo / "train-00000-of-00001.parquet")
+    seed_cache(repo.parent, repo_id=HUB_DATASET, cache_dir=constants.HF_HUB_CACHE, repo_type="dataset")
+    return HUB_DATASET

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 
-import pandas as pd
 import pytest
 import transformers
 import yaml
@@ -38,23 +37,6 @@ from kubetune.compat.kubeflow import JobError, TrainingClient
 pytestmark = pytest.mark.integration
 NS = "team-a"
 JOBS = ("kubeflow.org/v1", "pytorchjobs")
-DATASET = "kubetune-tests/sentiment-small"
-
-
-@pytest.fixture
-def hub_dataset(tmp_path, small_csv) -> str:
-    """A Hub dataset repo (text, label) in the offline Hugging Face cache: what a user who has
-    loaded a dataset once has, read through the real huggingface_hub / datasets code path."""
-    from huggingface_hub import constants
-
-    from kubetune.providers.hf import seed_cache
-
-    repo = tmp_path / "dataset-repo" / "data"
-    repo.mkdir(parents=True)
-    df = pd.read_csv(small_csv).rename(columns={"sentiment": "label"})[["text", "label"]]
-    df.to_parquet(repo / "train-00000-of-00001.parquet")
-    seed_cache(repo.parent, repo_id=DATASET, cache_dir=constants.HF_HUB_CACHE, repo_type="dataset")
-    return DATASET
 
 
 def test_seed_call_trains_locally_and_the_sdk_calls_answer(tmp_path, hub_dataset):

@@ -152,8 +152,14 @@ def test_katibs_collector_reads_the_objective_from_kubetunes_log_lines():
         "16:03:48 [rank 0] INFO epoch 1, step 10: eval_loss 1.1037 eval_accuracy 0.2400 eval_f1_macro 0.2257",
         "16:04:20 [rank 0] INFO epoch 1, step 50: eval_loss 1.0012 eval_accuracy 0.4100 eval_f1_macro 0.3301",
         "16:04:21 [rank 0] INFO step 50: lm_eval arc_easy/acc 0.4120, gsm8k/exact_match/strict-match 0.0500",
-        "16:04:22 [rank 0] INFO done: eval_accuracy 0.4100, eval_f1_macro 0.3301, 55.2 samples/s; artifacts in runs/x",
+        "16:04:22 [rank 0] INFO done: eval_accuracy 0.4100, eval_f1_macro 0.3301, train_loss 0.9875, 55.2 samples/s; "
+        "artifacts in runs/x",
     ]
-    got = fake_katib.collect(lines, METRICS_FORMAT, ["eval_accuracy", "eval_loss", "arc_easy/acc"])
-    assert got == {"eval_accuracy": [0.24, 0.41, 0.41], "eval_loss": [1.1037, 1.0012], "arc_easy/acc": [0.412]}
+    got = fake_katib.collect(lines, METRICS_FORMAT, ["eval_accuracy", "eval_loss", "arc_easy/acc", "train_loss"])
+    assert got == {
+        "eval_accuracy": [0.24, 0.41, 0.41],
+        "eval_loss": [1.1037, 1.0012],
+        "arc_easy/acc": [0.412],
+        "train_loss": [0.9875],  # the objective of Katib's LLM tune(): only the done line has it
+    }
     assert re.compile(METRICS_FORMAT).groups == 2

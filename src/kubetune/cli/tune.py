@@ -33,33 +33,20 @@ def tune(
 
     try:
         job = resolve_data_paths(load_spec(spec, set_ or []), spec.parent)
-        if job.tune is None:
-            raise KubetuneError(
-                "the spec has no tune section",
-                field="tune",
-                fix="add tune: {space: {training.learning_rate: {type: float, low: 1.0e-5, high: 1.0e-3, log: true}}, "
-                "objective: eval_loss}",
-            )
-        base = job.model_dump(mode="json", exclude_unset=True)
-        out = _local_output(job)
-        from kubetune import tasks
-        from kubetune.tune import report, space, study
+        from kubetune import tune as search
 
-        task = tasks.get(job.task)
-        objectives = {"eval_loss", "train_loss", *task.headline, *task.present.eval_curves}
-        objectives |= {f"eval_{m}" for m in task.train_metrics}
         if status:
-            _status(job, out, as_json)
+            search.require(job)
+            _status(job, search.local_output(job), as_json)
             return
-        space.check(base, job, objectives)
-        search = study.Search(base, job, out)
-        result = search.run()
+        data, out = search.run(job)
     except KubetuneError as e:
         _fail(e)
-    data = report.write(result, base, out, job.tune.objective)
     if as_json:
         typer.echo(json.dumps(data, indent=1, default=str))
         return
+    from kubetune.tune import report
+
     typer.echo(report.table(data))
     if data["best"]:
         best = data["best"]
@@ -67,19 +54,6 @@ def tune(
             f"best: trial {best['number']}, {job.tune.objective} {best['value']:.6g}; "
             f"`kubetune run {out / 'best.yaml'}` trains it again; report: {out / 'report.html'}"
         )
-
-
-def _local_output(job) -> Path:
-    from kubetune.artifacts.output import Output
-
-    out = Output.for_spec(job)
-    if out.scheme != "file":
-        raise KubetuneError(
-            f"kubetune tune keeps its study in a local directory, and output.uri is {out.uri}",
-            field="output.uri",
-            fix="give a local directory (each trial's run goes under it)",
-        )
-    return out.local.resolve()
 
 
 def _status(job, out: Path, as_json: bool) -> None:

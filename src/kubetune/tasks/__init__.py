@@ -73,6 +73,14 @@ def for_model(path: Path) -> tuple[str, Task]:
     )
 
 
+def reported_metrics(name: str) -> set[str]:
+    """The metrics every run of task ``name`` reports (metrics.json, its log's evaluation and ``done:`` lines):
+    what a hyperparameter search may optimize, besides lm-eval scores."""
+    task = get(name)
+    names = {"eval_loss", "train_loss", *task.headline, *task.present.eval_curves}
+    return names | {f"eval_{m}" for m in task.train_metrics}
+
+
 def artifact_files(name: str | None) -> tuple[str, ...]:
     """The artifact files (``Task.artifact_files``) of the task registered as ``name``: e.g. of the task of
     the finished run a new run replaces (``artifacts.output.Output.replaced_task``), which kubetune wrote

@@ -515,7 +515,9 @@ class Trainer:
         # Only now that the artifact is safely in place: a failed upload can still resume. A rerun
         # then starts a new run, and predict/pull never fetch optimizer state.
         self.dest.checkpoints.clear()
-        headline = ", ".join(f"{k} {metrics[k]:.4f}" for k in self.task.headline)
+        # the headline, and train_loss (a search's objective can be either: Katib reads them from this line)
+        shown = [*self.task.headline, *(["train_loss"] if metrics.get("train_loss") is not None else [])]
+        headline = ", ".join(f"{k} {metrics[k]:.4f}" for k in dict.fromkeys(shown))
         log.info(
             "done: %s, %.1f samples/s; artifacts in %s", headline, metrics["train_samples_per_second"], spec.output.uri
         )

@@ -41,7 +41,20 @@ def trial_spec(base: dict, values: dict[str, Any], output: str, tags: dict[str, 
 
 
 def check(base: dict, spec: JobSpec, objectives: set[str]) -> None:
-    """Every problem of the ``tune`` section of ``spec`` against the spec itself, before any trial runs.
+    """Every problem of the ``tune`` section of ``spec`` for a study on this machine, before any trial runs: those
+    of :func:`check_search`, then the machine's (one node, enough cores for the trials at once).
+
+    Raises:
+        KubetuneError: the first problem, in one line naming the field, the value and the fix.
+    """
+    check_search(base, spec, objectives)
+    _check_machine(spec)
+
+
+def check_search(base: dict, spec: JobSpec, objectives: set[str]) -> None:
+    """The problems of the ``tune`` section of ``spec`` wherever the study runs (here or as a Katib Experiment):
+    a path that is not a spec field or a value it refuses, an objective the task never reports (``objectives``:
+    the ones it does), early stopping without evaluations during training, an algorithm the space does not suit.
 
     Raises:
         KubetuneError: the first problem, in one line naming the field, the value and the fix.
@@ -92,6 +105,10 @@ def check(base: dict, spec: JobSpec, objectives: set[str]) -> None:
             field=f"tune.space.{path}",
             fix="give it a step, or make it a choice",
         )
+
+
+def _check_machine(spec: JobSpec) -> None:
+    tune = spec.tune
     if spec.distributed.nodes > 1:
         raise KubetuneError(
             "kubetune tune runs the trials on this machine, and the spec asks for several nodes",
