@@ -163,3 +163,12 @@ def test_katibs_collector_reads_the_objective_from_kubetunes_log_lines():
         "train_loss": [0.9875],  # the objective of Katib's LLM tune(): only the done line has it
     }
     assert re.compile(METRICS_FORMAT).groups == 2
+
+
+def test_what_a_local_study_refuses_the_render_refuses_too():
+    """An objective the trials never print would leave every Katib trial without an observation."""
+    spec = _with_tune(ROOT / "examples" / "sentiment-minilm.yaml")
+    bad = spec.model_copy(update={"tune": spec.tune.model_copy(update={"objective": "eval_acuracy"})})
+    with pytest.raises(KubetuneError) as e:
+        render_tune(bad, "kubeflow")
+    assert e.value.field == "tune.objective" and "eval_accuracy" in str(e.value)

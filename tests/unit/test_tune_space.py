@@ -100,3 +100,43 @@ def test_trials_side_by_side_share_the_cores():
     raw = _raw(parallel=2)
     raw["distributed"]["threads_per_proc"] = 1
     assert space.threads_per_trial(parse_spec(raw)) is None  # the spec's own setting stands
+
+
+def test_on_gpus_trials_at_once_get_devices_of_their_own(monkeypatch):
+    """A machine with 4 GPUs (visible_gpus stands in for CUDA, which this CPU machine lacks): 2 trials of 2
+    processes fit, 3 do not; each running trial leases its own, returned when it ends."""
+    import threading
+
+    from kubetune.tune import devices
+
+    monkeypatch.setattr(devices, "visible_gpus", lambda: ["0", "1", "2", "3"])
+    _check({**_raw(parallel=2), "distributed": {"procs_per_node": 2}})
+    with pytest.raises(KubetuneError) as e:
+        _check({**_raw(parallel=3), "distributed": {"procs_per_node": 2}})
+    assert e.value.field == "tune.parallel" and "need 6 GPUs" in str(e.value) and "at most 2" in e.value.fix
+
+    pool = devices.GpuPool(["0", "1", "2", "3"], per_trial=2)
+    with pool.lease() as a, pool.lease() as b:
+        assert sorted(a + b) == ["0", "1", "2", "3"]
+        got: list[list[str]] = []
+        third = threading.Thread(target=lambda: got.append(pool.lease().__enter__()))
+        third.start()
+        third.join(timeout=0.3)
+        assert third.is_alive() and got == []  # waits while every GPU is leased
+    third.join(timeout=5)
+    assert not third.is_alive() and len(got[0]) == 2 and set(got[0]) <= {"0", "1", "2", "3"}
+
+
+def test_kubetune_tune_without_a_tune_section_is_one_line(tmp_path):
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from kubetune.cli import app
+
+    spec = Path(__file__).resolve().parents[2] / "examples" / "sentiment-minilm.yaml"
+    for extra in ([], ["--status"]):
+        result = CliRunner().invoke(app, ["tune", str(spec), *extra])
+        assert result.exit_code != 0 and result.stdout == ""
+        (line,) = result.stderr.strip().splitlines()
+        assert line.startswith("error: ") and "no tune section" in line and "tune:" in line, line

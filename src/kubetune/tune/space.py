@@ -115,6 +115,19 @@ def _check_machine(spec: JobSpec) -> None:
             field="distributed.nodes",
             fix="set distributed.nodes: 1 for a local study",
         )
+    from kubetune.tune.devices import visible_gpus
+
+    gpus = visible_gpus()
+    if gpus:  # each trial's processes on GPUs of their own
+        need = tune.parallel * spec.distributed.procs_per_node
+        if need > len(gpus):
+            raise KubetuneError(
+                f"{tune.parallel} trials at once of {spec.distributed.procs_per_node} processes each need {need} "
+                f"GPUs (one per process), and this machine has {len(gpus)}",
+                field="tune.parallel",
+                fix=f"set tune.parallel to at most {max(1, len(gpus) // spec.distributed.procs_per_node)}",
+            )
+        return
     cores = os.cpu_count() or 1
     if tune.parallel * spec.distributed.procs_per_node > cores:
         raise KubetuneError(

@@ -13,6 +13,7 @@ reported to the pruner, SIGTERM when the pruner says stop) and the bookkeeping o
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import json
@@ -29,7 +30,7 @@ import yaml
 from kubetune.config import JobSpec
 from kubetune.config.tune import TuneSpec
 from kubetune.errors import KubetuneError
-from kubetune.tune import space
+from kubetune.tune import devices, space
 
 POLL_S = 0.5  # how often a running trial's history is read
 _PR_SET_PDEATHSIG = 1
@@ -55,6 +56,9 @@ class Search:
         self.base, self.spec, self.out = base, spec, out
         self.tune: TuneSpec = spec.tune
         self.parent: tuple[Any, str] | None = None  # the MLflow client and the study's run (tracking.mlflow)
+        gpus = devices.visible_gpus()
+        # on GPUs, each running trial's processes get devices of their own
+        self.gpus = devices.GpuPool(gpus, spec.distributed.procs_per_node) if gpus else None
 
     # ---- the study ----
     def run(self) -> Any:
@@ -178,7 +182,6 @@ class Search:
 
     # ---- one trial ----
     def _objective(self, trial) -> float:
-        import optuna
 
         values = {path: space.suggest(trial, path, p) for path, p in self.tune.space.items()}
         name = trial.user_attrs.get("dir") or f"trial-{trial.number:03d}"
@@ -193,7 +196,17 @@ class Search:
         trial_raw = space.trial_spec(self.base, values, str(out), nested)
         spec_path.write_text(yaml.safe_dump(trial_raw, sort_keys=False))
         values = {k: v for k, v in values.items() if k in self.tune.space}
+        with self.gpus.lease() if self.gpus else contextlib.nullcontext([]) as gpus:
+            return self._run_trial(trial, name, spec_path, out, log_path, values, gpus)
+
+    def _run_trial(self, trial, name: str, spec_path: Path, out: Path, log_path: Path, values: dict, gpus) -> float:
+        """The trial's ``kubetune run`` (on ``gpus`` where the study has GPUs), its evaluations reported to the
+        pruner as they come; returns the objective of the finished run."""
+        import optuna
+
         env = dict(os.environ)
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
         with open(log_path / f"{name}.log", "a") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "kubetune", "run", str(spec_path)],
@@ -206,7 +219,11 @@ class Search:
         trial.set_user_attr("spec", str(spec_path))
         trial.set_user_attr("pid", proc.pid)
         shown = ", ".join(f"{p}={v:.3g}" if isinstance(v, float) else f"{p}={v}" for p, v in values.items())
-        say(f"trial {trial.number} started: {shown}" + (" (resumed)" if "resumes" in trial.user_attrs else ""))
+        say(
+            f"trial {trial.number} started: {shown}"
+            + (f" on GPU {','.join(gpus)}" if gpus else "")
+            + (" (resumed)" if "resumes" in trial.user_attrs else "")
+        )
         reported: set[int] = set()
         while True:
             done = proc.poll() is not None

@@ -1,0 +1,49 @@
+"""The GPUs of a study on this machine: trials that run at once each get their own (``CUDA_VISIBLE_DEVICES`` of
+the trial's run), so that parallel trials never share a device. Without a GPU, trials share the cores instead
+(``space.threads_per_trial``)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import threading
+from collections.abc import Iterator
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs the trials may use, as ``CUDA_VISIBLE_DEVICES`` names them: its entries where it is set, else
+    every device torch sees; none without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    count = torch.cuda.device_count()
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None and listed.strip():
+        return [d.strip() for d in listed.split(",") if d.strip()][:count]
+    return [str(i) for i in range(count)]
+
+
+class GpuPool:
+    """``per_trial`` GPUs for each trial while it runs, out of ``gpus``; a trial's lease is released when its run
+    ends. The study's checks keep trials at once × per_trial within the GPUs, so a lease does not wait."""
+
+    def __init__(self, gpus: list[str], per_trial: int):
+        if per_trial > len(gpus):
+            raise ValueError(f"{per_trial} GPUs per trial out of {len(gpus)}")
+        self.per_trial = per_trial
+        self._free: queue.Queue[str] = queue.Queue()
+        for gpu in gpus:
+            self._free.put(gpu)
+        self._taking = threading.Lock()  # one lease taken at a time: two half-filled leases never wait on each other
+
+    @contextlib.contextmanager
+    def lease(self) -> Iterator[list[str]]:
+        with self._taking:
+            taken = [self._free.get() for _ in range(self.per_trial)]
+        try:
+            yield taken
+        finally:
+            for gpu in taken:
+                self._free.put(gpu)
