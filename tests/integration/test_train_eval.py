@@ -97,6 +97,20 @@ def test_bad_evaluation_input_is_one_line_before_training(tmp_path):
     minilm["evaluation"] = {"tasks": TASKS}
     r = kubetune("run", str(write_spec(tmp_path / "b.yaml", minilm)))
     assert r.returncode == 2 and "lm-evaluation-harness scores causal language models" in r.stderr, r.stderr
+    # a generation budget over the tiny Llama's 512-token context: the harness would cut every prompt's start off
+    (tmp_path / "c").mkdir()
+    spec = _spec(tmp_path / "c", gen_kwargs={"max_gen_toks": 600})
+    r = kubetune("run", str(write_spec(tmp_path / "c.yaml", spec)))
+    assert r.returncode == 2, r.stderr[-2000:]
+    (line,) = r.stderr.strip().splitlines()
+    assert "12 of 12 requests of task kubetune_sentiment_gen need more than the model's context of 512" in line
+    assert "evaluation" in line and "max_gen_toks" in line and not (tmp_path / "c" / "run").exists()
+    # the few-shot examples count too (in the chat template's turns)
+    (tmp_path / "d").mkdir()
+    spec = _spec(tmp_path / "d", num_fewshot=11)
+    r = kubetune("run", str(write_spec(tmp_path / "d.yaml", spec)))
+    assert r.returncode == 2 and "requests of task kubetune_sentiment_mc need more than" in r.stderr, r.stderr[-2000:]
+    assert "few-shot examples" in r.stderr
 
 
 @pytest.mark.e2e  # make test: the uninterrupted run above

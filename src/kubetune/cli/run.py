@@ -124,13 +124,27 @@ def _preflight(job) -> str:
         from kubetune.training import tracking
 
         tracking.connect(job)
-    if job.evaluation:  # the harness, its tasks and their data, before any worker starts (not after training)
+    model = artifacts.resolve_model(job)
+    if job.evaluation:  # the harness, its tasks, their data and lengths, before any worker starts (not after training)
         from kubetune.evaluation import harness
+        from kubetune.tasks.common import FALLBACK_CHAT_TEMPLATE
 
-        manager = harness.task_manager(job.evaluation.include_path, job.evaluation.tasks, field="evaluation")
-        harness.check_tasks(job.evaluation.tasks, manager, field="evaluation.tasks")
-        harness.check_data(job.evaluation.tasks, manager, field="evaluation.tasks")
-    artifacts.resolve_model(job)
+        ev = job.evaluation
+        manager = harness.task_manager(ev.include_path, ev.tasks, field="evaluation")
+        harness.check_tasks(ev.tasks, manager, field="evaluation.tasks")
+        harness.check_data(ev.tasks, manager, field="evaluation.tasks")
+        harness.check_fit(
+            ev.tasks,
+            manager,
+            model,
+            num_fewshot=ev.num_fewshot,
+            limit=ev.limit,
+            chat=ev.chat,
+            gen_kwargs=ev.gen_kwargs,
+            seed=job.training.seed,
+            chat_template=getattr(job.data, "chat_template", None) or FALLBACK_CHAT_TEMPLATE,  # as training gives one
+            field="evaluation",
+        )
     tasks.get(job.task).load_frames(job.data, job.training.seed, providers.S3Settings.from_spec(job))
     from kubetune.artifacts.output import Output
 

@@ -137,6 +137,7 @@ def evaluate(
     if adapter:
         path, adapter_dir = M.adapter_beside(path)
     M.expect(path, causal.is_causal_lm, "causal LM")
+    check_fit(tasks, manager, path, num_fewshot=num_fewshot, limit=limit, chat=chat, seed=seed)
     tokenizer = M.load_tokenizer(adapter_dir or path)
     model = M.load_model(AutoModelForCausalLM, path)
     if adapter_dir is not None:
@@ -251,6 +252,102 @@ def check_data(tasks: list[str], manager, field: str) -> None:
             get_task_dict(tasks, manager)
     except (ConnectionError, OSError) as e:
         raise _no_data(tasks, e, field) from None
+
+
+def check_fit(
+    tasks: list[str],
+    manager,
+    model_path: Path,
+    *,
+    num_fewshot: int | None = None,
+    limit: float | None = None,
+    chat: bool = False,
+    gen_kwargs: dict | None = None,
+    seed: int = 0,
+    chat_template: str | None = None,
+    field: str = "--tasks",
+) -> None:
+    """Every request of ``tasks``, as the harness builds them for the model at ``model_path`` (its few-shot
+    examples, the chat template, a generation's token budget), within the model's context; else one line before
+    anything is scored. ``chat_template``: the one a training run gives a tokenizer that has none. The harness
+    itself cuts an over-long prompt's start off without a word (HFLM keeps the last tokens), so a score would
+    silently be of other prompts than the task's.
+
+    Raises:
+        KubetuneError: the first task with requests over the context: how many, the longest, the context.
+    """
+    from lm_eval.evaluator_utils import get_sample_size
+    from lm_eval.models.utils import resolve_max_length
+    from transformers import AutoConfig
+
+    from kubetune.inference import model as M
+
+    tokenizer = M.load_tokenizer(model_path)
+    if chat and chat_template and not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = chat_template
+    # HFLM's own notion of the context (its default where neither config nor tokenizer gives one)
+    context = resolve_max_length(AutoConfig.from_pretrained(model_path), tokenizer, default=2048)
+
+    def template(history, add_generation_prompt=True):  # HFLM.apply_chat_template's rendering
+        return tokenizer.apply_chat_template(
+            history,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=not add_generation_prompt,
+        )
+
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)
+    with _quiet():
+        loaded = manager.load(tasks)["tasks"]
+    for task in loaded.values():
+        _configure(task, num_fewshot, gen_kwargs, seed)  # as simple_evaluate sets up each task
+        with _quiet():
+            task.build_all_requests(
+                limit=get_sample_size(task, limit), apply_chat_template=chat, chat_template=template if chat else None
+            )
+        lengths = _request_lengths(task.instances, tokenizer)
+        over = [n for n in lengths if n > context]
+        if over:
+            name = task.config.task
+            raise KubetuneError(
+                f"{len(over)} of {len(lengths)} requests of task {name} need more than the model's context of "
+                f"{context} tokens (the longest {max(over)}: prompt"
+                + (", few-shot examples" if task.get_config("num_fewshot") else "")
+                + " and answer); the harness would cut their start off",
+                field=field,
+                fix="lower num_fewshot (or a generation's max_gen_toks), shorten the task's prompts, or evaluate a "
+                "model with a longer context",
+            )
+
+
+def _configure(task, num_fewshot: int | None, gen_kwargs: dict | None, seed: int) -> None:
+    """What lm_eval.simple_evaluate sets on each task before building its requests (its own rules: a task whose
+    YAML says num_fewshot 0 keeps it)."""
+    if task.get_config("output_type") == "generate_until" and gen_kwargs:
+        task.set_config(key="generation_kwargs", value=dict(gen_kwargs), update=True)
+    if num_fewshot is not None and task.get_config("num_fewshot") != 0:
+        task.set_config(key="num_fewshot", value=num_fewshot)
+    elif task.get_config("num_fewshot") is None:
+        task.set_config(key="num_fewshot", value=0)
+    task.set_fewshot_seed(seed=seed)
+
+
+def _request_lengths(instances, tokenizer) -> list[int]:
+    """The tokens each request needs as HFLM runs it: a log-likelihood's context and continuation encoded whole,
+    a generation's context plus its max_gen_toks (HFLM's 256 unless the task says); rolling log-likelihoods,
+    which HFLM scores in windows, need none."""
+    texts, extra = [], []
+    for inst in instances:
+        if inst.request_type == "loglikelihood":
+            texts.append(inst.args[0] + inst.args[1])
+            extra.append(0)
+        elif inst.request_type == "generate_until":
+            texts.append(inst.args[0])
+            extra.append(int((inst.args[1] or {}).get("max_gen_toks", 256)))
+    if not texts:
+        return []
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return [len(i) + e for i, e in zip(ids, extra)]
 
 
 def scores(results: dict) -> dict[str, dict[str, float]]:
