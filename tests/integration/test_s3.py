@@ -508,3 +508,47 @@ def test_fsdp_checkpoint_shards_uploaded_by_every_rank_resume_on_a_new_machine(m
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from checkpoint step" in again.stderr
     assert "Contents" not in s3.list_objects_v2(Bucket=BUCKET, Prefix=f"fsdp/{tmp_path.name}/checkpoints/")
+
+
+def test_an_lm_eval_task_directory_on_s3_with_its_data_on_s3(moto, s3, tmp_path, monkeypatch):
+    """evaluation.include_path / --include-path as an s3:// prefix whose task YAML names its data by s3:// URI:
+    the harness reads local copies (a copy of the directory, in kubetune's cache, names them); nothing of the
+    prefix or of its cached copy changes, and a second job fetches nothing again."""
+    from conftest import lm_eval_tasks
+
+    from kubetune.evaluation import harness
+
+    monkeypatch.setenv("KUBETUNE_CACHE", str(tmp_path / "cache"))
+    tasks = ["kubetune_sentiment_mc", "kubetune_sentiment_gen"]
+    local = lm_eval_tasks((tmp_path / "local").resolve(), 12) if (tmp_path / "local").mkdir() is None else None
+    data = f"s3://{BUCKET}/suite/data/reviews.jsonl"
+    s3.put_object(Bucket=BUCKET, Key="suite/data/reviews.jsonl", Body=(local / "reviews.jsonl").read_bytes())
+    for f in sorted(local.glob("*.yaml")):
+        text = f.read_text().replace(str(local / "reviews.jsonl"), data)
+        assert data in text
+        s3.put_object(Bucket=BUCKET, Key=f"suite/{f.name}", Body=text.encode())
+
+    def docs(manager) -> dict[str, list]:
+        loaded = manager.load(tasks)["tasks"]
+        return {t.config.task: list(t.eval_docs) for t in loaded.values()}
+
+    remote = harness.task_manager(f"s3://{BUCKET}/suite", tasks, field="evaluation", s3=ENV)
+    assert docs(remote) == docs(harness.task_manager(str(local), tasks)) and len(docs(remote)[tasks[0]]) == 12
+    staged = Path(remote.include_path[0] if isinstance(remote.include_path, list) else remote.include_path)
+    assert staged.is_relative_to(tmp_path / "cache" / "lm_eval_tasks")
+    assert "s3://" not in (staged / "kubetune_sentiment_mc.yaml").read_text()
+    cached_prefix = tmp_path / "cache" / "s3" / BUCKET / "suite"
+    assert data in (cached_prefix / "kubetune_sentiment_mc.yaml").read_text()  # the fetched prefix as it is
+    monkeypatch.setattr(s3p, "_download", lambda *a, **k: (_ for _ in ()).throw(AssertionError("fetched again")))
+    again = harness.task_manager(f"s3://{BUCKET}/suite", tasks, field="evaluation", s3=ENV)
+    assert again.include_path == remote.include_path
+
+    missing = f"s3://{BUCKET}/suite2/kubetune_sentiment_mc.yaml"
+    text = (local / "kubetune_sentiment_mc.yaml").read_text().replace(str(local / "reviews.jsonl"), data + ".gone")
+    s3.put_object(Bucket=BUCKET, Key=missing.split(f"{BUCKET}/", 1)[1], Body=text.encode())
+    monkeypatch.undo()
+    monkeypatch.setenv("KUBETUNE_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(KubetuneError) as e:
+        harness.task_manager(f"s3://{BUCKET}/suite2", tasks[:1], field="evaluation", s3=ENV)
+    assert e.value.field == "evaluation.include_path" and "reviews.jsonl.gone" in str(e.value)
+    assert "\n" not in str(e.value)

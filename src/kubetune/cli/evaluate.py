@@ -24,7 +24,10 @@ def evaluate_command(
     ],
     include_path: Annotated[
         str | None,
-        typer.Option("--include-path", help="A directory of the harness's task YAML (local or private suites)."),
+        typer.Option(
+            "--include-path",
+            help="A directory of the harness's task YAML (local or private suites), or an s3:// prefix.",
+        ),
     ] = None,
     num_fewshot: Annotated[
         int | None, typer.Option("--num-fewshot", min=0, help="Few-shot examples per prompt.")
@@ -111,7 +114,8 @@ def _run(params: dict, procs: int, endpoint_url: str | None) -> dict:
 
     from kubetune.inference.model import model_path
 
-    check_tasks(params["tasks"], task_manager(params["include_path"], params["tasks"]))  # one line, before N start
+    # one line, before N start (and an s3:// task directory fetched once, not per rank)
+    check_tasks(params["tasks"], task_manager(params["include_path"], params["tasks"], s3=s3))
     params = {**params, "model_uri": str(model_path(params["model_uri"], s3))}  # fetched once, not per rank
     with tempfile.TemporaryDirectory(prefix="kubetune-eval-") as tmp:
         out = Path(tmp) / "results.json"

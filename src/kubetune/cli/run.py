@@ -130,7 +130,9 @@ def _preflight(job) -> str:
         from kubetune.tasks.common import FALLBACK_CHAT_TEMPLATE
 
         ev = job.evaluation
-        manager = harness.task_manager(ev.include_path, ev.tasks, field="evaluation")
+        manager = harness.task_manager(
+            ev.include_path, ev.tasks, field="evaluation", s3=providers.S3Settings.from_spec(job)
+        )
         harness.check_tasks(ev.tasks, manager, field="evaluation.tasks")
         harness.check_data(ev.tasks, manager, field="evaluation.tasks")
         harness.check_fit(

@@ -239,7 +239,8 @@ class EvaluationSpec(Section):
     include_path: str | None = Field(
         None,
         description="A directory of the harness's task YAML (offline and private suites), relative to the spec "
-        "file or absolute; on Kubernetes a path the pods see (a PVC or the image).",
+        "file or absolute (on Kubernetes a path the pods see: a PVC or the image), or an s3:// prefix. Data files "
+        "the YAML names by s3:// URI are fetched with the job's S3 settings.",
     )
     num_fewshot: int | None = Field(None, ge=0, le=1000, description="Few-shot examples; default: each task's own.")
     limit: float | None = Field(

@@ -19,13 +19,15 @@ from pathlib import Path
 from kubetune.errors import KubetuneError
 
 
-def task_manager(include_path: str | None = None, names: list[str] | None = None, field: str = "--tasks"):
-    """The harness's task registry, with the task YAML under ``include_path`` (a directory) added. When every
-    one of ``names`` is a task there, the registry is that directory alone: indexing the harness's own 14,685
-    task files took 5.9 s here, in every process.
+def task_manager(include_path: str | None = None, names: list[str] | None = None, field: str = "--tasks", s3=None):
+    """The harness's task registry, with the task YAML under ``include_path`` (a directory, or an s3:// prefix;
+    s3:// data files in the YAML are fetched too, through ``s3``: ``suites.stage``) added. When every one of
+    ``names`` is a task there, the registry is that directory alone: indexing the harness's own 14,685 task files
+    took 5.9 s here, in every process.
 
     Raises:
-        KubetuneError: the harness is not installed, or ``include_path`` is not a directory.
+        KubetuneError: the harness is not installed, ``include_path`` is not a directory, an s3:// object cannot
+            be read.
     """
     try:
         from lm_eval.tasks import TaskManager
@@ -36,6 +38,10 @@ def task_manager(include_path: str | None = None, names: list[str] | None = None
             fix="pip install 'kubetune[eval]'",
         ) from None
 
+    from kubetune.evaluation.suites import stage
+
+    where = "--include-path" if field.startswith("--") else "evaluation.include_path"
+    include_path = stage(include_path, s3, field=where)
     if include_path is not None and not Path(include_path).is_dir():
         raise KubetuneError(
             f"{include_path} is not a directory",
@@ -130,7 +136,7 @@ def evaluate(
     from kubetune.inference import causal
     from kubetune.inference import model as M
 
-    manager = task_manager(include_path, tasks)
+    manager = task_manager(include_path, tasks, s3=s3)
     check_tasks(tasks, manager)
     path = M.model_path(model_uri, s3)
     adapter_dir = None

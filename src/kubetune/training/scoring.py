@@ -27,7 +27,11 @@ def evaluate(trainer, train_s: float, model: torch.nn.Module | None = None, fina
     s, ev, env = trainer.state, trainer.spec.evaluation, trainer.env
     t_eval = time.perf_counter()
     if trainer.harness_tasks is None:
-        trainer.harness_tasks = harness.task_manager(ev.include_path, ev.tasks, field="evaluation")
+        from kubetune.providers import S3Settings
+
+        trainer.harness_tasks = harness.task_manager(
+            ev.include_path, ev.tasks, field="evaluation", s3=S3Settings.from_spec(trainer.spec)
+        )
     target = model if model is not None else trainer.model
     target.eval()
     with trainer.autocast:
