@@ -410,13 +410,14 @@ def test_dpo_loss_in_bf16_is_fp32s_within_rounding(tmp_path):
     from kubetune.tasks.dpo import DPOSpec, PreferenceData
     from kubetune.tasks.dpo import data as dpo_data
     from kubetune.tasks.dpo import task as dpo
+    from kubetune.tasks.pairs import pair_record
 
     tok = AutoTokenizer.from_pretrained(TINY)
     ensure_chat_template(tok)
     tok.pad_token = tok.pad_token or tok.eos_token
     spec = PreferenceData(train=str(tmp_path / "pairs.jsonl"), max_length=256, eval_fraction=0.5)
     rows = [json.loads(line) for line in PAIRS.read_text().splitlines()[:8]]
-    frame = pd.DataFrame({"record": [json.dumps(dpo_data._chat_record(r, spec, "rows", 0)) for r in rows]})
+    frame = pd.DataFrame({"record": [json.dumps(pair_record(r, spec, "chat")) for r in rows]})
     ds = Dataset.from_dict(dpo_data.encode_pairs(frame, tok, spec.max_length))
     reference = _tiny()
     policy = copy.deepcopy(reference)

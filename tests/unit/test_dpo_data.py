@@ -17,6 +17,7 @@ from kubetune.tasks.common import IGNORE, ensure_chat_template
 from kubetune.tasks.dpo import DPOSpec, PreferenceData
 from kubetune.tasks.dpo import data as dpo_data
 from kubetune.tasks.dpo import task as dpo
+from kubetune.tasks.pairs import load_pair_frames
 
 TINY = Path(__file__).resolve().parents[2] / "src" / "kubetune" / "assets" / "tiny-llama"
 
@@ -38,7 +39,7 @@ def _write(tmp_path: Path, rows: list[dict], name: str = "pairs.jsonl") -> Path:
 
 def _frames(tmp_path, rows, **data) -> RowSplit:
     spec = PreferenceData(train=str(_write(tmp_path, rows)), eval_fraction=0.25, **data)
-    return dpo_data.load_pair_frames(spec, 0)
+    return load_pair_frames(spec, 0)
 
 
 def _records(frames: RowSplit) -> list[dict]:

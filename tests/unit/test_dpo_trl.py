@@ -19,6 +19,7 @@ from kubetune.tasks.common import ensure_chat_template
 from kubetune.tasks.dpo import DPOSpec, PreferenceData
 from kubetune.tasks.dpo import data as dpo_data
 from kubetune.tasks.dpo import task as dpo
+from kubetune.tasks.pairs import pair_record
 
 trl = pytest.importorskip("trl")  # requirements-test.txt pins it: this skip only guards a partial install
 
@@ -128,7 +129,7 @@ def _kubetune(policy, reference, tokenizer, rows, dpo_spec: DPOSpec, tmp_path):
 
 def _record(row: dict, spec: PreferenceData) -> dict:
     fmt = "chat" if isinstance(row["chosen"], list) else "text"
-    return dpo_data._text_record(row, spec) if fmt == "text" else dpo_data._chat_record(row, spec, "rows", 0)
+    return pair_record(row, spec, fmt)
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,6 @@
-"""DPO's data: preference pairs read in TRL's conventions (text, or chat message lists with an
-implicit prompt), tokenized as TRL's DPOTrainer does, and the micro-batches of pairs (chosen
-sequences, then rejected ones, answer tokens labeled). A cell's messages are read by ``tasks.common``
-(GRPO's prompts too)."""
+"""DPO's data: preference pairs (read by ``tasks.pairs`` in TRL's conventions: text, or chat message lists
+with an implicit prompt) tokenized as TRL's DPOTrainer does, and the micro-batches of pairs (chosen
+sequences, then rejected ones, answer tokens labeled)."""
 
 from __future__ import annotations
 
@@ -14,182 +13,11 @@ import pandas as pd
 import torch
 
 from kubetune.data import Batch
-from kubetune.data.columns import NonText, check_table
-from kubetune.data.rows import RowSplit, read_split
-from kubetune.data.tables import short
-from kubetune.errors import KubetuneError
-from kubetune.providers import S3Settings
-from kubetune.tasks.common import IGNORE, RECORD_SCHEMA, as_messages, cell_messages
-from kubetune.tasks.dpo import DPOSpec, PreferenceData
+from kubetune.tasks.common import IGNORE
+from kubetune.tasks.dpo import DPOSpec
+from kubetune.tasks.pairs import shared_prefix
 
 log = logging.getLogger(__name__)
-
-
-def load_pair_frames(spec: PreferenceData, seed: int, s3: S3Settings = S3Settings()) -> RowSplit:
-    """Read, check, normalize and split preference pairs in flat memory (``data.rows``; s3:// data
-    reached with ``s3``): each pair a ``record``, JSON text of its prompt, chosen and rejected answers.
-
-    Raises:
-        KubetuneError: a missing column, a column without text or messages, malformed messages, no usable pair.
-    """
-    settings = json.dumps(
-        ["dpo", spec.format, spec.prompt_column, spec.chosen_column, spec.rejected_column, spec.system_prompt]
-    )
-    if spec.streaming:  # data.train is listed (a missing or unreadable prefix fails here), not read
-        from kubetune.data.stream import list_shards
-
-        list_shards(spec.train, field="data.train", s3=s3)
-    return read_split(
-        spec, seed, s3, normalizer=lambda field, train: _Normalizer(spec, field, train), settings=settings
-    )
-
-
-def shard_normalizer(spec: PreferenceData):
-    """The normalizer of one streamed shard of data.train (``data.stream.Stream``): its format detected
-    on its own first chunk (or data.format), its pairs checked as a table's."""
-    return lambda shard: _Normalizer(spec, "data.train", None)
-
-
-def _detect_format(df: pd.DataFrame, spec: PreferenceData) -> str:
-    if spec.format != "auto":
-        return spec.format
-    if spec.chosen_column not in df.columns:
-        return "text"  # _normalize names the missing column
-    values = df[spec.chosen_column].dropna()
-    return "chat" if len(values) and as_messages(values.iloc[0]) is not None else "text"
-
-
-class _Normalizer:
-    """A preference table, chunk by chunk (``data.rows.Normalizer``): the format detected on data.train's
-    first chunk, the columns checked on it, each row made a pair or dropped (and why counted)."""
-
-    schema = RECORD_SCHEMA
-
-    def __init__(self, spec: PreferenceData, field_name: str, train_facts: dict | None):
-        self.spec, self.field_name = spec, field_name
-        self.source = getattr(spec, field_name.split(".")[1])
-        self.fmt = train_facts["format"] if train_facts else None
-        self.columns: list | None = None  # the first chunk's: a later chunk of JSON lines may lack some
-        self.rows = 0
-        self.reasons = {"missing": 0, "same": 0}
-        self.non_text: dict[str, NonText] = {}
-
-    def chunk(self, df: pd.DataFrame, start: int) -> dict[str, list]:
-        spec = self.spec
-        if self.columns is None:
-            self.fmt = self.fmt or _detect_format(df, spec)
-            self.columns = list(df.columns)
-            for key, col in self._needed().items():
-                if col not in df.columns:
-                    hint = f" (data.format {'auto-detected as ' if spec.format == 'auto' else ''}{self.fmt})"
-                    raise KubetuneError(
-                        f"column '{short(col, 40)}' not found in {short(self.source)}{hint}; "
-                        f"columns are {[short(c, 40) for c in df.columns[:20]]}",
-                        field=f"data.{key}",
-                        fix=f"set data.{key} to the column that holds the "
-                        + {"prompt_column": "prompt", "chosen_column": "preferred answer"}.get(
-                            key, "dispreferred answer"
-                        ),
-                    )
-        df = df.reindex(columns=list(dict.fromkeys([*df.columns, *self.columns])))
-        self.rows += len(df)
-        if self.fmt == "text":
-            for key, col in self._needed().items():
-                self.non_text.setdefault(key, NonText()).update(df[col])
-        records = []
-        for i, row in enumerate(df.to_dict("records")):
-            record = _text_record(row, spec) if self.fmt == "text" else _chat_record(row, spec, self.source, start + i)
-            if record is not None and record["chosen"] == record["rejected"]:
-                self.reasons["same"] += 1  # no preference to learn: its loss is constant
-            elif record is None:
-                self.reasons["missing"] += 1
-            else:
-                records.append(json.dumps(record))
-        return {"record": records}
-
-    def _needed(self) -> dict[str, str]:
-        spec = self.spec
-        needed = {"chosen_column": spec.chosen_column, "rejected_column": spec.rejected_column}
-        if self.fmt == "text" or spec.prompt_column in self.columns:  # chat: the prompt may be implicit
-            needed = {"prompt_column": spec.prompt_column, **needed}
-        return needed
-
-    def finish(self, kept: int) -> dict:
-        check_table(
-            self.rows,
-            self.non_text,
-            self.spec,
-            self.source,
-            self.field_name,
-            rows_fix="point it at data with at least one row",
-            text_fix="set data.{key} to a text column, or data.format: chat for message lists",
-        )
-        n_drop = sum(self.reasons.values())
-        if n_drop:
-            log.warning(
-                "%s: dropped %d of %d pairs (%d with a missing or empty prompt or answer, %d whose chosen and "
-                "rejected answers are the same)",
-                self.field_name,
-                n_drop,
-                self.rows,
-                self.reasons["missing"],
-                self.reasons["same"],
-            )
-        if not kept:
-            raise KubetuneError(
-                f"no usable preference pairs in {self.source} (format {self.fmt})",
-                field=self.field_name,
-                fix="check the data and the data.*_column settings",
-            )
-        return {"format": self.fmt, "dropped": n_drop, "rows": self.rows}
-
-
-def _text(value) -> str | None:
-    return value if isinstance(value, str) and value.strip() else None
-
-
-def _text_record(row: dict, spec: PreferenceData) -> dict | None:
-    prompt = row[spec.prompt_column]
-    chosen, rejected = _text(row[spec.chosen_column]), _text(row[spec.rejected_column])
-    if not _text(prompt) or not chosen or not rejected:  # an empty prompt is dropped, as the warning says
-        return None
-    return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
-
-
-def _chat_record(row: dict, spec: PreferenceData, source: str, i: int) -> dict | None:
-    """{prompt, chosen, rejected} message lists. Strings become a user turn (prompt) or an assistant
-    turn (answers). Answers that start with a turn not the assistant's hold the whole conversation:
-    the prompt is then the turns they share (TRL's implicit prompt), else the prompt column's."""
-    chosen = cell_messages(row[spec.chosen_column], "assistant", "data.chosen_column", spec.chosen_column, source, i)
-    rejected = cell_messages(
-        row[spec.rejected_column], "assistant", "data.rejected_column", spec.rejected_column, source, i
-    )
-    if not chosen or not rejected:
-        return None
-    if chosen[0]["role"] != "assistant" or rejected[0]["role"] != "assistant":
-        n = min(_shared_prefix(chosen, rejected), len(chosen) - 1, len(rejected) - 1)
-        prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
-    elif spec.prompt_column in row:
-        prompt = cell_messages(row[spec.prompt_column], "user", "data.prompt_column", spec.prompt_column, source, i)
-        if prompt is None:
-            return None
-    else:
-        raise KubetuneError(
-            f"row {i} of {short(source)}: the answers hold no prompt and there is no column '{spec.prompt_column}'",
-            field="data.prompt_column",
-            fix="set data.prompt_column, or store whole conversations (prompt turns first) in the answer columns",
-        )
-    if not any(_text(m.get("content")) for m in prompt):  # an empty prompt is dropped, as the warning says
-        return None
-    if spec.system_prompt and (not prompt or prompt[0]["role"] != "system"):
-        prompt = [{"role": "system", "content": spec.system_prompt}, *prompt]
-    return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
-
-
-def _shared_prefix(a: list, b: list) -> int:
-    """How many leading items ``a`` and ``b`` share (os.path.commonprefix orders its items, which
-    message dicts cannot be)."""
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def encode_pairs(frame: pd.DataFrame, tokenizer, max_length: int) -> dict[str, list]:
@@ -210,7 +38,7 @@ def encode_pairs(frame: pd.DataFrame, tokenizer, max_length: int) -> dict[str, l
         else:
             prompt_ids = _chat_ids(tokenizer, r["prompt"], add_generation_prompt=True)
             full = [_chat_ids(tokenizer, r["prompt"] + r[k]) for k in ("chosen", "rejected")]
-        n = min(_shared_prefix(prompt_ids, ids) for ids in full)
+        n = min(shared_prefix(prompt_ids, ids) for ids in full)
         cols["prompt_ids"].append(prompt_ids[:n])
         cols["chosen_ids"].append(full[0][n:])
         cols["rejected_ids"].append(full[1][n:])

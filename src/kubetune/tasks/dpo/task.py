@@ -44,7 +44,8 @@ from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task, rank_b
 from kubetune.tasks.causal_lm import task as causal_lm
 from kubetune.tasks.common import IGNORE, load_on_node, prepare_tokenizer, prepared, target_mask, tokenize_split
 from kubetune.tasks.dpo import DPOSpec
-from kubetune.tasks.dpo.data import Collate, PairBatch, encode_pairs, load_pair_frames, shard_normalizer
+from kubetune.tasks.dpo.data import Collate, PairBatch, encode_pairs
+from kubetune.tasks.pairs import load_pair_frames, shard_normalizer
 
 log = logging.getLogger(__name__)
 
