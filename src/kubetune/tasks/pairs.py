@@ -39,7 +39,7 @@ def load_pair_frames(spec, seed: int, s3: S3Settings = S3Settings(), numbers: di
         ["pairs", spec.format, spec.prompt_column, spec.chosen_column, spec.rejected_column, spec.system_prompt,
          {key: getattr(spec, f) for key, f in numbers.items()}]
     )  # fmt: skip
-    if spec.streaming:  # data.train is listed (a missing or unreadable prefix fails here), not read
+    if getattr(spec, "streaming", False):  # data.train is listed (a missing or unreadable prefix fails here), not read
         from kubetune.data.stream import list_shards
 
         list_shards(spec.train, field="data.train", s3=s3)

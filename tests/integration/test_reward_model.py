@@ -1,0 +1,158 @@
+"""Reward modelling end to end (task: reward-model) on the packaged MiniLM and the packaged sentiment preferences,
+2 gloo processes: it learns the preference (held-out pairwise accuracy >= 0.9), reports TRL's metric names,
+exports a scorer whose raw scores `kubetune predict` and `kubetune serve` (KServe v1 and v2) answer, chosen above
+rejected; a run killed with SIGKILL resumes to the same weights bit for bit (e2e), and LoRA and FSDP train it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import MINILM, kubetune, start_run, wait_for_checkpoint, worker_pid, write_spec
+
+pytestmark = pytest.mark.integration
+PAIRS = "pkg://kubetune/assets/sentiment/sentiment-preferences.jsonl"
+
+
+def _spec(out: Path, **over) -> dict:
+    spec = {
+        "name": "reward-minilm",
+        "task": "reward-model",
+        "model": {"uri": MINILM},
+        "data": {
+            "train": PAIRS,
+            "eval_fraction": 0.1,
+            "max_length": 128,
+            "max_train_samples": 320,
+            "max_eval_samples": 64,
+        },
+        "reward-model": {"center_rewards_coefficient": 0.01},
+        "training": {
+            "epochs": 1,
+            "batch_size": 16,
+            "learning_rate": 1e-4,
+            "log_every": 1,
+            "eval_every": 5,
+            "seed": 5,
+        },
+        "distributed": {"procs_per_node": 2},
+        "output": {"uri": str(out)},
+    }
+    for key, value in over.items():
+        spec[key] = {**spec.get(key, {}), **value} if isinstance(value, dict) else value
+    return spec
+
+
+def _render(review: str, answer: str) -> str:
+    """A pair's text as the fallback chat template renders it for the MiniLM tokenizer (which has none)."""
+    return f"<|user|>\nWhat is the sentiment of this review? {review}\n<|assistant|>\n{answer}"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("reward")
+    r = kubetune("run", str(write_spec(tmp / "job.yaml", _spec(tmp / "out"))), timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return tmp / "out", r.stderr
+
+
+def test_it_learns_the_preference_reports_predicts_and_serves_raw_scores(trained):
+    out, log = trained
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["task"] == "reward-model" and metrics["world_size"] == 2
+    assert metrics["eval_accuracy"] >= 0.9, metrics  # the issue's bar, on 64 held-out pairs
+    assert metrics["eval_margin"] > 0.2 and metrics["eval_pairs"] == 64
+    assert metrics["center_rewards_coefficient"] == 0.01 and metrics["data_format"] == "chat"
+    history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
+    train = [h for h in history if h["type"] == "train"]
+    assert {"accuracy", "margin", "mean_reward"} <= train[0].keys()  # TRL's names
+    evals = [h for h in history if h["type"] == "eval"]
+    assert evals[-1]["eval_margin"] > evals[0]["eval_margin"]
+    assert "done: eval_accuracy" in log and "train_loss" in log
+    assert "pairwise accuracy" in (out / "report.html").read_text()
+    config = json.loads((out / "model" / "config.json").read_text())
+    assert config["id2label"] == {"0": "reward"} and config["problem_type"] == "regression"
+
+    texts = [
+        _render("the crew were rude and my bag is lost", "negative"),
+        _render("the crew were rude and my bag is lost", "Hard to say."),
+        _render("smooth flight, lovely staff", "positive"),
+        _render("smooth flight, lovely staff", "No comment."),
+    ]
+    r = kubetune("predict", str(out), "--json", *texts)
+    assert r.returncode == 0, r.stderr[-2000:]
+    scores = [x["score"] for x in json.loads(r.stdout)]
+    assert scores[0] > scores[1] and scores[2] > scores[3], scores  # the answer above the evasion
+    assert any(s < 0 for s in scores)  # raw scores: no probability is negative
+
+    from test_serve import Server
+
+    server = Server(out, "--name", "rm").wait()
+    try:
+        status, v1 = server.call("/v1/models/rm:predict", {"instances": texts})
+        assert status == 200, v1
+        assert [p["score"] for p in v1["predictions"]] == pytest.approx(scores, abs=1e-4)
+        tensor = {"name": "text", "shape": [len(texts)], "datatype": "BYTES", "data": texts}
+        status, v2 = server.call("/v2/models/rm/infer", {"inputs": [tensor]})
+        assert status == 200 and [o["name"] for o in v2["outputs"]] == ["score"], v2
+        assert v2["outputs"][0]["data"] == pytest.approx(scores, abs=1e-4)
+    finally:
+        server.stop()
+
+
+def test_pairs_that_cannot_be_learned_are_one_line(tmp_path):
+    bad = tmp_path / "pairs.jsonl"
+    bad.write_text(
+        "\n".join(json.dumps({"prompt": "q", "chosen": f"a{i}", "rejected": f"b{i}", "m": m}) for i, m in enumerate(
+            [1, "lots", 2]
+        ))
+    )  # fmt: skip
+    spec = _spec(tmp_path / "out", data={"train": str(bad), "margin_column": "m"})
+    r = kubetune("run", str(write_spec(tmp_path / "job.yaml", spec)))
+    assert r.returncode == 2
+    (line,) = r.stderr.strip().splitlines()
+    assert "data.margin_column" in line and "'lots', not a number" in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def _weights(out: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(out / "model" / "model.safetensors")
+
+
+@pytest.mark.e2e
+def test_a_run_killed_with_sigkill_resumes_to_the_same_weights(trained, tmp_path):
+    ref_out, _ = trained
+    out = tmp_path / "out"
+    # checkpoints every 5 steps, which the uninterrupted run did not write: they change nothing of the training
+    proc = start_run(write_spec(tmp_path / "job.yaml", _spec(out, training={"checkpoint_every": 5})))
+    wait_for_checkpoint(out, 5, proc)
+    os.kill(worker_pid(proc.pid, 1), signal.SIGKILL)  # as the OOM killer would
+    proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    r = kubetune("run", str(tmp_path / "job.yaml"), timeout=600)
+    assert r.returncode == 0 and "resumed from checkpoint step" in r.stderr, r.stderr[-3000:]
+    a, b = _weights(out), _weights(ref_out)
+    diff = max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+    print(f"reward model, SIGKILL after a checkpoint, resumed: max |diff| {diff}")
+    assert diff == 0.0
+
+
+@pytest.mark.e2e
+def test_lora_and_fsdp_train_it(tmp_path):
+    lora = _spec(
+        tmp_path / "lora", lora={"r": 8, "target_modules": ["query", "value"]}, training={"learning_rate": 5e-4}
+    )
+    fsdp = _spec(tmp_path / "fsdp", distributed={"strategy": "fsdp"})
+    for name, spec in (("lora", lora), ("fsdp", fsdp)):
+        r = kubetune("run", str(write_spec(tmp_path / f"{name}.yaml", spec)), timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        metrics = json.loads((tmp_path / name / "metrics.json").read_text())
+        assert metrics["eval_accuracy"] >= 0.9, (name, metrics["eval_accuracy"])
+    assert (tmp_path / "lora" / "adapter").is_dir()
+    assert json.loads((tmp_path / "fsdp" / "metrics.json").read_text())["strategy"] == "fsdp"
