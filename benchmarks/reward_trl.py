@@ -1,0 +1,189 @@
+"""Reward modelling on the CPU: kubetune (task: reward-model) against TRL's RewardTrainer, the same model, pairs,
+loss and settings, in one run.
+
+    python benchmarks/reward_trl.py [--pairs 1080] [--rounds 1] [--name reward-cpu]
+
+The model: the packaged all-MiniLM-L6-v2 (BERT, 22.7M parameters) with a fresh one-output head. The data: the
+packaged sentiment preferences (chat pairs: a review's question, the label as the chosen answer, an evasion as
+the rejected one), the first ``--pairs`` of them, rendered with kubetune's fallback chat template on both sides
+(the tokenizer has none). Both: the Bradley-Terry loss with center_rewards_coefficient 0.01, 16 pairs per
+optimizer step, one epoch, AdamW lr 5e-5 with a linear schedule and 10 % warmup, max_length 256, fp32, one
+process with both cores, no evaluation during training (kubetune evaluates its 10 % held-out pairs once at the
+end: counted in its process time, not its training time; TRL trains on the same 90 %).
+
+Systems run in turn, each in a fresh process. Reported: training time (each system's own clock: kubetune's
+``train_runtime_s``, TRL's ``train_runtime``), pairs per second of training, the whole process's wall time, the
+peak RSS, and the final training loss. Writes benchmarks/results/<name>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT  # noqa: E402
+
+PAIRS = ROOT / "src/kubetune/assets/sentiment/sentiment-preferences.jsonl"
+MINILM = "hf://sentence-transformers/all-MiniLM-L6-v2"
+BATCH, LR, WARMUP, MAX_LENGTH, CENTER, SEED = 16, 5e-5, 0.1, 256, 0.01, 42
+SYSTEMS = ("kubetune", "trl")
+
+
+def make_data(work: Path, n: int) -> None:
+    """The first ``n`` pairs, split 90/10 by kubetune's own split (the same training pairs for TRL)."""
+    rows = PAIRS.read_text().splitlines()[:n]
+    (work / "pairs.jsonl").write_text("\n".join(rows) + "\n")
+
+
+def run_kubetune(work: Path, out: Path) -> dict:
+    import yaml
+
+    spec = {
+        "name": "reward-bench",
+        "task": "reward-model",
+        "model": {"uri": MINILM},
+        "data": {"train": str(work / "pairs.jsonl"), "eval_fraction": 0.1, "max_length": MAX_LENGTH},
+        "reward-model": {"center_rewards_coefficient": CENTER},
+        "training": {
+            "epochs": 1,
+            "batch_size": BATCH,
+            "learning_rate": LR,
+            "warmup_ratio": WARMUP,
+            "weight_decay": 0.0,
+            "precision": "fp32",
+            "seed": SEED,
+            "log_every": 10,
+        },
+        "distributed": {"procs_per_node": 1},
+        "output": {"uri": str(out), "report_baseline": False},
+    }
+    path = work / f"{out.name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    subprocess.run([sys.executable, "-m", "kubetune", "run", str(path)], check=True)
+    m = json.loads((out / "metrics.json").read_text())
+    return {"train_s": m["train_runtime_s"], "pairs": m["train_rows"], "steps": m["global_step"],
+            "train_loss": m["train_loss"], "eval_accuracy": m["eval_accuracy"]}  # fmt: skip
+
+
+def run_trl(work: Path, out: Path) -> dict:
+    import datasets
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from trl import RewardConfig, RewardTrainer
+
+    from kubetune import providers
+    from kubetune.tasks.common import FALLBACK_CHAT_TEMPLATE
+    from kubetune.tasks.pairs import load_pair_frames
+    from kubetune.tasks.reward_model import RewardData
+
+    path = providers.resolve(MINILM, kind="model", field="model.uri")
+    frames = load_pair_frames(RewardData(train=str(work / "pairs.jsonl"), eval_fraction=0.1), SEED)
+    records = frames.train["record"]  # kubetune's training pairs
+    train = datasets.Dataset.from_list([json.loads(r) for r in records])
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = FALLBACK_CHAT_TEMPLATE
+    torch.manual_seed(SEED)
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, pad_token_id=tok.pad_token_id)
+    args = RewardConfig(
+        output_dir=str(out), per_device_train_batch_size=BATCH, num_train_epochs=1, learning_rate=LR,
+        warmup_steps=WARMUP, lr_scheduler_type="linear", weight_decay=0.0, max_length=MAX_LENGTH,
+        center_rewards_coefficient=CENTER, report_to=[], use_cpu=True, bf16=False, fp16=False, save_strategy="no",
+        logging_steps=10, seed=SEED, dataloader_num_workers=0,
+    )  # fmt: skip
+    trainer = RewardTrainer(model=model, args=args, train_dataset=train, processing_class=tok)
+    result = trainer.train()
+    return {"train_s": result.metrics["train_runtime"], "pairs": len(train), "steps": result.global_step,
+            "train_loss": result.metrics["train_loss"]}  # fmt: skip
+
+
+def child(system: str, work: Path, out: Path) -> None:
+    t0 = time.perf_counter()
+    result = {"kubetune": run_kubetune, "trl": run_trl}[system](work, out)
+    result["process_s"] = time.perf_counter() - t0
+    result["peak_rss_mib"] = (
+        max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+        / 1024
+    )
+    (out.parent / f"{out.name}.json").write_text(json.dumps(result))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pairs", type=int, default=1080)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--name", default="reward-cpu")
+    ap.add_argument("--work", default="/tmp/kubetune-bench-reward")
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--child", nargs=2, metavar=("SYSTEM", "OUT"), help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    work = Path(a.work)
+    if a.child:
+        child(a.child[0], work, Path(a.child[1]))
+        return
+    work.mkdir(parents=True, exist_ok=True)
+    make_data(work, a.pairs)
+    results: dict[str, list] = {s: [] for s in a.systems.split(",")}
+    for r in range(a.rounds):
+        for system in results:
+            out = work / f"r{r}-{system}"
+            subprocess.run(["rm", "-rf", str(out)], check=True)
+            t = time.perf_counter()
+            subprocess.run([sys.executable, __file__, "--work", str(work), "--child", system, str(out)], check=True)
+            res = json.loads((work / f"{out.name}.json").read_text())
+            res["wall_s"] = time.perf_counter() - t
+            results[system].append(res)
+            print(
+                f"round {r} {system}: {res['pairs'] / res['train_s']:.1f} pairs/s, {res['train_s']:.1f} s", flush=True
+            )
+    write(a.name, results, a)
+
+
+def write(name: str, results: dict, a) -> None:
+    import platform
+    import statistics
+
+    import torch
+    import transformers
+    import trl
+
+    med = {s: {k: statistics.median(r[k] for r in runs) for k in ("train_s", "wall_s", "peak_rss_mib", "train_loss")}
+           | {"pairs": runs[0]["pairs"], "steps": runs[0]["steps"]} for s, runs in results.items()}  # fmt: skip
+    stamp = time.strftime("%Y-%m-%d %H:%M")
+    lines = [
+        f"# Reward modelling on the CPU: kubetune and TRL ({stamp})",
+        "",
+        f"{platform.machine()}, {torch.get_num_threads()} threads; torch {torch.__version__}, transformers "
+        f"{transformers.__version__}, trl {trl.__version__}. `python benchmarks/reward_trl.py --pairs {a.pairs} "
+        f"--rounds {a.rounds}` (medians of {a.rounds} round(s)).",
+        "",
+        "| system | steps | pairs | training (s) | pairs/s | process wall (s) | peak RSS (MiB) | final train loss |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for s, m in med.items():
+        lines.append(
+            f"| {s} | {m['steps']} | {m['pairs']} | {m['train_s']:.1f} | {m['pairs'] / m['train_s']:.2f} | "
+            f"{m['wall_s']:.1f} | {m['peak_rss_mib']:.0f} | {m['train_loss']:.4f} |"
+        )
+    if {"kubetune", "trl"} <= med.keys():
+        k, t = med["kubetune"], med["trl"]
+        lines += [
+            "",
+            f"kubetune ÷ TRL: pairs/s of training {(k['pairs'] / k['train_s']) / (t['pairs'] / t['train_s']):.2f}×, "
+            f"whole run (wall) {t['wall_s'] / k['wall_s']:.2f}× (goal: at least 1.5×).",
+        ]
+        if results["kubetune"][0].get("eval_accuracy") is not None:
+            lines.append(f"kubetune's held-out pairwise accuracy: {results['kubetune'][0]['eval_accuracy']:.4f}.")
+    out = ROOT / "benchmarks" / "results"
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    (out / f"{name}.json").write_text(json.dumps({"results": results, "medians": med}, indent=1))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
