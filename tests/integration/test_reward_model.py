@@ -16,6 +16,7 @@ from conftest import MINILM, kubetune, start_run, wait_for_checkpoint, worker_pi
 
 pytestmark = pytest.mark.integration
 PAIRS = "pkg://kubetune/assets/sentiment/sentiment-preferences.jsonl"
+ROOT_TINY = Path(__file__).resolve().parents[2] / "src" / "kubetune" / "assets" / "tiny-llama"
 
 
 def _spec(out: Path, **over) -> dict:
@@ -156,3 +157,67 @@ def test_lora_and_fsdp_train_it(tmp_path):
         assert metrics["eval_accuracy"] >= 0.9, (name, metrics["eval_accuracy"])
     assert (tmp_path / "lora" / "adapter").is_dir()
     assert json.loads((tmp_path / "fsdp" / "metrics.json").read_text())["strategy"] == "fsdp"
+
+
+SYSTEM = "Rate the review from 1 to 5 stars. Answer with digits only."
+
+
+def _grpo_spec(out: Path, reward_model: Path, **training) -> dict:
+    return {
+        "name": "grpo-rm",
+        "task": "grpo",
+        "model": {"uri": "pkg://kubetune/assets/tiny-llama"},
+        "data": {
+            "train": "pkg://kubetune/assets/sentiment/sentiment-instructions.jsonl",
+            "prompt_column": "input",
+            "format": "chat",
+            "system_prompt": SYSTEM,
+            "max_length": 128,
+            "max_train_samples": 64,
+            "max_eval_samples": 8,
+        },
+        "grpo": {
+            "num_generations": 4,
+            "max_completion_length": 8,
+            "rewards": [{"function": "model", "model": str(reward_model), "name": "rm"}],
+            "log_completions": 8,
+        },
+        "training": {"max_steps": 2, "batch_size": 2, "learning_rate": 1e-2, "log_every": 1, **training},
+        "distributed": {"procs_per_node": 2},
+        "output": {"uri": str(out)},
+    }
+
+
+def test_a_trained_reward_model_is_a_grpo_reward_scored_as_it_was_trained(trained, tmp_path):
+    """grpo.rewards' `function: model`: each completion's reward is the reward model's score of the conversation
+    rendered by its own chat template and tokenized as its training tokenized pairs (checked here by scoring the
+    logged completions again with transformers directly); what is not a reward model is one line."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    rm_out, _ = trained
+    out = tmp_path / "grpo"
+    r = kubetune("run", str(write_spec(tmp_path / "grpo.yaml", _grpo_spec(out, rm_out))), timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    samples = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert len(samples) >= 4
+    tok = AutoTokenizer.from_pretrained(rm_out / "model")
+    model = AutoModelForSequenceClassification.from_pretrained(rm_out / "model").eval()
+    for s in samples[:4]:
+        messages = [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": s["prompt"]},
+            {"role": "assistant", "content": s["completion"]},
+        ]
+        ids = tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+        with torch.no_grad():
+            want = model(input_ids=torch.tensor([ids])).logits.item()
+        assert s["rewards"]["rm"] == pytest.approx(want, abs=1e-4), s
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["grpo_rewards"] == ["rm"]
+
+    # the tiny Llama is a causal LM, not a reward model: one line before training
+    spec = _grpo_spec(tmp_path / "bad", Path("pkg://kubetune/assets/tiny-llama"))
+    spec["grpo"]["rewards"][0]["model"] = str(ROOT_TINY)
+    r = kubetune("run", str(write_spec(tmp_path / "bad.yaml", spec)))
+    assert r.returncode != 0
+    assert "grpo.rewards[0].model" in r.stderr and "is not a reward model" in r.stderr, r.stderr[-2000:]

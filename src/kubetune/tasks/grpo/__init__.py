@@ -14,7 +14,7 @@ from pydantic import Field, field_validator
 from kubetune.config.base import DataCommon, Section
 from kubetune.config.tasks import KServeRuntime, TaskEntry
 
-BUILTIN_REWARDS = ("exact_match", "regex", "length")
+BUILTIN_REWARDS = ("exact_match", "regex", "length", "model")
 
 
 class PromptData(DataCommon):
@@ -52,10 +52,11 @@ class Reward(Section):
         description="exact_match (1 when the completion, or the first group of `pattern` in it, equals the "
         "`column` value, else 0), regex (1 when `pattern` matches the completion, else 0), length (DAPO's soft "
         "overlong penalty: 0 up to `max_tokens` − `cache_tokens` completion tokens, then falling linearly to −1 at "
-        "`max_tokens`), or 'module:function' with TRL's signature f(prompts, completions, completion_ids, "
-        "**columns) -> list[float | None]. A user function is your code: it runs in every training process with "
-        "the job's rights (on Kubernetes the module must be importable in the pod: in the image, or a directory "
-        "on the workspace claim named in PYTHONPATH).",
+        "`max_tokens`), model (a trained reward model, `model`: its score of prompt + completion, rendered as it was "
+        "trained: the chat template for chat data), or 'module:function' with TRL's signature f(prompts, completions, "
+        "completion_ids, **columns) -> list[float | None]. A user function is your code: it runs in every training "
+        "process with the job's rights (on Kubernetes the module must be importable in the pod: in the image, or a "
+        "directory on the workspace claim named in PYTHONPATH).",
     )
     weight: float = Field(1.0, description="Its weight in the total reward (TRL's reward_weights).")
     name: str | None = Field(None, description="Its name in the metrics (reward_<name>). Absent: the function's.")
@@ -71,6 +72,11 @@ class Reward(Section):
         False,
         description="regex: the reward is the share (0 to 1) of the completion's non-space characters inside "
         "the matches of `pattern`, instead of 1 or 0 (a dense signal for a required form, e.g. \\d: digits only).",
+    )
+    model: str | None = Field(
+        None,
+        description="model: a kubetune reward-model export (its run directory or model/, s3:// or hf://), scored in "
+        "every training process, in batches, on the process's device.",
     )
     max_tokens: int | None = Field(None, ge=1, description="length: the completion length penalized to −1.")
     cache_tokens: int | None = Field(None, ge=1, description="length: the soft zone before max_tokens.")
@@ -165,11 +171,13 @@ def _checks(data: PromptData, section: GRPOSpec | None) -> list[str]:
             out.append(f"{where}: exact_match needs `column`, the data column holding the right answer")
         if r.function == "regex" and not r.pattern:
             out.append(f"{where}: regex needs `pattern`")
+        if r.function == "model" and not r.model:
+            out.append(f"{where}: model needs `model`, the reward model (a reward-model run's output, s3:// or hf://)")
         if r.function == "length" and (r.max_tokens is None or r.cache_tokens is None):
             out.append(f"{where}: length needs max_tokens and cache_tokens (the soft zone before max_tokens)")
         elif r.function == "length" and r.cache_tokens >= r.max_tokens:
             out.append(f"{where}: cache_tokens {r.cache_tokens} must be below max_tokens {r.max_tokens}")
-        for key in ("column", "pattern", "max_tokens", "cache_tokens"):
+        for key in ("column", "pattern", "max_tokens", "cache_tokens", "model"):
             if getattr(r, key) is not None and key not in _USES.get(r.function, ()):
                 out.append(f"{where}.{key} does not apply to function {r.function} — remove it")
         if (r.full or r.share) and r.function != "regex":
@@ -238,7 +246,12 @@ def _render_warnings(spec) -> list[str]:
     ]
 
 
-_USES = {"exact_match": ("column", "pattern"), "regex": ("pattern",), "length": ("max_tokens", "cache_tokens")}
+_USES = {
+    "exact_match": ("column", "pattern"),
+    "regex": ("pattern",),
+    "length": ("max_tokens", "cache_tokens"),
+    "model": ("model",),
+}
 
 
 ENTRY = TaskEntry(

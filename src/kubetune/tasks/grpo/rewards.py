@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kubetune.errors import KubetuneError
+from kubetune.providers import S3Settings
 from kubetune.tasks.grpo import Reward
 
 
@@ -33,18 +34,93 @@ class Scorer:
     where: str  # its spec field, for messages
 
 
-def scorers(specs: list[Reward]) -> list[Scorer]:
-    """The spec's reward functions, a user's imported now (at the start of the run, not at the first step).
+def scorers(specs: list[Reward], chat: bool = False, s3: S3Settings = S3Settings()) -> list[Scorer]:
+    """The spec's reward functions, a user's imported now and a reward model loaded (at the start of the run, not
+    at the first step); ``chat``: the prompts are message lists (a reward model renders them with its template).
 
     Raises:
-        KubetuneError: a module that cannot be imported or has no such function.
+        KubetuneError: a module that cannot be imported or has no such function; a reward model that cannot be
+            had, is not one, or cannot render the policy's chat.
     """
     out = []
     for i, r in enumerate(specs):
         where = f"grpo.rewards[{i}].function"
-        fn = _builtin(r) if ":" not in r.function else _import(r.function, where)
+        if r.function == "model":
+            fn = model_reward(r.model, f"grpo.rewards[{i}].model", chat, s3)
+        else:
+            fn = _builtin(r) if ":" not in r.function else _import(r.function, where)
         out.append(Scorer(r.label, r.weight, fn, where))
     return out
+
+
+def model_reward(uri: str, where: str, chat: bool, s3: S3Settings, batch_size: int = 16) -> Callable:
+    """A trained reward model (a kubetune reward-model export) as a reward function: each prompt + completion
+    tokenized as the reward model's training tokenized a pair's answer (chat: its chat template on the prompt's and
+    the completion's turns; text: prompt + completion, ending with its EOS where it has one), scored in batches of
+    ``batch_size``, on the calling thread's device (the rank's GPU, else the CPU)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from kubetune.inference.model import check_model, load_model, load_tokenizer, model_path
+
+    try:
+        path = model_path(uri, s3)
+    except KubetuneError as e:
+        raise KubetuneError(str(e), field=where, fix=e.fix) from None
+    config = check_model(path)
+    labels = list((config.get("id2label") or {}).values())
+    if config.get("problem_type") != "regression" or labels != ["reward"]:
+        raise KubetuneError(
+            f"{uri} is not a reward model (its config has {len(labels)} label(s) {labels[:3]}, problem_type "
+            f"{config.get('problem_type')!r})",
+            field=where,
+            fix="give the output of a `task: reward-model` run (or its model/ directory)",
+        )
+    tokenizer = load_tokenizer(path)
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise KubetuneError(
+            f"the reward model {uri} has no chat template, so it cannot encode the policy's chat prompts",
+            field=where,
+            fix="train the reward model on chat pairs (its export keeps the template it rendered them with), or "
+            "give the policy text prompts",
+        )
+    model = load_model(AutoModelForSequenceClassification, path).eval()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    limit = min(
+        getattr(tokenizer, "model_max_length", 1 << 30), getattr(model.config, "max_position_embeddings", 1 << 30)
+    )
+    eos = tokenizer.eos_token
+
+    def ids_of(prompt, completion) -> list[int]:
+        if chat:
+            messages = list(prompt) + (list(completion) if isinstance(completion, list) else [
+                {"role": "assistant", "content": str(completion)}])  # fmt: skip
+            ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+        else:
+            text = str(completion)
+            ids = tokenizer(text=str(prompt) + (text if not eos or text.endswith(eos) else text + eos))["input_ids"]
+        return list(ids)[:limit]
+
+    @torch.no_grad()
+    def reward_model(prompts, completions, completion_ids, **columns):
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        if next(model.parameters()).device != device:
+            model.to(device)
+        seqs = [ids_of(p, c) for p, c in zip(prompts, completions)]
+        out: list[float] = []
+        for start in range(0, len(seqs), batch_size):
+            chunk = seqs[start : start + batch_size]
+            width = max(len(s) for s in chunk)
+            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for k, s in enumerate(chunk):
+                ids[k, : len(s)] = torch.tensor(s)
+                mask[k, : len(s)] = 1
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+            out += logits.float().reshape(-1).tolist()
+        return out
+
+    return reward_model
 
 
 def _import(name: str, where: str) -> Callable:

@@ -29,6 +29,7 @@ from kubetune.data.tokenize import tokenizer_fingerprint
 from kubetune.distributed import DistEnv
 from kubetune.errors import AgreedError, KubetuneError
 from kubetune.inference import kinds
+from kubetune.providers import S3Settings
 from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task
 from kubetune.tasks.causal_lm import task as causal_lm
 from kubetune.tasks.common import load_on_node, prepare_tokenizer, prepared, target_mask, tokenize_split
@@ -52,8 +53,9 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
             fix="add a lora section (the reference is the model with its adapter disabled), set "
             "grpo.reference_copy: true (a frozen copy of the base model in memory), or set grpo.beta: 0",
         )
-    scorers = reward_fns.scorers(g.rewards)  # a user's module is imported now, not at the first step
     frames = load_on_node(load_prompt_frames, spec, env)
+    # a user's module is imported now, a reward model loaded, not at the first step
+    scorers = reward_fns.scorers(g.rewards, chat=frames.format == "chat", s3=S3Settings.from_spec(spec))
     template = prepare_tokenizer(tokenizer, frames.format == "chat", spec.data.chat_template)
     encode = functools.partial(encode_prompts, tokenizer=tokenizer, max_length=spec.data.max_length)
     fingerprint = f"grpo:{spec.data.max_length}:{tokenizer_fingerprint(tokenizer)}"
