@@ -188,6 +188,7 @@ def _grpo_spec(out: Path, reward_model: Path, **training) -> dict:
     }
 
 
+@pytest.mark.e2e  # make test: the reward model's run above, the scoring in tests/unit/test_grpo_reward_checks.py
 def test_a_trained_reward_model_is_a_grpo_reward_scored_as_it_was_trained(trained, tmp_path):
     """grpo.rewards' `function: model`: each completion's reward is the reward model's score of the conversation
     rendered by its own chat template and tokenized as its training tokenized pairs (checked here by scoring the
