@@ -1,0 +1,272 @@
+"""ORPO (Odds Ratio Preference Optimization) of a causal LM: the task's pieces for the shared trainer
+(``training/trainer.py``).
+
+Data: preference pairs read by ``tasks.pairs`` (text or chat, any column names) and tokenized as DPO's are
+(``tasks.dpo.data.encode_pairs``: TRL's prompt/answer split); a micro-batch is its pairs' chosen sequences, then
+their rejected ones (``tasks.dpo.data.Collate``), cut to ``data.max_length`` keeping their start. Model: the
+causal-LM task's (full fine-tune, LoRA, QLoRA) with dropout off, as DPO's. No reference model. Loss (TRL's
+ORPOTrainer): the chosen sequences' next-token NLL over every real token (prompt and answer, averaged over the
+micro-batch's tokens) minus λ × log σ(log odds ratio), the odds from each answer's mean token log-probability,
+log odds = (c − r) − (log(1 − e^c) − log(1 − e^r)); both from one forward pass. Logged under TRL's names: the
+rewards (λ × the mean answer log-probabilities), their accuracy and margin, the log-probabilities, nll_loss,
+log_odds_ratio, log_odds_chosen. Export, ``predict`` and the Hub push are the causal-LM task's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+
+import numpy as np
+import pyarrow.compute as pc
+import torch
+import torch.nn.functional as F
+
+from kubetune.config import JobSpec
+from kubetune.data.rows import column
+from kubetune.data.tokenize import tokenizer_fingerprint
+from kubetune.distributed import DistEnv
+from kubetune.errors import KubetuneError
+from kubetune.inference import kinds
+from kubetune.providers import S3Settings
+from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task
+from kubetune.tasks.causal_lm import task as causal_lm
+from kubetune.tasks.common import IGNORE, load_on_node, prepare_tokenizer, prepared, target_mask, tokenize_split
+from kubetune.tasks.dpo import DPOSpec
+from kubetune.tasks.dpo import task as dpo
+from kubetune.tasks.dpo.data import Collate, PairBatch, encode_pairs
+from kubetune.tasks.orpo import ORPOSpec
+from kubetune.tasks.pairs import load_pair_frames
+
+log = logging.getLogger(__name__)
+
+# TRL's ORPOTrainer logs rewards/accuracies, rewards/chosen, rewards/rejected, rewards/margins, logps/chosen,
+# logps/rejected, nll_loss, log_odds_ratio, log_odds_chosen: the same, with _ for /.
+METRICS = (
+    "reward_accuracy",
+    "reward_chosen",
+    "reward_rejected",
+    "reward_margin",
+    "logps_chosen",
+    "logps_rejected",
+    "nll_loss",
+    "log_odds_ratio",
+    "log_odds_chosen",
+)
+
+
+def load_frames(data, seed: int, s3: S3Settings = S3Settings()):
+    return load_pair_frames(data, seed, s3)
+
+
+def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
+    """The shared skeleton (``tasks.common``) around DPO's tokens: pairs dropped whose prompt leaves no answer token."""
+    frames = load_on_node(load_frames, spec, env)
+    template = prepare_tokenizer(tokenizer, frames.format == "chat", spec.data.chat_template)
+    max_length = spec.data.max_length
+    encode = functools.partial(encode_pairs, tokenizer=tokenizer, max_length=max_length)
+    tokens = tokenize_split(frames, env, f"orpo:{max_length}:{tokenizer_fingerprint(tokenizer)}", encode)
+    dropped = dict(frames.dropped)
+    tokens.train = _with_answers(tokens.train, dropped, "train_truncated", max_length)
+    tokens.eval = _with_answers(tokens.eval, dropped, "eval_truncated", max_length)
+    own = spec.orpo or ORPOSpec()
+    if env.is_local_main:
+        lengths = column(tokens.train, "length")
+        log.info(
+            "data: %d train / %d eval pairs (%s format%s); longest sequence %d tokens, mean %.0f; tokenization "
+            "cache %s",
+            len(tokens.train),
+            len(tokens.eval),
+            frames.format,
+            f", {template} chat template" if template else "",
+            lengths.max(),
+            lengths.mean(),
+            tokens.cache,
+        )
+    collate, collate_eval = (
+        PairCollate(Collate(ds, tokenizer.pad_token_id, max_length, DPOSpec(), ""), own.beta)
+        for ds in (tokens.train, tokens.eval)
+    )
+    info = {"data_format": frames.format, "chat_template": template, "orpo_beta": own.beta}
+    return prepared(tokens, collate=collate, collate_eval=collate_eval, dropped=dropped, info=info, raw=tokenizer)
+
+
+@dataclasses.dataclass
+class ORPOBatch(PairBatch):
+    """DPO's pair micro-batch with ORPO's λ (the trainer passes no spec to the loss)."""
+
+    beta: float = 0.1
+
+
+class PairCollate:
+    """Dataset row ids -> an ``ORPOBatch``: DPO's pair micro-batch (prompt + answer cut to data.max_length keeping
+    the start, right-padded, answer tokens labeled) carrying λ."""
+
+    def __init__(self, collate: Collate, beta: float):
+        self.collate, self.ds, self.beta = collate, collate.ds, beta
+
+    def __call__(self, indices: np.ndarray) -> ORPOBatch:
+        b = self.collate(indices)
+        return ORPOBatch(**{f.name: getattr(b, f.name) for f in dataclasses.fields(PairBatch)}, beta=self.beta)
+
+
+def _with_answers(ds, dropped: dict, key: str, max_length: int):
+    """The pairs whose prompt leaves an answer token within ``max_length`` (the others counted in ``dropped``)."""
+    prompt_lengths = pc.list_value_length(ds.with_format("arrow")["prompt_ids"]).to_numpy()
+    keep = np.flatnonzero(prompt_lengths < max_length)
+    if len(keep) == len(ds):
+        return ds
+    dropped[key] = len(ds) - len(keep)
+    split = key.split("_")[0]
+    log.warning(
+        "%d %s pairs have prompts of data.max_length %d tokens or more; skipped", dropped[key], split, max_length
+    )
+    if len(keep) == 0:
+        raise KubetuneError(
+            f"every prompt of the {len(ds)} {split} pairs takes {max_length} tokens or more",
+            field="data.max_length",
+            fix="raise data.max_length, or check data.prompt_column",
+        )
+    return ds.select(keep)
+
+
+# ---------------------------------------------------------------- the loss
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 − e^x) for x < 0, stable on both sides of −ln 2 (as TRL computes it)."""
+    return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+def pair_terms(chosen: torch.Tensor, rejected: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each pair's odds-ratio loss, −λ log σ(log odds), and its statistics (the first 6 of ``METRICS``, then
+    log_odds_ratio and log_odds_chosen; nll_loss is added by the caller) from the answers' mean token
+    log-probabilities (fp32)."""
+    log_odds = (chosen - rejected) - (log1mexp(chosen) - log1mexp(rejected))
+    ratio = F.logsigmoid(log_odds)
+    rc, rr = beta * chosen.detach(), beta * rejected.detach()
+    stats = torch.stack(
+        [(rc > rr).float(), rc, rr, rc - rr, chosen.detach(), rejected.detach(), ratio.detach(), log_odds.detach()],
+        dim=1,
+    )
+    return -beta * ratio, stats
+
+
+def _forward(model, batch: ORPOBatch, autocast):
+    """One forward pass over the pairs: the answers' mean token log-probabilities (chosen, rejected) and the chosen
+    sequences' summed NLL over every real token with their count."""
+    ids, mask = batch.inputs["input_ids"], batch.inputs["attention_mask"]
+    every = ids.masked_fill(mask == 0, IGNORE)  # each real token a target: the NLL covers prompt and answer
+    logps = causal_lm.target_logps(model, dataclasses.replace(batch, labels=every), autocast)
+    on = target_mask(every)
+    dense = torch.zeros(on.shape, dtype=logps.dtype, device=logps.device).masked_scatter(on, logps)
+    answer = target_mask(batch.labels)
+    mean = (dense * answer).sum(dim=1) / answer.sum(dim=1).clamp(min=1)
+    n = ids.shape[0] // 2
+    return mean[:n], mean[n:], -(dense[:n] * on[:n]).sum(), on[:n].sum()
+
+
+def _pairs(model, batch: ORPOBatch, autocast) -> tuple[torch.Tensor, torch.Tensor]:
+    """The micro-batch's summed loss (n × its token-mean NLL + the pairs' odds-ratio losses: TRL's micro-batch loss
+    times n) and its per-pair statistics with nll_loss."""
+    chosen, rejected, nll_sum, tokens = _forward(model, batch, autocast)
+    odds_losses, stats = pair_terms(chosen, rejected, batch.beta)
+    n = len(chosen)
+    nll = nll_sum / tokens.clamp(min=1)
+    total = n * nll + odds_losses.sum()
+    stats = torch.cat([stats[:, :6], nll.detach().expand(n, 1), stats[:, 6:]], dim=1)
+    return total, stats
+
+
+def loss(model, batch: ORPOBatch, autocast) -> LossOutput:
+    total, stats = _pairs(model, batch, autocast)
+    return LossOutput(total, torch.tensor(float(len(stats)), device=total.device), stats.sum(dim=0))
+
+
+def eval_step(model, batch: ORPOBatch, autocast) -> dict:
+    total, stats = _pairs(model, batch, autocast)
+    return {"loss": total.detach(), "pairs": len(stats), "stats": stats.sum(dim=0)}
+
+
+def eval_totals(stats: list[dict], data: Prepared, device) -> dict[str, torch.Tensor]:
+    totals = {
+        "loss": torch.zeros((), device=device, dtype=torch.float64),
+        "pairs": torch.zeros((), device=device, dtype=torch.float64),
+        "metrics": torch.zeros(len(METRICS), device=device, dtype=torch.float64),
+    }
+    for st in stats:
+        totals["loss"] += st["loss"].double()
+        totals["pairs"] += st["pairs"]
+        totals["metrics"] += st["stats"].double()
+    return totals
+
+
+def eval_metrics(totals: dict[str, np.ndarray], data: Prepared) -> dict:
+    n = max(float(totals["pairs"]), 1.0)
+    out = {"eval_loss": float(totals["loss"]) / n}
+    out.update({f"eval_{k}": float(v) / n for k, v in zip(METRICS, totals["metrics"])})
+    out["eval_pairs"] = int(totals["pairs"])
+    out["eval_samples"] = data.eval_rows
+    return out
+
+
+# ---------------------------------------------------------------- how the results read
+
+
+def _report_rows(m: dict) -> list[tuple[str, object]]:
+    return [
+        ("eval reward accuracy (chosen answer likelier than rejected)", m.get("eval_reward_accuracy")),
+        ("eval reward margin (λ × mean log-probability)", m.get("eval_reward_margin")),
+        ("eval log odds ratio (log σ)", m.get("eval_log_odds_ratio")),
+        ("eval NLL of the chosen sequences", m.get("eval_nll_loss")),
+        ("eval pairs", m.get("eval_pairs")),
+        ("orpo λ (beta)", m.get("orpo_beta")),
+        ("data format", m.get("data_format")),
+        ("chat template", m.get("chat_template") or "none (text pairs)"),
+    ]
+
+
+def _card_about(m: dict) -> list[str]:
+    return [
+        f"Preference-tuned with ORPO (λ {m.get('orpo_beta')}; no reference model). On {m.get('eval_pairs')} held-out "
+        f"pairs the chosen answer is the likelier one {m.get('eval_reward_accuracy', float('nan')):.2%} of the time.",
+        f"Data format: {m.get('data_format')}; chat template: {m.get('chat_template') or 'none'}.",
+    ]
+
+
+def _summary(m: dict) -> str:
+    return (
+        f"reward accuracy {m['eval_reward_accuracy']:.4f}, margin {m['eval_reward_margin']:.4f}, eval loss "
+        f"{m['eval_loss']:.4f} on {m['eval_pairs']} held-out pairs"
+    )
+
+
+TASK = Task(
+    load_frames=load_frames,
+    prepare=prepare,
+    build_model=dpo.build_model,  # the causal-LM task's model, dropout off (TRL's disable_dropout)
+    loss=loss,
+    eval_step=eval_step,
+    eval_totals=eval_totals,
+    eval_metrics=eval_metrics,
+    export=causal_lm.export,
+    headline=("eval_reward_accuracy", "eval_reward_margin"),
+    inference=kinds.CAUSAL_LM,
+    present=Presentation(
+        pipeline_tag="text-generation",
+        report_rows=_report_rows,
+        eval_curves=(),
+        eval_log_scale=False,
+        card_usage=causal_lm.TASK.present.card_usage,
+        card_about=_card_about,
+        headline=lambda m: f"reward accuracy {m.get('eval_reward_accuracy', float('nan')):.4f}",
+        summary=_summary,
+        step_plots=(
+            ("Reward accuracy", ("reward_accuracy", "eval_reward_accuracy")),
+            ("Reward margin and log odds", ("reward_margin", "eval_reward_margin", "log_odds_chosen")),
+        ),
+        loss_label="ORPO loss (NLL − λ log σ(log odds))",
+    ),
+    train_metrics=METRICS,
+)
