@@ -143,7 +143,9 @@ def evaluate(
     if adapter:
         path, adapter_dir = M.adapter_beside(path)
     M.expect(path, causal.is_causal_lm, "causal LM")
-    check_fit(tasks, manager, path, num_fewshot=num_fewshot, limit=limit, chat=chat, seed=seed)
+    check_fit(
+        tasks, manager, path, num_fewshot=num_fewshot, limit=limit, chat=chat, seed=seed, tokenizer_path=adapter_dir
+    )
     tokenizer = M.load_tokenizer(adapter_dir or path)
     model = M.load_model(AutoModelForCausalLM, path)
     if adapter_dir is not None:
@@ -271,11 +273,13 @@ def check_fit(
     gen_kwargs: dict | None = None,
     seed: int = 0,
     chat_template: str | None = None,
+    tokenizer_path: Path | None = None,
     field: str = "--tasks",
 ) -> None:
     """Every request of ``tasks``, as the harness builds them for the model at ``model_path`` (its few-shot
     examples, the chat template, a generation's token budget), within the model's context; else one line before
-    anything is scored. ``chat_template``: the one a training run gives a tokenizer that has none. The harness
+    anything is scored. ``chat_template``: the one a training run gives a tokenizer that has none;
+    ``tokenizer_path``: where the tokenizer is, when not beside the model (a LoRA export's adapter/). The harness
     itself cuts an over-long prompt's start off without a word (HFLM keeps the last tokens), so a score would
     silently be of other prompts than the task's.
 
@@ -288,9 +292,15 @@ def check_fit(
 
     from kubetune.inference import model as M
 
-    tokenizer = M.load_tokenizer(model_path)
+    tokenizer = M.load_tokenizer(tokenizer_path or model_path)
     if chat and chat_template and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = chat_template
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise KubetuneError(
+            f"the tokenizer of {model_path} has no chat template, and the tasks are to be formatted with one",
+            field=field,
+            fix="drop the chat option (--chat, evaluation.chat), or evaluate a model whose tokenizer has a template",
+        )
     # HFLM's own notion of the context (its default where neither config nor tokenizer gives one)
     context = resolve_max_length(AutoConfig.from_pretrained(model_path), tokenizer, default=2048)
 
