@@ -273,3 +273,34 @@ def prepared(tokens: Tokens, **parts) -> Prepared:
         content=tokens.train_key,
         **parts,
     )
+
+
+# ---- the evaluation of a task that learns from pairs (DPO, ORPO, reward models)
+
+
+def pair_evaluation(names: tuple[str, ...]) -> tuple[Callable, Callable]:
+    """A pair task's ``eval_totals`` and ``eval_metrics`` (``Task`` fields), for an ``eval_step`` that returns
+    ``{"loss": summed loss, "pairs": count, "stats": the sums of the metrics ``names``}``: the metrics are means over
+    the held-out pairs, ``eval_<name>``, with ``eval_loss``, ``eval_pairs`` and ``eval_samples``."""
+
+    def eval_totals(stats: list[dict], data: Prepared, device) -> dict[str, torch.Tensor]:
+        totals = {
+            "loss": torch.zeros((), device=device, dtype=torch.float64),
+            "pairs": torch.zeros((), device=device, dtype=torch.float64),
+            "metrics": torch.zeros(len(names), device=device, dtype=torch.float64),
+        }
+        for st in stats:
+            totals["loss"] += st["loss"].double()
+            totals["pairs"] += st["pairs"]
+            totals["metrics"] += st["stats"].double()
+        return totals
+
+    def eval_metrics(totals: dict, data: Prepared) -> dict:
+        n = max(float(totals["pairs"]), 1.0)
+        out = {"eval_loss": float(totals["loss"]) / n}
+        out.update({f"eval_{k}": float(v) / n for k, v in zip(names, totals["metrics"])})
+        out["eval_pairs"] = int(totals["pairs"])
+        out["eval_samples"] = data.eval_rows
+        return out
+
+    return eval_totals, eval_metrics

@@ -42,7 +42,15 @@ from kubetune.inference import kinds
 from kubetune.paths import cache_root, set_default_modes
 from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task, rank_batches
 from kubetune.tasks.causal_lm import task as causal_lm
-from kubetune.tasks.common import IGNORE, load_on_node, prepare_tokenizer, prepared, target_mask, tokenize_split
+from kubetune.tasks.common import (
+    IGNORE,
+    load_on_node,
+    pair_evaluation,
+    prepare_tokenizer,
+    prepared,
+    target_mask,
+    tokenize_split,
+)
 from kubetune.tasks.dpo import DPOSpec
 from kubetune.tasks.dpo.data import Collate, PairBatch, encode_pairs
 from kubetune.tasks.pairs import load_pair_frames, shard_normalizer
@@ -337,28 +345,7 @@ def eval_step(model, batch: PairBatch, autocast) -> dict:
     return {"loss": losses.sum(), "pairs": len(losses), "stats": stats.sum(dim=0)}
 
 
-def eval_totals(stats: list[dict], data: Prepared, device) -> dict[str, torch.Tensor]:
-    """The loss sum, the pairs and the sums of ``METRICS``."""
-    totals = {
-        "loss": torch.zeros((), device=device, dtype=torch.float64),
-        "pairs": torch.zeros((), device=device, dtype=torch.float64),
-        "metrics": torch.zeros(len(METRICS), device=device, dtype=torch.float64),
-    }
-    for st in stats:
-        totals["loss"] += st["loss"].double()
-        totals["pairs"] += st["pairs"]
-        totals["metrics"] += st["stats"].double()
-    return totals
-
-
-def eval_metrics(totals: dict[str, np.ndarray], data: Prepared) -> dict:
-    """Means over the held-out pairs: the loss, the reward accuracy, the rewards and their margin."""
-    n = max(float(totals["pairs"]), 1.0)
-    out = {"eval_loss": float(totals["loss"]) / n}
-    out.update({f"eval_{k}": float(v) / n for k, v in zip(METRICS, totals["metrics"])})
-    out["eval_pairs"] = int(totals["pairs"])
-    out["eval_samples"] = data.eval_rows
-    return out
+eval_totals, eval_metrics = pair_evaluation(METRICS)
 
 
 # ---------------------------------------------------------------- how the results read

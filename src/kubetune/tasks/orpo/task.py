@@ -32,7 +32,15 @@ from kubetune.inference import kinds
 from kubetune.providers import S3Settings
 from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task
 from kubetune.tasks.causal_lm import task as causal_lm
-from kubetune.tasks.common import IGNORE, load_on_node, prepare_tokenizer, prepared, target_mask, tokenize_split
+from kubetune.tasks.common import (
+    IGNORE,
+    load_on_node,
+    pair_evaluation,
+    prepare_tokenizer,
+    prepared,
+    target_mask,
+    tokenize_split,
+)
 from kubetune.tasks.dpo import DPOSpec
 from kubetune.tasks.dpo import task as dpo
 from kubetune.tasks.dpo.data import Collate, PairBatch, encode_pairs
@@ -189,26 +197,7 @@ def eval_step(model, batch: ORPOBatch, autocast) -> dict:
     return {"loss": total.detach(), "pairs": len(stats), "stats": stats.sum(dim=0)}
 
 
-def eval_totals(stats: list[dict], data: Prepared, device) -> dict[str, torch.Tensor]:
-    totals = {
-        "loss": torch.zeros((), device=device, dtype=torch.float64),
-        "pairs": torch.zeros((), device=device, dtype=torch.float64),
-        "metrics": torch.zeros(len(METRICS), device=device, dtype=torch.float64),
-    }
-    for st in stats:
-        totals["loss"] += st["loss"].double()
-        totals["pairs"] += st["pairs"]
-        totals["metrics"] += st["stats"].double()
-    return totals
-
-
-def eval_metrics(totals: dict[str, np.ndarray], data: Prepared) -> dict:
-    n = max(float(totals["pairs"]), 1.0)
-    out = {"eval_loss": float(totals["loss"]) / n}
-    out.update({f"eval_{k}": float(v) / n for k, v in zip(METRICS, totals["metrics"])})
-    out["eval_pairs"] = int(totals["pairs"])
-    out["eval_samples"] = data.eval_rows
-    return out
+eval_totals, eval_metrics = pair_evaluation(METRICS)
 
 
 # ---------------------------------------------------------------- how the results read

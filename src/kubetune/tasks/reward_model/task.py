@@ -40,6 +40,7 @@ from kubetune.tasks.common import (
     attention_kwargs,
     load_on_node,
     load_pretrained,
+    pair_evaluation,
     prepare_tokenizer,
     prepared,
     tokenize_split,
@@ -250,27 +251,7 @@ def eval_step(model, batch: RewardBatch, autocast) -> dict:
     return {"loss": losses.sum(), "pairs": len(losses), "stats": stats.sum(dim=0)}
 
 
-def eval_totals(stats: list[dict], data: Prepared, device) -> dict[str, torch.Tensor]:
-    totals = {
-        "loss": torch.zeros((), device=device, dtype=torch.float64),
-        "pairs": torch.zeros((), device=device, dtype=torch.float64),
-        "metrics": torch.zeros(len(METRICS), device=device, dtype=torch.float64),
-    }
-    for st in stats:
-        totals["loss"] += st["loss"].double()
-        totals["pairs"] += st["pairs"]
-        totals["metrics"] += st["stats"].double()
-    return totals
-
-
-def eval_metrics(totals: dict[str, np.ndarray], data: Prepared) -> dict:
-    """Means over the held-out pairs: the loss, the pairwise accuracy, the margin, the mean reward."""
-    n = max(float(totals["pairs"]), 1.0)
-    out = {"eval_loss": float(totals["loss"]) / n}
-    out.update({f"eval_{k}": float(v) / n for k, v in zip(METRICS, totals["metrics"])})
-    out["eval_pairs"] = int(totals["pairs"])
-    out["eval_samples"] = data.eval_rows
-    return out
+eval_totals, eval_metrics = pair_evaluation(METRICS)
 
 
 # ---------------------------------------------------------------- export and inference
