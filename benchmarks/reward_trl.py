@@ -18,21 +18,18 @@ peak RSS, and the final training loss. Writes benchmarks/results/<name>.{json,md
 
 from __future__ import annotations
 
-import argparse
 import json
-import resource
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pairs_bench  # noqa: E402
 from common import ROOT  # noqa: E402
 
 PAIRS = ROOT / "src/kubetune/assets/sentiment/sentiment-preferences.jsonl"
 MINILM = "hf://sentence-transformers/all-MiniLM-L6-v2"
 BATCH, LR, WARMUP, MAX_LENGTH, CENTER, SEED = 16, 5e-5, 0.1, 256, 0.01, 42
-SYSTEMS = ("kubetune", "trl")
 
 
 def make_data(work: Path, n: int) -> None:
@@ -102,87 +99,15 @@ def run_trl(work: Path, out: Path) -> dict:
             "train_loss": result.metrics["train_loss"]}  # fmt: skip
 
 
-def child(system: str, work: Path, out: Path) -> None:
-    t0 = time.perf_counter()
-    result = {"kubetune": run_kubetune, "trl": run_trl}[system](work, out)
-    result["process_s"] = time.perf_counter() - t0
-    result["peak_rss_mib"] = (
-        max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
-        / 1024
-    )
-    (out.parent / f"{out.name}.json").write_text(json.dumps(result))
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--pairs", type=int, default=1080)
-    ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--name", default="reward-cpu")
-    ap.add_argument("--work", default="/tmp/kubetune-bench-reward")
-    ap.add_argument("--systems", default=",".join(SYSTEMS))
-    ap.add_argument("--child", nargs=2, metavar=("SYSTEM", "OUT"), help=argparse.SUPPRESS)
-    a = ap.parse_args()
-    work = Path(a.work)
-    if a.child:
-        child(a.child[0], work, Path(a.child[1]))
-        return
-    work.mkdir(parents=True, exist_ok=True)
-    make_data(work, a.pairs)
-    results: dict[str, list] = {s: [] for s in a.systems.split(",")}
-    for r in range(a.rounds):
-        for system in results:
-            out = work / f"r{r}-{system}"
-            subprocess.run(["rm", "-rf", str(out)], check=True)
-            t = time.perf_counter()
-            subprocess.run([sys.executable, __file__, "--work", str(work), "--child", system, str(out)], check=True)
-            res = json.loads((work / f"{out.name}.json").read_text())
-            res["wall_s"] = time.perf_counter() - t
-            results[system].append(res)
-            print(
-                f"round {r} {system}: {res['pairs'] / res['train_s']:.1f} pairs/s, {res['train_s']:.1f} s", flush=True
-            )
-    write(a.name, results, a)
-
-
-def write(name: str, results: dict, a) -> None:
-    import platform
-    import statistics
-
-    import torch
-    import transformers
-    import trl
-
-    med = {s: {k: statistics.median(r[k] for r in runs) for k in ("train_s", "wall_s", "peak_rss_mib", "train_loss")}
-           | {"pairs": runs[0]["pairs"], "steps": runs[0]["steps"]} for s, runs in results.items()}  # fmt: skip
-    stamp = time.strftime("%Y-%m-%d %H:%M")
-    lines = [
-        f"# Reward modelling on the CPU: kubetune and TRL ({stamp})",
-        "",
-        f"{platform.machine()}, {torch.get_num_threads()} threads; torch {torch.__version__}, transformers "
-        f"{transformers.__version__}, trl {trl.__version__}. `python benchmarks/reward_trl.py --pairs {a.pairs} "
-        f"--rounds {a.rounds}` (medians of {a.rounds} round(s)).",
-        "",
-        "| system | steps | pairs | training (s) | pairs/s | process wall (s) | peak RSS (MiB) | final train loss |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for s, m in med.items():
-        lines.append(
-            f"| {s} | {m['steps']} | {m['pairs']} | {m['train_s']:.1f} | {m['pairs'] / m['train_s']:.2f} | "
-            f"{m['wall_s']:.1f} | {m['peak_rss_mib']:.0f} | {m['train_loss']:.4f} |"
-        )
-    if {"kubetune", "trl"} <= med.keys():
-        k, t = med["kubetune"], med["trl"]
-        lines += [
-            "",
-            f"kubetune ÷ TRL: pairs/s of training {(k['pairs'] / k['train_s']) / (t['pairs'] / t['train_s']):.2f}×, "
-            f"whole run (wall) {t['wall_s'] / k['wall_s']:.2f}× (goal: at least 1.5×).",
-        ]
-        if results["kubetune"][0].get("eval_accuracy") is not None:
-            lines.append(f"kubetune's held-out pairwise accuracy: {results['kubetune'][0]['eval_accuracy']:.4f}.")
-    out = ROOT / "benchmarks" / "results"
-    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
-    (out / f"{name}.json").write_text(json.dumps({"results": results, "medians": med}, indent=1))
-    print("\n".join(lines))
+    pairs_bench.main(
+        __file__,
+        "Reward modelling",
+        {"kubetune": run_kubetune, "trl": run_trl},
+        make_data,
+        "reward-cpu",
+        "pairwise accuracy",
+    )
 
 
 if __name__ == "__main__":
