@@ -484,3 +484,23 @@ def hub_dataset(tmp_path, small_csv) -> str:
     df.to_parquet(repo / "train-00000-of-00001.parquet")
     seed_cache(repo.parent, repo_id=HUB_DATASET, cache_dir=constants.HF_HUB_CACHE, repo_type="dataset")
     return HUB_DATASET
+
+
+def make_reward_model(dest: Path, template: bool) -> Path:
+    """A small reward-model export as the reward-model task writes one (one output named `reward`, a score),
+    random weights on the tiny Llama's shape, with (or without) a chat template."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
+
+    from kubetune.tasks.common import FALLBACK_CHAT_TEMPLATE
+
+    tiny = ROOT / "src" / "kubetune" / "assets" / "tiny-llama"
+    tok = AutoTokenizer.from_pretrained(tiny)
+    tok.pad_token = tok.eos_token
+    tok.chat_template = FALLBACK_CHAT_TEMPLATE if template else None
+    config = LlamaConfig.from_pretrained(tiny, num_labels=1, id2label={0: "reward"}, label2id={"reward": 0})
+    config.problem_type, config.pad_token_id = "regression", tok.pad_token_id
+    torch.manual_seed(0)
+    LlamaForSequenceClassification(config).save_pretrained(dest)
+    tok.save_pretrained(dest)
+    return dest

@@ -61,6 +61,40 @@ def trained(tmp_path_factory):
     return tmp / "out", r.stderr
 
 
+def test_an_exported_reward_model_predicts_and_serves_raw_scores(tmp_path):
+    """`kubetune predict` and `kubetune serve` (KServe v1 and v2, output `score`) on a reward-model export (a small
+    random one, as the task writes it: found by its config, one output named `reward`): the model's raw score of
+    each text, the same from both."""
+    from conftest import make_reward_model
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = make_reward_model(tmp_path / "rm", template=True)
+    texts = ["the crew were rude: negative", "Hard to say.", "smooth flight, lovely staff: positive"]
+    r = kubetune("predict", str(path), "--json", *texts)
+    assert r.returncode == 0, r.stderr[-2000:]
+    scores = [x["score"] for x in json.loads(r.stdout)]
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    with torch.no_grad():
+        want = [model(**tok(t, return_tensors="pt")).logits.item() for t in texts]
+    assert scores == pytest.approx(want, abs=1e-4) and any(s < 0 for s in scores)  # raw: a probability is not < 0
+
+    from test_serve import Server
+
+    server = Server(path, "--name", "rm").wait()
+    try:
+        status, v1 = server.call("/v1/models/rm:predict", {"instances": texts})
+        assert status == 200, v1
+        assert [p["score"] for p in v1["predictions"]] == pytest.approx(scores, abs=1e-4)
+        tensor = {"name": "text", "shape": [len(texts)], "datatype": "BYTES", "data": texts}
+        status, v2 = server.call("/v2/models/rm/infer", {"inputs": [tensor]})
+        assert status == 200 and [o["name"] for o in v2["outputs"]] == ["score"], v2
+        assert v2["outputs"][0]["data"] == pytest.approx(scores, abs=1e-4)
+    finally:
+        server.stop()
+
+
+@pytest.mark.e2e  # make test: the TRL equality (unit), the export's predict and serve above
 def test_it_learns_the_preference_reports_predicts_and_serves_raw_scores(trained):
     out, log = trained
     metrics = json.loads((out / "metrics.json").read_text())

@@ -17,6 +17,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from conftest import make_reward_model
 
 from kubetune.config.load import parse_spec
 from kubetune.errors import KubetuneError, SpecError
@@ -294,34 +295,13 @@ def test_the_rank_that_exited_0_early_is_named_when_the_others_only_lost_it(left
     assert quit_early(left, failures, root_failure(failures)[1]) == expected
 
 
-def _reward_model(dest, template: bool):
-    """A small reward-model export as the reward-model task writes one (one output named `reward`, a score),
-    random weights on the tiny Llama's shape, with (or without) a chat template."""
-    from pathlib import Path
-
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
-
-    from kubetune.tasks.common import FALLBACK_CHAT_TEMPLATE
-
-    tiny = Path(__file__).resolve().parents[2] / "src" / "kubetune" / "assets" / "tiny-llama"
-    tok = AutoTokenizer.from_pretrained(tiny)
-    tok.pad_token = tok.eos_token
-    tok.chat_template = FALLBACK_CHAT_TEMPLATE if template else None
-    config = LlamaConfig.from_pretrained(tiny, num_labels=1, id2label={0: "reward"}, label2id={"reward": 0})
-    config.problem_type, config.pad_token_id = "regression", tok.pad_token_id
-    torch.manual_seed(0)
-    LlamaForSequenceClassification(config).save_pretrained(dest)
-    tok.save_pretrained(dest)
-    return dest
-
-
 def test_a_reward_model_scores_each_conversation_as_its_training_tokenized_it(tmp_path):
     """grpo.rewards' `function: model`: a chat prompt + completion through the reward model's own chat template
     (tokenized by it, as the reward-model task's training did), batched with padding: the same scores as one
     conversation at a time; not a reward model, or no template for chat prompts: one line naming the field."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    path = _reward_model(tmp_path / "rm", template=True)
+    path = make_reward_model(tmp_path / "rm", template=True)
     (scorer,) = R.scorers([Reward(function="model", model=str(path), name="rm")], chat=True)
     prompts = [[{"role": "user", "content": f"rate review {i}"}] for i in range(5)]
     completions = [[{"role": "assistant", "content": "4" * (i + 1)}] for i in range(5)]
@@ -335,7 +315,7 @@ def test_a_reward_model_scores_each_conversation_as_its_training_tokenized_it(tm
     assert len(set(np.round(got, 6))) == 5
 
     for spec, chat, says in (
-        (str(_reward_model(tmp_path / "plain", template=False)), True, "has no chat template"),
+        (str(make_reward_model(tmp_path / "plain", template=False)), True, "has no chat template"),
         (str(__import__("pathlib").Path(R.__file__).resolve().parents[2] / "assets" / "tiny-llama"), False,
          "is not a reward model"),
     ):  # fmt: skip
