@@ -17,7 +17,7 @@ from kubetune.tasks.common import IGNORE, ensure_chat_template
 from kubetune.tasks.dpo import DPOSpec, PreferenceData
 from kubetune.tasks.dpo import data as dpo_data
 from kubetune.tasks.dpo import task as dpo
-from kubetune.tasks.pairs import load_pair_frames
+from kubetune.tasks.pairs import load_pair_frames, with_answers
 
 TINY = Path(__file__).resolve().parents[2] / "src" / "kubetune" / "assets" / "tiny-llama"
 
@@ -152,15 +152,15 @@ def test_prompts_that_fill_max_length_are_dropped(tok):
     frame = pd.DataFrame({"record": [json.dumps(r) for r in records]})
     ds = datasets.Dataset.from_dict(dpo_data.encode_pairs(frame, tok, 16))
     dropped: dict = {}
-    kept = dpo._with_answers(ds, dropped, "train_truncated", 16)
+    kept = with_answers(ds, dropped, "train_truncated", 16)
     assert dropped == {"train_truncated": 1} and len(kept) == 3
     assert all(len(p) < 16 for p in kept["prompt_ids"])
     with pytest.raises(KubetuneError) as e:
-        dpo._with_answers(ds.select([0]), {}, "train_truncated", 16)
+        with_answers(ds.select([0]), {}, "train_truncated", 16)
     assert e.value.field == "data.max_length"
     # the split is named: a 2-pair eval split all over max_length said "every prompt" of a train split that was fine
     with pytest.raises(KubetuneError) as e:
-        dpo._with_answers(ds.select([0]), {}, "eval_truncated", 16)
+        with_answers(ds.select([0]), {}, "eval_truncated", 16)
     assert "every prompt of the 1 eval pairs takes 16 tokens or more" in str(e.value)
     assert "give data.eval pairs with shorter prompts" in str(e.value)
 

@@ -23,7 +23,7 @@ from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
 from kubetune.inference.model import quiet_transformers
 from kubetune.providers import S3Settings
-from kubetune.tasks.base import Prepared, on_node_first
+from kubetune.tasks.base import LossOutput, Prepared, on_node_first
 
 log = logging.getLogger(__name__)
 
@@ -275,13 +275,22 @@ def prepared(tokens: Tokens, **parts) -> Prepared:
     )
 
 
-# ---- the evaluation of a task that learns from pairs (DPO, ORPO, reward models)
+# ---- the steps of a task that learns from pairs (DPO, ORPO, reward models)
 
 
-def pair_evaluation(names: tuple[str, ...]) -> tuple[Callable, Callable]:
-    """A pair task's ``eval_totals`` and ``eval_metrics`` (``Task`` fields), for an ``eval_step`` that returns
-    ``{"loss": summed loss, "pairs": count, "stats": the sums of the metrics ``names``}``: the metrics are means over
-    the held-out pairs, ``eval_<name>``, with ``eval_loss``, ``eval_pairs`` and ``eval_samples``."""
+def pair_steps(names: tuple[str, ...], pairs: Callable) -> tuple[Callable, Callable, Callable, Callable]:
+    """A pair task's ``loss``, ``eval_step``, ``eval_totals`` and ``eval_metrics`` (``Task`` fields) from ``pairs``:
+    (model, batch, autocast) -> (the micro-batch's summed loss, one row per pair of the metrics ``names``). The loss
+    unit is the pair; the evaluation reports means over the held-out pairs, ``eval_<name>``, with ``eval_loss``,
+    ``eval_pairs`` and ``eval_samples``."""
+
+    def loss(model, batch, autocast) -> LossOutput:
+        total, stats = pairs(model, batch, autocast)
+        return LossOutput(total, torch.tensor(float(len(stats)), device=total.device), stats.sum(dim=0))
+
+    def eval_step(model, batch, autocast) -> dict:
+        total, stats = pairs(model, batch, autocast)
+        return {"loss": total.detach(), "pairs": len(stats), "stats": stats.sum(dim=0)}
 
     def eval_totals(stats: list[dict], data: Prepared, device) -> dict[str, torch.Tensor]:
         totals = {
@@ -303,4 +312,4 @@ def pair_evaluation(names: tuple[str, ...]) -> tuple[Callable, Callable]:
         out["eval_samples"] = data.eval_rows
         return out
 
-    return eval_totals, eval_metrics
+    return loss, eval_step, eval_totals, eval_metrics

@@ -11,7 +11,9 @@ import json
 import logging
 import math
 
+import numpy as np
 import pandas as pd
+import pyarrow.compute as pc
 
 from kubetune.data.columns import NonText, check_table
 from kubetune.data.rows import RowSplit, read_split
@@ -228,3 +230,35 @@ def shared_prefix(a: list, b: list) -> int:
     """How many leading items ``a`` and ``b`` share (os.path.commonprefix orders its items, which
     message dicts cannot be)."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def with_answers(ds, dropped: dict, key: str, max_length: int):
+    """The tokenized pairs (a ``prompt_ids`` column) whose prompt leaves an answer token within ``max_length``; the
+    others counted in ``dropped[key]`` (``train_truncated`` / ``eval_truncated``). A pair whose prompt alone fills
+    data.max_length keeps no answer token (TRL drops it too).
+
+    Raises:
+        KubetuneError: no pair is left.
+    """
+    # from the Arrow column, without a Python list of every prompt's ids
+    prompt_lengths = pc.list_value_length(ds.with_format("arrow")["prompt_ids"]).to_numpy()
+    keep = np.flatnonzero(prompt_lengths < max_length)
+    if len(keep) == len(ds):
+        return ds
+    dropped[key] = len(ds) - len(keep)
+    split = key.split("_")[0]  # train | eval
+    log.warning(
+        "%d %s pairs have prompts of data.max_length %d tokens or more; they are skipped",
+        dropped[key],
+        split,
+        max_length,
+    )
+    if len(keep) == 0:
+        raise KubetuneError(
+            f"every prompt of the {len(ds)} {split} pairs takes {max_length} tokens or more, which leaves no "
+            "answer token",
+            field="data.max_length",
+            fix="raise data.max_length, or check data.prompt_column"
+            + (", or give data.eval pairs with shorter prompts" if split == "eval" else ""),
+        )
+    return ds.select(keep)

@@ -27,7 +27,6 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import pyarrow.compute as pc
 import torch
 import torch.nn.functional as F
 
@@ -37,15 +36,14 @@ from kubetune.data.feed import Feed
 from kubetune.data.rows import column
 from kubetune.data.tokenize import tokenizer_fingerprint
 from kubetune.distributed import DistEnv
-from kubetune.errors import KubetuneError
 from kubetune.inference import kinds
 from kubetune.paths import cache_root, set_default_modes
-from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task, rank_batches
+from kubetune.tasks.base import Prepared, Presentation, Task, rank_batches
 from kubetune.tasks.causal_lm import task as causal_lm
 from kubetune.tasks.common import (
     IGNORE,
     load_on_node,
-    pair_evaluation,
+    pair_steps,
     prepare_tokenizer,
     prepared,
     target_mask,
@@ -53,7 +51,7 @@ from kubetune.tasks.common import (
 )
 from kubetune.tasks.dpo import DPOSpec
 from kubetune.tasks.dpo.data import Collate, PairBatch, encode_pairs
-from kubetune.tasks.pairs import load_pair_frames, shard_normalizer
+from kubetune.tasks.pairs import load_pair_frames, shard_normalizer, with_answers
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +81,8 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
     tokens = tokenize_split(frames, env, fingerprint, encode)
     dropped = dict(frames.dropped)
     # A pair whose prompt alone fills data.max_length keeps no answer token (TRL drops it too).
-    tokens.train = _with_answers(tokens.train, dropped, "train_truncated", max_length)
-    tokens.eval = _with_answers(tokens.eval, dropped, "eval_truncated", max_length)
+    tokens.train = with_answers(tokens.train, dropped, "train_truncated", max_length)
+    tokens.eval = with_answers(tokens.eval, dropped, "eval_truncated", max_length)
     dpo = spec.dpo or DPOSpec()
     info = {
         "data_format": frames.format,
@@ -130,7 +128,7 @@ def _prepare_stream(spec: JobSpec, env: DistEnv, tokenizer, frames, encode, fing
     )
     tokens = tokenize_split(frames, env, fingerprint, encode, train=False)
     dropped = dict(frames.dropped)
-    tokens.eval = _with_answers(tokens.eval, dropped, "eval_truncated", max_length)
+    tokens.eval = with_answers(tokens.eval, dropped, "eval_truncated", max_length)
     if env.is_local_main:
         log.info("data: %s; %d eval pairs (%s format)", feed.describe(), len(tokens.eval), frames.format)
     info = {
@@ -152,31 +150,6 @@ def _prepare_stream(spec: JobSpec, env: DistEnv, tokenizer, frames, encode, fing
         raw=tokenizer,
         stream=feed,
     )
-
-
-def _with_answers(ds, dropped: dict, key: str, max_length: int):
-    # from the Arrow column, without a Python list of every prompt's ids
-    prompt_lengths = pc.list_value_length(ds.with_format("arrow")["prompt_ids"]).to_numpy()
-    keep = np.flatnonzero(prompt_lengths < max_length)
-    if len(keep) == len(ds):
-        return ds
-    dropped[key] = len(ds) - len(keep)
-    split = key.split("_")[0]  # train | eval
-    log.warning(
-        "%d %s pairs have prompts of data.max_length %d tokens or more; they are skipped",
-        dropped[key],
-        split,
-        max_length,
-    )
-    if len(keep) == 0:
-        raise KubetuneError(
-            f"every prompt of the {len(ds)} {split} pairs takes {max_length} tokens or more, which leaves no "
-            "answer token",
-            field="data.max_length",
-            fix="raise data.max_length, or check data.prompt_column"
-            + (", or give data.eval pairs with shorter prompts" if split == "eval" else ""),
-        )
-    return ds.select(keep)
 
 
 def build_model(spec: JobSpec, model_dir, data: Prepared, device: torch.device, dtype: torch.dtype, where=None):
@@ -331,21 +304,11 @@ def _pairs(model, batch: PairBatch, autocast) -> tuple[torch.Tensor, torch.Tenso
     ref_chosen, ref_rejected = _reference_logps(model, batch, autocast)  # first: no graph is held meanwhile
     chosen, rejected = _sequence_logps(model, batch, autocast).chunk(2)
     answer_tokens = (batch.labels != IGNORE).sum(dim=1).float()  # IPO's length normalization
-    return pair_losses(chosen, rejected, ref_chosen, ref_rejected, batch.dpo, answer_tokens)
+    losses, stats = pair_losses(chosen, rejected, ref_chosen, ref_rejected, batch.dpo, answer_tokens)
+    return losses.sum(), stats
 
 
-def loss(model, batch: PairBatch, autocast) -> LossOutput:
-    """The pairs' summed loss, their count, and the sums of ``METRICS``."""
-    losses, stats = _pairs(model, batch, autocast)
-    return LossOutput(losses.sum(), torch.tensor(float(len(losses)), device=losses.device), stats.sum(dim=0))
-
-
-def eval_step(model, batch: PairBatch, autocast) -> dict:
-    losses, stats = _pairs(model, batch, autocast)
-    return {"loss": losses.sum(), "pairs": len(losses), "stats": stats.sum(dim=0)}
-
-
-eval_totals, eval_metrics = pair_evaluation(METRICS)
+loss, eval_step, eval_totals, eval_metrics = pair_steps(METRICS, _pairs)
 
 
 # ---------------------------------------------------------------- how the results read

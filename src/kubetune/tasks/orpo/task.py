@@ -19,7 +19,6 @@ import functools
 import logging
 
 import numpy as np
-import pyarrow.compute as pc
 import torch
 import torch.nn.functional as F
 
@@ -27,15 +26,14 @@ from kubetune.config import JobSpec
 from kubetune.data.rows import column
 from kubetune.data.tokenize import tokenizer_fingerprint
 from kubetune.distributed import DistEnv
-from kubetune.errors import KubetuneError
 from kubetune.inference import kinds
 from kubetune.providers import S3Settings
-from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task
+from kubetune.tasks.base import Prepared, Presentation, Task
 from kubetune.tasks.causal_lm import task as causal_lm
 from kubetune.tasks.common import (
     IGNORE,
     load_on_node,
-    pair_evaluation,
+    pair_steps,
     prepare_tokenizer,
     prepared,
     target_mask,
@@ -45,7 +43,7 @@ from kubetune.tasks.dpo import DPOSpec
 from kubetune.tasks.dpo import task as dpo
 from kubetune.tasks.dpo.data import Collate, PairBatch, encode_pairs
 from kubetune.tasks.orpo import ORPOSpec
-from kubetune.tasks.pairs import load_pair_frames
+from kubetune.tasks.pairs import load_pair_frames, with_answers
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +74,8 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
     encode = functools.partial(encode_pairs, tokenizer=tokenizer, max_length=max_length)
     tokens = tokenize_split(frames, env, f"orpo:{max_length}:{tokenizer_fingerprint(tokenizer)}", encode)
     dropped = dict(frames.dropped)
-    tokens.train = _with_answers(tokens.train, dropped, "train_truncated", max_length)
-    tokens.eval = _with_answers(tokens.eval, dropped, "eval_truncated", max_length)
+    tokens.train = with_answers(tokens.train, dropped, "train_truncated", max_length)
+    tokens.eval = with_answers(tokens.eval, dropped, "eval_truncated", max_length)
     own = spec.orpo or ORPOSpec()
     if env.is_local_main:
         lengths = column(tokens.train, "length")
@@ -117,26 +115,6 @@ class PairCollate:
     def __call__(self, indices: np.ndarray) -> ORPOBatch:
         b = self.collate(indices)
         return ORPOBatch(**{f.name: getattr(b, f.name) for f in dataclasses.fields(PairBatch)}, beta=self.beta)
-
-
-def _with_answers(ds, dropped: dict, key: str, max_length: int):
-    """The pairs whose prompt leaves an answer token within ``max_length`` (the others counted in ``dropped``)."""
-    prompt_lengths = pc.list_value_length(ds.with_format("arrow")["prompt_ids"]).to_numpy()
-    keep = np.flatnonzero(prompt_lengths < max_length)
-    if len(keep) == len(ds):
-        return ds
-    dropped[key] = len(ds) - len(keep)
-    split = key.split("_")[0]
-    log.warning(
-        "%d %s pairs have prompts of data.max_length %d tokens or more; skipped", dropped[key], split, max_length
-    )
-    if len(keep) == 0:
-        raise KubetuneError(
-            f"every prompt of the {len(ds)} {split} pairs takes {max_length} tokens or more",
-            field="data.max_length",
-            fix="raise data.max_length, or check data.prompt_column",
-        )
-    return ds.select(keep)
 
 
 # ---------------------------------------------------------------- the loss
@@ -187,17 +165,7 @@ def _pairs(model, batch: ORPOBatch, autocast) -> tuple[torch.Tensor, torch.Tenso
     return total, stats
 
 
-def loss(model, batch: ORPOBatch, autocast) -> LossOutput:
-    total, stats = _pairs(model, batch, autocast)
-    return LossOutput(total, torch.tensor(float(len(stats)), device=total.device), stats.sum(dim=0))
-
-
-def eval_step(model, batch: ORPOBatch, autocast) -> dict:
-    total, stats = _pairs(model, batch, autocast)
-    return {"loss": total.detach(), "pairs": len(stats), "stats": stats.sum(dim=0)}
-
-
-eval_totals, eval_metrics = pair_evaluation(METRICS)
+loss, eval_step, eval_totals, eval_metrics = pair_steps(METRICS, _pairs)
 
 
 # ---------------------------------------------------------------- how the results read

@@ -35,12 +35,12 @@ from kubetune.errors import KubetuneError
 from kubetune.inference.model import load_model, load_tokenizer
 from kubetune.inference.seam import KSERVE, Inference
 from kubetune.providers import S3Settings
-from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task
+from kubetune.tasks.base import Prepared, Presentation, Task
 from kubetune.tasks.common import (
     attention_kwargs,
     load_on_node,
     load_pretrained,
-    pair_evaluation,
+    pair_steps,
     prepare_tokenizer,
     prepared,
     tokenize_split,
@@ -237,21 +237,11 @@ def _pairs(model, batch: RewardBatch, autocast) -> tuple[torch.Tensor, torch.Ten
     with autocast:
         logits = model(**batch.inputs).logits
     chosen, rejected = logits.float().squeeze(-1).chunk(2)
-    return pair_losses(chosen, rejected, batch.labels, batch.center)
+    losses, stats = pair_losses(chosen, rejected, batch.labels, batch.center)
+    return losses.sum(), stats
 
 
-def loss(model, batch: RewardBatch, autocast) -> LossOutput:
-    """The pairs' summed loss, their count, and the sums of ``METRICS``."""
-    losses, stats = _pairs(model, batch, autocast)
-    return LossOutput(losses.sum(), torch.tensor(float(len(losses)), device=losses.device), stats.sum(dim=0))
-
-
-def eval_step(model, batch: RewardBatch, autocast) -> dict:
-    losses, stats = _pairs(model, batch, autocast)
-    return {"loss": losses.sum(), "pairs": len(losses), "stats": stats.sum(dim=0)}
-
-
-eval_totals, eval_metrics = pair_evaluation(METRICS)
+loss, eval_step, eval_totals, eval_metrics = pair_steps(METRICS, _pairs)
 
 
 # ---------------------------------------------------------------- export and inference
