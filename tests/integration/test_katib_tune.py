@@ -253,3 +253,16 @@ def test_the_translated_spec_carries_the_search_under_the_spec_paths():
         "hf://meta-llama/Llama-3.2-1B",
         2,
     )
+
+
+def test_the_client_takes_the_sdks_arguments_and_hands_all_of_them_on():
+    """KatibClient.tune has the SDK's parameters, in its order (a call written for the SDK, positional or by name,
+    means the same), and passes each by name to spec_from_tune, which has the same ones."""
+    import inspect
+
+    from kubeflow.katib import KatibClient as SDKClient
+
+    sdk = [p for p in inspect.signature(SDKClient.tune).parameters if p != "self"]
+    ours = [p for p in inspect.signature(KatibClient.tune).parameters if p not in ("self", "overrides")]
+    assert ours == sdk
+    assert list(inspect.signature(spec_from_tune).parameters) == sdk

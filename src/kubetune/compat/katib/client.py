@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kubetune.compat.katib.translate import SDK_BASE_IMAGE, SDK_COLLECTOR, SDK_PIP_INDEX, spec_from_tune
+from kubetune.compat.katib.translate import SDK_BASE_IMAGE, spec_from_tune
 from kubetune.compat.kubeflow.errors import Problems, job_errors, refuse
 
 
@@ -99,35 +99,11 @@ class KatibClient:
             JobError: the study or Experiment could not be run or created (the cluster refused it, trials failed,
                 ...).
         """
+        # the SDK's arguments, by name, as spec_from_tune takes them (the same names and defaults)
+        arguments = {k: v for k, v in locals().items() if k not in ("self", "overrides")}
         from kubetune.config.load import parse_spec
 
-        raw = spec_from_tune(
-            name,
-            model_provider_parameters,
-            dataset_provider_parameters,
-            trainer_parameters,
-            storage_config,
-            objective,
-            base_image,
-            parameters,
-            namespace or self.namespace,
-            env_per_trial,
-            algorithm_name,
-            algorithm_settings,
-            objective_metric_name,
-            additional_metric_names,
-            objective_type,
-            objective_goal,
-            max_trial_count,
-            parallel_trial_count,
-            max_failed_trial_count,
-            resources_per_trial,
-            retain_trials,
-            packages_to_install,
-            SDK_PIP_INDEX if pip_index_urls is None else pip_index_urls,
-            SDK_COLLECTOR if metrics_collector_config is None else metrics_collector_config,
-            trial_active_deadline_seconds,
-        )
+        raw = spec_from_tune(**{**arguments, "namespace": namespace or self.namespace})
         if self.backend == "local" and raw["distributed"]["nodes"] != 1:
             refuse(
                 "resources_per_trial.num_workers",
