@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from pathlib import Path
 
 from kubernetes import client as k8s
@@ -120,6 +121,60 @@ class ClusterConnection:
         if e.status == 422:
             return KubetuneError(f"the API server rejected {what}: {message}", fix=self._fix("invalid", name))
         return KubetuneError(f"Kubernetes API error {e.status} {e.reason} on {verb} {what}: {message}")
+
+    # ---- what every cluster backend does with its custom objects ----
+    def _dry_run_create(self, api: tuple[str, str, str], obj: dict, exists_ok: bool = False) -> dict | None:
+        """Server-side dry run of creating ``obj``, a custom object of ``api`` (group, version, plural): what the
+        cluster would store (its CRD's pruning and defaults, its webhooks' verdict). None, checking nothing, when
+        one of that name exists and ``exists_ok``.
+
+        Raises:
+            KubetuneError: the cluster refused it (one line).
+        """
+        from kubernetes.client.exceptions import ApiException
+
+        group, version, plural = api
+        with self._errors("create", f"{plural}.{group}", obj["metadata"]["name"]):
+            try:
+                return self.custom.create_namespaced_custom_object(
+                    group, version, self.namespace, plural, obj, dry_run="All"
+                )
+            except ApiException as e:
+                if e.status == 409 and exists_ok:
+                    return None
+                raise
+
+    def _delete_and_wait(self, api: tuple[str, str, str], kind: str, name: str, timeout: float) -> None:
+        """Delete the custom object ``name`` of ``api`` in the foreground (what it owns first, a finalizer's work
+        too) and wait until it is gone; gone already is fine.
+
+        Raises:
+            KubetuneError: still there after ``timeout`` seconds, or a cluster error.
+        """
+        from kubernetes.client.exceptions import ApiException
+
+        group, version, plural = api
+        with self._errors("delete", f"{plural}.{group}", name):
+            try:
+                self.custom.delete_namespaced_custom_object(
+                    group, version, self.namespace, plural, name, propagation_policy="Foreground"
+                )
+            except ApiException as e:
+                if e.status == 404:
+                    return
+                raise
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                try:
+                    self.custom.get_namespaced_custom_object(group, version, self.namespace, plural, name)
+                except ApiException as e:
+                    if e.status == 404:
+                        return
+                    raise
+                time.sleep(1)
+        raise KubetuneError(
+            f"{kind} '{name}' is still being deleted after {timeout:.0f} s", fix="wait, then submit again"
+        )
 
     def _fix(self, case: str, name: str | None) -> str:
         """What to do about an error the cluster answered, by ``case``: ``refused`` (an admission

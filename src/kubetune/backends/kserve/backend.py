@@ -12,7 +12,6 @@ API errors are translated at the boundary (``cluster.api.ClusterConnection``).
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass, field
 
 from kubetune.backends.cluster.api import ClusterConnection
@@ -120,7 +119,7 @@ class KServeBackend(ClusterConnection):
         checked = self._check_served(isvc, exists_ok=replace)
         if replace and not checked:
             self._refuse_foreign(self.get(name), name)
-            self._delete_and_wait(name)
+            self._delete_and_wait(ISVC_API, KIND, name, 120)  # KServe's finalizer runs first
             self._check_served(isvc)
         created = self._ensure_service_account(rendered.service_account, name) if rendered.service_account else None
         try:
@@ -138,18 +137,10 @@ class KServeBackend(ClusterConnection):
         """Server-side dry run of the InferenceService: every field sent must come back (a CRD schema
         prunes what it does not know, silently). Returns False, checking nothing, when one of that
         name exists and ``exists_ok``."""
-        from kubernetes.client.exceptions import ApiException
-
-        with self._errors("create", RESOURCE, isvc["metadata"]["name"]):
-            try:
-                stored = self.custom.create_namespaced_custom_object(
-                    *ISVC_API[:2], self.namespace, ISVC_API[2], isvc, dry_run="All"
-                )
-            except ApiException as e:
-                if e.status == 409 and exists_ok:
-                    return False
-                raise
-        dropped = missing_paths(isvc.get("spec") or {}, (stored or {}).get("spec") or {}, "spec")
+        stored = self._dry_run_create(ISVC_API, isvc, exists_ok)
+        if stored is None:
+            return False
+        dropped = missing_paths(isvc.get("spec") or {}, stored.get("spec") or {}, "spec")
         if dropped:
             raise KubetuneError(
                 f"the cluster would drop {', '.join(dropped[:3])}{' ...' if len(dropped) > 3 else ''} from the "
@@ -189,32 +180,6 @@ class KServeBackend(ClusterConnection):
         with self._errors("update", "serviceaccounts", name):
             self.core.replace_namespaced_service_account(name, self.namespace, account)
         return None
-
-    def _delete_and_wait(self, name: str, timeout: float = 120) -> None:
-        """Delete the InferenceService and wait until it is gone (KServe's finalizer runs first)."""
-        from kubernetes.client.exceptions import ApiException
-
-        with self._errors("delete", RESOURCE, name):
-            try:
-                self.custom.delete_namespaced_custom_object(
-                    *ISVC_API[:2], self.namespace, ISVC_API[2], name, propagation_policy="Foreground"
-                )
-            except ApiException as e:
-                if e.status == 404:
-                    return
-                raise
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                try:
-                    self.custom.get_namespaced_custom_object(*ISVC_API[:2], self.namespace, ISVC_API[2], name)
-                except ApiException as e:
-                    if e.status == 404:
-                        return
-                    raise
-                time.sleep(1)
-        raise KubetuneError(
-            f"InferenceService '{name}' is still being deleted after {timeout:.0f} s", fix="wait, then submit again"
-        )
 
     def _refuse_foreign(self, isvc: dict, name: str) -> None:
         if not is_own(isvc, name):

@@ -9,7 +9,6 @@ the two registered backends.
 from __future__ import annotations
 
 import contextlib
-import time
 
 from kubetune.backends.cluster.api import TARGETS
 from kubetune.backends.cluster.objects import JOB_LABEL, own_claim
@@ -155,7 +154,7 @@ class KubeflowBackend(OwnedObjects, KubeflowReader):
         # old job goes first and the dry run is repeated before the real create.
         checked = self._check_served(rendered.job, exists_ok=replace)
         if replace:
-            self._delete_and_wait(name)
+            self._delete_and_wait((self.group, self.version, self.plural), self.kind, name, 60)
             if not checked:
                 self._check_served(rendered.job)
         with self._errors("create", f"{self.plural}.{self.group}", name):
@@ -189,18 +188,10 @@ class KubeflowBackend(OwnedObjects, KubeflowReader):
         for the spec: `kubetune fetch` fails), v2.2 drops the pod's terminationGracePeriodSeconds
         (the SIGTERM checkpoint is killed at 30 s). Returns False, checking nothing, when a job
         of that name exists and `exists_ok`."""
-        from kubernetes.client.exceptions import ApiException
-
-        with self._errors("create", f"{self.plural}.{self.group}", job["metadata"]["name"]):
-            try:
-                stored = self.custom.create_namespaced_custom_object(
-                    self.group, self.version, self.namespace, self.plural, job, dry_run="All"
-                )
-            except ApiException as e:
-                if e.status == 409 and exists_ok:
-                    return False
-                raise
-        dropped = missing_paths(job.get("spec") or {}, (stored or {}).get("spec") or {}, "spec")
+        stored = self._dry_run_create((self.group, self.version, self.plural), job, exists_ok)
+        if stored is None:
+            return False
+        dropped = missing_paths(job.get("spec") or {}, stored.get("spec") or {}, "spec")
         if not dropped:
             return True
         if self.target == "trainjob":
@@ -259,33 +250,6 @@ class KubeflowBackend(OwnedObjects, KubeflowReader):
             }
             for r in items
         ]
-
-    def _delete_and_wait(self, name: str, timeout: float = 60) -> None:
-        from kubernetes.client.exceptions import ApiException
-
-        with self._errors("delete", f"{self.plural}.{self.group}", name):
-            try:
-                self.custom.delete_namespaced_custom_object(
-                    self.group, self.version, self.namespace, self.plural, name, propagation_policy="Foreground"
-                )
-            except ApiException as e:
-                if e.status == 404:
-                    return
-                raise
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                try:
-                    self.custom.get_namespaced_custom_object(
-                        self.group, self.version, self.namespace, self.plural, name
-                    )
-                except ApiException as e:
-                    if e.status == 404:
-                        return
-                    raise
-                time.sleep(1)
-        raise KubetuneError(
-            f"{self.kind} '{name}' is still being deleted after {timeout:.0f} s", fix="wait, then submit again"
-        )
 
     # ---- delete / list ----
     def delete(self, name: str, storage: bool = False, **_: object) -> list[str]:

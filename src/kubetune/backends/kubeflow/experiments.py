@@ -10,7 +10,6 @@ Experiment of the same name refused unless ``replace``, and nothing deleted that
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass, field
 
 from kubetune.backends.cluster.api import ClusterConnection
@@ -149,11 +148,12 @@ class KatibBackend(OwnedObjects, ClusterConnection):
         rendered = manifests.render_tune(spec, self.namespace, target)
         exp = rendered.experiment
         name = exp["metadata"]["name"]
-        checked = self._dry_run(exp, exists_ok=replace)
+        # Katib's webhooks answer a dry run before anything is created (an Experiment has no schema to prune)
+        checked = self._dry_run_create(KATIB_API, exp, exists_ok=replace) is not None
         if replace and not checked:
             self._refuse_foreign(self.get(name), name)
-            self._delete_and_wait(name)
-            self._dry_run(exp)
+            self._delete_and_wait(KATIB_API, KIND, name, 120)
+            self._dry_run_create(KATIB_API, exp)
         with self._errors("create", RESOURCE, name):
             created = self.custom.create_namespaced_custom_object(*KATIB_API[:2], self.namespace, KATIB_API[2], exp)
         owner = {
@@ -176,22 +176,6 @@ class KatibBackend(OwnedObjects, ClusterConnection):
             raise
         return name
 
-    def _dry_run(self, exp: dict, exists_ok: bool = False) -> bool:
-        """Katib's webhooks on the Experiment before anything is created. Returns False, checking nothing, when
-        one of that name exists and ``exists_ok``."""
-        from kubernetes.client.exceptions import ApiException
-
-        with self._errors("create", RESOURCE, exp["metadata"]["name"]):
-            try:
-                self.custom.create_namespaced_custom_object(
-                    *KATIB_API[:2], self.namespace, KATIB_API[2], exp, dry_run="All"
-                )
-            except ApiException as e:
-                if e.status == 409 and exists_ok:
-                    return False
-                raise
-        return True
-
     def _refuse_foreign(self, exp: dict, name: str) -> None:
         if not is_own(exp):
             raise KubetuneError(
@@ -199,31 +183,6 @@ class KatibBackend(OwnedObjects, ClusterConnection):
                 f"{MANAGED[0]}={MANAGED[1]}), so kubetune leaves it alone",
                 fix="rename the job (name), or delete that Experiment with kubectl",
             )
-
-    def _delete_and_wait(self, name: str, timeout: float = 120) -> None:
-        from kubernetes.client.exceptions import ApiException
-
-        with self._errors("delete", RESOURCE, name):
-            try:
-                self.custom.delete_namespaced_custom_object(
-                    *KATIB_API[:2], self.namespace, KATIB_API[2], name, propagation_policy="Foreground"
-                )
-            except ApiException as e:
-                if e.status == 404:
-                    return
-                raise
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                try:
-                    self.get_raw(name)
-                except ApiException as e:
-                    if e.status == 404:
-                        return
-                    raise
-                time.sleep(1)
-        raise KubetuneError(
-            f"Experiment '{name}' is still being deleted after {timeout:.0f} s", fix="wait, then submit again"
-        )
 
     # ---- status ----
     def get_raw(self, name: str) -> dict:
