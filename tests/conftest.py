@@ -487,8 +487,9 @@ def hub_dataset(tmp_path, small_csv) -> str:
 
 
 def make_reward_model(dest: Path, template: bool) -> Path:
-    """A small reward-model export as the reward-model task writes one (one output named `reward`, a score),
-    random weights on the tiny Llama's shape, with (or without) a chat template."""
+    """A small reward-model export as the reward-model task writes one (one output named `reward`, a score, and how
+    its training tokenized a sequence), random weights on the tiny Llama's shape: trained on chat pairs with a chat
+    template (``template``), else on text pairs without one."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
 
@@ -500,6 +501,7 @@ def make_reward_model(dest: Path, template: bool) -> Path:
     tok.chat_template = FALLBACK_CHAT_TEMPLATE if template else None
     config = LlamaConfig.from_pretrained(tiny, num_labels=1, id2label={0: "reward"}, label2id={"reward": 0})
     config.problem_type, config.pad_token_id = "regression", tok.pad_token_id
+    config.kubetune_reward_input = "chat" if template else "text"  # reward_model.task.INPUT
     torch.manual_seed(0)
     LlamaForSequenceClassification(config).save_pretrained(dest)
     tok.save_pretrained(dest)

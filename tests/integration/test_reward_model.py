@@ -68,15 +68,24 @@ def test_an_exported_reward_model_predicts_and_serves_raw_scores(tmp_path):
     from conftest import make_reward_model
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    path = make_reward_model(tmp_path / "rm", template=True)
-    texts = ["the crew were rude: negative", "Hard to say.", "smooth flight, lovely staff: positive"]
+    path = make_reward_model(tmp_path / "rm", template=True)  # trained on chat pairs
+    tok = AutoTokenizer.from_pretrained(path)
+    conversations = [
+        [{"role": "user", "content": f"What is the sentiment? {review}"}, {"role": "assistant", "content": answer}]
+        for review, answer in (("rude crew", "negative"), ("rude crew", "Hard to say."), ("lovely staff", "positive"))
+    ]
+    texts = [tok.apply_chat_template(c, tokenize=False) for c in conversations]  # what a user passes: rendered
     r = kubetune("predict", str(path), "--json", *texts)
     assert r.returncode == 0, r.stderr[-2000:]
     scores = [x["score"] for x in json.loads(r.stdout)]
-    tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForSequenceClassification.from_pretrained(path).eval()
-    with torch.no_grad():
-        want = [model(**tok(t, return_tensors="pt")).logits.item() for t in texts]
+    with torch.no_grad():  # the ids its training scored: the chat template's own tokenization (no [BOS] added twice)
+        want = [
+            model(
+                input_ids=torch.tensor([tok.apply_chat_template(c, tokenize=True, return_dict=True)["input_ids"]])
+            ).logits.item()
+            for c in conversations
+        ]
     assert scores == pytest.approx(want, abs=1e-4) and any(s < 0 for s in scores)  # raw: a probability is not < 0
 
     from test_serve import Server
@@ -255,7 +264,7 @@ def test_a_trained_reward_model_is_a_grpo_reward_scored_as_it_was_trained(traine
     spec["grpo"]["rewards"][0]["model"] = str(ROOT_TINY)
     r = kubetune("run", str(write_spec(tmp_path / "bad.yaml", spec)))
     assert r.returncode != 0
-    assert "grpo.rewards[0].model" in r.stderr and "is not a reward model" in r.stderr, r.stderr[-2000:]
+    assert "grpo.rewards[0].model" in r.stderr and "not a reward model" in r.stderr, r.stderr[-2000:]
 
 
 @pytest.mark.e2e

@@ -314,11 +314,23 @@ def test_a_reward_model_scores_each_conversation_as_its_training_tokenized_it(tm
             assert value == pytest.approx(model(input_ids=torch.tensor([ids])).logits.item(), abs=1e-5)
     assert len(set(np.round(got, 6))) == 5
 
+    # a reward model trained on text pairs scores prompt + completion + EOS, the tokenizer's special tokens added
+    text = make_reward_model(tmp_path / "plain", template=False)
+    (scorer,) = R.scorers([Reward(function="model", model=str(text), name="rm")], chat=False)
+    got = R.score([scorer], ["rate: great", "rate: awful"], ["5", "1 star"], [[0]] * 2, {}, step=0)[:, 0]
+    tok = AutoTokenizer.from_pretrained(text)
+    model = AutoModelForSequenceClassification.from_pretrained(text).eval()
+    for prompt, completion, value in zip(["rate: great", "rate: awful"], ["5", "1 star"], got):
+        ids = tok(prompt + completion + tok.eos_token)["input_ids"]
+        with torch.no_grad():
+            assert value == pytest.approx(model(input_ids=torch.tensor([ids])).logits.item(), abs=1e-5)
+
+    tiny = __import__("pathlib").Path(R.__file__).resolve().parents[2] / "assets" / "tiny-llama"
     for spec, chat, says in (
-        (str(make_reward_model(tmp_path / "plain", template=False)), True, "has no chat template"),
-        (str(__import__("pathlib").Path(R.__file__).resolve().parents[2] / "assets" / "tiny-llama"), False,
-         "is not a reward model"),
-    ):  # fmt: skip
+        (str(text), True, "was trained on text pairs, and the policy's prompts are chat"),
+        (str(path), False, "was trained on chat pairs, and the policy's prompts are text"),
+        (str(tiny), False, "not a reward model"),
+    ):
         with pytest.raises(KubetuneError) as e:
             R.scorers([Reward(function="model", model=spec)], chat=chat)
         assert e.value.field == "grpo.rewards[0].model" and says in str(e.value), str(e.value)

@@ -313,3 +313,14 @@ def pair_steps(names: tuple[str, ...], pairs: Callable) -> tuple[Callable, Calla
         return out
 
     return loss, eval_step, eval_totals, eval_metrics
+
+
+def right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id sequences as one right-padded batch: (input_ids, attention_mask)."""
+    width = max(len(q) for q in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for k, q in enumerate(seqs):
+        ids[k, : len(q)] = torch.tensor(q, dtype=torch.long)
+        mask[k, : len(q)] = 1
+    return ids, mask

@@ -55,28 +55,36 @@ def scorers(specs: list[Reward], chat: bool = False, s3: S3Settings = S3Settings
 
 def model_reward(uri: str, where: str, chat: bool, s3: S3Settings, batch_size: int = 16) -> Callable:
     """A trained reward model (a kubetune reward-model export) as a reward function: each prompt + completion
-    tokenized as the reward model's training tokenized a pair's answer (chat: its chat template on the prompt's and
-    the completion's turns; text: prompt + completion, ending with its EOS where it has one), scored in batches of
-    ``batch_size``, on the calling thread's device (the rank's GPU, else the CPU)."""
+    tokenized as the reward model's training tokenized a pair's answer (``reward_model.task.answer_ids``), cut to its
+    context (keeping the start), scored in batches of ``batch_size`` on the calling thread's device (the rank's GPU,
+    else the CPU).
+
+    Raises:
+        KubetuneError: no such model, not a reward model, or one trained on the other format than the policy's
+            prompts (chat or text), or without a chat template for chat prompts (one line naming ``where``).
+    """
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    from kubetune.inference.model import check_model, load_model, load_tokenizer, model_path
+    from kubetune.inference.model import context_length, expect, load_model, load_tokenizer, model_path
+    from kubetune.tasks.reward_model.task import INPUT, answer_ids, is_reward_model, score_ids
 
     try:
         path = model_path(uri, s3)
+        expect(path, is_reward_model, "reward model (the output of a `task: reward-model` run)")
     except KubetuneError as e:
         raise KubetuneError(str(e), field=where, fix=e.fix) from None
-    config = check_model(path)
-    labels = list((config.get("id2label") or {}).values())
-    if config.get("problem_type") != "regression" or labels != ["reward"]:
-        raise KubetuneError(
-            f"{uri} is not a reward model (its config has {len(labels)} label(s) {labels[:3]}, problem_type "
-            f"{config.get('problem_type')!r})",
-            field=where,
-            fix="give the output of a `task: reward-model` run (or its model/ directory)",
-        )
     tokenizer = load_tokenizer(path)
+    model = load_model(AutoModelForSequenceClassification, path).eval()
+    trained = getattr(model.config, INPUT, None)
+    if trained is not None and (trained == "chat") != chat:
+        raise KubetuneError(
+            f"the reward model {uri} was trained on {trained} pairs, and the policy's prompts are "
+            f"{'chat' if chat else 'text'}: it would score sequences unlike any it learned from",
+            field=where,
+            fix="train the reward model on pairs in the policy's format (data.format), or give the policy prompts in "
+            "the reward model's",
+        )
     if chat and not getattr(tokenizer, "chat_template", None):
         raise KubetuneError(
             f"the reward model {uri} has no chat template, so it cannot encode the policy's chat prompts",
@@ -84,41 +92,15 @@ def model_reward(uri: str, where: str, chat: bool, s3: S3Settings, batch_size: i
             fix="train the reward model on chat pairs (its export keeps the template it rendered them with), or "
             "give the policy text prompts",
         )
-    model = load_model(AutoModelForSequenceClassification, path).eval()
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    limit = min(
-        getattr(tokenizer, "model_max_length", 1 << 30), getattr(model.config, "max_position_embeddings", 1 << 30)
-    )
-    eos = tokenizer.eos_token
-
-    def ids_of(prompt, completion) -> list[int]:
-        if chat:
-            messages = list(prompt) + (list(completion) if isinstance(completion, list) else [
-                {"role": "assistant", "content": str(completion)}])  # fmt: skip
-            ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
-        else:
-            text = str(completion)
-            ids = tokenizer(text=str(prompt) + (text if not eos or text.endswith(eos) else text + eos))["input_ids"]
-        return list(ids)[:limit]
+    limit = context_length(model.config, tokenizer)
 
     @torch.no_grad()
     def reward_model(prompts, completions, completion_ids, **columns):
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         if next(model.parameters()).device != device:
             model.to(device)
-        seqs = [ids_of(p, c) for p, c in zip(prompts, completions)]
-        out: list[float] = []
-        for start in range(0, len(seqs), batch_size):
-            chunk = seqs[start : start + batch_size]
-            width = max(len(s) for s in chunk)
-            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-            mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            for k, s in enumerate(chunk):
-                ids[k, : len(s)] = torch.tensor(s)
-                mask[k, : len(s)] = 1
-            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
-            out += logits.float().reshape(-1).tolist()
-        return out
+        seqs = [answer_ids(tokenizer, p, c)[:limit] for p, c in zip(prompts, completions)]
+        return score_ids(model, seqs, batch_size)
 
     return reward_model
 

@@ -32,7 +32,7 @@ from kubetune.data.rows import column
 from kubetune.data.tokenize import tokenizer_fingerprint
 from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
-from kubetune.inference.model import load_model, load_tokenizer
+from kubetune.inference.model import context_length, load_model, load_tokenizer
 from kubetune.inference.seam import KSERVE, Inference
 from kubetune.providers import S3Settings
 from kubetune.tasks.base import Prepared, Presentation, Task
@@ -43,6 +43,7 @@ from kubetune.tasks.common import (
     pair_steps,
     prepare_tokenizer,
     prepared,
+    right_pad,
     tokenize_split,
 )
 from kubetune.tasks.pairs import load_pair_frames
@@ -55,6 +56,7 @@ log = logging.getLogger(__name__)
 # margin (r_chosen − r_rejected), mean_reward (over both answers).
 METRICS = ("accuracy", "margin", "mean_reward")
 LABEL = "reward"  # the one output's name in the exported config (id2label)
+INPUT = "kubetune_reward_input"  # the exported config's record of how training tokenized a sequence: chat or text
 
 
 def load_frames(data, seed: int, s3: S3Settings = S3Settings()):
@@ -62,24 +64,29 @@ def load_frames(data, seed: int, s3: S3Settings = S3Settings()):
     return load_pair_frames(data, seed, s3, numbers={"margin": "margin_column"})
 
 
-def encode(frame, tokenizer) -> dict[str, list]:
-    """Token ids of each pair's two sequences as TRL's RewardTrainer makes them: text: the tokenizer on prompt +
-    answer (the answer ending with EOS where the tokenizer has one); chat: the chat template on the prompt's and
-    the answer's turns. Columns chosen_ids, rejected_ids, margin, length (the longer sequence)."""
-    cols: dict[str, list] = {"chosen_ids": [], "rejected_ids": [], "margin": [], "length": []}
+def answer_ids(tokenizer, prompt, answer) -> list[int]:
+    """One (prompt, answer) sequence's token ids as TRL's RewardTrainer makes them, and as the reward model then
+    scores it (``Scorer``, GRPO's ``model`` reward): text (strings): the tokenizer on prompt + answer, the answer
+    ending with EOS where the tokenizer has one; chat (message lists; a string answer is an assistant turn): the
+    chat template on the prompt's and the answer's turns."""
+    if isinstance(prompt, str):
+        return list(tokenizer(text=prompt + with_eos(tokenizer, str(answer)))["input_ids"])
+    turns = list(answer) if isinstance(answer, list) else [{"role": "assistant", "content": str(answer)}]
+    return list(tokenizer.apply_chat_template(list(prompt) + turns, tokenize=True, return_dict=True)["input_ids"])
+
+
+def with_eos(tokenizer, text: str) -> str:
     eos = tokenizer.eos_token
+    return text if not eos or text.endswith(eos) else text + eos
+
+
+def encode(frame, tokenizer) -> dict[str, list]:
+    """Token ids of each pair's two sequences (``answer_ids``). Columns chosen_ids, rejected_ids, margin, length
+    (the longer sequence)."""
+    cols: dict[str, list] = {"chosen_ids": [], "rejected_ids": [], "margin": [], "length": []}
     for rec in frame["record"]:
         r = json.loads(rec)
-        if isinstance(r["prompt"], str):
-            ids = [
-                tokenizer(text=r["prompt"] + (a if not eos or a.endswith(eos) else a + eos))["input_ids"]
-                for a in (r["chosen"], r["rejected"])
-            ]
-        else:
-            ids = [
-                list(tokenizer.apply_chat_template(r["prompt"] + r[k], tokenize=True, return_dict=True)["input_ids"])
-                for k in ("chosen", "rejected")
-            ]
+        ids = [answer_ids(tokenizer, r["prompt"], r[k]) for k in ("chosen", "rejected")]
         cols["chosen_ids"].append(ids[0])
         cols["rejected_ids"].append(ids[1])
         cols["margin"].append(float(r.get("margin", 0.0)))
@@ -106,13 +113,7 @@ class Collate:
         if len(indices) == 0:  # a rank's empty share of the last step: computed, weighs nothing
             indices, weight = np.zeros(1, dtype=np.int64), 0.0
         rows = self.ds[[int(i) for i in indices]]
-        seqs = list(rows["chosen_ids"]) + list(rows["rejected_ids"])
-        width = max(len(s) for s in seqs)
-        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for k, seq in enumerate(seqs):
-            ids[k, : len(seq)] = torch.tensor(seq)
-            mask[k, : len(seq)] = 1
+        ids, mask = right_pad(list(rows["chosen_ids"]) + list(rows["rejected_ids"]), self.pad_id)
         margins = torch.as_tensor(rows["margin"], dtype=torch.float32)
         index = torch.as_tensor(indices, dtype=torch.long)
         return RewardBatch({"input_ids": ids, "attention_mask": mask}, margins, weight, index, self.center)
@@ -248,7 +249,9 @@ loss, eval_step, eval_totals, eval_metrics = pair_steps(METRICS, _pairs)
 
 
 def export(spec: JobSpec, model, tokenizer, data: Prepared, out, metrics: dict) -> None:
-    """``model/``: the scorer (merged for LoRA) and its tokenizer; ``adapter/`` for LoRA."""
+    """``model/``: the scorer (merged for LoRA) and its tokenizer, its config naming how its training tokenized a
+    sequence (``INPUT``: chat or text), which ``Scorer`` repeats; ``adapter/`` for LoRA."""
+    setattr(getattr(model, "config", None) or model.get_base_model().config, INPUT, data.info["data_format"])
     if spec.lora is not None:
         artifacts.replace_dir(lambda d: model.save_pretrained(d), out / "adapter")
         model = model.merge_and_unload()
@@ -268,7 +271,9 @@ def is_reward_model(config: dict) -> bool:
 
 class Scorer:
     """A reward model's engine (`kubetune serve` over KServe's v1 and v2, `predict`): the raw score of each text,
-    batched, padded as in training."""
+    tokenized as the model's training tokenized a whole sequence (its config's ``INPUT``): a chat model's text is a
+    rendered conversation (no special tokens added, as the chat template's own tokenization adds none); a text model's
+    gets EOS appended where the tokenizer has one. Batched, right-padded, cut to the model's context."""
 
     outputs = {"score": "FP32"}
 
@@ -277,22 +282,35 @@ class Scorer:
 
         self.tokenizer = load_tokenizer(path)
         self.model = load_model(AutoModelForSequenceClassification, path).eval()
+        self.chat = getattr(self.model.config, INPUT, "text") == "chat"
+        self.limit = context_length(self.model.config, self.tokenizer)
         self.batch_size = batch_size
+
+    def ids(self, text: str) -> list[int]:
+        if self.chat:
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            ids = self.tokenizer(with_eos(self.tokenizer, text))["input_ids"]
+        return list(ids)[: self.limit]
 
     @torch.no_grad()
     def scores(self, texts: list[str]) -> list[float]:
-        out: list[float] = []
-        device = next(self.model.parameters()).device
-        for start in range(0, len(texts), self.batch_size):
-            enc = self.tokenizer(
-                texts[start : start + self.batch_size], padding=True, truncation=True, return_tensors="pt"
-            )
-            enc = {k: v.to(device) for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
-            out += self.model(**enc).logits.float().reshape(-1).tolist()
-        return out
+        return score_ids(self.model, [self.ids(t) for t in texts], self.batch_size)
 
     def run(self, texts: list[str]) -> list[dict]:
         return [{"score": s} for s in self.scores(texts)]
+
+
+@torch.no_grad()
+def score_ids(model, seqs: list[list[int]], batch_size: int = 16) -> list[float]:
+    """A reward model's score of each token id sequence, in right-padded batches (its config's pad token, which it
+    finds each row's last real token by), on the model's device."""
+    device, pad = next(model.parameters()).device, model.config.pad_token_id or 0
+    out: list[float] = []
+    for start in range(0, len(seqs), batch_size):
+        ids, mask = right_pad(seqs[start : start + batch_size], pad)
+        out += model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float().reshape(-1).tolist()
+    return out
 
 
 def predict(path: str, texts: list[str], options: dict, warn) -> list[dict]:
