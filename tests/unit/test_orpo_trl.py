@@ -88,7 +88,7 @@ def test_loss_and_metrics_equal_trl(tmp_path, fmt, lora, beta):
     spec = ORPOData(train=str(tmp_path / "p.jsonl"), max_length=256)
     records = [json.dumps(pair_record(r, spec, fmt)) for r in rows]
     cols = encode_pairs(pd.DataFrame({"record": records}), tok, spec.max_length)
-    collate = orpo.PairCollate(Collate(datasets.Dataset.from_dict(cols), tok.pad_token_id, 256, DPOSpec(), ""), beta)
+    collate = Collate(datasets.Dataset.from_dict(cols), tok.pad_token_id, 256, DPOSpec(beta=beta), "")
     batch = collate(list(range(N)))
     policy.train()
     total, pairs, stats = orpo.loss(policy, batch, torch.autocast("cpu", enabled=False))

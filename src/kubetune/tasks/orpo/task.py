@@ -18,7 +18,6 @@ import dataclasses
 import functools
 import logging
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -27,7 +26,6 @@ from kubetune.data.rows import column
 from kubetune.data.tokenize import tokenizer_fingerprint
 from kubetune.distributed import DistEnv
 from kubetune.inference import kinds
-from kubetune.providers import S3Settings
 from kubetune.tasks.base import Prepared, Presentation, Task
 from kubetune.tasks.causal_lm import task as causal_lm
 from kubetune.tasks.common import (
@@ -62,13 +60,9 @@ METRICS = (
 )
 
 
-def load_frames(data, seed: int, s3: S3Settings = S3Settings()):
-    return load_pair_frames(data, seed, s3)
-
-
 def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
     """The shared skeleton (``tasks.common``) around DPO's tokens: pairs dropped whose prompt leaves no answer token."""
-    frames = load_on_node(load_frames, spec, env)
+    frames = load_on_node(load_pair_frames, spec, env)
     template = prepare_tokenizer(tokenizer, frames.format == "chat", spec.data.chat_template)
     max_length = spec.data.max_length
     encode = functools.partial(encode_pairs, tokenizer=tokenizer, max_length=max_length)
@@ -91,30 +85,12 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
             tokens.cache,
         )
     collate, collate_eval = (
-        PairCollate(Collate(ds, tokenizer.pad_token_id, max_length, DPOSpec(), ""), own.beta)
+        # DPO's pair batches, their loss settings carrying λ (ORPO's beta, read by _pairs)
+        Collate(ds, tokenizer.pad_token_id, max_length, DPOSpec(beta=own.beta), "")
         for ds in (tokens.train, tokens.eval)
     )
     info = {"data_format": frames.format, "chat_template": template, "orpo_beta": own.beta}
     return prepared(tokens, collate=collate, collate_eval=collate_eval, dropped=dropped, info=info, raw=tokenizer)
-
-
-@dataclasses.dataclass
-class ORPOBatch(PairBatch):
-    """DPO's pair micro-batch with ORPO's λ (the trainer passes no spec to the loss)."""
-
-    beta: float = 0.1
-
-
-class PairCollate:
-    """Dataset row ids -> an ``ORPOBatch``: DPO's pair micro-batch (prompt + answer cut to data.max_length keeping
-    the start, right-padded, answer tokens labeled) carrying λ."""
-
-    def __init__(self, collate: Collate, beta: float):
-        self.collate, self.ds, self.beta = collate, collate.ds, beta
-
-    def __call__(self, indices: np.ndarray) -> ORPOBatch:
-        b = self.collate(indices)
-        return ORPOBatch(**{f.name: getattr(b, f.name) for f in dataclasses.fields(PairBatch)}, beta=self.beta)
 
 
 # ---------------------------------------------------------------- the loss
@@ -139,25 +115,27 @@ def pair_terms(chosen: torch.Tensor, rejected: torch.Tensor, beta: float) -> tup
     return -beta * ratio, stats
 
 
-def _forward(model, batch: ORPOBatch, autocast):
+def _forward(model, batch: PairBatch, autocast):
     """One forward pass over the pairs: the answers' mean token log-probabilities (chosen, rejected) and the chosen
     sequences' summed NLL over every real token with their count."""
     ids, mask = batch.inputs["input_ids"], batch.inputs["attention_mask"]
-    every = ids.masked_fill(mask == 0, IGNORE)  # each real token a target: the NLL covers prompt and answer
+    n = ids.shape[0] // 2
+    # the targets: every real token of the chosen sequences (the NLL covers prompt and answer), the rejected
+    # sequences' answers (their mean log-probability) only
+    every = torch.cat([ids[:n].masked_fill(mask[:n] == 0, IGNORE), batch.labels[n:]])
     logps = causal_lm.target_logps(model, dataclasses.replace(batch, labels=every), autocast)
     on = target_mask(every)
     dense = torch.zeros(on.shape, dtype=logps.dtype, device=logps.device).masked_scatter(on, logps)
     answer = target_mask(batch.labels)
     mean = (dense * answer).sum(dim=1) / answer.sum(dim=1).clamp(min=1)
-    n = ids.shape[0] // 2
-    return mean[:n], mean[n:], -(dense[:n] * on[:n]).sum(), on[:n].sum()
+    return mean[:n], mean[n:], -dense[:n].sum(), on[:n].sum()
 
 
-def _pairs(model, batch: ORPOBatch, autocast) -> tuple[torch.Tensor, torch.Tensor]:
+def _pairs(model, batch: PairBatch, autocast) -> tuple[torch.Tensor, torch.Tensor]:
     """The micro-batch's summed loss (n × its token-mean NLL + the pairs' odds-ratio losses: TRL's micro-batch loss
     times n) and its per-pair statistics with nll_loss."""
     chosen, rejected, nll_sum, tokens = _forward(model, batch, autocast)
-    odds_losses, stats = pair_terms(chosen, rejected, batch.beta)
+    odds_losses, stats = pair_terms(chosen, rejected, batch.dpo.beta)
     n = len(chosen)
     nll = nll_sum / tokens.clamp(min=1)
     total = n * nll + odds_losses.sum()
@@ -200,7 +178,7 @@ def _summary(m: dict) -> str:
 
 
 TASK = Task(
-    load_frames=load_frames,
+    load_frames=load_pair_frames,
     prepare=prepare,
     build_model=dpo.build_model,  # the causal-LM task's model, dropout off (TRL's disable_dropout)
     loss=loss,
