@@ -1046,9 +1046,9 @@ class FakeKubeAPI:
         body = katib.defaults(copy.deepcopy(body))
         body["metadata"] = {**(body.get("metadata") or {}), "namespace": namespace}
         errors = katib.validate(body, self.namespace_labels.get(namespace))
-        if errors:
+        if errors:  # validation_webhook.go answers admission.Errored(http.StatusBadRequest, ...)
             raise ApiError(
-                403, f'admission webhook "{KATIB_WEBHOOK}" denied the request: {_aggregate(errors)}', "Forbidden"
+                400, f'admission webhook "{KATIB_WEBHOOK}" denied the request: {_aggregate(errors)}', "BadRequest"
             )
         return body
 

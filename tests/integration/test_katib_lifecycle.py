@@ -216,4 +216,26 @@ def test_options_that_mean_nothing_with_tune_are_refused(cluster, spec_file):
         (("submit", "--tune", str(spec_file), "--target", "local"), "--target"),
     ):
         code, _, err = cli(cluster, *args)
-        assert code != 0 and field in err, args
+        (line,) = err.strip().splitlines()  # kubetune's own one line, not typer's usage error
+        assert code == 2 and line.startswith("error: ") and field in line, (args, err)
+
+
+@pytest.mark.parametrize(
+    "target, missing, says",
+    [
+        ("trainjob", {"trainer": None}, "deploy/install.sh --with trainer"),
+        ("pytorchjob", {"operator": None}, "install the Kubeflow Training Operator"),
+    ],
+)
+def test_a_cluster_that_cannot_run_the_trials_is_refused_before_the_experiment(
+    tmp_path, spec_file, target, missing, says
+):
+    """Katib admits an Experiment whose trial kind the cluster does not serve (its validator dry-runs batch Jobs
+    only); every trial would then fail at its creation. submit --tune checks the trial job as a job submit does."""
+    with FakeKubeAPI(katib="v0.19.0", **missing) as server:
+        kubeconfig = str(server.write_kubeconfig(tmp_path / "kc", namespace=NS))
+        result = CliRunner().invoke(
+            app, ["submit", "--tune", str(spec_file), "--target", target, "--kubeconfig", kubeconfig]
+        )
+        assert result.exit_code != 0 and "are not served" in result.stderr and says in result.stderr, result.stderr
+        assert server.objects(*EXP, NS) == [] and server.objects("v1", "configmaps", NS) == []

@@ -172,3 +172,25 @@ def test_what_a_local_study_refuses_the_render_refuses_too():
     with pytest.raises(KubetuneError) as e:
         render_tune(bad, "kubeflow")
     assert e.value.field == "tune.objective" and "eval_accuracy" in str(e.value)
+
+
+def test_a_target_that_is_neither_kind_is_refused_not_rendered_as_a_trainjob():
+    spec = _with_tune(ROOT / "examples" / "sentiment-minilm.yaml")
+    for target in ("bogus", "TrainJob"):
+        with pytest.raises(KubetuneError) as e:
+            render_tune(spec, "kubeflow", target)
+        assert e.value.field == "--target" and repr(target) in str(e.value)
+
+
+def test_a_choice_with_a_quote_is_refused_for_trainjob_trials_only():
+    spec = _with_tune(ROOT / "examples" / "sentiment-minilm.yaml")
+    raw = spec.model_dump(mode="json", exclude_unset=True)
+    raw["tune"]["space"]["data.system_prompt"] = {"type": "choice", "values": ["Be brief.", "It's short."]}
+    raw["task"] = "causal-lm"
+    raw["data"] = {"train": "hf://org/chat", "system_prompt": "x"}
+    quoted = parse_spec(raw)
+    with pytest.raises(KubetuneError) as e:
+        render_tune(quoted, "kubeflow", "trainjob")
+    assert e.value.field == "tune.space.data.system_prompt"
+    exp = render_tune(quoted, "kubeflow", "pytorchjob").experiment  # no shell: the value reaches kubetune whole
+    assert fake_katib.validate(exp) == []

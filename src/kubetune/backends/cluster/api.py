@@ -91,8 +91,9 @@ class ClusterConnection:
             body = {}
         message = body.get("message") or e.reason or ""
         what = f"{resource} '{name}'" if name else resource
-        if e.status == 403 and "admission webhook" in message:
-            # a validating webhook (an operator's, KServe's) refused the object (controller-runtime answers 403)
+        if e.status in (400, 403) and "admission webhook" in message:
+            # a validating webhook refused the object: controller-runtime's Denied answers 403 (the operators',
+            # KServe's), its Errored 400 (Katib's experiment validator)
             return KubetuneError(f"the cluster refused {what}: {message}", fix=self._fix("refused", name))
         if e.status == 403:
             return KubetuneError(

@@ -124,6 +124,10 @@ def is_own(exp: dict) -> bool:
 class KatibBackend(OwnedObjects, ClusterConnection):
     """Runs specs' tune sections as Katib Experiments in one namespace."""
 
+    def __init__(self, namespace: str | None = None, kubeconfig: str | None = None, context: str | None = None):
+        super().__init__(namespace, kubeconfig, context)
+        self._connection = {"kubeconfig": kubeconfig, "context": context}
+
     def _fix(self, case: str, name: str | None) -> str:
         return {
             "refused": "change the spec's tune section the message names",
@@ -148,6 +152,7 @@ class KatibBackend(OwnedObjects, ClusterConnection):
         rendered = manifests.render_tune(spec, self.namespace, target)
         exp = rendered.experiment
         name = exp["metadata"]["name"]
+        self._check_trials(spec, exp, target)
         # Katib's webhooks answer a dry run before anything is created (an Experiment has no schema to prune)
         checked = self._dry_run_create(KATIB_API, exp, exists_ok=replace) is not None
         if replace and not checked:
@@ -175,6 +180,19 @@ class KatibBackend(OwnedObjects, ClusterConnection):
                 self.custom.delete_namespaced_custom_object(*KATIB_API[:2], self.namespace, KATIB_API[2], name)
             raise
         return name
+
+    def _check_trials(self, spec: JobSpec, exp: dict, target: str) -> None:
+        """What Katib's own webhook does not check (its validator dry-runs batch Jobs only): that the cluster runs
+        the trials' kind, and admits the trial job (its CRD's schema and pruning, the operator's webhook, a TrainJob's
+        runtime), through the job backend's own checks on the template under a placeholder name. Otherwise every
+        trial would fail at its creation, after the Experiment was accepted."""
+        from kubetune.backends.kubeflow.backend import KubeflowBackend
+
+        jobs = KubeflowBackend(self.namespace, target=target, **self._connection)
+        if target == "trainjob":
+            jobs._check_runtime(spec.kubernetes.runtime)
+        trial = exp["spec"]["trialTemplate"]["trialSpec"]
+        jobs._check_served({**trial, "metadata": {**trial["metadata"], "name": f"{exp['metadata']['name']}-trial"}})
 
     def _refuse_foreign(self, exp: dict, name: str) -> None:
         if not is_own(exp):

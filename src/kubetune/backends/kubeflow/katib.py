@@ -203,5 +203,5 @@ def tune_warnings(spec: JobSpec, namespace: str) -> list[str]:
     return [
         f"Katib admits an Experiment only in a namespace labelled {INJECTION_LABEL}=enabled: "
         f"kubectl label namespace {namespace} {INJECTION_LABEL}=enabled (deploy/install.sh --with katib does it "
-        "for the kubeflow namespace)"
+        "for the kubetune namespace)"
     ]

@@ -398,6 +398,8 @@ def render(spec: JobSpec, namespace: str, target: str = "pytorchjob") -> Rendere
             are paths on this machine, a localhost S3 endpoint, fields the target cannot carry,
             an affinity or toleration the Kubernetes typed models refuse.
     """
+    if target not in ("pytorchjob", "trainjob"):
+        raise KubetuneError(f"unknown target {target!r}", field="--target", fix="use pytorchjob or trainjob")
     problems = cluster_problems(spec) + (trainjob_problems(spec) if target == "trainjob" else []) + typed_problems(spec)
     if problems:
         raise SpecError(problems, "spec")
@@ -430,6 +432,14 @@ def render_tune(spec: JobSpec, namespace: str, target: str = "pytorchjob") -> ka
             field="name",
             fix=f"a name of at most {katib.MAX_NAME} characters",
         )
+    for path, param in spec.tune.space.items():
+        if target == "trainjob" and any("'" in str(v) for v in param.values or []):
+            # a TrainJob trial's values reach kubetune in one quoted shell line, where Katib puts them in as text
+            raise KubetuneError(
+                f"a value of {path} holds a ' (quote), which a TrainJob trial's shell line cannot carry",
+                field=f"tune.space.{path}",
+                fix="drop the quote from the value, or use --target pytorchjob (no shell between Katib and kubetune)",
+            )
     if Output.for_spec(spec).scheme == "hf":
         raise KubetuneError(
             "each trial writes its own output under output.uri/trials/, and a Hub repository holds one model",
