@@ -510,23 +510,48 @@ def test_fsdp_checkpoint_shards_uploaded_by_every_rank_resume_on_a_new_machine(m
     assert "Contents" not in s3.list_objects_v2(Bucket=BUCKET, Prefix=f"fsdp/{tmp_path.name}/checkpoints/")
 
 
-def test_an_lm_eval_task_directory_on_s3_with_its_data_on_s3(moto, s3, tmp_path, monkeypatch):
-    """evaluation.include_path / --include-path as an s3:// prefix whose task YAML names its data by s3:// URI:
-    the harness reads local copies (a copy of the directory, in kubetune's cache, names them); nothing of the
-    prefix or of its cached copy changes, and a second job fetches nothing again."""
+def _suite_on_s3(s3, tmp_path: Path) -> tuple[Path, str]:
+    """The test task YAML (tests/data/lm_eval_tasks) over 12 reviews, locally and as s3://BUCKET/suite whose YAML
+    names its data by s3:// URI: (the local directory, the data's URI)."""
     from conftest import lm_eval_tasks
 
-    from kubetune.evaluation import harness
-
-    monkeypatch.setenv("KUBETUNE_CACHE", str(tmp_path / "cache"))
-    tasks = ["kubetune_sentiment_mc", "kubetune_sentiment_gen"]
-    local = lm_eval_tasks((tmp_path / "local").resolve(), 12) if (tmp_path / "local").mkdir() is None else None
+    (tmp_path / "local").mkdir()
+    local = lm_eval_tasks((tmp_path / "local").resolve(), 12)
     data = f"s3://{BUCKET}/suite/data/reviews.jsonl"
     s3.put_object(Bucket=BUCKET, Key="suite/data/reviews.jsonl", Body=(local / "reviews.jsonl").read_bytes())
     for f in sorted(local.glob("*.yaml")):
         text = f.read_text().replace(str(local / "reviews.jsonl"), data)
         assert data in text
         s3.put_object(Bucket=BUCKET, Key=f"suite/{f.name}", Body=text.encode())
+    return local, data
+
+
+@pytest.mark.e2e  # 2 processes of the harness: about 30 s
+def test_kubetune_eval_on_two_processes_reads_an_s3_task_directory_through_its_endpoint_option(moto, s3, tmp_path):
+    """`kubetune eval --procs 2 --include-path s3://... --endpoint-url URL`, with no S3 endpoint in the environment:
+    the directory and its data are fetched once through the option, and both ranks score the local copy; the
+    scores equal the local directory's."""
+    local, _ = _suite_on_s3(s3, tmp_path)
+    model = str(ROOT / "src" / "kubetune" / "assets" / "tiny-llama")
+    common = ["eval", model, "--tasks", "kubetune_sentiment_mc", "--limit", "6", "--json"]
+    env = {"S3_ENDPOINT_URL": "", "AWS_ENDPOINT_URL": "", "KUBETUNE_CACHE": str(tmp_path / "cache")}
+    remote = kubetune(*common, "--include-path", f"s3://{BUCKET}/suite", "--procs", "2", "--endpoint-url", moto.url,
+                      env=env)  # fmt: skip
+    assert remote.returncode == 0, remote.stderr[-3000:]
+    here = kubetune(*common, "--include-path", str(local), env=env)
+    assert here.returncode == 0, here.stderr[-3000:]
+    assert json.loads(remote.stdout)["results"] == json.loads(here.stdout)["results"]
+
+
+def test_an_lm_eval_task_directory_on_s3_with_its_data_on_s3(moto, s3, tmp_path, monkeypatch):
+    """evaluation.include_path / --include-path as an s3:// prefix whose task YAML names its data by s3:// URI:
+    the harness reads local copies (a copy of the directory, in kubetune's cache, names them); nothing of the
+    prefix or of its cached copy changes, and a second job fetches nothing again."""
+    from kubetune.evaluation import harness
+
+    monkeypatch.setenv("KUBETUNE_CACHE", str(tmp_path / "cache"))
+    tasks = ["kubetune_sentiment_mc", "kubetune_sentiment_gen"]
+    local, data = _suite_on_s3(s3, tmp_path)
 
     def docs(manager) -> dict[str, list]:
         loaded = manager.load(tasks)["tasks"]

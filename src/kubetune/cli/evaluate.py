@@ -53,7 +53,7 @@ def evaluate_command(
         typer.Option("--adapter", help="A LoRA export: score its base model plus adapter/ (unmerged), not model/."),
     ] = False,
     endpoint_url: Annotated[
-        str | None, typer.Option("--endpoint-url", help="S3 endpoint for s3:// models (MinIO).")
+        str | None, typer.Option("--endpoint-url", help="S3 endpoint for s3:// models and task directories (MinIO).")
     ] = None,
 ) -> None:
     """Score an exported causal LM on lm-evaluation-harness tasks (the harness's own scoring)."""
@@ -98,11 +98,31 @@ def evaluate_command(
 
 
 def _run(params: dict, procs: int, endpoint_url: str | None) -> dict:
-    """The harness's results: in this process, or from rank 0 of ``procs`` started as torchrun starts them."""
-    from kubetune.evaluation.harness import check_tasks, evaluate, task_manager
+    """The harness's results: in this process, or from rank 0 of ``procs`` started as torchrun starts them. What can
+    be checked or fetched is, once, here: the tasks, their data, whether they fit the model, the model and an
+    s3:// task directory (the ranks get local paths)."""
+    from kubetune.evaluation.harness import check_data, check_fit, check_tasks, evaluate, task_manager
+    from kubetune.evaluation.suites import stage
+    from kubetune.inference import model as M
     from kubetune.providers import S3Settings
 
     s3 = S3Settings(endpoint_url=endpoint_url)
+    params = {**params, "include_path": stage(params["include_path"], s3, field="--include-path")}
+    manager = task_manager(params["include_path"], params["tasks"])
+    check_tasks(params["tasks"], manager)
+    loaded = check_data(params["tasks"], manager, field="--tasks")
+    path = M.model_path(params["model_uri"], s3)
+    base, adapter_dir = M.adapter_beside(path) if params["adapter"] else (path, None)
+    check_fit(
+        loaded,
+        M.load_tokenizer(adapter_dir or base),
+        base,
+        num_fewshot=params["num_fewshot"],
+        limit=params["limit"],
+        chat=params["chat"],
+        seed=params["seed"],
+    )
+    params = {**params, "model_uri": str(path)}  # fetched once, not per rank
     if procs == 1:
         return evaluate(**params, s3=s3)
     import sys
@@ -112,11 +132,6 @@ def _run(params: dict, procs: int, endpoint_url: str | None) -> dict:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from kubetune.inference.model import model_path
-
-    # one line, before N start (and an s3:// task directory fetched once, not per rank)
-    check_tasks(params["tasks"], task_manager(params["include_path"], params["tasks"], s3=s3))
-    params = {**params, "model_uri": str(model_path(params["model_uri"], s3))}  # fetched once, not per rank
     with tempfile.TemporaryDirectory(prefix="kubetune-eval-") as tmp:
         out = Path(tmp) / "results.json"
         spec = Path(tmp) / "params.json"

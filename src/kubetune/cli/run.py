@@ -124,30 +124,36 @@ def _preflight(job) -> str:
         from kubetune.training import tracking
 
         tracking.connect(job)
-    model = artifacts.resolve_model(job)
-    if job.evaluation:  # the harness, its tasks, their data and lengths, before any worker starts (not after training)
+    s3 = providers.S3Settings.from_spec(job)
+    harness_tasks = None
+    if job.evaluation:  # the harness, its tasks and their data before anything is downloaded or any worker starts
         from kubetune.evaluation import harness
-        from kubetune.tasks.common import FALLBACK_CHAT_TEMPLATE
 
         ev = job.evaluation
-        manager = harness.task_manager(
-            ev.include_path, ev.tasks, field="evaluation", s3=providers.S3Settings.from_spec(job)
-        )
+        manager = harness.task_manager(ev.include_path, ev.tasks, field="evaluation", s3=s3)
         harness.check_tasks(ev.tasks, manager, field="evaluation.tasks")
-        harness.check_data(ev.tasks, manager, field="evaluation.tasks")
+        harness_tasks = harness.check_data(ev.tasks, manager, field="evaluation.tasks")
+    model = artifacts.resolve_model(job)
+    frames = tasks.get(job.task).load_frames(job.data, job.training.seed, s3)
+    if harness_tasks is not None:  # and whether their requests fit the model, with the tokenizer training will have
+        from kubetune.tasks.common import load_tokenizer, prepare_tokenizer
+
+        tokenizer = load_tokenizer(model)
+        # as the language-model tasks prepare it: a template for anything but plain text (data.chat_template first)
+        prepare_tokenizer(
+            tokenizer, getattr(frames, "format", "text") != "text", getattr(job.data, "chat_template", None)
+        )
         harness.check_fit(
-            ev.tasks,
-            manager,
+            harness_tasks,
+            tokenizer,
             model,
             num_fewshot=ev.num_fewshot,
             limit=ev.limit,
             chat=ev.chat,
             gen_kwargs=ev.gen_kwargs,
             seed=job.training.seed,
-            chat_template=getattr(job.data, "chat_template", None) or FALLBACK_CHAT_TEMPLATE,  # as training gives one
             field="evaluation",
         )
-    tasks.get(job.task).load_frames(job.data, job.training.seed, providers.S3Settings.from_spec(job))
     from kubetune.artifacts.output import Output
 
     plan = Output.for_spec(job).check(job)

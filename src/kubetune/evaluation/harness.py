@@ -143,9 +143,6 @@ def evaluate(
     if adapter:
         path, adapter_dir = M.adapter_beside(path)
     M.expect(path, causal.is_causal_lm, "causal LM")
-    check_fit(
-        tasks, manager, path, num_fewshot=num_fewshot, limit=limit, chat=chat, seed=seed, tokenizer_path=adapter_dir
-    )
     tokenizer = M.load_tokenizer(adapter_dir or path)
     model = M.load_model(AutoModelForCausalLM, path)
     if adapter_dir is not None:
@@ -249,22 +246,21 @@ def _no_data(tasks: list[str], e: Exception, field: str) -> KubetuneError:
     )
 
 
-def check_data(tasks: list[str], manager, field: str) -> None:
-    """Each task's documents loaded once (what the first evaluation would do), so that a task whose data needs
-    an unreachable network fails in one line before training starts, not after it."""
-    from lm_eval.tasks import get_task_dict
-
+def check_data(tasks: list[str], manager, field: str) -> dict:
+    """Each task loaded with its documents (what the first evaluation would do), so that a task whose data needs an
+    unreachable network fails in one line before training starts, not after it. Returns the tasks by name, for
+    ``check_fit``."""
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
     try:
         with _quiet():
-            get_task_dict(tasks, manager)
+            return manager.load(tasks)["tasks"]
     except (ConnectionError, OSError) as e:
         raise _no_data(tasks, e, field) from None
 
 
 def check_fit(
-    tasks: list[str],
-    manager,
+    loaded: dict,
+    tokenizer,
     model_path: Path,
     *,
     num_fewshot: int | None = None,
@@ -272,29 +268,22 @@ def check_fit(
     chat: bool = False,
     gen_kwargs: dict | None = None,
     seed: int = 0,
-    chat_template: str | None = None,
-    tokenizer_path: Path | None = None,
     field: str = "--tasks",
 ) -> None:
-    """Every request of ``tasks``, as the harness builds them for the model at ``model_path`` (its few-shot
-    examples, the chat template, a generation's token budget), within the model's context; else one line before
-    anything is scored. ``chat_template``: the one a training run gives a tokenizer that has none;
-    ``tokenizer_path``: where the tokenizer is, when not beside the model (a LoRA export's adapter/). The harness
-    itself cuts an over-long prompt's start off without a word (HFLM keeps the last tokens), so a score would
-    silently be of other prompts than the task's.
+    """Every request of the ``loaded`` tasks (``check_data``'s), as the harness builds them for the model at
+    ``model_path`` scored with ``tokenizer`` (as the scoring will hold it: a training run's is prepared as the task
+    prepares it), within the model's context: its few-shot examples, the chat template, a generation's token budget.
+    Else one line before anything is scored: the harness itself cuts an over-long prompt's start off without a word
+    (HFLM keeps the last tokens), so a score would silently be of other prompts than the task's.
 
     Raises:
-        KubetuneError: the first task with requests over the context: how many, the longest, the context.
+        KubetuneError: a chat evaluation with a tokenizer without a template; the first task with requests over
+            the context: how many, the longest, the context.
     """
     from lm_eval.evaluator_utils import get_sample_size
     from lm_eval.models.utils import resolve_max_length
     from transformers import AutoConfig
 
-    from kubetune.inference import model as M
-
-    tokenizer = M.load_tokenizer(tokenizer_path or model_path)
-    if chat and chat_template and not getattr(tokenizer, "chat_template", None):
-        tokenizer.chat_template = chat_template
     if chat and not getattr(tokenizer, "chat_template", None):
         raise KubetuneError(
             f"the tokenizer of {model_path} has no chat template, and the tasks are to be formatted with one",
@@ -312,9 +301,6 @@ def check_fit(
             continue_final_message=not add_generation_prompt,
         )
 
-    logging.getLogger("lm_eval").setLevel(logging.ERROR)
-    with _quiet():
-        loaded = manager.load(tasks)["tasks"]
     for task in loaded.values():
         _configure(task, num_fewshot, gen_kwargs, seed)  # as simple_evaluate sets up each task
         with _quiet():
