@@ -128,3 +128,23 @@ def test_loss_and_metrics_equal_trl(tmp_path, kind, fmt, margin, center):
     for ours, theirs in (("accuracy", "accuracy"), ("margin", "margin"), ("mean_reward", "mean_reward")):
         assert abs(k[ours] - t[theirs]) < TOL * max(1.0, abs(t[theirs])), (ours, k[ours], t[theirs])
     assert 0 < t["accuracy"] < 1 or abs(t["margin"]) > 1e-3  # the scores are not all the same
+
+
+def test_pairs_over_max_length_are_dropped_and_counted_as_trl_filters_them(tmp_path):
+    import datasets
+
+    from kubetune.errors import KubetuneError
+
+    model, tokenizer = _model_and_tokenizer("llama")
+    rows = _rows("text", margin=False)
+    spec = RewardData(train=str(tmp_path / "p.jsonl"))
+    cols = rm.encode(pd.DataFrame({"record": [json.dumps(pair_record(r, spec, "text")) for r in rows]}), tokenizer)
+    ds = datasets.Dataset.from_dict(cols)
+    limit = sorted(cols["length"])[2]  # the longer sequence of each pair decides, as in TRL's filter
+    dropped: dict = {}
+    kept = rm._within(ds, dropped, "train_too_long", limit)
+    want = [i for i, (c, r) in enumerate(zip(cols["chosen_ids"], cols["rejected_ids"])) if max(len(c), len(r)) <= limit]
+    assert kept["chosen_ids"] == [cols["chosen_ids"][i] for i in want] and dropped == {"train_too_long": N - len(want)}
+    with pytest.raises(KubetuneError) as e:
+        rm._within(ds, {}, "eval_too_long", 4)
+    assert e.value.field == "data.max_length"

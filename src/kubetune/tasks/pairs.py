@@ -50,11 +50,10 @@ def load_pair_frames(spec, seed: int, s3: S3Settings = S3Settings(), numbers: di
     )
 
 
-def shard_normalizer(spec, numbers: dict[str, str] | None = None):
+def shard_normalizer(spec):
     """The normalizer of one streamed shard of data.train (``data.stream.Stream``): its format detected
-    on its own first chunk (or data.format), its pairs checked as a table's."""
-    numbers = {key: f for key, f in (numbers or {}).items() if getattr(spec, f, None)}
-    return lambda shard: _Normalizer(spec, "data.train", None, numbers)
+    on its own first chunk (or data.format), its pairs checked as a table's (DPO's: no numeric columns)."""
+    return lambda shard: _Normalizer(spec, "data.train", None, {})
 
 
 def _detect_format(df: pd.DataFrame, spec) -> str:

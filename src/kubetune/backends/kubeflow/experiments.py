@@ -58,10 +58,6 @@ class TuneStatus:
     reason: str | None = None
     message: str | None = None
 
-    @property
-    def done(self) -> bool:
-        return self.phase in ("Succeeded", "Failed")
-
 
 def spec_path(parameter: str) -> str:
     """A Katib parameter name back to the spec path it stands for (``katib.param_name``'s inverse: spec paths
@@ -99,7 +95,7 @@ def tune_status(exp: dict, namespace: str) -> TuneStatus:
             if m.get("name")
         }
         result.best_output = _trial_output(spec, result.best_trial)
-    if phase in ("Failed", "Restarting") or phase == "Pending":
+    if phase in ("Failed", "Restarting", "Pending"):
         why = true.get(phase) or next(
             (c for c in st.get("conditions") or [] if c.get("reason") or c.get("message")), {}
         )

@@ -117,7 +117,7 @@ class KatibClient:
                 from kubetune import tune
 
                 _, out = tune.run(spec)
-                self._studies[spec.name] = out
+                self._studies[name] = out  # the name tune() was given (overrides may rename the spec)
                 return
             self._tuning(namespace).submit(spec)
 
@@ -148,7 +148,7 @@ class KatibClient:
         best = data.get("best")
         if best is None:
             return None
-        trial = next(t for t in data["trials"] if t["number"] == best["number"])
+        trial = next((t for t in data["trials"] if t["number"] == best["number"]), {})
         return kt.V1beta1OptimalTrial(
             best_trial_name=Path(trial["dir"]).name if trial.get("dir") else f"trial-{best['number']:03d}",
             parameter_assignments=[

@@ -8,18 +8,20 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import typing
 from typing import Any
 
 from kubetune.compat.kubeflow.errors import Problems
 from kubetune.compat.kubeflow.training_arguments import RULES, Copy
 from kubetune.compat.kubeflow.translate import SDK_DEFAULT_STORAGE, spec_from_train
+from kubetune.config.tune import TuneSpec
 
 # The SDK's defaults for the arguments the LLM form does not use (kubeflow.katib 0.19 tune()'s signature)
 SDK_BASE_IMAGE = "docker.io/pytorch/pytorch:2.2.1-cuda12.1-cudnn8-runtime"
 SDK_PIP_INDEX = ["https://pypi.org/simple"]
 SDK_COLLECTOR = {"kind": "StdOut"}
 # Katib's algorithm names -> the spec's (the ones both have)
-ALGORITHMS = {"random": "random", "grid": "grid", "tpe": "tpe", "cmaes": "cmaes"}
+ALGORITHMS = typing.get_args(TuneSpec.model_fields["algorithm"].annotation)  # Katib's names are the spec's
 # TrainingArguments fields a search value may stand in: the ones a spec field carries one to one
 SEARCHABLE = {names[0]: f"training.{rule.key}" for names, rule in RULES if isinstance(rule, Copy)} | {
     "num_train_epochs": "training.epochs",
@@ -179,7 +181,7 @@ def spec_from_tune(
         "space": space,
         "objective": objective_metric_name,
         "direction": objective_type,
-        "algorithm": ALGORITHMS[algorithm_name],
+        "algorithm": algorithm_name,
     }
     for key, value in (
         ("trials", max_trial_count),

@@ -21,7 +21,6 @@ import logging
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow.compute as pc
 import torch
 import torch.nn.functional as F
 
@@ -167,9 +166,7 @@ def _own(spec: JobSpec) -> RewardSpec:
 
 def _within(ds, dropped: dict, key: str, max_length: int):
     """The pairs whose both sequences fit ``max_length`` (TRL's filter), the others counted in ``dropped``."""
-    lengths = pc.list_value_length(ds.with_format("arrow")["chosen_ids"]).to_numpy()
-    lengths = np.maximum(lengths, pc.list_value_length(ds.with_format("arrow")["rejected_ids"]).to_numpy())
-    keep = np.flatnonzero(lengths <= max_length)
+    keep = np.flatnonzero(column(ds, "length") <= max_length)  # encode's length: the longer of the two
     if len(keep) == len(ds):
         return ds
     dropped[key] = len(ds) - len(keep)
