@@ -4,14 +4,13 @@ and the fix), the trials' specs, and the samplers' grids — without running a t
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
 from kubetune.config.load import parse_spec
 from kubetune.errors import KubetuneError, SpecError
 from kubetune.tune import space
-
-OBJECTIVES = {"eval_loss", "train_loss", "eval_accuracy", "eval_f1_macro"}
 
 
 def _raw(**tune) -> dict:
@@ -34,9 +33,8 @@ def _raw(**tune) -> dict:
     }
 
 
-def _check(raw: dict) -> None:
-    spec = parse_spec(raw)
-    space.check(spec.model_dump(mode="json", exclude_unset=True), spec, OBJECTIVES)
+def _check(raw: dict, gpus: list[str] | None = None) -> None:
+    space.check(parse_spec(raw), gpus or [])
 
 
 def test_a_valid_section_passes_and_a_trial_spec_is_the_users_with_the_values_in():
@@ -102,17 +100,17 @@ def test_trials_side_by_side_share_the_cores():
     assert space.threads_per_trial(parse_spec(raw)) is None  # the spec's own setting stands
 
 
-def test_on_gpus_trials_at_once_get_devices_of_their_own(monkeypatch):
-    """A machine with 4 GPUs (visible_gpus stands in for CUDA, which this CPU machine lacks): 2 trials of 2
+def test_on_gpus_trials_at_once_get_devices_of_their_own():
+    """A machine with 4 GPUs (a list of their names stands in for CUDA, which this CPU machine lacks): 2 trials of 2
     processes fit, 3 do not; each running trial leases its own, returned when it ends."""
     import threading
 
     from kubetune.tune import devices
 
-    monkeypatch.setattr(devices, "visible_gpus", lambda: ["0", "1", "2", "3"])
-    _check({**_raw(parallel=2), "distributed": {"procs_per_node": 2}})
+    gpus = ["0", "1", "2", "3"]
+    _check({**_raw(parallel=2), "distributed": {"procs_per_node": 2}}, gpus)
     with pytest.raises(KubetuneError) as e:
-        _check({**_raw(parallel=3), "distributed": {"procs_per_node": 2}})
+        _check({**_raw(parallel=3), "distributed": {"procs_per_node": 2}}, gpus)
     assert e.value.field == "tune.parallel" and "need 6 GPUs" in str(e.value) and "at most 2" in e.value.fix
 
     pool = devices.GpuPool(["0", "1", "2", "3"], per_trial=2)
@@ -140,3 +138,43 @@ def test_kubetune_tune_without_a_tune_section_is_one_line(tmp_path):
         assert result.exit_code != 0 and result.stdout == ""
         (line,) = result.stderr.strip().splitlines()
         assert line.startswith("error: ") and "no tune section" in line and "tune:" in line, line
+
+
+def test_a_study_on_gpus_starts_each_trial_on_gpus_no_other_running_trial_has(tmp_path, monkeypatch):
+    """The study itself (Search over Optuna, 2 trials at once on 4 GPUs, 2 processes each): every trial's run is
+    started with a CUDA_VISIBLE_DEVICES of its own while they overlap (a stand-in for `kubetune run` records it)."""
+    import threading
+
+    import optuna
+
+    from kubetune.tune import study
+
+    started: list[tuple[float, float, str]] = []
+    lock = threading.Lock()
+
+    class Run:  # `kubetune run` as the study sees it: running a while, then failed (no metrics to read)
+        def __init__(self, argv, env, **_):
+            self.t0, self.gpus, self.pid, self.returncode = time.monotonic(), env["CUDA_VISIBLE_DEVICES"], 0, None
+
+        def poll(self):
+            if time.monotonic() - self.t0 < 0.6:
+                return None
+            with lock:
+                started.append((self.t0, time.monotonic(), self.gpus))
+            self.returncode = 1
+            return 1
+
+    monkeypatch.setattr(study.subprocess, "Popen", Run)
+    monkeypatch.setattr(study, "POLL_S", 0.05)
+    raw = {**_raw(parallel=2), "distributed": {"procs_per_node": 2}, "output": {"uri": str(tmp_path)}}
+    spec = parse_spec(raw)
+    for sub in ("trials", "specs", "logs"):
+        (tmp_path / sub).mkdir()
+    search = study.Search(raw, spec, tmp_path, ["0", "1", "2", "3"])
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    optuna.create_study().optimize(search._objective, n_trials=4, n_jobs=2, catch=(study.TrialFailed,))
+    assert len(started) == 4 and all(len(g.split(",")) == 2 for _, _, g in started)
+    overlapping = [(a, b) for a in started for b in started if a is not b and a[0] < b[1] and b[0] < a[1]]
+    assert overlapping  # two at once did run
+    for a, b in overlapping:
+        assert not set(a[2].split(",")) & set(b[2].split(",")), started

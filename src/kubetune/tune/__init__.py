@@ -42,12 +42,12 @@ def run(spec: JobSpec) -> tuple[dict, Path]:
         KubetuneError: no tune section, a search space or objective the checks refuse (before any trial), another
             session on the same study, more failed trials than tune.max_failed.
     """
-    from kubetune import tasks
-    from kubetune.tune import report, space, study
+    from kubetune.tune import devices, report, space, study
 
     require(spec)
     base = spec.model_dump(mode="json", exclude_unset=True)
     out = local_output(spec)
-    space.check(base, spec, tasks.reported_metrics(spec.task))
-    result = study.Search(base, spec, out).run()
+    gpus = devices.visible_gpus()
+    space.check(spec, gpus)
+    result = study.Search(base, spec, out, gpus).run()
     return report.write(result, base, out, spec.tune.objective), out

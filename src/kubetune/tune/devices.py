@@ -13,12 +13,13 @@ from collections.abc import Iterator
 
 def visible_gpus() -> list[str]:
     """The GPUs the trials may use, as ``CUDA_VISIBLE_DEVICES`` names them: its entries where it is set, else
-    every device torch sees; none without CUDA."""
+    every device torch sees; none without CUDA. Counted without initialising CUDA in this process (the trials use
+    the GPUs, not the study)."""
     import torch
 
-    if not torch.cuda.is_available():
-        return []
     count = torch.cuda.device_count()
+    if not count:
+        return []
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
     if listed is not None and listed.strip():
         return [d.strip() for d in listed.split(",") if d.strip()][:count]

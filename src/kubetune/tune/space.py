@@ -40,25 +40,30 @@ def trial_spec(base: dict, values: dict[str, Any], output: str, tags: dict[str, 
     return raw
 
 
-def check(base: dict, spec: JobSpec, objectives: set[str]) -> None:
+def check(spec: JobSpec, gpus: list[str]) -> None:
     """Every problem of the ``tune`` section of ``spec`` for a study on this machine, before any trial runs: those
-    of :func:`check_search`, then the machine's (one node, enough cores for the trials at once).
+    of :func:`check_search`, then the machine's (one node; enough of its ``gpus``, else cores, for the trials at
+    once).
 
     Raises:
         KubetuneError: the first problem, in one line naming the field, the value and the fix.
     """
-    check_search(base, spec, objectives)
-    _check_machine(spec)
+    check_search(spec)
+    _check_machine(spec, gpus)
 
 
-def check_search(base: dict, spec: JobSpec, objectives: set[str]) -> None:
+def check_search(spec: JobSpec) -> None:
     """The problems of the ``tune`` section of ``spec`` wherever the study runs (here or as a Katib Experiment):
-    a path that is not a spec field or a value it refuses, an objective the task never reports (``objectives``:
-    the ones it does), early stopping without evaluations during training, an algorithm the space does not suit.
+    a path that is not a spec field or a value it refuses, an objective the task never reports, early stopping
+    without evaluations during training, an algorithm the space does not suit.
 
     Raises:
         KubetuneError: the first problem, in one line naming the field, the value and the fix.
     """
+    from kubetune import tasks
+
+    base = spec.model_dump(mode="json", exclude_unset=True)
+    objectives = tasks.reported_metrics(spec.task)
     tune = spec.tune
     for path, param in tune.space.items():
         if path.split(".")[0] in ("tune", "output", "name"):
@@ -107,7 +112,7 @@ def check_search(base: dict, spec: JobSpec, objectives: set[str]) -> None:
         )
 
 
-def _check_machine(spec: JobSpec) -> None:
+def _check_machine(spec: JobSpec, gpus: list[str]) -> None:
     tune = spec.tune
     if spec.distributed.nodes > 1:
         raise KubetuneError(
@@ -115,9 +120,6 @@ def _check_machine(spec: JobSpec) -> None:
             field="distributed.nodes",
             fix="set distributed.nodes: 1 for a local study",
         )
-    from kubetune.tune.devices import visible_gpus
-
-    gpus = visible_gpus()
     if gpus:  # each trial's processes on GPUs of their own
         need = tune.parallel * spec.distributed.procs_per_node
         if need > len(gpus):

@@ -52,12 +52,11 @@ def say(line: str) -> None:
 class Search:
     """One ``kubetune tune`` session over the study in ``out``."""
 
-    def __init__(self, base: dict, spec: JobSpec, out: Path):
+    def __init__(self, base: dict, spec: JobSpec, out: Path, gpus: list[str] | None = None):
         self.base, self.spec, self.out = base, spec, out
         self.tune: TuneSpec = spec.tune
         self.parent: tuple[Any, str] | None = None  # the MLflow client and the study's run (tracking.mlflow)
-        gpus = devices.visible_gpus()
-        # on GPUs, each running trial's processes get devices of their own
+        # on GPUs (``devices.visible_gpus``), each running trial's processes get devices of their own
         self.gpus = devices.GpuPool(gpus, spec.distributed.procs_per_node) if gpus else None
 
     # ---- the study ----

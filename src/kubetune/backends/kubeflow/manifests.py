@@ -446,12 +446,11 @@ def render_tune(spec: JobSpec, namespace: str, target: str = "pytorchjob") -> ka
             field="output.uri",
             fix="give the study an s3:// output or a path on the workspace claim, then push the best trial",
         )
-    from kubetune import tasks
     from kubetune.tune import space
 
     # what a local study refuses before its first trial, Katib would otherwise find out trial by trial (a metric
     # the trials never print leaves every trial without an observation)
-    space.check_search(spec.model_dump(mode="json", exclude_unset=True), spec, tasks.reported_metrics(spec.task))
+    space.check_search(spec)
     job_spec = spec.model_copy(update={"tune": None})
     rendered = render(job_spec, namespace, target)
     return katib.RenderedTune(rendered.config_map, rendered.pvc, katib.build_experiment(spec, rendered.job, namespace))
