@@ -25,23 +25,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pairs_bench  # noqa: E402
-from common import ROOT  # noqa: E402
 from sft_trl import make_model  # noqa: E402
 
-PAIRS = ROOT / "src/kubetune/assets/sentiment/sentiment-preferences.jsonl"
 BATCH, LR, WARMUP, MAX_LENGTH, BETA, SEED = 8, 8e-6, 0.1, 256, 0.1, 42
-
-
-def make_data(work: Path, n: int) -> None:
-    """The first ``n`` pairs, split 90/10 by kubetune's own split (the same training pairs for TRL)."""
-    rows = PAIRS.read_text().splitlines()[:n]
-    (work / "pairs.jsonl").write_text("\n".join(rows) + "\n")
 
 
 def prepare(work: Path, pairs: int) -> None:
     if not (work / "model" / "config.json").exists():
         make_model(work / "model")
-    make_data(work, pairs)
+    pairs_bench.make_data(work, pairs)
 
 
 def run_kubetune(work: Path, out: Path) -> dict:

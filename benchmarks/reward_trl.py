@@ -25,17 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pairs_bench  # noqa: E402
-from common import ROOT  # noqa: E402
 
-PAIRS = ROOT / "src/kubetune/assets/sentiment/sentiment-preferences.jsonl"
 MINILM = "hf://sentence-transformers/all-MiniLM-L6-v2"
 BATCH, LR, WARMUP, MAX_LENGTH, CENTER, SEED = 16, 5e-5, 0.1, 256, 0.01, 42
-
-
-def make_data(work: Path, n: int) -> None:
-    """The first ``n`` pairs, split 90/10 by kubetune's own split (the same training pairs for TRL)."""
-    rows = PAIRS.read_text().splitlines()[:n]
-    (work / "pairs.jsonl").write_text("\n".join(rows) + "\n")
 
 
 def run_kubetune(work: Path, out: Path) -> dict:
@@ -104,7 +96,7 @@ def main() -> None:
         __file__,
         "Reward modelling",
         {"kubetune": run_kubetune, "trl": run_trl},
-        make_data,
+        pairs_bench.make_data,
         "reward-cpu",
         "pairwise accuracy",
     )
