@@ -324,3 +324,45 @@ def right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
         ids[k, : len(q)] = torch.tensor(q, dtype=torch.long)
         mask[k, : len(q)] = 1
     return ids, mask
+
+
+# ---- a sequence classifier's model and export (classification, reward models)
+
+
+def sequence_classifier(spec, model_dir: Path, device: torch.device, dtype: torch.dtype, where=None, **head):
+    """The pretrained model with a fresh sequence-classification head (``head``: num_labels, id2label, ...), wrapped
+    with LoRA when the spec asks (peft's SEQ_CLS: the head trained whole, as modules_to_save); on ``where``
+    (default: the training device; meta: the modules without weights)."""
+    from transformers import AutoModelForSequenceClassification
+
+    where = where or device
+    model = load_pretrained(
+        AutoModelForSequenceClassification, model_dir, where, **attention_kwargs(device, dtype), **head
+    )
+    if spec.lora is None:
+        return model.to(where)
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    config = LoraConfig(
+        task_type=TaskType.SEQ_CLS,
+        r=spec.lora.r,
+        lora_alpha=spec.lora.alpha,
+        lora_dropout=spec.lora.dropout,
+        target_modules=spec.lora.target_modules,
+    )
+    return get_peft_model(model, config).to(where)
+
+
+def export_merged(spec, model, tokenizer, out: Path) -> None:
+    """``model/`` (merged for LoRA; what transformers.pipeline loads) with its tokenizer, and ``adapter/`` for LoRA."""
+    from kubetune import artifacts
+
+    if spec.lora is not None:
+        artifacts.replace_dir(lambda d: model.save_pretrained(d), out / "adapter")
+        model = model.merge_and_unload()
+
+    def save(d: Path) -> None:
+        model.save_pretrained(d, max_shard_size=artifacts.SHARD_SIZE)  # safetensors
+        tokenizer.save_pretrained(d)
+
+    artifacts.replace_dir(save, out / "model")

@@ -17,7 +17,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kubetune import artifacts
 from kubetune.artifacts.report import fmt
 from kubetune.config import JobSpec
 from kubetune.data import Batch
@@ -27,7 +26,7 @@ from kubetune.inference import kinds
 from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task
 from kubetune.tasks.classify.baseline import tfidf_baseline
 from kubetune.tasks.classify.data import collate, encode, load_frames
-from kubetune.tasks.common import load_on_node, prepared, tokenize_split
+from kubetune.tasks.common import export_merged, load_on_node, prepared, sequence_classifier, tokenize_split
 
 log = logging.getLogger(__name__)
 
@@ -101,47 +100,23 @@ BASELINE_MAX_ROWS = 500_000
 
 def _export_model(spec: JobSpec, model, tokenizer, out: Path) -> None:
     """Save ``model/`` (merged for LoRA; loadable by transformers.pipeline) and ``adapter/`` for LoRA."""
-    if spec.lora is not None:
-        artifacts.replace_dir(lambda d: model.save_pretrained(d), out / "adapter")
-        model = model.merge_and_unload()
-
-    def save(d: Path) -> None:
-        model.save_pretrained(d, max_shard_size=artifacts.SHARD_SIZE)  # safetensors
-        tokenizer.save_pretrained(d)
-
-    artifacts.replace_dir(save, out / "model")
+    export_merged(spec, model, tokenizer, out)
     log.info("exported the model%s", " and the adapter" if spec.lora is not None else "")
 
 
 def build_model(spec: JobSpec, model_dir, data: Prepared, device: torch.device, dtype: torch.dtype, where=None):
     """The pretrained encoder with a fresh classification head, wrapped with LoRA when asked; on
     ``where`` (default: the training device; meta: the modules without weights)."""
-    from transformers import AutoModelForSequenceClassification
-
-    from kubetune.tasks.common import attention_kwargs, load_pretrained
-
-    where = where or device
-    model = load_pretrained(
-        AutoModelForSequenceClassification,
+    return sequence_classifier(
+        spec,
         model_dir,
+        device,
+        dtype,
         where,
-        **attention_kwargs(device, dtype),
         num_labels=len(data.labels),
         id2label=dict(enumerate(data.labels)),
         label2id={name: i for i, name in enumerate(data.labels)},
     )
-    if spec.lora is None:
-        return model.to(where)
-    from peft import LoraConfig, TaskType, get_peft_model
-
-    config = LoraConfig(
-        task_type=TaskType.SEQ_CLS,  # also makes the classifier head fully trainable (modules_to_save)
-        r=spec.lora.r,
-        lora_alpha=spec.lora.alpha,
-        lora_dropout=spec.lora.dropout,
-        target_modules=spec.lora.target_modules,
-    )
-    return get_peft_model(model, config).to(where)
 
 
 # A confusion matrix is returned (metrics.json, the report) only up to this many classes: it grows with

@@ -24,7 +24,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kubetune import artifacts
 from kubetune.config import JobSpec
 from kubetune.data import Batch
 from kubetune.data.rows import column
@@ -36,13 +35,13 @@ from kubetune.inference.seam import KSERVE, Inference
 from kubetune.providers import S3Settings
 from kubetune.tasks.base import Prepared, Presentation, Task
 from kubetune.tasks.common import (
-    attention_kwargs,
+    export_merged,
     load_on_node,
-    load_pretrained,
     pair_steps,
     prepare_tokenizer,
     prepared,
     right_pad,
+    sequence_classifier,
     tokenize_split,
 )
 from kubetune.tasks.pairs import load_pair_frames
@@ -187,32 +186,18 @@ def build_model(spec: JobSpec, model_dir, data: Prepared, device: torch.device, 
     """The base model with a one-output sequence-classification head (a fresh head), wrapped with LoRA when asked
     (the head trained whole); the tokenizer's pad token on its config, which a decoder needs to find each row's
     last real token."""
-    from transformers import AutoModelForSequenceClassification
-
-    where = where or device
-    model = load_pretrained(
-        AutoModelForSequenceClassification,
+    return sequence_classifier(
+        spec,
         model_dir,
+        device,
+        dtype,
         where,
-        **attention_kwargs(device, dtype),
         num_labels=1,
         id2label={0: LABEL},
         label2id={LABEL: 0},
         problem_type="regression",  # a score, not a label: the label classifiers' inference does not claim it
         pad_token_id=data.raw.pad_token_id,
     )
-    if spec.lora is None:
-        return model.to(where)
-    from peft import LoraConfig, TaskType, get_peft_model
-
-    config = LoraConfig(
-        task_type=TaskType.SEQ_CLS,  # also makes the score head fully trainable (modules_to_save)
-        r=spec.lora.r,
-        lora_alpha=spec.lora.alpha,
-        lora_dropout=spec.lora.dropout,
-        target_modules=spec.lora.target_modules,
-    )
-    return get_peft_model(model, config).to(where)
 
 
 # ---------------------------------------------------------------- the loss
@@ -249,15 +234,7 @@ def export(spec: JobSpec, model, tokenizer, data: Prepared, out, metrics: dict) 
     """``model/``: the scorer (merged for LoRA) and its tokenizer, its config naming how its training tokenized a
     sequence (``INPUT``: chat or text), which ``Scorer`` repeats; ``adapter/`` for LoRA."""
     setattr(getattr(model, "config", None) or model.get_base_model().config, INPUT, data.info["data_format"])
-    if spec.lora is not None:
-        artifacts.replace_dir(lambda d: model.save_pretrained(d), out / "adapter")
-        model = model.merge_and_unload()
-
-    def save(d) -> None:
-        model.save_pretrained(d, max_shard_size=artifacts.SHARD_SIZE)
-        tokenizer.save_pretrained(d)
-
-    artifacts.replace_dir(save, out / "model")
+    export_merged(spec, model, tokenizer, out)
 
 
 def is_reward_model(config: dict) -> bool:
