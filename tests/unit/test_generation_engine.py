@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kubetune.inference.generation import Engine, Generation
+from kubetune.inference.generation import Engine, Generation, draw
 
 LLAMA = Path(__file__).resolve().parents[2] / "src" / "kubetune" / "assets" / "tiny-llama"
 PROMPTS = ["The crew was lovely", "My flight was delayed for six hours and nobody said why", "Quiet", "Best ride"]
@@ -192,3 +192,21 @@ def test_the_swapped_gemm_computes_f_linear_on_its_rows_and_leaves_the_rest_alon
     with _SwappedGemm():
         inside = F.linear(x, small), F.linear(xb, wb)  # a small weight, a bf16 one: F.linear itself
     assert torch.equal(inside[0], F.linear(x, small)) and torch.equal(inside[1], F.linear(xb, wb))
+
+
+def test_a_draw_follows_each_rows_distribution_and_never_takes_a_token_of_probability_zero():
+    """``draw`` (the engine's sampler, in place of torch.multinomial) by inverting the cumulative distribution:
+    frequencies within 1% of the probabilities over 200,000 rows, the zero-probability tokens (a top-k or
+    top-p cut, and the first and last token, where an off-by-one would show) never drawn, unnormalised
+    weights read as their shares, and the same draws from the same seed."""
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0]]).expand(200_000, 6).contiguous()
+    rng = torch.Generator().manual_seed(0)
+    tokens = torch.tensor(draw(probs * 7.0, rng))
+    counts = torch.bincount(tokens, minlength=6).double() / len(tokens)
+    assert counts[[0, 2, 5]].tolist() == [0.0, 0.0, 0.0]
+    assert torch.allclose(counts[[1, 3, 4]], torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64), atol=0.01)
+    again = draw(probs * 7.0, torch.Generator().manual_seed(0))
+    assert again == tokens.tolist()
+    one_hot = torch.zeros(3, 5)
+    one_hot[torch.arange(3), torch.tensor([0, 4, 2])] = 1.0
+    assert draw(one_hot, torch.Generator().manual_seed(1)) == [0, 4, 2]
