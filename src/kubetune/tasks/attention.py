@@ -47,9 +47,19 @@ def register(fallback: str = "sdpa") -> str:
     from transformers.masking_utils import AttentionMaskInterface
 
     name = ATTENTION if fallback == "sdpa" else f"{ATTENTION}_{fallback}"
-    AttentionInterface.register(name, functools.partial(packed_attention, fallback=fallback))
+    AttentionInterface.register(name, functools.partial(_uncompiled(), fallback=fallback))
     AttentionMaskInterface.register(name, functools.partial(_mask, fallback=fallback))
     return name
+
+
+@functools.cache
+def _uncompiled():
+    """``packed_attention`` outside torch.compile (training.compile compiles each block around it): the
+    layout's host syncs and per-row shapes would break the graph or recompile it for every packed row.
+    Applied here, when a model is registered, not as a decorator: ``torch.compiler.disable`` imports
+    torch._dynamo (1.1 s), which `kubetune run`'s own process, reading the data before any worker starts,
+    never needs (benchmarks/README.md, "GRPO")."""
+    return torch.compiler.disable(packed_attention)
 
 
 @contextlib.contextmanager
@@ -128,9 +138,6 @@ def _layout(position_ids: torch.Tensor | None, length: int):
     return layout
 
 
-# Outside torch.compile (training.compile compiles each block around it): the layout's host syncs
-# and per-row shapes would break the graph or recompile it for every packed row.
-@torch.compiler.disable
 def packed_attention(
     module, query, key, value, attention_mask, dropout=0.0, scaling=None, fallback: str = "sdpa", **kwargs
 ):
