@@ -474,3 +474,52 @@ def test_a_sigkilled_run_resumes_on_cuda_within_the_documented_bound(tmp_path):
     )
     assert diff <= RESUME_BOUND, diff
     assert abs(resumed["eval_loss"] - ref["eval_loss"]) < 1e-3
+
+
+def _pairs_spec(out: Path, task: str) -> dict:
+    """The tiny Llama on the packaged preference pairs in bf16 on one process: the reward model (a one-output head
+    on the decoder) or ORPO; an evaluation at steps 0, 10 and 20."""
+    spec = {
+        "name": f"{task}-gpu",
+        "task": task,
+        "model": {"uri": str(TINY)},
+        "data": {"train": str(PAIRS), "eval_fraction": 0.1, "max_length": 128, "max_eval_samples": 48},
+        "training": {
+            "max_steps": 20,
+            "batch_size": 8,
+            "learning_rate": 1e-3,
+            "precision": "bf16",
+            "log_every": 1,
+            "eval_every": 10,
+            "eval_on_start": True,
+            "seed": 3,
+        },
+        "distributed": {"procs_per_node": 1},
+        "output": {"uri": str(out)},
+    }
+    spec["orpo" if task == "orpo" else "reward-model"] = {"beta": 0.2} if task == "orpo" else {}
+    return spec
+
+
+def test_reward_model_and_orpo_train_in_bf16_on_cuda(tmp_path):
+    """The two tasks added after the GPU suite's first runs (issue 51), on CUDA in bf16: every logged loss finite,
+    the held-out reward margin up from step 0, and the export loads."""
+    specs = {task: _pairs_spec(tmp_path / task, task) for task in ("reward-model", "orpo")}
+    results = kubetune_together(
+        *((("run", str(write_spec(tmp_path / f"{t}.yaml", s))), None) for t, s in specs.items())
+    )
+    for (task, _), r in zip(specs.items(), results):
+        metrics = _finished((tmp_path / task, r))
+        history = [json.loads(line) for line in (tmp_path / task / "history.jsonl").read_text().splitlines()]
+        train = [h for h in history if h["type"] == "train"]
+        evals = [h for h in history if h["type"] == "eval"]
+        key = "eval_margin" if task == "reward-model" else "eval_reward_margin"
+        accuracy = metrics["eval_accuracy" if task == "reward-model" else "eval_reward_accuracy"]
+        print(
+            f"{task} bf16 on cuda: held-out margin {evals[0][key]:.4f} -> {evals[-1][key]:.4f}, "
+            f"accuracy {accuracy:.3f}, loss {train[0]['loss']:.4f} -> {train[-1]['loss']:.4f}"
+        )
+        assert len(train) == 20 and all(math.isfinite(h["loss"]) for h in train)
+        assert [e["step"] for e in evals] == [0, 10, 20]
+        assert evals[-1][key] > evals[0][key]
+        assert (tmp_path / task / "model" / "config.json").exists()
