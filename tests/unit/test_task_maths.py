@@ -194,3 +194,33 @@ def test_the_chunked_target_only_loss_equals_the_full_logits_loss_and_its_gradie
     assert float(new[0]) == pytest.approx(float(old[0]), rel=1e-5)
     worst = max(float((new[2][n] - old[2][n]).abs().max() / old[2][n].abs().max().clamp_min(1e-12)) for n in old[2])
     assert worst < 1e-5, worst
+
+
+def test_the_reward_model_trains_with_every_dropout_off_as_trls_reward_trainer(tmp_path):
+    """TRL's RewardTrainer turns dropout off by default (disable_dropout): the chosen and the rejected answer are
+    scored by the same network. MiniLM has dropout 0.1 in every block; the task's model has none left, in training
+    mode the same answer scores the same twice."""
+    from types import SimpleNamespace
+
+    from conftest import MINILM
+
+    from kubetune.tasks.reward_model import task as reward_model
+
+    spec = parse_spec(
+        {
+            "name": "rm",
+            "task": "reward-model",
+            "model": {"uri": MINILM},
+            "data": {"train": "pkg://kubetune/assets/sentiment/sentiment-preferences.jsonl"},
+            "output": {"uri": str(tmp_path / "out")},
+        }
+    )
+    model_dir = providers.resolve(spec.model.uri, kind="model", field="model.uri")
+    model = reward_model.build_model(
+        spec, model_dir, SimpleNamespace(raw=SimpleNamespace(pad_token_id=0)), CPU, torch.float32
+    )
+    dropouts = [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+    assert dropouts and all(m.p == 0.0 for m in dropouts)
+    model.train()
+    ids = torch.tensor([[101, 2307, 3185, 102]])
+    assert torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits)

@@ -329,6 +329,15 @@ def right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
 # ---- a sequence classifier's model and export (classification, reward models)
 
 
+def without_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """Every dropout of ``model`` off (TRL's ``disable_dropout``, on by default in its DPO and reward trainers):
+    a pair's two answers, and a policy and its reference, are then scored by the same network."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
+
+
 def sequence_classifier(spec, model_dir: Path, device: torch.device, dtype: torch.dtype, where=None, **head):
     """The pretrained model with a fresh sequence-classification head (``head``: num_labels, id2label, ...), wrapped
     with LoRA when the spec asks (peft's SEQ_CLS: the head trained whole, as modules_to_save); on ``where``

@@ -48,6 +48,7 @@ from kubetune.tasks.common import (
     prepared,
     target_mask,
     tokenize_split,
+    without_dropout,
 )
 from kubetune.tasks.dpo import DPOSpec
 from kubetune.tasks.dpo.data import Collate, PairBatch, encode_pairs
@@ -155,11 +156,7 @@ def _prepare_stream(spec: JobSpec, env: DistEnv, tokenizer, frames, encode, fing
 def build_model(spec: JobSpec, model_dir, data: Prepared, device: torch.device, dtype: torch.dtype, where=None):
     """The causal-LM task's model (full, LoRA or QLoRA) with every dropout off: the policy's and the
     reference's log-probabilities come from the same network (TRL's disable_dropout, on by default)."""
-    model = causal_lm.build_model(spec, model_dir, data, device, dtype, where)
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-    return model
+    return without_dropout(causal_lm.build_model(spec, model_dir, data, device, dtype, where))
 
 
 # ---------------------------------------------------------------- the reference, once (full fine-tune)

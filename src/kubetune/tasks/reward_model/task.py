@@ -43,6 +43,7 @@ from kubetune.tasks.common import (
     right_pad,
     sequence_classifier,
     tokenize_split,
+    without_dropout,
 )
 from kubetune.tasks.pairs import load_pair_frames
 from kubetune.tasks.reward_model import NAME, RewardSpec
@@ -185,8 +186,9 @@ def _within(ds, dropped: dict, key: str, max_length: int):
 def build_model(spec: JobSpec, model_dir, data: Prepared, device: torch.device, dtype: torch.dtype, where=None):
     """The base model with a one-output sequence-classification head (a fresh head), wrapped with LoRA when asked
     (the head trained whole); the tokenizer's pad token on its config, which a decoder needs to find each row's
-    last real token."""
-    return sequence_classifier(
+    last real token. Every dropout off, as TRL's RewardTrainer has it by default (``disable_dropout``): the chosen
+    and the rejected answer are scored by the same network (and a step is about 10% cheaper)."""
+    model = sequence_classifier(
         spec,
         model_dir,
         device,
@@ -198,6 +200,7 @@ def build_model(spec: JobSpec, model_dir, data: Prepared, device: torch.device, 
         problem_type="regression",  # a score, not a label: the label classifiers' inference does not claim it
         pad_token_id=data.raw.pad_token_id,
     )
+    return without_dropout(model)
 
 
 # ---------------------------------------------------------------- the loss
