@@ -1,0 +1,357 @@
+"""KTO (Kahneman-Tversky Optimization) of a causal LM: the task's pieces for the shared trainer
+(``training/trainer.py``).
+
+Data: unpaired examples read and tokenized by ``data.py`` (TRL's conventions). A micro-batch is its examples'
+prompt + completion, then the same prompts each with the previous example's completion (its KL sequences: TRL's
+rotation by one within the batch, ``(x_1, y_n), (x_2, y_1), …``), cut to ``data.max_length`` keeping their start.
+Model: the causal-LM task's (full fine-tune, LoRA, QLoRA) with dropout off, as DPO's. The reference model: with
+LoRA the model with its adapter disabled; for a full fine-tune a frozen copy of the base model, made before the
+first step (before a checkpoint's weights replace the base's), because the KL sequences change with each batch and
+cannot be precomputed as DPO's answers are. Loss (TRL's KTOTrainer, loss_type kto): z0 = max(0, the mean over the
+step's KL sequences, gathered over the processes in training, of log π(y'|x) − log π_ref(y'|x)) (no gradient);
+a desirable example's loss is desirable_weight × (1 − σ(β (r − z0))), an undesirable one's undesirable_weight ×
+(1 − σ(β (z0 − r))), r its completion's summed log-ratio; averaged over the step's examples. Logged under TRL's
+names: kl, the rewards (β r) and log-probabilities of the desirable and the undesirable examples, their margin.
+Export, ``predict`` and the Hub push are the causal-LM task's."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kubetune import distributed
+from kubetune.config import JobSpec
+from kubetune.data import Batch
+from kubetune.data.rows import column
+from kubetune.data.tokenize import tokenizer_fingerprint
+from kubetune.distributed import DistEnv
+from kubetune.inference import kinds
+from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task
+from kubetune.tasks.causal_lm import task as causal_lm
+from kubetune.tasks.common import (
+    IGNORE,
+    load_on_node,
+    prepare_tokenizer,
+    prepared,
+    right_pad,
+    target_mask,
+    tokenize_split,
+    without_dropout,
+)
+from kubetune.tasks.kto import KTOSpec
+from kubetune.tasks.kto.data import encode, load_frames
+from kubetune.tasks.pairs import with_answers
+
+log = logging.getLogger(__name__)
+
+# TRL's KTOTrainer logs kl, rewards/chosen, rewards/rejected, rewards/margins, logps/chosen, logps/rejected (chosen:
+# the desirable examples, rejected: the undesirable ones): the same, with _ for /. In the training log each is the
+# micro-batch's value weighted by its examples (the rows carry the per-kind means, scaled: see _stats).
+METRICS = ("kl", "reward_chosen", "reward_rejected", "reward_margin", "logps_chosen", "logps_rejected")
+
+
+@dataclass
+class KTOBatch(Batch):
+    """A micro-batch of examples: rows 0..n-1 prompt + completion, rows n..2n-1 the KL sequences; labels are the
+    completion tokens (IGNORE elsewhere); ``desirable`` the examples' flags."""
+
+    desirable: torch.Tensor | None = None  # [n] bool
+    kto: KTOSpec = field(default_factory=KTOSpec)  # the loss's settings (the trainer passes no spec to the loss)
+
+
+class Collate:
+    """Dataset row ids -> a ``KTOBatch``: prompt + completion cut to ``max_length`` (TRL's keep_start), right-padded."""
+
+    def __init__(self, ds, pad_id: int, max_length: int, kto: KTOSpec):
+        self.ds, self.pad_id, self.max_length, self.kto = ds, pad_id, max_length, kto
+
+    def __call__(self, indices: np.ndarray) -> KTOBatch:
+        weight = 1.0
+        if len(indices) == 0:  # a rank's empty share of the last step: computed, weighs nothing
+            indices, weight = np.zeros(1, dtype=np.int64), 0.0
+        rows = self.ds[[int(i) for i in indices]]
+        prompts, completions = rows["prompt_ids"], rows["completion_ids"]
+        kl_completions = completions[-1:] + completions[:-1]
+        seqs, answers = [], []
+        for answer_list in (completions, kl_completions):
+            for prompt, answer in zip(prompts, answer_list):
+                seqs.append((prompt + answer)[: self.max_length])
+                answers.append(min(len(answer), max(self.max_length - len(prompt), 0)))
+        ids, mask = right_pad(seqs, self.pad_id)
+        labels = torch.full(ids.shape, IGNORE, dtype=torch.long)
+        for k, (seq, n) in enumerate(zip(seqs, answers)):
+            labels[k, len(seq) - n : len(seq)] = ids[k, len(seq) - n : len(seq)]
+        return KTOBatch(
+            {"input_ids": ids, "attention_mask": mask},
+            labels,
+            weight,
+            torch.as_tensor(indices, dtype=torch.long),
+            torch.tensor([bool(x) for x in rows["label"]]),
+            self.kto,
+        )
+
+
+def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
+    """The shared skeleton (``tasks.common``): examples dropped whose prompt leaves no completion token."""
+    frames = load_on_node(load_frames, spec, env)
+    template = prepare_tokenizer(tokenizer, frames.format == "chat", spec.data.chat_template)
+    max_length = spec.data.max_length
+    tokens = tokenize_split(
+        frames,
+        env,
+        f"kto:{max_length}:{tokenizer_fingerprint(tokenizer)}",
+        functools.partial(encode, tokenizer=tokenizer, max_length=max_length),
+    )
+    dropped = dict(frames.dropped)
+    tokens.train = with_answers(tokens.train, dropped, "train_truncated", max_length)
+    tokens.eval = with_answers(tokens.eval, dropped, "eval_truncated", max_length)
+    own = spec.kto or KTOSpec()
+    desirable = int(column(tokens.train, "label").sum())
+    if env.is_local_main:
+        lengths = column(tokens.train, "length")
+        log.info(
+            "data: %d train (%d desirable, %d undesirable) / %d eval examples (%s format%s); longest sequence %d "
+            "tokens, mean %.0f; tokenization cache %s",
+            len(tokens.train),
+            desirable,
+            len(tokens.train) - desirable,
+            len(tokens.eval),
+            frames.format,
+            f", {template} chat template" if template else "",
+            lengths.max(),
+            lengths.mean(),
+            tokens.cache,
+        )
+    collate, collate_eval = (Collate(ds, tokenizer.pad_token_id, max_length, own) for ds in (tokens.train, tokens.eval))
+    info = {
+        "data_format": frames.format,
+        "chat_template": template,
+        "kto_beta": own.beta,
+        "kto_desirable_weight": own.desirable_weight,
+        "kto_undesirable_weight": own.undesirable_weight,
+        "kto_train_desirable": desirable,
+        "kto_train_undesirable": len(tokens.train) - desirable,
+        "kto_reference": "the base model (LoRA adapter disabled)" if spec.lora else "a frozen copy of the base model",
+    }
+    return prepared(tokens, collate=collate, collate_eval=collate_eval, dropped=dropped, info=info, raw=tokenizer)
+
+
+def build_model(spec: JobSpec, model_dir, data: Prepared, device: torch.device, dtype: torch.dtype, where=None):
+    """The causal-LM task's model (full, LoRA or QLoRA) with every dropout off (TRL's disable_dropout)."""
+    return without_dropout(causal_lm.build_model(spec, model_dir, data, device, dtype, where))
+
+
+# ---------------------------------------------------------------- the reference
+
+
+def _inner(model):
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+def setup(spec: JobSpec, model, data: Prepared, env: DistEnv, device, autocast, lockstep: bool) -> None:
+    """Full fine-tune: a frozen copy of the base model (called before a checkpoint's weights are loaded), held
+    beside the model as a plain attribute, not a submodule, so the optimizer, DDP, checkpoints and the export never
+    see it. With LoRA the reference is the adapter-disabled model, on the fly."""
+    if spec.lora is not None:
+        return
+    inner = _inner(model)
+    reference = copy.deepcopy(inner).eval().requires_grad_(False)
+    object.__setattr__(inner, "_kubetune_reference", reference)
+
+
+def _reference(model, batch: KTOBatch, autocast) -> torch.Tensor:
+    inner = _inner(model)
+    with torch.no_grad():
+        reference = getattr(inner, "_kubetune_reference", None)
+        if reference is not None:
+            return _sequence_logps(reference, batch, autocast)
+        if not hasattr(inner, "disable_adapter"):
+            raise RuntimeError("kto: no reference model (a full fine-tune without the setup pass)")
+        with inner.disable_adapter():
+            return _sequence_logps(inner, batch, autocast)
+
+
+# ---------------------------------------------------------------- the loss
+
+
+def _sequence_logps(model, batch: Batch, autocast) -> torch.Tensor:
+    """Each row's summed completion-token log-probability (fp32), computed as the causal-LM loss is."""
+    per_token = causal_lm.target_logps(model, batch, autocast)
+    mask = target_mask(batch.labels)
+    dense = torch.zeros(mask.shape, dtype=per_token.dtype, device=per_token.device)
+    return dense.masked_scatter(mask, per_token).sum(dim=1)
+
+
+def _half(batch: KTOBatch, second: bool) -> Batch:
+    """The examples' rows (or, ``second``, the KL sequences') of ``batch``, as a plain batch."""
+    n = batch.labels.shape[0] // 2
+    part = slice(n, None) if second else slice(0, n)
+    inputs = {k: v[part] for k, v in batch.inputs.items()}
+    width = int(inputs["attention_mask"].sum(dim=1).max())  # right-padded: the half's own width
+    return Batch({k: v[:, :width] for k, v in inputs.items()}, batch.labels[part, :width], batch.weight)
+
+
+def example_losses(
+    logps: torch.Tensor,
+    ref_logps: torch.Tensor,
+    desirable: torch.Tensor,
+    kl: torch.Tensor,
+    kto: KTOSpec,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each example's loss (TRL's, loss_type kto) and its log-ratio's reward β r, from the completions' summed
+    log-probabilities under the policy and the reference and the step's KL estimate ``kl`` (already ≥ 0)."""
+    ratio = logps - ref_logps
+    chosen = kto.desirable_weight * (1 - torch.sigmoid(kto.beta * (ratio - kl)))
+    rejected = kto.undesirable_weight * (1 - torch.sigmoid(kto.beta * (kl - ratio)))
+    return torch.where(desirable, chosen, rejected), kto.beta * ratio.detach()
+
+
+def _forward(model, batch: KTOBatch, autocast, gather: bool):
+    """The examples' losses and the rows of statistics (``_stats``); ``gather``: the KL estimate's mean over the
+    processes (training; every rank computes as many micro-batches)."""
+    examples, kl_rows = _half(batch, False), _half(batch, True)
+    ref = _reference(model, examples, autocast)  # first: no graph is held meanwhile
+    ref_kl = _reference(model, kl_rows, autocast)
+    with torch.no_grad():
+        kl_logps = _sequence_logps(model, kl_rows, autocast)
+    logps = _sequence_logps(model, examples, autocast)
+    kl = (kl_logps - ref_kl).mean().detach()
+    if gather and torch.distributed.is_initialized():
+        kl = distributed.all_reduce_sum(kl.clone()) / torch.distributed.get_world_size()
+    kl = kl.clamp(min=0)
+    desirable = batch.desirable.to(logps.device)
+    losses, rewards = example_losses(logps, ref, desirable, kl, batch.kto)
+    return losses, rewards, logps.detach(), desirable, kl
+
+
+def _stats(rewards, logps, desirable, kl) -> torch.Tensor:
+    """One row per example whose column means over the micro-batch are ``METRICS``: kl, and the desirable and the
+    undesirable examples' mean reward and log-probability (each kind's values scaled by n / its count, so the
+    micro-batch's sum over n is that kind's mean; 0 for a kind the micro-batch lacks)."""
+    n = len(rewards)
+    d = desirable.double()
+    u = 1 - d
+    cd, cu = n / d.sum().clamp(min=1), n / u.sum().clamp(min=1)
+    rc, ru = rewards.double() * d * cd, rewards.double() * u * cu
+    return torch.stack(
+        [kl.double().expand(n), rc, ru, rc - ru, logps.double() * d * cd, logps.double() * u * cu], dim=1
+    )
+
+
+def loss(model, batch: KTOBatch, autocast) -> LossOutput:
+    losses, rewards, logps, desirable, kl = _forward(model, batch, autocast, gather=True)
+    stats = _stats(rewards, logps, desirable, kl)
+    return LossOutput(losses.sum(), torch.tensor(float(len(losses)), device=losses.device), stats.sum(dim=0))
+
+
+# evaluation: exact means over the held-out examples of each kind (sums and counts, summed over the ranks)
+EVAL_SUMS = ("loss", "examples", "desirable", "reward_desirable", "reward_undesirable", "logps_desirable",
+             "logps_undesirable", "kl_batches", "kl")  # fmt: skip
+
+
+def eval_step(model, batch: KTOBatch, autocast) -> dict:
+    losses, rewards, logps, desirable, kl = _forward(model, batch, autocast, gather=False)
+    d = desirable.double()
+    u = 1 - d
+    r, lp = rewards.double(), logps.double()
+    values = [losses.double().sum(), float(len(losses)), d.sum(), (r * d).sum(), (r * u).sum(), (lp * d).sum(),
+              (lp * u).sum(), 1.0, kl.double()]  # fmt: skip
+    return {"sums": torch.stack([torch.as_tensor(v, dtype=torch.float64, device=losses.device) for v in values])}
+
+
+def eval_totals(stats: list[dict], data: Prepared, device) -> dict[str, torch.Tensor]:
+    total = torch.zeros(len(EVAL_SUMS), device=device, dtype=torch.float64)
+    for st in stats:
+        total += st["sums"].to(device)
+    return {"sums": total}
+
+
+def eval_metrics(totals: dict, data: Prepared) -> dict:
+    s = dict(zip(EVAL_SUMS, (float(v) for v in totals["sums"])))
+    n, nd = max(s["examples"], 1.0), s["desirable"]
+    nu = s["examples"] - nd
+    chosen = s["reward_desirable"] / nd if nd else float("nan")
+    rejected = s["reward_undesirable"] / nu if nu else float("nan")
+    return {
+        "eval_loss": s["loss"] / n,
+        "eval_kl": s["kl"] / max(s["kl_batches"], 1.0),
+        "eval_reward_chosen": chosen,
+        "eval_reward_rejected": rejected,
+        "eval_reward_margin": chosen - rejected,
+        "eval_logps_chosen": s["logps_desirable"] / nd if nd else float("nan"),
+        "eval_logps_rejected": s["logps_undesirable"] / nu if nu else float("nan"),
+        "eval_examples": int(s["examples"]),
+        "eval_samples": data.eval_rows,
+    }
+
+
+# ---------------------------------------------------------------- how the results read
+
+
+def _report_rows(m: dict) -> list[tuple[str, object]]:
+    rewards = f"{m.get('eval_reward_chosen'):.4f} / {m.get('eval_reward_rejected'):.4f}"
+    counts = f"{m.get('kto_train_desirable')} / {m.get('kto_train_undesirable')}"
+    return [
+        ("eval reward margin (desirable − undesirable, β × log-ratio)", m.get("eval_reward_margin")),
+        ("eval rewards desirable / undesirable", rewards),
+        ("eval KL estimate", m.get("eval_kl")),
+        ("eval examples", m.get("eval_examples")),
+        ("kto beta, desirable / undesirable weight",
+         f"{m.get('kto_beta')}, {m.get('kto_desirable_weight')} / {m.get('kto_undesirable_weight')}"),
+        ("train examples desirable / undesirable", counts),
+        ("reference model", m.get("kto_reference")),
+        ("data format", m.get("data_format")),
+        ("chat template", m.get("chat_template") or "none (text)"),
+    ]  # fmt: skip
+
+
+def _card_about(m: dict) -> list[str]:
+    return [
+        f"Preference-tuned with KTO (beta {m.get('kto_beta')}) on unpaired answers flagged desirable or not; the "
+        f"reference model is {m.get('kto_reference')}. On {m.get('eval_examples')} held-out examples the reward "
+        f"margin (desirable − undesirable) is {m.get('eval_reward_margin', float('nan')):.4f}.",
+        f"Data format: {m.get('data_format')}; chat template: {m.get('chat_template') or 'none'}.",
+    ]
+
+
+def _summary(m: dict) -> str:
+    return (
+        f"reward margin {m['eval_reward_margin']:.4f}, kl {m['eval_kl']:.4f}, eval loss {m['eval_loss']:.4f} on "
+        f"{m['eval_examples']} held-out examples"
+    )
+
+
+TASK = Task(
+    load_frames=load_frames,
+    prepare=prepare,
+    build_model=build_model,
+    loss=loss,
+    eval_step=eval_step,
+    eval_totals=eval_totals,
+    eval_metrics=eval_metrics,
+    export=causal_lm.export,
+    headline=("eval_reward_margin", "eval_kl"),
+    inference=kinds.CAUSAL_LM,
+    present=Presentation(
+        pipeline_tag="text-generation",
+        report_rows=_report_rows,
+        eval_curves=(),
+        eval_log_scale=False,
+        card_usage=causal_lm.TASK.present.card_usage,
+        card_about=_card_about,
+        headline=lambda m: f"reward margin {m.get('eval_reward_margin', float('nan')):.4f}",
+        summary=_summary,
+        step_plots=(
+            ("Rewards", ("reward_chosen", "reward_rejected", "reward_margin", "eval_reward_margin")),
+            ("KL estimate", ("kl", "eval_kl")),
+        ),
+        loss_label="KTO loss",
+    ),
+    train_metrics=METRICS,
+    setup=setup,
+)
