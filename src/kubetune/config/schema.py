@@ -520,6 +520,12 @@ def cross_problems(
                 "lora.quantization (QLoRA) under distributed.strategy fsdp is not supported yet — use "
                 "distributed.strategy: ddp (every GPU holds the quantized base, which is what QLoRA saves)"
             )
+        if data is not None and TASKS[data.task].fsdp_needs_lora and lora is None:
+            out.append(
+                f"task {data.task} under distributed.strategy fsdp needs lora: its full fine-tune keeps a frozen copy "
+                "of the base model as the reference, which a sharded model cannot be copied into — add a lora section "
+                "(the reference is then the base with the adapter off), or use distributed.strategy: ddp"
+            )
     if evaluation is not None and data is not None and not TASKS[data.task].language_model:
         language = [name for name, entry in TASKS.items() if entry.language_model]
         out.append(

@@ -61,6 +61,8 @@ class TaskEntry:
         peft_task_type: the ``peft.TaskType`` name a Kubeflow SDK LoRA config implies for it, if any.
         streaming_needs_lora: ``data.streaming`` only with a ``lora`` section (the full fine-tune needs
             something of the whole training set before the first step).
+        fsdp_needs_lora: ``distributed.strategy: fsdp`` only with a ``lora`` section (the full fine-tune keeps
+            a copy of the model that FSDP cannot make).
         render_warnings: (the job spec) -> what a render must tell about the pods that it cannot check,
             one line each (e.g. the user's code the trainer image must hold).
         kserve: how KServe's Hugging Face runtime serves the task's export (`render --serve`, without
@@ -80,6 +82,7 @@ class TaskEntry:
     auto_model: str | None = None
     peft_task_type: str | None = None
     streaming_needs_lora: bool = False
+    fsdp_needs_lora: bool = False
     render_warnings: Callable[[Any], list[str]] = lambda spec: []
     kserve: KServeRuntime | None = None
     language_model: bool = False
