@@ -142,3 +142,22 @@ def test_data_of_one_kind_of_label_is_refused_and_paired_data_is_unpaired(tmp_pa
     assert len(frames.train_ids) + len(frames.eval_ids) == 2 * pairs
     labels = [json.loads(r)["label"] for r in frames.train["record"]]
     assert 0 < sum(labels) < len(labels)
+
+
+def test_a_full_fine_tune_under_fsdp_is_refused_at_validation(tmp_path):
+    """Its reference is a frozen copy of the model, which FSDP cannot make: one line at validation, not a crash in
+    every worker (the copy failed with FSDP's own AssertionError before this check)."""
+    from kubetune.config import parse_spec
+
+    spec = {
+        "name": "kto",
+        "task": "kto",
+        "model": {"uri": str(TINY)},
+        "data": {"train": str(PAIRS)},
+        "distributed": {"procs_per_node": 2, "strategy": "fsdp"},
+        "output": {"uri": str(tmp_path / "out")},
+    }
+    with pytest.raises(Exception) as e:
+        parse_spec(spec)
+    assert "task kto under distributed.strategy fsdp needs lora" in str(e.value)
+    parse_spec({**spec, "lora": {"r": 4}})  # with LoRA the reference is the adapter disabled

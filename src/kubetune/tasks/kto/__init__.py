@@ -79,6 +79,7 @@ ENTRY = TaskEntry(
     starter="kubetune.tasks.kto:starter.yaml",
     section=KTOSpec,
     order=6,
+    fsdp_needs_lora=True,  # the full fine-tune's reference: a frozen copy of the model, which FSDP cannot make
     kserve=KServeRuntime("text_generation", adapters=True),
     language_model=True,
 )
