@@ -35,9 +35,10 @@ def make_data(work: Path, n: int) -> None:
     (work / "pairs.jsonl").write_text("\n".join(rows) + "\n")
 
 
-def main(script: str, title: str, systems: dict, prepare, name: str, accuracy: str) -> None:
+def main(script: str, title: str, systems: dict, prepare, name: str, accuracy: str, unit: str = "pairs") -> None:
     """The command line of a pair benchmark: ``systems`` (name -> run(work, out) -> result), each run in a fresh
-    process in turn; ``prepare(work, pairs)`` makes the model and data first; the table titled ``title``."""
+    process in turn; ``prepare(work, pairs)`` makes the model and data first; the table titled ``title``, its
+    training rate in ``unit`` per second (a result's ``pairs``: KTO counts examples)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--pairs", type=int, default=1080)
     ap.add_argument("--rounds", type=int, default=1)
@@ -63,12 +64,12 @@ def main(script: str, title: str, systems: dict, prepare, name: str, accuracy: s
             res["wall_s"] = time.perf_counter() - t
             results[system].append(res)
             print(
-                f"round {r} {system}: {res['pairs'] / res['train_s']:.1f} pairs/s, {res['train_s']:.1f} s", flush=True
+                f"round {r} {system}: {res['pairs'] / res['train_s']:.1f} {unit}/s, {res['train_s']:.1f} s", flush=True
             )
-    write(a.name, results, a, script, title, accuracy)
+    write(a.name, results, a, script, title, accuracy, unit)
 
 
-def write(name: str, results: dict, a, script: str, title: str, accuracy: str) -> None:
+def write(name: str, results: dict, a, script: str, title: str, accuracy: str, unit: str = "pairs") -> None:
     import platform
     import statistics
 
@@ -87,7 +88,7 @@ def write(name: str, results: dict, a, script: str, title: str, accuracy: str) -
         f"{transformers.__version__}, trl {trl.__version__}. `python benchmarks/{Path(script).name} --pairs {a.pairs} "
         f"--rounds {a.rounds}` (medians of {a.rounds} round(s)).",
         "",
-        "| system | steps | pairs | training (s) | pairs/s | process wall (s) | peak RSS (MiB) |",
+        f"| system | steps | {unit} | training (s) | {unit}/s | process wall (s) | peak RSS (MiB) |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for s, m in med.items():
@@ -99,7 +100,7 @@ def write(name: str, results: dict, a, script: str, title: str, accuracy: str) -
         k, t = med["kubetune"], med["trl"]
         lines += [
             "",
-            f"kubetune ÷ TRL: pairs/s of training {(k['pairs'] / k['train_s']) / (t['pairs'] / t['train_s']):.2f}×, "
+            f"kubetune ÷ TRL: {unit}/s of training {(k['pairs'] / k['train_s']) / (t['pairs'] / t['train_s']):.2f}×, "
             f"whole run (wall) {t['wall_s'] / k['wall_s']:.2f}× (goal: at least 1.5×).",
         ]
         if results["kubetune"][0].get("eval_accuracy") is not None:

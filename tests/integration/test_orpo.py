@@ -91,3 +91,27 @@ def test_a_run_killed_with_sigkill_resumes_to_the_same_weights(trained, tmp_path
     diff = max((a[k].double() - b[k].double()).abs().max().item() for k in a)
     print(f"orpo, SIGKILL after a checkpoint, resumed: max |diff| {diff}")
     assert diff == 0.0
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("lora", [False, True])
+def test_it_learns_under_fsdp(tmp_path, lora):
+    """ORPO has no reference model, so a full fine-tune shards as the causal-LM task's does; LoRA too."""
+    spec = _spec(tmp_path / "out")
+    spec["distributed"]["strategy"] = "fsdp"
+    if lora:
+        spec["lora"] = {"r": 8, "alpha": 16, "target_modules": "all-linear"}
+        spec["training"]["learning_rate"] = 5e-3
+    r = kubetune("run", str(write_spec(tmp_path / "job.yaml", spec)), timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert metrics["strategy"] == "fsdp" and metrics["world_size"] == 2
+    history = [json.loads(line) for line in (tmp_path / "out" / "history.jsonl").read_text().splitlines()]
+    evals = [h for h in history if h["type"] == "eval"]
+    first, last = evals[0]["eval_reward_margin"], evals[-1]["eval_reward_margin"]
+    print(f"orpo under fsdp ({'LoRA' if lora else 'full'}): held-out reward margin {first:.4f} -> {last:.4f}")
+    assert last > first + 0.05
+    r = kubetune(
+        "predict", str(tmp_path / "out"), "What is the sentiment of this review? rude staff", "--max-new-tokens", "4"
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
