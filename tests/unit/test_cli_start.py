@@ -23,7 +23,7 @@ def cli(*args):
     return result.exit_code, result.stdout, result.stderr
 
 
-@pytest.mark.parametrize("task", ["sequence-classification", "causal-lm", "dpo", "grpo"])
+@pytest.mark.parametrize("task", list(task_registry.entries()))  # every registered task, new ones too
 def test_init_writes_a_commented_starter_that_validates_and_never_overwrites(tmp_path, task):
     path = tmp_path / "job.yaml"
     code, out, _ = cli("init", task, "-o", str(path))

@@ -297,3 +297,24 @@ def test_job_name_must_start_with_a_letter(name):
     """DNS-1035, as the PyTorchJob webhook and the TrainJob CRD require."""
     with pytest.raises(SpecError, match="starting with a letter"):
         parse_spec({**BASE, "name": name})
+
+
+@pytest.mark.parametrize("task", sorted(__import__("kubetune.config.tasks", fromlist=["entries"]).entries()))
+@pytest.mark.parametrize("target", ["pytorchjob", "trainjob"])
+def test_every_tasks_starter_renders_objects_the_upstream_crds_admit(task, target, tmp_path):
+    """Each task's `kubetune init` starter (a new task's too: the registry is read, not a list) as a PyTorchJob and
+    a TrainJob, every object valid against the real upstream CRD schemas (strict: unknown and mistyped fields)."""
+    from kubetune.config.tasks import starter_text
+
+    raw = yaml.safe_load(starter_text(task))
+    for key in ("train", "eval"):  # a starter's data on this machine (which a pod cannot read) as an object store's
+        value = raw["data"].get(key)
+        if isinstance(value, str) and "://" not in value:
+            raw["data"][key] = f"s3://datasets/{Path(value).name}"
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    spec = load_spec(path)
+    objects = list(yaml.safe_load_all(manifests.render(spec, "default", target).to_yaml()))
+    assert {o["kind"] for o in objects} >= {"PyTorchJob" if target == "pytorchjob" else "TrainJob"}
+    for obj in objects:
+        assert strict.validate(obj) == [], (task, obj["kind"])
