@@ -43,6 +43,7 @@ from kubetune.tasks.common import (
     prepare_tokenizer,
     prepared,
     replaceable_head,
+    target_mask,
     tokenize_split,
 )
 
@@ -269,6 +270,16 @@ def target_logps(model, batch: Batch, autocast) -> torch.Tensor:
     row-major order, computed as the loss is (no full logits): what the DPO task sums per answer."""
     nll, _, _ = _token_loss(model, batch, autocast, per_token=True)
     return -nll
+
+
+def sequence_logps(model, batch: Batch, autocast) -> torch.Tensor:
+    """Each row's summed target-token log-probability (fp32), computed as the loss is: what the preference tasks
+    (DPO, KTO) compare between the policy and the reference. Scattered into the sequence layout and summed per row:
+    deterministic, unlike index_add on a GPU."""
+    per_token = target_logps(model, batch, autocast)
+    mask = target_mask(batch.labels)
+    dense = torch.zeros(mask.shape, dtype=per_token.dtype, device=per_token.device)
+    return dense.masked_scatter(mask, per_token).sum(dim=1)
 
 
 def _token_loss(model, batch: Batch, autocast, count_correct: bool = False, per_token: bool = False):

@@ -46,7 +46,6 @@ from kubetune.tasks.common import (
     pair_steps,
     prepare_tokenizer,
     prepared,
-    target_mask,
     tokenize_split,
     without_dropout,
 )
@@ -207,11 +206,11 @@ def _reference_pass(model, collate: Collate, env: DistEnv, device, autocast, bat
     batches, extra = rank_batches(column(collate.ds, "length"), env, batch_size, lockstep)
     model.eval()
     parts = [
-        _sequence_logps(model, collate(rows).to(device), autocast).view(2, -1).T.double().cpu().numpy()
+        causal_lm.sequence_logps(model, collate(rows).to(device), autocast).view(2, -1).T.double().cpu().numpy()
         for rows in batches
     ]
     for _ in range(extra):
-        _sequence_logps(model, collate(np.zeros(1, dtype=np.int64)).to(device), autocast)
+        causal_lm.sequence_logps(model, collate(np.zeros(1, dtype=np.int64)).to(device), autocast)
     model.train()
     mine = np.concatenate(batches) if batches else np.zeros(0, dtype=np.int64)
     out = np.zeros((len(collate.ds), 2), dtype=np.float64)
@@ -236,15 +235,6 @@ def _write_cache(path: Path, arrays: dict[str, np.ndarray]) -> None:
 # ---------------------------------------------------------------- the loss
 
 
-def _sequence_logps(model, batch: PairBatch, autocast) -> torch.Tensor:
-    """Each sequence's summed answer-token log-probability (fp32), computed as the causal-LM loss is."""
-    per_token = causal_lm.target_logps(model, batch, autocast)
-    mask = target_mask(batch.labels)
-    # Scattered into the sequence layout and summed per row: deterministic, unlike index_add on a GPU.
-    dense = torch.zeros(mask.shape, dtype=per_token.dtype, device=per_token.device)
-    return dense.masked_scatter(mask, per_token).sum(dim=1)
-
-
 def _inner(model):
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
@@ -256,7 +246,7 @@ def _reference_logps(model, batch: PairBatch, autocast) -> tuple[torch.Tensor, t
     if not hasattr(inner, "disable_adapter"):
         raise RuntimeError("dpo: no reference log-probabilities (full fine-tune without the setup pass)")
     with torch.no_grad(), inner.disable_adapter():
-        ref = _sequence_logps(inner, batch, autocast)
+        ref = causal_lm.sequence_logps(inner, batch, autocast)
     return ref.chunk(2)
 
 
@@ -299,7 +289,7 @@ def pair_losses(
 
 def _pairs(model, batch: PairBatch, autocast) -> tuple[torch.Tensor, torch.Tensor]:
     ref_chosen, ref_rejected = _reference_logps(model, batch, autocast)  # first: no graph is held meanwhile
-    chosen, rejected = _sequence_logps(model, batch, autocast).chunk(2)
+    chosen, rejected = causal_lm.sequence_logps(model, batch, autocast).chunk(2)
     answer_tokens = (batch.labels != IGNORE).sum(dim=1).float()  # IPO's length normalization
     losses, stats = pair_losses(chosen, rejected, ref_chosen, ref_rejected, batch.dpo, answer_tokens)
     return losses.sum(), stats

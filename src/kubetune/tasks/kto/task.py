@@ -39,7 +39,6 @@ from kubetune.tasks.common import (
     prepare_tokenizer,
     prepared,
     right_pad,
-    target_mask,
     tokenize_split,
     without_dropout,
 )
@@ -169,22 +168,14 @@ def _reference(model, batch: KTOBatch, autocast) -> torch.Tensor:
     with torch.no_grad():
         reference = getattr(inner, "_kubetune_reference", None)
         if reference is not None:
-            return _sequence_logps(reference, batch, autocast)
+            return causal_lm.sequence_logps(reference, batch, autocast)
         if not hasattr(inner, "disable_adapter"):
             raise RuntimeError("kto: no reference model (a full fine-tune without the setup pass)")
         with inner.disable_adapter():
-            return _sequence_logps(inner, batch, autocast)
+            return causal_lm.sequence_logps(inner, batch, autocast)
 
 
 # ---------------------------------------------------------------- the loss
-
-
-def _sequence_logps(model, batch: Batch, autocast) -> torch.Tensor:
-    """Each row's summed completion-token log-probability (fp32), computed as the causal-LM loss is."""
-    per_token = causal_lm.target_logps(model, batch, autocast)
-    mask = target_mask(batch.labels)
-    dense = torch.zeros(mask.shape, dtype=per_token.dtype, device=per_token.device)
-    return dense.masked_scatter(mask, per_token).sum(dim=1)
 
 
 def _half(batch: KTOBatch, second: bool) -> Batch:
@@ -218,8 +209,8 @@ def _forward(model, batch: KTOBatch, autocast, gather: bool):
     ref = _reference(model, examples, autocast)  # first: no graph is held meanwhile
     ref_kl = _reference(model, kl_rows, autocast)
     with torch.no_grad():
-        kl_logps = _sequence_logps(model, kl_rows, autocast)
-    logps = _sequence_logps(model, examples, autocast)
+        kl_logps = causal_lm.sequence_logps(model, kl_rows, autocast)
+    logps = causal_lm.sequence_logps(model, examples, autocast)
     kl = (kl_logps - ref_kl).mean().detach()
     if gather and torch.distributed.is_initialized():
         kl = distributed.all_reduce_sum(kl.clone()) / torch.distributed.get_world_size()
