@@ -288,7 +288,10 @@ def test_grpo_with_a_trained_reward_model_raises_its_held_out_reward(tmp_path):
                       "rejected": [{"role": "assistant", "content": rejected}]})  # fmt: skip
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
     rm = _spec(tmp_path / "rm", data={"train": str(tmp_path / "pairs.jsonl"), "max_train_samples": None})
-    rm["training"].update(epochs=2, learning_rate=3e-4)
+    # one epoch at 1e-4: with dropout off (TRL's default, since 7957b9b) two epochs at 3e-4 saturated the model, every
+    # completion of the tiny policy scored about -4.5, the groups had no spread and GRPO nothing to learn from
+    # (-4.518 -> -4.526 after 24 steps)
+    rm["training"].update(epochs=1, learning_rate=1e-4)
     rm.pop("reward-model")
     r = kubetune("run", str(write_spec(tmp_path / "rm.yaml", rm)), timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
