@@ -6,9 +6,9 @@ BIN    := $(VENV)/bin
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install seed-cache demo test test-e2e test-all bench gpu-wheels gpu-check image image-test clean
+.PHONY: install seed-cache demo test test-e2e test-all docs bench gpu-wheels gpu-check image image-test clean
 
-$(BIN)/.installed: pyproject.toml requirements.txt requirements-test.txt requirements-test-nodeps.txt
+$(BIN)/.installed: pyproject.toml requirements.txt requirements-test.txt requirements-test-nodeps.txt requirements-docs.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first, pinned: on the dev/CI machines this takes the local CPU wheel.
@@ -60,6 +60,12 @@ test: install $(MLFLOW_VENV)/.installed
 # long comparisons. CI runs it after make test (.ci/run).
 test-e2e: install $(MLFLOW_VENV)/.installed
 	$(BIN)/python -m pytest -q -m "e2e and not slow and not gpu" $(DURATIONS) $(PYTEST_ARGS)
+
+# make docs: the documentation site (mkdocs.yml, docs/) in strict mode into build/docs (ignored), after checking that
+# its generated reference pages are what the code makes now (scripts/docs_reference.py --write regenerates them).
+docs: install
+	$(BIN)/python scripts/docs_reference.py --check
+	$(BIN)/python -m mkdocs build --strict -d build/docs
 
 test-all: install $(MLFLOW_VENV)/.installed
 	$(BIN)/python -m pytest -q -m "" $(DURATIONS) $(PYTEST_ARGS)
