@@ -1,12 +1,12 @@
-"""The README's module map, generated from the module docstrings, so that it cannot drift from the code.
+"""The module map of docs/development.md, generated from the module docstrings, so that it cannot drift from the code.
 
 One line per package and module under src/kubetune, in tree order (a package, its modules, then its
 subpackages), each with the first sentence of its docstring (cut at a word past ``LIMIT`` characters).
-README.md holds the generated text between ``START`` and ``END``; tests/unit/test_module_map.py fails
+docs/development.md holds the generated text between ``START`` and ``END``; tests/unit/test_module_map.py fails
 when the two differ or a module has no docstring.
 
     python scripts/module_map.py            # print the map
-    python scripts/module_map.py --write    # rewrite README.md's block in place
+    python scripts/module_map.py --write    # rewrite docs/development.md's block in place
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "kubetune"
-README = ROOT / "README.md"
+README = ROOT / "docs" / "development.md"  # the page that holds the map (it was README.md before the docs site)
 START = "<!-- module-map:start -->"
 END = "<!-- module-map:end -->"
 LIMIT = 100  # characters of a summary; a longer first sentence is cut at a word and ends in "…"
@@ -96,7 +96,7 @@ def main(argv: list[str]) -> None:
     generated = module_map()
     if argv == ["--write"]:
         README.write_text(with_block(README.read_text(), generated))
-        print(f"README.md: module map written ({generated.count(chr(10))} lines)")
+        print(f"{README.relative_to(ROOT)}: module map written ({generated.count(chr(10))} lines)")
     elif not argv:
         print(generated, end="")
     else:

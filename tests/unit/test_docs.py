@@ -1,6 +1,6 @@
 """The documentation site is checked like code (issue 52): its generated reference equals what the code makes now,
-every job spec in it validates, every `kubetune …` command line in it parses with the real CLI, and the site builds
-in MkDocs' strict mode (a broken link or a page left out of the navigation fails it)."""
+every job spec in it (and in the README) validates, every `kubetune …` command line parses with the real CLI, and
+the site builds in MkDocs' strict mode (a broken link or a page left out of the navigation fails it)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 def _blocks(kind: tuple[str, ...]) -> list[tuple[str, str]]:
     """(page, text) of every fenced block of a language in ``kind`` across the docs."""
     out = []
-    for page in sorted(DOCS.rglob("*.md")):
+    for page in [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]:  # the README is documentation too
         for lang, text in FENCE.findall(page.read_text()):
             if lang in kind:
                 out.append((str(page.relative_to(ROOT)), text))
@@ -62,7 +62,8 @@ def _command_lines() -> list[tuple[str, str]]:
         for line in text.splitlines():
             line = line.strip().removeprefix("$ ")
             if line.startswith("kubetune "):
-                lines.append((page, line.split(" #")[0].strip()))
+                # the kubetune part of a shell line: before a comment, a pipe, a redirect or the next command
+                lines.append((page, re.split(r" #| \| | > | && | ; ", line)[0].strip()))
     return lines
 
 
@@ -75,7 +76,12 @@ def _parse(argv: list[str]) -> None:
 
     cmd, parent, name = typer.main.get_command(app), None, "kubetune"
     while True:
-        ctx = cmd.make_context(name, list(argv), parent=parent, resilient_parsing=False)
+        try:
+            ctx = cmd.make_context(name, list(argv), parent=parent, resilient_parsing=False)
+        except Exception as e:  # an eager option that ends the program (--version, --help) ends it with code 0
+            if type(e).__name__ == "Exit" and getattr(e, "exit_code", 1) == 0:
+                return
+            raise
         if not hasattr(cmd, "list_commands"):
             return
         name, cmd, argv = cmd.resolve_command(ctx, ctx._protected_args + ctx.args)
