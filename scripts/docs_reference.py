@@ -32,23 +32,54 @@ def _cell(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
+def _examples() -> dict[str, str]:
+    """Dotted key -> a value a shipped spec gives it (examples/*.yaml, then the tasks' starters), as inline YAML."""
+    import yaml
+
+    from kubetune.config.tasks import entries, starter_text
+
+    docs = [yaml.safe_load(p.read_text()) for p in sorted((ROOT / "examples").glob("*.yaml"))]
+    docs += [yaml.safe_load(starter_text(name)) for name in entries()]
+    found: dict[str, str] = {}
+
+    def walk(value, key: str) -> None:
+        if isinstance(value, dict) and value:
+            for k, v in value.items():
+                walk(v, f"{key}.{k}" if key else str(k))
+        elif key and key not in found and value is not None:
+            found[key] = yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
+
+    for doc in docs:
+        walk(doc, "")
+    return found
+
+
 def spec_page() -> str:
-    """Every spec field by section: key, type, default, help."""
+    """Every spec field by section: key, type, default, help, and a value a shipped spec gives it."""
     from kubetune.config.load import field_reference
 
     rows = field_reference()
+    examples = _examples()
     out = [HEADER, "# Job spec reference", "",
            "Every field of the job spec, section by section, with its type, default and help: what "
-           "`kubetune explain [SECTION]` prints. `(required)` fields have no default; `(section)` is a nested "
-           "section. The `data` section's keys depend on the task (each key says which tasks read it).",
+           "`kubetune explain [SECTION]` prints, and a value one of the shipped specs (examples/, the `kubetune init` "
+           "starters) gives it. `(required)` fields have no default; `(section)` is a nested section. The `data` "
+           "section's keys depend on the task (each key says which tasks read it).",
            ""]  # fmt: skip
     section = None
     for key, type_, default, help_ in rows:
         top = key.split(".")[0]
         if top != section:
             section = top
-            out += ["", f"## `{top}`", "", "| key | type | default | help |", "| --- | --- | --- | --- |"]
-        out.append(f"| `{key}` | {_cell(type_)} | `{_cell(default)}` | {_cell(help_)} |")
+            out += [
+                "",
+                f"## `{top}`",
+                "",
+                "| key | type | default | help | example |",
+                "| --- | --- | --- | --- | --- |",
+            ]
+        example = f"`{_cell(examples[key])}`" if key in examples and type_ != "section" else ""
+        out.append(f"| `{key}` | {_cell(type_)} | `{_cell(default)}` | {_cell(help_)} | {example} |")
     return "\n".join(out).replace("\n\n\n", "\n\n") + "\n"
 
 
