@@ -69,6 +69,23 @@ def _cli(*argv: str) -> Callable[[Path], None]:
     return run
 
 
+def _no_s3_credentials(d: Path) -> None:
+    """Reading a model from s3:// with no credentials anywhere (the environment's, a profile's): the check before any
+    request, whatever this machine has configured."""
+    import os
+    from unittest import mock
+
+    from kubetune import providers
+    from kubetune.providers import S3Settings
+
+    bare = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    bare |= {"AWS_SHARED_CREDENTIALS_FILE": str(d / "none"), "AWS_CONFIG_FILE": str(d / "none")}
+    with mock.patch.dict(os.environ, bare, clear=True):
+        providers.resolve(
+            "s3://models/bert", kind="model", field="model.uri", s3=S3Settings(endpoint_url="http://127.0.0.1:9")
+        )
+
+
 def _write(path: Path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
@@ -92,6 +109,7 @@ CASES: list[tuple[str, str, Callable[[Path], None]]] = [
      lambda d: (_write(d / "kto.jsonl", json.dumps({"prompt": "p", "completion": "c", "label": "maybe"}) + "\n"),
                 _frames(_spec(d, task="kto", model={"uri": TINY}, data={"train": str(d / "kto.jsonl")})))),
     ("Data", "a data file that is not there", lambda d: _frames(_spec(d, data={"train": str(d / "nowhere.csv")}))),
+    ("Storage and credentials", "a model on s3:// with no credentials", _no_s3_credentials),
     ("Output", "an output directory holding files kubetune did not write",
      lambda d: (_write(d / "out" / "notes.txt", "mine"), _write(d / "train.csv", "text,label\na,x\nb,y\n"),
                 _output(_spec(d)))),
