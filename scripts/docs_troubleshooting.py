@@ -70,20 +70,27 @@ def _cli(*argv: str) -> Callable[[Path], None]:
 
 
 def _no_s3_credentials(d: Path) -> None:
-    """Reading a model from s3:// with no credentials anywhere (the environment's, a profile's): the check before any
-    request, whatever this machine has configured."""
+    """Reading a model from s3:// with no credentials anywhere: in a fresh interpreter whose environment has no AWS_*
+    variable and whose home has no AWS files, so that nothing this process (or a test before it) configured or
+    cached can answer."""
     import os
-    from unittest import mock
+    import subprocess
+    import sys
 
-    from kubetune import providers
-    from kubetune.providers import S3Settings
+    from kubetune.errors import KubetuneError
 
-    bare = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    bare |= {"AWS_SHARED_CREDENTIALS_FILE": str(d / "none"), "AWS_CONFIG_FILE": str(d / "none")}
-    with mock.patch.dict(os.environ, bare, clear=True):
-        providers.resolve(
-            "s3://models/bert", kind="model", field="model.uri", s3=S3Settings(endpoint_url="http://127.0.0.1:9")
-        )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")} | {"HOME": str(d)}
+    code = (
+        "from kubetune import providers\n"
+        "from kubetune.providers import S3Settings\n"
+        "try:\n"
+        "    providers.resolve('s3://models/bert', kind='model', field='model.uri',\n"
+        "                      s3=S3Settings(endpoint_url='http://127.0.0.1:9'))\n"
+        "except Exception as e:\n"
+        "    print(e)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    raise KubetuneError(r.stdout.strip().splitlines()[-1])
 
 
 def _write(path: Path, text: str) -> Path:

@@ -38,11 +38,14 @@ def test_make_install_takes_both_and_the_image_only_the_runtime_pins():
     assert "-r requirements.txt" in (ROOT / "requirements-test.txt").read_text().splitlines()
     makefile = (ROOT / "Makefile").read_text()
     assert "pip install -q -r requirements-test.txt" in makefile
+    # the stamp depends on every requirements file the install reads (requirements-test.txt includes -docs)
     assert re.search(
-        r"^\$\(BIN\)/\.installed: .*requirements\.txt requirements-test\.txt requirements-test-nodeps\.txt$",
+        r"^\$\(BIN\)/\.installed: .*requirements\.txt requirements-test\.txt requirements-test-nodeps\.txt"
+        r" requirements-docs\.txt$",
         makefile,
         re.M,
     )
+    assert "-r requirements-docs.txt" in (ROOT / "requirements-test.txt").read_text().splitlines()
     # the pins whose own requirements conflict with kubetune's: installed without them, test-only, exact
     assert "pip install -q --no-deps -r requirements-test-nodeps.txt" in makefile
     assert all("==" in line for line in _pins("requirements-test-nodeps.txt").values())
