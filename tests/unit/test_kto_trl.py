@@ -161,3 +161,24 @@ def test_a_full_fine_tune_under_fsdp_is_refused_at_validation(tmp_path):
         parse_spec(spec)
     assert "task kto under distributed.strategy fsdp needs lora" in str(e.value)
     parse_spec({**spec, "lora": {"r": 4}})  # with LoRA the reference is the adapter disabled
+
+
+def test_a_micro_batch_of_one_is_refused_naming_the_field(tmp_path):
+    """Each example's KL sequence pairs its prompt with another example's completion of the micro-batch: with one
+    example per micro-batch it would be itself (TRL's KTOTrainer refuses batch size 1 too). Refused before the data
+    is read."""
+    from kubetune.config import parse_spec
+
+    spec = parse_spec(
+        {
+            "name": "kto",
+            "task": "kto",
+            "model": {"uri": str(TINY)},
+            "data": {"train": str(PAIRS)},
+            "training": {"batch_size": 1, "grad_accum": 8},
+            "output": {"uri": str(tmp_path / "out")},
+        }
+    )
+    with pytest.raises(KubetuneError) as e:
+        kto.prepare(spec, None, None, None)
+    assert e.value.field == "training.batch_size" and "micro-batch of one" in str(e.value)

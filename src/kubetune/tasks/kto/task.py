@@ -30,6 +30,7 @@ from kubetune.data import Batch
 from kubetune.data.rows import column
 from kubetune.data.tokenize import tokenizer_fingerprint
 from kubetune.distributed import DistEnv
+from kubetune.errors import KubetuneError
 from kubetune.inference import kinds
 from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task
 from kubetune.tasks.causal_lm import task as causal_lm
@@ -96,7 +97,18 @@ class Collate:
 
 
 def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
-    """The shared skeleton (``tasks.common``): examples dropped whose prompt leaves no completion token."""
+    """The shared skeleton (``tasks.common``): examples dropped whose prompt leaves no completion token.
+
+    Raises:
+        KubetuneError: training.batch_size 1, where each example's KL sequence would be itself (TRL refuses it too).
+    """
+    if spec.training.batch_size < 2:
+        raise KubetuneError(
+            "1: KTO estimates its KL term from each prompt paired with another example's completion in the same "
+            "micro-batch, and a micro-batch of one has no other",
+            field="training.batch_size",
+            fix="set training.batch_size to 2 or more (grad_accum keeps the global batch where you want it)",
+        )
     frames = load_on_node(load_frames, spec, env)
     template = prepare_tokenizer(tokenizer, frames.format == "chat", spec.data.chat_template)
     max_length = spec.data.max_length
