@@ -1,6 +1,6 @@
 """The package's import structure: no import cycle between modules (lazy imports inside
 functions count too: a cycle that works only by import order is still a cycle), and imports point
-down the layers of ``LAYERS`` below only (the README's Development section, "Layout", points here)."""
+down the layers of ``LAYERS`` below only (docs/development.md, "Layout", points here)."""
 
 from __future__ import annotations
 
