@@ -8,10 +8,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from fakes import crds, webhooks
 
 from kubetune.backends.cluster import strict
+from kubetune.backends.kserve import manifests as serving
 from kubetune.backends.kubeflow import checks, manifests
 from kubetune.config import load_spec, parse_spec
+from kubetune.config.tasks import entries, starter_text
 from kubetune.errors import SpecError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -299,22 +302,38 @@ def test_job_name_must_start_with_a_letter(name):
         parse_spec({**BASE, "name": name})
 
 
-@pytest.mark.parametrize("task", sorted(__import__("kubetune.config.tasks", fromlist=["entries"]).entries()))
+@pytest.mark.parametrize("task", sorted(entries()))
 @pytest.mark.parametrize("target", ["pytorchjob", "trainjob"])
-def test_every_tasks_starter_renders_objects_the_upstream_crds_admit(task, target, tmp_path):
+def test_every_tasks_starter_renders_objects_the_upstream_crds_and_webhooks_admit(task, target, tmp_path):
     """Each task's `kubetune init` starter (a new task's too: the registry is read, not a list) as a PyTorchJob and
-    a TrainJob, every object valid against the real upstream CRD schemas (strict: unknown and mistyped fields)."""
-    from kubetune.config.tasks import starter_text
-
+    a TrainJob: the typed model (strict), then what the operator's API server does with the job: the upstream CRD
+    (../shared/kubeflow-crds: schema, unknown fields pruned, CEL) and the operator's webhook rules; and, for a task
+    KServe's runtime serves, its InferenceService through the KServe v0.20 CRD and webhook."""
     raw = yaml.safe_load(starter_text(task))
     for key in ("train", "eval"):  # a starter's data on this machine (which a pod cannot read) as an object store's
         value = raw["data"].get(key)
         if isinstance(value, str) and "://" not in value:
             raw["data"][key] = f"s3://datasets/{Path(value).name}"
+    raw["output"] = {"uri": f"s3://runs/{raw['name']}"}  # where a cluster's export goes (and KServe reads it)
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(raw))
     spec = load_spec(path)
     objects = list(yaml.safe_load_all(manifests.render(spec, "default", target).to_yaml()))
-    assert {o["kind"] for o in objects} >= {"PyTorchJob" if target == "pytorchjob" else "TrainJob"}
     for obj in objects:
         assert strict.validate(obj) == [], (task, obj["kind"])
+    job = next(o for o in objects if o["kind"] in ("PyTorchJob", "TrainJob"))
+    if target == "pytorchjob":
+        for release in ("v1.8.1", "v1.9.0"):
+            outcome = crds.crd("pytorchjobs", release).admit(job)
+            assert outcome.errors == [] and outcome.pruned == [], (release, outcome)
+            assert webhooks.pytorchjob_errors(outcome.stored, release) == []
+    else:
+        outcome = crds.crd("trainjobs", "v2.3.0").admit(job)
+        assert outcome.errors == [] and outcome.pruned == [], outcome
+        runtimes = {r["metadata"]["name"]: r for r in crds.shipped_runtimes()}
+        assert webhooks.trainjob_errors(outcome.stored, runtimes) == []
+    if entries()[task].kserve is not None and target == "pytorchjob":
+        isvc = serving.render_serve(spec, "default").inference_service
+        outcome = crds.crd("inferenceservices", "v0.20.0").admit(isvc)
+        assert outcome.errors == [] and outcome.pruned == [], outcome
+        assert webhooks.inferenceservice_errors(outcome.stored) == []
