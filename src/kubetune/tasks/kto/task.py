@@ -217,9 +217,8 @@ def example_losses(
 def _forward(model, batch: KTOBatch, autocast, gather: bool):
     """The examples' losses and the rows of statistics (``_stats``); ``gather``: the KL estimate's mean over the
     processes (training; every rank computes as many micro-batches)."""
+    ref, ref_kl = _reference(model, batch, autocast).chunk(2)  # both halves in one forward; first: no graph is held
     examples, kl_rows = _half(batch, False), _half(batch, True)
-    ref = _reference(model, examples, autocast)  # first: no graph is held meanwhile
-    ref_kl = _reference(model, kl_rows, autocast)
     with torch.no_grad():
         kl_logps = causal_lm.sequence_logps(model, kl_rows, autocast)
     logps = causal_lm.sequence_logps(model, examples, autocast)
