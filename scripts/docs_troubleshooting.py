@@ -55,18 +55,30 @@ def _output(spec: dict) -> None:
     Output.for_spec(job).check(job)
 
 
+def parse_cli(argv: list[str]) -> None:
+    """Parse ``argv`` (after `kubetune`) with the real CLI's click commands, without running anything: an unknown
+    command or option, a missing argument or a bad value raises click's usage error (typer's own click's). The docs
+    test parses every `kubetune …` line of the docs with it."""
+    import typer.main
+
+    from kubetune.cli import app
+
+    cmd, parent, name = typer.main.get_command(app), None, "kubetune"
+    while True:
+        try:
+            ctx = cmd.make_context(name, list(argv), parent=parent, resilient_parsing=False)
+        except Exception as e:  # an eager option that ends the program (--version, --help) ends it with code 0
+            if type(e).__name__ == "Exit" and getattr(e, "exit_code", 1) == 0:
+                return
+            raise
+        if not hasattr(cmd, "list_commands"):
+            return
+        name, cmd, argv = cmd.resolve_command(ctx, ctx._protected_args + ctx.args)
+        parent = ctx
+
+
 def _cli(*argv: str) -> Callable[[Path], None]:
-    def run(d: Path) -> None:
-        import typer.main
-
-        from kubetune.cli import app
-
-        cmd = typer.main.get_command(app)
-        ctx = cmd.make_context("kubetune", list(argv))
-        _, sub, rest = cmd.resolve_command(ctx, ctx._protected_args + ctx.args)
-        sub.make_context(argv[0], rest, parent=ctx)
-
-    return run
+    return lambda d: parse_cli(list(argv))
 
 
 def _no_s3_credentials(d: Path) -> None:

@@ -68,24 +68,10 @@ def _command_lines() -> list[tuple[str, str]]:
 
 
 def _parse(argv: list[str]) -> None:
-    """Parse ``argv`` (after `kubetune`) with the real CLI's click commands, without running anything: an unknown
-    command or option, a missing argument or a bad value raises click's usage error."""
-    import typer.main
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from docs_troubleshooting import parse_cli  # the troubleshooting page's CLI case parses the same way
 
-    from kubetune.cli import app
-
-    cmd, parent, name = typer.main.get_command(app), None, "kubetune"
-    while True:
-        try:
-            ctx = cmd.make_context(name, list(argv), parent=parent, resilient_parsing=False)
-        except Exception as e:  # an eager option that ends the program (--version, --help) ends it with code 0
-            if type(e).__name__ == "Exit" and getattr(e, "exit_code", 1) == 0:
-                return
-            raise
-        if not hasattr(cmd, "list_commands"):
-            return
-        name, cmd, argv = cmd.resolve_command(ctx, ctx._protected_args + ctx.args)
-        parent = ctx
+    parse_cli(argv)
 
 
 @pytest.mark.parametrize("page, line", [pytest.param(p, ln, id=ln[:60]) for p, ln in _command_lines()])
