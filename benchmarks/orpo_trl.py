@@ -25,15 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pairs_bench  # noqa: E402
-from sft_trl import make_model  # noqa: E402
 
 BATCH, LR, WARMUP, MAX_LENGTH, BETA, SEED = 8, 8e-6, 0.1, 256, 0.1, 42
-
-
-def prepare(work: Path, pairs: int) -> None:
-    if not (work / "model" / "config.json").exists():
-        make_model(work / "model")
-    pairs_bench.make_data(work, pairs)
 
 
 def run_kubetune(work: Path, out: Path) -> dict:
@@ -94,7 +87,12 @@ def run_trl(work: Path, out: Path) -> dict:
 
 def main() -> None:
     pairs_bench.main(
-        __file__, "ORPO", {"kubetune": run_kubetune, "trl": run_trl}, prepare, "orpo-cpu", "reward accuracy"
+        __file__,
+        "ORPO",
+        {"kubetune": run_kubetune, "trl": run_trl},
+        pairs_bench.prepare_llama,
+        "orpo-cpu",
+        "reward accuracy",
     )
 
 

@@ -35,6 +35,16 @@ def make_data(work: Path, n: int) -> None:
     (work / "pairs.jsonl").write_text("\n".join(rows) + "\n")
 
 
+def prepare_llama(work: Path, pairs: int) -> None:
+    """sft_trl.py's 28M Llama (made once) and the first ``pairs`` pairs: what the causal-LM pair benchmarks (ORPO,
+    KTO) train on."""
+    from sft_trl import make_model
+
+    if not (work / "model" / "config.json").exists():
+        make_model(work / "model")
+    make_data(work, pairs)
+
+
 def main(script: str, title: str, systems: dict, prepare, name: str, accuracy: str, unit: str = "pairs") -> None:
     """The command line of a pair benchmark: ``systems`` (name -> run(work, out) -> result), each run in a fresh
     process in turn; ``prepare(work, pairs)`` makes the model and data first; the table titled ``title``, its
