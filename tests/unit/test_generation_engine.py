@@ -57,7 +57,10 @@ def test_requests_of_different_lengths_join_and_leave_the_batch_in_flight(lm):
     assert max(steps) == 4 and len(steps) < 20 + 9 - 1
 
 
-def test_a_shared_prompt_is_prefilled_once(lm, monkeypatch):
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "plain"])
+def test_a_shared_prompt_is_prefilled_once(lm, monkeypatch, packed):
+    """Packed steps (the Llama family): the first forward is one row of the two distinct prompts' tokens, every
+    later one a token per request. Plain steps (any other model): one prefill of two right-padded rows."""
     model, prompts = lm
     rows = []
     forward = type(model).forward
@@ -68,11 +71,39 @@ def test_a_shared_prompt_is_prefilled_once(lm, monkeypatch):
 
     monkeypatch.setattr(type(model), "forward", counting)
     gens = [Generation(prompts[1], 6) for _ in range(8)] + [Generation(prompts[0], 6) for _ in range(8)]
-    Engine(model, set(), slots=16).generate(gens)
-    prefill = [shape for shape in rows if shape[1] > 1]
-    assert prefill == [(2, len(prompts[1]))]  # two distinct prompts, one prefill row each
+    engine = Engine(model, set(), slots=16)
+    assert engine._packs  # the tiny Llama packs; the plain steps are forced below
+    engine._packs = packed
+    engine.generate(gens)
+    if packed:
+        assert rows == [(1, len(prompts[1]) + len(prompts[0]))] + [(1, 16)] * 5
+    else:
+        assert [shape for shape in rows if shape[1] > 1] == [(2, len(prompts[1]))]  # one prefill row per prompt
     assert {tuple(g.tokens) for g in gens[:8]} == {tuple(_reference(model, prompts[1], 6))}
     assert {tuple(g.tokens) for g in gens[8:]} == {tuple(_reference(model, prompts[0], 6))}
+
+
+def test_packed_steps_equal_generate_under_eager_attention_and_score_prompts():
+    """A packed step runs the model's own attention for each group: under ``eager`` (what a bf16 model on a CPU
+    loads with) too. Requests joining a batch in flight get what ``generate`` gives them alone, and a prompt's
+    log-probabilities (echo) equal a plain forward's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(LLAMA)
+    model = AutoModelForCausalLM.from_pretrained(LLAMA, attn_implementation="eager").eval()
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    gens = [Generation(ids, n) for ids, n in zip(prompts * 2, [9, 3, 14, 5, 7, 11, 2, 6])]
+    scored = Generation(prompts[1], 4, prompt_logprobs=True, logprobs=0)
+    engine = Engine(model, set(), slots=3)
+    assert engine._packs
+    engine.generate([*gens, scored])
+    for g in [*gens, scored]:
+        assert g.tokens == _reference(model, g.ids, len(g.tokens))
+    with torch.no_grad():
+        want = torch.log_softmax(model(torch.tensor([prompts[1]])).logits[0, :-1].float(), -1)
+    want = want.gather(-1, torch.tensor(prompts[1][1:])[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(scored.prompt_token_logprobs), want, atol=1e-5)
+    assert model.config._attn_implementation == "eager"  # the model's own, restored after each step
 
 
 def test_a_seeded_sample_is_the_same_whatever_else_is_in_flight(lm):
@@ -99,7 +130,8 @@ def test_an_end_token_ends_a_request_and_is_reported(lm):
     assert g.tokens == first[:2] and g.finish_reason == "stop" and g.end_token == first[2]
 
 
-def test_lockstep_makes_as_many_forwards_as_the_busiest_rank(lm, monkeypatch):
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "plain"])
+def test_lockstep_makes_as_many_forwards_as_the_busiest_rank(lm, monkeypatch, packed):
     model, prompts = lm
     calls = []
     forward = type(model).forward
@@ -112,10 +144,12 @@ def test_lockstep_makes_as_many_forwards_as_the_busiest_rank(lm, monkeypatch):
         return busy or len(seen) <= other_rank_steps
 
     g = Generation(prompts[0], 5)
-    Engine(model, set(), slots=1).generate([g], lockstep=lockstep)
-    # one forward per round on every rank (the first round: the prefill and the first decode), this rank's
-    # last ones on an idle row
-    assert len(g.tokens) == 5 and len(calls) == other_rank_steps + 1
+    engine = Engine(model, set(), slots=1)
+    engine._packs = packed
+    engine.generate([g], lockstep=lockstep)
+    # one forward per round on every rank (plain steps: the first round makes the prefill and the first decode),
+    # this rank's last ones on an idle row
+    assert len(g.tokens) == 5 and len(calls) == other_rank_steps + (0 if packed else 1)
 
 
 def test_the_server_mode_answers_requests_submitted_while_others_run(lm):
@@ -149,17 +183,16 @@ def test_the_cache_is_written_in_place_not_copied_per_step(lm):
 
 
 def test_the_swapped_gemm_computes_f_linear_on_its_rows_and_leaves_the_rest_alone():
-    """``_SwappedGemm`` (a CPU decode step of 16 to 48 rows): ``F.linear`` of a large fp32 weight runs as
-    ``(W @ x.T).T`` — the same product within float rounding, bias and leading dimensions kept — and exactly
-    as before outside those rows, for small weights, and for other dtypes."""
-    import torch.nn.functional as F
+    """``swapped_gemm`` (a CPU step of ``GEMM_ROWS`` rows): a large fp32 linear layer runs as ``(W @ x.T).T`` —
+    the same product within float rounding, bias and leading dimensions kept — and exactly as before outside
+    those rows, for small weights, for other dtypes, on other devices, and after the step."""
+    from kubetune.inference.step import GEMM_MIN_WEIGHT, GEMM_ROWS, large_linears, swapped_gemm
 
-    from kubetune.inference.generation import GEMM_MIN_WEIGHT, GEMM_ROWS, _SwappedGemm
-
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(1024, 512, generator=g)
-    assert w.numel() >= GEMM_MIN_WEIGHT
-    b = torch.randn(1024, generator=g)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.Linear(96, 96), torch.nn.Linear(512, 1024))
+    model[2].to(torch.bfloat16)
+    big, small, bf16 = model
+    assert big.weight.numel() >= GEMM_MIN_WEIGHT and large_linears(model) == [big, bf16]
     calls = []
     mm = torch.mm
 
@@ -167,31 +200,34 @@ def test_the_swapped_gemm_computes_f_linear_on_its_rows_and_leaves_the_rest_alon
         calls.append(args[0].shape)
         return mm(*args)
 
-    for rows, swapped in (
-        (GEMM_ROWS[0], True),
-        (GEMM_ROWS[1], True),
-        (GEMM_ROWS[0] - 1, False),
-        (GEMM_ROWS[1] + 1, False),
+    cpu = torch.device("cpu")
+    for rows, device, swapped in (
+        (GEMM_ROWS[0], cpu, True),
+        (GEMM_ROWS[1], cpu, True),
+        (GEMM_ROWS[0] - 1, cpu, False),
+        (GEMM_ROWS[1] + 1, cpu, False),
+        (GEMM_ROWS[0], torch.device("meta"), False),
     ):
-        x = torch.randn(rows, 1, 512, generator=g)
+        x = torch.randn(rows, 1, 512)
         calls.clear()
         torch.mm = counting_mm
         try:
-            with _SwappedGemm():
-                got = F.linear(x, w, b)
+            with swapped_gemm(device, rows, large_linears(model)):
+                got = big(x)
         finally:
             torch.mm = mm
-        want = F.linear(x, w, b)
+        want = torch.nn.functional.linear(x, big.weight, big.bias)
         assert got.shape == want.shape == (rows, 1, 1024)
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-5)
-        assert (calls == [w.shape]) is swapped, (rows, calls)
+        assert (calls == [big.weight.shape]) is swapped, (rows, calls)
         if not swapped:
             assert torch.equal(got, want)
-    small, x = torch.randn(96, 96, generator=g), torch.randn(16, 96, generator=g)
-    xb, wb = torch.randn(16, 512, generator=g).to(torch.bfloat16), w.to(torch.bfloat16)
-    with _SwappedGemm():
-        inside = F.linear(x, small), F.linear(xb, wb)  # a small weight, a bf16 one: F.linear itself
-    assert torch.equal(inside[0], F.linear(x, small)) and torch.equal(inside[1], F.linear(xb, wb))
+    x, xb = torch.randn(16, 96), torch.randn(16, 512).to(torch.bfloat16)
+    with swapped_gemm(cpu, 16, large_linears(model)):
+        inside = small(x), bf16(xb)  # a small weight, a bf16 one: F.linear itself
+    assert torch.equal(inside[0], torch.nn.functional.linear(x, small.weight, small.bias))
+    assert torch.equal(inside[1], torch.nn.functional.linear(xb, bf16.weight, bf16.bias))
+    assert "forward" not in big.__dict__  # the layer's own forward again after the step
 
 
 def test_a_draw_follows_each_rows_distribution_and_never_takes_a_token_of_probability_zero():

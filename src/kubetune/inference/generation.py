@@ -25,12 +25,13 @@ architecture whose attention goes through ``past_key_values.update`` and takes a
 from __future__ import annotations
 
 import collections
-import contextlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from kubetune.inference.step import SlotCache, large_linears, layout, packed_forward, packs, swapped_gemm
 
 
 @dataclass
@@ -66,85 +67,6 @@ class Generation:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_token_logprobs: list[float] = field(default_factory=list)
     prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-
-
-class SlotCache:
-    """transformers' cache protocol over preallocated per-request slots: layer ``i``'s keys and values are
-    ``[slots, kv heads, capacity, head dim]``, allocated at the first write (shapes and dtype from the model).
-    The engine says, before each forward, which slots it computes (``lo:hi``), how many positions the
-    attention reads (``width``) and, for a step of one token per row, each row's position (``pos``)."""
-
-    def __init__(self, slots: int, capacity: int):
-        self.slots, self.capacity = slots, capacity
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
-        self.lo = self.hi = self.width = 0
-        self.pos: torch.Tensor | None = None
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.width
-
-    def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int, *args, **kwargs):
-        if layer_idx == len(self.keys):
-            shape = (self.slots, k.shape[1], self.capacity, k.shape[3])
-            self.keys.append(torch.zeros(shape, dtype=k.dtype, device=k.device))
-            self.values.append(torch.zeros(shape, dtype=v.dtype, device=v.device))
-        keys, values, lo, hi = self.keys[layer_idx], self.values[layer_idx], self.lo, self.hi
-        if self.pos is not None:  # one token per row, each at its own position
-            rows = torch.arange(lo, hi, device=k.device)
-            keys[rows, :, self.pos] = k[:, :, 0]
-            values[rows, :, self.pos] = v[:, :, 0]
-        else:  # a prefill: the prompts from position 0
-            keys[lo:hi, :, : k.shape[2]] = k
-            values[lo:hi, :, : v.shape[2]] = v
-        return keys[lo:hi, :, : self.width], values[lo:hi, :, : self.width]
-
-    def grow(self, capacity: int) -> None:
-        """Room for ``capacity`` positions per slot (one copy of what is cached)."""
-        for store in (self.keys, self.values):
-            for i, t in enumerate(store):
-                bigger = torch.zeros((*t.shape[:2], capacity, t.shape[3]), dtype=t.dtype, device=t.device)
-                bigger[:, :, : t.shape[2]] = t
-                store[i] = bigger
-        self.capacity = capacity
-
-    def move(self, src: int, dst: int) -> None:
-        """Slot ``src``'s cache into slot ``dst`` (a finished request's slot taken by the last one, or a shared
-        prompt's cache given to its copies)."""
-        for store in (self.keys, self.values):
-            for t in store:
-                t[dst] = t[src]
-
-
-# Rows per forward where, on a CPU, MKL's fp32 GEMM of ``x @ W.T`` (what ``F.linear`` runs) is slow: at 16 to
-# 48 rows ``(W @ x.T).T`` — the same product, the operands swapped — measured 1.2 to 2.6x faster for every
-# weight of 512 x 256 and up on a 2-core Xeon (AVX-512; benchmarks/README.md "Serving"), and slower below 16
-# rows. 16 is serve's default slot count, so a full decode step is exactly there. A fixed range, not a
-# timing taken at start-up: the choice changes the result's last bits, and predict and serve must agree.
-GEMM_ROWS = (16, 48)
-GEMM_MIN_WEIGHT = 1 << 18  # elements: smaller weights cost too little to matter (the tiny test models' all do)
-
-
-class _SwappedGemm(torch.overrides.TorchFunctionMode):
-    """Inside it, ``F.linear`` of a large fp32 weight on ``GEMM_ROWS`` rows runs as ``(W @ x.T).T``."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.nn.functional.linear:
-            x, w = args[0], args[1]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            rows = x.numel() // x.shape[-1] if x.dim() else 0
-            if (
-                type(w) in (torch.Tensor, torch.nn.Parameter)
-                and w.dtype == torch.float32
-                and w.numel() >= GEMM_MIN_WEIGHT
-                and GEMM_ROWS[0] <= rows <= GEMM_ROWS[1]
-            ):
-                out = torch.mm(w, x.reshape(rows, x.shape[-1]).t()).t()
-                if bias is not None:
-                    out = out + bias
-                return out.reshape(*x.shape[:-1], w.shape[0])
-        return func(*args, **kwargs)
 
 
 def draw(probs: torch.Tensor, rng: torch.Generator | None) -> list[int]:
@@ -185,6 +107,14 @@ def _record(logits: torch.Tensor, rows: list[_Row], tokens: list[int]) -> None:
         g.top_logprobs.append(top[: g.logprobs])
 
 
+def _distinct(new: list[_Row]) -> tuple[dict[tuple, int], list[tuple]]:
+    """The distinct prompts of ``new``, in order: prompt -> its index, and the prompts."""
+    unique: dict[tuple, int] = {}
+    for row in new:
+        unique.setdefault(tuple(row.gen.ids), len(unique))
+    return unique, list(unique)
+
+
 @dataclass
 class _Row:
     gen: Generation
@@ -214,6 +144,8 @@ class Engine:
         self._stopped = False
         self._default_rng = torch.Generator(device=self.device)
         self._default_rng.manual_seed(0)
+        self._linears = large_linears(model)
+        self._packs = packs(model)  # one forward a step, new prompts packed in (``inference.step``)
 
     # ------------------------------------------------------------------ the two ways in
 
@@ -293,10 +225,16 @@ class Engine:
 
     def _step(self, lockstep: bool = False) -> None:
         self._drop_cancelled()
-        admitted = self._admit()
+        new = self._take_waiting()
+        if self._packs:  # one forward: the requests in flight and the new prompts (``inference.step``)
+            if new or self._rows:
+                self._packed_step(new)
+            return
+        if new:
+            self._admit(new)
         if self._rows:
             self._decode()
-        elif lockstep and admitted:  # every row ended at its first token: the other ranks' decode forward
+        elif lockstep and new:  # every row ended at its first token: the other ranks' decode forward
             self._idle()
 
     def _idle(self) -> None:
@@ -321,20 +259,89 @@ class Engine:
             self._finish(row)
         self._retire([k for k, r in enumerate(self._rows) if r.gen.cancelled.is_set()])
 
-    def _admit(self) -> bool:
-        """Take waiting requests into the free slots and prefill their prompts in one forward (each distinct
-        prompt once), then pick each one's first token. Returns whether it made a forward."""
+    def _take_waiting(self) -> list[_Row]:
+        """The waiting requests that the free slots take now, oldest first."""
         room = self.slots - len(self._rows)
         if room <= 0 or not self._waiting:
-            return False
+            return []
         with self._cond:
-            new = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+            return [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+
+    def _packed_step(self, new: list[_Row]) -> None:
+        """One forward of one packed row: each request in flight's next token, then each new distinct prompt
+        (``inference.step``); then each one's token: the next, or a new request's first."""
+        rows, n = self._rows, len(self._rows)
+        unique, prompts = _distinct(new)
+        need = max([len(r.gen.ids) + r.gen.max_tokens for r in new + rows] + [r.length + 1 for r in rows])
+        cache = self._ensure_cache(min(need, self.context))
+        step = layout([r.length for r in rows], [len(p) for p in prompts], self.dtype, self.device)
+        scored = {unique[tuple(r.gen.ids)] for r in new if r.gen.prompt_logprobs}
+        # logits kept: each request in flight's, and each prompt's last position (every position of a scored one)
+        keep, first, offset = list(range(n)), [], n
+        for u, p in enumerate(prompts):
+            first.append(len(keep))
+            keep.extend(range(offset, offset + len(p)) if u in scored else [offset + len(p) - 1])
+            offset += len(p)
+        cache.pos, cache.width = None, 0
+        with packed_forward(self.model, step), swapped_gemm(self.device, offset, self._linears):
+            out = self.model(
+                input_ids=torch.tensor(
+                    [[r.next_token for r in rows] + [t for p in prompts for t in p]], device=self.device
+                ),
+                attention_mask=torch.zeros(
+                    (1, 1, 1, 1), dtype=self.dtype, device=self.device
+                ),  # unread: see step_attention
+                position_ids=step.where[None],
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=torch.tensor(keep, device=self.device) if prompts else 0,  # 0: every position
+            )
+        logits = out.logits[0]
+        last = [first[u] + (len(p) - 1 if u in scored else 0) for u, p in enumerate(prompts)]
+        for row in new:
+            if row.gen.prompt_logprobs:
+                u, g = unique[tuple(row.gen.ids)], row.gen
+                scores = torch.log_softmax(logits[first[u] : last[u]].float(), -1)
+                g.prompt_token_logprobs, g.prompt_top_logprobs = _pick(scores, g.ids[1:], g.logprobs or 0)
+        for row in rows:
+            row.length += 1
+        ordered = self._place(new, unique, len(prompts), n)
+        if ordered:  # rows, not ``logits[picks]``: aten::index took 0.8 ms for 16 rows of a 32k vocabulary
+            picks = list(range(n)) + [last[unique[tuple(r.gen.ids)]] for r in ordered]
+            logits = logits.index_select(0, torch.tensor(picks, device=self.device))
+        if self.on_step is not None:
+            self.on_step(len(self._rows))
+        logits = logits.float()
+        tokens = self._sample(logits, self._rows)
+        _record(logits, self._rows, tokens)
+        self._take(self._rows, tokens, 0)
+
+    def _place(self, new: list[_Row], unique: dict[tuple, int], prompts: int, lo: int) -> list[_Row]:
+        """The new requests into the rows from ``lo``: each distinct prompt's first request in the slot where its
+        prompt was prefilled (``lo + u``), then the other requests of a shared prompt, each given a copy of its
+        prompt's cache. Returns them in slot order."""
+        firsts: dict[int, _Row] = {}
+        copies: list[_Row] = []
+        for row in new:
+            u = unique[tuple(row.gen.ids)]
+            if u in firsts:
+                copies.append(row)
+            else:
+                firsts[u] = row
+        ordered = [firsts[u] for u in range(prompts)] + copies
+        for k, row in enumerate(copies):
+            self._cache.move(lo + unique[tuple(row.gen.ids)], lo + prompts + k)
+        for row in ordered:
+            row.rng = self._rng(row.gen)
+        self._rows.extend(ordered)
+        return ordered
+
+    def _admit(self, new: list[_Row]) -> None:
+        """Prefill the new requests' prompts in one forward of right-padded rows (each distinct prompt once),
+        then pick each one's first token (a model that cannot run packed steps)."""
         need = max(len(r.gen.ids) + r.gen.max_tokens for r in new + self._rows)
         cache = self._ensure_cache(min(need, self.context))
-        unique: dict[tuple, int] = {}
-        for row in new:
-            unique.setdefault(tuple(row.gen.ids), len(unique))
-        prompts = list(unique)
+        unique, prompts = _distinct(new)
         lo = len(self._rows)
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), 0, dtype=torch.long)
@@ -361,30 +368,13 @@ class Engine:
         for row in new:
             if row.gen.prompt_logprobs:
                 u, g = unique[tuple(row.gen.ids)], row.gen
-                n = len(g.ids)
-                scores = torch.log_softmax(out.logits[u, : n - 1].float(), -1)
+                scores = torch.log_softmax(out.logits[u, : len(g.ids) - 1].float(), -1)
                 g.prompt_token_logprobs, g.prompt_top_logprobs = _pick(scores, g.ids[1:], g.logprobs or 0)
-        # slots: each distinct prompt's first request where its prompt was prefilled, then the other requests
-        # of a shared prompt, each given a copy of its prompt's cache
-        firsts: dict[int, _Row] = {}
-        copies: list[_Row] = []
-        for row in new:
-            u = unique[tuple(row.gen.ids)]
-            if u in firsts:
-                copies.append(row)
-            else:
-                firsts[u] = row
-        ordered = [firsts[u] for u in range(len(prompts))] + copies
-        for k, row in enumerate(copies):
-            cache.move(lo + unique[tuple(row.gen.ids)], lo + len(prompts) + k)
+        ordered = self._place(new, unique, len(prompts), lo)
         logit_rows = [unique[tuple(r.gen.ids)] for r in ordered]
-        for row in ordered:
-            row.rng = self._rng(row.gen)
-        self._rows.extend(ordered)
         tokens = self._sample(last[logit_rows], ordered)
         _record(last[logit_rows], ordered, tokens)
         self._take(ordered, tokens, lo)
-        return True
 
     def _decode(self) -> None:
         """One token for every request in flight, in one forward."""
@@ -396,8 +386,7 @@ class Engine:
             cache.grow(min(max(width, 2 * cache.capacity), self.context))
         cache.lo, cache.hi, cache.width, cache.pos = 0, n, width, pos.to(self.device)
         allowed = torch.arange(width)[None, :] <= pos[:, None]
-        swapped = self.device.type == "cpu" and GEMM_ROWS[0] <= n <= GEMM_ROWS[1]
-        with _SwappedGemm() if swapped else contextlib.nullcontext():
+        with swapped_gemm(self.device, n, self._linears):
             out = self.model(
                 input_ids=torch.tensor([[r.next_token] for r in self._rows], device=self.device),
                 attention_mask=self._mask(allowed[:, None, None, :]),

@@ -29,6 +29,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from kubetune.inference.step import WRAPPED, model_attention
+
 ATTENTION = "kubetune_packed"
 # At most this many SDPA calls per layer: documents sorted by length, cut into groups of equal count.
 GROUPS = 4
@@ -47,6 +49,7 @@ def register(fallback: str = "sdpa") -> str:
     from transformers.masking_utils import AttentionMaskInterface
 
     name = ATTENTION if fallback == "sdpa" else f"{ATTENTION}_{fallback}"
+    WRAPPED[name] = fallback  # the generation engine's packed step runs the fallback (``inference.step``)
     AttentionInterface.register(name, functools.partial(_uncompiled(), fallback=fallback))
     AttentionMaskInterface.register(name, functools.partial(_mask, fallback=fallback))
     return name
@@ -70,22 +73,6 @@ def packed_call():
         yield
     finally:
         _PACKED.reset(token)
-
-
-def _fallback_attention(module, name: str):
-    """The attention the model would run without kubetune. ``eager`` is not in transformers'
-    registry: each model file defines its own ``eager_attention_forward`` beside the attention
-    module, which is what transformers itself calls for it."""
-    import sys
-
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    if name == "eager":
-        eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
-        if eager is not None:
-            return eager
-        name = "sdpa"  # a model file without its own eager function: the same result through SDPA
-    return ALL_ATTENTION_FUNCTIONS[name]
 
 
 def _mask(*args, fallback: str = "sdpa", **kwargs):
@@ -153,7 +140,7 @@ def packed_attention(
         if _PACKED.get() and attention_mask is None and not plain:
             # Cannot happen for the models the mask interface skips; never attend across documents.
             raise RuntimeError("packed attention: this model's attention needs its mask; set data.packing: false")
-        return _fallback_attention(module, fallback)(
+        return model_attention(module, fallback)(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     heads, kv_heads = query.shape[1], key.shape[1]

@@ -1,0 +1,275 @@
+"""What one forward of the generation engine computes with: the KV cache of per-request slots, the packed step
+that prefills new prompts inside the decode forward, and the swapped GEMM of a CPU step.
+
+**The packed step.** A step is one forward of one row of tokens: one token per request in flight (its next
+position) followed by every new prompt's tokens (positions from 0). Every weight is read once for all of them:
+on a CPU a forward is mostly reading the weights, and a 12-token prefill alone cost as much as a 16-row decode
+step (28M Llama, 2-core Xeon: 12.1 ms and 11.1 ms), while the two packed in one forward of 28 rows took 12.5 ms
+(benchmarks/README.md, "Serving"). The linear layers see the row as it is; only the attention needs to know
+which slot each token belongs to, so a packed step runs the model with ``step_attention`` as its attention
+implementation (``packed_forward``): it writes every token's keys and values into its slot at its position,
+then runs the model's own attention (``sdpa`` or ``eager``, unchanged) twice — once for the requests in flight
+(one query each, over their slot's positions) and once for the new prompts (right-padded, causal). A padded
+query position is never read back, and a real one only sees its own slot's positions up to its own.
+
+The packed step needs a model whose every layer's attention goes through transformers' attention interface and
+its cache's ``update`` with no sliding window or soft-capping (``packs``): the Llama family. Every other model
+runs the engine's plain steps: a prefill forward of right-padded prompts with a 4D mask, then a decode forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import types
+from dataclasses import dataclass
+
+import torch
+
+STEP_ATTENTION = "kubetune_step"
+# Model types whose attention is transformers' attention interface over ``past_key_values.update``, per layer, and
+# nothing else (``packs`` also checks that the config asks for no sliding window and no soft-capping).
+PACKED_MODELS = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "granite"})
+
+
+def packs(model) -> bool:
+    """Whether the engine may run ``model`` in packed steps (see the module's docstring)."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "model_type", None) not in PACKED_MODELS:
+        return False
+    if any(getattr(config, k, None) for k in ("sliding_window", "attn_logit_softcapping", "final_logit_softcapping")):
+        return False
+    return _base_attention(getattr(config, "_attn_implementation", None) or "sdpa") in ("sdpa", "eager")
+
+
+# Attention implementations registered as another one underneath (kubetune's packed training attention,
+# ``tasks.attention``, over ``sdpa`` or ``eager``): name -> the one it runs for everything but a packed row.
+WRAPPED: dict[str, str] = {}
+
+
+def _base_attention(name: str) -> str:
+    return WRAPPED.get(name, name)
+
+
+def model_attention(module, name: str):
+    """The attention function transformers runs for ``name`` in ``module``. ``eager`` is not in transformers'
+    registry: each model file defines its own ``eager_attention_forward`` beside the attention module, which
+    is what transformers itself calls for it."""
+    import sys
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if name == "eager":
+        eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        if eager is not None:
+            return eager
+        name = "sdpa"  # a model file without its own eager function: the same result through SDPA
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+@dataclass
+class Packed:
+    """One packed step's layout: ``n`` requests in flight (slots ``[0, n)``, one token each at ``pos``, reading
+    ``width`` positions), then the new prompts (slots ``n + j``), right-padded to ``longest`` by ``gather``
+    (``[prompts, longest]`` indices into the row) where ``valid``. ``slot`` and ``where`` place every token of the
+    row in the cache; ``decode_mask`` and ``prompt_mask`` are additive attention masks."""
+
+    n: int
+    pos: torch.Tensor
+    width: int
+    prompts: int
+    longest: int
+    gather: torch.Tensor
+    valid: torch.Tensor
+    slot: torch.Tensor
+    where: torch.Tensor
+    decode_mask: torch.Tensor | None
+    prompt_mask: torch.Tensor | None
+    attention: str = "sdpa"  # the model's own attention, run for each group
+    updates: int = 0  # cache writes and attention calls made in the forward (they must agree)
+    calls: int = 0
+
+
+_STEP: contextvars.ContextVar[Packed | None] = contextvars.ContextVar("kubetune_step", default=None)
+
+
+def layout(pos: list[int], prompts: list[int], dtype, device) -> Packed:
+    """The packed step of requests in flight at positions ``pos`` and new prompts of lengths ``prompts``."""
+    n, longest = len(pos), max(prompts, default=0)
+    position = torch.tensor(pos, dtype=torch.long)
+    steps = torch.arange(longest)
+    lengths = torch.tensor(prompts, dtype=torch.long)
+    starts = n + torch.cumsum(lengths, 0) - lengths
+    valid = steps[None, :] < lengths[:, None]
+    # padded positions repeat the prompt's last token: only padded queries (never read back) see them
+    gather = starts[:, None] + torch.minimum(steps[None, :], (lengths - 1).clamp(min=0)[:, None])
+    slot = torch.cat([torch.arange(n), torch.arange(n, n + len(prompts)).repeat_interleave(lengths)])
+    where = torch.cat([position, steps[None, :].expand(len(prompts), longest)[valid]])
+    floor = torch.finfo(dtype).min
+    width = int(position.max()) + 1 if n else 0
+    decode_mask = prompt_mask = None
+    if n:
+        decode_mask = torch.where(torch.arange(width)[None, :] <= position[:, None], 0.0, floor)[:, None, None]
+        decode_mask = decode_mask.to(device=device, dtype=dtype)
+    if prompts:
+        prompt_mask = torch.where(steps[None, :] <= steps[:, None], 0.0, floor)[None, None]
+        prompt_mask = prompt_mask.to(device=device, dtype=dtype)
+    return Packed(
+        n, position.to(device), width, len(prompts), longest, gather.to(device), valid.to(device),
+        slot.to(device), where.to(device), decode_mask, prompt_mask,
+    )  # fmt: skip
+
+
+def step_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """The attention of a packed step (``_STEP``): ``key`` and ``value`` are the layer's whole cache
+    ``[slots, kv heads, capacity, dim]`` (``SlotCache.update``). Returns ``(1, tokens, heads, dim)`` and no
+    weights, as transformers' attention functions do."""
+    step = _STEP.get()
+    if step is None:
+        raise RuntimeError("kubetune_step attention runs only inside the generation engine's packed step")
+    step.calls += 1
+    attention = model_attention(module, step.attention)
+    kwargs.pop("position_ids", None)
+    q, out = query[0].transpose(0, 1), []  # (tokens, heads, dim)
+    if step.n:
+        k, v = key[: step.n, :, : step.width], value[: step.n, :, : step.width]
+        o, _ = attention(module, q[: step.n, :, None], k, v, step.decode_mask, scaling=scaling, **kwargs)
+        out.append(o[:, 0])  # (n, heads, dim)
+    if step.prompts:
+        end = step.n + step.prompts
+        k, v = key[step.n : end, :, : step.longest], value[step.n : end, :, : step.longest]
+        qp = q[step.gather].transpose(1, 2)  # (prompts, heads, longest, dim)
+        o, _ = attention(module, qp, k, v, step.prompt_mask, scaling=scaling, **kwargs)
+        out.append(o[step.valid])  # (prompt tokens, heads, dim)
+    return torch.cat(out)[None], None
+
+
+@functools.cache
+def _registered() -> str:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(STEP_ATTENTION, step_attention)
+    return STEP_ATTENTION
+
+
+@contextlib.contextmanager
+def packed_forward(model, step: Packed):
+    """Around a forward of a packed step: ``model`` runs ``step_attention`` (its config's attention named so for
+    the forward, its own restored after); afterwards, every layer that wrote the cache must have attended
+    through it (a model that does not is a bug in ``packs``, not a wrong answer)."""
+    config = model.config
+    own = config._attn_implementation
+    step.attention = _base_attention(own or "sdpa")
+    token = _STEP.set(step)
+    config._attn_implementation = _registered()
+    try:
+        yield
+    finally:
+        config._attn_implementation = own
+        _STEP.reset(token)
+    if step.calls != step.updates or not step.calls:
+        raise RuntimeError(
+            f"generation engine: {type(model).__name__} attended {step.calls} time(s) for {step.updates} cache "
+            "write(s) in a packed step; its model type cannot run packed"
+        )
+
+
+class SlotCache:
+    """transformers' cache protocol over preallocated per-request slots: layer ``i``'s keys and values are
+    ``[slots, kv heads, capacity, head dim]``, allocated at the first write (shapes and dtype from the model).
+
+    In a packed step (``_STEP`` set) every token of the row is written at its slot and position and the whole
+    layer is returned (``step_attention`` reads its slots). Otherwise the engine says, before each forward, which
+    slots it computes (``lo:hi``), how many positions the attention reads (``width``) and, for a step of one token
+    per row, each row's position (``pos``)."""
+
+    def __init__(self, slots: int, capacity: int):
+        self.slots, self.capacity = slots, capacity
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.lo = self.hi = self.width = 0
+        self.pos: torch.Tensor | None = None
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.width
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if layer_idx == len(self.keys):
+            shape = (self.slots, k.shape[1], self.capacity, k.shape[3])
+            self.keys.append(torch.zeros(shape, dtype=k.dtype, device=k.device))
+            self.values.append(torch.zeros(shape, dtype=v.dtype, device=v.device))
+        keys, values, lo, hi = self.keys[layer_idx], self.values[layer_idx], self.lo, self.hi
+        step = _STEP.get()
+        if step is not None:  # a packed row: each token at its slot and position
+            step.updates += 1
+            keys[step.slot, :, step.where] = k[0].transpose(0, 1)
+            values[step.slot, :, step.where] = v[0].transpose(0, 1)
+            return keys, values
+        if self.pos is not None:  # one token per row, each at its own position
+            rows = torch.arange(lo, hi, device=k.device)
+            keys[rows, :, self.pos] = k[:, :, 0]
+            values[rows, :, self.pos] = v[:, :, 0]
+        else:  # a prefill: the prompts from position 0
+            keys[lo:hi, :, : k.shape[2]] = k
+            values[lo:hi, :, : v.shape[2]] = v
+        return keys[lo:hi, :, : self.width], values[lo:hi, :, : self.width]
+
+    def grow(self, capacity: int) -> None:
+        """Room for ``capacity`` positions per slot (one copy of what is cached)."""
+        for store in (self.keys, self.values):
+            for i, t in enumerate(store):
+                bigger = torch.zeros((*t.shape[:2], capacity, t.shape[3]), dtype=t.dtype, device=t.device)
+                bigger[:, :, : t.shape[2]] = t
+                store[i] = bigger
+        self.capacity = capacity
+
+    def move(self, src: int, dst: int) -> None:
+        """Slot ``src``'s cache into slot ``dst`` (a finished request's slot taken by the last one, or a shared
+        prompt's cache given to its copies)."""
+        for store in (self.keys, self.values):
+            for t in store:
+                t[dst] = t[src]
+
+
+# Rows per forward where, on a CPU, MKL's fp32 GEMM of ``x @ W.T`` (what ``F.linear`` runs) is slow: from 8 to 64
+# rows ``(W @ x.T).T`` — the same product, the operands swapped — made the 28M Llama's whole forward 1.0x (8 rows)
+# to 1.6x (16 rows) faster on a 2-core Xeon (AVX-512; benchmarks/README.md "Serving"), and slower below 8 rows.
+# 16 is serve's default slot count, so a full decode step is there, and so is one with a prompt or two packed in.
+# A fixed range, not a timing taken at start-up: the choice changes the result's last bits, and predict and serve
+# must agree.
+GEMM_ROWS = (8, 64)
+GEMM_MIN_WEIGHT = 1 << 18  # elements: smaller weights cost too little to matter (the tiny test models' all do)
+
+
+def large_linears(model) -> list[torch.nn.Linear]:
+    """The linear layers whose product ``swapped_gemm`` may swap: fp32 weights of ``GEMM_MIN_WEIGHT`` elements
+    and more (looked at again at each step: a weight may be sharded or cast since)."""
+    return [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.numel() >= GEMM_MIN_WEIGHT]
+
+
+def _swapped_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    w, rows = self.weight, x.numel() // x.shape[-1]
+    if type(w) is not torch.nn.Parameter or w.dtype != torch.float32 or not GEMM_ROWS[0] <= rows <= GEMM_ROWS[1]:
+        return torch.nn.functional.linear(x, w, self.bias)
+    out = torch.mm(w, x.reshape(rows, x.shape[-1]).t()).t()
+    if self.bias is not None:
+        out = out + self.bias
+    return out.reshape(*x.shape[:-1], w.shape[0])
+
+
+@contextlib.contextmanager
+def swapped_gemm(device: torch.device, rows: int, linears: list[torch.nn.Linear]):
+    """For a CPU forward of ``rows`` rows in ``GEMM_ROWS``: ``linears`` compute ``(W @ x.T).T`` during it (their
+    instances' ``forward``, removed after). Not a ``TorchFunctionMode``: a mode sends every torch call of the
+    forward through Python, which cost about 1.5 ms of a 13 ms step."""
+    if device.type != "cpu" or not GEMM_ROWS[0] <= rows <= GEMM_ROWS[1]:
+        yield
+        return
+    for m in linears:
+        m.forward = types.MethodType(_swapped_linear, m)
+    try:
+        yield
+    finally:
+        for m in linears:
+            del m.forward
