@@ -26,6 +26,7 @@ import types
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 STEP_ATTENTION = "kubetune_step"
 # Model types whose attention is transformers' attention interface over ``past_key_values.update``, per layer, and
@@ -134,8 +135,15 @@ def step_attention(module, query, key, value, attention_mask, dropout=0.0, scali
     q, out = query[0].transpose(0, 1), []  # (tokens, heads, dim)
     if step.n:
         k, v = key[: step.n, :, : step.width], value[: step.n, :, : step.width]
-        o, _ = attention(module, q[: step.n, :, None], k, v, step.decode_mask, scaling=scaling, **kwargs)
-        out.append(o[:, 0])  # (n, heads, dim)
+        if step.attention == "sdpa" and q.shape[1] % k.shape[1] == 0 and not kwargs.get("softcap"):
+            # what transformers' sdpa runs for one query per row (``pack_gqa``: each kv head's query heads as its
+            # queries), called here directly: the same values, without its per-call checks and copies
+            qd = q[: step.n].reshape(step.n, k.shape[1], q.shape[1] // k.shape[1], q.shape[2])
+            o = F.scaled_dot_product_attention(qd, k, v, attn_mask=step.decode_mask, scale=scaling)
+            out.append(o.reshape(step.n, q.shape[1], q.shape[2]))
+        else:
+            o, _ = attention(module, q[: step.n, :, None], k, v, step.decode_mask, scaling=scaling, **kwargs)
+            out.append(o[:, 0])  # (n, heads, dim)
     if step.prompts:
         end = step.n + step.prompts
         k, v = key[step.n : end, :, : step.longest], value[step.n : end, :, : step.longest]
