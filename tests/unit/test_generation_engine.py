@@ -57,30 +57,79 @@ def test_requests_of_different_lengths_join_and_leave_the_batch_in_flight(lm):
     assert max(steps) == 4 and len(steps) < 20 + 9 - 1
 
 
-@pytest.mark.parametrize("packed", [True, False], ids=["packed", "plain"])
-def test_a_shared_prompt_is_prefilled_once(lm, monkeypatch, packed):
-    """Packed steps (the Llama family): the first forward is one row of the two distinct prompts' tokens, every
-    later one a token per request. Plain steps (any other model): one prefill of two right-padded rows."""
+@pytest.mark.parametrize("mode", ["flat", "packed", "plain"])
+def test_a_shared_prompt_is_prefilled_once(lm, monkeypatch, mode):
+    """Packed steps (the Llama family; ``flat``: transformers' Llama with its operations called directly): the
+    first forward is one row of the two distinct prompts' tokens, every later one a token per request. Plain
+    steps (any other model): one prefill of two right-padded rows."""
+    from kubetune.inference import generation
+
     model, prompts = lm
     rows = []
-    forward = type(model).forward
+    forward, flat = type(model).forward, generation.llama_forward
 
     def counting(self, input_ids=None, **kw):
         rows.append(tuple(input_ids.shape))
         return forward(self, input_ids=input_ids, **kw)
 
+    def counting_flat(model, input_ids, *args):
+        rows.append(tuple(input_ids.shape))
+        return flat(model, input_ids, *args)
+
     monkeypatch.setattr(type(model), "forward", counting)
+    monkeypatch.setattr(generation, "llama_forward", counting_flat)
     gens = [Generation(prompts[1], 6) for _ in range(8)] + [Generation(prompts[0], 6) for _ in range(8)]
     engine = Engine(model, set(), slots=16)
-    assert engine._packs  # the tiny Llama packs; the plain steps are forced below
-    engine._packs = packed
+    assert engine._packs and engine._flat  # the tiny Llama runs flat; the other steps are forced below
+    engine._packs, engine._flat = mode != "plain", mode == "flat"
     engine.generate(gens)
-    if packed:
+    if mode != "plain":
         assert rows == [(1, len(prompts[1]) + len(prompts[0]))] + [(1, 16)] * 5
     else:
         assert [shape for shape in rows if shape[1] > 1] == [(2, len(prompts[1]))]  # one prefill row per prompt
     assert {tuple(g.tokens) for g in gens[:8]} == {tuple(_reference(model, prompts[1], 6))}
     assert {tuple(g.tokens) for g in gens[8:]} == {tuple(_reference(model, prompts[0], 6))}
+
+
+def test_the_flat_llama_forward_gives_transformers_logits_bit_for_bit(lm):
+    """``llama_forward`` against the model's own forward on the same packed step (requests in flight and new
+    prompts, each through the step's attention and a cache of its own): the same logits, bit for bit (the
+    swapped GEMM is tested on its own); and a model with a hook, or in training, does not run flat."""
+    from kubetune.inference.step import SlotCache, flat_llama, layout, llama_forward, packed_forward
+
+    model, prompts = lm
+    assert flat_llama(model)
+    pos, new = [3, 7, 5], [prompts[0], prompts[2]]
+    ids = torch.tensor([[11, 12, 13] + prompts[0] + prompts[2]])
+    logits = []
+    for flat in (True, False):
+        cache = SlotCache(5, 32)
+        for layer in range(model.config.num_hidden_layers):  # the rows in flight: something cached before
+            g = torch.Generator().manual_seed(layer)
+            shape = (5, model.config.num_key_value_heads, 32, model.config.head_dim)
+            cache.keys.append(torch.randn(shape, generator=g))
+            cache.values.append(torch.randn(shape, generator=g))
+        step = layout(pos, [len(p) for p in new], torch.float32, torch.device("cpu"))
+        with torch.no_grad(), packed_forward(model, step):
+            if flat:
+                logits.append(llama_forward(model, ids, step.where[None], cache, None, False))
+            else:
+                out = model(input_ids=ids, attention_mask=torch.zeros(1, 1, 1, 1), position_ids=step.where[None],
+                            past_key_values=cache, use_cache=True)  # fmt: skip
+                logits.append(out.logits)
+    assert logits[0].shape == (1, ids.shape[1], model.config.vocab_size)
+    assert torch.equal(logits[0], logits[1])
+    handle = model.model.layers[0].register_forward_hook(lambda *a: None)
+    try:
+        assert not flat_llama(model)
+    finally:
+        handle.remove()
+    model.train()
+    try:
+        assert not flat_llama(model)
+    finally:
+        model.eval()
+    assert flat_llama(model)
 
 
 def test_packed_steps_equal_generate_under_eager_attention_and_score_prompts():
@@ -145,7 +194,7 @@ def test_lockstep_makes_as_many_forwards_as_the_busiest_rank(lm, monkeypatch, pa
 
     g = Generation(prompts[0], 5)
     engine = Engine(model, set(), slots=1)
-    engine._packs = packed
+    engine._packs, engine._flat = packed, False  # a sharded model never runs flat (FSDP changes its classes)
     engine.generate([g], lockstep=lockstep)
     # one forward per round on every rank (plain steps: the first round makes the prefill and the first decode),
     # this rank's last ones on an idle row
@@ -246,3 +295,45 @@ def test_a_draw_follows_each_rows_distribution_and_never_takes_a_token_of_probab
     one_hot = torch.zeros(3, 5)
     one_hot[torch.arange(3), torch.tensor([0, 4, 2])] = 1.0
     assert draw(one_hot, torch.Generator().manual_seed(1)) == [0, 4, 2]
+
+
+def test_only_models_that_attend_through_the_cache_and_interface_run_packed_steps(lm):
+    """``packs``: the Llama family with its own attention (sdpa, eager, or kubetune's packed training attention
+    over them); not a sliding window, soft-capping, another attention, or another architecture. A model that
+    wrote its cache without attending through the step's attention stops the step with the count, not with a
+    wrong answer."""
+    from types import SimpleNamespace
+
+    from kubetune.inference.step import Packed, layout, packed_forward, packs
+    from kubetune.tasks.attention import register
+
+    model, _ = lm
+    assert packs(model)
+
+    def config(**kw):
+        return SimpleNamespace(config=SimpleNamespace(**{"model_type": "llama", "_attn_implementation": "sdpa", **kw}))
+
+    assert packs(config(_attn_implementation="eager")) and packs(config(_attn_implementation=register("eager")))
+    assert packs(config(_attn_implementation=register()))
+    for refused in (
+        config(model_type="gpt2"),
+        config(sliding_window=4096),
+        config(attn_logit_softcapping=50.0),
+        config(_attn_implementation="flash_attention_2"),
+    ):
+        assert not packs(refused), refused.config
+
+    class Bypass(torch.nn.Module):  # writes the cache, never calls the attention interface
+        config = model.config
+
+        def forward(self, cache):
+            cache.update(torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4), 0)
+
+    from kubetune.inference.step import SlotCache
+
+    step = layout([], [1], torch.float32, torch.device("cpu"))
+    assert isinstance(step, Packed)
+    with pytest.raises(RuntimeError, match="attended 0 time.*1 cache write"):
+        with packed_forward(Bypass(), step):
+            Bypass()(SlotCache(1, 4))
+    assert model.config._attn_implementation == "sdpa"  # restored after the failed step too

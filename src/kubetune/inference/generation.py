@@ -31,7 +31,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kubetune.inference.step import SlotCache, large_linears, layout, packed_forward, packs, swapped_gemm
+from kubetune.inference.step import (
+    GEMM_ROWS,
+    SlotCache,
+    flat_llama,
+    large_linears,
+    layout,
+    llama_forward,
+    packed_forward,
+    packs,
+    swapped_gemm,
+)
 
 
 @dataclass
@@ -145,7 +155,8 @@ class Engine:
         self._default_rng = torch.Generator(device=self.device)
         self._default_rng.manual_seed(0)
         self._linears = large_linears(model)
-        self._packs = packs(model)  # one forward a step, new prompts packed in (``inference.step``)
+        self._packs = packs(model)
+        self._flat = self._packs and flat_llama(model)  # one forward a step, new prompts packed in (``inference.step``)
 
     # ------------------------------------------------------------------ the two ways in
 
@@ -283,20 +294,25 @@ class Engine:
             keep.extend(range(offset, offset + len(p)) if u in scored else [offset + len(p) - 1])
             offset += len(p)
         cache.pos, cache.width = None, 0
-        with packed_forward(self.model, step), swapped_gemm(self.device, offset, self._linears):
-            out = self.model(
-                input_ids=torch.tensor(
-                    [[r.next_token for r in rows] + [t for p in prompts for t in p]], device=self.device
-                ),
-                attention_mask=torch.zeros(
-                    (1, 1, 1, 1), dtype=self.dtype, device=self.device
-                ),  # unread: see step_attention
-                position_ids=step.where[None],
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=torch.tensor(keep, device=self.device) if prompts else 0,  # 0: every position
-            )
-        logits = out.logits[0]
+        ids = torch.tensor([[r.next_token for r in rows] + [t for p in prompts for t in p]], device=self.device)
+        kept = torch.tensor(keep, device=self.device) if prompts else None  # None: every position
+        if self._flat:  # transformers' Llama as loaded for inference: its operations called directly
+            swap = self.device.type == "cpu" and GEMM_ROWS[0] <= offset <= GEMM_ROWS[1]
+            with packed_forward(self.model, step):
+                logits = llama_forward(self.model, ids, step.where[None], cache, kept, swap)[0]
+        else:
+            with packed_forward(self.model, step), swapped_gemm(self.device, offset, self._linears):
+                out = self.model(
+                    input_ids=ids,
+                    attention_mask=torch.zeros(
+                        (1, 1, 1, 1), dtype=self.dtype, device=self.device
+                    ),  # see step_attention
+                    position_ids=step.where[None],
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=0 if kept is None else kept,
+                )
+            logits = out.logits[0]
         last = [first[u] + (len(p) - 1 if u in scored else 0) for u, p in enumerate(prompts)]
         for row in new:
             if row.gen.prompt_logprobs:

@@ -240,6 +240,66 @@ class SlotCache:
                 t[dst] = t[src]
 
 
+def flat_llama(model) -> bool:
+    """Whether ``model`` is transformers' Llama itself, as loaded for inference (``llama_forward`` runs it): the
+    exact classes, in eval mode, with no hooks on any module (FSDP, PEFT or a user's would be bypassed)."""
+    from transformers.activations import ACT2CLS
+    from transformers.models.llama import modeling_llama as ml
+
+    if type(model) is not ml.LlamaForCausalLM or model.training or not packs(model):
+        return False
+    if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
+        return False
+    kinds = {ml.LlamaDecoderLayer, ml.LlamaAttention, ml.LlamaMLP, ml.LlamaRMSNorm, ml.LlamaModel, ml.LlamaForCausalLM}
+    kinds |= {ml.LlamaRotaryEmbedding, torch.nn.Linear, torch.nn.Embedding, torch.nn.ModuleList, torch.nn.SiLU}
+    kinds.add(ACT2CLS["silu"])
+    for m in model.modules():
+        if type(m) not in kinds or m._forward_hooks or m._forward_pre_hooks:
+            return False
+    return getattr(model.config, "pretraining_tp", 1) == 1 and model.config.hidden_act == "silu"
+
+
+def llama_forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, keep, swap: bool):
+    """The logits (``keep``: of those positions) of a packed step of transformers' Llama (``flat_llama``): the
+    operations of its modules' forwards, in their order, called directly. Why not ``model(...)``: its per-call
+    machinery (output capture, mask preparation, keyword plumbing, a module call per linear layer and norm)
+    cost about a tenth of a 16-row decode step of the 28M Llama on a 2-core Xeon; the logits are bitwise the
+    same (tested). ``swap``: the linear layers' products as ``swapped_gemm``'s."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    def linear(layer, x):
+        w = layer.weight
+        if swap and type(w) is torch.nn.Parameter and w.dtype == torch.float32 and w.numel() >= GEMM_MIN_WEIGHT:
+            out = torch.mm(w, x.reshape(-1, x.shape[-1]).t()).t().reshape(*x.shape[:-1], w.shape[0])
+            return out if layer.bias is None else out + layer.bias
+        return torch.nn.functional.linear(x, w, layer.bias)
+
+    def norm(layer, x):  # LlamaRMSNorm.forward
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + layer.variance_epsilon)
+        return layer.weight * h.to(x.dtype)
+
+    base = model.model
+    x = base.embed_tokens(input_ids)
+    cos, sin = base.rotary_emb(x, position_ids)
+    tokens = input_ids.shape[1]
+    for layer in base.layers[: base.config.num_hidden_layers]:
+        a, mlp = layer.self_attn, layer.mlp
+        h = norm(layer.input_layernorm, x)
+        shape = (1, tokens, -1, a.head_dim)
+        q = linear(a.q_proj, h).view(shape).transpose(1, 2)
+        k = linear(a.k_proj, h).view(shape).transpose(1, 2)
+        v = linear(a.v_proj, h).view(shape).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        k, v = cache.update(k, v, a.layer_idx)
+        o, _ = step_attention(a, q, k, v, None, scaling=a.scaling)
+        x = x + linear(a.o_proj, o.reshape(1, tokens, -1))
+        h = norm(layer.post_attention_layernorm, x)
+        x = x + linear(mlp.down_proj, mlp.act_fn(linear(mlp.gate_proj, h)) * linear(mlp.up_proj, h))
+    x = norm(base.norm, x)
+    return linear(model.lm_head, x if keep is None else x[:, keep])
+
+
 # Rows per forward where, on a CPU, MKL's fp32 GEMM of ``x @ W.T`` (what ``F.linear`` runs) is slow: from 8 to 64
 # rows ``(W @ x.T).T`` — the same product, the operands swapped — made the 28M Llama's whole forward 1.0x (8 rows)
 # to 1.6x (16 rows) faster on a 2-core Xeon (AVX-512; benchmarks/README.md "Serving"), and slower below 8 rows.
