@@ -2,9 +2,11 @@
 batching over a KV cache that is written in place.
 
 - **Continuous (in-flight) batching.** Requests wait in a queue; at every step the engine admits as many as it
-  has free slots (their prompts prefilled together in one forward), then makes one token for every request
-  in flight in one forward, and retires the finished ones at once. A request joins the running batch at the
-  next step and leaves it when it ends; nobody waits for the longest member of a batch.
+  has free slots and makes, in one forward, one token for every request in flight and the first token of each
+  new one (its prompt packed into the same row: ``inference.step``), then retires the finished ones at once.
+  A request joins the running batch at the next step and leaves it when it ends; nobody waits for the longest
+  member of a batch. (A model that cannot run packed steps gets a prefill forward of the new prompts, then
+  the decode forward.)
 - **A KV cache written in place** (``SlotCache``): one preallocated slot per request in flight, each token's
   keys and values written at the request's own position; nothing is recomputed or copied per step. The
   requests in flight fill slots ``[0, n)``, so the attention reads a view; a finished request's slot takes
@@ -19,7 +21,9 @@ Why our own loop rather than transformers' ``ContinuousBatchingManager``: on the
 setting up its paged cache for a 5-prompt batch of the tiny Llama (it sizes the cache from the device's
 free memory), and its seeding is per manager, not per request. This loop is the model's own forward with
 a cache object of ours (transformers' ``Cache`` protocol: ``update`` and ``get_seq_length``), so every
-architecture whose attention goes through ``past_key_values.update`` and takes a 4D mask runs on it.
+architecture whose attention goes through ``past_key_values.update`` and takes a 4D mask runs on it; the
+Llama family runs packed steps through the attention interface, and transformers' Llama as loaded for
+inference runs them as its operations called directly (``step.llama_forward``: why, there).
 """
 
 from __future__ import annotations
