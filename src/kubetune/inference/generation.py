@@ -305,12 +305,11 @@ class Engine:
             with packed_forward(self.model, step):
                 logits = llama_forward(self.model, ids, step.where[None], cache, kept, swap)[0]
         else:
+            unread = torch.zeros((1, 1, 1, 1), dtype=self.dtype, device=self.device)  # a 4D mask: see step_attention
             with packed_forward(self.model, step), swapped_gemm(self.device, offset, self._linears):
                 out = self.model(
                     input_ids=ids,
-                    attention_mask=torch.zeros(
-                        (1, 1, 1, 1), dtype=self.dtype, device=self.device
-                    ),  # see step_attention
+                    attention_mask=unread,
                     position_ids=step.where[None],
                     past_key_values=cache,
                     use_cache=True,
