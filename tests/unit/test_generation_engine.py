@@ -337,3 +337,16 @@ def test_only_models_that_attend_through_the_cache_and_interface_run_packed_step
         with packed_forward(Bypass(), step):
             Bypass()(SlotCache(1, 4))
     assert model.config._attn_implementation == "sdpa"  # restored after the failed step too
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "plain"])
+def test_a_prompt_of_no_tokens_gets_its_own_error_and_the_others_go_on(lm, packed):
+    """An empty prompt (a tokenizer that adds no BOS, an empty text): that request ends with its own error;
+    the requests beside it complete as they would alone."""
+    model, prompts = lm
+    engine = Engine(model, set(), slots=4)
+    engine._packs = packed
+    gens = [Generation(prompts[0], 5), Generation([], 5), Generation(prompts[2], 5)]
+    engine.generate(gens)
+    assert isinstance(gens[1].error, ValueError) and "no tokens" in str(gens[1].error) and gens[1].tokens == []
+    assert gens[0].tokens == _reference(model, prompts[0], 5) and gens[2].tokens == _reference(model, prompts[2], 5)

@@ -84,6 +84,12 @@ def generate(
     gens, cut = [], []
     for number, prompt in enumerate(prompts, 1):
         ids, kept, total = fit(tokenizer, render, prompt, budget)
+        if not ids:
+            raise KubetuneError(
+                f"prompt {number} is {prompt!r}, which has no tokens (this tokenizer adds none of its own)",
+                field="prompt",
+                fix="give it some text",
+            )
         if kept is not None:
             cut.append((number, kept, total))
         # each prompt seeded alike, as one `predict` call per prompt would be

@@ -280,7 +280,12 @@ class Engine:
         if room <= 0 or not self._waiting:
             return []
         with self._cond:
-            return [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+            new = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+        for row in [r for r in new if not r.gen.ids]:  # nothing to continue: its own error, not its step's
+            row.gen.error = ValueError("a prompt of no tokens: a completion needs at least one")
+            new.remove(row)
+            self._finish(row)
+        return new
 
     def _packed_step(self, new: list[_Row]) -> None:
         """One forward of one packed row: each request in flight's next token, then each new distinct prompt

@@ -35,6 +35,10 @@ def add_routes(app: FastAPI, engine: Generator, name: str, limits: Limits, runne
             )
         out = []
         for ids in prompts:
+            if not ids:
+                raise HTTPError(
+                    400, "a prompt has no tokens (this model's tokenizer adds none of its own)", param="prompt"
+                )
             if len(ids) + max_tokens > context:
                 raise HTTPError(
                     400,
