@@ -91,45 +91,59 @@ def test_a_shared_prompt_is_prefilled_once(lm, monkeypatch, mode):
     assert {tuple(g.tokens) for g in gens[8:]} == {tuple(_reference(model, prompts[0], 6))}
 
 
-def test_the_flat_llama_forward_gives_transformers_logits_bit_for_bit(lm):
+@pytest.mark.parametrize("swapped", [False, True], ids=["f-linear", "swapped"])
+def test_the_flat_llama_forward_gives_transformers_logits_bit_for_bit(lm, monkeypatch, swapped):
     """``llama_forward`` against the model's own forward on the same packed step (requests in flight and new
-    prompts, each through the step's attention and a cache of its own): the same logits, bit for bit (the
-    swapped GEMM is tested on its own); and a model with a hook, or in training, does not run flat."""
-    from kubetune.inference.step import SlotCache, flat_llama, layout, llama_forward, packed_forward
+    prompts, each through the step's attention and a cache of its own, the logits of 3 positions kept): the same
+    logits, bit for bit, with every linear layer on ``F.linear`` and with the swapped GEMM on (the tiny model's
+    weights let in by a threshold of 0: the step's rows are swapped, the head's 3 rows are not, in both); and a
+    model with a hook, or in training, does not run flat."""
+    from kubetune.inference import step as S
 
     model, prompts = lm
-    assert flat_llama(model)
+    assert S.flat_llama(model)
+    if swapped:
+        monkeypatch.setattr(S, "GEMM_MIN_WEIGHT", 0)
     pos, new = [3, 7, 5], [prompts[0], prompts[2]]
     ids = torch.tensor([[11, 12, 13] + prompts[0] + prompts[2]])
-    logits = []
+    assert S.GEMM_ROWS[0] <= ids.shape[1] <= S.GEMM_ROWS[1]
+    keep = torch.tensor([0, 2, ids.shape[1] - 1])
+    logits, products = [], []
+    mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda *a: products.append(a[0].shape) or mm(*a))
     for flat in (True, False):
-        cache = SlotCache(5, 32)
+        cache = S.SlotCache(5, 32)
         for layer in range(model.config.num_hidden_layers):  # the rows in flight: something cached before
             g = torch.Generator().manual_seed(layer)
             shape = (5, model.config.num_key_value_heads, 32, model.config.head_dim)
             cache.keys.append(torch.randn(shape, generator=g))
             cache.values.append(torch.randn(shape, generator=g))
-        step = layout(pos, [len(p) for p in new], torch.float32, torch.device("cpu"))
-        with torch.no_grad(), packed_forward(model, step):
+        step = S.layout(pos, [len(p) for p in new], torch.float32, torch.device("cpu"))
+        with torch.no_grad(), S.packed_forward(model, step):
             if flat:
-                logits.append(llama_forward(model, ids, step.where[None], cache, None, False))
+                logits.append(S.llama_forward(model, ids, step.where[None], cache, keep))
             else:
-                out = model(input_ids=ids, attention_mask=torch.zeros(1, 1, 1, 1), position_ids=step.where[None],
-                            past_key_values=cache, use_cache=True)  # fmt: skip
+                with S.swapped_gemm(torch.device("cpu"), S.large_linears(model)):
+                    out = model(input_ids=ids, attention_mask=torch.zeros(1, 1, 1, 1), position_ids=step.where[None],
+                                past_key_values=cache, use_cache=True, logits_to_keep=keep)  # fmt: skip
                 logits.append(out.logits)
-    assert logits[0].shape == (1, ids.shape[1], model.config.vocab_size)
+    assert logits[0].shape == (1, 3, model.config.vocab_size)
     assert torch.equal(logits[0], logits[1])
+    # swapped: every block's 7 products and no head's, in each of the two forwards
+    layers = model.config.num_hidden_layers
+    assert len(products) == (2 * 7 * layers if swapped else 0)
+    assert model.lm_head.weight.shape not in products
     handle = model.model.layers[0].register_forward_hook(lambda *a: None)
     try:
-        assert not flat_llama(model)
+        assert not S.flat_llama(model)
     finally:
         handle.remove()
     model.train()
     try:
-        assert not flat_llama(model)
+        assert not S.flat_llama(model)
     finally:
         model.eval()
-    assert flat_llama(model)
+    assert S.flat_llama(model)
 
 
 def test_packed_steps_equal_generate_under_eager_attention_and_score_prompts():
@@ -261,7 +275,7 @@ def test_the_swapped_gemm_computes_f_linear_on_its_rows_and_leaves_the_rest_alon
         calls.clear()
         torch.mm = counting_mm
         try:
-            with swapped_gemm(device, rows, large_linears(model)):
+            with swapped_gemm(device, large_linears(model)):
                 got = big(x)
         finally:
             torch.mm = mm
@@ -272,7 +286,7 @@ def test_the_swapped_gemm_computes_f_linear_on_its_rows_and_leaves_the_rest_alon
         if not swapped:
             assert torch.equal(got, want)
     x, xb = torch.randn(16, 96), torch.randn(16, 512).to(torch.bfloat16)
-    with swapped_gemm(cpu, 16, large_linears(model)):
+    with swapped_gemm(cpu, large_linears(model)):
         inside = small(x), bf16(xb)  # a small weight, a bf16 one: F.linear itself
     assert torch.equal(inside[0], torch.nn.functional.linear(x, small.weight, small.bias))
     assert torch.equal(inside[1], torch.nn.functional.linear(xb, bf16.weight, bf16.bias))

@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 import torch
 
 from kubetune.inference.step import (
-    GEMM_ROWS,
     SlotCache,
     flat_llama,
     large_linears,
@@ -306,12 +305,11 @@ class Engine:
         ids = torch.tensor([[r.next_token for r in rows] + [t for p in prompts for t in p]], device=self.device)
         kept = torch.tensor(keep, device=self.device) if prompts else None  # None: every position
         if self._flat:  # transformers' Llama as loaded for inference: its operations called directly
-            swap = self.device.type == "cpu" and GEMM_ROWS[0] <= offset <= GEMM_ROWS[1]
             with packed_forward(self.model, step):
-                logits = llama_forward(self.model, ids, step.where[None], cache, kept, swap)[0]
+                logits = llama_forward(self.model, ids, step.where[None], cache, kept)[0]
         else:
             unread = torch.zeros((1, 1, 1, 1), dtype=self.dtype, device=self.device)  # a 4D mask: see step_attention
-            with packed_forward(self.model, step), swapped_gemm(self.device, offset, self._linears):
+            with packed_forward(self.model, step), swapped_gemm(self.device, self._linears):
                 out = self.model(
                     input_ids=ids,
                     attention_mask=unread,
@@ -412,7 +410,7 @@ class Engine:
             cache.grow(min(max(width, 2 * cache.capacity), self.context))
         cache.lo, cache.hi, cache.width, cache.pos = 0, n, width, pos.to(self.device)
         allowed = torch.arange(width)[None, :] <= pos[:, None]
-        with swapped_gemm(self.device, n, self._linears):
+        with swapped_gemm(self.device, self._linears):
             out = self.model(
                 input_ids=torch.tensor([[r.next_token] for r in self._rows], device=self.device),
                 attention_mask=self._mask(allowed[:, None, None, :]),

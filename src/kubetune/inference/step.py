@@ -3,9 +3,9 @@ that prefills new prompts inside the decode forward, and the swapped GEMM of a C
 
 **The packed step.** A step is one forward of one row of tokens: one token per request in flight (its next
 position) followed by every new prompt's tokens (positions from 0). Every weight is read once for all of them:
-on a CPU a forward is mostly reading the weights, and a 12-token prefill alone cost as much as a 16-row decode
-step (28M Llama, 2-core Xeon: 12.1 ms and 11.1 ms), while the two packed in one forward of 28 rows took 12.5 ms
-(benchmarks/README.md, "Serving"). The linear layers see the row as it is; only the attention needs to know
+on a CPU a forward is mostly reading the weights, and a 12-token prefill alone costs about as much as a 16-row
+decode step (28M Llama, 2-core Xeon: 11.0 and 11.3 ms), while the two packed in one forward of 28 rows take 14.0
+ms (benchmarks/engine_step.py). The linear layers see the row as it is; only the attention needs to know
 which slot each token belongs to, so a packed step runs the model with ``step_attention`` as its attention
 implementation (``packed_forward``): it writes every token's keys and values into its slot at its position,
 then runs the model's own attention (``sdpa`` or ``eager``, unchanged) twice — once for the requests in flight
@@ -71,13 +71,12 @@ def model_attention(module, name: str):
 
 @dataclass
 class Packed:
-    """One packed step's layout: ``n`` requests in flight (slots ``[0, n)``, one token each at ``pos``, reading
-    ``width`` positions), then the new prompts (slots ``n + j``), right-padded to ``longest`` by ``gather``
+    """One packed step's layout: ``n`` requests in flight (slots ``[0, n)``, one token each, reading ``width``
+    positions), then the new prompts (slots ``n + j``), right-padded to ``longest`` by ``gather``
     (``[prompts, longest]`` indices into the row) where ``valid``. ``slot`` and ``where`` place every token of the
     row in the cache; ``decode_mask`` and ``prompt_mask`` are additive attention masks."""
 
     n: int
-    pos: torch.Tensor
     width: int
     prompts: int
     longest: int
@@ -117,7 +116,7 @@ def layout(pos: list[int], prompts: list[int], dtype, device) -> Packed:
         prompt_mask = torch.where(steps[None, :] <= steps[:, None], 0.0, floor)[None, None]
         prompt_mask = prompt_mask.to(device=device, dtype=dtype)
     return Packed(
-        n, position.to(device), width, len(prompts), longest, gather.to(device), valid.to(device),
+        n, width, len(prompts), longest, gather.to(device), valid.to(device),
         slot.to(device), where.to(device), decode_mask, prompt_mask,
     )  # fmt: skip
 
@@ -259,20 +258,16 @@ def flat_llama(model) -> bool:
     return getattr(model.config, "pretraining_tp", 1) == 1 and model.config.hidden_act == "silu"
 
 
-def llama_forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, keep, swap: bool):
+def llama_forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, keep):
     """The logits (``keep``: of those positions) of a packed step of transformers' Llama (``flat_llama``): the
     operations of its modules' forwards, in their order, called directly. Why not ``model(...)``: its per-call
     machinery (output capture, mask preparation, keyword plumbing, a module call per linear layer and norm)
-    cost about a tenth of a 16-row decode step of the 28M Llama on a 2-core Xeon; the logits are bitwise the
-    same (tested). ``swap``: the linear layers' products as ``swapped_gemm``'s."""
+    cost a twentieth to a tenth of a 16-row step of the 28M Llama on a 2-core Xeon (benchmarks/README.md,
+    "Serving"); the logits are bitwise the same (tested). Its linear layers compute as ``swapped_linear``, as
+    under ``swapped_gemm``."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    def linear(layer, x):
-        w = layer.weight
-        if swap and type(w) is torch.nn.Parameter and w.dtype == torch.float32 and w.numel() >= GEMM_MIN_WEIGHT:
-            out = torch.mm(w, x.reshape(-1, x.shape[-1]).t()).t().reshape(*x.shape[:-1], w.shape[0])
-            return out if layer.bias is None else out + layer.bias
-        return torch.nn.functional.linear(x, w, layer.bias)
+    linear = swapped_linear
 
     def norm(layer, x):  # LlamaRMSNorm.forward
         h = x.to(torch.float32)
@@ -300,13 +295,13 @@ def llama_forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, ca
     return linear(model.lm_head, x if keep is None else x[:, keep])
 
 
-# Rows per forward where, on a CPU, MKL's fp32 GEMM of ``x @ W.T`` (what ``F.linear`` runs) is slow: from 8 to 64
-# rows ``(W @ x.T).T`` — the same product, the operands swapped — made the 28M Llama's whole forward 1.0x (8 rows)
-# to 1.6x (16 rows) faster on a 2-core Xeon (AVX-512; benchmarks/README.md "Serving"), and slower below 8 rows.
-# 16 is serve's default slot count, so a full decode step is there, and so is one with a prompt or two packed in.
-# A fixed range, not a timing taken at start-up: the choice changes the result's last bits, and predict and serve
-# must agree.
-GEMM_ROWS = (8, 64)
+# Rows per forward where, on a CPU, MKL's fp32 GEMM of ``x @ W.T`` (what ``F.linear`` runs) is slow: from 10 to 48
+# rows ``(W @ x.T).T`` — the same product, the operands swapped — made the 28M Llama's whole forward 1.1x (10-12
+# rows) to 1.3x (15-16 rows) faster on a 2-core Xeon (AVX-512), and no faster or slower at 8 and at 64 rows
+# (benchmarks/engine_step.py; benchmarks/README.md "Serving"). 16 is serve's default slot count, so a full decode
+# step is there, and so is one with a prompt or two packed in. A fixed range, not a timing taken at start-up: the
+# choice changes the result's last bits, and predict and serve must agree.
+GEMM_ROWS = (10, 48)
 GEMM_MIN_WEIGHT = 1 << 18  # elements: smaller weights cost too little to matter (the tiny test models' all do)
 
 
@@ -316,26 +311,34 @@ def large_linears(model) -> list[torch.nn.Linear]:
     return [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.numel() >= GEMM_MIN_WEIGHT]
 
 
-def _swapped_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    w, rows = self.weight, x.numel() // x.shape[-1]
-    if type(w) is not torch.nn.Parameter or w.dtype != torch.float32 or not GEMM_ROWS[0] <= rows <= GEMM_ROWS[1]:
-        return torch.nn.functional.linear(x, w, self.bias)
+def swapped_linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)``, as ``(W @ x.T).T`` for a CPU fp32 weight of ``GEMM_MIN_WEIGHT`` elements and more on
+    ``GEMM_ROWS`` rows (decided per call, by this call's own rows), else ``F.linear``."""
+    w, rows = layer.weight, x.numel() // x.shape[-1]
+    if (
+        type(w) is not torch.nn.Parameter
+        or w.device.type != "cpu"
+        or w.dtype != torch.float32
+        or w.numel() < GEMM_MIN_WEIGHT
+        or not GEMM_ROWS[0] <= rows <= GEMM_ROWS[1]
+    ):
+        return torch.nn.functional.linear(x, w, layer.bias)
     out = torch.mm(w, x.reshape(rows, x.shape[-1]).t()).t()
-    if self.bias is not None:
-        out = out + self.bias
+    if layer.bias is not None:
+        out = out + layer.bias
     return out.reshape(*x.shape[:-1], w.shape[0])
 
 
 @contextlib.contextmanager
-def swapped_gemm(device: torch.device, rows: int, linears: list[torch.nn.Linear]):
-    """For a CPU forward of ``rows`` rows in ``GEMM_ROWS``: ``linears`` compute ``(W @ x.T).T`` during it (their
-    instances' ``forward``, removed after). Not a ``TorchFunctionMode``: a mode sends every torch call of the
-    forward through Python, which cost about 1.5 ms of a 13 ms step."""
-    if device.type != "cpu" or not GEMM_ROWS[0] <= rows <= GEMM_ROWS[1]:
+def swapped_gemm(device: torch.device, linears: list[torch.nn.Linear]):
+    """For a forward on the CPU: ``linears`` compute as ``swapped_linear`` during it (their instances' ``forward``,
+    removed after). Not a ``TorchFunctionMode``: a mode sends every torch call of the forward through Python,
+    which cost about 1.5 ms of a 13 ms step."""
+    if device.type != "cpu":
         yield
         return
     for m in linears:
-        m.forward = types.MethodType(_swapped_linear, m)
+        m.forward = types.MethodType(swapped_linear, m)
     try:
         yield
     finally:
