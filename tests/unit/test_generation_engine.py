@@ -72,9 +72,9 @@ def test_a_shared_prompt_is_prefilled_once(lm, monkeypatch, mode):
         rows.append(tuple(input_ids.shape))
         return forward(self, input_ids=input_ids, **kw)
 
-    def counting_flat(model, input_ids, *args):
+    def counting_flat(model, input_ids, *args, **kw):
         rows.append(tuple(input_ids.shape))
-        return flat(model, input_ids, *args)
+        return flat(model, input_ids, *args, **kw)
 
     monkeypatch.setattr(type(model), "forward", counting)
     monkeypatch.setattr(generation, "llama_forward", counting_flat)
@@ -364,3 +364,27 @@ def test_a_prompt_of_no_tokens_gets_its_own_error_and_the_others_go_on(lm, packe
     engine.generate(gens)
     assert isinstance(gens[1].error, ValueError) and "no tokens" in str(gens[1].error) and gens[1].tokens == []
     assert gens[0].tokens == _reference(model, prompts[0], 5) and gens[2].tokens == _reference(model, prompts[2], 5)
+
+
+def test_greedy_steps_take_their_tokens_from_the_greedy_head(lm, monkeypatch):
+    """With the greedy head on (forced: the tiny model's head is let in by a threshold of 0), steps whose every
+    request is greedy and records nothing take their tokens from the screen — the same tokens as ``generate`` —
+    and a step with a request asking for log-probabilities runs the full head."""
+    from kubetune.inference import step as S
+
+    model, prompts = lm
+    monkeypatch.setattr(S, "GEMM_MIN_WEIGHT", 0)
+    screened = []
+    tokens = S.GreedyHead.tokens
+    monkeypatch.setattr(S.GreedyHead, "tokens", lambda self, *a: screened.append(tokens(self, *a)) or screened[-1])
+    engine = Engine(model, set(), slots=4)
+    engine._greedy_head = S.GreedyHead(enabled=True)
+    gens = [Generation(ids, 8) for ids in prompts]
+    engine.generate(gens)
+    assert len(screened) == 8 and all(s is not None for s in screened)
+    assert all(g.tokens == _reference(model, g.ids, 8) for g in gens)
+    screened.clear()
+    recorded = [Generation(prompts[0], 8), Generation(prompts[1], 8, logprobs=2)]
+    engine.generate(recorded)
+    assert not screened and len(recorded[1].token_logprobs) == 8
+    assert all(g.tokens == _reference(model, g.ids, 8) for g in recorded)

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kubetune.inference.step import (
+    GreedyHead,
     SlotCache,
     flat_llama,
     large_linears,
@@ -44,6 +45,7 @@ from kubetune.inference.step import (
     packed_forward,
     packs,
     swapped_gemm,
+    swapped_linear,
 )
 
 
@@ -120,6 +122,11 @@ def _record(logits: torch.Tensor, rows: list[_Row], tokens: list[int]) -> None:
         g.top_logprobs.append(top[: g.logprobs])
 
 
+def _plain_greedy(g: Generation) -> bool:
+    """Whether ``g``'s tokens are argmaxes and nothing else is asked of its logits."""
+    return g.temperature <= 0 and g.logprobs is None and not g.prompt_logprobs
+
+
 def _distinct(new: list[_Row]) -> tuple[dict[tuple, int], list[tuple]]:
     """The distinct prompts of ``new``, in order: prompt -> its index, and the prompts."""
     unique: dict[tuple, int] = {}
@@ -160,6 +167,7 @@ class Engine:
         self._linears = large_linears(model)
         self._packs = packs(model)
         self._flat = self._packs and flat_llama(model)  # one forward a step, new prompts packed in (``inference.step``)
+        self._greedy_head = GreedyHead()  # a greedy step's tokens without the head's full fp32 product (CPU)
 
     # ------------------------------------------------------------------ the two ways in
 
@@ -304,9 +312,12 @@ class Engine:
         cache.pos, cache.width = None, 0
         ids = torch.tensor([[r.next_token for r in rows] + [t for p in prompts for t in p]], device=self.device)
         kept = torch.tensor(keep, device=self.device) if prompts else None  # None: every position
+        # every row greedy, recording nothing: the forward stops before the head, for the greedy head
+        greedy = all(_plain_greedy(r.gen) for r in rows + new)
+        screened = self._flat and greedy and self._greedy_head.fits(self.model.lm_head)
         if self._flat:  # transformers' Llama as loaded for inference: its operations called directly
             with packed_forward(self.model, step):
-                logits = llama_forward(self.model, ids, step.where[None], cache, kept)[0]
+                logits = llama_forward(self.model, ids, step.where[None], cache, kept, head=not screened)[0]
         else:
             unread = torch.zeros((1, 1, 1, 1), dtype=self.dtype, device=self.device)  # a 4D mask: see step_attention
             with packed_forward(self.model, step), swapped_gemm(self.device, self._linears):
@@ -335,9 +346,13 @@ class Engine:
             logits = logits.index_select(0, torch.tensor(picks, device=self.device))
         if self.on_step is not None:
             self.on_step(len(self._rows))
-        logits = logits.float()
-        tokens = self._sample(logits, self._rows)
-        _record(logits, self._rows, tokens)
+        tokens = self._greedy_head.tokens(self.model.lm_head, logits) if screened else None
+        if tokens is None:
+            if screened:  # the screen did not apply: the head's full product (``logits`` is the final norm's output)
+                logits = swapped_linear(self.model.lm_head, logits)
+            logits = logits.float()
+            tokens = self._sample(logits, self._rows)
+            _record(logits, self._rows, tokens)
         self._take(self._rows, tokens, 0)
 
     def _place(self, new: list[_Row], unique: dict[tuple, int], prompts: int, lo: int) -> list[_Row]:
