@@ -10,7 +10,9 @@ MODEL is a causal LM directory (benchmarks/README.md, "Serving": the 28M Llama o
   ``F.linear`` and with the swapped GEMM (``inference.step.swapped_gemm``): median of ``--rounds`` timings of
   ``--repeats`` forwards each, the two taking turns;
 - the engine alone: 16 requests of 100 greedy tokens (prompts of 6 to 9 tokens), ms per step, median of
-  ``--rounds`` runs after one warm-up run.
+  ``--rounds`` runs after one warm-up run each, with the greedy head (``inference.step.GreedyHead``) on and off,
+  taking turns (on a CPU without bf16 matrix hardware the engine leaves it off; here it is forced on), and
+  whether the two made the same tokens.
 """
 
 from __future__ import annotations
@@ -35,17 +37,23 @@ def forward_ms(model, rows: int, swapped: bool, repeats: int) -> float:
     return (time.perf_counter() - t) / repeats * 1e3
 
 
-def engine_ms(model, rounds: int) -> list[float]:
+def engine_ms(model, rounds: int) -> tuple[dict[bool, list[float]], bool]:
     from kubetune.inference.generation import Engine, Generation
+    from kubetune.inference.step import GreedyHead
 
-    engine, out = Engine(model, eos=set(), slots=16), []
+    out, made = {True: [], False: []}, {}
     for r in range(rounds + 1):
-        gens = [Generation(ids=[5 + k, 7, 9, 11, 13, 17, 19, 23, 29][: 6 + k % 4], max_tokens=100) for k in range(16)]
-        t = time.perf_counter()
-        engine.generate(gens)
-        if r:  # the first run warms up
-            out.append((time.perf_counter() - t) / 100 * 1e3)
-    return out
+        for screened in (True, False):
+            engine = Engine(model, eos=set(), slots=16)
+            engine._greedy_head = GreedyHead(enabled=screened)
+            ids = [[5 + k, 7, 9, 11, 13, 17, 19, 23, 29][: 6 + k % 4] for k in range(16)]
+            gens = [Generation(ids=p, max_tokens=100) for p in ids]
+            t = time.perf_counter()
+            engine.generate(gens)
+            if r:  # the first run warms up
+                out[screened].append((time.perf_counter() - t) / 100 * 1e3)
+            made[screened] = [g.tokens for g in gens]
+    return out, made[True] == made[False]
 
 
 def main() -> None:
@@ -66,9 +74,11 @@ def main() -> None:
             for swapped in (False, True):
                 times[swapped].append(forward_ms(model, rows, swapped, a.repeats))
         print(f"| {rows} | {statistics.median(times[False]):.2f} | {statistics.median(times[True]):.2f} |")
-    steps = engine_ms(model, a.rounds)
-    runs = ", ".join(f"{x:.2f}" for x in steps)
-    print(f"engine, 16 requests: {statistics.median(steps):.2f} ms per step (runs: {runs})")
+    steps, same = engine_ms(model, a.rounds)
+    for screened, label in ((True, "greedy head on"), (False, "greedy head off")):
+        runs = ", ".join(f"{x:.2f}" for x in steps[screened])
+        print(f"engine, 16 requests, {label}: {statistics.median(steps[screened]):.2f} ms per step (runs: {runs})")
+    print(f"the same tokens on and off: {same}")
 
 
 if __name__ == "__main__":
