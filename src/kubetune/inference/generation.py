@@ -16,6 +16,9 @@ batching over a KV cache that is written in place.
   completions) are prefilled once; the others' slots get a copy of its cache.
 - **Sampling per request**: greedy, or temperature and top-p, with a seed of its own (a seeded request draws
   from its own ``torch.Generator``, so its result does not depend on what else is in flight).
+- **Greedy steps without the head's full product** (``step.GreedyHead``, a CPU with bf16 matrix hardware): where
+  every request in a step is greedy and records no log-probabilities, a bf16 copy of the head screens the
+  vocabulary and only the candidates' fp32 logits are computed; the token is still the fp32 argmax.
 
 Why our own loop rather than transformers' ``ContinuousBatchingManager``: on the CPU the manager spent 32 s
 setting up its paged cache for a 5-prompt batch of the tiny Llama (it sizes the cache from the device's

@@ -12,6 +12,11 @@ then runs the model's own attention (``sdpa`` or ``eager``, unchanged) twice —
 (one query each, over their slot's positions) and once for the new prompts (right-padded, causal). A padded
 query position is never read back, and a real one only sees its own slot's positions up to its own.
 
+**The greedy head** (``GreedyHead``). The head is the largest matrix of a small LLM (58 % of the 28M Llama's
+weights), and a CPU decode step mostly waits for weights to arrive from memory. For a step whose every request
+is greedy, a bf16 copy of the head (half the bytes) ranks the vocabulary; a bound on its error leaves a few
+candidates a row, whose fp32 logits decide.
+
 The packed step needs a model whose every layer's attention goes through transformers' attention interface and
 its cache's ``update`` with no sliding window or soft-capping (``packs``): the Llama family. Every other model
 runs the engine's plain steps: a prefill forward of right-padded prompts with a 4D mask, then a decode forward.
