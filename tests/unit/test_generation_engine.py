@@ -384,6 +384,13 @@ def test_greedy_steps_take_their_tokens_from_the_greedy_head(lm, monkeypatch):
     assert len(screened) == 8 and all(s is not None for s in screened)
     assert all(g.tokens == _reference(model, g.ids, 8) for g in gens)
     screened.clear()
+    # where the screen steps aside (here: always), the full head runs on the rows the step kept, shared prompts too
+    monkeypatch.setattr(S.GreedyHead, "candidates", lambda *a: None)
+    shared = [Generation(prompts[1], 8) for _ in range(3)] + [Generation(prompts[2], 8)]
+    engine.generate(shared)
+    assert screened and not any(screened)
+    assert all(g.tokens == _reference(model, g.ids, 8) for g in shared)
+    screened.clear()
     recorded = [Generation(prompts[0], 8), Generation(prompts[1], 8, logprobs=2)]
     engine.generate(recorded)
     assert not screened and len(recorded[1].token_logprobs) == 8

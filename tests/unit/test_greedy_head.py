@@ -87,6 +87,15 @@ def test_the_bf16_copy_follows_the_weights_when_they_change():
         head.weight.copy_(_head(5000, seed=3).weight)
         after = screen.tokens(head, h)
         assert after == head(h)[0].argmax(-1).tolist() and after != before
+        head.weight.data.copy_(_head(5000, seed=4).weight)  # through ``.data``: the version stays as it was
+        assert screen.tokens(head, h) == head(h)[0].argmax(-1).tolist() != after
+
+
+def test_a_head_made_under_inference_mode_is_screened_too():
+    """Inference tensors have no version counter (reading it raises): the copy is keyed without it."""
+    with torch.inference_mode():
+        head, h = _head(5000), _hidden(4)
+        assert GreedyHead(enabled=True).tokens(head, h) == head(h)[0].argmax(-1).tolist()
 
 
 @pytest.mark.parametrize("vocabulary", [5000, 4099], ids=["250-groups", "prime-1-group"])

@@ -367,9 +367,11 @@ SCREEN_MAX = 64  # candidates per row, on average, beyond which the full head is
 
 
 def bf16_matmul() -> bool:
-    """Whether this CPU multiplies bf16 matrices in hardware (AVX512-BF16 or AMX: oneDNN's fast path)."""
+    """Whether this CPU has bf16 matrix instructions (AVX512-BF16 or AMX), where oneDNN's bf16 product is fast.
+    (``torch.ops.mkldnn._is_mkldnn_bf16_supported`` also answers yes on AVX-512 cores without them, where it
+    converts; the greedy head is unmeasured there.)"""
     try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
     except (AttributeError, RuntimeError):
         return False
 
@@ -387,12 +389,15 @@ class GreedyHead:
 
     ``tokens`` answers None (the caller runs the full head) where it does not apply: not a CPU fp32 bias-free
     head, a CPU without bf16 matrix hardware, a head below ``GEMM_MIN_WEIGHT`` elements, values not finite, or
-    a flat distribution leaving over ``SCREEN_MAX`` candidates a row. The bf16 copy is remade when the head's
-    weight changes (its storage or version: a training step between two generations)."""
+    a flat distribution leaving more than ``SCREEN_MAX`` candidates a row on average. The bf16 copy (half the
+    head's fp32 size, kept while the engine lives) is remade when the head's weight changes: its storage, its
+    version (an in-place update, a training step between two generations) or a sample of its values (a write
+    through ``.data``, which leaves the version as it was)."""
 
     def __init__(self, enabled: bool | None = None):
         self.enabled = bf16_matmul() if enabled is None else enabled
         self._key: tuple | None = None
+        self._sample: torch.Tensor | None = None
         self._low: torch.Tensor | None = None
         self._norm = 0.0
 
@@ -424,21 +429,20 @@ class GreedyHead:
         z = (w[v] * h[r]).sum(-1)  # the candidates' fp32 logits
         best = torch.full((h.shape[0],), float("-inf")).scatter_reduce(0, r, z, "amax")
         at = z == best[r]
-        return torch.full((h.shape[0],), w.shape[0]).scatter_reduce(0, r[at], v[at], "amin").tolist()
+        tokens = torch.full((h.shape[0],), w.shape[0]).scatter_reduce(0, r[at], v[at], "amin").tolist()
+        return None if w.shape[0] in tokens else tokens  # a row whose candidates' logits all overflowed to NaN
 
     def candidates(self, w: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The (token, row) pairs whose bf16 logit (of ``w`` [vocabulary, hidden] and ``h`` [rows, hidden]) is at
         least its row's largest less twice the bound: the tokens that may be the row's fp32 argmax. None: too
         many, or values not finite."""
-        key = (w.data_ptr(), w._version, tuple(w.shape))
-        if key != self._key:
-            self._low, self._norm = w.to(torch.bfloat16), float(torch.linalg.vector_norm(w, dim=1).max())
-            self._key = key
+        self._refresh(w)
         rows, vocabulary = h.shape[0], w.shape[0]
         # the bf16 product, [vocabulary, rows], seen as [groups, classes]: class c holds the tokens v = g x width + c
         # // rows of row c % rows. Why: torch's CPU reductions over a matrix's first dimension are fast only for wide
-        # rows (the max of [32000, 16] took 0.3-0.5 ms; of [250, 2048], then [128, 16], 0.09) and the candidates
-        # are found from each class's largest value (0.15 ms against 0.6 for a compare and ``nonzero`` of all)
+        # rows (the max of [32000, 16] took 0.3-0.5 ms; of the same values as [250, 2048], then [128, 16], 0.09; a
+        # 32k vocabulary runs as [256, 2000], then [125, 16]) and the candidates are found from each class's
+        # largest value (0.15 ms against 0.6 for a compare and ``nonzero`` of all)
         groups = self._groups(vocabulary)
         a = torch.mm(self._low, h.to(torch.bfloat16).t()).view(groups, -1)
         best_of_class = a.amax(0)
@@ -454,8 +458,21 @@ class GreedyHead:
         flat = g * a.shape[1] + classes[k]
         return flat // rows, flat % rows
 
+    def _refresh(self, w: torch.Tensor) -> None:
+        """The bf16 copy and the largest row norm of ``w``, remade if ``w`` is not the weight they were made from."""
+        try:
+            version = w._version
+        except RuntimeError:  # a tensor made under ``torch.inference_mode`` has no version counter
+            version = None
+        key = (w.data_ptr(), version, tuple(w.shape))
+        flat = w.reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 4096)]  # about 4,096 values: a few microseconds to compare
+        if key != self._key or not torch.equal(sample, self._sample):
+            self._low, self._norm = w.to(torch.bfloat16), float(torch.linalg.vector_norm(w, dim=1).max())
+            self._key, self._sample = key, sample.clone()
+
     @staticmethod
     @functools.cache
     def _groups(vocabulary: int) -> int:
-        """The largest divisor of ``vocabulary`` up to 256 (250 for 32,000; 256 for 128,256)."""
+        """The largest divisor of ``vocabulary`` up to 256 (256 for 32,000 and for 128,256; 128 for 151,936)."""
         return max(d for d in range(1, 257) if vocabulary % d == 0)
