@@ -385,10 +385,15 @@ def test_greedy_steps_take_their_tokens_from_the_greedy_head(lm, monkeypatch):
     assert all(g.tokens == _reference(model, g.ids, 8) for g in gens)
     screened.clear()
     # where the screen steps aside (here: always), the full head runs on the rows the step kept, shared prompts too
+    from kubetune.inference import generation
+
     monkeypatch.setattr(S.GreedyHead, "candidates", lambda *a: None)
+    heads, full = [], generation.swapped_linear
+    monkeypatch.setattr(generation, "swapped_linear", lambda layer, x: heads.append(x.shape[-2]) or full(layer, x))
     shared = [Generation(prompts[1], 8) for _ in range(3)] + [Generation(prompts[2], 8)]
     engine.generate(shared)
     assert screened and not any(screened)
+    assert heads[0] == 2  # the two distinct prompts' last positions (as ``model(...)``), not the 4 requests' rows
     assert all(g.tokens == _reference(model, g.ids, 8) for g in shared)
     screened.clear()
     recorded = [Generation(prompts[0], 8), Generation(prompts[1], 8, logprobs=2)]

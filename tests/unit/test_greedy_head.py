@@ -132,4 +132,15 @@ def test_the_bound_holds_where_the_products_terms_cancel(hidden):
         a = torch.mm(w.to(torch.bfloat16), h.to(torch.bfloat16).t()).float()
         z = torch.mm(w.double(), h.double().t())
         share = ((a - z).abs() / (w.norm(dim=1)[:, None] * h.norm(dim=1)[None, :]).double()).max()
+        print(f"hidden {hidden}: largest |bf16 - exact| is {float(share) / SCREEN_BOUND:.1%} of the bound")
         assert 0 < share <= SCREEN_BOUND / 2  # half the bound: room for the fp32 side's own rounding
+
+
+def test_a_row_whose_candidates_have_no_finite_logit_steps_aside(monkeypatch):
+    """Every candidate's fp32 logit NaN (a weight row of NaN the screen let through): None, not the placeholder
+    token past the vocabulary that the next step would embed."""
+    head, h = _head(5000), _hidden(2)
+    with torch.no_grad():
+        head.weight[9] = float("nan")
+    monkeypatch.setattr(GreedyHead, "candidates", lambda self, w, h: (torch.tensor([9, 3]), torch.tensor([0, 1])))
+    assert GreedyHead(enabled=True).tokens(head, h) is None

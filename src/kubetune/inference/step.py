@@ -146,7 +146,8 @@ def step_attention(module, query, key, value, attention_mask, dropout=0.0, scali
             if qd.stride(-1) != 1:
                 # the swapped GEMM's output is transposed in memory, and so are the rotary embedding's results of
                 # it: with a strided last dimension the CPU's SDPA falls back to its math path, 0.2 ms a layer
-                # where its flash kernel takes 0.05 (16 rows; engine 5 % faster on a 2-core Xeon)
+                # where its flash kernel takes 0.05 (16 rows; engine 5 % faster on a 2-core Xeon). A contiguous
+                # output from the swapped GEMM itself was slower: every product pays the copy, not this one query
                 qd = qd.contiguous()
             o = F.scaled_dot_product_attention(qd, k, v, attn_mask=step.decode_mask, scale=scaling)
             out.append(o.reshape(step.n, q.shape[1], q.shape[2]))
