@@ -367,23 +367,48 @@ def start_run(spec_path: Path, env: dict | None = None, *args: str) -> subproces
     )
 
 
-def worker_pid(launcher: int, rank: int) -> int:
+def _read_proc(path: Path) -> bytes:
+    """A /proc file's bytes, or b"" where its thread or process is gone (or never was) by the time it is read."""
+    try:
+        return path.read_bytes()
+    except OSError:
+        return b""
+
+
+def descendants(pid: int, proc: Path = Path("/proc")) -> list[int]:
+    """Every process below ``pid`` (children first, then theirs), read from ``proc``'s task/*/children.
+
+    Threads and processes come and go while this walks (a gloo or tokenizer thread ends between listing
+    /proc/PID/task and reading its children file): whatever vanished is skipped, one task at a time, so
+    the children of every other task are still found (a walk that gave up at the first vanished task
+    raised FileNotFoundError, or missed the worker it looked for, once in ~50 e2e runs)."""
+    try:
+        tasks = sorted((proc / str(pid) / "task").iterdir())
+    except OSError:  # the process itself is gone
+        return []
+    out: list[int] = []
+    for task in tasks:
+        for child in _read_proc(task / "children").split():
+            out += [int(child), *descendants(int(child), proc)]
+    return out
+
+
+def environ_of(pid: int, proc: Path = Path("/proc")) -> dict[str, str]:
+    """A process's environment ({} where it is gone)."""
+    raw = _read_proc(proc / str(pid) / "environ").decode(errors="replace")
+    return dict(item.split("=", 1) for item in raw.split("\0") if "=" in item)
+
+
+def is_worker(pid: int, proc: Path = Path("/proc")) -> bool:
+    """Whether ``pid`` is a kubetune worker process (False where it is gone)."""
+    return b"kubetune.pod.worker" in _read_proc(proc / str(pid) / "cmdline")
+
+
+def worker_pid(launcher: int, rank: int, proc: Path = Path("/proc")) -> int:
     """The pid of the worker process of ``rank`` under a `kubetune run` launcher (its own session:
     killing the launcher's process group leaves the workers)."""
-
-    def descendants(pid: int) -> list[int]:
-        out = []
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            for child in (task / "children").read_text().split():
-                out += [int(child), *descendants(int(child))]
-        return out
-
-    for pid in descendants(launcher):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in env and b"kubetune.pod.worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+    for pid in descendants(launcher, proc):
+        if environ_of(pid, proc).get("RANK") == str(rank) and is_worker(pid, proc):
             return pid
     raise AssertionError(f"no worker of rank {rank}")
 

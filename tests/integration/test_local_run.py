@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import kubetune, kubetune_together, tiny_spec, write_spec
+from conftest import descendants, environ_of, kubetune, kubetune_together, tiny_spec, write_spec
 
 pytestmark = pytest.mark.integration
 
@@ -240,7 +240,7 @@ def test_killed_worker_fails_the_run_naming_the_rank(tmp_path, small_csv):
         while not (trace / "rank1.jsonl").exists():  # training has started on rank 1
             assert time.time() < deadline and proc.poll() is None, "training never started"
             time.sleep(0.2)
-        victim = next(pid for pid in _children(proc.pid) if _env_of(pid).get("RANK") == "1")
+        victim = next(pid for pid in descendants(proc.pid) if environ_of(pid).get("RANK") == "1")
         os.kill(victim, signal.SIGKILL)
         _, stderr = proc.communicate(timeout=120)
     finally:
@@ -248,19 +248,3 @@ def test_killed_worker_fails_the_run_naming_the_rank(tmp_path, small_csv):
             proc.kill()
     assert proc.returncode == 1, stderr[-2000:]
     assert "error: worker rank 1 failed with exit code -9" in stderr
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            out += [int(child), *_children(int(child))]
-    return out
-
-
-def _env_of(pid: int) -> dict:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)

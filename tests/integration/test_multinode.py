@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, tiny_spec, write_spec
+from conftest import ROOT, descendants, tiny_spec, write_spec
 
 # e2e: two hosts in network namespaces; make test's distributed runs are 2 processes on one host, and the
 # multi-node rendezvous and environment are built by pure functions tested in tests/unit (test_local_backend.py)
@@ -91,17 +91,6 @@ def _spec(small_csv, out: Path, hosts, **training) -> dict:
     return spec
 
 
-def _descendants(pid: int) -> list[int]:
-    out = []
-    try:
-        children = [c for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
-    except OSError:  # exited meanwhile
-        return out
-    for child in children:
-        out += [int(child), *_descendants(int(child))]
-    return out
-
-
 def _wait(procs, timeout=300):
     deadline = time.time() + timeout
     for p in procs:
@@ -148,7 +137,7 @@ def _kill_second_host_then_finish(hosts, spec: Path, out: Path, tmp_path: Path) 
             time.sleep(0.1)
         # The whole second host's agent and worker, at once. torch elastic starts each worker in a
         # session of its own, so killing the agent's process group would leave the worker running.
-        victims = [b.pid, *_descendants(b.pid)]
+        victims = [b.pid, *descendants(b.pid)]
         assert len(victims) >= 2, "no worker under the second host's agent"
         for pid in victims:
             os.kill(pid, signal.SIGKILL)

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, write_spec
+from conftest import ROOT, descendants, is_worker, write_spec
 
 from kubetune.backends.cluster import objects
 from kubetune.backends.kubeflow import manifests
@@ -101,23 +101,11 @@ def start_pod():
 def _kill_pod(pod: subprocess.Popen) -> None:
     """What losing the pod's node does: the launcher and its workers (each in a session of its
     own, so not one process group) killed at once."""
-    for pid in [pod.pid, *_descendants(pod.pid)]:
+    for pid in [pod.pid, *descendants(pod.pid)]:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-
-
-def _descendants(pid: int) -> list[int]:
-    out = []
-    try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
-        for task in tasks:
-            for child in (task / "children").read_text().split():
-                out += [int(child), *_descendants(int(child))]
-    except OSError:  # gone meanwhile
-        pass
-    return out
 
 
 def _static_env(nodes: int, nproc: int, node_rank: int, port: int) -> dict[str, str]:
@@ -165,9 +153,7 @@ def _wait_for_step(out: Path, step: int, pod: subprocess.Popen, timeout: float =
 
 
 def _worker_pids(launcher: int) -> list[int]:
-    return [
-        pid for pid in _descendants(launcher) if b"kubetune.pod.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    ]
+    return [pid for pid in descendants(launcher) if is_worker(pid)]
 
 
 @pytest.mark.e2e  # make test: SIGTERM, checkpoint and resume through `kubetune run` (test_mlflow.py); exit codes below

@@ -11,7 +11,16 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import kubetune, minilm_spec, start_run, wait_for_checkpoint, write_spec
+from conftest import (
+    descendants,
+    environ_of,
+    is_worker,
+    kubetune,
+    minilm_spec,
+    start_run,
+    wait_for_checkpoint,
+    write_spec,
+)
 
 from kubetune.errors import KubetuneError
 
@@ -53,27 +62,11 @@ def reference(minilm_run):
 def _worker_pids(launcher: int) -> dict[int, int]:
     """rank -> pid of the worker processes under a `kubetune run`."""
     ranks = {}
-    for pid in _descendants(launcher):
-        try:
-            env = dict(
-                kv.split("=", 1)
-                for kv in Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
-                if "=" in kv
-            )
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"kubetune.pod.worker" in cmd and "RANK" in env:
+    for pid in descendants(launcher):
+        env = environ_of(pid)
+        if is_worker(pid) and "RANK" in env:
             ranks[int(env["RANK"])] = pid
     return ranks
-
-
-def _descendants(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            out += [int(child), *_descendants(int(child))]
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +115,9 @@ def test_sigkilled_worker_then_rerun_resumes_exactly_through_an_elastic_restart(
     assert [h["loss"] for h in history if h["type"] == "train"] == [
         h["loss"] for h in ref_history if h["type"] == "train"
     ]
+    # the evaluation at step 6, made before the checkpoint the rerun resumed from, is kept (issue 63, row 2)
+    evals = [(h["step"], h["eval_loss"]) for h in history if h["type"] == "eval"]
+    assert evals == [(h["step"], h["eval_loss"]) for h in ref_history if h["type"] == "eval"] and evals[0][0] == 6
 
 
 # Slow: the SIGTERM path (checkpoint at the signal's step, exit 143, the next start resumes with nothing

@@ -14,6 +14,7 @@ LAYERS = {
     "kubetune.version": 0,
     "kubetune.errors": 0,
     "kubetune.paths": 0,
+    "kubetune.lifetime": 0,
     "kubetune.config": 1,
     "kubetune.providers": 2,
     "kubetune.distributed": 2,

@@ -113,17 +113,21 @@ def check_model_weights(path: Path, shown: str, *, field: str) -> None:
 class History:
     """history.jsonl: one JSON object per logged step and per evaluation, flushed as written.
 
-    On resume from step S, records the interrupted run wrote after its checkpoint (training logs
-    after S, and the evaluation at S, which runs after the checkpoint) are dropped first.
+    On resume from the checkpoint of step S, the history is what it was when that checkpoint was written:
+    the checkpoint's own copy (``saved``), evaluations at S made before the checkpoint included (they are
+    not made again), records the interrupted run wrote after it (training logs after S, an epoch's or the
+    run's last evaluation at S, which come after the checkpoint and are made again) left out. A checkpoint
+    without a copy (an older kubetune's) keeps the output's records before S and its training log at S.
     """
 
     def __init__(self, out: Path, resume_step: int | None = None, saved: Path | None = None):
         self.path = out / "history.jsonl"
         kept = []
-        # On a new machine (a re-created pod) only the checkpoint's copy exists.
-        source = self.path if self.path.exists() else saved
-        if resume_step is not None and source is not None and source.exists():
-            for line in source.read_text(encoding="utf-8").splitlines():
+        if resume_step is not None and saved is not None and saved.exists():
+            lines = saved.read_text(encoding="utf-8").splitlines()
+            kept = [line + "\n" for line in lines if json.loads(line)["step"] <= resume_step]
+        elif resume_step is not None and self.path.exists():
+            for line in self.path.read_text(encoding="utf-8").splitlines():
                 rec = json.loads(line)
                 if rec["step"] < resume_step or (rec["type"] == "train" and rec["step"] == resume_step):
                     kept.append(line + "\n")

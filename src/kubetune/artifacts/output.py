@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kubetune import checkpoint, providers
+from kubetune.artifacts import lock
 from kubetune.artifacts.presentation import Presentation
 from kubetune.checkpoint.store import CheckpointStore
 from kubetune.config import JobSpec
@@ -39,7 +40,7 @@ MARKER = ".kubetune-output"
 # knows no task); metrics.json last, since it marks a finished run.
 FINAL = ("model", "adapter", "plots", "report.html", "job.yaml", "lm_eval_samples", "metrics.json")
 LIVE = ("history.jsonl", "progress.json", "tensorboard", "checkpoints")  # written while the run goes
-OWNED = FINAL + LIVE + (MARKER,)  # and the task's artifact files
+OWNED = FINAL + LIVE + (MARKER, lock.NAME)  # and the task's artifact files
 STAGING_PREFIX = ".kubetune-staging-"
 _FIX = "pick a new output.uri, or pass --overwrite (output.overwrite: true)"
 
@@ -152,6 +153,7 @@ class Output:
                 ``output.overwrite``), or cannot be written.
         """
         refuse_special(self.uri)
+        lock.check(self.local)  # another live run writing here
         if self.scheme == "hf":  # a push is one new commit on top of the repo's history: nothing is lost
             return Plan("new", f"pushing to {self.uri} when the run finishes")
         if self.scheme == "s3":
@@ -176,7 +178,7 @@ class Output:
                 field="output.uri",
                 fix="choose a writable directory",
             )
-        entries = sorted(e for e in os.listdir(path) if not e.startswith(STAGING_PREFIX))
+        entries = sorted(e for e in os.listdir(path) if not e.startswith(STAGING_PREFIX) and e != lock.NAME)
         if not entries:
             return Plan("new", f"output directory {path} (empty)")
         if not (path / MARKER).exists() and not _made_by_kubetune(path):
@@ -240,6 +242,15 @@ class Output:
         """
         plan = self.inspect(spec)
         out, uri = self.local, self.prefix
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise KubetuneError(
+                f"cannot write to {out}: {e.strerror or e}", field="output.uri", fix="choose a writable directory"
+            ) from None
+        lock.take(out, spec.name)  # held until this process exits: no second run writes here meanwhile
+        again = self.inspect(spec)  # under the lock: a run that held it may have finished meanwhile
+        plan = plan if again.action == plan.action else again
         marker = (
             json.dumps(
                 {"format": "kubetune-output/1", "job": spec.name, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
@@ -247,10 +258,9 @@ class Output:
             + "\n"
         )
         try:
-            out.mkdir(parents=True, exist_ok=True)
             if not (out / MARKER).exists():
                 write_atomic(out / MARKER, marker)
-            for stale in out.glob(f"{STAGING_PREFIX}*"):  # a crashed run's unfinished staging
+            for stale in out.glob(f"{STAGING_PREFIX}*"):  # a crashed run's unfinished staging (none is live: the lock)
                 shutil.rmtree(stale, ignore_errors=True)
         except OSError as e:
             raise KubetuneError(

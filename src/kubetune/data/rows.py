@@ -425,7 +425,12 @@ def _tokenize_share(rows: Rows, ids: np.ndarray, encode, staging: Path, env, tot
 
     pieces = np.array_split(ids, workers * 4)  # a few pieces per worker: progress, and even ends
     progress = _Progress(env, total, what, len(ids))
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+    from kubetune.lifetime import die_with_parent
+
+    # the pool dies with this worker, as the worker with its launcher
+    with concurrent.futures.ProcessPoolExecutor(
+        workers, mp_context=multiprocessing.get_context("spawn"), initializer=die_with_parent, initargs=(os.getpid(),)
+    ) as pool:
         futures = {
             pool.submit(
                 _tokenize_part, rows.path, piece, encode, staging / f"part-{env.local_rank:05d}-{j:05d}.arrow"

@@ -44,6 +44,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from kubetune.errors import USER_ERROR_EXIT, KubetuneError
+from kubetune.lifetime import PARENT_PID_ENV
 
 WORKER_MODULE = "kubetune.pod.worker"
 EXIT_FAILED = 1  # not retryable: the operator fails the job
@@ -135,6 +136,7 @@ def run(staged_spec_path: str) -> int:
 
         args = torchrun_args(staged_spec_path)
         args.log_dir = args.log_dir or workdir
+        os.environ[PARENT_PID_ENV] = str(os.getpid())  # the workers die with this launcher (kubetune.lifetime)
         with translated_failures():
             torchrun.run(args)
     except BaseException as e:  # noqa: BLE001 -- every way out becomes an exit code

@@ -9,6 +9,7 @@ traceback); 143 when SIGTERM/SIGINT stopped it after writing a checkpoint.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
@@ -23,9 +24,13 @@ def _stop_before_training(signum, frame):
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, _stop_before_training)
     signal.signal(signal.SIGTERM, _stop_before_training)
+    from kubetune.lifetime import PARENT_PID_ENV, die_with_parent
+
+    # Before anything else (importing torch takes seconds): a launcher killed outright takes its workers
+    # with it, never leaving them to train on into an output a new run resumes into.
+    die_with_parent(int(os.environ.pop(PARENT_PID_ENV, 0)) or None)
 
 import logging  # noqa: E402
-import os  # noqa: E402
 import warnings  # noqa: E402
 
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402

@@ -44,7 +44,10 @@ class TensorBoardLogger:
     """``tensorboard/``: one scalar per float metric, as ``<kind>/<name>``."""
 
     def __init__(self, out: Path, resume_step: int | None):
-        self.writer = artifacts.tensorboard_writer(out, purge_step=resume_step)
+        # Events after the checkpoint's step are hidden; those at it stay (its training log and an evaluation made
+        # before the checkpoint are not made again; an epoch's last evaluation, made after it, comes again as the
+        # same point).
+        self.writer = artifacts.tensorboard_writer(out, purge_step=None if resume_step is None else resume_step + 1)
 
     def log(self, kind: str, step: int, metrics: dict, context: dict) -> None:
         for k, v in metrics.items():

@@ -16,6 +16,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from kubetune.config import JobSpec, dump_spec
 from kubetune.errors import KubetuneError
+from kubetune.lifetime import PARENT_PID_ENV
 from kubetune.pod.launch import WORKER_MODULE, Stopped, WorkerFailed, root_failure, translated_failures
 
 __all__ = ["SHUTDOWN_GRACE_S", "Stopped", "WorkerFailed", "launch_config", "root_failure", "run", "worker_env"]
@@ -115,7 +116,8 @@ def run(spec: JobSpec, local_addr: str | None = None) -> dict[int, object]:
     try:
         config = launch_config(spec, run_id=run_id, local_addr=local_addr, log_dir=workdir / "elastic")
         spec_file.write_text(dump_spec(spec))
-        with translated_failures(), _launcher_environment(worker_env(spec)):
+        # the workers die with this process, however it ends (kubetune.lifetime)
+        with translated_failures(), _launcher_environment({**worker_env(spec), PARENT_PID_ENV: str(os.getpid())}):
             return elastic_launch(config, entrypoint=sys.executable)("-u", "-m", WORKER_MODULE, str(spec_file))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

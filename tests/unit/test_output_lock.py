@@ -1,0 +1,98 @@
+"""One live run per output (artifacts/lock.py): a second run is refused in one line while the first holds the
+output, whoever it is, and takes it at once when the first has died (kill -9 included)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kubetune.artifacts import lock
+from kubetune.artifacts.output import Output
+from kubetune.config import parse_spec
+from kubetune.errors import KubetuneError
+
+# Another process holding an output as a run's rank 0 does (Output.claim), until it is killed.
+_HOLDER = """
+import sys
+from kubetune.artifacts.output import Output
+from kubetune.config import parse_spec
+spec = parse_spec({"name": "first", "model": {"uri": "hf://o/m"}, "data": {"train": "t.csv"},
+                   "output": {"uri": sys.argv[1]}})
+print(Output.for_spec(spec).claim(spec).action, flush=True)
+sys.stdin.read()
+"""
+
+
+def _spec(out: Path, name: str = "second"):
+    return parse_spec(
+        {"name": name, "model": {"uri": "hf://o/m"}, "data": {"train": "t.csv"}, "output": {"uri": str(out)}}
+    )
+
+
+@pytest.fixture
+def holder(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline().strip() == "new"
+    yield out, proc
+    proc.kill()
+    proc.wait()
+
+
+def test_a_second_run_is_refused_in_one_line_while_the_first_holds_the_output(holder, monkeypatch):
+    out, proc = holder
+    monkeypatch.setattr(lock, "_RETRY_S", 0.3)  # the claim's wait for a probe to pass
+    spec = _spec(out)
+    calls = (
+        lambda: Output.for_spec(spec).check(spec),  # `kubetune run`'s preflight
+        lambda: Output.for_spec(spec).claim(spec),  # its rank 0
+        lambda: lock.take(out, "second"),  # a run whose preflight passed just before the first took the output
+    )
+    for call in calls:
+        with pytest.raises(KubetuneError) as e:
+            call()
+        message = str(e.value)
+        assert message.startswith(f"output.uri: {out} is in use by another run that is still going (job 'first', ")
+        assert f"pid {proc.pid} on " in message and "kill PID" in message and "\n" not in message
+    assert sorted(os.listdir(out)) == [".kubetune-lock", ".kubetune-output"]  # the refused claim wrote nothing
+
+
+def test_the_output_is_free_as_soon_as_its_holder_is_killed(holder):
+    out, proc = holder
+    proc.send_signal(signal.SIGKILL)  # no chance to clean up: the kernel releases the lock
+    proc.wait()
+    spec = _spec(out)
+    # the first run's marker and nothing to resume: this one starts over there
+    assert Output.for_spec(spec).check(spec).action == "restart"
+    assert Output.for_spec(spec).claim(spec).action == "restart"
+    assert '"job": "second"' in (out / ".kubetune-lock").read_text()
+
+
+def test_a_probe_never_makes_a_starting_run_fail(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    lock.take(out, "mine")  # this process holds it: its own checks and claims pass
+    lock.check(out)
+    lock.take(out, "mine")
+    spec = _spec(out)
+    assert Output.for_spec(spec).claim(spec).action == "new"
+
+
+def test_a_lock_file_that_is_a_fifo_or_a_link_is_one_line_not_a_hang(tmp_path):
+    fifo_out, link_out = tmp_path / "fifo", tmp_path / "link"
+    fifo_out.mkdir()
+    os.mkfifo(fifo_out / ".kubetune-lock")
+    link_out.mkdir()
+    (link_out / ".kubetune-lock").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(KubetuneError, match=r"fifo/\.kubetune-lock is not a regular file — remove \.kubetune-lock"):
+        lock.check(fifo_out)
+    with pytest.raises(KubetuneError, match=r"cannot lock .*link: Too many levels of symbolic links"):
+        lock.take(link_out, "x")
+    assert not (tmp_path / "elsewhere").exists()
