@@ -201,3 +201,115 @@ def collect(lines: list[str], metrics_format: str, names: list[str]) -> dict[str
             if name in names:
                 out.setdefault(name, []).append(float(value))
     return out
+
+
+# Katib v0.19.0's experiment controller: how it writes an Experiment's status from its trials
+# (pkg/controller.v1beta1/experiment/util/status_util.go: updateTrialsSummary, UpdateExperimentStatusCondition;
+# pkg/apis/controller/experiments/v1beta1/util.go: the Mark* functions and setCondition). A trial here is a dict:
+# name, state (one of TRIAL_STATES), assignments ({parameter name: value}), metrics ([{name, latest, min, max}]).
+TRIAL_STATES = {  # a trial's state -> the status's count and list, in updateTrialsSummary's order
+    "Killed": ("trialsKilled", "killedTrialList"),
+    "Failed": ("trialsFailed", "failedTrialList"),
+    "Succeeded": ("trialsSucceeded", "succeededTrialList"),
+    "EarlyStopped": ("trialsEarlyStopped", "earlyStoppedTrialList"),
+    "Running": ("trialsRunning", "runningTrialList"),
+    "MetricsUnavailable": ("trialMetricsUnavailable", "metricsUnavailableTrialList"),
+    "Pending": ("trialsPending", "pendingTrialList"),
+}
+
+
+def controller_status(exp: dict, trials: list[dict], suggestion_done: bool = False) -> dict:
+    """The status Katib's experiment controller writes for ``exp`` (its current status carried on) once its
+    trials are ``trials``: counts and lists by state, the current optimal trial, and the conditions (Created at
+    the first reconcile; then Running, or Succeeded / Failed with Running set False, as the Mark functions do)."""
+    status = json.loads(json.dumps(exp.get("status") or {}))
+    spec = exp["spec"]
+    _set_condition(status, "Created", "True", "ExperimentCreated", "Experiment is created")
+    for count, listed in TRIAL_STATES.values():
+        status[count] = 0
+        status.pop(listed, None)
+    objective = spec["objective"]
+    strategy = {s["name"]: s["value"] for s in objective.get("metricStrategies") or []}.get(
+        objective["objectiveMetricName"], "latest"
+    )
+    best, best_value, goal_reached = None, None, False
+    goal = objective.get("goal")
+    for trial in trials:
+        count, listed = TRIAL_STATES[trial["state"]]
+        status[count] += 1
+        status.setdefault(listed, []).append(trial["name"])
+        metric = next((m for m in trial.get("metrics") or [] if m["name"] == objective["objectiveMetricName"]), None)
+        if metric is None:
+            continue
+        value = float(metric.get(strategy if strategy in ("min", "max") else "latest") or metric["latest"])
+        if best is None or (value < best_value if objective["type"] == "minimize" else value > best_value):
+            best, best_value = trial, value
+        if goal is not None and (best_value <= goal if objective["type"] == "minimize" else best_value >= goal):
+            goal_reached = True
+    status["trials"] = len(trials)
+    if best is not None:
+        status["currentOptimalTrial"] = {
+            "bestTrialName": best["name"],
+            "parameterAssignments": [{"name": k, "value": str(v)} for k, v in best["assignments"].items()],
+            "observation": {"metrics": best["metrics"]},
+        }
+    if not _true(status, "Succeeded") and not _true(status, "Failed"):
+        _mark(status, spec, goal_reached, suggestion_done)
+    return status
+
+
+def _mark(status: dict, spec: dict, goal_reached: bool, suggestion_done: bool) -> None:
+    """UpdateExperimentStatusCondition."""
+    finished = ("trialsSucceeded", "trialsFailed", "trialsKilled", "trialsEarlyStopped", "trialMetricsUnavailable")
+    done = sum(status[k] for k in finished)
+    failed = status["trialsFailed"] + status["trialMetricsUnavailable"]
+    if goal_reached:
+        _finish(
+            status, "Succeeded", "ExperimentGoalReached", "Experiment has succeeded because Objective goal has reached"
+        )
+    elif spec.get("maxFailedTrialCount") is not None and failed and failed >= spec["maxFailedTrialCount"]:
+        _finish(status, "Failed", "ExperimentFailed", "Experiment has failed because max failed count has reached")
+    elif spec.get("maxTrialCount") is not None and done >= spec["maxTrialCount"]:
+        _finish(
+            status,
+            "Succeeded",
+            "ExperimentMaxTrialsReached",
+            "Experiment has succeeded because max trial count has reached",
+        )
+    elif suggestion_done and status["trialsPending"] + status["trialsRunning"] == 0:
+        message = "Experiment has succeeded because suggestion service has reached the end"
+        _finish(status, "Succeeded", "ExperimentSuggestionEndReached", message)
+    else:
+        _set_condition(status, "Running", "True", "ExperimentRunning", "Experiment is running")
+
+
+def _finish(status: dict, kind: str, reason: str, message: str) -> None:
+    """MarkExperimentStatusSucceeded / MarkExperimentStatusFailed: Running set False, then the condition."""
+    running = next((c for c in status.get("conditions") or [] if c["type"] == "Running"), None)
+    if running is not None:
+        _set_condition(status, "Running", "False", running.get("reason", ""), running.get("message", ""))
+    _set_condition(status, kind, "True", reason, message)
+    status["completionTime"] = _now()
+
+
+def _set_condition(status: dict, kind: str, value: str, reason: str, message: str) -> None:
+    """setCondition: nothing when neither the status nor the reason changes; else the condition moved last."""
+    conditions = status.setdefault("conditions", [])
+    current = next((c for c in conditions if c["type"] == kind), None)
+    if current is not None and current["status"] == value and current.get("reason") == reason:
+        return
+    now = _now()
+    kept = current is not None and current["status"] == value  # lastTransitionTime moves only with the status
+    new = {"type": kind, "status": value, "reason": reason, "message": message, "lastUpdateTime": now}
+    new["lastTransitionTime"] = current["lastTransitionTime"] if kept else now
+    status["conditions"] = [c for c in conditions if c["type"] != kind] + [new]
+
+
+def _true(status: dict, kind: str) -> bool:
+    return any(c["type"] == kind and c["status"] == "True" for c in status.get("conditions") or [])
+
+
+def _now() -> str:
+    import datetime
+
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -23,6 +23,8 @@ from kubetune.providers import S3Settings
 from kubetune.tasks.common import RECORD_SCHEMA, as_messages, cell_messages
 
 log = logging.getLogger(__name__)
+# The largest finite float32: a task's numbers (a reward model's margin) are float32 in its loss
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def load_pair_frames(spec, seed: int, s3: S3Settings = S3Settings(), numbers: dict[str, str] | None = None) -> RowSplit:
@@ -99,9 +101,11 @@ class _Normalizer:
                     )
         df = df.reindex(columns=list(dict.fromkeys([*df.columns, *self.columns])))
         self.rows += len(df)
-        if self.fmt == "text":
+        if self.fmt == "text":  # the text columns only: a numeric column (a margin) holds numbers, as it should
+            numeric = set(self.numbers.values())
             for key, col in self._needed().items():
-                self.non_text.setdefault(key, NonText()).update(df[col])
+                if key not in numeric:
+                    self.non_text.setdefault(key, NonText()).update(df[col])
         records = []
         for i, row in enumerate(df.to_dict("records")):
             record = pair_record(row, spec, self.fmt, self.source, start + i)
@@ -131,6 +135,15 @@ class _Normalizer:
                     "number",
                     field=f"data.{f}",
                     fix=f"give numbers in '{short(col, 40)}' (empty cells drop their pair), or unset data.{f}",
+                )
+            # the loss is float32: 1e39 would be inf there (a non-finite loss), -1e39 -inf (the pair's loss 0)
+            if abs(number) > FLOAT32_MAX:
+                raise KubetuneError(
+                    f"row {i} of {short(self.source)}: column '{short(col, 40)}' holds {short(repr(value), 40)}, "
+                    f"beyond float32's range (±{FLOAT32_MAX:.4g}), in which the loss is computed",
+                    field=f"data.{f}",
+                    fix=f"give numbers within ±{FLOAT32_MAX:.4g} in '{short(col, 40)}' (a margin is a difference of "
+                    "rewards, a few units)",
                 )
             record[key] = number
         return True

@@ -10,6 +10,7 @@ Experiment of the same name refused unless ``replace``, and nothing deleted that
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 
 from kubetune.backends.cluster.api import ClusterConnection
@@ -138,14 +139,18 @@ class KatibBackend(OwnedObjects, ClusterConnection):
         }[case]
 
     # ---- submit ----
-    def submit(self, spec: JobSpec, replace: bool = False, target: str = "pytorchjob") -> str:
+    def submit(
+        self, spec: JobSpec, replace: bool = False, target: str = "pytorchjob", retain_trials: bool = False
+    ) -> str:
         """Create the Experiment for ``spec``'s tune section (its trials: ``target`` jobs), the spec's ConfigMap
-        owned by it, and the workspace claim the trials share. Returns the Experiment's name.
+        owned by it, and the workspace claim the trials share. Returns the Experiment's name. ``retain_trials``:
+        Katib keeps each finished trial's job and pods (the trial template's ``retain``), as the Katib SDK's
+        ``tune(retain_trials=True)`` asks.
 
         Raises:
             KubetuneError: the spec cannot be tuned on a cluster, Katib refused it, or a cluster error (one line).
         """
-        rendered = manifests.render_tune(spec, self.namespace, target)
+        rendered = manifests.render_tune(spec, self.namespace, target, retain_trials=retain_trials)
         exp = rendered.experiment
         name = exp["metadata"]["name"]
         self._check_trials(spec, exp, target)
@@ -205,6 +210,43 @@ class KatibBackend(OwnedObjects, ClusterConnection):
     def get(self, name: str) -> dict:
         with self._errors("get", RESOURCE, name):
             return self.get_raw(name)
+
+    def experiments(self) -> list[dict]:
+        """Every Experiment of the namespace, kubetune's or not, as Katib's SDK lists them.
+
+        Raises:
+            KubetuneError: Katib is not installed, or the cluster cannot be read (one line).
+        """
+        with self._errors("list", RESOURCE):
+            listed = self.custom.list_namespaced_custom_object(*KATIB_API[:2], self.namespace, KATIB_API[2])
+        return list(listed.get("items") or [])
+
+    def wait_change(self, name: str, version: str | None, timeout: float) -> None:
+        """Block until the Experiment ``name`` changes from its ``version`` (Katib wrote its status, or it was
+        deleted), or ``timeout`` seconds pass; returns either way, without reading it (a watch, not a poll)."""
+        from kubernetes import watch
+        from kubernetes.client.exceptions import ApiException
+
+        if timeout < 1 or not version:  # a watch's timeout is whole seconds
+            time.sleep(max(0.0, timeout))
+            return
+        w = watch.Watch()
+        with self._errors("watch", RESOURCE, name):
+            try:
+                for _ in w.stream(
+                    self.custom.list_namespaced_custom_object,
+                    *KATIB_API[:2],
+                    self.namespace,
+                    KATIB_API[2],
+                    field_selector=f"metadata.name={name}",
+                    resource_version=version,
+                    timeout_seconds=int(timeout),
+                ):
+                    w.stop()  # any event: a change since `version`
+                    return
+            except ApiException as e:
+                if e.status != 410:  # 410 Gone: `version` is too old to follow; the caller reads it again
+                    raise
 
     def status(self, name: str) -> TuneStatus:
         """The Experiment's phase, trials by state and best trial so far.

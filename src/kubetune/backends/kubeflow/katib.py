@@ -21,7 +21,10 @@ from dataclasses import dataclass
 from kubetune.artifacts.output import Output
 from kubetune.backends.cluster.objects import CONTAINER, stage_dir, to_yaml
 from kubetune.config import JobSpec
-from kubetune.config.tune import ParamSpec
+from kubetune.config.load import load_yaml
+from kubetune.config.tune import ParamSpec, TuneSpec
+from kubetune.data.tables import short
+from kubetune.errors import KubetuneError, SpecError
 
 KATIB_API = ("kubeflow.org", "v1beta1", "experiments")
 # kubetune's evaluation lines: a metric's name (eval_*, train_*, or an lm-eval task/metric) and its value
@@ -70,7 +73,66 @@ def param_name(path: str) -> str:
     return path.replace(".", "-")
 
 
-def build_experiment(spec: JobSpec, job: dict, namespace: str) -> dict:
+def check_values(spec: JobSpec, target: str) -> None:
+    """Refuse a choice value that Katib's text substitution cannot carry to the trial intact. Katib's trial
+    controller puts each value into the trial template's JSON text as it is (``strings.Replace`` of
+    ``${trialParameters.NAME}``, pkg/controller.v1beta1/experiment/manifest/generator.go) and parses the result:
+    a ``"`` would end the JSON string (``x", "--set", "model.uri=..."`` adds arguments to the trial's command), a
+    backslash starts an escape, a control character is not valid JSON, and a ``${trialParameters.`` would be
+    substituted in turn. A TrainJob trial's values then sit in one single-quoted shell line, where a ``'`` would
+    end the quotes. Last, ``kubetune fetch --set PATH=VALUE`` reads the value as YAML: a string that reads back
+    as something else (``yes``, ``8``, ``a: b``, ``x #y``, a leading space) would reach the trial changed. Ranges
+    are safe: Katib's suggestion writes their values as numbers.
+
+    Raises:
+        KubetuneError: the first such value, naming its tune.space path, the value and the fix.
+    """
+    for path, param in spec.tune.space.items() if spec.tune else ():
+        for value in param.values or []:
+            text = _text(value)
+            why = _unsafe(text, target)
+            if why is None and isinstance(value, str) and _as_set_reads(text) != value:
+                why = f"YAML that `kubetune fetch --set` would read as {short(repr(_as_set_reads(text)), 40)}"
+            if why:
+                raise KubetuneError(
+                    f"the choice {short(repr(text), 60)} holds {why}, which Katib's text substitution into the "
+                    f"{'TrainJob' if target == 'trainjob' else 'PyTorchJob'} trial cannot carry intact",
+                    field=f"tune.space.{path}",
+                    fix="drop that from the value (or tune it locally, with kubetune tune)"
+                    + (", or use --target pytorchjob (no shell between Katib and kubetune)" if why == QUOTE else ""),
+                )
+
+
+QUOTE = "a ' (quote)"
+
+
+def _unsafe(text: str, target: str) -> str | None:
+    """What in ``text`` breaks out of its place in the trial template, or None."""
+    if '"' in text:
+        return 'a " (double quote)'
+    if "\\" in text:
+        return "a \\ (backslash)"
+    control = next((c for c in text if ord(c) < 0x20), None)
+    if control is not None:
+        return f"a control character ({control!r})"
+    if "${trialParameters." in text:
+        return "a ${trialParameters. reference"
+    if target == "trainjob" and "'" in text:
+        return QUOTE
+    return None
+
+
+def _as_set_reads(text: str):
+    """``text`` as ``--set PATH=text`` reads it (``config.load``): YAML, or the text itself where it is not YAML."""
+    try:
+        return load_yaml(text, "--set") if text.strip() else ""
+    except SpecError:
+        return text
+
+
+def build_experiment(spec: JobSpec, job: dict, namespace: str, retain: bool = False) -> dict:
+    """The Experiment of ``spec``'s tune section whose trials are ``job`` (``trial_job``); ``retain``: Katib keeps
+    each finished trial's job and pods instead of deleting them (the trial template's ``retain``)."""
     from kubeflow_katib_api import models as kt
 
     tune = spec.tune
@@ -124,10 +186,19 @@ def build_experiment(spec: JobSpec, job: dict, namespace: str) -> dict:
                 failure_condition=CONDITIONS[job["kind"]][1],
                 trial_parameters=trial_parameters,
                 trial_spec=trial_job(spec, job),
+                retain=True if retain else None,  # absent means false to Katib
             ),
         ),
     )
     return experiment.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+def parameters(tune: TuneSpec) -> list[dict]:
+    """The Experiment's ``spec.parameters`` for the tune section ``tune`` (Katib's JSON form): each dimension as a
+    Katib search space, named by ``param_name``."""
+    return [
+        _parameter(path, p).model_dump(by_alias=True, exclude_none=True, mode="json") for path, p in tune.space.items()
+    ]
 
 
 def _parameter(path: str, p: ParamSpec):

@@ -417,11 +417,14 @@ def _drop_none(obj):
     return obj
 
 
-def render_tune(spec: JobSpec, namespace: str, target: str = "pytorchjob") -> katib.RenderedTune:
-    """The Katib Experiment for ``spec``'s tune section.
+def render_tune(
+    spec: JobSpec, namespace: str, target: str = "pytorchjob", retain_trials: bool = False
+) -> katib.RenderedTune:
+    """The Katib Experiment for ``spec``'s tune section (``retain_trials``: Katib keeps each finished trial's job).
 
     Raises:
-        KubetuneError / SpecError: no tune section, a name Katib refuses, what the job's render refuses.
+        KubetuneError / SpecError: no tune section, a name Katib refuses, a choice Katib's substitution cannot
+            carry, what the job's render refuses.
     """
     if spec.tune is None:
         raise KubetuneError("the spec has no tune section", field="tune", fix="add one, or drop --tune")
@@ -432,14 +435,7 @@ def render_tune(spec: JobSpec, namespace: str, target: str = "pytorchjob") -> ka
             field="name",
             fix=f"a name of at most {katib.MAX_NAME} characters",
         )
-    for path, param in spec.tune.space.items():
-        if target == "trainjob" and any("'" in str(v) for v in param.values or []):
-            # a TrainJob trial's values reach kubetune in one quoted shell line, where Katib puts them in as text
-            raise KubetuneError(
-                f"a value of {path} holds a ' (quote), which a TrainJob trial's shell line cannot carry",
-                field=f"tune.space.{path}",
-                fix="drop the quote from the value, or use --target pytorchjob (no shell between Katib and kubetune)",
-            )
+    katib.check_values(spec, target)
     if Output.for_spec(spec).scheme == "hf":
         raise KubetuneError(
             "each trial writes its own output under output.uri/trials/, and a Hub repository holds one model",
@@ -453,7 +449,8 @@ def render_tune(spec: JobSpec, namespace: str, target: str = "pytorchjob") -> ka
     space.check_search(spec)
     job_spec = spec.model_copy(update={"tune": None})
     rendered = render(job_spec, namespace, target)
-    return katib.RenderedTune(rendered.config_map, rendered.pvc, katib.build_experiment(spec, rendered.job, namespace))
+    experiment = katib.build_experiment(spec, rendered.job, namespace, retain=retain_trials)
+    return katib.RenderedTune(rendered.config_map, rendered.pvc, experiment)
 
 
 tune_warnings = katib.tune_warnings

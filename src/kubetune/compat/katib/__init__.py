@@ -10,6 +10,7 @@
                 objective_metric_name="train_loss", objective_type="minimize", algorithm_name="random",
                 max_trial_count=..., parallel_trial_count=...,
                 resources_per_trial=katib.TrainerResources(num_workers=1, num_procs_per_worker=2))
+    client.wait_for_experiment_condition(name=...)    # then get_experiment, get_optimal_hyperparameters, ...
 
 Locally the call is ``kubetune tune`` on the translated spec (an Optuna study, every trial a kubetune run); on
 a cluster it is ``kubetune submit --tune`` (a Katib Experiment whose trials are kubetune's PyTorchJobs). The

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import typing
 from typing import Any
 
@@ -15,6 +16,7 @@ from kubetune.compat.kubeflow.errors import Problems
 from kubetune.compat.kubeflow.training_arguments import RULES, Copy
 from kubetune.compat.kubeflow.translate import SDK_DEFAULT_STORAGE, spec_from_train
 from kubetune.config.tune import TuneSpec
+from kubetune.data.tables import short
 
 # The SDK's defaults for the arguments the LLM form does not use (kubeflow.katib 0.19 tune()'s signature)
 SDK_BASE_IMAGE = "docker.io/pytorch/pytorch:2.2.1-cuda12.1-cudnn8-runtime"
@@ -72,14 +74,44 @@ def dimension(value: Any, field: str, problems: Problems) -> tuple[dict | None, 
             "use a uniform or logUniform range (Optuna samples those)",
         )
         return None, None
-    cast = int if kind == "int" else float
-    low, high = cast(_number(space.min)), cast(_number(space.max))
+    low, high = (_bound(getattr(space, key), kind, key, field, problems) for key in ("min", "max"))
+    step = None if space.step is None else _bound(space.step, kind, "step", field, problems)
+    if low is None or high is None or (space.step is not None and step is None):
+        return None, None
     entry = {"type": "int" if kind == "int" else "float", "low": low, "high": high}
     if distribution == "logUniform":
         entry["log"] = True
-    if space.step is not None:
-        entry["step"] = cast(_number(space.step))
+    if step is not None:
+        entry["step"] = step
     return entry, low
+
+
+def _bound(text: Any, kind: str, key: str, field: str, problems: Problems) -> int | float | None:
+    """A range's bound or step (``key``: min, max, step) as the spec takes it: a whole number for an int search, a
+    finite number for a double; None, with the problem added, for anything else (``min="abc"``, ``int(min=8.5)``,
+    infinity)."""
+    value = _finite(_number(text))
+    if value is not None and kind == "int" and value == int(value):
+        return int(value)
+    if value is not None and kind == "double":
+        return float(value)
+    what = "a whole number" if kind == "int" else "a finite number"
+    problems.add(
+        field,
+        f"katib.search.{kind}({key}={short(repr(text), 40)}): {key} is not {what}",
+        f"give {key} as {what}, e.g. katib.search.{kind}(min=1, max=8)",
+    )
+    return None
+
+
+def _finite(value: Any) -> int | float | None:
+    """``value`` when it is a finite int or float (not a bool), else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        return value if math.isfinite(value) else None
+    except OverflowError:  # an int beyond any float
+        return None
 
 
 def _set_aside(obj: Any, field: str, searchable: dict[str, str], space: dict, problems: Problems) -> Any:
@@ -138,7 +170,9 @@ def spec_from_tune(
     """Translate the arguments of Katib's LLM ``KatibClient.tune`` into a kubetune job spec with a tune section.
 
     Args: those of ``kubeflow.katib.KatibClient.tune`` (0.19), its LLM form (model, dataset and trainer
-        parameters with ``katib.search.*`` values in the TrainingArguments and the LoraConfig).
+        parameters with ``katib.search.*`` values in the TrainingArguments and the LoraConfig). ``retain_trials``
+        is no part of the spec: ``KatibClient.tune`` sets it on the Experiment's trial template (a local study
+        keeps every trial's output anyway).
 
     Returns:
         The spec as a dict (``kubetune.config.parse_spec`` validates it).
@@ -157,7 +191,6 @@ def spec_from_tune(
         packages_to_install=packages_to_install,
         pip_index_urls=pip_index_urls,
         metrics_collector_config=metrics_collector_config,
-        retain_trials=retain_trials,
     )
     workers = _trainer_resources(resources_per_trial, problems)
     trainer, space = _search_space(trainer_parameters, problems)
@@ -229,7 +262,6 @@ _UNUSED = {
     "packages_to_install": (None, "remove it: install what trials need into the image"),
     "pip_index_urls": (SDK_PIP_INDEX, "remove it: install what trials need into the image"),
     "metrics_collector_config": (SDK_COLLECTOR, "remove it: Katib reads kubetune's metrics from the trial's log"),
-    "retain_trials": (False, "remove it: each trial's output stays under output_dir/trials/"),
 }
 
 
@@ -291,4 +323,20 @@ def _trainer_resources(res: Any, problems: Problems) -> tuple[int, int, Any]:
             "pass katib.TrainerResources(num_workers=1, num_procs_per_worker=1, resources_per_worker={...})",
         )
         return 1, 1, None
-    return int(res.num_workers), int(res.num_procs_per_worker), getattr(res, "resources_per_worker", None)
+    counts = [
+        _count(getattr(res, k), f"resources_per_trial.{k}", problems) for k in ("num_workers", "num_procs_per_worker")
+    ]
+    return counts[0], counts[1], getattr(res, "resources_per_worker", None)
+
+
+def _count(value: Any, field: str, problems: Problems) -> int:
+    """A TrainerResources count (workers, processes per worker): a whole number of at least 1 (its text too)."""
+    number = _finite(_number(value))
+    if number is not None and number == int(number) and number >= 1:
+        return int(number)
+    problems.add(
+        field,
+        f"{short(repr(value), 40)} is not a whole number of at least 1",
+        f"give one, e.g. {field.split('.')[1]}=1",
+    )
+    return 1
