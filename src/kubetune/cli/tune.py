@@ -23,16 +23,27 @@ def tune(
         bool,
         typer.Option("--status", help="Only show where the study stands (it may be running in another shell)."),
     ] = False,
+    overwrite: Annotated[
+        bool,
+        typer.Option(
+            "--overwrite",
+            help="Write the study into a non-empty output that kubetune tune did not create (its tune.json, "
+            "best.yaml, report.html and plots/ there are replaced).",
+        ),
+    ] = False,
 ) -> None:
     """Search the spec's tune.space: every trial a kubetune run of the spec with the trial's values, under
     output.uri/trials/. Run the same command again to continue a study that stopped (kill -9 included).
 
-    Writes output.uri/best.yaml (the best trial's spec), tune.json (every trial) and report.html."""
+    Writes output.uri/best.yaml (the best trial's spec), tune.json (every trial) and report.html, into a new or
+    empty directory or the study's own (one study to a directory, as kubetune run refuses someone else's output)."""
     from kubetune.config import load_spec
     from kubetune.config.load import resolve_data_paths
 
     try:
-        job = resolve_data_paths(load_spec(spec, set_ or []), spec.parent)
+        job = resolve_data_paths(
+            load_spec(spec, [*(set_ or []), *(["output.overwrite=true"] if overwrite else [])]), spec.parent
+        )
         from kubetune import tune as search
 
         if status:

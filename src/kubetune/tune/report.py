@@ -82,19 +82,25 @@ def _fmt(v) -> str:
 def _html(study, data: dict, out: Path) -> str:
     import warnings
 
+    import optuna
     from optuna.exceptions import ExperimentalWarning
 
     images = []
+    verbosity = optuna.logging.get_verbosity()
     for name, draw in _plots():
         path = out / "plots" / f"{name}.png"
         try:
             with warnings.catch_warnings():  # Optuna's plots are marked experimental; few trials make them warn
                 warnings.simplefilter("ignore", ExperimentalWarning)
                 warnings.simplefilter("ignore", UserWarning)
+                # and log that a plot has no finished trial to show, which the table says already
+                optuna.logging.set_verbosity(optuna.logging.ERROR)
                 draw(study, path)
         except Exception as e:  # too few trials for a plot (importances need two finished): said in the report
             images.append(f"<p>{html.escape(name)}: not drawn ({html.escape(str(e)[:200])})</p>")
             continue
+        finally:
+            optuna.logging.set_verbosity(verbosity)
         images.append(f'<img alt="{name}" src="data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()}">')
     text = html.escape(table(data))
     best = data["best"]

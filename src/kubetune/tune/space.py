@@ -28,12 +28,15 @@ def set_path(raw: dict, path: str, value: Any) -> None:
 
 def trial_spec(base: dict, values: dict[str, Any], output: str, tags: dict[str, str] | None = None) -> dict:
     """The spec of one trial: ``base`` (the user's, validated, relative paths resolved) without its ``tune``
-    section, with the trial's values in and its own output (and, with MLflow, the tags that nest its run)."""
+    section, with the trial's values in and its own output (and, with MLflow, the tags that nest its run). The
+    study's ``output.overwrite`` (``kubetune tune --overwrite``) is not the trial's: its run writes into a directory
+    of its own, and replaces nothing."""
     raw = copy.deepcopy(base)
     raw.pop("tune", None)
     for path, value in values.items():
         set_path(raw, path, value)
     set_path(raw, "output.uri", output)
+    raw["output"].pop("overwrite", None)
     mlflow = (raw.get("tracking") or {}).get("mlflow")
     if tags and isinstance(mlflow, dict):
         mlflow["tags"] = {**(mlflow.get("tags") or {}), **tags}
