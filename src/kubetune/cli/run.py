@@ -118,8 +118,15 @@ def _preflight(job) -> str:
     """Fail fast, before any worker starts, on a bad model path, data or output; returns what the
     run will do with its output (``done``: this job already finished there)."""
     from kubetune import artifacts, providers, tasks
+    from kubetune.artifacts.output import Output
 
     _check_this_machine(job)
+    # The output first (a directory listing): another live run there, someone else's files or a finished run is
+    # said before seconds go into the model and the data; a finished run of this very job has nothing to check.
+    plan = Output.for_spec(job).check(job)
+    if plan.action == "done":
+        typer.echo(f"output {job.output.uri}: {plan.detail}", err=True)
+        return plan.action
     if job.tracking.mlflow:  # the tracking server is up and takes the credentials (one line if not)
         from kubetune.training import tracking
 
@@ -154,11 +161,6 @@ def _preflight(job) -> str:
             seed=job.training.seed,
             field="evaluation",
         )
-    from kubetune.artifacts.output import Output
-
-    plan = Output.for_spec(job).check(job)
-    if plan.action == "done":
-        typer.echo(f"output {job.output.uri}: {plan.detail}", err=True)
     return plan.action
 
 
