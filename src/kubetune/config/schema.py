@@ -244,7 +244,11 @@ class EvaluationSpec(Section):
     )
     num_fewshot: int | None = Field(None, ge=0, le=1000, description="Few-shot examples; default: each task's own.")
     limit: float | None = Field(
-        None, gt=0, description="Documents per task: a count (1 and up) or a fraction (below 1); default: all."
+        None,
+        gt=0,
+        le=1_000_000_000,
+        allow_inf_nan=False,
+        description="Documents per task: a count (1 to 1e9) or a fraction (below 1); default: all.",
     )
     batch_size: int = Field(8, ge=1, le=4096, description="Requests per forward, per process.")
     chat: bool = Field(False, description="Format the prompts with the tokenizer's chat template.")
@@ -253,13 +257,21 @@ class EvaluationSpec(Section):
         description="Generation settings for generation tasks, over the tasks' own (the harness's gen_kwargs: "
         "max_gen_toks, temperature, do_sample, ...).",
     )
-    every: int | None = Field(None, ge=1, description="Also evaluate every N optimizer steps (a curve per task).")
+    every: int | None = Field(
+        None,
+        ge=1,
+        description="Also evaluate every N optimizer steps (a curve per task). A stop signal during one is answered "
+        "when it ends: keep one evaluation well below the grace period a stopped pod gets (30 s by default; "
+        "kubernetes.termination_grace_period_seconds).",
+    )
     on_start: bool = Field(
         False, description="Also evaluate before the first step: the base model's score the curves start from."
     )
     after: bool = Field(True, description="Evaluate after training on the final weights (metrics.json's lm_eval).")
     log_samples: bool = Field(
-        False, description="Keep the final evaluation's per-sample log (lm_eval_samples/<task>.jsonl in the output)."
+        False,
+        description="Keep the final evaluation's per-sample log (lm_eval_samples/<task>.jsonl in the output; a task "
+        "name that is not a plain file name is %-encoded, so the samples stay inside the run).",
     )
 
 

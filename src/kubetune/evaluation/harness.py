@@ -207,7 +207,7 @@ def run(
                 gen_kwargs=dict(gen_kwargs) if gen_kwargs else None,
                 log_samples=log_samples,
                 random_seed=seed,
-                numpy_random_seed=seed,
+                numpy_random_seed=seed % 2**32,  # numpy's range, as training seeds it (recipe.seed_everything)
                 torch_random_seed=seed,
                 fewshot_random_seed=seed,
             )
@@ -248,14 +248,45 @@ def _no_data(tasks: list[str], e: Exception, field: str) -> KubetuneError:
 
 def check_data(tasks: list[str], manager, field: str) -> dict:
     """Each task loaded with its documents (what the first evaluation would do), so that a task whose data needs an
-    unreachable network fails in one line before training starts, not after it. Returns the tasks by name, for
-    ``check_fit``."""
+    unreachable network, or whose data files cannot be read as its YAML says, fails in one line before training
+    starts, not after it. Returns the tasks by name, for ``check_fit``."""
+    from datasets.exceptions import DatasetGenerationError
+
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
     try:
-        with _quiet():
+        with _quiet(), _datasets_quiet():
             return manager.load(tasks)["tasks"]
     except (ConnectionError, OSError) as e:
         raise _no_data(tasks, e, field) from None
+    except DatasetGenerationError as e:  # the loader's own error says only "An error occurred": its cause says what
+        cause = e.__cause__ or e.__context__ or e
+        raise KubetuneError(
+            f"the data of {', '.join(tasks)} cannot be read as the task YAML says: "
+            f"{type(cause).__name__}: {' '.join(str(cause).split())[:200]}",
+            field=field,
+            fix="check the data files the task YAML names (dataset_path, dataset_kwargs.data_files: the json loader "
+            "reads JSON Lines, one object per line)",
+        ) from None
+    except (KeyError, ValueError, TypeError) as e:  # the YAML against its data: a split it lacks, say (KeyError)
+        raise KubetuneError(
+            f"the harness cannot load {', '.join(tasks)}: {type(e).__name__}: {' '.join(str(e).split())[:200]}",
+            field=field,
+            fix="check the task YAML against its data (test_split, validation_split, fewshot_split, the columns "
+            "doc_to_text and doc_to_target name)",
+        ) from None
+
+
+@contextlib.contextmanager
+def _datasets_quiet():
+    """The datasets library logs a data file it cannot parse on its own (an ERROR line before the exception):
+    the one line kubetune says instead is enough."""
+    logger = logging.getLogger("datasets")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def check_fit(
@@ -303,10 +334,15 @@ def check_fit(
 
     for task in loaded.values():
         _configure(task, num_fewshot, gen_kwargs, seed)  # as simple_evaluate sets up each task
-        with _quiet():
-            task.build_all_requests(
-                limit=get_sample_size(task, limit), apply_chat_template=chat, chat_template=template if chat else None
-            )
+        try:
+            with _quiet():
+                task.build_all_requests(
+                    limit=get_sample_size(task, limit),
+                    apply_chat_template=chat,
+                    chat_template=template if chat else None,
+                )
+        except (ValueError, AssertionError, AttributeError) as e:  # the harness's own words for it: a traceback
+            raise _unbuildable(task, e, field, num_fewshot) from None
         lengths = _request_lengths(task.instances, tokenizer)
         over = [n for n in lengths if n > context]
         if over:
@@ -320,6 +356,32 @@ def check_fit(
                 fix="lower num_fewshot (or a generation's max_gen_toks), shorten the task's prompts, or evaluate a "
                 "model with a longer context",
             )
+
+
+def _unbuildable(task, e: Exception, field: str, num_fewshot: int | None) -> KubetuneError:
+    """One line for a task whose requests the harness cannot build: more few-shot examples than the task has
+    documents to draw them from (``random.sample``'s "Sample larger than population", or no few-shot documents
+    at all), else the harness's own message."""
+    name, shots = task.config.task, task.get_config("num_fewshot") or 0
+    sampler = getattr(task, "sampler", None)
+    pool = len(sampler.fewshot_docs()) if sampler is not None else 0
+    # as many as the pool fails too where the few-shot documents are the scored ones: a document is not its own example
+    if shots and pool <= shots:
+        cli = field.startswith("--")
+        given = num_fewshot is not None  # else the task's YAML asks for them
+        return KubetuneError(
+            f"task {name} cannot draw {shots} few-shot examples per prompt: it has {pool} documents to draw them "
+            f"from ({' '.join(str(e).split())[:120]})",
+            field=("--num-fewshot" if cli else "evaluation.num_fewshot") if given else field,
+            fix="lower num_fewshot"
+            if given
+            else "lower num_fewshot in the task's YAML, or give the task more few-shot documents (its fewshot_split)",
+        )
+    return KubetuneError(
+        f"the harness cannot build the requests of task {name}: {type(e).__name__}: {' '.join(str(e).split())[:200]}",
+        field=field,
+        fix="check the task's YAML (doc_to_text, doc_to_target, doc_to_choice) against its data",
+    )
 
 
 def _configure(task, num_fewshot: int | None, gen_kwargs: dict | None, seed: int) -> None:

@@ -378,11 +378,40 @@ def adapter_beside(path: Path) -> tuple[Path, Path]:
             field="--adapter",
             fix="use the merged model (drop --adapter); only a LoRA run exports an adapter",
         )
-    name = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
-    if not name:
+    return model_path(_adapter_base(adapter_dir)), adapter_dir
+
+
+def _adapter_base(adapter_dir: Path) -> str:
+    """The base model the adapter's adapter_config.json names (``base_model_name_or_path``), read as a bounded
+    regular file and checked to be a JSON object naming one.
+
+    Raises:
+        KubetuneError: unreadable, not UTF-8 JSON, not an object, or no base model named.
+    """
+    from kubetune.paths import read_regular
+
+    shown = f"{short(str(adapter_dir))}/adapter_config.json"
+    fix = "use the merged model (drop --adapter), or export the adapter again with save_pretrained"
+    try:
+        data = read_regular(adapter_dir / "adapter_config.json", field="--adapter", limit=MAX_CONFIG_BYTES, fix=fix)
+        config = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise KubetuneError(f"{shown} is not UTF-8 text (byte offset {e.start})", field="--adapter", fix=fix) from None
+    except json.JSONDecodeError as e:
         raise KubetuneError(
-            f"{short(str(adapter_dir))}/adapter_config.json names no base model",
-            field="--adapter",
-            fix="use the merged model (drop --adapter)",
-        )
-    return model_path(name), adapter_dir
+            f"{shown} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})", field="--adapter", fix=fix
+        ) from None
+    except RecursionError:
+        raise KubetuneError(
+            f"{shown} is nested too deeply to be an adapter config", field="--adapter", fix=fix
+        ) from None
+    except OSError as e:
+        raise KubetuneError(
+            f"{shown} cannot be read ({e.strerror or type(e).__name__})", field="--adapter", fix=fix
+        ) from None
+    if not isinstance(config, dict):
+        raise KubetuneError(f"{shown} holds a JSON {type(config).__name__}, not an object", field="--adapter", fix=fix)
+    name = config.get("base_model_name_or_path")
+    if not isinstance(name, str) or not name.strip():
+        raise KubetuneError(f"{shown} names no base model (base_model_name_or_path)", field="--adapter", fix=fix)
+    return name

@@ -78,9 +78,25 @@ def final(trainer, metrics: dict, model: torch.nn.Module | None) -> None:
 
 
 def write_samples(dest: Path, samples: dict) -> None:
-    """The harness's per-sample log: one JSONL file per task, as ``lm_eval --log_samples`` keeps it."""
+    """The harness's per-sample log: one JSONL file per task, as ``lm_eval --log_samples`` keeps it, each in
+    ``dest`` whatever the task's name (``sample_file``)."""
+    from kubetune.paths import safe_join
+
     dest.mkdir()
     for task, rows in samples.items():
-        with (dest / f"{task}.jsonl").open("w") as f:
+        with safe_join(dest, sample_file(task), what="evaluation.log_samples").open("x") as f:
             for row in rows:
                 f.write(json.dumps(row, default=str, ensure_ascii=False) + "\n")
+
+
+def sample_file(task: str) -> str:
+    """The file of a task's samples: ``<task>.jsonl``. A task's name is whatever its YAML says (``../../x`` too),
+    so what is not a plain file name character is %-encoded (one path component, never ``..``; distinct names stay
+    distinct), and a name too long for a file system is cut and completed with its hash."""
+    import hashlib
+    from urllib.parse import quote
+
+    name = quote(task, safe="")
+    if len(name) > 200:  # file names stop at 255 bytes
+        name = f"{name[:180]}-{hashlib.sha256(task.encode()).hexdigest()[:16]}"
+    return f"{name}.jsonl"

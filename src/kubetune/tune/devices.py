@@ -8,7 +8,23 @@ import contextlib
 import os
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+
+from kubetune.errors import KubetuneError
+
+
+def check_processes(need: int, what: str, field: str, fix: Callable[[int], str], gpus: list[str] | None = None) -> None:
+    """Refuse ``need`` processes at once on this machine (``what`` says whose: "2 trials at once of 2 processes
+    each") beyond one GPU each where there are GPUs (``gpus``: ``visible_gpus()`` unless given), else one core
+    each: more share a device, or the cores, until each goes many times slower and holds its own model.
+
+    Raises:
+        KubetuneError: naming ``field``; ``fix(have)`` says what to set, given the GPUs or cores there are.
+    """
+    gpus = visible_gpus() if gpus is None else gpus
+    have, unit = (len(gpus), "GPUs (one per process)") if gpus else (os.cpu_count() or 1, "cores")
+    if need > have:
+        raise KubetuneError(f"{what} need {need} {unit}, and this machine has {have}", field=field, fix=fix(have))
 
 
 def visible_gpus() -> list[str]:

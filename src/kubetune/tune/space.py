@@ -12,6 +12,7 @@ from kubetune.config import JobSpec
 from kubetune.config.load import parse_spec
 from kubetune.config.tune import ParamSpec, TuneSpec
 from kubetune.errors import KubetuneError, SpecError
+from kubetune.tune import devices
 
 
 def set_path(raw: dict, path: str, value: Any) -> None:
@@ -123,24 +124,14 @@ def _check_machine(spec: JobSpec, gpus: list[str]) -> None:
             field="distributed.nodes",
             fix="set distributed.nodes: 1 for a local study",
         )
-    if gpus:  # each trial's processes on GPUs of their own
-        need = tune.parallel * spec.distributed.procs_per_node
-        if need > len(gpus):
-            raise KubetuneError(
-                f"{tune.parallel} trials at once of {spec.distributed.procs_per_node} processes each need {need} "
-                f"GPUs (one per process), and this machine has {len(gpus)}",
-                field="tune.parallel",
-                fix=f"set tune.parallel to at most {max(1, len(gpus) // spec.distributed.procs_per_node)}",
-            )
-        return
-    cores = os.cpu_count() or 1
-    if tune.parallel * spec.distributed.procs_per_node > cores:
-        raise KubetuneError(
-            f"{tune.parallel} trials at once of {spec.distributed.procs_per_node} processes each need "
-            f"{tune.parallel * spec.distributed.procs_per_node} cores, and this machine has {cores}",
-            field="tune.parallel",
-            fix=f"set tune.parallel to at most {max(1, cores // spec.distributed.procs_per_node)}",
-        )
+    procs = spec.distributed.procs_per_node
+    devices.check_processes(  # each trial's processes on GPUs of their own, or the cores shared out
+        tune.parallel * procs,
+        f"{tune.parallel} trials at once of {procs} processes each",
+        "tune.parallel",
+        lambda have: f"set tune.parallel to at most {max(1, have // procs)}",
+        gpus,
+    )
 
 
 def threads_per_trial(spec: JobSpec) -> int | None:
