@@ -167,7 +167,9 @@ def install_signal_handlers() -> threading.Event:
     def handler(signum, frame):
         if not stop.is_set():
             logging.getLogger(__name__).warning(
-                "received %s: finishing the current step, then writing a checkpoint", signal.Signals(signum).name
+                "received %s: finishing the current step (or giving it up where it would outlast the grace period), "
+                "then writing a checkpoint",
+                signal.Signals(signum).name,
             )
         stop.set()
 

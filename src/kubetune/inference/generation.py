@@ -16,6 +16,8 @@ batching over a KV cache that is written in place.
   completions) are prefilled once; the others' slots get a copy of its cache.
 - **Sampling per request**: greedy, or temperature and top-p, with a seed of its own (a seeded request draws
   from its own ``torch.Generator``, so its result does not depend on what else is in flight).
+- **A prompt's log-probabilities** (OpenAI's ``echo``, what evaluation clients score) from its hidden states, a few
+  positions' logits at a time (``step.score_rows``): a long prompt's logits never all exist.
 - **Greedy steps without the head's full product** (``step.GreedyHead``, a CPU with bf16 matrix hardware): where
   every request in a step is greedy and records no log-probabilities, a bf16 copy of the head screens the
   vocabulary and only the candidates' fp32 logits are computed; the token is still the fp32 argmax.
@@ -32,6 +34,8 @@ inference runs them as its operations called directly (``step.llama_forward``: w
 from __future__ import annotations
 
 import collections
+import contextlib
+import functools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,11 +46,15 @@ from kubetune.inference.step import (
     GreedyHead,
     SlotCache,
     flat_llama,
+    hidden_states,
     large_linears,
     layout,
     llama_forward,
     packed_forward,
     packs,
+    pick,
+    plain_head,
+    score_rows,
     swapped_gemm,
     swapped_linear,
 )
@@ -72,7 +80,8 @@ class Generation:
     logprobs: int | None = None
     prompt_logprobs: bool = False
     on_token: Callable[[int], None] | None = None
-    # set from another thread when its request is given up (timed out, client gone): stopped at the next token
+    # set when its request is given up (timed out, client gone, its stop sequence made; from any thread), or by
+    # ``Engine.generate``'s stop: stopped at the next token
     cancelled: threading.Event = field(default_factory=threading.Event)
     # filled by the engine
     tokens: list[int] = field(default_factory=list)
@@ -100,16 +109,6 @@ def draw(probs: torch.Tensor, rng: torch.Generator | None) -> list[int]:
     return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[-1] - 1).squeeze(-1).tolist()
 
 
-def _pick(scores: torch.Tensor, tokens: list[int], top: int) -> tuple[list[float], list[list[tuple[int, float]]]]:
-    """From log-probabilities ``scores`` [positions, vocabulary]: each position's token's, and its ``top`` most
-    likely (token, log-probability) pairs (both read from the same values, so a greedy token's equals the top one)."""
-    chosen = scores.gather(-1, torch.tensor(tokens, device=scores.device)[:, None])[:, 0].tolist()
-    if top <= 0:
-        return chosen, [[] for _ in tokens]
-    values, ids = scores.topk(min(top, scores.shape[-1]), dim=-1)
-    return chosen, [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
-
-
 def _record(logits: torch.Tensor, rows: list[_Row], tokens: list[int]) -> None:
     """Each new token's log-probability (and the most likely there) for the rows that ask for them (not those
     of ``max_tokens`` 0, which make nothing)."""
@@ -117,7 +116,7 @@ def _record(logits: torch.Tensor, rows: list[_Row], tokens: list[int]) -> None:
     if not asking:
         return
     gens = [rows[k].gen for k in asking]
-    chosen, tops = _pick(
+    chosen, tops = pick(
         torch.log_softmax(logits[asking], -1), [tokens[k] for k in asking], max(g.logprobs for g in gens)
     )
     for g, lp, top in zip(gens, chosen, tops):
@@ -174,7 +173,12 @@ class Engine:
 
     # ------------------------------------------------------------------ the two ways in
 
-    def generate(self, gens: list[Generation], lockstep: Callable[[bool], bool] | None = None) -> None:
+    def generate(
+        self,
+        gens: list[Generation],
+        lockstep: Callable[[bool], bool] | None = None,
+        stop: Callable[[], bool] | None = None,
+    ) -> None:
         """Make every generation of ``gens`` to its end (their ``tokens`` and ``finish_reason``), at most
         ``slots`` at a time, in the calling thread.
 
@@ -183,6 +187,8 @@ class Engine:
                 rank is still busy (an all-reduce); this rank then makes as many forwards as the busiest,
                 with one idle row once its own have ended. Every generation is admitted at once (one prefill
                 on every rank), so ``slots`` grows to ``len(gens)``.
+            stop: asked before every forward (after ``lockstep``, whose answer it must agree with on every rank);
+                True gives every generation not yet ended up (its ``cancelled`` set) and returns at once.
         """
         if lockstep is not None:
             self.slots = max(self.slots, len(gens))
@@ -194,11 +200,14 @@ class Engine:
                 if lockstep is not None:
                     if not lockstep(busy):
                         break
-                    if not busy:
-                        self._idle()
-                        continue
                 elif not busy:
                     break
+                if stop is not None and stop():
+                    self._give_up()
+                    break
+                if not busy:  # lockstep: another rank is still generating
+                    self._idle()
+                    continue
                 self._step(lockstep is not None)
 
     def start(self) -> None:
@@ -284,6 +293,14 @@ class Engine:
             self._finish(row)
         self._retire([k for k, r in enumerate(self._rows) if r.gen.cancelled.is_set()])
 
+    def _give_up(self) -> None:
+        """Every generation not yet ended, waiting or in flight, given up (``cancelled``) and retired."""
+        with self._cond:
+            rows = [*self._waiting, *self._rows]
+        for row in rows:
+            row.gen.cancelled.set()
+        self._drop_cancelled()
+
     def _take_waiting(self) -> list[_Row]:
         """The waiting requests that the free slots take now, oldest first."""
         room = self.slots - len(self._rows)
@@ -306,11 +323,16 @@ class Engine:
         cache = self._ensure_cache(min(need, self.context))
         step = layout([r.length for r in rows], [len(p) for p in prompts], self.dtype, self.device)
         scored = {unique[tuple(r.gen.ids)] for r in new if r.gen.prompt_logprobs}
-        # logits kept: each request in flight's, and each prompt's last position (every position of a scored one)
-        keep, first, offset = list(range(n)), [], n
+        # a scored prompt's log-probabilities: its hidden states projected a few positions at a time (``score_rows``),
+        # unless the model's logits may be more than its head's projection: then its every position's logits
+        plain = plain_head(self.model) if scored and not self._flat else None
+        whole = scored if not self._flat and plain is None else set()
+        # logits kept: each request in flight's, and each prompt's last position (every position of a ``whole`` one)
+        keep, first, starts, offset = list(range(n)), [], [], n
         for u, p in enumerate(prompts):
             first.append(len(keep))
-            keep.extend(range(offset, offset + len(p)) if u in scored else [offset + len(p) - 1])
+            starts.append(offset)
+            keep.extend(range(offset, offset + len(p)) if u in whole else [offset + len(p) - 1])
             offset += len(p)
         cache.pos, cache.width = None, 0
         ids = torch.tensor([[r.next_token for r in rows] + [t for p in prompts for t in p]], device=self.device)
@@ -318,27 +340,13 @@ class Engine:
         # every row greedy, recording nothing: the forward stops before the head, for the greedy head
         greedy = all(_plain_greedy(r.gen) for r in rows + new)
         screened = self._flat and greedy and self._greedy_head.fits(self.model.lm_head)
-        if self._flat:  # transformers' Llama as loaded for inference: its operations called directly
-            with packed_forward(self.model, step):
-                logits = llama_forward(self.model, ids, step.where[None], cache, kept, head=not screened)[0]
-        else:
-            unread = torch.zeros((1, 1, 1, 1), dtype=self.dtype, device=self.device)  # a 4D mask: see step_attention
-            with packed_forward(self.model, step), swapped_gemm(self.device, self._linears):
-                out = self.model(
-                    input_ids=ids,
-                    attention_mask=unread,
-                    position_ids=step.where[None],
-                    past_key_values=cache,
-                    use_cache=True,
-                    logits_to_keep=0 if kept is None else kept,
-                )
-            logits = out.logits[0]
-        last = [first[u] + (len(p) - 1 if u in scored else 0) for u, p in enumerate(prompts)]
-        for row in new:
-            if row.gen.prompt_logprobs:
-                u, g = unique[tuple(row.gen.ids)], row.gen
-                scores = torch.log_softmax(logits[first[u] : last[u]].float(), -1)
-                g.prompt_token_logprobs, g.prompt_top_logprobs = _pick(scores, g.ids[1:], g.logprobs or 0)
+        logits, hidden, head = self._forward(step, ids, cache, kept, screened, bool(scored) and not whole, plain)
+        if scored:
+            if whole:
+                self._score_prompts(new, unique, lambda u, k: logits[first[u] : first[u] + k], None, logits.shape[-1])
+            else:
+                self._score_prompts(new, unique, lambda u, k: hidden[starts[u] : starts[u] + k], head, logits.shape[-1])
+        last = [first[u] + (len(p) - 1 if u in whole else 0) for u, p in enumerate(prompts)]
         for row in rows:
             row.length += 1
         ordered = self._place(new, unique, len(prompts), n)
@@ -361,6 +369,41 @@ class Engine:
             tokens = self._sample(logits, self._rows)
             _record(logits, self._rows, tokens)
         self._take(self._rows, tokens, 0)
+
+    def _forward(self, step, ids: torch.Tensor, cache, kept, screened: bool, hidden: bool, plain) -> tuple:
+        """A packed step's forward: (the logits at ``kept``, or with ``screened`` the final norm's output there;
+        with ``hidden``, every position's last hidden states and the head that projects them, else None, None).
+        ``plain``: the decoder and head of a model that does not run flat (``step.plain_head``)."""
+        if self._flat:  # transformers' Llama as loaded for inference: its operations called directly
+            with packed_forward(self.model, step):
+                at, project = (None, False) if hidden else (kept, not screened)
+                out = llama_forward(self.model, ids, step.where[None], cache, at, head=project)
+            if not hidden:
+                return out[0], None, None
+            head = functools.partial(swapped_linear, self.model.lm_head)
+            return head(out[:, kept])[0], out[0], head  # the kept positions' logits as ``llama_forward`` makes them
+        unread = torch.zeros((1, 1, 1, 1), dtype=self.dtype, device=self.device)  # a 4D mask: see step_attention
+        capture = hidden_states(plain[0]) if hidden else contextlib.nullcontext([])
+        with packed_forward(self.model, step), swapped_gemm(self.device, self._linears), capture as states:
+            out = self.model(
+                input_ids=ids,
+                attention_mask=unread,
+                position_ids=step.where[None],
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=0 if kept is None else kept,
+            )
+        return (out.logits[0], states[0][0], plain[1]) if hidden else (out.logits[0], None, None)
+
+    def _score_prompts(self, new: list[_Row], unique: dict[tuple, int], rows: Callable, head, vocab: int) -> None:
+        """The prompt log-probabilities (echo) of the new requests that ask for them (``step.score_rows``):
+        ``rows(u, k)``, the first ``k`` positions' hidden states (``head`` projects them) or logits (``head`` None)
+        of distinct prompt ``u``."""
+        for row in new:
+            g = row.gen
+            if g.prompt_logprobs:
+                at = rows(unique[tuple(g.ids)], len(g.ids) - 1)
+                g.prompt_token_logprobs, g.prompt_top_logprobs = score_rows(at, head, g.ids[1:], g.logprobs or 0, vocab)
 
     def _place(self, new: list[_Row], unique: dict[tuple, int], prompts: int, lo: int) -> list[_Row]:
         """The new requests into the rows from ``lo``: each distinct prompt's first request in the slot where its
@@ -397,25 +440,28 @@ class Engine:
         col = torch.arange(width)
         allowed = (col[None, None, :] <= col[None, :, None]) & (col[None, None, :] < lengths[:, None, None])
         cache.lo, cache.hi, cache.width, cache.pos = lo, lo + len(prompts), width, None
-        # the logits of each prompt's last position only (a vocabulary-wide row per prompt, not per position),
-        # unless a prompt is scored: then every position's
+        # the logits of each prompt's last position only (a vocabulary-wide row per prompt, not per position);
+        # a scored prompt's log-probabilities are its hidden states projected a few positions at a time
+        # (``score_rows``), unless the model's logits may be more than its head's projection: then every position's
         scored = any(r.gen.prompt_logprobs for r in new)
-        keep = torch.arange(width) if scored else torch.unique(lengths - 1)
-        out = self.model(
-            input_ids=ids.to(self.device),
-            attention_mask=self._mask(allowed[:, None]),
-            position_ids=col[None].expand(len(prompts), width).to(self.device),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=keep.to(self.device),
-        )
+        plain = plain_head(self.model) if scored else None
+        keep = torch.arange(width) if scored and plain is None else torch.unique(lengths - 1)
+        with hidden_states(plain[0]) if plain else contextlib.nullcontext([]) as states:
+            out = self.model(
+                input_ids=ids.to(self.device),
+                attention_mask=self._mask(allowed[:, None]),
+                position_ids=col[None].expand(len(prompts), width).to(self.device),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=keep.to(self.device),
+            )
         where = torch.searchsorted(keep, lengths - 1).to(self.device)
         last = out.logits[torch.arange(len(prompts), device=self.device), where].float()
-        for row in new:
-            if row.gen.prompt_logprobs:
-                u, g = unique[tuple(row.gen.ids)], row.gen
-                scores = torch.log_softmax(out.logits[u, : len(g.ids) - 1].float(), -1)
-                g.prompt_token_logprobs, g.prompt_top_logprobs = _pick(scores, g.ids[1:], g.logprobs or 0)
+        if scored:
+            rows = states[0] if plain else out.logits
+            self._score_prompts(
+                new, unique, lambda u, k: rows[u, :k], plain[1] if plain else None, out.logits.shape[-1]
+            )
         ordered = self._place(new, unique, len(prompts), lo)
         logit_rows = [unique[tuple(r.gen.ids)] for r in ordered]
         tokens = self._sample(last[logit_rows], ordered)

@@ -22,6 +22,7 @@ from kubetune.data.tables import short
 from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
 from kubetune.inference.model import quiet_transformers
+from kubetune.inference.step import PLAIN_HEAD
 from kubetune.providers import S3Settings
 from kubetune.tasks.base import LossOutput, Prepared, on_node_first
 
@@ -100,11 +101,10 @@ def next_token_targets(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 # ---- the replaceable head: a causal LM's output projection computed by the task instead
 
-# Causal LMs whose forward is ``lm_head(hidden_states[logits_to_keep])`` and nothing after it: the
-# projection can be replaced by what the task computes from the hidden states (the loss, the
-# log-probabilities). Others scale or soft-cap their logits after the head (Gemma 2, Cohere, Granite),
-# so the task reads their logits.
-PLAIN_HEAD = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3"})
+# ``PLAIN_HEAD`` (inference.step, which scores served prompts the same way): causal LMs whose forward is
+# ``lm_head(hidden_states[logits_to_keep])`` and nothing after it, so the projection can be replaced by what the
+# task computes from the hidden states (the loss, the log-probabilities). Others scale or soft-cap their logits
+# after the head (Gemma 2, Cohere, Granite), so the task reads their logits.
 
 
 def replaceable_head(model) -> torch.nn.Linear | None:

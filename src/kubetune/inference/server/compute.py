@@ -90,24 +90,32 @@ class Runner:
         """The results of a request's ``(payload, key)`` items, in order: ``enqueue`` then ``wait``."""
         return await self.wait(self.enqueue(items, noun), receive)
 
+    def check_count(self, count: int, noun: str) -> None:
+        """A request of ``count`` items (``noun``: what they are, for the message), checked before any work on them
+        (200,000 one-character prompts fit a 1 MiB body, and took 6.8 s to tokenize before their 413).
+
+        Raises:
+            HTTPError: 413 more items than the queue holds.
+        """
+        if count > self.limits.max_queue:
+            raise HTTPError(
+                413,
+                f"the request holds {count} {noun}; this server queues at most {self.limits.max_queue} "
+                "(kubetune serve --max-queue); send fewer at a time",
+            )
+
     def enqueue(self, items: list[tuple[Any, Hashable]], noun: str) -> list[asyncio.Future]:
         """Queue a request's items, all or none (``noun``: what they are, for the message).
 
         Raises:
             HTTPError: 413 more items than the queue holds, 429 the queue has no room for them now.
         """
-        limits = self.limits
-        if len(items) > limits.max_queue:
-            raise HTTPError(
-                413,
-                f"the request holds {len(items)} {noun}; this server queues at most {limits.max_queue} "
-                "(kubetune serve --max-queue); send fewer at a time",
-            )
+        self.check_count(len(items), noun)
         try:
             return self.batcher.enqueue(items)
         except QueueFull:
             raise HTTPError(
-                429, f"the queue is full ({limits.max_queue} waiting); retry later", "rate_limit_exceeded"
+                429, f"the queue is full ({self.limits.max_queue} waiting); retry later", "rate_limit_exceeded"
             ) from None
 
     async def wait(self, futures: list[asyncio.Future], receive=None) -> list:

@@ -8,6 +8,7 @@ import asyncio
 import json
 import time
 import uuid
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
@@ -47,11 +48,12 @@ def add_routes(app: FastAPI, engine: Generator, name: str, limits: Limits, runne
                     "context_length_exceeded",
                 )
             scored = req.echo and req.logprobs is not None
-            out.append(
-                Generation(
-                    ids, max_tokens, req.temperature, req.top_p, req.seed, logprobs=req.logprobs, prompt_logprobs=scored
-                )
+            g = Generation(
+                ids, max_tokens, req.temperature, req.top_p, req.seed, logprobs=req.logprobs, prompt_logprobs=scored
             )
+            if any(req.stop or ()) and not req.stream:  # a stream stops at its stop sequence itself (``_stream``)
+                g.on_token = _stopped_at(g, req.stop, engine.decode)
+            out.append(g)
         return out
 
     async def answer(kind: str, prompts: list[list[int]], req, request: Request):
@@ -75,19 +77,21 @@ def add_routes(app: FastAPI, engine: Generator, name: str, limits: Limits, runne
             text, finish = _stop_at(engine.decode(g.tokens), req.stop, g.finish_reason)
             metrics.tokens.inc(len(g.tokens))
             made = g.tokens + ([g.end_token] if g.end_token is not None else [])
+            prompt = engine.decode(g.ids) if echo else ""
             scored = None
             if g.logprobs is not None:  # the end token too: a scorer reads the last one as the one made
                 ids = (g.ids if echo else []) + made
                 values = ([None, *g.prompt_token_logprobs] if echo else []) + g.token_logprobs
                 top = ([None, *g.prompt_top_logprobs] if echo else []) + g.top_logprobs
-                scored = api.logprobs([engine.token_text(i) for i in ids], values, top, engine.token_text)
-            choices.append(api.choice(kind, k, (engine.decode(g.ids) if echo else "") + text, finish, scored))
+                offsets = api.text_offsets(([(g.ids, prompt)] if echo else []) + [(made, text)], engine.decode)
+                scored = api.logprobs([engine.token_text(i) for i in ids], values, top, engine.token_text, offsets)
+            choices.append(api.choice(kind, k, prompt + text, finish, scored))
         usage = api.usage(sum(len(p) for p in prompts), sum(len(g.tokens) for g in done))
         return api.response(kind, rid, name, choices, usage)
 
     @app.post("/v1/completions")
     async def completions(req: api.CompletionRequest, request: Request):
-        return await answer("text", _prompt_ids(req.prompt, engine), req, request)
+        return await answer("text", _prompt_ids(req.prompt, engine, runner), req, request)
 
     @app.post("/v1/chat/completions")
     async def chat(req: api.ChatRequest, request: Request):
@@ -98,14 +102,16 @@ def add_routes(app: FastAPI, engine: Generator, name: str, limits: Limits, runne
         return await answer("chat", [ids], req, request)
 
 
-def _prompt_ids(prompt, engine: Generator) -> list[list[int]]:
-    """A completion request's prompts as token ids: texts encoded, token ids checked against the vocabulary."""
+def _prompt_ids(prompt, engine: Generator, runner: Runner) -> list[list[int]]:
+    """A completion request's prompts as token ids: texts encoded, token ids checked against the vocabulary; more
+    prompts than the server queues are refused (413) before any is encoded."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]
     if not prompt or any(len(p) == 0 for p in prompt):
         raise HTTPError(
             400, "prompt: give a string, a list of strings, or token ids (a list, or lists)", param="prompt"
         )
+    runner.check_count(len(prompt), "prompts")
     out = []
     for p in prompt:
         if isinstance(p, str):
@@ -137,6 +143,24 @@ class _Stream(StreamingResponse):
             if not self.task.done():
                 self.task.cancel()
                 self.metrics.cancelled.labels("disconnect").inc()
+
+
+def _stopped_at(g: Generation, stop: list[str], decode) -> Callable[[int], None]:
+    """``on_token`` (called in the engine's thread) for a generation with stop sequences: once the text of its last
+    tokens holds one, it is given up, so the engine stops it at its next token, as a stream's is; its answer is
+    cut where its whole text holds the first (``_stop_at``)."""
+    stops = [s for s in stop if s]
+    # the tokens a stop sequence's text can span: at most 4 a character (one per UTF-8 byte), and one more that
+    # ends inside its first; twice as many, so that the window's first tokens (decoded without what precedes
+    # them: a leading space lost, half a character) are never part of it
+    window = 8 * max(len(s) for s in stops) + 8
+
+    def on_token(token: int) -> None:
+        tail = decode(g.tokens[-window:])
+        if any(s in tail for s in stops):
+            g.cancelled.set()
+
+    return on_token
 
 
 def _stop_at(text: str, stop: list[str] | None, finish: str) -> tuple[str, str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -168,17 +169,39 @@ def choice(kind: str, index: int, text: str, finish: str, logprobs: dict | None 
 
 
 def logprobs(
-    texts: list[str], token_logprobs: list[float | None], top: list[list[tuple[int, float]] | None], decode
+    texts: list[str],
+    token_logprobs: list[float | None],
+    top: list[list[tuple[int, float]] | None],
+    decode,
+    offsets: list[int],
 ) -> dict:
-    """OpenAI's legacy ``logprobs`` object: each token's text, log-probability (None for a prompt's first) and
-    most likely alternatives ({text: log-probability}), and where each token's text starts in the answer's text
-    (each token decoded on its own, so a character split over tokens counts in each)."""
-    offsets, at = [], 0
-    for t in texts:
-        offsets.append(at)
-        at += len(t)
+    """OpenAI's legacy ``logprobs`` object: each token's text (decoded on its own, special tokens named),
+    log-probability (None for a prompt's first) and most likely alternatives ({text: log-probability}), and
+    ``offsets``, where each token's text starts in the answer's text (``text_offsets``)."""
     tops = [None if pairs is None else {decode(i): lp for i, lp in pairs} for pairs in top]
     return {"tokens": texts, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def text_offsets(parts: list[tuple[list[int], str]], decode: Callable[[list[int]], str]) -> list[int]:
+    """Where each token starts in an answer's text, as OpenAI's and vLLM's ``text_offset`` index it: ``parts`` are
+    token ids and the text the answer holds for them (their ``decode``, a completion's cut at its stop sequence),
+    in order; the answer's text is their texts' concatenation. A token takes the text it adds to its part's as
+    vLLM's detokenizer decodes incrementally: none for a token the text omits (BOS, with special tokens skipped)
+    or one inside a character (the token that completes the character takes it); a token past its part's text
+    (after a stop sequence) is at the part's end."""
+    offsets, base = [], 0
+    for ids, text in parts:
+        at, prefix, read, before = 0, 0, 0, ""
+        for i in range(len(ids)):
+            offsets.append(base + min(at, len(text)))
+            after = decode(ids[prefix : i + 1])
+            if len(after) > len(before) and not after.endswith("\ufffd"):
+                at += len(after) - len(before)
+                # the next token's text in the context of this one (which may merge with it, or lose a leading space)
+                prefix, read = read, i + 1
+                before = decode(ids[prefix:read])
+        base += len(text)
+    return offsets
 
 
 def usage(prompt: int, completion: int) -> dict:

@@ -8,14 +8,16 @@ gathers every rank's rewards for the batch's statistics; a group never leaves it
 advantages are computed where it was sampled. The sampling RNG is a pure function of (seed, step,
 rank): a resumed run draws what the uninterrupted one drew. With ``num_iterations`` > 1 the step's
 rollouts (and the sampling policy's log-probabilities) are kept for the next steps, and go into the
-checkpoint. A stop signal during a reward call gives the step up on every rank (``StepAbandoned``),
-leaving nothing of it (the random state included), so the trainer checkpoints the step before.
+checkpoint. A stop signal during the step's generation or a reward call gives the step up on every rank
+(``StepAbandoned``), leaving nothing of it (the random state included), so the trainer checkpoints the step
+before: a generation is given up at its next forward, a reward call at once.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import json
 import logging
 import threading
@@ -156,6 +158,7 @@ class Sampled:
     texts: list[str]
     prompts: list  # per completion: the prompt as the reward functions see it
     columns: dict[str, list]  # per completion: the data's other columns
+    given_up: bool = False  # a stop signal came during the generation: the completions are unfinished
 
 
 @dataclass
@@ -176,6 +179,8 @@ class Rollouts:
     cache_units: float = 0.0
     samples: collections.deque = field(default_factory=lambda: collections.deque(maxlen=MAX_SAMPLES))
     said_no_reward: bool = False  # a step without any reward was reported (once a run)
+    # the run's stop signal, as the trainer hands it to each ``step``: a step's generation gives up at it
+    stop: threading.Event | None = None
 
     @property
     def repeat(self) -> int:
@@ -210,12 +215,13 @@ class Rollouts:
         ``num_iterations`` steps, else the kept ones.
 
         Raises:
-            StepAbandoned: ``stop`` (a stop signal) was set on some rank while its reward call ran: every
-                rank gives the step up together, before it changed anything.
+            StepAbandoned: ``stop`` (a stop signal) was set on some rank while its generation or its reward call
+                ran: every rank gives the step up together, before it changed anything.
         """
         if global_step % self.repeat and self.cache:
             return StepBatch(self.cache, step.global_count, step.indices, self.cache_units)
         g = self.grpo
+        self.stop = stop
         sampled = self._sample(model, step.micro, global_step)
         real = np.concatenate([np.full(len(m.records) * g.num_generations, m.weight > 0) for m in step.micro])
         rng = checkpoint.rng_state()
@@ -246,6 +252,7 @@ class Rollouts:
                 prompt_ids += [ids[mask.bool()].tolist()] * n
                 records += [rec] * n
         gens = self._generate(model, prompt_ids, global_step)
+        given_up = any(x.cancelled.is_set() for x in gens)
         # a completion keeps its end token (the policy learns to end)
         completion_ids = [x.tokens + ([x.end_token] if x.end_token is not None else []) for x in gens]
         names = list(dict.fromkeys(k for r in records for k in r["columns"]))
@@ -256,6 +263,7 @@ class Rollouts:
             texts=self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
             prompts=[r["prompt"] for r in records],
             columns={k: [r["columns"].get(k) for r in records] for k in names},
+            given_up=given_up,
         )
 
     @torch.no_grad()
@@ -277,26 +285,34 @@ class Rollouts:
             )
             for ids in prompt_ids
         ]
+        # a step's generation is given up at a stop signal (evaluation's is not: it is short, and its record is kept)
+        signal = self.stop if sample else None
+        lockstep, stop = None, (signal.is_set if signal is not None else None)
+        if self.lockstep:  # every rank's forwards are collective: they agree on a stop in the same all-reduce
+            agreed = threading.Event()
+            lockstep, stop = functools.partial(_any_rank_busy, signal, agreed), agreed.is_set
         was_training = model.training
         model.eval()
         try:
-            engine = Engine(model, set(self.eos_ids), slots=len(gens))
-            engine.generate(gens, lockstep=_any_rank_busy if self.lockstep else None)
+            Engine(model, set(self.eos_ids), slots=len(gens)).generate(gens, lockstep=lockstep, stop=stop)
         finally:
             model.train(was_training)
         return gens
 
     def _score(self, s: Sampled, global_step: int, stop: threading.Event | None) -> tuple[np.ndarray, np.ndarray]:
         """Every completion's rewards (N, functions) and total; a function's failure on any rank stops
-        every rank, with that rank's message, and a stop signal during a call on any rank gives the step
-        up on every rank (``StepAbandoned``)."""
+        every rank, with that rank's message, and a stop signal during the generation or a call on any rank
+        gives the step up on every rank (``StepAbandoned``)."""
         per_fn, error, stopped = np.zeros((len(s.texts), len(self.scorers))), None, None
-        try:
-            per_fn = self._rewards(s, global_step + 1, stop)
-        except KubetuneError as e:
-            error = str(e)
-        except reward_fns.Abandoned as e:
-            stopped = str(e)  # the function's label
+        if s.given_up:
+            stopped = "the generation"
+        else:
+            try:
+                per_fn = self._rewards(s, global_step + 1, stop)
+            except KubetuneError as e:
+                error = str(e)
+            except reward_fns.Abandoned as e:
+                stopped = f"a call of reward function {e}"  # the function's label
         outcomes = distributed.all_gather_object((error, stopped))
         errors = [e for e, _ in outcomes if e]
         if errors:  # a function's own failure would come back after a resume: said rather than stopped on
@@ -305,9 +321,7 @@ class Rollouts:
         if stopped is not None:
             if self.rank == 0:
                 log.warning(
-                    "stop signal during a call of reward function %s at step %d: every process gives the step up",
-                    stopped,
-                    global_step + 1,
+                    "stop signal during %s at step %d: every process gives the step up", stopped, global_step + 1
                 )
             raise distributed.StepAbandoned(global_step + 1)
         return per_fn, reward_fns.total(per_fn, self.scorers)
@@ -499,9 +513,14 @@ class Rollouts:
         self.samples.extend(json.loads(r) for r in states[0]["samples"] if self.rank == 0)
 
 
-def _any_rank_busy(busy: bool) -> bool:
-    """Whether any rank's generation is still going (a sharded model's forwards are collective)."""
-    return bool(distributed.all_reduce_sum(torch.tensor([float(busy)])).item() > 0)
+def _any_rank_busy(signal: threading.Event | None, agreed: threading.Event, busy: bool) -> bool:
+    """Whether any rank's generation is still going (a sharded model's forwards are collective); in the same
+    all-reduce, whether any rank has a stop ``signal``, which sets ``agreed`` on every rank at once."""
+    stopping = signal is not None and signal.is_set()
+    busy_ranks, stopping_ranks = distributed.all_reduce_sum(torch.tensor([float(busy), float(stopping)])).tolist()
+    if stopping_ranks > 0:
+        agreed.set()
+    return busy_ranks > 0
 
 
 def _finite(x: float) -> float | None:
