@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from pathlib import Path
 
@@ -28,6 +29,17 @@ from kubetune.config import JobSpec
 from kubetune.errors import KubetuneError, redact
 
 log = logging.getLogger(__name__)
+_NOT_IN_A_NAME = re.compile(r"[^\w\-. /]")
+
+
+def metric_name(kind: str, key: str) -> str:
+    """The MLflow name of metric ``key`` of a ``kind`` record (``eval/loss``, ``lm_eval/TASK/acc``). MLflow refuses
+    names with other characters than letters, digits, ``_ - . /`` and spaces, or that read as a path (``..``): an
+    lm-eval task may be named anything (``../x``, ``a,b``), so those characters become ``_``, as do empty, ``.``
+    and ``..`` parts, and the run's other metrics still reach the server."""
+    name = _NOT_IN_A_NAME.sub("_", f"{kind}/{key.removeprefix('eval_')}")
+    return "/".join("_" if part.strip() in ("", ".", "..") else part for part in name.split("/"))
+
 
 # per HTTP request, during training: a lost server costs at most this per log step, not minutes
 REQUEST_TIMEOUT_S = "10"
@@ -203,7 +215,7 @@ class MLflowLogger:
 
         if self.resumed and kind not in self.skip and metrics:  # a kind without a loss (lm_eval): its first metric
             try:
-                history = self.client.get_metric_history(self.run_id, f"{kind}/{next(iter(metrics))}")
+                history = self.client.get_metric_history(self.run_id, metric_name(kind, next(iter(metrics))))
                 self.skip[kind] = max((m.step for m in history), default=-1)
             except Exception:  # the server went away: log_batch below reports it
                 self.skip[kind] = -1
@@ -211,7 +223,7 @@ class MLflowLogger:
             return
         now = int(time.time() * 1000)
         batch = [
-            Metric(f"{kind}/{k.removeprefix('eval_')}", float(v), now, step)
+            Metric(metric_name(kind, k), float(v), now, step)
             for k, v in metrics.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool)
         ]
