@@ -18,8 +18,8 @@ import time
 
 __all__ = ["PARENT_PID_ENV", "die_with_parent"]
 
-# Set by kubetune's launchers for their workers: the pid they must not outlive. Read (and removed, so that
-# the worker's own children do not take it for theirs) by the worker at its start.
+# Set by kubetune's launchers for their workers: the pid they must not outlive, read by the worker entry points
+# at their start (nothing else reads it: a worker's own children are armed with the worker's pid, if at all).
 PARENT_PID_ENV = "KUBETUNE_PARENT_PID"
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _POLL_S = 0.5  # the watchdog's period where there is no parent-death signal

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import descendants, kubetune, start_run, tiny_spec, write_spec
+from conftest import descendants, kubetune, start_run, tiny_spec, wait_for_checkpoint, write_spec
 
 from kubetune.artifacts.output import Output
 from kubetune.config import load_spec
@@ -28,30 +28,15 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _wait_for_training(out: Path, proc, timeout: float = 180) -> None:
-    deadline = time.time() + timeout
-    while not any('"type": "train"' in line for line in _lines(out / "history.jsonl")):
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.time() < deadline, "training never started"
-        time.sleep(0.1)
-
-
-def _lines(path: Path) -> list[str]:
-    try:
-        return path.read_text().splitlines()
-    except FileNotFoundError:
-        return []
-
-
 def test_a_launcher_killed_outright_takes_its_workers_and_a_second_run_waits_for_it(tmp_path, small_csv):
     out = tmp_path / "out"
     spec_path = write_spec(
         tmp_path / "job.yaml",
-        tiny_spec(small_csv, out, training={"epochs": 50, "batch_size": 4, "log_every": 1, "checkpoint_every": 4}),
+        tiny_spec(small_csv, out, training={"epochs": 50, "batch_size": 4, "log_every": 1, "checkpoint_every": 2}),
     )
     first = start_run(spec_path)
     try:
-        _wait_for_training(out, first)
+        wait_for_checkpoint(out, 2, first)  # training, with a checkpoint to resume from
         job = descendants(first.pid)
         assert len(job) >= 2, job  # the two workers (and whatever they started)
 

@@ -19,6 +19,14 @@ ENVIRON_WRITERS = {
         "process's, and its rendezvous handler reads TORCH_DISABLE_SHARE_RDZV_TCP_STORE from it; set for the "
         "launch only, and restored"
     ),
+    ("kubetune/pod/launch.py", "run"): (
+        "torchrun's runner takes no environment for the workers either: the pid they die with (kubetune.lifetime) "
+        "goes through this process's, the pod's main process, which runs nothing else"
+    ),
+    ("kubetune/cli/evaluate.py", "_run"): (
+        "as the launchers: torch's elastic launcher takes no environment, and `kubetune eval`'s ranks die with this "
+        "process through the pid it puts there (kubetune.lifetime)"
+    ),
     ("kubetune/training/tracking.py", "_quiet_client"): (
         "MLflow reads its HTTP retries and timeout, and whether to print a run's URL, only from the environment"
     ),
@@ -29,6 +37,10 @@ MUTABLE_GLOBALS = {
     ("kubetune/providers/base.py", "_RESOLVERS"): "the scheme registry, filled by @register as the providers import",
     ("kubetune/backends/local/runs.py", "_LOCAL_JOBS"): (
         "the jobs this process started (Popen handles): child processes belong to the process itself"
+    ),
+    ("kubetune/artifacts/lock.py", "_HELD"): (
+        "the outputs this process holds locked: a lock belongs to the process, and the kernel releases it when the "
+        "process ends, however it ends"
     ),
 }
 

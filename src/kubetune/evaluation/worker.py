@@ -14,7 +14,7 @@ from pathlib import Path
 if __name__ == "__main__":  # before the imports below (torch: seconds), as kubetune.pod.worker does
     from kubetune.lifetime import PARENT_PID_ENV, die_with_parent
 
-    die_with_parent(int(os.environ.pop(PARENT_PID_ENV, 0)) or None)  # a killed `kubetune eval` takes its ranks
+    die_with_parent(int(os.environ.get(PARENT_PID_ENV, 0)) or None)  # a killed `kubetune eval` takes its ranks
 
 from kubetune import distributed  # noqa: E402
 from kubetune.errors import USER_ERROR_EXIT, KubetuneError  # noqa: E402

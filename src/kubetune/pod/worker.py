@@ -28,7 +28,7 @@ if __name__ == "__main__":
 
     # Before anything else (importing torch takes seconds): a launcher killed outright takes its workers
     # with it, never leaving them to train on into an output a new run resumes into.
-    die_with_parent(int(os.environ.pop(PARENT_PID_ENV, 0)) or None)
+    die_with_parent(int(os.environ.get(PARENT_PID_ENV, 0)) or None)
 
 import logging  # noqa: E402
 import warnings  # noqa: E402
