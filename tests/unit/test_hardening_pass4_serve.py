@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_generation_engine import _reference  # transformers' greedy generate, the engine's reference
 
 from kubetune.inference import step as S
 from kubetune.inference.generation import Engine, Generation
@@ -102,7 +103,7 @@ def test_echo_text_offsets_index_the_returned_text(served, max_tokens):
     text, offsets, tokens = choice["text"], choice["logprobs"]["text_offset"], choice["logprobs"]["tokens"]
     assert len(offsets) == len(tokens) == len(ids) + max_tokens
     prompt_text = _decode(tok, ids)
-    made = _greedy(generator.model, ids, max_tokens) if max_tokens else []
+    made = _reference(generator.model, ids, max_tokens) if max_tokens else []
     assert text == prompt_text + _decode(tok, made)
     assert offsets[:2] == [0, 0]  # BOS has no text in the answer: the first word starts where it does
     assert offsets == sorted(offsets) and offsets[-1] <= len(text)
@@ -231,20 +232,11 @@ def test_more_prompts_than_the_queue_holds_are_refused_before_any_is_tokenized(s
 # ---------------------------------------------------------------- row 15: stop sequences, and a stop signal
 
 
-def _greedy(model, ids: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
-        )  # fmt: skip
-    return out[0, len(ids) :].tolist()
-
-
 def test_a_non_streaming_stop_sequence_ends_the_generation_where_it_appears(served):
     app, generator = served
     tok = generator.tokenizer
     ids = tok("The crew was lovely")["input_ids"]
-    made = _greedy(generator.model, ids, 40)
+    made = _reference(generator.model, ids, 40)
     text = _decode(tok, made)
     # a stop sequence inside the 40 tokens: the first word of two characters or more after the fourth token
     stop = next(w for t in range(4, 30) if len(w := _decode(tok, made[t : t + 1]).strip()) > 1)
