@@ -96,3 +96,35 @@ def test_a_lock_file_that_is_a_fifo_or_a_link_is_one_line_not_a_hang(tmp_path):
     with pytest.raises(KubetuneError, match=r"cannot lock .*link: Too many levels of symbolic links"):
         lock.take(link_out, "x")
     assert not (tmp_path / "elsewhere").exists()
+
+
+def test_what_a_finished_output_holds_is_said_whoever_holds_it(tmp_path):
+    """Four runs at once on a finished run's output: this very job's "nothing to train" and another job's refusal
+    are the same whatever else is at it (the lock is looked at only by a run that would write there)."""
+    from kubetune.artifacts import output
+    from kubetune.config import dump_spec
+
+    out = tmp_path / "out"
+    (out / "model").mkdir(parents=True)
+    (out / "model" / "config.json").write_text("{}")
+    (out / "metrics.json").write_text("{}")
+    (out / "job.yaml").write_text(dump_spec(_spec(out, "first")))
+    (out / output.MARKER).write_text("{}")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from pathlib import Path; from kubetune.artifacts import lock; "
+         "lock.take(Path(sys.argv[1]), 'another'); print('held', flush=True); sys.stdin.read()", str(out)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        same = _spec(out, "first")
+        assert Output.for_spec(same).check(same).action == "done"
+        assert Output.for_spec(same).claim(same).action == "done"
+        with pytest.raises(KubetuneError, match=r"holds a finished run \(metrics.json, model/\)"):
+            Output.for_spec(_spec(out)).check(_spec(out))
+        replacing = parse_spec({**_spec(out).model_dump(mode="json"), "output": {"uri": str(out), "overwrite": True}})
+        with pytest.raises(KubetuneError, match="is in use by another run that is still going"):
+            Output.for_spec(replacing).check(replacing)
+    finally:
+        holder.kill()
+        holder.wait()

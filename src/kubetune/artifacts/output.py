@@ -150,10 +150,18 @@ class Output:
 
         Raises:
             KubetuneError: the destination belongs to someone else, holds a finished run (without
-                ``output.overwrite``), or cannot be written.
+                ``output.overwrite``), cannot be written, or (where this run would write there) another
+                live run holds it.
         """
+        plan = self._inspect(spec)
+        # After what the destination holds (the same refusal or "done" whoever else is at it): a run that would
+        # write there, and only such a run, waits for the one writing there now.
+        if plan.action != "done":
+            lock.check(self.local)
+        return plan
+
+    def _inspect(self, spec: JobSpec) -> Plan:
         refuse_special(self.uri)
-        lock.check(self.local)  # another live run writing here
         if self.scheme == "hf":  # a push is one new commit on top of the repo's history: nothing is lost
             return Plan("new", f"pushing to {self.uri} when the run finishes")
         if self.scheme == "s3":
@@ -234,14 +242,18 @@ class Output:
         return _decide(spec, uri, steps, finished=finished, saved_job=saved)
 
     def claim(self, spec: JobSpec) -> Plan:
-        """Rank 0, before anything else is written: check the destination (``inspect``), create and
-        mark it, clear what a restart replaces, and log the decision.
+        """Rank 0, before anything else is written: check the destination (``inspect``), create it, hold it
+        for this process (``lock``: refused while another live run holds it), mark it, clear what a restart
+        replaces, and log the decision; a "done" plan writes nothing.
 
         Returns:
             The plan.
         """
         plan = self.inspect(spec)
         out, uri = self.local, self.prefix
+        if plan.action == "done":  # nothing to write: this job's finished run stays as it is
+            log.info("output %s: %s", self.uri, plan.detail)
+            return plan
         try:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -251,6 +263,9 @@ class Output:
         lock.take(out, spec.name)  # held until this process exits: no second run writes here meanwhile
         again = self.inspect(spec)  # under the lock: a run that held it may have finished meanwhile
         plan = plan if again.action == plan.action else again
+        if plan.action == "done":
+            log.info("output %s: %s", self.uri, plan.detail)
+            return plan
         marker = (
             json.dumps(
                 {"format": "kubetune-output/1", "job": spec.name, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
