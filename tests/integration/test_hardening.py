@@ -76,11 +76,13 @@ def test_a_diverging_run_stops_on_every_rank_keeps_its_checkpoint_and_exports_no
 
 
 def _artifacts(out: Path) -> dict:
-    """The run's files but the live ones (history, progress, events), which are the latest attempt's."""
+    """The run's files but the live ones (history, progress, events, who holds the output), which are the latest
+    attempt's."""
+    live = ("history.jsonl", "progress.json", "tensorboard", ".kubetune-lock")
     return {
         p.relative_to(out): p.read_bytes()
         for p in out.rglob("*")
-        if p.is_file() and p.parts[len(out.parts)] not in ("history.jsonl", "progress.json", "tensorboard")
+        if p.is_file() and p.parts[len(out.parts)] not in live
     }
 
 
