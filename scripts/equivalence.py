@@ -1,5 +1,5 @@
-"""Bit-identical check for refactors: run the three examples (the demo cut to 30 steps, the tiny causal
-chat example, the DPO example on its model), a demo run stopped by SIGTERM after a checkpoint (kept, to
+"""Bit-identical check for refactors: run the examples (the demo cut to 30 steps, the tiny causal chat
+example, the DPO example on its model and KTO on the same pairs and model, GRPO cut to 8 steps), a demo run stopped by SIGTERM after a checkpoint (kept, to
 resume later), `kubetune predict` and `kubetune serve` on each export; then compare two such captures.
 
     python scripts/equivalence.py capture DIR            # on the code before the change (e.g. a worktree's src
@@ -32,12 +32,15 @@ RUNS = {
     "sentiment": ("examples/sentiment-minilm.yaml", ["training.max_steps=30"]),
     "causal": ("examples/causal-tiny-chat.yaml", []),
     "dpo": ("examples/dpo-tiny-chat.yaml", []),
+    # KTO on the DPO example's pairs (each pair: a desirable and an undesirable completion), from the same SFT model
+    "kto": ("examples/dpo-tiny-chat.yaml", ["task=kto", "dpo=null", "name=kto-tiny-chat"]),
+    "grpo": ("examples/grpo-tiny-digits.yaml", ["training.max_steps=8"]),
 }
 PROMPTS = {
     "sentiment": ["I love how smooth this ride is", "I would never trust a self-driving car with my kids"],
     "causal": ["What is the sentiment of this review? I love this car", "What is the sentiment of this review? awful"],
 }
-PROMPTS["dpo"] = PROMPTS["causal"]
+PROMPTS["dpo"] = PROMPTS["kto"] = PROMPTS["grpo"] = PROMPTS["causal"]
 
 
 def _run(args: list[str], log: Path, **kw) -> subprocess.CompletedProcess:
@@ -48,7 +51,7 @@ def _run(args: list[str], log: Path, **kw) -> subprocess.CompletedProcess:
 def _sets(out: Path, name: str) -> list[str]:
     spec, extra = RUNS[name]
     sets = [f"output.uri={out / name}", *extra]
-    if name == "dpo":
+    if name in ("dpo", "kto"):
         sets.append(f"model.uri={out / 'causal' / 'model'}")
     return [spec] + [a for s in sets for a in ("--set", s)]
 

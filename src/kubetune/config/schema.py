@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal, TypeVar, Union
 
 from pydantic import Field, create_model, field_validator, model_validator
 
@@ -338,8 +338,25 @@ def output_uri_problem(uri: str) -> str | None:
     return None
 
 
+S = TypeVar("S", bound=Section)
+
+
 class _JobSpecBase(Section):
     """The job spec's checks; ``JobSpec`` adds the fields, which depend on the registered tasks."""
+
+    def section(self, kind: type[S]) -> S | None:
+        """This spec's task section of model ``kind`` (a task's own section, ``TaskEntry.section``), None where
+        the spec has none: the typed way to a task's section (its field exists per registered task).
+
+        Raises:
+            KeyError: no registered task has a section of model ``kind``.
+        """
+        for name, model in TASK_SECTIONS.items():
+            if model is kind:
+                value = getattr(self, name)
+                assert value is None or isinstance(value, kind)
+                return value
+        raise KeyError(f"no registered task has a section of model {kind.__name__}")
 
     @field_validator("name", check_fields=False)
     @classmethod
