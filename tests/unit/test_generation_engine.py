@@ -62,11 +62,11 @@ def test_a_shared_prompt_is_prefilled_once(lm, monkeypatch, mode):
     """Packed steps (the Llama family; ``flat``: transformers' Llama with its operations called directly): the
     first forward is one row of the two distinct prompts' tokens, every later one a token per request. Plain
     steps (any other model): one prefill of two right-padded rows."""
-    from kubetune.inference import generation
+    import dataclasses
 
     model, prompts = lm
     rows = []
-    forward, flat = type(model).forward, generation.llama_forward
+    forward = type(model).forward
 
     def counting(self, input_ids=None, **kw):
         rows.append(tuple(input_ids.shape))
@@ -77,11 +77,12 @@ def test_a_shared_prompt_is_prefilled_once(lm, monkeypatch, mode):
         return flat(model, input_ids, *args, **kw)
 
     monkeypatch.setattr(type(model), "forward", counting)
-    monkeypatch.setattr(generation, "llama_forward", counting_flat)
     gens = [Generation(prompts[1], 6) for _ in range(8)] + [Generation(prompts[0], 6) for _ in range(8)]
     engine = Engine(model, set(), slots=16)
-    assert engine._packs and engine._flat  # the tiny Llama runs flat; the other steps are forced below
-    engine._packs, engine._flat = mode != "plain", mode == "flat"
+    assert engine._packs and engine._flat is not None  # the tiny Llama runs flat; the other steps are forced below
+    flat = engine._flat.forward
+    engine._packs = mode != "plain"
+    engine._flat = dataclasses.replace(engine._flat, forward=counting_flat) if mode == "flat" else None
     engine.generate(gens)
     if mode != "plain":
         assert rows == [(1, len(prompts[1]) + len(prompts[0]))] + [(1, 16)] * 5
@@ -93,20 +94,22 @@ def test_a_shared_prompt_is_prefilled_once(lm, monkeypatch, mode):
 
 @pytest.mark.parametrize("swapped", [False, True], ids=["f-linear", "swapped"])
 def test_the_flat_llama_forward_gives_transformers_logits_bit_for_bit(lm, monkeypatch, swapped):
-    """``llama_forward`` against the model's own forward on the same packed step (requests in flight and new
+    """The Llama family's flat forward (``families.llama.forward``) against the model's own forward on the same packed step (requests in flight and new
     prompts, each through the step's attention and a cache of its own, the logits of 3 positions kept): the same
     logits, bit for bit, with every linear layer on ``F.linear`` and with the swapped GEMM on (the tiny model's
     weights let in by a threshold of 0: the step's rows are swapped, the head's 3 rows are not, in both); and a
     model with a hook, or in training, does not run flat."""
+    from kubetune.inference import kernels as K
     from kubetune.inference import step as S
+    from kubetune.inference.families import llama
 
     model, prompts = lm
-    assert S.flat_llama(model)
+    assert llama.runs(model)
     if swapped:
-        monkeypatch.setattr(S, "GEMM_MIN_WEIGHT", 0)
+        monkeypatch.setattr(K, "GEMM_MIN_WEIGHT", 0)
     pos, new = [3, 7, 5], [prompts[0], prompts[2]]
     ids = torch.tensor([[11, 12, 13] + prompts[0] + prompts[2]])
-    assert S.GEMM_ROWS[0] <= ids.shape[1] <= S.GEMM_ROWS[1]
+    assert K.GEMM_ROWS[0] <= ids.shape[1] <= K.GEMM_ROWS[1]
     keep = torch.tensor([0, 2, ids.shape[1] - 1])
     logits, products = [], []
     mm = torch.mm
@@ -121,9 +124,9 @@ def test_the_flat_llama_forward_gives_transformers_logits_bit_for_bit(lm, monkey
         step = S.layout(pos, [len(p) for p in new], torch.float32, torch.device("cpu"))
         with torch.no_grad(), S.packed_forward(model, step):
             if flat:
-                logits.append(S.llama_forward(model, ids, step.where[None], cache, keep))
+                logits.append(llama.forward(model, ids, step.where[None], cache, keep))
             else:
-                with S.swapped_gemm(torch.device("cpu"), S.large_linears(model)):
+                with K.swapped_gemm(torch.device("cpu"), K.large_linears(model)):
                     out = model(input_ids=ids, attention_mask=torch.zeros(1, 1, 1, 1), position_ids=step.where[None],
                                 past_key_values=cache, use_cache=True, logits_to_keep=keep)  # fmt: skip
                 logits.append(out.logits)
@@ -135,15 +138,15 @@ def test_the_flat_llama_forward_gives_transformers_logits_bit_for_bit(lm, monkey
     assert model.lm_head.weight.shape not in products
     handle = model.model.layers[0].register_forward_hook(lambda *a: None)
     try:
-        assert not S.flat_llama(model)
+        assert not llama.runs(model)
     finally:
         handle.remove()
     model.train()
     try:
-        assert not S.flat_llama(model)
+        assert not llama.runs(model)
     finally:
         model.eval()
-    assert S.flat_llama(model)
+    assert llama.runs(model)
 
 
 def test_packed_steps_equal_generate_under_eager_attention_and_score_prompts():
@@ -208,7 +211,7 @@ def test_lockstep_makes_as_many_forwards_as_the_busiest_rank(lm, monkeypatch, pa
 
     g = Generation(prompts[0], 5)
     engine = Engine(model, set(), slots=1)
-    engine._packs, engine._flat = packed, False  # a sharded model never runs flat (FSDP changes its classes)
+    engine._packs, engine._flat = packed, None  # a sharded model never runs flat (FSDP changes its classes)
     engine.generate([g], lockstep=lockstep)
     # one forward per round on every rank (plain steps: the first round makes the prefill and the first decode),
     # this rank's last ones on an idle row
@@ -249,7 +252,7 @@ def test_the_swapped_gemm_computes_f_linear_on_its_rows_and_leaves_the_rest_alon
     """``swapped_gemm`` (a CPU step of ``GEMM_ROWS`` rows): a large fp32 linear layer runs as ``(W @ x.T).T`` —
     the same product within float rounding, bias and leading dimensions kept — and exactly as before outside
     those rows, for small weights, for other dtypes, on other devices, and after the step."""
-    from kubetune.inference.step import GEMM_MIN_WEIGHT, GEMM_ROWS, large_linears, swapped_gemm
+    from kubetune.inference.kernels import GEMM_MIN_WEIGHT, GEMM_ROWS, large_linears, swapped_gemm
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.Linear(96, 96), torch.nn.Linear(512, 1024))
@@ -370,26 +373,29 @@ def test_greedy_steps_take_their_tokens_from_the_greedy_head(lm, monkeypatch):
     """With the greedy head on (forced: the tiny model's head is let in by a threshold of 0), steps whose every
     request is greedy and records nothing take their tokens from the screen — the same tokens as ``generate`` —
     and a step with a request asking for log-probabilities runs the full head."""
-    from kubetune.inference import step as S
+    import dataclasses
+
+    from kubetune.inference import kernels
+    from kubetune.inference.families.greedy import GreedyHead
 
     model, prompts = lm
-    monkeypatch.setattr(S, "GEMM_MIN_WEIGHT", 0)
+    monkeypatch.setattr(kernels, "GEMM_MIN_WEIGHT", 0)
     screened = []
-    tokens = S.GreedyHead.tokens
-    monkeypatch.setattr(S.GreedyHead, "tokens", lambda self, *a: screened.append(tokens(self, *a)) or screened[-1])
+    tokens = GreedyHead.tokens
+    monkeypatch.setattr(GreedyHead, "tokens", lambda self, *a: screened.append(tokens(self, *a)) or screened[-1])
     engine = Engine(model, set(), slots=4)
-    engine._greedy_head = S.GreedyHead(enabled=True)
+    engine._greedy_head = GreedyHead(enabled=True)
     gens = [Generation(ids, 8) for ids in prompts]
     engine.generate(gens)
     assert len(screened) == 8 and all(s is not None for s in screened)
     assert all(g.tokens == _reference(model, g.ids, 8) for g in gens)
     screened.clear()
     # where the screen steps aside (here: always), the full head runs on the rows the step kept, shared prompts too
-    from kubetune.inference import generation
-
-    monkeypatch.setattr(S.GreedyHead, "candidates", lambda *a: None)
-    heads, full = [], generation.swapped_linear
-    monkeypatch.setattr(generation, "swapped_linear", lambda layer, x: heads.append(x.shape[-2]) or full(layer, x))
+    monkeypatch.setattr(GreedyHead, "candidates", lambda *a: None)
+    heads, full = [], engine._flat.project
+    engine._flat = dataclasses.replace(
+        engine._flat, project=lambda model, x: heads.append(x.shape[-2]) or full(model, x)
+    )
     shared = [Generation(prompts[1], 8) for _ in range(3)] + [Generation(prompts[2], 8)]
     engine.generate(shared)
     assert screened and not any(screened)

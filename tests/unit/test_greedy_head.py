@@ -1,4 +1,4 @@
-"""The greedy head (``inference.step.GreedyHead``): a bf16 screen of the vocabulary, then the fp32 logits of the
+"""The greedy head (``inference.families.greedy.GreedyHead``): a bf16 screen of the vocabulary, then the fp32 logits of the
 candidates, gives the argmax of the fp32 logits — also where bf16 cannot tell the top two apart — and steps
 aside (None) where it cannot be sure cheaply. Forced on here: on a CPU without bf16 matrix hardware it is off
 in the engine, but its arithmetic is the same."""
@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kubetune.inference.step import GEMM_MIN_WEIGHT, GreedyHead
+from kubetune.inference.families.greedy import GreedyHead
+from kubetune.inference.kernels import GEMM_MIN_WEIGHT
 
 
 def _head(vocabulary: int, hidden: int = 64, seed: int = 0) -> torch.nn.Linear:
@@ -103,7 +104,7 @@ def test_a_head_made_under_inference_mode_is_screened_too():
 def test_the_candidates_are_every_token_within_twice_the_bound_of_its_rows_top(vocabulary, rows):
     """The grouped search (class maxima, then their groups) finds exactly the pairs a plain compare of the whole
     bf16 product finds."""
-    from kubetune.inference.step import SCREEN_BOUND
+    from kubetune.inference.families.greedy import SCREEN_BOUND
 
     head, h = _head(vocabulary, seed=rows), _hidden(rows)[0]
     w = head.weight.detach()
@@ -120,7 +121,7 @@ def test_the_bound_holds_where_the_products_terms_cancel(hidden):
     """|bf16 logit - fp32 logit| <= SCREEN_BOUND x |h| x |w| — the screen's premise — on rows built to make the
     bf16 rounding count: a large component orthogonal to the hidden state (its terms cancel, so the logit is small
     against |h| |w|) plus a small one along it, and on plain random rows."""
-    from kubetune.inference.step import SCREEN_BOUND
+    from kubetune.inference.families.greedy import SCREEN_BOUND
 
     g = torch.Generator().manual_seed(hidden)
     h = torch.randn(8, hidden, generator=g)

@@ -27,7 +27,7 @@ import pytest
 import torch
 from test_generation_engine import _reference  # transformers' greedy generate, the engine's reference
 
-from kubetune.inference import step as S
+from kubetune.inference import scoring
 from kubetune.inference.generation import Engine, Generation
 
 LLAMA = Path(__file__).resolve().parents[2] / "src" / "kubetune" / "assets" / "tiny-llama"
@@ -183,15 +183,16 @@ def test_chunked_prompt_log_probabilities_equal_the_models_own(monkeypatch, mode
 
     tok = AutoTokenizer.from_pretrained(LLAMA)
     model = AutoModelForCausalLM.from_pretrained(LLAMA).eval()
-    monkeypatch.setattr(S, "SCORE_ELEMENTS", 7 * model.config.vocab_size, raising=False)
+    monkeypatch.setattr(scoring, "SCORE_ELEMENTS", 7 * model.config.vocab_size)
     if mode.endswith("-logits"):
-        monkeypatch.setattr(S, "PLAIN_HEAD", frozenset(), raising=False)
+        monkeypatch.setattr(scoring, "PLAIN_HEAD", frozenset())
     prompts = [tok(p)["input_ids"] for p in (PROMPT, "My flight was delayed for six hours and nobody said why")]
 
     def run(scored: bool) -> list[Generation]:
         gens = [Generation(prompts[0], 5), Generation(prompts[1], 3, logprobs=3, prompt_logprobs=scored)]
         engine = Engine(model, set(), slots=4)
-        engine._packs, engine._flat = mode in ("flat", "packed", "packed-logits"), mode == "flat"
+        engine._packs = mode in ("flat", "packed", "packed-logits")
+        engine._flat = engine._flat if mode == "flat" else None
         engine.generate(gens)
         return gens
 

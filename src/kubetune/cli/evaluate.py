@@ -303,35 +303,24 @@ def _run(params: dict, procs: int, endpoint_url: str | None) -> dict:
     )
     params = {**params, "model_uri": str(path)}  # fetched once, not per rank
     if procs == 1:
-        return evaluate(**params, s3=s3)
-    import os
-    import sys
+        results = evaluate(**params, s3=s3)
+        assert results is not None  # rank 0 of 1 answers the results
+        return results
     import tempfile
     import uuid
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from kubetune.backends.local.launcher import launch, single_node_config
 
     with tempfile.TemporaryDirectory(prefix="kubetune-eval-") as tmp:
         out = Path(tmp) / "results.json"
         spec = Path(tmp) / "params.json"
         spec.write_text(json.dumps({**params, "out": str(out)}))
-        config = LaunchConfig(
-            min_nodes=1,
-            max_nodes=1,
-            nproc_per_node=procs,
-            run_id=uuid.uuid4().hex,
-            rdzv_backend="c10d",
-            rdzv_endpoint="127.0.0.1:0",
-            max_restarts=0,
-            monitor_interval=0.2,
-        )
-        from kubetune.lifetime import PARENT_PID_ENV
-
-        os.environ[PARENT_PID_ENV] = str(os.getpid())  # the ranks die with this process, however it ends
-        try:
-            elastic_launch(config, sys.executable)("-m", "kubetune.evaluation.worker", str(spec))
+        config = single_node_config(procs, run_id=uuid.uuid4().hex, monitor_interval=0.2)
+        try:  # the ranks die with this process, however it ends (``launch``)
+            launch(config, ("-m", "kubetune.evaluation.worker", str(spec)))
         except SignalException as e:  # the launcher's handler took the signal, and stopped the ranks
             if e.sigval == signal.SIGINT:
                 raise Interrupted() from None

@@ -53,7 +53,7 @@ def predict(
 ) -> None:
     """Classify texts or generate text with an exported model (a directory, s3:// artifact or hf:// repo)."""
     from kubetune import tasks
-    from kubetune.inference.model import model_path, read_texts
+    from kubetune.inference.model import locate, read_texts
     from kubetune.providers import S3Settings
 
     s3 = S3Settings(endpoint_url=endpoint_url)
@@ -66,8 +66,9 @@ def predict(
             items += read_texts(file)
         if not items:
             raise KubetuneError("no texts given", field="TEXTS", fix="pass texts as arguments or --file texts.txt")
-        local = model_path(model, s3)  # s3:// and hf:// artifacts are downloaded and checked once
+        local = locate(model, s3)  # s3:// and hf:// artifacts are downloaded once; for_model checks the model
         inference = tasks.for_model(local)[1].inference
+        assert inference is not None  # for_model answers only a task that has an inference
         _check_predict_options(inference, given, model)
         results = inference.predict(str(local), items, given, lambda line: typer.echo(f"warning: {line}", err=True))
     except KubetuneError as e:

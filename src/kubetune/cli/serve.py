@@ -90,17 +90,20 @@ def serve(
 
 
 def _load(model: str, adapter: bool, s3):
-    """The export's model directory, the engine its task's inference serves it with, and the protocol.
+    """The export's model directory, the engine its task's inference serves it with, and the protocol. The
+    model is checked once (``tasks.for_model``: ``check_model``), a LoRA export's base once
+    (``adapter_beside``); the engine loads what was checked.
 
     Raises:
         KubetuneError: nothing servable there, or ``--adapter`` where the task serves no adapter.
     """
     from kubetune import tasks
-    from kubetune.inference.model import adapter_beside, model_path
+    from kubetune.inference.model import adapter_beside, locate
 
-    path = model_path(model, s3)
+    path = locate(model, s3)
     name, task = tasks.for_model(path)
     inference = task.inference
+    assert inference is not None  # for_model answers only a task that has an inference
     if inference.serve is None or inference.routes is None:
         raise KubetuneError(
             f"the export of task {name} ({inference.noun}) is not served by kubetune serve",

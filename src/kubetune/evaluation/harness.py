@@ -131,7 +131,6 @@ def evaluate(
         KubetuneError: not a causal LM, an unknown task, a task whose data cannot be had.
     """
     import torch
-    from transformers import AutoModelForCausalLM
 
     from kubetune.inference import causal
     from kubetune.inference import model as M
@@ -143,12 +142,7 @@ def evaluate(
     if adapter:
         path, adapter_dir = M.adapter_beside(path)
     M.expect(path, causal.is_causal_lm, "causal LM")
-    tokenizer = M.load_tokenizer(adapter_dir or path)
-    model = M.load_model(AutoModelForCausalLM, path)
-    if adapter_dir is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, adapter_dir)
+    model, tokenizer = causal.load_causal_lm(path, adapter_dir)  # with ``adapter_dir``: unmerged, as ``peft=``
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
     model = model.to(device).eval()
     return run(

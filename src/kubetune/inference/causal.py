@@ -10,6 +10,7 @@ import functools
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from kubetune.errors import KubetuneError
 from kubetune.inference import model as M
@@ -57,8 +58,8 @@ def generate(
         raise KubetuneError(
             f"{temperature} is not a finite number >= 0", field="--temperature", fix="pass e.g. 0 (greedy) or 0.7"
         )
-    path = M.model_path(uri)
-    M.expect(path, is_causal_lm, "causal LM")
+    path = M.locate(uri)
+    M.expect(path, is_causal_lm, "causal LM")  # the check (``model_path``'s), once
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = load_tokenizer(path)
     model = load_model(AutoModelForCausalLM, path)
@@ -178,21 +179,46 @@ def _log_warning(line: str) -> None:
     logging.getLogger(__name__).warning(line)
 
 
+def load_causal_lm(path: Path, adapter: Path | None = None) -> tuple[Any, Any]:
+    """The one loader of a causal LM export with its adapter: the tokenizer (the adapter's, beside a LoRA
+    adapter, else the model's) and the model in ``path`` (safetensors only: ``model.load_model``), with the
+    LoRA adapter in ``adapter`` on it, unmerged (``with_adapter``). ``path`` is checked by the caller
+    (``model.check_model``, ``model.expect``): a command checks a model once.
+
+    Returns:
+        ``(model, tokenizer)``, the model on the CPU in training mode, as transformers loads it.
+
+    Raises:
+        KubetuneError: the tokenizer or the weights cannot be loaded.
+    """
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_tokenizer(adapter or path)
+    model = load_model(AutoModelForCausalLM, path)
+    return (model if adapter is None else with_adapter(model, adapter)), tokenizer
+
+
+def with_adapter(model: Any, adapter: Path, merge: bool = False) -> Any:
+    """``model`` (a loaded causal LM) with the LoRA adapter saved in ``adapter``: a ``PeftModel``, unmerged (as
+    `kubetune serve --adapter` and `kubetune eval --adapter` score it), or with ``merge`` its weights merged
+    in and the adapter's modules removed (a causal-LM export's ``model/``), in ``model``'s dtype."""
+    from peft import PeftModel
+
+    peft = PeftModel.from_pretrained(model, adapter)
+    return peft.merge_and_unload() if merge else peft
+
+
 class Generator:
-    """A causal LM export (its ``model/``, or a model directory), on the GPU when there is one."""
+    """A causal LM export (its ``model/``, or a model directory), on the GPU when there is one.
+
+    ``path`` is checked by the caller and holds a causal LM: `kubetune serve` checks it once (``tasks.for_model``;
+    a LoRA export's base: ``model.adapter_beside``) and builds this through the task's inference (``seam``)."""
 
     def __init__(self, path: Path, adapter: Path | None = None, slots: int = 16):
         import torch
-        from transformers import AutoModelForCausalLM
 
-        M.expect(path, is_causal_lm, "causal LM")
         self.path = path
-        self.tokenizer = load_tokenizer(adapter or path)
-        model = load_model(AutoModelForCausalLM, path)
-        if adapter is not None:  # the base plus the LoRA adapter, unmerged
-            from peft import PeftModel
-
-            model = PeftModel.from_pretrained(model, adapter)
+        model, self.tokenizer = load_causal_lm(path, adapter)  # with ``adapter``: the base plus it, unmerged
         M.check_vocab(model, self.tokenizer, path)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.model = model.to(self.device).eval()

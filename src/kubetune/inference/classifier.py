@@ -37,8 +37,8 @@ def classify(uri: str, texts: list[str], batch_size: int = 32) -> list[dict]:
     import torch
     from transformers import AutoModelForSequenceClassification, pipeline
 
-    path = M.model_path(uri)
-    M.expect(path, is_sequence_classifier, "text classifier")
+    path = M.locate(uri)
+    M.expect(path, is_sequence_classifier, "text classifier")  # the check (``model_path``'s), once
     tokenizer = load_tokenizer(path)
     model = load_model(AutoModelForSequenceClassification, path)
     check_vocab(model, tokenizer, path)
@@ -59,10 +59,11 @@ class Classifier:
     outputs = OUTPUTS
 
     def __init__(self, path: Path):
+        """``path``: a checked model directory holding a sequence classifier (`kubetune serve` checks it once,
+        ``tasks.for_model``, and builds this through the task's inference, ``seam``)."""
         import torch
         from transformers import AutoModelForSequenceClassification, pipeline
 
-        M.expect(path, is_sequence_classifier, "text classifier")
         self.path = path
         tokenizer = load_tokenizer(path)
         model = load_model(AutoModelForSequenceClassification, path)

@@ -17,8 +17,8 @@ batching over a KV cache that is written in place.
 - **Sampling per request**: greedy, or temperature and top-p, with a seed of its own (a seeded request draws
   from its own ``torch.Generator``, so its result does not depend on what else is in flight).
 - **A prompt's log-probabilities** (OpenAI's ``echo``, what evaluation clients score) from its hidden states, a few
-  positions' logits at a time (``step.score_rows``): a long prompt's logits never all exist.
-- **Greedy steps without the head's full product** (``step.GreedyHead``, a CPU with bf16 matrix hardware): where
+  positions' logits at a time (``scoring.score_rows``): a long prompt's logits never all exist.
+- **Greedy steps without the head's full product** (``families.greedy``, a CPU with bf16 matrix hardware): where
   every request in a step is greedy and records no log-probabilities, a bf16 copy of the head screens the
   vocabulary and only the candidates' fp32 logits are computed; the token is still the fp32 argmax.
 
@@ -27,8 +27,9 @@ setting up its paged cache for a 5-prompt batch of the tiny Llama (it sizes the 
 free memory), and its seeding is per manager, not per request. This loop is the model's own forward with
 a cache object of ours (transformers' ``Cache`` protocol: ``update`` and ``get_seq_length``), so every
 architecture whose attention goes through ``past_key_values.update`` and takes a 4D mask runs on it; the
-Llama family runs packed steps through the attention interface, and transformers' Llama as loaded for
-inference runs them as its operations called directly (``step.llama_forward``: why, there).
+Llama family runs packed steps through the attention interface, and a model with a family fast path (chosen by
+architecture, ``families``: transformers' Llama as loaded for inference, its operations called directly) runs
+them through it. The engine itself knows no family.
 """
 
 from __future__ import annotations
@@ -42,22 +43,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kubetune.inference.step import (
-    GreedyHead,
-    SlotCache,
-    flat_llama,
-    hidden_states,
-    large_linears,
-    layout,
-    llama_forward,
-    packed_forward,
-    packs,
-    pick,
-    plain_head,
-    score_rows,
-    swapped_gemm,
-    swapped_linear,
-)
+from kubetune.inference.families import family_of
+from kubetune.inference.families.greedy import GreedyHead
+from kubetune.inference.kernels import large_linears, swapped_gemm
+from kubetune.inference.sampling import draw, sample
+from kubetune.inference.scoring import hidden_states, pick, plain_head, score_rows
+from kubetune.inference.step import SlotCache, layout, packed_forward, packs
+
+__all__ = ["Engine", "Generation", "draw"]
 
 
 @dataclass
@@ -94,19 +87,6 @@ class Generation:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_token_logprobs: list[float] = field(default_factory=list)
     prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-
-
-def draw(probs: torch.Tensor, rng: torch.Generator | None) -> list[int]:
-    """One token per row of ``probs`` [rows, vocabulary] (non-negative, any scale), drawn by inverting each
-    row's cumulative distribution at a uniform from ``rng`` (one per row, in row order).
-
-    Why not ``torch.multinomial``: on the CPU it took 24.9 ms for 32 rows of a 32,000-token vocabulary
-    against 0.46 ms for this (2-core Xeon; torch 2.13), which made sampling a fifth of a GRPO step
-    (benchmarks/README.md, "GRPO"). A token of probability 0 (cut by top-k or top-p) is never drawn: its
-    interval ``[c[i-1], c[i])`` is empty."""
-    cdf = probs.double().cumsum(-1)
-    u = torch.rand(probs.shape[0], 1, generator=rng, device=probs.device, dtype=torch.float64) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[-1] - 1).squeeze(-1).tolist()
 
 
 def _record(logits: torch.Tensor, rows: list[_Row], tokens: list[int]) -> None:
@@ -168,7 +148,8 @@ class Engine:
         self._default_rng.manual_seed(0)
         self._linears = large_linears(model)
         self._packs = packs(model)
-        self._flat = self._packs and flat_llama(model)  # one forward a step, new prompts packed in (``inference.step``)
+        # a family's flat forward of a packed step, where one runs this model (``families``); None: ``model(...)``
+        self._flat = family_of(model) if self._packs else None
         self._greedy_head = GreedyHead()  # a greedy step's tokens without the head's full fp32 product (CPU)
 
     # ------------------------------------------------------------------ the two ways in
@@ -339,7 +320,7 @@ class Engine:
         kept = torch.tensor(keep, device=self.device) if prompts else None  # None: every position
         # every row greedy, recording nothing: the forward stops before the head, for the greedy head
         greedy = all(_plain_greedy(r.gen) for r in rows + new)
-        screened = self._flat and greedy and self._greedy_head.fits(self.model.lm_head)
+        screened = self._flat is not None and greedy and self._greedy_head.fits(self._flat.head(self.model))
         logits, hidden, head = self._forward(step, ids, cache, kept, screened, bool(scored) and not whole, plain)
         if scored:
             if whole:
@@ -357,9 +338,9 @@ class Engine:
         tokens = None
         if screened:  # ``logits`` is the final norm's output at the kept positions
             rows_out = logits if order is None else logits.index_select(0, order)
-            tokens = self._greedy_head.tokens(self.model.lm_head, rows_out)
+            tokens = self._greedy_head.tokens(self._flat.head(self.model), rows_out)
             if tokens is None:  # the screen did not apply: the full head, on the rows ``model(...)`` computes it for
-                logits = swapped_linear(self.model.lm_head, logits)
+                logits = self._flat.project(self.model, logits)
         if tokens is None:
             if order is not None:  # scored prompts or shared ones (else the rows are in order)
                 # only then: the CPU's swapped GEMM leaves the logits transposed in memory, where picking 16 rows of
@@ -373,15 +354,15 @@ class Engine:
     def _forward(self, step, ids: torch.Tensor, cache, kept, screened: bool, hidden: bool, plain) -> tuple:
         """A packed step's forward: (the logits at ``kept``, or with ``screened`` the final norm's output there;
         with ``hidden``, every position's last hidden states and the head that projects them, else None, None).
-        ``plain``: the decoder and head of a model that does not run flat (``step.plain_head``)."""
-        if self._flat:  # transformers' Llama as loaded for inference: its operations called directly
+        ``plain``: the decoder and head of a model that does not run flat (``scoring.plain_head``)."""
+        if self._flat is not None:  # the family's flat forward (transformers' Llama: its operations called directly)
             with packed_forward(self.model, step):
                 at, project = (None, False) if hidden else (kept, not screened)
-                out = llama_forward(self.model, ids, step.where[None], cache, at, head=project)
+                out = self._flat.forward(self.model, ids, step.where[None], cache, at, head=project)
             if not hidden:
                 return out[0], None, None
-            head = functools.partial(swapped_linear, self.model.lm_head)
-            return head(out[:, kept])[0], out[0], head  # the kept positions' logits as ``llama_forward`` makes them
+            head = functools.partial(self._flat.project, self.model)
+            return head(out[:, kept])[0], out[0], head  # the kept positions' logits as the flat forward makes them
         unread = torch.zeros((1, 1, 1, 1), dtype=self.dtype, device=self.device)  # a 4D mask: see step_attention
         capture = hidden_states(plain[0]) if hidden else contextlib.nullcontext([])
         with packed_forward(self.model, step), swapped_gemm(self.device, self._linears), capture as states:
@@ -396,7 +377,7 @@ class Engine:
         return (out.logits[0], states[0][0], plain[1]) if hidden else (out.logits[0], None, None)
 
     def _score_prompts(self, new: list[_Row], unique: dict[tuple, int], rows: Callable, head, vocab: int) -> None:
-        """The prompt log-probabilities (echo) of the new requests that ask for them (``step.score_rows``):
+        """The prompt log-probabilities (echo) of the new requests that ask for them (``scoring.score_rows``):
         ``rows(u, k)``, the first ``k`` positions' hidden states (``head`` projects them) or logits (``head`` None)
         of distinct prompt ``u``."""
         for row in new:
@@ -556,34 +537,5 @@ class Engine:
         return rng
 
     def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> list[int]:
-        """Each row's next token from its logits: the argmax, or drawn with its temperature, top-k and top-p
-        (in that order, as transformers' warpers). Rows that sample alike from the same generator (a GRPO
-        step's) are drawn together, in row order."""
-        tokens = [0] * len(rows)
-        greedy: list[int] = []
-        groups: dict[tuple, list[int]] = collections.defaultdict(list)
-        for k, row in enumerate(rows):
-            g = row.gen
-            if g.temperature > 0:
-                groups[(g.temperature, g.top_k, g.top_p, id(row.rng))].append(k)
-            else:
-                greedy.append(k)
-        if greedy:  # the argmax of the greedy rows only (a vocabulary-wide pass per row)
-            index = greedy if len(greedy) < len(rows) else slice(None)
-            # max's indices: argmax's (the first of equal maxima), in 0.27 ms for 16 rows of a 32k vocabulary
-            # against argmax's 0.45 on the CPU
-            for k, token in zip(greedy, logits[index].max(-1).indices.tolist()):
-                tokens[k] = token
-        for (temperature, top_k, top_p, _), index in groups.items():
-            scores = logits[index] / temperature
-            if 0 < top_k < scores.shape[-1]:
-                scores = scores.masked_fill(scores < scores.topk(top_k, dim=-1).values[:, -1:], float("-inf"))
-            probs = torch.softmax(scores, -1)
-            if top_p < 1.0:
-                sorted_probs, order = probs.sort(dim=-1, descending=True)
-                drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p  # beyond the smallest set reaching top_p
-                probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
-            drawn = draw(probs, rows[index[0]].rng)
-            for k, token in zip(index, drawn):
-                tokens[k] = token
-        return tokens
+        """Each row's next token from its logits (``sampling.sample``, with each row's generator)."""
+        return sample(logits, [r.gen for r in rows], [r.rng for r in rows])

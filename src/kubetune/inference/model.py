@@ -45,6 +45,18 @@ def model_path(uri: str, s3: providers.S3Settings = providers.S3Settings()) -> P
     Raises:
         KubetuneError: no exported model there, or one ``predict`` cannot load (see ``check_model``).
     """
+    path = locate(uri, s3)
+    check_model(path)
+    return path
+
+
+def locate(uri: str, s3: providers.S3Settings = providers.S3Settings()) -> Path:
+    """``model_path`` without the check, for a command that checks the directory once itself (`kubetune serve`:
+    ``tasks.for_model`` checks it while finding its task).
+
+    Raises:
+        KubetuneError: no exported model there (no config.json, no model/config.json), or it cannot be fetched.
+    """
     path = pull(uri, s3=s3)
     if (path / "model" / "config.json").exists():
         path = path / "model"
@@ -54,7 +66,6 @@ def model_path(uri: str, s3: providers.S3Settings = providers.S3Settings()) -> P
             field="MODEL",
             fix="pass a job's output.uri or its model/ directory",
         )
-    check_model(path)
     return path
 
 

@@ -71,7 +71,8 @@ class Inference:
     predict_options: tuple[str, ...] = ()
     show: Callable[[dict], str] = str
     # `kubetune serve`: (model directory, its LoRA adapter's directory or None) -> the engine
-    # (``Engine``), served over ``routes``; None: the export is not served.
+    # (``Engine``), served over ``routes``; None: the export is not served. The directory is checked already
+    # (``model.check_model``: `kubetune serve` checks a model once) and is this task's kind.
     serve: Callable[[Path, Path | None], Any] | None = None
     routes: Routes | None = None
     adapters: bool = False  # a LoRA export may be served as its base model plus adapter/ (serve --adapter)

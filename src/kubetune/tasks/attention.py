@@ -29,7 +29,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from kubetune.inference.step import WRAPPED, model_attention
+from kubetune.inference.attention import model_attention, wrap
 
 ATTENTION = "kubetune_packed"
 # At most this many SDPA calls per layer: documents sorted by length, cut into groups of equal count.
@@ -49,7 +49,7 @@ def register(fallback: str = "sdpa") -> str:
     from transformers.masking_utils import AttentionMaskInterface
 
     name = ATTENTION if fallback == "sdpa" else f"{ATTENTION}_{fallback}"
-    WRAPPED[name] = fallback  # the generation engine's packed step runs the fallback (``inference.step``)
+    wrap(name, fallback)  # the generation engine's packed step runs the fallback (``inference.attention``)
     AttentionInterface.register(name, functools.partial(_uncompiled(), fallback=fallback))
     AttentionMaskInterface.register(name, functools.partial(_mask, fallback=fallback))
     return name

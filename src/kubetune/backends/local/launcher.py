@@ -10,6 +10,7 @@ import socket
 import sys
 import tempfile
 import uuid
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -19,7 +20,10 @@ from kubetune.errors import KubetuneError
 from kubetune.lifetime import PARENT_PID_ENV
 from kubetune.pod.launch import WORKER_MODULE, Stopped, WorkerFailed, root_failure, translated_failures
 
-__all__ = ["SHUTDOWN_GRACE_S", "Stopped", "WorkerFailed", "launch_config", "root_failure", "run", "worker_env"]
+__all__ = [
+    "SHUTDOWN_GRACE_S", "Stopped", "WorkerFailed", "launch", "launch_config", "root_failure", "run",
+    "single_node_config", "worker_env",
+]  # fmt: skip
 log = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 110
 
@@ -116,11 +120,42 @@ def run(spec: JobSpec, local_addr: str | None = None) -> dict[int, object]:
     try:
         config = launch_config(spec, run_id=run_id, local_addr=local_addr, log_dir=workdir / "elastic")
         spec_file.write_text(dump_spec(spec))
-        # the workers die with this process, however it ends (kubetune.lifetime)
-        with translated_failures(), _launcher_environment({**worker_env(spec), PARENT_PID_ENV: str(os.getpid())}):
-            return elastic_launch(config, entrypoint=sys.executable)("-u", "-m", WORKER_MODULE, str(spec_file))
+        with translated_failures():
+            return launch(config, ("-u", "-m", WORKER_MODULE, str(spec_file)), worker_env(spec))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def launch(config: LaunchConfig, args: Sequence[str], env: Mapping[str, str] | None = None) -> dict[int, object]:
+    """The one elastic launch of kubetune's local processes (`kubetune run`'s workers, `kubetune eval --procs`'s
+    ranks): ``config``'s workers each run ``python *args`` with this process's environment plus ``env`` and
+    ``PARENT_PID_ENV`` (the workers die with this process, however it ends: ``kubetune.lifetime``), restored
+    after. Blocks until they end.
+
+    Returns:
+        Each local rank's return value (torch's ``elastic_launch``).
+
+    Raises:
+        SignalException: the launcher's handler took SIGTERM or SIGINT and stopped the workers.
+        ChildFailedError: a worker failed (torch's; ``pod.launch.translated_failures`` translates it for a job).
+    """
+    with _launcher_environment({**(env or {}), PARENT_PID_ENV: str(os.getpid())}):
+        return elastic_launch(config, entrypoint=sys.executable)(*args)
+
+
+def single_node_config(procs: int, *, run_id: str, monitor_interval: float) -> LaunchConfig:
+    """Pure: the launch of ``procs`` processes on this machine that restart nothing (`kubetune eval --procs`),
+    rendezvous on a free local port (c10d), torch's defaults otherwise."""
+    return LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=procs,
+        run_id=run_id,
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        monitor_interval=monitor_interval,
+    )
 
 
 @contextlib.contextmanager
