@@ -47,7 +47,7 @@ from kubetune.inference.families import family_of
 from kubetune.inference.families.greedy import GreedyHead
 from kubetune.inference.kernels import large_linears, swapped_gemm
 from kubetune.inference.sampling import draw, sample
-from kubetune.inference.scoring import hidden_states, pick, plain_head, score_rows
+from kubetune.inference.scoring import hidden_states, plain_head, record, score_rows
 from kubetune.inference.step import SlotCache, layout, packed_forward, packs
 
 __all__ = ["Engine", "Generation", "draw"]
@@ -87,21 +87,6 @@ class Generation:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_token_logprobs: list[float] = field(default_factory=list)
     prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-
-
-def _record(logits: torch.Tensor, rows: list[_Row], tokens: list[int]) -> None:
-    """Each new token's log-probability (and the most likely there) for the rows that ask for them (not those
-    of ``max_tokens`` 0, which make nothing)."""
-    asking = [k for k, r in enumerate(rows) if r.gen.logprobs is not None and r.gen.max_tokens > 0]
-    if not asking:
-        return
-    gens = [rows[k].gen for k in asking]
-    chosen, tops = pick(
-        torch.log_softmax(logits[asking], -1), [tokens[k] for k in asking], max(g.logprobs for g in gens)
-    )
-    for g, lp, top in zip(gens, chosen, tops):
-        g.token_logprobs.append(lp)
-        g.top_logprobs.append(top[: g.logprobs])
 
 
 def _plain_greedy(g: Generation) -> bool:
@@ -320,7 +305,8 @@ class Engine:
         kept = torch.tensor(keep, device=self.device) if prompts else None  # None: every position
         # every row greedy, recording nothing: the forward stops before the head, for the greedy head
         greedy = all(_plain_greedy(r.gen) for r in rows + new)
-        screened = self._flat is not None and greedy and self._greedy_head.fits(self._flat.head(self.model))
+        flat = self._flat
+        screened = flat is not None and greedy and self._greedy_head.fits(flat.head(self.model))
         logits, hidden, head = self._forward(step, ids, cache, kept, screened, bool(scored) and not whole, plain)
         if scored:
             if whole:
@@ -336,11 +322,11 @@ class Engine:
         if self.on_step is not None:
             self.on_step(len(self._rows))
         tokens = None
-        if screened:  # ``logits`` is the final norm's output at the kept positions
+        if screened and flat is not None:  # ``logits`` is the final norm's output at the kept positions
             rows_out = logits if order is None else logits.index_select(0, order)
-            tokens = self._greedy_head.tokens(self._flat.head(self.model), rows_out)
+            tokens = self._greedy_head.tokens(flat.head(self.model), rows_out)
             if tokens is None:  # the screen did not apply: the full head, on the rows ``model(...)`` computes it for
-                logits = self._flat.project(self.model, logits)
+                logits = flat.project(self.model, logits)
         if tokens is None:
             if order is not None:  # scored prompts or shared ones (else the rows are in order)
                 # only then: the CPU's swapped GEMM leaves the logits transposed in memory, where picking 16 rows of
@@ -348,7 +334,7 @@ class Engine:
                 logits = logits.index_select(0, order)
             logits = logits.float()
             tokens = self._sample(logits, self._rows)
-            _record(logits, self._rows, tokens)
+            record(logits, [r.gen for r in self._rows], tokens)
         self._take(self._rows, tokens, 0)
 
     def _forward(self, step, ids: torch.Tensor, cache, kept, screened: bool, hidden: bool, plain) -> tuple:
@@ -364,6 +350,7 @@ class Engine:
             head = functools.partial(self._flat.project, self.model)
             return head(out[:, kept])[0], out[0], head  # the kept positions' logits as the flat forward makes them
         unread = torch.zeros((1, 1, 1, 1), dtype=self.dtype, device=self.device)  # a 4D mask: see step_attention
+        capture: contextlib.AbstractContextManager[list[torch.Tensor]]
         capture = hidden_states(plain[0]) if hidden else contextlib.nullcontext([])
         with packed_forward(self.model, step), swapped_gemm(self.device, self._linears), capture as states:
             out = self.model(
@@ -400,7 +387,7 @@ class Engine:
                 firsts[u] = row
         ordered = [firsts[u] for u in range(prompts)] + copies
         for k, row in enumerate(copies):
-            self._cache.move(lo + unique[tuple(row.gen.ids)], lo + prompts + k)
+            self._slots().move(lo + unique[tuple(row.gen.ids)], lo + prompts + k)
         for row in ordered:
             row.rng = self._rng(row.gen)
         self._rows.extend(ordered)
@@ -427,7 +414,9 @@ class Engine:
         scored = any(r.gen.prompt_logprobs for r in new)
         plain = plain_head(self.model) if scored else None
         keep = torch.arange(width) if scored and plain is None else torch.unique(lengths - 1)
-        with hidden_states(plain[0]) if plain else contextlib.nullcontext([]) as states:
+        capture: contextlib.AbstractContextManager[list[torch.Tensor]]
+        capture = hidden_states(plain[0]) if plain else contextlib.nullcontext([])
+        with capture as states:
             out = self.model(
                 input_ids=ids.to(self.device),
                 attention_mask=self._mask(allowed[:, None]),
@@ -446,12 +435,12 @@ class Engine:
         ordered = self._place(new, unique, len(prompts), lo)
         logit_rows = [unique[tuple(r.gen.ids)] for r in ordered]
         tokens = self._sample(last[logit_rows], ordered)
-        _record(last[logit_rows], ordered, tokens)
+        record(last[logit_rows], [r.gen for r in ordered], tokens)
         self._take(ordered, tokens, lo)
 
     def _decode(self) -> None:
         """One token for every request in flight, in one forward."""
-        cache = self._cache
+        cache = self._slots()
         n = len(self._rows)
         pos = torch.tensor([r.length for r in self._rows])
         width = int(pos.max()) + 1
@@ -474,7 +463,7 @@ class Engine:
             self.on_step(n)
         logits = out.logits[:, -1].float()
         tokens = self._sample(logits, self._rows)
-        _record(logits, self._rows, tokens)
+        record(logits, [r.gen for r in self._rows], tokens)
         self._take(self._rows, tokens, 0)
 
     def _take(self, rows: list[_Row], tokens: list[int], lo: int) -> None:
@@ -503,7 +492,7 @@ class Engine:
             row = self._rows[k]
             last = len(self._rows) - 1
             if k != last:
-                self._cache.move(last, k)
+                self._slots().move(last, k)
                 self._rows[k] = self._rows[last]
             self._rows.pop()
             self._finish(row)
@@ -513,6 +502,11 @@ class Engine:
             row.done(row.gen)
 
     # ------------------------------------------------------------------ pieces
+
+    def _slots(self) -> SlotCache:
+        """The cache, made by the first step (``_ensure_cache``) before any row is in flight."""
+        assert self._cache is not None, "no cache before the first step"
+        return self._cache
 
     def _ensure_cache(self, capacity: int) -> SlotCache:
         if self._cache is None:

@@ -54,7 +54,7 @@ def swapped_gemm(device: torch.device, linears: list[torch.nn.Linear]) -> Iterat
         yield
         return
     for m in linears:
-        m.forward = types.MethodType(swapped_linear, m)
+        setattr(m, "forward", types.MethodType(swapped_linear, m))  # the instance's own forward, deleted after
     try:
         yield
     finally:

@@ -2,12 +2,13 @@
 time, projected from the decoder's last hidden states (``hidden_states``) where the logits are the head's
 projection alone (``plain_head``: ``PLAIN_HEAD`` model types), else read from the logits: a long prompt's logits
 never all exist (or, read from the model's logits, never with their log-softmax beside them). ``pick`` reads a token's
-log-probability and the most likely ones from the same values."""
+log-probability and the most likely ones from the same values; ``record``, each new token's."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -18,7 +19,7 @@ import torch
 PLAIN_HEAD = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3"})
 
 
-def plain_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+def plain_head(model: Any) -> tuple[torch.nn.Module, torch.nn.Module] | None:
     """For a ``PLAIN_HEAD`` causal LM (under a PEFT wrapper too): its decoder, whose output's first element is
     the last hidden states, and its output projection, whose output alone is the logits; else None."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -70,3 +71,27 @@ def score_rows(
         chosen += c
         tops += t
     return chosen, tops
+
+
+class Recorded(Protocol):
+    """A request whose new tokens' log-probabilities may be recorded (``generation.Generation``)."""
+
+    logprobs: int | None
+    max_tokens: int
+    token_logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+
+
+def record(logits: torch.Tensor, rows: Sequence[Recorded], tokens: list[int]) -> None:
+    """Each new token's log-probability (and the most likely there) for the rows that ask for them (not those
+    of ``max_tokens`` 0, which make nothing): row ``k``'s logits ``logits[k]``, its new token ``tokens[k]``."""
+    asking = [k for k, g in enumerate(rows) if g.logprobs is not None and g.max_tokens > 0]
+    if not asking:
+        return
+    gens = [rows[k] for k in asking]
+    chosen, tops = pick(
+        torch.log_softmax(logits[asking], -1), [tokens[k] for k in asking], max(g.logprobs or 0 for g in gens)
+    )
+    for g, lp, top in zip(gens, chosen, tops):
+        g.token_logprobs.append(lp)
+        g.top_logprobs.append(top[: g.logprobs])

@@ -43,7 +43,7 @@ STEP_ATTENTION = "kubetune_step"
 PACKED_MODELS = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "granite"})
 
 
-def packs(model: torch.nn.Module) -> bool:
+def packs(model: Any) -> bool:
     """Whether the engine may run ``model`` in packed steps (see the module's docstring)."""
     config = getattr(model, "config", None)
     if config is None or getattr(config, "model_type", None) not in PACKED_MODELS:
@@ -151,7 +151,7 @@ def _registered() -> str:
 
 
 @contextlib.contextmanager
-def packed_forward(model: torch.nn.Module, step: Packed) -> Iterator[None]:
+def packed_forward(model: Any, step: Packed) -> Iterator[None]:
     """Around a forward of a packed step: ``model`` runs ``step_attention`` (its config's attention named so for
     the forward, its own restored after); afterwards, every layer that wrote the cache must have attended
     through it (a model that does not is a bug in ``packs``, not a wrong answer)."""

@@ -32,6 +32,8 @@ import torch.nn.functional as F
 from kubetune.inference.attention import model_attention, wrap
 
 ATTENTION = "kubetune_packed"
+# Where a packed row's layout is kept on its ``position_ids`` tensor (``_layout``).
+_LAYOUT = "_kubetune_layout"
 # At most this many SDPA calls per layer: documents sorted by length, cut into groups of equal count.
 GROUPS = 4
 
@@ -102,7 +104,7 @@ def _layout(position_ids: torch.Tensor | None, length: int):
     Every layer gets the same ``position_ids`` tensor (and so does the recomputation of a
     checkpointed layer), so the layout is worked out once per forward pass and kept on that tensor:
     its host syncs (the documents' count and lengths) happen once, not once per layer."""
-    cached = getattr(position_ids, "_kubetune_layout", None)
+    cached = getattr(position_ids, _LAYOUT, None)
     if cached is not None and cached[0] == length:
         return cached[1]
     lengths = documents(position_ids, length)
@@ -121,7 +123,7 @@ def _layout(position_ids: torch.Tensor | None, length: int):
         positions.append(index[valid])
     # back to the row's order: every position appears exactly once across the groups
     layout = (groups, torch.argsort(torch.cat(positions)))
-    position_ids._kubetune_layout = (length, layout)
+    setattr(position_ids, _LAYOUT, (length, layout))
     return layout
 
 

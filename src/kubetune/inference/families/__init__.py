@@ -9,7 +9,7 @@ its line in ``FAMILIES``; a test that its forward gives the model's own logits b
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
 from kubetune.inference.families import llama
 from kubetune.inference.families.base import Family
@@ -18,7 +18,7 @@ from kubetune.inference.families.base import Family
 FAMILIES: dict[str, Family] = {t: f for f in (llama.FAMILY,) for t in f.model_types}
 
 
-def family_of(model: torch.nn.Module) -> Family | None:
+def family_of(model: Any) -> Family | None:
     """The family whose fast path runs ``model`` as loaded: registered for its config's ``model_type`` and
     taking it (``Family.runs``); None: the generic path."""
     family = FAMILIES.get(getattr(getattr(model, "config", None), "model_type", None) or "")

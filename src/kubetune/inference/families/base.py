@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -23,7 +23,7 @@ class FlatForward(Protocol):
 
     def __call__(
         self,
-        model: torch.nn.Module,
+        model: Any,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         cache: SlotCache,
@@ -48,7 +48,7 @@ class Family:
 
     name: str
     model_types: frozenset[str]
-    runs: Callable[[torch.nn.Module], bool]
+    runs: Callable[[Any], bool]
     forward: FlatForward
-    project: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
-    head: Callable[[torch.nn.Module], torch.nn.Module]
+    project: Callable[[Any, torch.Tensor], torch.Tensor]
+    head: Callable[[Any], torch.nn.Linear]

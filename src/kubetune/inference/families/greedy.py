@@ -99,7 +99,9 @@ class GreedyHead:
         # 32k vocabulary runs as [256, 2000], then [125, 16]) and the candidates are found from each class's
         # largest value (0.15 ms against 0.6 for a compare and ``nonzero`` of all)
         groups = self._groups(vocabulary)
-        a = torch.mm(self._low, h.to(torch.bfloat16).t()).view(groups, -1)
+        low = self._low
+        assert low is not None  # made by ``_refresh``
+        a = torch.mm(low, h.to(torch.bfloat16).t()).view(groups, -1)
         best_of_class = a.amax(0)
         top = best_of_class.view(-1, rows).amax(0).float()
         floor = top - 2 * SCREEN_BOUND * self._norm * torch.linalg.vector_norm(h, dim=1)
@@ -122,7 +124,7 @@ class GreedyHead:
         key = (w.data_ptr(), version, tuple(w.shape))
         flat = w.reshape(-1)
         sample = flat[:: max(1, flat.numel() // 4096)]  # about 4,096 values: a few microseconds to compare
-        if key != self._key or not torch.equal(sample, self._sample):
+        if key != self._key or self._sample is None or not torch.equal(sample, self._sample):
             self._low, self._norm = w.to(torch.bfloat16), float(torch.linalg.vector_norm(w, dim=1).max())
             self._key, self._sample = key, sample.clone()
 

@@ -5,6 +5,8 @@ a Llama with hooks, in training, or of another class) runs the generic path, ``m
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from kubetune.inference.families.base import Family
@@ -12,7 +14,7 @@ from kubetune.inference.kernels import swapped_linear
 from kubetune.inference.step import SlotCache, packs, step_attention
 
 
-def runs(model: torch.nn.Module) -> bool:
+def runs(model: Any) -> bool:
     """Whether ``model`` is transformers' Llama itself, as loaded for inference (``forward`` runs it): the
     exact classes, in eval mode, with no hooks on any module (FSDP, PEFT or a user's would be bypassed)."""
     from transformers.activations import ACT2CLS
@@ -22,7 +24,14 @@ def runs(model: torch.nn.Module) -> bool:
         return False
     if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
         return False
-    kinds = {ml.LlamaDecoderLayer, ml.LlamaAttention, ml.LlamaMLP, ml.LlamaRMSNorm, ml.LlamaModel, ml.LlamaForCausalLM}
+    kinds: set[object] = {
+        ml.LlamaDecoderLayer,
+        ml.LlamaAttention,
+        ml.LlamaMLP,
+        ml.LlamaRMSNorm,
+        ml.LlamaModel,
+        ml.LlamaForCausalLM,
+    }
     kinds |= {ml.LlamaRotaryEmbedding, torch.nn.Linear, torch.nn.Embedding, torch.nn.ModuleList, torch.nn.SiLU}
     kinds.add(ACT2CLS["silu"])
     for m in model.modules():
@@ -32,7 +41,7 @@ def runs(model: torch.nn.Module) -> bool:
 
 
 def forward(
-    model: torch.nn.Module,
+    model: Any,
     input_ids: torch.Tensor,
     position_ids: torch.Tensor,
     cache: SlotCache,
@@ -77,12 +86,12 @@ def forward(
     return linear(model.lm_head, x) if head else x
 
 
-def project(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+def project(model: Any, hidden: torch.Tensor) -> torch.Tensor:
     """The logits of ``hidden`` (``forward``'s output with ``head`` False), as ``forward`` would have made them."""
     return swapped_linear(model.lm_head, hidden)
 
 
-def head(model: torch.nn.Module) -> torch.nn.Module:
+def head(model: Any) -> torch.nn.Linear:
     """The output projection ``forward`` leaves out with ``head`` False (what the greedy head screens)."""
     return model.lm_head
 

@@ -35,6 +35,8 @@ __all__ = ["HTTPError", "Limits", "build_app"]
 def build_app(engine, name: str, routes: Routes, limits: Limits = Limits(), token: str | None = None) -> FastAPI:
     """The app serving ``engine`` (a ``seam.Engine``) as model ``name`` over ``routes``."""
     generated = getattr(engine, "generated", None)
+    batcher: Batcher | Feeder
+    metrics: Metrics  # made with the batcher; its callbacks below read it when they run
     if getattr(engine, "submit", None) is not None:  # continuous batching: requests join the batch in flight
         batcher = Feeder(
             engine,
@@ -46,17 +48,17 @@ def build_app(engine, name: str, routes: Routes, limits: Limits = Limits(), toke
         )
         metrics = Metrics(batcher)
     else:
-        batcher = Batcher(engine.run, limits.max_batch, limits.max_wait_ms / 1000, limits.max_queue)
-        metrics = Metrics(batcher)
+        batched = Batcher(engine.run, limits.max_batch, limits.max_wait_ms / 1000, limits.max_queue)
+        batcher, metrics = batched, Metrics(batched)
         if getattr(engine, "cancel", None) is not None:
-            batcher.on_cancel = engine.cancel
+            batched.on_cancel = engine.cancel
 
         def on_batch(items: list) -> None:
             metrics.batch.observe(len(items))
             if generated is not None:
                 metrics.generated.inc(generated(items))
 
-        batcher.on_batch = on_batch
+        batched.on_batch = on_batch
     runner = Runner(batcher, limits, metrics)
 
     @contextlib.asynccontextmanager

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import threading
 import time
 from collections.abc import Callable, Hashable
@@ -83,7 +84,7 @@ class Batcher:
             self._cond.notify()
         if self.on_cancel is not None:
             for item in queued:
-                item.future.add_done_callback(lambda f, p=item.payload: f.cancelled() and self.on_cancel(p))
+                item.future.add_done_callback(functools.partial(_cancelled, self, item.payload))
         return [item.future for item in queued]
 
     async def submit(self, payload, key: Hashable = None):
@@ -183,7 +184,7 @@ class Feeder:
                 self.engine.submit(payload, lambda g, f=future: loop.call_soon_threadsafe(self._done, f, g))
         if self.on_cancel is not None:
             for (payload, _), future in zip(items, futures):
-                future.add_done_callback(lambda f, p=payload: f.cancelled() and self.on_cancel(p))
+                future.add_done_callback(functools.partial(_cancelled, self, payload))
         return futures
 
     async def submit(self, payload, key: Hashable = None):
@@ -198,3 +199,9 @@ class Feeder:
             self.on_done(payload)
         error = getattr(payload, "error", None)
         _set(future, error if error is not None else payload)
+
+
+def _cancelled(owner: Batcher | Feeder, payload: Any, future: asyncio.Future[Any]) -> None:
+    """A future's done callback: a cancelled one's payload goes to its owner's ``on_cancel``."""
+    if future.cancelled() and owner.on_cancel is not None:
+        owner.on_cancel(payload)

@@ -7,14 +7,14 @@ up is stopped in the engine at its next token (``Batcher.on_cancel``) and counte
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kubetune.inference.server.batcher import Batcher, QueueFull
+from kubetune.inference.server.batcher import Batcher, Feeder, QueueFull
 
 CLIENT_GONE = 499  # nginx's "client closed request": counted, never seen by the client
 
@@ -42,7 +42,7 @@ class HTTPError(StarletteHTTPException):
         message: str,
         kind: str = "invalid_request_error",
         param: str | None = None,
-        headers: dict[str, str] | None = None,
+        headers: Mapping[str, str] | None = None,
     ):
         super().__init__(status, message, headers)
         self.status, self.message, self.kind, self.param = status, message, kind, param
@@ -57,7 +57,7 @@ def check_model(asked: str | None, name: str) -> None:
 
 
 class Metrics:
-    def __init__(self, batcher: Batcher):
+    def __init__(self, batcher: Batcher | Feeder):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("kubetune_requests", "Requests answered", ["endpoint", "status"], registry=r)
@@ -83,7 +83,7 @@ class Metrics:
 class Runner:
     """Puts requests through ``batcher`` within ``limits``, counting in ``metrics``."""
 
-    def __init__(self, batcher: Batcher, limits: Limits, metrics: Metrics):
+    def __init__(self, batcher: Batcher | Feeder, limits: Limits, metrics: Metrics):
         self.batcher, self.limits, self.metrics = batcher, limits, metrics
 
     async def compute(self, items: list[tuple[Any, Hashable]], noun: str, receive=None) -> list:

@@ -65,8 +65,13 @@ def add_routes(app: FastAPI, engine: Generator, name: str, limits: Limits, runne
                 raise HTTPError(400, "stream: true takes one prompt", param="stream")
             if req.logprobs is not None or req.echo:
                 raise HTTPError(400, "logprobs and echo are answered without stream: true", param="stream")
-            g, loop, queue = gens[0], asyncio.get_running_loop(), asyncio.Queue()
-            g.on_token = lambda token: loop.call_soon_threadsafe(queue.put_nowait, token)
+            g, loop = gens[0], asyncio.get_running_loop()
+            queue: asyncio.Queue[int | None] = asyncio.Queue()
+
+            def on_token(token: int) -> None:  # from the engine's thread
+                loop.call_soon_threadsafe(queue.put_nowait, token)
+
+            g.on_token = on_token
             task = asyncio.ensure_future(runner.wait(runner.enqueue([(g, None)], "prompts")))  # 429 before 200
             task.add_done_callback(lambda _: queue.put_nowait(None))
             return _Stream(_stream(g, queue, task, kind, rid, name, req.stop, engine, metrics), task, metrics)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -39,7 +39,7 @@ def lone_surrogate(value: Any, where: str = "") -> str | None:
     return None
 
 
-def describe(errors: list[dict]) -> str:
+def describe(errors: Sequence[Mapping[str, Any]]) -> str:
     """One line for the first of pydantic's (or FastAPI's) validation errors: where, then what."""
     if not errors:
         return "body: not a valid request"

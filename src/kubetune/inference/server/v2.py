@@ -148,7 +148,8 @@ def _flat_strings(data: list, where: str) -> list[str]:
 
 def _unpack_bytes(raw: bytes, where: str) -> list[str]:
     """The binary extension's BYTES tensor: each element a 4-byte little-endian length and its bytes."""
-    out, at = [], 0
+    out: list[str] = []
+    at = 0
     while at < len(raw):
         if at + 4 > len(raw) or at + 4 + (n := struct.unpack_from("<I", raw, at)[0]) > len(raw):
             raise ProtocolError(f"{where}: element {len(out)} runs past the tensor's bytes; send whole elements")
@@ -171,7 +172,7 @@ def response(
     wanted = request.outputs or [RequestedOutput(name=x) for x in outputs]
     tensors, tail = [], []
     for out in wanted:
-        tensor = {"name": out.name, "datatype": outputs[out.name], "shape": [n]}
+        tensor: dict[str, object] = {"name": out.name, "datatype": outputs[out.name], "shape": [n]}
         if (out.parameters or {}).get("binary_data", binary_default):
             data = _pack(outputs[out.name], values[out.name])
             tensor["parameters"] = {"binary_data_size": len(data)}
