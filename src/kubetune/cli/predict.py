@@ -69,6 +69,7 @@ def predict(
         local = locate(model, s3)  # s3:// and hf:// artifacts are downloaded once; for_model checks the model
         inference = tasks.for_model(local)[1].inference
         assert inference is not None  # for_model answers only a task that has an inference
+        show = inference.show
         _check_predict_options(inference, given, model)
         results = inference.predict(str(local), items, given, lambda line: typer.echo(f"warning: {line}", err=True))
     except KubetuneError as e:
@@ -77,7 +78,7 @@ def predict(
         typer.echo(json.dumps(results, ensure_ascii=False, indent=2))
     else:
         for r in results:
-            typer.echo(inference.show(r))
+            typer.echo(show(r))
 
 
 def _check_texts(items: list[str]) -> None:

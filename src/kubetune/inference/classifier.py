@@ -92,7 +92,7 @@ class Classifier:
                 out.append(e)
         return out
 
-    def _label(self, texts: list[str]) -> list[dict]:
+    def _label(self, texts: list[str]) -> list[dict | Exception]:
         with self._lock:
             out = self.pipe(texts, batch_size=len(texts), truncation=True, max_length=self.context)
         return [{"label": r["label"], "score": float(r["score"])} for r in out]
