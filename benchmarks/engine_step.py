@@ -7,10 +7,10 @@ MODEL is a causal LM directory (benchmarks/README.md, "Serving": the 28M Llama o
 ``make_model``). Prints, in one process:
 
 - the model's forward of T rows (one packed row of T tokens, no cache), ms, with the linear layers on
-  ``F.linear`` and with the swapped GEMM (``inference.step.swapped_gemm``): median of ``--rounds`` timings of
+  ``F.linear`` and with the swapped GEMM (``inference.kernels.swapped_gemm``): median of ``--rounds`` timings of
   ``--repeats`` forwards each, the two taking turns;
 - the engine alone: 16 requests of 100 greedy tokens (prompts of 6 to 9 tokens), ms per step, median of
-  ``--rounds`` runs after one warm-up run each, with the greedy head (``inference.step.GreedyHead``) on and off,
+  ``--rounds`` runs after one warm-up run each, with the greedy head (``inference.families.greedy.GreedyHead``) on and off,
   taking turns (on a CPU without bf16 matrix hardware the engine leaves it off; here it is forced on), and
   whether the two made the same tokens.
 """
@@ -25,7 +25,7 @@ import torch
 
 
 def forward_ms(model, rows: int, swapped: bool, repeats: int) -> float:
-    from kubetune.inference.step import large_linears, swapped_gemm
+    from kubetune.inference.kernels import large_linears, swapped_gemm
 
     ids = torch.randint(3, 1000, (1, rows), generator=torch.Generator().manual_seed(rows))
     linears = large_linears(model) if swapped else []
@@ -39,7 +39,7 @@ def forward_ms(model, rows: int, swapped: bool, repeats: int) -> float:
 
 def engine_ms(model, rounds: int) -> tuple[dict[bool, list[float]], bool]:
     from kubetune.inference.generation import Engine, Generation
-    from kubetune.inference.step import GreedyHead
+    from kubetune.inference.families.greedy import GreedyHead
 
     out, made = {True: [], False: []}, {}
     for r in range(rounds + 1):
