@@ -23,8 +23,7 @@ from kubetune.backends.cluster.objects import CONTAINER, stage_dir, to_yaml
 from kubetune.config import JobSpec
 from kubetune.config.load import load_yaml
 from kubetune.config.tune import ParamSpec, TuneSpec
-from kubetune.data.tables import short
-from kubetune.errors import KubetuneError, SpecError
+from kubetune.errors import KubetuneError, SpecError, short
 
 KATIB_API = ("kubeflow.org", "v1beta1", "experiments")
 # kubetune's evaluation lines: a metric's name (eval_*, train_*, or an lm-eval task/metric) and its value
