@@ -72,7 +72,7 @@ class ArrowFile:
         by_batch = np.argsort(which, kind="stable")
         grouped, batch_of = ids[by_batch], which[by_batch]  # the ids in file order, and each one's batch
         bounds = np.flatnonzero(np.diff(batch_of)) + 1
-        firsts = batch_of[np.r_[0, bounds]] if len(ids) else []
+        firsts: np.ndarray | list[int] = batch_of[np.r_[0, bounds]] if len(ids) else []
         pieces, since = [], 0
         for b, picked in zip(firsts, np.split(grouped, bounds)):
             pieces.append(batches[b].take(pa.array(picked - self._starts[b])))  # a copy: the map's pages can go

@@ -365,11 +365,14 @@ def _tokenize_part(rows_path: str, ids: np.ndarray, encode, part: Path, progress
     (written under a temporary name, then renamed; a worker process of the pool runs it too)."""
     rows = ArrowFile(rows_path)
     tmp = part.with_name(f".{part.name}.{os.getpid()}.tmp")
-    writer = sink = schema = None
+    writer: pa.RecordBatchStreamWriter | None = None
+    sink: pa.OSFile | None = None
+    schema: pa.Schema | None = None
     pending: list[pa.Table] = []  # encoded, not yet written: up to PART_BATCH_ROWS rows
 
     def flush() -> None:
         if pending:
+            assert writer is not None  # made with the first rows pending
             writer.write_table(pa.concat_tables(pending).combine_chunks())
             pending.clear()
 
@@ -390,6 +393,7 @@ def _tokenize_part(rows_path: str, ids: np.ndarray, encode, part: Path, progress
             sink = pa.OSFile(str(tmp), "wb")
             writer = pa.ipc.new_stream(sink, table.schema)
             writer.write_table(table)
+        assert sink is not None  # opened with the writer
         writer.close()
         sink.close()
         writer = sink = None
@@ -460,10 +464,10 @@ def read_split(
         )
 
     if getattr(spec, "streaming", False):  # data.train is streamed (``data.stream``): data.eval alone, whole
-        evald = rows("eval", None)
-        _, eval_ids = split_ids(0, len(evald), spec, seed)
-        dropped = {"eval": evald.facts["dropped"]} if evald.facts.get("dropped") else {}
-        return RowSplit(evald, evald, np.zeros(0, dtype=np.int64), eval_ids, evald.facts.get("format", ""), dropped)
+        only = rows("eval", None)
+        _, eval_ids = split_ids(0, len(only), spec, seed)
+        dropped = {"eval": only.facts["dropped"]} if only.facts.get("dropped") else {}
+        return RowSplit(only, only, np.zeros(0, dtype=np.int64), eval_ids, only.facts.get("format", ""), dropped)
     train = rows("train", None)
     evald = rows("eval", train.facts) if spec.eval else None
     train_ids, eval_ids = split_ids(

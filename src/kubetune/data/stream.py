@@ -41,7 +41,7 @@ import itertools
 import json
 import os
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -112,7 +112,7 @@ class Stream:
         self.buffer: list[tuple[int, dict]] = []  # (origin, row)
         self.origin = -1  # the origin (``origin``) of the last row handed out
         self.rng = np.random.default_rng([seed, epoch])
-        self._source: Iterator[tuple[int, int, dict]] | None = None
+        self._source: Generator[tuple[int, int, dict], None, None] | None = None
 
     @classmethod
     def from_state(cls, listing: Listing, state: dict, **kwargs) -> Stream:
@@ -214,7 +214,7 @@ class Stream:
         self.origin, values = self.buffer.pop()
         return values
 
-    def _rows_from(self, first: int, skip: int) -> Iterator[tuple[int, int, dict]]:
+    def _rows_from(self, first: int, skip: int) -> Generator[tuple[int, int, dict], None, None]:
         """(shard, rows of it taken with this one, row) from row ``skip`` of shard ``first`` on."""
         for k in range(first, len(self.listing.shards)):
             # closed here, not when collected: a stream closed mid-shard deletes its copy now
@@ -223,7 +223,7 @@ class Stream:
                     if k > first or n > skip:
                         yield k, n, values
 
-    def _shard_rows(self, shard: Shard) -> Iterator[dict]:
+    def _shard_rows(self, shard: Shard) -> Generator[dict, None, None]:
         """A shard's normalized rows, all of them (a resume skips what it took), then the
         normalizer's checks over the shard."""
         with self._local(shard) as source:

@@ -181,6 +181,7 @@ def read_chunks(
         yield from _dataset_dir_chunks(source.path, uri, field, split, source.fmt, encoding, chunk_bytes)
         return
     fmt, path = source.fmt, source.path
+    assert fmt is not None  # a file's format: check_source refused a suffix it does not know
     rows = None if chunk_bytes is None else _rows_per_chunk(path, source.size, chunk_bytes, fmt)
     try:
         if fmt == "parquet":
@@ -264,7 +265,8 @@ def _check_size(size: int, uri: str, field: str, max_input_mb: int | None, what:
 
 def dir_data_files(path: Path, uri: str, field: str) -> tuple[str | None, list[tuple[Path, int]]]:
     """The data files in a directory (as `datasets` finds them: hidden ones skipped) and their kind."""
-    files, suffixes = [], Counter()
+    files: list[tuple[Path, int]] = []
+    suffixes: Counter[str] = Counter()
     for root, dirs, names in os.walk(path):
         dirs[:] = sorted(d for d in dirs if not d.startswith((".", "__")))
         for name in sorted(names):

@@ -9,6 +9,7 @@ import contextlib
 import os
 import stat
 from pathlib import Path
+from typing import Literal
 
 from kubetune.config import JobSpec
 from kubetune.errors import KubetuneError
@@ -102,7 +103,7 @@ def open_study(spec: JobSpec, out: Path, create: bool):
 
     db = out / "study.db"
     _check_database(db)
-    direction = "minimize" if spec.tune.minimize() else "maximize"
+    direction: Literal["minimize", "maximize"] = "minimize" if spec.tune.minimize() else "maximize"
     try:
         storage = optuna.storages.RDBStorage(f"sqlite:///{db}", engine_kwargs={"connect_args": {"timeout": 60}})
         names = optuna.study.get_all_study_names(storage)

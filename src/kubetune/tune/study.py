@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
-import itertools
 import json
 import logging
 import math
@@ -119,8 +118,8 @@ class Search:
         remaining = self.tune.trials - len(counted(study))
         if self.tune.algorithm == "grid":
             combos = 1
-            for p in self.tune.space.values():
-                combos *= len(p.grid())
+            for values in space.grid_values(self.tune).values():
+                combos *= len(values)
             remaining = min(remaining, combos - len(counted(study)))
         if remaining > 0:
             say(
@@ -224,7 +223,10 @@ class Search:
         trial_raw = space.trial_spec(self.base, values, str(out), nested)
         spec_path.write_text(yaml.safe_dump(trial_raw, sort_keys=False))
         values = {k: v for k, v in values.items() if k in self.tune.space}
-        with self.gpus.lease() if self.gpus else contextlib.nullcontext([]) as gpus:
+        lease: contextlib.AbstractContextManager[list[str]] = (
+            self.gpus.lease() if self.gpus else contextlib.nullcontext([])
+        )
+        with lease as gpus:
             return self._run_trial(trial, name, spec_path, out, log_path, values, gpus)
 
     def _trial_dir(self, trial) -> str:
@@ -234,8 +236,10 @@ class Search:
         mkdir, so that no two trials share a directory, a spec or a log."""
         if trial.user_attrs.get("dir"):
             return trial.user_attrs["dir"]
-        first = f"trial-{trial.number:03d}"
-        for name in itertools.chain([first], (f"{first}.{k}" for k in itertools.count(2))):  # never ends
+        first, k = f"trial-{trial.number:03d}", 1
+        while True:
+            name = first if k == 1 else f"{first}.{k}"
+            k += 1
             if (self.out / "specs" / f"{name}.yaml").exists() or (self.out / "logs" / f"{name}.log").exists():
                 continue
             try:
