@@ -19,6 +19,12 @@ def redact(text: str) -> str:
     return _CREDENTIALS.sub(r"\1***@", text)
 
 
+def short(value: object, limit: int = 100) -> str:
+    """``str(value)`` cut to ``limit`` characters, so that a message stays one short line whatever the input."""
+    text = " ".join(str(value).split("\n"))
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 class KubetuneError(Exception):
     """An error caused by the user's input (spec, data, credentials, cluster).
 

@@ -19,7 +19,7 @@ from conftest import MINILM, ROOT, kubetune, tiny_spec, write_spec
 
 from kubetune.artifacts.output import Output
 from kubetune.errors import KubetuneError
-from kubetune.providers import S3Settings
+from kubetune.providers import S3Settings, s3_upload
 from kubetune.providers import s3 as s3p
 
 pytestmark = pytest.mark.integration
@@ -97,7 +97,7 @@ def _minilm_dir() -> Path:
 
 def test_model_directory_round_trip_and_no_second_download(moto, s3, tmp_path, monkeypatch):
     src = _minilm_dir()
-    manifest = s3p.upload_dir(src, f"s3://{BUCKET}/models/minilm", settings=ENV)
+    manifest = s3_upload.upload_dir(src, f"s3://{BUCKET}/models/minilm", settings=ENV)
     keys = {o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix="models/minilm/")["Contents"]}
     assert f"models/minilm/{s3p.MANIFEST}" in keys and "models/minilm/model.safetensors" in keys
     assert manifest["files"]["model.safetensors"]["size"] == (src / "model.safetensors").stat().st_size
@@ -134,7 +134,7 @@ def test_dataset_prefix_and_single_object(moto, s3, small_csv):
 
 
 def test_end_to_end_s3_in_s3_out_then_predict_and_pull(moto, s3, tmp_path, small_csv):
-    s3p.upload_dir(_minilm_dir(), f"s3://{BUCKET}/models/minilm-e2e", settings=ENV)
+    s3_upload.upload_dir(_minilm_dir(), f"s3://{BUCKET}/models/minilm-e2e", settings=ENV)
     s3.upload_file(str(small_csv), BUCKET, "datasets/small.csv")
     spec = tiny_spec(
         f"s3://{BUCKET}/datasets/small.csv",
@@ -208,7 +208,7 @@ def test_server_stopped_mid_upload_errors_after_retries_and_leaves_no_manifest(m
     t0 = time.monotonic()
     try:
         with pytest.raises(KubetuneError) as e:
-            s3p.upload_dir(src, f"s3://{BUCKET}/runs/crash", settings=ENV)
+            s3_upload.upload_dir(src, f"s3://{BUCKET}/runs/crash", settings=ENV)
     finally:
         stopped.wait(10)
         moto.start()  # same port, same in-process data: as if the server came back

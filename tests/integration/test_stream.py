@@ -16,7 +16,8 @@ import pytest
 import torch
 from test_s3 import BUCKET, moto, s3  # noqa: F401  (moto's server on 127.0.0.1, shared with test_s3.py)
 
-from kubetune.data.stream import Stream, list_shards, rank_steps, slot
+from kubetune.data.shards import list_shards
+from kubetune.data.stream import Stream, rank_steps, slot
 from kubetune.errors import KubetuneError
 from kubetune.providers import S3Settings
 from kubetune.tasks.causal_lm import CausalLMData

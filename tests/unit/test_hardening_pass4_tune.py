@@ -18,7 +18,7 @@ from kubetune import tune
 from kubetune.cli import app
 from kubetune.config.load import parse_spec
 from kubetune.errors import KubetuneError
-from kubetune.tune import space, study
+from kubetune.tune import space, storage, study
 
 
 def _raw(out: Path, **tune_section) -> dict:
@@ -109,16 +109,16 @@ def test_which_directories_a_study_may_write_into(tmp_path, entries, overwrite, 
     spec = parse_spec(raw)
     if allowed == "error":
         with pytest.raises(KubetuneError) as e:
-            study.check_output(spec, out)
+            storage.check_output(spec, out)
         assert e.value.field == "output.uri" and "--overwrite" in e.value.fix
     elif allowed is None:
-        assert study.check_output(spec, out) is None
-        assert study.check_output(parse_spec(_raw(tmp_path / "new" / "dir")), tmp_path / "new" / "dir") is None
+        assert storage.check_output(spec, out) is None
+        assert storage.check_output(parse_spec(_raw(tmp_path / "new" / "dir")), tmp_path / "new" / "dir") is None
     else:
-        assert study.check_output(spec, out).startswith(allowed)
+        assert storage.check_output(spec, out).startswith(allowed)
     (tmp_path / "file").write_text("x")
     with pytest.raises(KubetuneError) as e:  # a file where the directory should be, --overwrite or not
-        study.check_output(spec, tmp_path / "file")
+        storage.check_output(spec, tmp_path / "file")
     assert "exists and is not a directory" in str(e.value)
 
 

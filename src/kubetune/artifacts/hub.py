@@ -69,7 +69,7 @@ def check_can_push(spec: JobSpec, repo: str) -> None:
 
     try:
         HfApi().whoami()  # a rejected token fails now, not after training
-    except (hf_errors.HfHubHTTPError, OSError, *_network_errors()) as e:  # no local file is written here
+    except (hf_errors.HfHubHTTPError, OSError) + _network_errors() as e:  # no local file is written here
         rejected = (f"the Hub at {_endpoint()} rejected the token ({{status}})", "check HF_TOKEN")
         raise _hub_error(
             e,
@@ -148,7 +148,7 @@ def push(spec: JobSpec, repo: str, out: Path, metrics: dict, present: Presentati
         message = spec.output.commit_message or f"kubetune {spec.name}: {present.headline(metrics)}"
         api.create_repo(rid, private=spec.output.hf_private, exist_ok=True, repo_type="model")
         info = api.upload_folder(folder_path=str(folder), repo_id=rid, repo_type="model", commit_message=message)
-    except (hf_errors.HfHubHTTPError, *_network_errors()) as e:
+    except (hf_errors.HfHubHTTPError,) + _network_errors() as e:
         # httpx errors (huggingface_hub >= 1) are not OSErrors; requests' (older versions) are
         kept = "check HF_ENDPOINT and the network; the local artifacts are kept"
         raise _hub_error(
@@ -246,7 +246,7 @@ def _hub_error(
 
     if isinstance(e, hf_errors.HfHubHTTPError):
         status = getattr(e.response, "status_code", None)
-        message, fix = statuses.get(status, other)
+        message, fix = statuses.get(status, other) if isinstance(status, int) else other
         return KubetuneError(message.replace("{status}", str(status)), field=field, fix=fix)
     doing, fix = unreachable
     return KubetuneError(f"cannot reach the Hub at {_endpoint()}{doing} ({type(e).__name__})", field=field, fix=fix)

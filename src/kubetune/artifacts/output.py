@@ -360,9 +360,9 @@ class Output:
         ``artifacts.finish`` and ``commit``). Checkpoints are not part of the artifact: they travel
         under their own manifests."""
         if self.scheme == "s3":
-            from kubetune.providers import s3
+            from kubetune.providers import s3_upload
 
-            s3.upload_dir(self.local, self.uri, settings=self.s3, exclude=("checkpoints",))
+            s3_upload.upload_dir(self.local, self.uri, settings=self.s3, exclude=("checkpoints",))
         elif self.scheme == "hf":
             from kubetune.artifacts import hub
 

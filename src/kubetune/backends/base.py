@@ -23,8 +23,17 @@ class Backend(Protocol):
     def status(self, name: str) -> JobStatus:
         """Phase, replicas, restarts, and why it failed."""
 
-    def logs(self, name: str, follow: bool = False, tail: int | None = None, **options: Any) -> Iterator[str]:
-        """The job's log lines (``follow``: until it ends; ``tail``: the last N first)."""
+    def logs(
+        self,
+        name: str,
+        follow: bool = False,
+        *,
+        tail: int | None = None,
+        rank: int | None = None,
+        all_ranks: bool = False,
+    ) -> Iterator[str]:
+        """The job's log lines (``follow``: until it ends; ``tail``: the last N first; ``rank``: node ``rank``'s
+        only, ``all_ranks``: every node's)."""
 
     def wait(self, name: str, timeout: float | None = None) -> JobStatus:
         """Block until it succeeds or fails; raises ``WaitTimeout`` after ``timeout`` seconds."""
@@ -48,6 +57,26 @@ class Backend(Protocol):
         elsewhere (its ``status().output`` says where its artifacts are)."""
 
 
+class MachineBackend(Backend, Protocol):
+    """A backend whose jobs run on this machine (one not in ``CLUSTER``)."""
+
+    def has(self, name: str) -> bool:
+        """Whether there is a run of that name (made by ``reach``: a record of it on this machine)."""
+
+
+class ForegroundBackend(MachineBackend, Protocol):
+    """The backend `kubetune run` runs a job with, in the foreground (``foreground``)."""
+
+    def run(self, spec: JobSpec, local_addr: str | None = None) -> dict[int, object]:
+        """Run the job here until it ends; returns the workers' results by rank."""
+
+    def record_run(self, spec: JobSpec) -> Path | None:
+        """Record the run (what `kubetune status NAME` reads from another shell); its record's path."""
+
+    def end_run(self, record: Path, code: int) -> None:
+        """Mark the recorded run ended with exit ``code``."""
+
+
 # name -> "module:class" (imported on first use: the cluster backends load the Kubernetes client)
 REGISTRY = {
     "local": "kubetune.backends.local.runs:LocalBackend",
@@ -68,10 +97,15 @@ GROUPS = {"kubeflow": CLUSTER}
 SERVING = "kubetune.backends.kserve.backend:KServeBackend"
 
 
+def _made(entry: str, **options: Any) -> Any:
+    """The class ``entry`` names (``"module:class"``, its module imported now) made with ``options``."""
+    module, _, cls = entry.partition(":")
+    return getattr(importlib.import_module(module), cls)(**options)
+
+
 def serving(namespace: str | None = None, kubeconfig: str | None = None, context: str | None = None):
     """The serving backend (``SERVING``) with these connection options (imported on first use)."""
-    module, _, cls = SERVING.partition(":")
-    return getattr(importlib.import_module(module), cls)(namespace=namespace, kubeconfig=kubeconfig, context=context)
+    return _made(SERVING, namespace=namespace, kubeconfig=kubeconfig, context=context)
 
 
 # What runs a spec's tune section on a cluster (`--tune`): Katib Experiments
@@ -80,8 +114,16 @@ TUNING = "kubetune.backends.kubeflow.experiments:KatibBackend"
 
 def tuning(namespace: str | None = None, kubeconfig: str | None = None, context: str | None = None):
     """The tuning backend (``TUNING``) with these connection options (imported on first use)."""
-    module, _, cls = TUNING.partition(":")
-    return getattr(importlib.import_module(module), cls)(namespace=namespace, kubeconfig=kubeconfig, context=context)
+    return _made(TUNING, namespace=namespace, kubeconfig=kubeconfig, context=context)
+
+
+# The backend `kubetune run` runs a job with, in the foreground
+FOREGROUND = "local"
+
+
+def foreground() -> ForegroundBackend:
+    """The backend ``FOREGROUND``: `kubetune run`'s."""
+    return _made(REGISTRY[FOREGROUND])
 
 
 def get(name: str, **options: Any) -> Backend:
@@ -94,8 +136,7 @@ def get(name: str, **options: Any) -> Backend:
         raise KubetuneError(
             f"unknown backend {name!r}", field="--target", fix=f"use one of {', '.join(sorted(REGISTRY))}"
         )
-    module, _, cls = REGISTRY[name].partition(":")
-    return getattr(importlib.import_module(module), cls)(**options)
+    return _made(REGISTRY[name], **options)
 
 
 def reach(
@@ -121,7 +162,7 @@ def recorded(name: str) -> Backend | None:
         KubetuneError: ``name`` is not a job name, or its record is broken.
     """
     for here in [n for n in REGISTRY if n not in CLUSTER]:
-        backend = reach(here)
+        backend: MachineBackend = _made(REGISTRY[here], recorded=True)  # as ``reach`` makes it
         if backend.has(name):
             return backend
     return None

@@ -45,7 +45,9 @@ def rng_state() -> dict:
     lists so that checkpoints load with ``weights_only=True`` (no arbitrary unpickling)."""
     import torch  # here: the output's checks (kubetune render, preflight) need no torch
 
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = np.random.get_state()
+    assert isinstance(state, tuple)  # the legacy form, numpy's default: (name, keys, pos, has_gauss, gauss)
+    name, keys, pos, has_gauss, gauss = state
     version, py_state, py_gauss = random.getstate()
     return {
         "torch": torch.get_rng_state(),

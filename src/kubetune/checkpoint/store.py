@@ -61,9 +61,9 @@ class CheckpointStore:
         when local only), which the writer's ``save`` lists in the checkpoint's manifest."""
         if not self.remote or not files:
             return {}
-        from kubetune.providers import s3
+        from kubetune.providers import s3_upload
 
-        return s3.put_files(staged, files, self._remote(step), field=FIELD, settings=self.s3)
+        return s3_upload.put_files(staged, files, self._remote(step), field=FIELD, settings=self.s3)
 
     def save(
         self, state: dict, spec: JobSpec, step: int, keep: int, staged: Path | None = None, uploaded: dict | None = None
@@ -91,9 +91,9 @@ class CheckpointStore:
             shutil.rmtree(root / f"step-{newer:08d}", ignore_errors=True)
         replace_dir(build, final, tmp=staged)
         if self.remote:
-            from kubetune.providers import s3
+            from kubetune.providers import s3_upload
 
-            s3.upload_dir(final, self._remote(step), field=FIELD, settings=self.s3, uploaded=uploaded)
+            s3_upload.upload_dir(final, self._remote(step), field=FIELD, settings=self.s3, uploaded=uploaded)
         for old in complete_steps(root)[:-keep]:
             shutil.rmtree(root / f"step-{old:08d}", ignore_errors=True)
         if self.remote:  # prune by the remote listing: a re-created pod's local copy holds only what it downloaded
@@ -155,8 +155,8 @@ class CheckpointStore:
         return sorted(steps)
 
     def _delete_remote(self, step: int) -> None:
-        from kubetune.providers import s3
+        from kubetune.providers import s3_upload
 
         # Manifest first (a half-deleted checkpoint must not look complete), then exactly the keys it
         # lists: never whatever else a listing of the prefix shows.
-        s3.delete_artifact(self._remote(step), field=FIELD, settings=self.s3)
+        s3_upload.delete_artifact(self._remote(step), field=FIELD, settings=self.s3)

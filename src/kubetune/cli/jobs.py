@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Protocol
 
 import typer
 
@@ -40,6 +40,13 @@ TuneOpt = Annotated[
         "instead of the job.",
     ),
 ]
+
+
+class _Rendered(Protocol):
+    """What `kubetune render` prints: a job's, a study's or a serving's objects."""
+
+    def to_yaml(self) -> str:
+        """The objects as multi-document YAML."""
 
 
 @app.command()
@@ -86,6 +93,7 @@ def render(
         ns = namespace or job.kubernetes.namespace or "default"
         if tune and serve:
             raise KubetuneError("--tune and --serve render different things", field="--tune", fix="give one of them")
+        rendered: _Rendered
         if tune:
             rendered = manifests.render_tune(job, ns, target)
         else:

@@ -54,7 +54,7 @@ def run(
 
     started = time.time()
     job = record = None
-    backend = base.get("local")  # `kubetune run` is the local backend's run, in the foreground
+    backend = base.foreground()  # `kubetune run` is the local backend's run, in the foreground
     try:
         job = load_spec(
             spec,

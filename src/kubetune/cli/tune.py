@@ -70,9 +70,9 @@ def tune(
 def _status(job, out: Path, as_json: bool) -> None:
     """The study's trials as they stand, with each running trial's progress (its progress.json)."""
     from kubetune.training.loggers import format_line, read_progress
-    from kubetune.tune import report, study
+    from kubetune.tune import report, storage
 
-    found = study.load(job, out)
+    found = storage.load(job, out)
     data = report.summary(found, out)
     data["objective"] = job.tune.objective
     for t in data["trials"]:

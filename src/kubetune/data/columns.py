@@ -6,8 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from kubetune.data.tables import short
-from kubetune.errors import KubetuneError
+from kubetune.errors import KubetuneError, short
 
 
 def describe_non_text(series: pd.Series) -> str | None:

@@ -24,7 +24,8 @@ import torch
 from kubetune import distributed, providers
 from kubetune.data import Batch, StepBatch
 from kubetune.data.rows import agreed
-from kubetune.data.stream import Listing, Stream, list_shards, rank_steps
+from kubetune.data.shards import Listing, list_shards
+from kubetune.data.stream import Stream, rank_steps
 from kubetune.errors import KubetuneError
 
 

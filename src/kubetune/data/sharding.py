@@ -66,13 +66,14 @@ class _Repeated(Sequence):
     """``count`` epochs of ``n`` steps each, without a list of ``count`` entries."""
 
     def __init__(self, n: int, count: int):
-        self.n, self.count = n, count
+        # not ``self.count``: that would hide Sequence's count() method
+        self.n, self.epochs = n, count
 
     def __len__(self) -> int:
-        return self.count
+        return self.epochs
 
     def __getitem__(self, epoch):
-        if not isinstance(epoch, int) or not 0 <= epoch < self.count:
+        if not isinstance(epoch, int) or not 0 <= epoch < self.epochs:
             raise IndexError(epoch)
         return self.n
 

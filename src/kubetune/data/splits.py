@@ -38,17 +38,18 @@ def split_indices(labels: np.ndarray, n_test: int, seed: int, stratify: bool) ->
     values, class_counts = _classes(labels)
     n_i = _approximate_mode(class_counts, n_train, rng)
     t_i = _approximate_mode(class_counts - n_i, n_test, rng)
-    train, test = [], []
+    train_parts: list[np.ndarray] = []
+    test_parts: list[np.ndarray] = []
     for i, value in enumerate(values):
         # the class's rows in file order: what scikit-learn's stable argsort of the class ids gives, one
         # class at a time (the argsort of every row, and np.unique's inverse, were 16 bytes per row at once)
         rows = np.flatnonzero(labels == value).astype(ids)
         shuffled = rows.take(rng.permutation(class_counts[i]))
-        train.append(shuffled[: n_i[i]])
-        test.append(shuffled[n_i[i] : n_i[i] + t_i[i]])
+        train_parts.append(shuffled[: n_i[i]])
+        test_parts.append(shuffled[n_i[i] : n_i[i] + t_i[i]])
     # Arrays joined, not Python lists of NumPy scalars (about 40 bytes per row: 640 MiB for 16 million
     # rows); permuting the array draws what permuting the list drew.
-    train, test = np.concatenate(train), np.concatenate(test)
+    train, test = np.concatenate(train_parts), np.concatenate(test_parts)
     return rng.permutation(train), rng.permutation(test)
 
 
@@ -178,6 +179,7 @@ def split_ids(n_train: int, n_eval: int | None, spec, seed: int, carve=None, eva
             evald, train = np.sort(perm[:k]), np.sort(perm[k:])
             del perm
     else:
+        assert n_eval is not None  # not carved: the eval table's rows
         train, evald = np.arange(n_train, dtype=index_dtype(n_train)), np.arange(n_eval, dtype=index_dtype(n_eval))
     if spec.max_train_samples and len(train) > spec.max_train_samples:
         train = sample_ids(train, spec.max_train_samples, seed)

@@ -5,14 +5,12 @@ normalizes the columns it needs. Every user error names the field, the value and
 Before anything is parsed, the input is checked where a careless or hostile file would otherwise
 cost memory or produce garbage: only regular files, a size limit (``data.max_input_mb``), one kind
 of data file per directory, and a look at the first bytes of text tables (binary data, ZIP/Excel
-and Parquet files under a text name, byte-order marks, a first line with no end).
+and Parquet files under a text name, byte-order marks, a first line with no end: ``data.text``,
+which reads them too).
 """
 
 from __future__ import annotations
 
-import codecs
-import contextlib
-import contextvars
 import hashlib
 import logging
 import os
@@ -25,7 +23,8 @@ from pathlib import Path
 import pandas as pd
 
 from kubetune import providers
-from kubetune.errors import KubetuneError
+from kubetune.data.text import FALLBACK_ERRORS, codec_name, count_fallbacks, read_text_table, sniff
+from kubetune.errors import KubetuneError, short  # short: re-exported, the tasks' messages take it from here
 
 log = logging.getLogger(__name__)
 
@@ -51,42 +50,6 @@ BUILDERS = {
 # What the s3:// provider writes next to downloaded files; not data (and `datasets` would read it as such).
 KUBETUNE_MANIFEST = "_kubetune_manifest.json"
 TEXT_FORMATS = ("csv", "tsv", "json", "jsonl")
-SNIFF_BYTES = 64 * 1024  # NUL bytes in here: binary data, not text
-MAX_FIRST_LINE = 1 << 20  # a CSV header longer than this is not a header
-# (magic, what it is, what to do): files that are not text tables, whatever their name says.
-MAGIC = [
-    (b"PK\x03\x04", "an Excel workbook or ZIP archive", "export it as CSV (or unzip it)"),
-    (b"PAR1", "a Parquet file", "rename it to .parquet"),
-    (b"\xd0\xcf\x11\xe0\xa1\xb1\x1a\xe1", "an old Excel (.xls) or other OLE2 document", "export it as CSV"),
-    (b"\x1f\x8b", "gzip-compressed", "decompress it (gunzip)"),
-]
-# Longest first: the UTF-32 LE mark starts with the UTF-16 LE one.
-BOMS = [
-    (codecs.BOM_UTF32_LE, "utf-32"),
-    (codecs.BOM_UTF32_BE, "utf-32"),
-    (codecs.BOM_UTF8, "utf-8-sig"),
-    (codecs.BOM_UTF16_LE, "utf-16"),
-    (codecs.BOM_UTF16_BE, "utf-16"),
-]
-# With data.encoding auto, bytes that are not valid UTF-8 are decoded as cp1252 (latin-1 for the
-# five bytes cp1252 leaves undefined), byte by byte, and the valid UTF-8 around them stays UTF-8.
-FALLBACK_ERRORS = "kubetune-cp1252-fallback"
-# How many times the fallback decoded bytes in the read in progress: each read sets its own counter
-# (a context variable, so no counter is shared between reads, threads or tasks).
-_FALLBACKS: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("kubetune_cp1252", default=None)
-
-
-def _cp1252_fallback(err: UnicodeError) -> tuple[str, int]:
-    if not isinstance(err, UnicodeDecodeError):
-        raise err
-    used = _FALLBACKS.get()
-    if used is not None:
-        used[0] += 1
-    bad = err.object[err.start : err.end]
-    return "".join(bytes([b]).decode("cp1252", errors="ignore") or chr(b) for b in bad), err.end
-
-
-codecs.register_error(FALLBACK_ERRORS, _cp1252_fallback)
 
 
 def read_table(
@@ -173,7 +136,7 @@ def check_source(
         _check_size(sum(size for _, size in files), uri, field, max_input_mb, what="the data files in ")
         if kind in TEXT_FORMATS:
             for file, size in files:
-                _sniff(file, size, kind, encoding, f"{short(uri)}/{file.relative_to(path)}", field, in_dir=True)
+                sniff(file, size, kind, encoding, f"{short(uri)}/{file.relative_to(path)}", field, in_dir=True)
         return Source(uri, path, kind, tuple(files), encoding, "")
     fmt = FILE_SUFFIXES.get(path.suffix.lower())
     if fmt is None:
@@ -186,7 +149,7 @@ def check_source(
     if size == 0:
         raise KubetuneError(f"{short(uri)!r} is empty", field=field, fix="point it at a file with a header and rows")
     _check_size(size, uri, field, max_input_mb)
-    enc = "" if fmt == "parquet" else _sniff(path, size, fmt, encoding, uri, field)
+    enc = "" if fmt == "parquet" else sniff(path, size, fmt, encoding, uri, field)
     return Source(uri, path, fmt, ((path, size),), encoding, enc)
 
 
@@ -218,12 +181,13 @@ def read_chunks(
         yield from _dataset_dir_chunks(source.path, uri, field, split, source.fmt, encoding, chunk_bytes)
         return
     fmt, path = source.fmt, source.path
+    assert fmt is not None  # a file's format: check_source refused a suffix it does not know
     rows = None if chunk_bytes is None else _rows_per_chunk(path, source.size, chunk_bytes, fmt)
     try:
         if fmt == "parquet":
             yield from _parquet_chunks(path, rows)
         else:
-            yield from _read_text_table(path, fmt, source.enc, encoding == "auto", uri, field, rows)
+            yield from read_text_table(path, fmt, source.enc, encoding == "auto", uri, field, rows)
     except KubetuneError:
         raise
     except (pd.errors.ParserError, pd.errors.EmptyDataError, ValueError, OSError) as e:
@@ -265,12 +229,6 @@ def _parquet_chunks(path: Path, rows: int | None) -> Iterator[pd.DataFrame]:
         yield batch.to_pandas().drop(columns=[c for c in batch.schema.names if c.startswith("__index_level_")])
 
 
-def short(value, limit: int = 100) -> str:
-    """``str(value)`` cut to ``limit`` characters, so that a message stays one short line whatever the input."""
-    text = " ".join(str(value).split("\n"))
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def _regular_size(path: Path, uri: str, field: str) -> int:
     st = path.stat()  # follows symlinks: a link to a FIFO is a FIFO
     if not stat.S_ISREG(st.st_mode):
@@ -307,7 +265,8 @@ def _check_size(size: int, uri: str, field: str, max_input_mb: int | None, what:
 
 def dir_data_files(path: Path, uri: str, field: str) -> tuple[str | None, list[tuple[Path, int]]]:
     """The data files in a directory (as `datasets` finds them: hidden ones skipped) and their kind."""
-    files, suffixes = [], Counter()
+    files: list[tuple[Path, int]] = []
+    suffixes: Counter[str] = Counter()
     for root, dirs, names in os.walk(path):
         dirs[:] = sorted(d for d in dirs if not d.startswith((".", "__")))
         for name in sorted(names):
@@ -340,164 +299,6 @@ def dir_data_files(path: Path, uri: str, field: str) -> tuple[str | None, list[t
     return (next(iter(kinds)) if kinds else None), files
 
 
-def _codec(name: str) -> str:
-    try:
-        return codecs.lookup(name).name
-    except LookupError:
-        raise KubetuneError(
-            f"unknown encoding {short(name, 40)!r}",
-            field="data.encoding",
-            fix="use auto, utf-8, latin-1, cp1252, utf-16, ...",
-        ) from None
-
-
-def _sniff(path: Path, size: int, fmt: str, encoding: str, uri: str, field: str, in_dir: bool = False) -> str:
-    """Look at the first bytes of a text table; return the encoding to read it with.
-
-    Raises KubetuneError for binary data, a ZIP/Excel/Parquet/gzip file under a text name, and a
-    CSV/TSV first line with no end; with ``encoding: auto`` a UTF-16/UTF-32 byte-order mark
-    selects that encoding (with a warning), a UTF-8 one is dropped.
-    """
-    explicit = encoding != "auto"
-    codec = _codec(encoding) if explicit else "utf-8"
-    with path.open("rb") as f:
-        head = f.read(MAX_FIRST_LINE + 1 if fmt in ("csv", "tsv") else SNIFF_BYTES)
-    for magic, what, fix in MAGIC:
-        if head.startswith(magic):
-            raise KubetuneError(f"{short(uri)!r} is {what}, not {fmt}", field=field, fix=fix)
-    bom = next((name for mark, name in BOMS if head.startswith(mark)), None)
-    if bom in ("utf-16", "utf-32") and not explicit:
-        if in_dir:
-            raise KubetuneError(
-                f"{short(uri)!r} is {bom.upper()} (byte-order mark)",
-                field="data.encoding",
-                fix=f"set data.encoding: {bom}, or convert the files to UTF-8",
-            )
-        log.warning(
-            "%s: %s byte-order mark; decoded as %s (set data.encoding: %s to silence this)",
-            short(uri),
-            bom.upper(),
-            bom,
-            bom,
-        )
-        return bom
-    if b"\x00" in head[:SNIFF_BYTES] and not codec.startswith(("utf-16", "utf-32")):
-        fix = (
-            f"set data.encoding: {bom} (or auto): the file starts with a {bom.upper()} byte-order mark"
-            if bom in ("utf-16", "utf-32")
-            else "point it at a text table "
-            "(or set data.encoding: utf-16-le / utf-16-be for UTF-16 without a byte-order mark)"
-        )
-        raise KubetuneError(
-            f"{short(uri)!r} holds NUL bytes in its first 64 KiB: binary data, not {fmt} text", field=field, fix=fix
-        )
-    if (
-        fmt in ("csv", "tsv")
-        and size > MAX_FIRST_LINE
-        and b"\n" not in head[:MAX_FIRST_LINE]
-        and b"\r" not in head[:MAX_FIRST_LINE]
-    ):
-        raise KubetuneError(
-            f"{short(uri)!r} has no line break in its first 1 MiB: not a {fmt} table",
-            field=field,
-            fix=f"check that the file is {fmt} (a header line, then one row per line)",
-        )
-    if bom == "utf-8-sig" and codec == "utf-8":  # the mark must not become part of the first column name
-        return "utf-8-sig"
-    return codec if explicit else "utf-8"
-
-
-def _read_text_table(
-    path: Path, fmt: str, enc: str, auto: bool, uri: str, field: str, rows: int | None = None
-) -> Iterator[pd.DataFrame]:
-    """The file's rows, whole (``rows`` None) or ``rows`` at a time."""
-    # With auto, only UTF-8 falls back byte by byte; a file with a UTF-16/32 mark is decoded strictly.
-    errors = FALLBACK_ERRORS if auto and enc.startswith("utf-8") else "strict"
-    used = [0]
-    _FALLBACKS.set(used)
-    # No NA inference: "None", "NA", "null", "n/a" are labels and texts; only an empty cell is missing.
-    csv = {"keep_default_na": False, "na_values": [""], "encoding": enc, "encoding_errors": errors}
-    try:
-        if fmt in ("csv", "tsv"):
-            reader = pd.read_csv(path, sep="\t" if fmt == "tsv" else ",", chunksize=rows, **csv)
-        else:
-            # dtype=False keeps JSON's own types: the string "123" stays text, "null" stays a string.
-            lines = fmt == "jsonl" or _looks_like_jsonl(path, enc)
-            reader = pd.read_json(
-                path,
-                lines=lines,
-                encoding=enc,
-                encoding_errors=errors,
-                dtype=False,
-                chunksize=rows if lines else None,
-            )
-        chunks = iter([reader]) if isinstance(reader, pd.DataFrame) else iter(reader)
-        with contextlib.closing(reader) if hasattr(reader, "close") else contextlib.nullcontext():
-            while True:
-                _FALLBACKS.set(used)  # this read's counter, whatever ran between two chunks
-                df = next(chunks, None)
-                if df is None:
-                    break
-                if len(df.columns) and isinstance(df.columns[0], str) and df.columns[0].startswith("\ufeff"):
-                    df = df.rename(columns={df.columns[0]: df.columns[0].lstrip("\ufeff")})
-                yield df
-    except UnicodeError:
-        raise KubetuneError(
-            f"{short(uri)!r} is not valid {enc}{_where_invalid(path, enc)}",
-            field="data.encoding",
-            fix="set data.encoding to the file's encoding, e.g. latin-1, cp1252 or utf-16 (or auto)",
-        ) from None
-    if used[0]:
-        n_bytes, n_lines = _invalid_utf8(path)
-        log.warning(
-            "%s: %d bytes on %d lines are not valid UTF-8; decoded those bytes as cp1252 and the rest as UTF-8 "
-            "(set data.encoding to the file's encoding to silence this)",
-            short(uri),
-            n_bytes,
-            n_lines,
-        )
-
-
-def _where_invalid(path: Path, enc: str) -> str:
-    """' (byte 0xe9 at offset 1234, line 5)' for the first byte that does not decode; '' if none is found."""
-    decoder = codecs.getincrementaldecoder(enc)()
-    offset, line = 0, 1
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            try:
-                decoder.decode(chunk)
-            except UnicodeDecodeError as e:
-                at = max(offset, offset + e.start - (len(e.object) - len(chunk)))
-                line += chunk[: at - offset].count(b"\n")
-                return f" (byte 0x{chunk[at - offset]:02x} at offset {at}, line {line})"
-            line += chunk.count(b"\n")
-            offset += len(chunk)
-    try:
-        decoder.decode(b"", final=True)
-    except UnicodeDecodeError:
-        return f" (truncated at the end, offset {offset})"
-    return ""
-
-
-def _invalid_utf8(path: Path) -> tuple[int, int]:
-    """(bytes, lines) of a file that are not valid UTF-8."""
-    n_bytes, n_lines = 0, 0
-    with path.open("rb") as f:
-        for raw in f:
-            try:
-                raw.decode("utf-8")
-            except UnicodeDecodeError:
-                n_lines += 1
-                n_bytes += len(raw) - len(raw.decode("utf-8", errors="ignore").encode("utf-8"))
-    return n_bytes, n_lines
-
-
-def _looks_like_jsonl(path: Path, enc: str) -> bool:
-    with path.open("rb") as f:
-        head = f.read(256).decode(enc, errors="ignore")
-    return not head.lstrip("\ufeff \t\r\n").startswith("[")
-
-
 def _dataset_dir_chunks(
     path: Path, uri: str, field: str, split: str | None, kind: str | None, encoding: str, chunk_bytes: int | None
 ) -> Iterator[pd.DataFrame]:
@@ -522,11 +323,10 @@ def _read_dataset_dir(path: Path, uri: str, field: str, split: str | None, kind:
         options = {
             "keep_default_na": False,
             "na_values": [""],
-            "encoding": _codec(encoding) if encoding != "auto" else "utf-8",
+            "encoding": codec_name(encoding) if encoding != "auto" else "utf-8",
             "encoding_errors": "strict" if encoding != "auto" else FALLBACK_ERRORS,
         }
-    used = [0]
-    _FALLBACKS.set(used)
+    used = count_fallbacks()
     verbosity = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity(
         datasets.logging.CRITICAL

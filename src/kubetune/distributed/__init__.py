@@ -224,10 +224,12 @@ def row_sparse_embedding_sync(model: torch.nn.Module, env: DistEnv):
     rows gives the same gradient. Not applicable when the embedding is frozen (LoRA) or tied to
     an output layer, whose gradient is dense.
     """
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    # a transformers model's accessors (a plain Module has none)
+    get_input, get_output = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    emb = get_input() if get_input is not None else None
     if not env.distributed or emb is None or not emb.weight.requires_grad:
         return None
-    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    out = get_output() if get_output is not None else None
     if out is not None and out.weight is emb.weight:
         return None
     weight = emb.weight

@@ -42,9 +42,13 @@ import signal
 import sys
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kubetune.errors import USER_ERROR_EXIT, KubetuneError
 from kubetune.lifetime import PARENT_PID_ENV
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 WORKER_MODULE = "kubetune.pod.worker"
 EXIT_FAILED = 1  # not retryable: the operator fails the job
@@ -257,7 +261,7 @@ def note_exit(environ=os.environ) -> None:
         path.unlink(missing_ok=True)
 
 
-def left_notes(failures: dict[int, object]) -> set[int]:
+def left_notes(failures: dict[int, ProcessFailure]) -> set[int]:
     """The ranks of this node whose workers noted their start and did not leave through their own exit,
     found in the attempt's directory of any failure's error file (empty when none left one)."""
     for failure in failures.values():
@@ -274,7 +278,7 @@ def left_notes(failures: dict[int, object]) -> set[int]:
     return set()
 
 
-def quit_early(left: set[int], failures: dict[int, object], root) -> int | None:
+def quit_early(left: set[int], failures: dict[int, ProcessFailure], root: ProcessFailure) -> int | None:
     """Pure: the rank that exited 0 before the job finished, when that caused the failure: a rank whose
     note is left and that torch does not list as failed (it lists every non-zero exit), while the root
     failure is only a consequence (a lost peer, the agent's teardown SIGTERM). None otherwise."""
@@ -283,7 +287,7 @@ def quit_early(left: set[int], failures: dict[int, object], root) -> int | None:
     return quitters[0] if quitters and consequence else None
 
 
-def root_failure(failures: dict[int, object]) -> tuple[int, object]:
+def root_failure(failures: dict[int, ProcessFailure]) -> tuple[int, ProcessFailure]:
     """Pure: the failure that most likely caused the others, as ``(rank, ProcessFailure)``.
 
     torch's ``get_first_failure`` orders by timestamp, but a worker killed by a signal (the OOM

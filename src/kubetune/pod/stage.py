@@ -15,13 +15,14 @@ from pathlib import Path
 from kubetune import providers
 from kubetune.artifacts import write_atomic
 from kubetune.config import JobSpec, dump_spec, parse_spec
+from kubetune.providers import Kind
 
 log = logging.getLogger(__name__)
 MARKER = ".kubetune-staged"
 LOCAL_SCHEMES = {"file", "pkg"}  # already inside the pod (image or mounted volume)
 
 
-def _inputs(spec: JobSpec) -> list[tuple[str, str | None, str, str | None]]:
+def _inputs(spec: JobSpec) -> list[tuple[str, str | None, Kind, str | None]]:
     """(field, uri, kind, revision) of everything a worker reads."""
     d = spec.data
     return [

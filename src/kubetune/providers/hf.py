@@ -31,7 +31,7 @@ def resolve_hf(uri: Uri, kind: Kind, field: str, revision: str | None, s3: S3Set
     offline = constants.HF_HUB_OFFLINE
     try:
         # token=None lets huggingface_hub read HF_TOKEN / the login cache; it is never logged here.
-        path = snapshot_download(repo_id, repo_type=kind, revision=revision, local_files_only=offline)
+        snapshot = snapshot_download(repo_id, repo_type=kind, revision=revision, local_files_only=offline)
     except hf_errors.GatedRepoError:
         raise KubetuneError(
             f"{uri.raw} is gated and the token has no access",
@@ -93,7 +93,7 @@ def resolve_hf(uri: Uri, kind: Kind, field: str, revision: str | None, s3: S3Set
                 fix="check HF_ENDPOINT and the network, or set HF_HUB_OFFLINE=1 with a seeded cache",
             ) from None
         raise
-    path = Path(path)
+    path = Path(snapshot)
     # A snapshot is links into the repo folder's blob store; none may lead elsewhere.
     check_tree_inside(path.parent.parent if path.parent.name == "snapshots" else path, what=f"{field}: {uri.raw}")
     return path

@@ -10,7 +10,7 @@ from typing import Any
 
 from kubetune.config import JobSpec
 from kubetune.config.load import parse_spec
-from kubetune.config.tune import ParamSpec, TuneSpec
+from kubetune.config.tune import ParamSpec, Scalar, TuneSpec
 from kubetune.errors import KubetuneError, SpecError
 from kubetune.tune import devices
 
@@ -154,9 +154,21 @@ def suggest(trial, path: str, param: ParamSpec):
     """The trial's value for one dimension (Optuna's ``suggest_*``; an enqueued trial gets its fixed value)."""
     if param.type == "choice":
         return trial.suggest_categorical(path, param.values)
+    low, high = param.low, param.high
+    assert low is not None and high is not None  # a range has both ends (the spec's validation)
     if param.type == "int":
-        return trial.suggest_int(path, int(param.low), int(param.high), step=int(param.step or 1), log=param.log)
-    return trial.suggest_float(path, param.low, param.high, step=param.step, log=param.log)
+        return trial.suggest_int(path, int(low), int(high), step=int(param.step or 1), log=param.log)
+    return trial.suggest_float(path, low, high, step=param.step, log=param.log)
+
+
+def grid_values(tune: TuneSpec) -> dict[str, list[Scalar]]:
+    """Every dimension's values under a grid search (``check_search`` refused a continuous range there)."""
+    out: dict[str, list[Scalar]] = {}
+    for path, p in tune.space.items():
+        values = p.grid()
+        assert values is not None, path
+        out[path] = values
+    return out
 
 
 def sampler(tune: TuneSpec, offset: int = 0):
@@ -165,7 +177,7 @@ def sampler(tune: TuneSpec, offset: int = 0):
 
     seed = tune.seed + offset
     if tune.algorithm == "grid":
-        return optuna.samplers.GridSampler({p: s.grid() for p, s in tune.space.items()}, seed=seed)
+        return optuna.samplers.GridSampler(grid_values(tune), seed=seed)
     if tune.algorithm == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if tune.algorithm == "cmaes":

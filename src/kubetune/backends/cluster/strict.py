@@ -59,7 +59,8 @@ def _check_openapi(value: Any, type_name: str, path: str) -> list[str]:
         if not isinstance(value, dict):
             return [f"{path}: expected a mapping, got {type(value).__name__}"]
         return [p for k, v in value.items() for p in _check_openapi(v, m.group(4), f"{path}.{k}")]
-    scalar = {"str": str, "int": int, "bool": bool, "float": (int, float)}.get(type_name)
+    scalars: dict[str, type | tuple[type, ...]] = {"str": str, "int": int, "bool": bool, "float": (int, float)}
+    scalar = scalars.get(type_name)
     if scalar is not None:
         ok = isinstance(value, scalar) and not (type_name == "int" and isinstance(value, bool))
         return [] if ok else [f"{path}: expected {type_name}, got {value!r}"]

@@ -79,7 +79,9 @@ def export_uri(spec: JobSpec, entry: str) -> str | None:
         return f"{out.prefix}/{entry}"
     if out.scheme == "hf":
         return out.prefix if entry == "model" else None
-    return _claim_uri(spec, f"{out.pod_path(WORKSPACE).rstrip('/')}/{entry}")
+    path = out.pod_path(WORKSPACE)
+    assert path is not None  # a local output: the remote ones (s3, hf) returned above
+    return _claim_uri(spec, f"{path.rstrip('/')}/{entry}")
 
 
 def base_uri(spec: JobSpec) -> str | None:
@@ -288,4 +290,5 @@ def render_serve(spec: JobSpec, namespace: str) -> RenderedServe:
     problems = serving_problems(spec, runtime)
     if problems:
         raise SpecError(problems, "spec")
+    assert runtime is not None  # serving_problems names a task without one
     return RenderedServe(build_service_account(spec, namespace), build_inference_service(spec, namespace, runtime))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 
-from kubetune.backends.cluster.api import TARGETS
+from kubetune.backends.cluster.api import TARGETS, ClusterConnection
 from kubetune.backends.cluster.objects import JOB_LABEL, own_claim
 from kubetune.backends.kubeflow import manifests
 from kubetune.backends.kubeflow.read import KubeflowReader
@@ -18,7 +18,7 @@ from kubetune.config import JobSpec
 from kubetune.errors import KubetuneError
 
 
-class OwnedObjects:
+class OwnedObjects(ClusterConnection):
     """Creating what a job (or a Katib Experiment) brings along, for a backend on a ``ClusterConnection``: the
     workspace claim it keeps and the objects it owns."""
 

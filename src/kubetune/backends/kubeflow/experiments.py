@@ -97,7 +97,7 @@ def tune_status(exp: dict, namespace: str) -> TuneStatus:
         }
         result.best_output = _trial_output(spec, result.best_trial)
     if phase in ("Failed", "Restarting", "Pending"):
-        why = true.get(phase) or next(
+        why: dict = true.get(phase) or next(
             (c for c in st.get("conditions") or [] if c.get("reason") or c.get("message")), {}
         )
         result.reason, result.message = why.get("reason"), why.get("message")

@@ -23,8 +23,7 @@ from kubetune.backends.cluster.objects import CONTAINER, stage_dir, to_yaml
 from kubetune.config import JobSpec
 from kubetune.config.load import load_yaml
 from kubetune.config.tune import ParamSpec, TuneSpec
-from kubetune.data.tables import short
-from kubetune.errors import KubetuneError, SpecError
+from kubetune.errors import KubetuneError, SpecError, short
 
 KATIB_API = ("kubeflow.org", "v1beta1", "experiments")
 # kubetune's evaluation lines: a metric's name (eval_*, train_*, or an lm-eval task/metric) and its value
@@ -205,13 +204,16 @@ def _parameter(path: str, p: ParamSpec):
     from kubeflow_katib_api import models as kt
 
     if p.type == "choice":
-        numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in p.values)
+        values = p.values
+        assert values is not None  # a choice has values (the spec's validation)
+        numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
         return kt.V1beta1ParameterSpec(
             name=param_name(path),
             parameter_type="discrete" if numeric else "categorical",
-            feasible_space=kt.V1beta1FeasibleSpace(list=[_text(v) for v in p.values]),
+            feasible_space=kt.V1beta1FeasibleSpace(list=[_text(v) for v in values]),
         )
-    cast = int if p.type == "int" else float
+    assert p.low is not None and p.high is not None  # a range has both ends (the spec's validation)
+    cast: type[int] | type[float] = int if p.type == "int" else float
     return kt.V1beta1ParameterSpec(
         name=param_name(path),
         parameter_type="int" if p.type == "int" else "double",

@@ -16,7 +16,7 @@ from kubetune.compat.kubeflow.errors import Problems
 from kubetune.compat.kubeflow.training_arguments import RULES, Copy
 from kubetune.compat.kubeflow.translate import SDK_DEFAULT_STORAGE, spec_from_train
 from kubetune.config.tune import TuneSpec
-from kubetune.data.tables import short
+from kubetune.errors import short
 
 # The SDK's defaults for the arguments the LLM form does not use (kubeflow.katib 0.19 tune()'s signature)
 SDK_BASE_IMAGE = "docker.io/pytorch/pytorch:2.2.1-cuda12.1-cudnn8-runtime"

@@ -243,7 +243,7 @@ class TrainingClient:
         name: str,
         namespace: str | None = None,
         job_kind: str | None = None,
-        expected_conditions: set[str] = frozenset({"Succeeded"}),
+        expected_conditions: set[str] | frozenset[str] = frozenset({"Succeeded"}),
         wait_timeout: int = 600,
         polling_interval: int = 15,
         callback: Any = None,

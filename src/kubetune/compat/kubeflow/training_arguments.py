@@ -179,7 +179,7 @@ def _compile(t: Translation) -> None:
 
 
 # HF's optim names -> training.optimizer (and its momentum: HF's sgd is torch's SGD at its defaults, no momentum)
-OPTIMIZERS = {
+OPTIMIZERS: dict[str, dict[str, str | float]] = {
     "adamw_torch": {},
     "adamw_torch_fused": {},
     "sgd": {"optimizer": "sgd", "momentum": 0.0},
