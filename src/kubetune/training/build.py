@@ -12,6 +12,7 @@ import logging
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,13 +29,18 @@ from kubetune.tasks.base import Task
 from kubetune.tasks.common import load_tokenizer
 from kubetune.training import strategy as strategies
 from kubetune.training import trainer_status
-from kubetune.training.loggers import JSONLLogger, Loggers, ProgressLogger, TensorBoardLogger
+from kubetune.training.events import EventBus, EventFile, HumanLog, Subscriber
+from kubetune.training.guard import FiniteGuard
+from kubetune.training.hooks import Checkpointing, Evaluation, Hook
+from kubetune.training.layout import Layout
+from kubetune.training.loggers import JSONLLogger, ProgressLogger, TensorBoardLogger
 from kubetune.training.recipe import build_optimizer, check_available, resolve_precision, seed_everything
+from kubetune.training.scoring import Harness
 from kubetune.training.state import Contents, TrainState
 from kubetune.training.state import contents as checkpointed
 from kubetune.training.strategy import Strategy
 from kubetune.training.trace import Trace
-from kubetune.training.trainer import FiniteGuard, Layout, Trainer
+from kubetune.training.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +102,19 @@ def build_trainer(
     contents = checkpointed(state, scheduler, scaler, fingerprint, env, data.stream, data.online, where)
     if found:
         _resume(found, contents, strategy, optimizer, state, layout)
-    loggers, progress, mlflow = _loggers(
-        spec, env, dest, found, state, layout.total_steps, device, dtype, strategy, status_endpoint, cleanup
+    events = _events(
+        spec,
+        env,
+        dest,
+        found,
+        state,
+        layout.total_steps,
+        device,
+        dtype,
+        strategy,
+        task.headline,
+        status_endpoint,
+        cleanup,
     )
     trainer = Trainer(
         spec=spec,
@@ -120,10 +137,9 @@ def build_trainer(
         layout=layout,
         contents=contents,
         state=state,
-        loggers=loggers,
-        bar=_bar(env, layout, state, loggers, cleanup),
-        progress=progress,
-        mlflow=mlflow,
+        events=events,
+        hooks=hooks(spec),
+        bar=_bar(env, layout, state, events, cleanup),
         control_group=control_group,
         stop=stop if stop is not None else threading.Event(),
         trace=Trace(trace_dir, env.rank),
@@ -165,7 +181,16 @@ def _model(spec: JobSpec, env: DistEnv, task: Task, data, model_dir, device, dty
     return strategy, model, wrapped
 
 
-def _bar(env: DistEnv, layout: Layout, state: TrainState, loggers: Loggers, cleanup: contextlib.ExitStack | None):
+def hooks(spec: JobSpec) -> list[Hook]:
+    """The run's periodic duties, in the order they run at a step's end: its own evaluation, lm-evaluation-harness's
+    scores (the ``evaluation`` section), then the checkpoint (and a stop)."""
+    harness: list[Hook] = [Harness(spec.evaluation)] if spec.evaluation else []
+    return [Evaluation(), *harness, Checkpointing()]
+
+
+def _bar(
+    env: DistEnv, layout: Layout, state: TrainState, events: EventBus, cleanup: contextlib.ExitStack | None
+) -> tqdm[Any]:
     """The progress bar, on a terminal only: elsewhere (a pod's log, a file) it would redraw with \\r
     into the log lines; the progress lines say the same there."""
     bar = tqdm(
@@ -182,7 +207,7 @@ def _bar(env: DistEnv, layout: Layout, state: TrainState, loggers: Loggers, clea
         # However training ends: TensorBoard's writer thread is not a daemon, and left open after
         # an error it kept rank 0's process from exiting until the launcher's teardown SIGKILLed
         # it 30 s later (the diverged-run test then saw a killed rank, exit 1, not the user error).
-        cleanup.callback(loggers.close)
+        cleanup.callback(events.close)
     return bar
 
 
@@ -246,24 +271,27 @@ def _resume(found: checkpoint.Found, contents: Contents, strategy: Strategy, opt
     )
 
 
-def _loggers(
-    spec,
-    env,
+def _events(
+    spec: JobSpec,
+    env: DistEnv,
     dest: Output,
-    found,
+    found: checkpoint.Found | None,
     state: TrainState,
     total_steps: int,
-    device,
-    dtype,
-    strategy,
-    status_endpoint=None,
+    device: torch.device,
+    dtype: torch.dtype,
+    strategy: Strategy,
+    headline: tuple[str, ...],
+    status_endpoint: trainer_status.Endpoint | None = None,
     cleanup: contextlib.ExitStack | None = None,
-):
-    """Rank 0's metric loggers (history.jsonl, TensorBoard, progress.json, MLflow); none elsewhere.
-    With a ``status_endpoint``, progress.json's records also go to the TrainJob's
-    ``status.trainerStatus`` (``trainer_status``), whose reporter ``cleanup`` closes."""
+) -> EventBus:
+    """Rank 0's renderings of the trainer's events, in the order they get each: the human log lines,
+    events.jsonl, history.jsonl, TensorBoard, the progress (its line, progress.json, the event lines
+    ``kubetune status`` reads from a pod's log) and MLflow; none elsewhere. With a ``status_endpoint``,
+    progress.json's records also go to the TrainJob's ``status.trainerStatus`` (``trainer_status``),
+    whose reporter ``cleanup`` closes."""
     if not env.is_main:
-        return Loggers([]), None, None
+        return EventBus([])
     resume_step = state.global_step if found else None
     status = None
     if status_endpoint is not None:
@@ -272,12 +300,13 @@ def _loggers(
             # last, however training ends: the final update goes after the export (loggers close before it)
             cleanup.callback(status.close)
     progress = ProgressLogger(dest.local, total_steps, spec.training.epochs, state.global_step, status)
-    writers: list = [
+    writers: list[Subscriber] = [
+        HumanLog(headline),
+        EventFile(dest.local, resumed=found is not None),
         JSONLLogger(dest.local, resume_step, found.path / "history.jsonl" if found else None),
         TensorBoardLogger(dest.local, resume_step),
         progress,
     ]
-    mlflow = None
     if spec.tracking.mlflow:
         from kubetune.training.tracking import MLflowLogger
         from kubetune.version import __version__
@@ -290,9 +319,8 @@ def _loggers(
             "version": __version__,
         }
         # its run id goes into the trainer state, so the next checkpoint carries it to a resumed run
-        mlflow = MLflowLogger(spec, state.logger_runs, facts)
-        writers.append(mlflow)
-    return Loggers(writers), progress, mlflow
+        writers.append(MLflowLogger(spec, state.logger_runs, facts, dest.local))
+    return EventBus(writers)
 
 
 def _log_plan(trainer: Trainer) -> None:

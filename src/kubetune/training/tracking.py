@@ -23,10 +23,13 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from kubetune.config import JobSpec
 from kubetune.errors import KubetuneError, redact
+from kubetune.training.events import RECORDS, Event
 
 log = logging.getLogger(__name__)
 _NOT_IN_A_NAME = re.compile(r"[^\w\-. /]")
@@ -154,12 +157,16 @@ def flatten(value, prefix: str = "") -> dict[str, str]:
 
 
 class MLflowLogger:
-    """The ``MetricLogger`` for MLflow; ``finish`` logs the artifacts and ends the run."""
+    """MLflow's rendering of the trainer's events (``events.Subscriber``): the records (train, eval, lm_eval) as
+    metrics; ``done`` logs the artifacts of ``out`` and ends the run, ``stopped`` ends it as KILLED."""
 
-    def __init__(self, spec: JobSpec, run_ids: dict, facts: dict):
+    def __init__(self, spec: JobSpec, run_ids: dict[str, str], facts: dict[str, Any], out: Path | None = None):
         from mlflow.entities import Param
 
-        self.spec, self.cfg = spec, spec.tracking.mlflow
+        self.spec, self.out = spec, out
+        cfg = spec.tracking.mlflow
+        assert cfg is not None, "MLflowLogger is made for a spec with tracking.mlflow"
+        self.cfg = cfg
         self.client = connect(spec)
         self.failed: list[int] = []  # the steps whose metrics did not reach the server
         self.ended = False  # finish() ended the run; otherwise close() marks it FAILED
@@ -210,7 +217,16 @@ class MLflowLogger:
     def _url(self) -> str:
         return redact(f"{self.client.tracking_uri.rstrip('/')}/#/experiments/runs/{self.run_id}")
 
-    def log(self, kind: str, step: int, metrics: dict, context: dict) -> None:
+    def on_event(self, event: Event) -> None:
+        if event.kind in RECORDS:
+            self.log(event.kind, event.step, event.metrics, event.context)
+        elif event.kind == "done":
+            self.finish(self.out)
+        elif event.kind == "stopped":
+            self.finish(self.out, status="KILLED")
+
+    def log(self, kind: str, step: int, metrics: dict[str, Any], context: dict[str, Any]) -> None:
+        """Send one record's numbers (``metric_name`` each) unless the server has its step already."""
         from mlflow.entities import Metric
 
         if self.resumed and kind not in self.skip and metrics:  # a kind without a loss (lm_eval): its first metric
@@ -234,11 +250,11 @@ class MLflowLogger:
                 log.warning("MLflow: could not send the metrics of step %d (%s); training goes on", step, _short(e))
             self.failed.append(step)
 
-    def finish(self, out: Path, status: str = "FINISHED") -> None:
+    def finish(self, out: Path | None, status: str = "FINISHED") -> None:
         """Log the run's artifacts from ``out`` (the finished output), register the model if asked,
         and end the MLflow run; report what could not be sent."""
         self.ended = True
-        if status == "FINISHED":
+        if status == "FINISHED" and out is not None:
             self._attempt("log the artifacts", lambda: self._artifacts(out))
             if self.cfg.register_model:
                 self._attempt("register the model", self._register)
