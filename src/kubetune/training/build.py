@@ -21,11 +21,12 @@ from tqdm.auto import tqdm
 from kubetune import artifacts, checkpoint, distributed
 from kubetune.artifacts.output import Output
 from kubetune.config import JobSpec
+from kubetune.config.schema import TrainSpec
 from kubetune.data.rows import column
 from kubetune.data.sharding import plan_epochs, steps_per_epoch, stream_epochs
 from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
-from kubetune.tasks.base import Task
+from kubetune.tasks.base import Prepared, Task
 from kubetune.tasks.common import load_tokenizer
 from kubetune.training import strategy as strategies
 from kubetune.training import trainer_status
@@ -52,12 +53,13 @@ def build_trainer(
     dest: Output,
     device: torch.device,
     *,
-    control_group=None,
+    control_group: Any = None,
     stop: threading.Event | None = None,
     cleanup: contextlib.ExitStack | None = None,
     strategy: Strategy | None = None,
     trace_dir: Path | None = None,
     status_endpoint: trainer_status.Endpoint | None = None,
+    extra_hooks: list[Hook] | None = None,
 ) -> Trainer:
     """Every rank: build this rank's trainer for ``spec``, resumed from the newest complete checkpoint
     in ``dest`` when ``training.resume`` is auto.
@@ -72,6 +74,7 @@ def build_trainer(
         trace_dir: where to record the rows each micro-batch trained on (tests; None: nowhere).
         status_endpoint: where rank 0 sends its progress for the TrainJob's ``status.trainerStatus``
             (the Trainer controller's variables, ``trainer_status.Endpoint.from_env``; None: nowhere).
+        extra_hooks: duties beyond the run's own (``hooks``), called after them at each point.
     """
     cfg = spec.training
     dtype = resolve_precision(cfg.precision, device)
@@ -138,7 +141,7 @@ def build_trainer(
         contents=contents,
         state=state,
         events=events,
-        hooks=hooks(spec),
+        hooks=[*hooks(spec), *(extra_hooks or [])],
         bar=_bar(env, layout, state, events, cleanup),
         control_group=control_group,
         stop=stop if stop is not None else threading.Event(),
@@ -148,7 +151,9 @@ def build_trainer(
     return trainer
 
 
-def _start(dest: Output, env: DistEnv, cfg) -> tuple[checkpoint.Found | None, dict | None, int, int]:
+def _start(
+    dest: Output, env: DistEnv, cfg: TrainSpec
+) -> tuple[checkpoint.Found | None, dict[str, Any] | None, int, int]:
     """Where the run starts: the checkpoint to resume from (training.resume auto; None: a fresh start),
     its fingerprint, and the data layout (grad_accum, length-grouping unit): the spec's, or a resumed
     run's on another number of processes (the same global batch)."""
@@ -160,7 +165,17 @@ def _start(dest: Output, env: DistEnv, cfg) -> tuple[checkpoint.Found | None, di
     return found, saved, grad_accum, group_unit
 
 
-def _model(spec: JobSpec, env: DistEnv, task: Task, data, model_dir, device, dtype, strategy, saved):
+def _model(
+    spec: JobSpec,
+    env: DistEnv,
+    task: Task,
+    data: Prepared,
+    model_dir: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    strategy: Strategy | None,
+    saved: dict[str, Any] | None,
+) -> tuple[Strategy, torch.nn.Module, torch.nn.Module]:
     """The strategy, the model (identical initialization on every rank: same seed) and the model as
     the strategy trains it; then each rank's own dropout stream."""
     cfg = spec.training
@@ -211,7 +226,7 @@ def _bar(
     return bar
 
 
-def _workers(cfg, data, device: torch.device) -> int:
+def _workers(cfg: TrainSpec, data: Prepared, device: torch.device) -> int:
     """The data loader's worker processes.
 
     On a GPU, building batches in the training process leaves the GPU idle meanwhile (+20% samples/s with
@@ -230,7 +245,9 @@ def _workers(cfg, data, device: torch.device) -> int:
     return cfg.dataloader_workers if cfg.dataloader_workers is not None else (2 if device.type == "cuda" else 0)
 
 
-def _layout(spec: JobSpec, env: DistEnv, data, grad_accum: int, group_unit: int, device: torch.device) -> Layout:
+def _layout(
+    spec: JobSpec, env: DistEnv, data: Prepared, grad_accum: int, group_unit: int, device: torch.device
+) -> Layout:
     """How the run's data is laid out: the global batch, each epoch's steps, the loader's workers."""
     cfg = spec.training
     token_budget = getattr(spec.data, "max_tokens_per_batch", None)
@@ -256,7 +273,14 @@ def _layout(spec: JobSpec, env: DistEnv, data, grad_accum: int, group_unit: int,
     return layout
 
 
-def _resume(found: checkpoint.Found, contents: Contents, strategy: Strategy, optimizer, state: TrainState, layout):
+def _resume(
+    found: checkpoint.Found,
+    contents: Contents,
+    strategy: Strategy,
+    optimizer: torch.optim.Optimizer,
+    state: TrainState,
+    layout: Layout,
+) -> None:
     """Every rank: continue from the checkpoint ``found`` (its fingerprint checked first): the weights, the
     optimizer, and every part of ``contents`` (the schedule, the position, the RNG; a stream's position and
     an online task's rollouts)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
@@ -17,12 +17,7 @@ if TYPE_CHECKING:
     from kubetune.tasks.base import Prepared
 
 
-class Plan(Protocol):
-    """A rank's steps of an epoch (``sharding.RankPlan``, a token plan's list, ``Repeated``): indexable, sized."""
-
-    def __len__(self) -> int: ...
-
-    def __getitem__(self, k: int) -> Step: ...
+Plan = Sequence[Step]  # a rank's steps of an epoch (``sharding.RankPlan``, a token plan's list, ``Repeated``)
 
 
 @dataclass
@@ -57,7 +52,7 @@ class Layout:
 
 
 @dataclass(frozen=True)
-class Repeated:
+class Repeated(Sequence[Step]):
     """A plan with each step ``times`` times in a row (lazy, as the plan it wraps)."""
 
     plan: Plan
@@ -66,7 +61,15 @@ class Repeated:
     def __len__(self) -> int:
         return len(self.plan) * self.times
 
-    def __getitem__(self, k: int) -> Step:
+    @overload
+    def __getitem__(self, k: int) -> Step: ...
+
+    @overload
+    def __getitem__(self, k: slice) -> Sequence[Step]: ...
+
+    def __getitem__(self, k: int | slice) -> Step | Sequence[Step]:
+        if isinstance(k, slice):  # a Sequence's; the loader asks for steps one by one
+            return [self[i] for i in range(*k.indices(len(self)))]
         if not 0 <= k < len(self):
             raise IndexError(k)
         return self.plan[k // self.times]

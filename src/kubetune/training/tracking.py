@@ -65,7 +65,7 @@ def _quiet_client() -> None:
     logging.getLogger("mlflow").setLevel(logging.ERROR)
 
 
-def connect(spec: JobSpec):
+def connect(spec: JobSpec) -> Any:
     """An ``MlflowClient`` for the spec's server, checked with one request.
 
     Raises:
@@ -123,12 +123,12 @@ def _connection_reason(e: Exception) -> str:
     return found.group(0) if found else (text.splitlines() or [type(e).__name__])[0][:160]
 
 
-def _status(e) -> int | None:
+def _status(e: Exception) -> int | None:
     code = getattr(e, "get_http_status_code", lambda: None)()
     return code if isinstance(code, int) else None
 
 
-def _refusal(uri: str, e) -> str:
+def _refusal(uri: str, e: Exception) -> str:
     code = _status(e)
     if code in (401, 403):
         return f"the MLflow server at {uri} refused the credentials (HTTP {code})"
@@ -136,7 +136,7 @@ def _refusal(uri: str, e) -> str:
     return f"the MLflow server at {uri} answered an error: {first}"
 
 
-def _fix(e) -> str:
+def _fix(e: Exception) -> str:
     if _status(e) in (401, 403):
         return (
             "set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN); on Kubernetes, "
@@ -145,7 +145,7 @@ def _fix(e) -> str:
     return "check that tracking.mlflow.uri is an MLflow tracking server"
 
 
-def flatten(value, prefix: str = "") -> dict[str, str]:
+def flatten(value: object, prefix: str = "") -> dict[str, str]:
     """``{"training": {"epochs": 1}}`` -> ``{"training.epochs": "1"}``; lists and nulls as JSON."""
     if isinstance(value, dict) and value:
         out: dict[str, str] = {}
@@ -208,7 +208,7 @@ class MLflowLogger:
         from mlflow.exceptions import MlflowException
 
         try:
-            return self.client.get_run(run_id).info.lifecycle_stage != "deleted"
+            return bool(self.client.get_run(run_id).info.lifecycle_stage != "deleted")
         except MlflowException as e:
             if "RESOURCE_DOES_NOT_EXIST" in str(e.error_code):
                 return False
@@ -270,7 +270,7 @@ class MLflowLogger:
                 redact(self.client.tracking_uri),
             )
 
-    def _attempt(self, what: str, call) -> None:
+    def _attempt(self, what: str, call: Callable[[], object]) -> None:
         try:
             call()
         except Exception as e:  # each part on its own: a refused registration still ends the run

@@ -86,7 +86,8 @@ class Trainer:
 
     @property
     def cfg(self) -> TrainSpec:
-        return self.spec.training
+        cfg: TrainSpec = self.spec.training
+        return cfg
 
     @property
     def out(self) -> Path:
@@ -143,7 +144,10 @@ class Trainer:
         workers = self.layout.workers
         pin = self.device.type == "cuda" and workers > 0
         plan = self.layout.plan(epoch, self.cfg, self.data, self.env)
-        return batches(plan, self.data.collate, workers, start=self.state.step_in_epoch, pin_memory=pin)
+        steps: Iterable[StepBatch] = batches(
+            plan, self.data.collate, workers, start=self.state.step_in_epoch, pin_memory=pin
+        )
+        return steps
 
     # ---- one optimizer step ----
     def train_step(self, step: StepBatch) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 from kubetune.backends.cluster.api import KubeflowConnection
 from kubetune.backends.cluster.objects import CONTAINER, JOB_LABEL, WORKSPACE, pvc_name
@@ -61,7 +62,9 @@ class KubeflowReader(KubeflowConnection):
             if failing.reason not in ("ImagePullBackOff", "ErrImagePull", "Unschedulable", "InvalidImageName"):
                 result.log_tail = self._tail(failing.name, log_lines)
         elif result.phase == "Failed":
-            cond = next((c for c in reversed(st.get("conditions") or []) if c.get("type") == "Failed"), {})
+            cond: dict[str, Any] = next(
+                (c for c in reversed(st.get("conditions") or []) if c.get("type") == "Failed"), {}
+            )
             result.reason, result.message = cond.get("reason"), cond.get("message")
         result.output = self._output_of(name)
         # A TrainJob's own status.trainerStatus first (Trainer v2.3 with the TrainJobStatus gate: rank 0
