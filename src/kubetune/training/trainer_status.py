@@ -158,7 +158,7 @@ def trainer_status(record: Record, now: datetime | None = None) -> Record:
 # ------------------------------------------------------------------------------------ reading it back
 
 
-def _number(text: object) -> float | None:
+def _number(text: Any) -> float | None:  # any JSON value: what float() refuses is None
     try:
         value = float(text)
     except (TypeError, ValueError):
