@@ -78,7 +78,7 @@ def test_a_diverging_run_stops_on_every_rank_keeps_its_checkpoint_and_exports_no
 def _artifacts(out: Path) -> dict:
     """The run's files but the live ones (history, progress, events, who holds the output), which are the latest
     attempt's."""
-    live = ("history.jsonl", "progress.json", "tensorboard", ".kubetune-lock")
+    live = ("history.jsonl", "progress.json", "events.jsonl", "tensorboard", ".kubetune-lock")
     return {
         p.relative_to(out): p.read_bytes()
         for p in out.rglob("*")

@@ -311,9 +311,15 @@ def test_status_reads_failure_reasons_from_pods(cluster, spec_file, pod, reason)
 
 
 def test_status_of_a_running_job_shows_rank_0s_progress(cluster, spec_file):
-    """Progress reaches `status` through rank 0's log (its progress and evaluation lines), which
+    """Progress reaches `status` through rank 0's log (its event lines, read with json.loads), which
     the CLI may already read: no annotation patched by the pods, no extra RBAC for them."""
     import json
+
+    from kubetune.training.events import Event, log_line
+
+    def progress(step: int, **fields) -> str:
+        record = {"phase": "training", "step": step, "total_steps": 30, "epoch": 1, "epochs": 1, **fields}
+        return "[rank 0] INFO " + log_line(Event("progress", step, context=record))
 
     assert cli(cluster, "submit", str(spec_file))[0] == 0
     cluster.set_status(*JOBS, NS, "demo", job_status("Created", "Running"))
@@ -324,10 +330,14 @@ def test_status_of_a_running_job_shows_rank_0s_progress(cluster, spec_file):
         "demo-master-0",
         "pytorch",
         "12:00:01 [rank 0] INFO progress: step=10/30 epoch=1/1 loss=1.0986 lr=2.00e-05",
+        "12:00:01 " + progress(10, loss=1.0986, lr=2e-05),
         "12:00:04 [rank 0] INFO epoch 1, step 15: eval_loss 1.0500 eval_accuracy 0.4000 eval_f1_macro 0.3800",
+        "12:00:04 [rank 0] INFO "
+        + log_line(Event("eval", 15, {"eval_loss": 1.05, "eval_accuracy": 0.4, "eval_f1_macro": 0.38})),
         "12:00:05 [rank 0] INFO progress: step=20/30 epoch=1/1 loss=1.0412 lr=1.00e-05 samples/s=91.5 eta=1m05s",
+        "12:00:05 " + progress(20, loss=1.0412, lr=1e-05, samples_per_s=91.5, eta_s=65.0),
     )
-    cluster.append_log(NS, "demo-worker-0", "pytorch", "12:00:05 [rank 1] INFO progress: step=99/99")  # not rank 0
+    cluster.append_log(NS, "demo-worker-0", "pytorch", "12:00:05 " + progress(99).replace("rank 0", "rank 1"))
     code, out, err = cli(cluster, "status", "demo", "--json")
     assert code == 0, err
     st = json.loads(out)
@@ -398,14 +408,20 @@ def test_list_and_python_client(cluster, spec_file):
     assert job.name == "demo"
     cluster.set_status(*JOBS, NS, "demo", job_status("Created", "Running", "Succeeded"))
     assert job.wait(timeout=10).phase == "Succeeded"
-    # the handle's progress() and metrics(): rank 0's last progress line and its `done:` line
+    # the handle's progress() and metrics(): rank 0's last progress event and its `done` event
+    from kubetune.training.events import Event, log_line
+
     cluster.put("v1", "pods", NS, _pod("demo-master-0", "demo", "master", 0, phase="Succeeded"))
+    record = {"step": 30, "total_steps": 30, "epoch": 1, "epochs": 1, "loss": 0.9, "lr": 0.0}
     cluster.append_log(
         NS,
         "demo-master-0",
         "pytorch",
         "[rank 0] INFO progress: step=30/30 epoch=1/1 loss=0.9000 lr=0.00e+00",
+        "[rank 0] INFO " + log_line(Event("progress", 30, context=record)),
         "[rank 0] INFO done: eval_accuracy 0.7133, eval_f1_macro 0.7100, 91.5 samples/s; artifacts in runs/demo",
+        "[rank 0] INFO "
+        + log_line(Event("done", 30, {"eval_accuracy": 0.7133, "eval_f1_macro": 0.71}, {"output": "runs/demo"})),
     )
     assert job.progress()["step"] == 30 and job.progress()["output"] == "runs/demo"
     assert job.metrics() == {"eval_accuracy": 0.7133, "eval_f1_macro": 0.71}

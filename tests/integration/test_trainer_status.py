@@ -164,6 +164,8 @@ def test_after_a_sigterm_and_resume_the_percentages_continue(tmp_path, small_csv
 
 @pytest.fixture
 def cluster(tmp_path):
+    from kubetune.training.events import Event, log_line
+
     with FakeKubeAPI() as server:
         server.kubeconfig = str(server.write_kubeconfig(tmp_path / "kubeconfig", namespace=NS))
         spec = tmp_path / "cluster.yaml"
@@ -183,6 +185,8 @@ output: {{uri: runs/tiny}}
             "tiny-node-0-0",
             "pytorch",
             "12:00:01 [rank 0] INFO progress: step=10/30 epoch=1/1 loss=1.0986 lr=2.00e-05",
+            "12:00:01 [rank 0] INFO "
+            + log_line(Event("progress", 10, context={"step": 10, "total_steps": 30, "loss": 1.0986, "lr": 2e-05})),
         )
         yield server
 

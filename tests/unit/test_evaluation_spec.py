@@ -11,7 +11,8 @@ import pytest
 from kubetune.artifacts.report import harness_scalars
 from kubetune.config.load import parse_spec, resolve_data_paths
 from kubetune.errors import SpecError
-from kubetune.training.loggers import progress_from_log
+from kubetune.training.events import Event, log_line
+from kubetune.training.loggers import progress_from_events
 from kubetune.training.trainer_status import progress_of, trainer_status
 
 BASE = {
@@ -63,11 +64,11 @@ def test_one_scalar_per_task_and_metric_named_for_every_tracker():
 
 def test_the_scores_reach_status_from_a_pods_log_and_from_a_trainjob():
     lines = [
-        "12:00:00 [rank 0] INFO step 0: lm_eval arc_easy/acc 0.2500, gsm8k/exact_match/strict-match 0.0000",
-        "12:00:05 [rank 0] INFO progress: step=10/20 epoch=1/1 loss=1.2000 lr=1.00e-04 eta=5s",
-        "12:00:06 [rank 0] INFO step 10: lm_eval arc_easy/acc 0.5000, gsm8k/exact_match/strict-match 0.1250",
+        log_line(Event("lm_eval", 0, {"arc_easy/acc": 0.25, "gsm8k/exact_match/strict-match": 0.0})),
+        log_line(Event("progress", 10, context={"step": 10, "total_steps": 20, "loss": 1.2, "eta_s": 5.0})),
+        log_line(Event("lm_eval", 10, {"arc_easy/acc": 0.5, "gsm8k/exact_match/strict-match": 0.125})),
     ]
-    record = progress_from_log(lines)
+    record = progress_from_events([f"12:00:0{i} [rank 0] INFO {line}" for i, line in enumerate(lines)])
     assert record["lm_eval"] == {"step": 10, "arc_easy/acc": 0.5, "gsm8k/exact_match/strict-match": 0.125}
     assert record["step"] == 10
     status = trainer_status({**record, "total_steps": 20})
@@ -81,7 +82,7 @@ def test_a_progress_file_keeps_its_scores_through_a_resume(tmp_path: Path):
     from kubetune.training.loggers import ProgressLogger, read_progress
 
     first = ProgressLogger(tmp_path, total_steps=20, epochs=1, start_step=0)
-    first.log("lm_eval", 10, {"arc_easy/acc": 0.5}, {"eval_s": 1.0})
+    first.on_event(Event("lm_eval", 10, {"arc_easy/acc": 0.5}, {"eval_s": 1.0}))
     again = ProgressLogger(tmp_path, total_steps=20, epochs=1, start_step=10)
-    again.log("train", 12, {"loss": 1.0, "lr": 1e-4}, {"epoch": 1, "samples": 96, "tokens": 1000})
+    again.on_event(Event("train", 12, {"loss": 1.0, "lr": 1e-4}, {"epoch": 1, "samples": 96, "tokens": 1000}))
     assert read_progress(tmp_path)["lm_eval"] == {"step": 10, "arc_easy/acc": 0.5}

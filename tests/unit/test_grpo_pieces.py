@@ -24,7 +24,7 @@ from kubetune.tasks.grpo import data as grpo_data
 from kubetune.tasks.grpo import loss as grpo_loss
 from kubetune.tasks.grpo import rewards as R
 from kubetune.tasks.grpo.rollout import completion_logps
-from kubetune.training.trainer import Repeated
+from kubetune.training.layout import Repeated
 
 TINY = Path(__file__).resolve().parents[2] / "src" / "kubetune" / "assets" / "tiny-llama"
 

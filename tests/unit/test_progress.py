@@ -6,20 +6,22 @@ import json
 import logging
 
 from kubetune.training import loggers
-from kubetune.training.loggers import ProgressLogger, format_line, parse_line, progress_from_log, read_progress
+from kubetune.training.events import Event
+from kubetune.training.loggers import ProgressLogger, format_line, progress_from_events, read_progress
 
 
 def test_the_progress_line_reads_back_what_it_says(tmp_path, caplog):
     logger = ProgressLogger(tmp_path, total_steps=200, epochs=3, start_step=0)
     with caplog.at_level(logging.INFO, logger="kubetune.progress"):
-        logger.log("train", 10, {"loss": 0.69314, "lr": 2e-5}, {"epoch": 1, "samples": 320, "tokens": 9000})
-        logger.log("train", 20, {"loss": 0.61, "lr": 1.9e-5}, {"epoch": 1, "samples": 640, "tokens": 18000})
-        logger.log("eval", 20, {"eval_loss": 0.58, "eval_accuracy": 0.71, "eval_confusion": [[1]]}, {})
-    lines = [r.getMessage() for r in caplog.records]
+        logger.on_event(Event("train", 10, {"loss": 0.69314, "lr": 2e-5}, {"epoch": 1, "samples": 320, "tokens": 9000}))
+        logger.on_event(Event("train", 20, {"loss": 0.61, "lr": 1.9e-5}, {"epoch": 1, "samples": 640, "tokens": 18000}))
+        logger.on_event(Event("eval", 20, {"eval_loss": 0.58, "eval_accuracy": 0.71, "eval_confusion": [[1]]}, {}))
+    logged = [r.getMessage() for r in caplog.records]
+    lines = [line for line in logged if line.startswith("progress: ")]  # the human lines; the others: events
     assert lines[0].startswith("progress: step=10/200 epoch=1/3 loss=0.6931 lr=2.00e-05")
     assert "samples/s" not in lines[0]  # no interval yet to measure a rate over
     assert "samples/s=" in lines[1] and "tokens/s=" in lines[1] and "eta=" in lines[1]
-    back = parse_line("12:00:01 [rank 0] INFO " + lines[1])
+    back = progress_from_events(["12:00:01 [rank 0] INFO " + line for line in logged])
     saved = read_progress(tmp_path)
     assert back["step"] == saved["step"] == 20 and back["total_steps"] == saved["total_steps"] == 200
     assert back["epoch"] == 1 and back["epochs"] == 3 and back["loss"] == 0.61
@@ -29,7 +31,8 @@ def test_the_progress_line_reads_back_what_it_says(tmp_path, caplog):
     assert not list(tmp_path.glob(".progress.json-*"))  # replaced atomically, no temporary left
     logger.finish("succeeded", output="s3://b/run")
     assert read_progress(tmp_path)["phase"] == "succeeded"
-    assert parse_line("INFO loading the model") is None and parse_line("progress: step=x/y") is None
+    assert back["last_eval"] == saved["last_eval"]
+    assert progress_from_events(["INFO loading the model", "progress: step=10/20", "kubetune-event {nope"]) is None
 
 
 def test_a_resumed_run_keeps_the_last_evaluation_and_measures_its_eta_from_its_own_steps(tmp_path, monkeypatch):
@@ -38,7 +41,7 @@ def test_a_resumed_run_keeps_the_last_evaluation_and_measures_its_eta_from_its_o
     monkeypatch.setattr(loggers.time, "monotonic", lambda: clock[0])
     logger = ProgressLogger(tmp_path, total_steps=100, epochs=1, start_step=40)
     clock[0] += 20.0  # this session's 10 steps took 20 s
-    logger.log("train", 50, {"loss": 0.4, "lr": 1e-5}, {"epoch": 1, "samples": 1600})
+    logger.on_event(Event("train", 50, {"loss": 0.4, "lr": 1e-5}, {"epoch": 1, "samples": 1600}))
     rec = read_progress(tmp_path)
     assert rec["last_eval"] == {"step": 40, "eval_loss": 0.5}
     # 50 steps left at 2 s a step; measured from step 0 it would be 50 × 20/50 = 20 s
@@ -49,28 +52,36 @@ def test_the_rates_after_an_evaluation_leave_its_time_out(tmp_path, monkeypatch)
     clock = [1000.0]
     monkeypatch.setattr(loggers.time, "monotonic", lambda: clock[0])
     logger = ProgressLogger(tmp_path, total_steps=100, epochs=1, start_step=0)
-    logger.log("train", 10, {"loss": 0.5, "lr": 1e-5}, {"epoch": 1, "samples": 320, "tokens": 3200})
+    logger.on_event(Event("train", 10, {"loss": 0.5, "lr": 1e-5}, {"epoch": 1, "samples": 320, "tokens": 3200}))
     clock[0] += 10.0  # 10 steps of training in 10 s, then a 30 s evaluation
     clock[0] += 30.0
-    logger.log("eval", 20, {"eval_loss": 0.4}, {"epoch": 1, "samples": 640, "train_s": 20.0, "eval_s": 30.0})
-    logger.log("train", 20, {"loss": 0.4, "lr": 1e-5}, {"epoch": 1, "samples": 640, "tokens": 6400})
+    logger.on_event(
+        Event("eval", 20, {"eval_loss": 0.4}, {"epoch": 1, "samples": 640, "train_s": 20.0, "eval_s": 30.0})
+    )
+    logger.on_event(Event("train", 20, {"loss": 0.4, "lr": 1e-5}, {"epoch": 1, "samples": 640, "tokens": 6400}))
     rec = read_progress(tmp_path)
     assert rec["samples_per_s"] == 32.0 and rec["tokens_per_s"] == 320.0  # not 8 and 80 (40 s of wall time)
     assert rec["eta_s"] == 80 * 40.0 / 20  # the ETA stays wall time: evaluations recur
 
 
 def test_progress_from_a_pod_log():
+    """A cluster pod's progress reaches `status` as its event lines (json.loads), whatever the human lines say."""
+    progress = '{"kind":"progress","step":%d,"metrics":{},"context":{"phase":"training","step":%d,"total_steps":30,'
     log = [
         "12:00:00 [rank 0] INFO job demo (classification): world size 2, device cpu, precision fp32",
-        "12:00:05 [rank 0] INFO progress: step=10/30 epoch=1/1 loss=1.0986 lr=2.00e-05",
+        "12:00:05 [rank 0] INFO progress: step=10/30 epoch=1/1 loss=9.9999 lr=2.00e-05",  # never parsed
+        "12:00:05 [rank 0] INFO kubetune-event " + progress % (10, 10) + '"epoch":1,"epochs":1,"loss":1.0986}}',
         "12:00:09 [rank 0] INFO epoch 1, step 15: eval_loss 1.0500 eval_accuracy 0.4000 eval_f1_macro 0.3800",
-        "12:00:10 [rank 0] INFO progress: step=20/30 epoch=1/1 loss=1.0412 lr=1.00e-05 samples/s=91.5 eta=1m05s",
+        '12:00:09 [rank 0] INFO kubetune-event {"kind":"eval","step":15,"metrics":{"eval_loss":1.05,'
+        '"eval_accuracy":0.4,"eval_f1_macro":0.38},"context":{}}',
+        "12:00:10 [rank 0] INFO kubetune-event " + progress % (20, 20) + '"epoch":1,"epochs":1,"loss":1.0412,'
+        '"lr":1e-05,"samples_per_s":91.5,"eta_s":65.0}}',
         "12:00:11 [rank 1] some other line",
     ]
-    rec = progress_from_log(log)
+    rec = progress_from_events(log)
     assert rec["step"] == 20 and rec["total_steps"] == 30 and rec["eta_s"] == 65 and rec["samples_per_s"] == 91.5
     assert rec["last_eval"] == {"step": 15, "eval_loss": 1.05, "eval_accuracy": 0.4, "eval_f1_macro": 0.38}
-    assert progress_from_log(log[:1]) is None
+    assert progress_from_events(log[:2]) is None
     assert format_line(rec).startswith("step=20/30 epoch=1/1 loss=1.0412")
 
 

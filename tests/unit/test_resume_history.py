@@ -79,16 +79,17 @@ def test_tensorboard_keeps_the_checkpoints_step_and_hides_what_came_after(tmp_pa
     written again) stay, the interrupted run's points after it are hidden, and each step reads once."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from kubetune.training.events import Event
     from kubetune.training.loggers import TensorBoardLogger
 
     interrupted = TensorBoardLogger(tmp_path, None)
     for step in (1, 2, 3):
-        interrupted.log("train", step, {"loss": 1.0 / step}, {})
-    interrupted.log("eval", 2, {"eval_loss": 0.75}, {})
+        interrupted.on_event(Event("train", step, {"loss": 1.0 / step}, {}))
+    interrupted.on_event(Event("eval", 2, {"eval_loss": 0.75}, {}))
     interrupted.close()
     resumed = TensorBoardLogger(tmp_path, 2)
     for step in (3, 4):
-        resumed.log("train", step, {"loss": 0.5 / step}, {})
+        resumed.on_event(Event("train", step, {"loss": 0.5 / step}, {}))
     resumed.close()
     events = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
     assert [(e.step, round(e.value, 4)) for e in events.Scalars("train/loss")] == [

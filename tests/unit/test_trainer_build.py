@@ -39,4 +39,4 @@ def test_a_trainer_built_in_process_runs_train_step(small_csv, tmp_path):
     # the accumulators are what a checkpoint carries for this rank, by name
     assert state.accumulated().tolist()[:2] == [float(state.loss_sum), float(state.loss_units)]
     trainer.bar.close()
-    trainer.loggers.close()
+    trainer.events.close()

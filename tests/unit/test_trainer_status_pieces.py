@@ -12,6 +12,7 @@ from datetime import datetime, timezone
 import pytest
 from fakes.trainer_status import TrainerStatusServer, status_errors
 
+from kubetune.training.events import Event
 from kubetune.training.loggers import ProgressLogger
 from kubetune.training.trainer_status import (
     MAX_CHARS,
@@ -160,11 +161,11 @@ def test_progress_reaches_the_server_throttled_with_the_token_read_at_every_send
     _until(lambda: len(server.bodies()) == 1)  # the start, at once
     t0 = time.monotonic()
     for step in range(1, 61):  # 60 log steps over ~1.2 s: at most ~3 more requests, not 60
-        progress.log("train", step, {"loss": 1.0 / step, "lr": 1e-4}, {"epoch": 1, "samples": 8 * step})
+        progress.on_event(Event("train", step, {"loss": 1.0 / step, "lr": 1e-4}, {"epoch": 1, "samples": 8 * step}))
         if step == 30:
             server.rotate("token-1-" + "y" * 40)  # the kubelet rotated it: the next send reads the new one
         time.sleep(0.02)
-    progress.log("eval", 60, {"eval_loss": 0.25, "eval_accuracy": 0.75}, {"eval_s": 0.0})
+    progress.on_event(Event("eval", 60, {"eval_loss": 0.25, "eval_accuracy": 0.75}, {"eval_s": 0.0}))
     progress.finish("succeeded", metrics={"eval_accuracy": 0.75})
     reporter.close()
     elapsed = time.monotonic() - t0
@@ -249,7 +250,7 @@ def test_a_resumed_run_starts_where_it_stopped_and_a_stop_is_sent_at_once(server
     reporter = StatusReporter(_endpoint(server), interval_s=60).start()
     progress = ProgressLogger(tmp_path, total_steps=100, epochs=1, start_step=40, status=reporter)
     _until(lambda: len(server.bodies()) == 1)
-    progress.log("train", 41, {"loss": 0.5, "lr": 1e-4}, {"epoch": 1, "samples": 8})
+    progress.on_event(Event("train", 41, {"loss": 0.5, "lr": 1e-4}, {"epoch": 1, "samples": 8}))
     progress.finish("stopped")
     _until(lambda: len(server.bodies()) == 2, timeout=5)  # not 60 s later
     reporter.close()

@@ -17,7 +17,7 @@ from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError, SpecError
 from kubetune.training import recipe
 from kubetune.training.state import TrainState, contents
-from kubetune.training.trainer import FiniteGuard
+from kubetune.training.guard import FiniteGuard
 
 CPU = torch.device("cpu")
 BASE = {"name": "r", "model": {"uri": "m"}, "data": {"train": "t.csv"}, "output": {"uri": "runs/r"}}

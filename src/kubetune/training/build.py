@@ -12,6 +12,7 @@ import logging
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,21 +21,27 @@ from tqdm.auto import tqdm
 from kubetune import artifacts, checkpoint, distributed
 from kubetune.artifacts.output import Output
 from kubetune.config import JobSpec
+from kubetune.config.schema import TrainSpec
 from kubetune.data.rows import column
 from kubetune.data.sharding import plan_epochs, steps_per_epoch, stream_epochs
 from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
-from kubetune.tasks.base import Task
+from kubetune.tasks.base import Prepared, Task
 from kubetune.tasks.common import load_tokenizer
 from kubetune.training import strategy as strategies
 from kubetune.training import trainer_status
-from kubetune.training.loggers import JSONLLogger, Loggers, ProgressLogger, TensorBoardLogger
+from kubetune.training.events import EventBus, EventFile, HumanLog, Subscriber
+from kubetune.training.guard import FiniteGuard
+from kubetune.training.hooks import Checkpointing, Evaluation, Hook
+from kubetune.training.layout import Layout
+from kubetune.training.loggers import JSONLLogger, ProgressLogger, TensorBoardLogger
 from kubetune.training.recipe import build_optimizer, check_available, resolve_precision, seed_everything
+from kubetune.training.scoring import Harness
 from kubetune.training.state import Contents, TrainState
 from kubetune.training.state import contents as checkpointed
 from kubetune.training.strategy import Strategy
 from kubetune.training.trace import Trace
-from kubetune.training.trainer import FiniteGuard, Layout, Trainer
+from kubetune.training.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +53,13 @@ def build_trainer(
     dest: Output,
     device: torch.device,
     *,
-    control_group=None,
+    control_group: Any = None,
     stop: threading.Event | None = None,
     cleanup: contextlib.ExitStack | None = None,
     strategy: Strategy | None = None,
     trace_dir: Path | None = None,
     status_endpoint: trainer_status.Endpoint | None = None,
+    extra_hooks: list[Hook] | None = None,
 ) -> Trainer:
     """Every rank: build this rank's trainer for ``spec``, resumed from the newest complete checkpoint
     in ``dest`` when ``training.resume`` is auto.
@@ -66,6 +74,7 @@ def build_trainer(
         trace_dir: where to record the rows each micro-batch trained on (tests; None: nowhere).
         status_endpoint: where rank 0 sends its progress for the TrainJob's ``status.trainerStatus``
             (the Trainer controller's variables, ``trainer_status.Endpoint.from_env``; None: nowhere).
+        extra_hooks: duties beyond the run's own (``hooks``), called after them at each point.
     """
     cfg = spec.training
     dtype = resolve_precision(cfg.precision, device)
@@ -96,8 +105,19 @@ def build_trainer(
     contents = checkpointed(state, scheduler, scaler, fingerprint, env, data.stream, data.online, where)
     if found:
         _resume(found, contents, strategy, optimizer, state, layout)
-    loggers, progress, mlflow = _loggers(
-        spec, env, dest, found, state, layout.total_steps, device, dtype, strategy, status_endpoint, cleanup
+    events = _events(
+        spec,
+        env,
+        dest,
+        found,
+        state,
+        layout.total_steps,
+        device,
+        dtype,
+        strategy,
+        task.headline,
+        status_endpoint,
+        cleanup,
     )
     trainer = Trainer(
         spec=spec,
@@ -120,10 +140,9 @@ def build_trainer(
         layout=layout,
         contents=contents,
         state=state,
-        loggers=loggers,
-        bar=_bar(env, layout, state, loggers, cleanup),
-        progress=progress,
-        mlflow=mlflow,
+        events=events,
+        hooks=[*hooks(spec), *(extra_hooks or [])],
+        bar=_bar(env, layout, state, events, cleanup),
         control_group=control_group,
         stop=stop if stop is not None else threading.Event(),
         trace=Trace(trace_dir, env.rank),
@@ -132,7 +151,9 @@ def build_trainer(
     return trainer
 
 
-def _start(dest: Output, env: DistEnv, cfg) -> tuple[checkpoint.Found | None, dict | None, int, int]:
+def _start(
+    dest: Output, env: DistEnv, cfg: TrainSpec
+) -> tuple[checkpoint.Found | None, dict[str, Any] | None, int, int]:
     """Where the run starts: the checkpoint to resume from (training.resume auto; None: a fresh start),
     its fingerprint, and the data layout (grad_accum, length-grouping unit): the spec's, or a resumed
     run's on another number of processes (the same global batch)."""
@@ -144,7 +165,17 @@ def _start(dest: Output, env: DistEnv, cfg) -> tuple[checkpoint.Found | None, di
     return found, saved, grad_accum, group_unit
 
 
-def _model(spec: JobSpec, env: DistEnv, task: Task, data, model_dir, device, dtype, strategy, saved):
+def _model(
+    spec: JobSpec,
+    env: DistEnv,
+    task: Task,
+    data: Prepared,
+    model_dir: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    strategy: Strategy | None,
+    saved: dict[str, Any] | None,
+) -> tuple[Strategy, torch.nn.Module, torch.nn.Module]:
     """The strategy, the model (identical initialization on every rank: same seed) and the model as
     the strategy trains it; then each rank's own dropout stream."""
     cfg = spec.training
@@ -165,7 +196,16 @@ def _model(spec: JobSpec, env: DistEnv, task: Task, data, model_dir, device, dty
     return strategy, model, wrapped
 
 
-def _bar(env: DistEnv, layout: Layout, state: TrainState, loggers: Loggers, cleanup: contextlib.ExitStack | None):
+def hooks(spec: JobSpec) -> list[Hook]:
+    """The run's periodic duties, in the order they run at a step's end: its own evaluation, lm-evaluation-harness's
+    scores (the ``evaluation`` section), then the checkpoint (and a stop)."""
+    harness: list[Hook] = [Harness(spec.evaluation)] if spec.evaluation else []
+    return [Evaluation(), *harness, Checkpointing()]
+
+
+def _bar(
+    env: DistEnv, layout: Layout, state: TrainState, events: EventBus, cleanup: contextlib.ExitStack | None
+) -> tqdm[Any]:
     """The progress bar, on a terminal only: elsewhere (a pod's log, a file) it would redraw with \\r
     into the log lines; the progress lines say the same there."""
     bar = tqdm(
@@ -182,11 +222,11 @@ def _bar(env: DistEnv, layout: Layout, state: TrainState, loggers: Loggers, clea
         # However training ends: TensorBoard's writer thread is not a daemon, and left open after
         # an error it kept rank 0's process from exiting until the launcher's teardown SIGKILLed
         # it 30 s later (the diverged-run test then saw a killed rank, exit 1, not the user error).
-        cleanup.callback(loggers.close)
+        cleanup.callback(events.close)
     return bar
 
 
-def _workers(cfg, data, device: torch.device) -> int:
+def _workers(cfg: TrainSpec, data: Prepared, device: torch.device) -> int:
     """The data loader's worker processes.
 
     On a GPU, building batches in the training process leaves the GPU idle meanwhile (+20% samples/s with
@@ -205,7 +245,9 @@ def _workers(cfg, data, device: torch.device) -> int:
     return cfg.dataloader_workers if cfg.dataloader_workers is not None else (2 if device.type == "cuda" else 0)
 
 
-def _layout(spec: JobSpec, env: DistEnv, data, grad_accum: int, group_unit: int, device: torch.device) -> Layout:
+def _layout(
+    spec: JobSpec, env: DistEnv, data: Prepared, grad_accum: int, group_unit: int, device: torch.device
+) -> Layout:
     """How the run's data is laid out: the global batch, each epoch's steps, the loader's workers."""
     cfg = spec.training
     token_budget = getattr(spec.data, "max_tokens_per_batch", None)
@@ -231,7 +273,14 @@ def _layout(spec: JobSpec, env: DistEnv, data, grad_accum: int, group_unit: int,
     return layout
 
 
-def _resume(found: checkpoint.Found, contents: Contents, strategy: Strategy, optimizer, state: TrainState, layout):
+def _resume(
+    found: checkpoint.Found,
+    contents: Contents,
+    strategy: Strategy,
+    optimizer: torch.optim.Optimizer,
+    state: TrainState,
+    layout: Layout,
+) -> None:
     """Every rank: continue from the checkpoint ``found`` (its fingerprint checked first): the weights, the
     optimizer, and every part of ``contents`` (the schedule, the position, the RNG; a stream's position and
     an online task's rollouts)."""
@@ -246,24 +295,27 @@ def _resume(found: checkpoint.Found, contents: Contents, strategy: Strategy, opt
     )
 
 
-def _loggers(
-    spec,
-    env,
+def _events(
+    spec: JobSpec,
+    env: DistEnv,
     dest: Output,
-    found,
+    found: checkpoint.Found | None,
     state: TrainState,
     total_steps: int,
-    device,
-    dtype,
-    strategy,
-    status_endpoint=None,
+    device: torch.device,
+    dtype: torch.dtype,
+    strategy: Strategy,
+    headline: tuple[str, ...],
+    status_endpoint: trainer_status.Endpoint | None = None,
     cleanup: contextlib.ExitStack | None = None,
-):
-    """Rank 0's metric loggers (history.jsonl, TensorBoard, progress.json, MLflow); none elsewhere.
-    With a ``status_endpoint``, progress.json's records also go to the TrainJob's
-    ``status.trainerStatus`` (``trainer_status``), whose reporter ``cleanup`` closes."""
+) -> EventBus:
+    """Rank 0's renderings of the trainer's events, in the order they get each: the human log lines,
+    events.jsonl, history.jsonl, TensorBoard, the progress (its line, progress.json, the event lines
+    ``kubetune status`` reads from a pod's log) and MLflow; none elsewhere. With a ``status_endpoint``,
+    progress.json's records also go to the TrainJob's ``status.trainerStatus`` (``trainer_status``),
+    whose reporter ``cleanup`` closes."""
     if not env.is_main:
-        return Loggers([]), None, None
+        return EventBus([])
     resume_step = state.global_step if found else None
     status = None
     if status_endpoint is not None:
@@ -272,12 +324,13 @@ def _loggers(
             # last, however training ends: the final update goes after the export (loggers close before it)
             cleanup.callback(status.close)
     progress = ProgressLogger(dest.local, total_steps, spec.training.epochs, state.global_step, status)
-    writers: list = [
+    writers: list[Subscriber] = [
+        HumanLog(headline),
+        EventFile(dest.local, resumed=found is not None),
         JSONLLogger(dest.local, resume_step, found.path / "history.jsonl" if found else None),
         TensorBoardLogger(dest.local, resume_step),
         progress,
     ]
-    mlflow = None
     if spec.tracking.mlflow:
         from kubetune.training.tracking import MLflowLogger
         from kubetune.version import __version__
@@ -290,9 +343,8 @@ def _loggers(
             "version": __version__,
         }
         # its run id goes into the trainer state, so the next checkpoint carries it to a resumed run
-        mlflow = MLflowLogger(spec, state.logger_runs, facts)
-        writers.append(mlflow)
-    return Loggers(writers), progress, mlflow
+        writers.append(MLflowLogger(spec, state.logger_runs, facts, dest.local))
+    return EventBus(writers)
 
 
 def _log_plan(trainer: Trainer) -> None:

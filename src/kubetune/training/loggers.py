@@ -1,8 +1,10 @@
-"""Metric loggers behind one ``log(kind, step, metrics, context)`` fan-out (rank 0 only).
+"""The renderings of the trainer's events that keep records (rank 0 only): ``history.jsonl`` (``JSONLLogger``),
+TensorBoard (``TensorBoardLogger``) and the run's progress (``ProgressLogger``: the progress line, ``progress.json``,
+the TrainJob's ``status.trainerStatus``, and the compact event lines ``progress_from_events`` reads back from a
+cluster pod's log for ``kubetune status``).
 
-``kind`` is "train", "eval" or "lm_eval" (lm-evaluation-harness's scores); ``metrics`` are the values to
-plot; ``context`` is bookkeeping (epoch, samples, training seconds) that the JSONL history keeps and
-plotting loggers skip.
+A record's ``metrics`` are the values to plot; its ``context`` is bookkeeping (epoch, samples, training seconds)
+that the JSONL history keeps and plotting loggers skip. The events themselves: ``training.events``.
 """
 
 from __future__ import annotations
@@ -12,19 +14,18 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Any
 
 from kubetune import artifacts
+from kubetune.training.events import RECORDS, Event, events_in_log, log_line
+
+if TYPE_CHECKING:
+    from kubetune.training.trainer_status import StatusReporter
 
 log = logging.getLogger("kubetune.progress")
 
 PROGRESS = "progress.json"
-
-
-class MetricLogger(Protocol):
-    def log(self, kind: str, step: int, metrics: dict, context: dict) -> None: ...
-
-    def close(self) -> None: ...
+Record = dict[str, Any]
 
 
 class JSONLLogger:
@@ -33,8 +34,9 @@ class JSONLLogger:
     def __init__(self, out: Path, resume_step: int | None, saved: Path | None):
         self.history = artifacts.History(out, resume_step=resume_step, saved=saved)
 
-    def log(self, kind: str, step: int, metrics: dict, context: dict) -> None:
-        self.history.write({"type": kind, "step": step, **context, **metrics})
+    def on_event(self, event: Event) -> None:
+        if event.kind in RECORDS:
+            self.history.write({"type": event.kind, "step": event.step, **event.context, **event.metrics})
 
     def close(self) -> None:
         self.history.close()
@@ -49,30 +51,15 @@ class TensorBoardLogger:
         # same point).
         self.writer = artifacts.tensorboard_writer(out, purge_step=None if resume_step is None else resume_step + 1)
 
-    def log(self, kind: str, step: int, metrics: dict, context: dict) -> None:
-        for k, v in metrics.items():
+    def on_event(self, event: Event) -> None:
+        if event.kind not in RECORDS:
+            return
+        for k, v in event.metrics.items():
             if isinstance(v, float):
-                self.writer.add_scalar(f"{kind}/{k.removeprefix('eval_')}", v, step)
+                self.writer.add_scalar(f"{event.kind}/{k.removeprefix('eval_')}", v, event.step)
 
     def close(self) -> None:
         self.writer.close()
-
-
-class Loggers:
-    """Fan-out to every logger; empty (a no-op) on ranks other than 0."""
-
-    def __init__(self, loggers: list[MetricLogger]):
-        self.loggers = loggers
-
-    def log(self, kind: str, step: int, metrics: dict, context: dict | None = None) -> None:
-        for logger in self.loggers:
-            logger.log(kind, step, metrics, context or {})
-
-    def close(self) -> None:
-        """Close every logger once (the export closes them; so does any other way training ends)."""
-        loggers, self.loggers = self.loggers, []
-        for logger in loggers:
-            logger.close()
 
 
 class ProgressLogger:
@@ -81,10 +68,12 @@ class ProgressLogger:
     with the same fields and the last evaluation: what ``kubetune status`` shows.
 
     The line is ``progress: step=40/200 epoch=1/3 loss=0.6931 lr=2.00e-05 samples/s=91.2
-    tokens/s=5400 eta=1m32s``: key=value pairs, so ``parse_line`` reads it back from a pod's log
-    (how a cluster job's progress reaches ``kubetune status``, with no extra RBAC)."""
+    tokens/s=5400 eta=1m32s``. Beside it, what status needs travels as compact event lines (``events.log_line``):
+    the ``progress`` record of each log step (these fields), each evaluation's and harness's scalars, and the end
+    (``done``: the headline and the output; ``stopped``). ``progress_from_events`` folds them back into the record
+    from a cluster pod's log (its only channel, with no extra RBAC) with ``json.loads``, never from the text."""
 
-    def __init__(self, out: Path, total_steps: int, epochs: int, start_step: int, status=None):
+    def __init__(self, out: Path, total_steps: int, epochs: int, start_step: int, status: StatusReporter | None = None):
         """``status``: a ``trainer_status.StatusReporter`` that gets every record written here (the
         TrainJob's ``status.trainerStatus``), from this one at the start to the final one; or None."""
         self.path = out / PROGRESS
@@ -93,8 +82,8 @@ class ProgressLogger:
         # rates over the last interval; the ETA from this session's steps (a resumed run's first
         # steps are not slowed by the earlier session's)
         self.t0, self.step0 = time.monotonic(), start_step
-        self.last = (self.t0, None, None)
-        self.record: dict = {"phase": "training", "step": start_step, "total_steps": total_steps}
+        self.last: tuple[float, int | None, int | None] = (self.t0, None, None)
+        self.record: Record = {"phase": "training", "step": start_step, "total_steps": total_steps}
         previous = _read(self.path)
         for key in ("last_eval", "lm_eval"):  # a resumed run's
             if previous.get(key):
@@ -102,22 +91,36 @@ class ProgressLogger:
         if self.status is not None:  # the start (a resumed run: where it resumes)
             self.status.update(self.record)
 
-    def log(self, kind: str, step: int, metrics: dict, context: dict) -> None:
-        now = time.monotonic()
-        if kind == "lm_eval":  # the harness's scores: beside the run's own evaluation, as ``lm_eval``
-            t, samples, tokens = self.last
-            self.last = (t + context.get("eval_s", 0.0), samples, tokens)
-            self.record["lm_eval"] = {"step": step, **{k: v for k, v in metrics.items() if isinstance(v, float)}}
-            self._write()
+    def on_event(self, event: Event) -> None:
+        kind, step, metrics, context = event.kind, event.step, event.metrics, event.context
+        if kind == "done":
+            headline = {k: metrics[k] for k in context["headline"]}
+            self.finish("succeeded", metrics=headline, output=context["output"])
+            log.info("%s", log_line(Event("done", step, headline, {"output": context["output"]})))
             return
-        if kind == "eval":
+        if kind == "stopped":
+            self.finish("stopped")
+            log.info("%s", log_line(event))
+            return
+        if kind not in RECORDS:
+            return
+        now = time.monotonic()
+        if kind in ("eval", "lm_eval"):
             # the next line's samples/s and tokens/s are training rates: the evaluation's time is not in them
             t, samples, tokens = self.last
             self.last = (t + context.get("eval_s", 0.0), samples, tokens)
-            self.record["last_eval"] = {"step": step, **{k: v for k, v in metrics.items() if isinstance(v, float)}}
-            self.record["phase"] = "training" if step < self.total else "finishing"
+            scalars = {k: v for k, v in metrics.items() if isinstance(v, float)}
+            if kind == "lm_eval":  # the harness's scores: beside the run's own evaluation, as ``lm_eval``
+                self.record["lm_eval"] = {"step": step, **scalars}
+            else:
+                self.record["last_eval"] = {"step": step, **scalars}
+                self.record["phase"] = "training" if step < self.total else "finishing"
             self._write()
+            log.info("%s", log_line(Event(kind, step, scalars)))
             return
+        self._train(step, metrics, context, now)
+
+    def _train(self, step: int, metrics: Record, context: Record, now: float) -> None:
         t, samples, tokens = self.last
         dt = max(now - t, 1e-9)
         rec = self.record
@@ -132,8 +135,10 @@ class ProgressLogger:
         self.last = (now, context.get("samples"), context.get("tokens"))
         log.info("progress: %s", format_line(rec))
         self._write()
+        shown = {k: rec[k] for k in _PROGRESS_KEYS if rec.get(k) is not None}
+        log.info("%s", log_line(Event("progress", step, context=shown)))
 
-    def finish(self, phase: str, **extra) -> None:
+    def finish(self, phase: str, **extra: Any) -> None:
         self.record.update(phase=phase, updated=time.time(), **extra)
         self._write(final=True)
 
@@ -146,19 +151,19 @@ class ProgressLogger:
         pass
 
 
-# The progress line's fields after step (and epoch): record key, label, format; parse_line reads them back.
+# The progress line's fields after step (and epoch): record key, label, format.
 _LINE_FIELDS = (
     ("loss", "loss", "{:.4f}"),
     ("lr", "lr", "{:.2e}"),
     ("samples_per_s", "samples/s", "{:.1f}"),
     ("tokens_per_s", "tokens/s", "{:.0f}"),
 )
+# What a ``progress`` event line carries: the record's top-level fields the progress line shows
+_PROGRESS_KEYS = ("phase", "step", "total_steps", "epoch", "epochs", *(k for k, _, _ in _LINE_FIELDS), "eta_s")
 
 
-_LABELS = {label: key for key, label, _ in _LINE_FIELDS}
-
-
-def format_line(rec: dict) -> str:
+def format_line(rec: Record) -> str:
+    """The progress line of a progress record (``step=40/200 epoch=1/3 loss=0.6931 ...``)."""
     parts = [f"step={rec['step']}/{rec['total_steps']}"]
     if rec.get("epoch") is not None:
         parts.append(f"epoch={rec['epoch']}/{rec['epochs']}")
@@ -169,45 +174,13 @@ def format_line(rec: dict) -> str:
 
 
 def duration(seconds: float) -> str:
+    """``seconds`` as ``1h02m``, ``3m05s`` or ``42s``."""
     s = int(round(seconds))
     h, m, s = s // 3600, s // 60 % 60, s % 60
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
 
 
-def _seconds(text: str) -> float:
-    total, num = 0.0, ""
-    for ch in text:
-        if ch.isdigit() or ch == ".":
-            num += ch
-        else:
-            total += float(num or 0) * {"h": 3600, "m": 60, "s": 1}[ch]
-            num = ""
-    return total
-
-
-def parse_line(line: str) -> dict | None:
-    """The progress record of a ``progress:`` log line (as written by ``ProgressLogger``), else None."""
-    _, sep, rest = line.partition("progress: ")
-    if not sep:
-        return None
-    rec: dict = {"phase": "training"}
-    try:
-        for pair in rest.split():
-            key, _, value = pair.partition("=")
-            if key in ("step", "epoch"):
-                done, _, total = value.partition("/")
-                rec[key] = int(done)
-                rec["total_steps" if key == "step" else "epochs"] = int(total)
-            elif key == "eta":
-                rec["eta_s"] = _seconds(value)
-            elif key in _LABELS:
-                rec[_LABELS[key]] = float(value)
-    except (ValueError, KeyError):
-        return None
-    return rec if "step" in rec else None
-
-
-def _read(path: Path) -> dict:
+def _read(path: Path) -> Record:
     """The progress record in ``path``, checked field by field (what status prints and sends as JSON):
     {} when there is none, or it is not a bounded regular file holding a JSON object."""
     from kubetune.paths import BrokenRecord, read_bounded_json
@@ -219,11 +192,11 @@ def _read(path: Path) -> dict:
     return _checked_progress(raw) if isinstance(raw, dict) else {}
 
 
-def _number(value) -> bool:
+def _number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _checked_progress(raw: dict) -> dict:
+def _checked_progress(raw: Record) -> Record:
     """The fields of a progress record that have the types ProgressLogger writes; others are dropped."""
     counts = ("step", "total_steps", "epoch", "epochs")
     rec = {k: raw[k] for k in counts if type(raw.get(k)) is int and 0 <= raw[k] < 2**63}
@@ -250,54 +223,29 @@ def _checked_progress(raw: dict) -> dict:
     return rec
 
 
-def read_progress(out: Path) -> dict | None:
+def read_progress(out: Path) -> Record | None:
     """``progress.json`` of an output directory, checked, or None."""
     return _read(out / PROGRESS) or None
 
 
-def progress_from_log(lines: list[str]) -> dict | None:
-    """Rank 0's progress read back from its log: the last ``progress:`` line, with the last
-    evaluation line (``epoch E, step S: eval_loss X ...``) as ``last_eval``, the last harness line
-    (``step S: lm_eval task/acc X, ...``) as ``lm_eval`` and, once the run is
-    done, the headline ``metrics`` and ``output`` of its ``done:`` line; None without any."""
-    import re
-
-    record, last_eval, done, harness = None, None, None, None
-    evaluation = re.compile(r"epoch \d+, step (\d+): ((?:eval_\w+ \S+ ?)+)$")
-    scored = re.compile(r"step (\d+): lm_eval ((?:\S+ [-+.\deE]+(?:, )?)+)$")  # Trainer.harness_evaluate's line
-    finished = re.compile(r"done: ((?:\w+ [-+.\deE]+, )+)[\d.]+ samples/s; artifacts in (\S+)")
-    for line in lines:
-        m = finished.search(line)
-        if m:
-            pairs = [p.split() for p in m.group(1).rstrip(", ").split(", ")]
-            done = {"metrics": {k: float(v) for k, v in pairs}, "output": m.group(2)}
-            continue
-        found = parse_line(line)
-        if found:
-            record = found
-            continue
-        m = scored.search(line.rstrip())
-        if m:
-            pairs = [p.split() for p in m.group(2).split(", ")]
-            try:
-                harness = {"step": int(m.group(1)), **{k: float(v) for k, v in pairs}}
-            except ValueError:
-                pass
-            continue
-        m = evaluation.search(line.rstrip())
-        if m:
-            pairs = m.group(2).split()
-            try:
-                last_eval = {"step": int(m.group(1)), **{k: float(v) for k, v in zip(pairs[::2], pairs[1::2])}}
-            except ValueError:
-                pass
-    if record is None and last_eval is None and done is None and harness is None:
-        return None
-    record = record or {}
-    if last_eval:
-        record["last_eval"] = last_eval
-    if harness:
-        record["lm_eval"] = harness
-    if done:
-        record.update(phase="succeeded", **done)
-    return record
+def progress_from_events(lines: list[str]) -> Record | None:
+    """Rank 0's progress read back from its log's event lines (``ProgressLogger``'s, ``json.loads`` each): the
+    last ``progress`` record, the last ``eval`` as ``last_eval``, the last ``lm_eval`` as ``lm_eval`` and, once
+    the run is done, its headline ``metrics`` and ``output`` (``stopped``: the phase); checked field by field as
+    progress.json is. None without any."""
+    record: Record = {}
+    seen = False
+    for event in events_in_log(lines):
+        seen = True
+        if event.kind == "progress":
+            kept = {k: v for k, v in record.items() if k in ("last_eval", "lm_eval")}
+            record = {"phase": "training", **event.context, **kept}
+        elif event.kind == "eval":
+            record["last_eval"] = {"step": event.step, **event.metrics}
+        elif event.kind == "lm_eval":
+            record["lm_eval"] = {"step": event.step, **event.metrics}
+        elif event.kind == "done":
+            record.update(phase="succeeded", metrics=event.metrics, output=event.context.get("output"))
+        elif event.kind == "stopped":
+            record["phase"] = "stopped"
+    return _checked_progress(record) if seen else None

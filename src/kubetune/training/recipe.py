@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
+from torch.optim.lr_scheduler import LRScheduler
 
 from kubetune.config import TrainSpec
 from kubetune.errors import KubetuneError
@@ -54,7 +56,7 @@ def cpu_has_bf16() -> bool:
 
 
 # ---- the optimizer: one builder per training.optimizer, from the parameter groups ----
-Groups = list[dict]
+Groups = list[dict[str, Any]]
 
 
 def _adamw(groups: Groups, cfg: TrainSpec) -> torch.optim.Optimizer:
@@ -75,7 +77,8 @@ def _sgd(groups: Groups, cfg: TrainSpec) -> torch.optim.Optimizer:
 def _adamw_8bit(groups: Groups, cfg: TrainSpec) -> torch.optim.Optimizer:
     import bitsandbytes as bnb  # available: check_available ran first
 
-    return bnb.optim.AdamW8bit(groups, lr=cfg.learning_rate)
+    optimizer: torch.optim.Optimizer = bnb.optim.AdamW8bit(groups, lr=cfg.learning_rate)  # bitsandbytes: untyped
+    return optimizer
 
 
 OPTIMIZERS: dict[str, Callable[[Groups, TrainSpec], torch.optim.Optimizer]] = {
@@ -113,7 +116,8 @@ def check_available(cfg: TrainSpec, device: torch.device) -> None:
 def param_groups(model: torch.nn.Module, weight_decay: float) -> Groups:
     """The trainable parameters in two groups, in the model's order: with ``weight_decay``, and without
     it (biases and norms: a 1-d tensor, or a name with "norm")."""
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
@@ -122,33 +126,39 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> Groups:
 
 
 # ---- the schedule: one builder per training.lr_scheduler, after warmup steps of linear warmup ----
-def _linear(optimizer: torch.optim.Optimizer, warmup: int, total: int, cfg: TrainSpec):
+def _linear(optimizer: torch.optim.Optimizer, warmup: int, total: int, cfg: TrainSpec) -> LRScheduler:
     from transformers import get_linear_schedule_with_warmup
 
-    return get_linear_schedule_with_warmup(optimizer, warmup, total)
+    schedule: LRScheduler = get_linear_schedule_with_warmup(optimizer, warmup, total)  # transformers: untyped
+    return schedule
 
 
-def _cosine(optimizer: torch.optim.Optimizer, warmup: int, total: int, cfg: TrainSpec):
+def _cosine(optimizer: torch.optim.Optimizer, warmup: int, total: int, cfg: TrainSpec) -> LRScheduler:
     from transformers import get_cosine_schedule_with_warmup
 
-    return get_cosine_schedule_with_warmup(optimizer, warmup, total)
+    schedule: LRScheduler = get_cosine_schedule_with_warmup(optimizer, warmup, total)  # transformers: untyped
+    return schedule
 
 
-def _constant(optimizer: torch.optim.Optimizer, warmup: int, total: int, cfg: TrainSpec):
+def _constant(optimizer: torch.optim.Optimizer, warmup: int, total: int, cfg: TrainSpec) -> LRScheduler:
     from transformers import get_constant_schedule_with_warmup
 
-    return get_constant_schedule_with_warmup(optimizer, warmup)
+    schedule: LRScheduler = get_constant_schedule_with_warmup(optimizer, warmup)  # transformers: untyped
+    return schedule
 
 
-def _wsd(optimizer: torch.optim.Optimizer, warmup: int, total: int, cfg: TrainSpec):
+def _wsd(optimizer: torch.optim.Optimizer, warmup: int, total: int, cfg: TrainSpec) -> LRScheduler:
     from transformers import get_wsd_schedule
 
     # bounded by what the warmup leaves: the two ratios' rounded steps may add up to one past the run
     decay = min(int(round(cfg.decay_ratio * total)), total - warmup)
-    return get_wsd_schedule(optimizer, warmup, num_decay_steps=decay, num_training_steps=total)
+    schedule: LRScheduler = get_wsd_schedule(
+        optimizer, warmup, num_decay_steps=decay, num_training_steps=total
+    )  # transformers: untyped
+    return schedule
 
 
-SCHEDULES: dict[str, Callable[[torch.optim.Optimizer, int, int, TrainSpec], torch.optim.lr_scheduler.LRScheduler]] = {
+SCHEDULES: dict[str, Callable[[torch.optim.Optimizer, int, int, TrainSpec], LRScheduler]] = {
     "linear": _linear,
     "cosine": _cosine,
     "constant": _constant,
@@ -156,7 +166,9 @@ SCHEDULES: dict[str, Callable[[torch.optim.Optimizer, int, int, TrainSpec], torc
 }
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainSpec, total_steps: int, device: torch.device):
+def build_optimizer(
+    model: torch.nn.Module, cfg: TrainSpec, total_steps: int, device: torch.device
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     """The optimizer of ``cfg.optimizer`` over ``model``'s trainable parameters (no weight decay on
     biases and norms) and the schedule of ``cfg.lr_scheduler`` over ``total_steps`` optimizer steps,
     the first ``round(warmup_ratio × total_steps)`` of them a linear warmup.

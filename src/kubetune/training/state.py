@@ -82,7 +82,7 @@ class TrainState:
         """Seconds of training so far: the finished epochs' and the running epoch's."""
         return self.train_time + (time.perf_counter() - self.epoch_started)
 
-    def state_dict(self, train_time: float, per_rank: list[tuple[list[float], list[float]]]) -> dict:
+    def state_dict(self, train_time: float, per_rank: list[tuple[list[float], list[float]]]) -> dict[str, Any]:
         """The checkpoint's ``progress`` entry.
 
         Args:
@@ -107,13 +107,13 @@ class TrainState:
         return cls(loss_sum=_zero(device), loss_units=_zero(device), metric_sums=_zero(device, (metrics,)))
 
     @classmethod
-    def from_state_dict(cls, state: dict, rank: int, world_size: int, device: torch.device) -> TrainState:
+    def from_state_dict(cls, state: dict[str, Any], rank: int, world_size: int, device: torch.device) -> TrainState:
         """This rank's state from a checkpoint's ``progress`` (the RNG is restored separately)."""
         restored = cls.fresh(device)
         restored.load_state_dict(state["progress"], rank, world_size)
         return restored
 
-    def load_state_dict(self, progress: dict, rank: int, world_size: int) -> None:
+    def load_state_dict(self, progress: dict[str, Any], rank: int, world_size: int) -> None:
         """Continue from a checkpoint's ``progress`` entry, this rank's part of it (the accumulators on this
         state's device). Written by another number of ranks: rank 0 takes the sums of every rank's accumulators."""
         p = progress
@@ -150,12 +150,12 @@ class Contents:
 
     parts: dict[str, Stateful]
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """Every rank, in the same order (parts gather over the ranks): the parts' entries."""
         return {name: part.state_dict() for name, part in self.parts.items()}
 
     def load_state_dict(
-        self, saved: dict, strategy: Strategy, directory: Path, optimizer: torch.optim.Optimizer
+        self, saved: dict[str, Any], strategy: Strategy, directory: Path, optimizer: torch.optim.Optimizer
     ) -> None:
         """Every rank: continue from the checkpoint in ``directory`` (``saved``: its ``state.pt``). Its fingerprint
         is checked first, so nothing is restored from another run's checkpoint; then the model and optimizer, then
@@ -173,9 +173,9 @@ FINGERPRINT = "fingerprint"
 
 def contents(
     state: TrainState,
-    scheduler,
+    scheduler: Stateful,
     scaler: torch.amp.GradScaler,
-    fingerprint: dict,
+    fingerprint: dict[str, Any],
     env: DistEnv,
     stream: Feed | None = None,
     online: Online | None = None,
@@ -206,12 +206,12 @@ class _Progress:
     state: TrainState
     env: DistEnv
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         s = self.state
         per_rank = distributed.all_gather_object((s.accumulated().tolist(), [s.tokens_real, s.tokens_computed]))
         return s.state_dict(s.training_time(), per_rank)
 
-    def load_state_dict(self, progress: dict) -> None:
+    def load_state_dict(self, progress: dict[str, Any]) -> None:
         self.state.load_state_dict(progress, self.env.rank, self.env.world_size)
 
 
@@ -219,10 +219,10 @@ class _Progress:
 class _Rng:
     env: DistEnv
 
-    def state_dict(self) -> list[dict]:
+    def state_dict(self) -> list[dict[str, Any]]:
         return distributed.all_gather_object(checkpoint.rng_state())
 
-    def load_state_dict(self, states: list[dict]) -> None:
+    def load_state_dict(self, states: list[dict[str, Any]]) -> None:
         rank = self.env.rank
         if rank < len(states):
             checkpoint.set_rng_state(states[rank])
@@ -235,13 +235,13 @@ class _Rng:
 
 @dataclass
 class _Fingerprint:
-    current: dict
+    current: dict[str, Any]
     where: str
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return self.current
 
-    def load_state_dict(self, saved: dict) -> None:
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
         checkpoint.check_compatible(saved, self.current, self.where)
 
 
@@ -249,10 +249,10 @@ class _Fingerprint:
 class _Stream:
     feed: Feed
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return self.feed.state_dict()
 
-    def load_state_dict(self, state: dict | None) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # a streamed run's checkpoint always has it
         self.feed.resume(state)  # a changed listing is refused now, before any step
 
 
@@ -262,8 +262,8 @@ class _Online:
     env: DistEnv
     state: TrainState  # restored before: its step says where in a generation the checkpoint is
 
-    def state_dict(self) -> list[dict]:
+    def state_dict(self) -> list[dict[str, Any]]:
         return distributed.all_gather_object(self.online.state_dict())
 
-    def load_state_dict(self, states: list[dict] | None) -> None:
+    def load_state_dict(self, states: list[dict[str, Any]] | None) -> None:
         self.online.load_state_dict(states, self.env.world_size, self.state.global_step)

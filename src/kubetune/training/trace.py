@@ -22,7 +22,7 @@ class Trace:
     def add(self, epoch: int, step: int, batch: Batch) -> None:
         if self.path is None:
             return
-        rows = batch.index.tolist() if batch.weight > 0 else []
+        rows = batch.index.tolist() if batch.weight > 0 and batch.index is not None else []
         tokens = int(batch.tokens[0]) if batch.weight > 0 else 0
         with self.path.open("a") as f:
             f.write(json.dumps({"epoch": epoch, "step": step, "rows": rows, "tokens": tokens}) + "\n")

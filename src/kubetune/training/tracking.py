@@ -23,10 +23,13 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from kubetune.config import JobSpec
 from kubetune.errors import KubetuneError, redact
+from kubetune.training.events import RECORDS, Event
 
 log = logging.getLogger(__name__)
 _NOT_IN_A_NAME = re.compile(r"[^\w\-. /]")
@@ -62,7 +65,7 @@ def _quiet_client() -> None:
     logging.getLogger("mlflow").setLevel(logging.ERROR)
 
 
-def connect(spec: JobSpec):
+def connect(spec: JobSpec) -> Any:
     """An ``MlflowClient`` for the spec's server, checked with one request.
 
     Raises:
@@ -120,12 +123,12 @@ def _connection_reason(e: Exception) -> str:
     return found.group(0) if found else (text.splitlines() or [type(e).__name__])[0][:160]
 
 
-def _status(e) -> int | None:
+def _status(e: Exception) -> int | None:
     code = getattr(e, "get_http_status_code", lambda: None)()
     return code if isinstance(code, int) else None
 
 
-def _refusal(uri: str, e) -> str:
+def _refusal(uri: str, e: Exception) -> str:
     code = _status(e)
     if code in (401, 403):
         return f"the MLflow server at {uri} refused the credentials (HTTP {code})"
@@ -133,7 +136,7 @@ def _refusal(uri: str, e) -> str:
     return f"the MLflow server at {uri} answered an error: {first}"
 
 
-def _fix(e) -> str:
+def _fix(e: Exception) -> str:
     if _status(e) in (401, 403):
         return (
             "set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN); on Kubernetes, "
@@ -142,7 +145,7 @@ def _fix(e) -> str:
     return "check that tracking.mlflow.uri is an MLflow tracking server"
 
 
-def flatten(value, prefix: str = "") -> dict[str, str]:
+def flatten(value: object, prefix: str = "") -> dict[str, str]:
     """``{"training": {"epochs": 1}}`` -> ``{"training.epochs": "1"}``; lists and nulls as JSON."""
     if isinstance(value, dict) and value:
         out: dict[str, str] = {}
@@ -154,12 +157,16 @@ def flatten(value, prefix: str = "") -> dict[str, str]:
 
 
 class MLflowLogger:
-    """The ``MetricLogger`` for MLflow; ``finish`` logs the artifacts and ends the run."""
+    """MLflow's rendering of the trainer's events (``events.Subscriber``): the records (train, eval, lm_eval) as
+    metrics; ``done`` logs the artifacts of ``out`` and ends the run, ``stopped`` ends it as KILLED."""
 
-    def __init__(self, spec: JobSpec, run_ids: dict, facts: dict):
+    def __init__(self, spec: JobSpec, run_ids: dict[str, str], facts: dict[str, Any], out: Path | None = None):
         from mlflow.entities import Param
 
-        self.spec, self.cfg = spec, spec.tracking.mlflow
+        self.spec, self.out = spec, out
+        cfg = spec.tracking.mlflow
+        assert cfg is not None, "MLflowLogger is made for a spec with tracking.mlflow"
+        self.cfg = cfg
         self.client = connect(spec)
         self.failed: list[int] = []  # the steps whose metrics did not reach the server
         self.ended = False  # finish() ended the run; otherwise close() marks it FAILED
@@ -201,7 +208,7 @@ class MLflowLogger:
         from mlflow.exceptions import MlflowException
 
         try:
-            return self.client.get_run(run_id).info.lifecycle_stage != "deleted"
+            return bool(self.client.get_run(run_id).info.lifecycle_stage != "deleted")
         except MlflowException as e:
             if "RESOURCE_DOES_NOT_EXIST" in str(e.error_code):
                 return False
@@ -210,7 +217,16 @@ class MLflowLogger:
     def _url(self) -> str:
         return redact(f"{self.client.tracking_uri.rstrip('/')}/#/experiments/runs/{self.run_id}")
 
-    def log(self, kind: str, step: int, metrics: dict, context: dict) -> None:
+    def on_event(self, event: Event) -> None:
+        if event.kind in RECORDS:
+            self.log(event.kind, event.step, event.metrics, event.context)
+        elif event.kind == "done":
+            self.finish(self.out)
+        elif event.kind == "stopped":
+            self.finish(self.out, status="KILLED")
+
+    def log(self, kind: str, step: int, metrics: dict[str, Any], context: dict[str, Any]) -> None:
+        """Send one record's numbers (``metric_name`` each) unless the server has its step already."""
         from mlflow.entities import Metric
 
         if self.resumed and kind not in self.skip and metrics:  # a kind without a loss (lm_eval): its first metric
@@ -234,11 +250,11 @@ class MLflowLogger:
                 log.warning("MLflow: could not send the metrics of step %d (%s); training goes on", step, _short(e))
             self.failed.append(step)
 
-    def finish(self, out: Path, status: str = "FINISHED") -> None:
+    def finish(self, out: Path | None, status: str = "FINISHED") -> None:
         """Log the run's artifacts from ``out`` (the finished output), register the model if asked,
         and end the MLflow run; report what could not be sent."""
         self.ended = True
-        if status == "FINISHED":
+        if status == "FINISHED" and out is not None:
             self._attempt("log the artifacts", lambda: self._artifacts(out))
             if self.cfg.register_model:
                 self._attempt("register the model", self._register)
@@ -254,7 +270,7 @@ class MLflowLogger:
                 redact(self.client.tracking_uri),
             )
 
-    def _attempt(self, what: str, call) -> None:
+    def _attempt(self, what: str, call: Callable[[], object]) -> None:
         try:
             call()
         except Exception as e:  # each part on its own: a refused registration still ends the run

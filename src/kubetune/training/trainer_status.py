@@ -25,14 +25,18 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from email.message import Message
+from typing import IO, Any
 from urllib.parse import urlsplit
 
 from kubetune.errors import redact
 from kubetune.paths import MAX_TOKEN_BYTES, RefusedFile, read_regular
 
 log = logging.getLogger("kubetune.trainer_status")
+Record = dict[str, Any]  # a progress record (``loggers.ProgressLogger``'s), or the JSON of a trainerStatus
 
 ENV_URL = "KUBEFLOW_TRAINER_SERVER_URL"
 ENV_CA = "KUBEFLOW_TRAINER_SERVER_CA_CERT"
@@ -67,7 +71,7 @@ class Endpoint:
     token_file: str
 
     @classmethod
-    def from_env(cls, environ) -> Endpoint | None:
+    def from_env(cls, environ: Mapping[str, str]) -> Endpoint | None:
         """The endpoint the Trainer controller injected, or None unless all three variables are set."""
         values = [environ.get(k, "").strip() for k in (ENV_URL, ENV_CA, ENV_TOKEN)]
         return cls(*values) if all(values) else None
@@ -97,7 +101,7 @@ class Endpoint:
 # ---------------------------------------------------------------------------------- the request body
 
 
-def metric_value(value) -> str | None:
+def metric_value(value: object) -> str | None:
     """``value`` as a metric value of 1 to 64 characters: a float as its shortest round-trip text
     (``repr``: at most 24 characters, so a reader gets the very number back), anything else as
     ``str`` cut to 64; None for None, a bool or an empty text."""
@@ -107,7 +111,7 @@ def metric_value(value) -> str | None:
     return text[:MAX_CHARS] or None
 
 
-def _metrics(record: dict) -> list[dict]:
+def _metrics(record: Record) -> list[dict[str, str]]:
     """The record's counts, rates and last evaluation as ``[{name, value}]``: at most 256, names
     and values of 1 to 64 characters, each name once."""
     pairs = [(name, record.get(key)) for key, name in (*_COUNTS, *_RATES)]
@@ -130,12 +134,12 @@ def _metrics(record: dict) -> list[dict]:
     return out[:MAX_METRICS]
 
 
-def trainer_status(record: dict, now: datetime | None = None) -> dict:
+def trainer_status(record: Record, now: datetime | None = None) -> Record:
     """The ``trainerStatus`` of a progress record, valid for the v2.3.0 CRD: the percentage of
     steps done (100 once the run succeeded; at most 99 before, while the export still runs), the
     ETA in whole seconds, the metrics, and the time of this update."""
     step, total = record.get("step"), record.get("total_steps")
-    out: dict = {}
+    out: Record = {}
     if record.get("phase") == "succeeded":
         out["progressPercentage"], out["estimatedRemainingSeconds"] = 100, 0
     else:
@@ -154,7 +158,7 @@ def trainer_status(record: dict, now: datetime | None = None) -> dict:
 # ------------------------------------------------------------------------------------ reading it back
 
 
-def _number(text) -> float | None:
+def _number(text: Any) -> float | None:  # any JSON value: what float() refuses is None
     try:
         value = float(text)
     except (TypeError, ValueError):
@@ -162,19 +166,19 @@ def _number(text) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def _count(text) -> int | None:
+def _count(text: object) -> int | None:
     value = _number(text)
     return int(value) if value is not None and value == int(value) and 0 <= value < 2**63 else None
 
 
-def progress_of(status) -> dict | None:
+def progress_of(status: object) -> Record | None:
     """The progress record (as ``ProgressLogger`` writes it, plus ``percent`` and ``source``) of a
     TrainJob's ``status.trainerStatus``, read field by field (any trainer may have written it);
     None when there is none."""
     if not isinstance(status, dict) or not status:
         return None
     percent = status.get("progressPercentage")
-    rec: dict = {"source": "trainerStatus"}
+    rec: Record = {"source": "trainerStatus"}
     if type(percent) is int and 0 <= percent <= 100:
         rec["percent"] = percent
     rec["phase"] = "succeeded" if rec.get("percent") == 100 else "training"
@@ -222,7 +226,15 @@ def progress_of(status) -> dict | None:
 class _NoRedirect(urllib.request.HTTPRedirectHandler):
     """A redirect is an error: the bearer token goes to the status server and nowhere else."""
 
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
+    def redirect_request(
+        self,
+        req: urllib.request.Request,
+        fp: IO[bytes],
+        code: int,
+        msg: str,
+        headers: Message,
+        newurl: str,
+    ) -> urllib.request.Request | None:
         return None
 
 
@@ -243,7 +255,7 @@ class StatusReporter:
     def __init__(self, endpoint: Endpoint, interval_s: float, timeout_s: float = REQUEST_TIMEOUT_S):
         self.endpoint, self.interval_s, self.timeout_s = endpoint, interval_s, timeout_s
         self._cond = threading.Condition()
-        self._record: dict | None = None
+        self._record: Record | None = None
         self._final = False  # the record is the last one: send it without waiting for the interval
         self._closing = False
         self._last_sent = -math.inf
@@ -267,7 +279,7 @@ class StatusReporter:
         self._thread.start()
         return self
 
-    def update(self, record: dict, final: bool = False) -> None:
+    def update(self, record: Record, final: bool = False) -> None:
         """Make ``record`` (a progress record) the next one to send; never blocks on the network."""
         if self._refused:
             return
@@ -358,7 +370,7 @@ class StatusReporter:
             opener.add_handler(handler)
         return opener
 
-    def _send(self, record: dict) -> bool:
+    def _send(self, record: Record) -> bool:
         try:
             token = self._token()
         except ValueError as e:
@@ -463,5 +475,6 @@ def _host(url: str) -> str:
     return f"{host}:{port}" if port else host
 
 
-def _reason(e) -> str:
-    return (getattr(e, "reason", None) or getattr(e, "strerror", None) or str(e) or type(e).__name__)[:200]
+def _reason(e: BaseException) -> str:
+    said: str = getattr(e, "reason", None) or getattr(e, "strerror", None) or str(e) or type(e).__name__
+    return said[:200]

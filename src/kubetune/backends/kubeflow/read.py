@@ -10,6 +10,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 from kubetune.backends.cluster.api import KubeflowConnection
 from kubetune.backends.cluster.objects import CONTAINER, JOB_LABEL, WORKSPACE, pvc_name
@@ -26,9 +27,10 @@ POD_FAILURES = (
     "InvalidImageName",
     "Error",
 )
-# The rank-0 log lines `status` reads for progress: the newest progress line is among the last few;
-# an evaluation older than this many lines (more than ~400 log steps ago) is not shown.
-PROGRESS_LINES = 400
+# The rank-0 log lines `status` reads for progress: the newest progress event is among the last few; an
+# evaluation older than this many lines (more than ~400 log steps ago: a log step is two lines, the progress
+# line and its event) is not shown.
+PROGRESS_LINES = 800
 
 
 class KubeflowReader(KubeflowConnection):
@@ -60,18 +62,21 @@ class KubeflowReader(KubeflowConnection):
             if failing.reason not in ("ImagePullBackOff", "ErrImagePull", "Unschedulable", "InvalidImageName"):
                 result.log_tail = self._tail(failing.name, log_lines)
         elif result.phase == "Failed":
-            cond = next((c for c in reversed(st.get("conditions") or []) if c.get("type") == "Failed"), {})
+            cond: dict[str, Any] = next(
+                (c for c in reversed(st.get("conditions") or []) if c.get("type") == "Failed"), {}
+            )
             result.reason, result.message = cond.get("reason"), cond.get("message")
         result.output = self._output_of(name)
         # A TrainJob's own status.trainerStatus first (Trainer v2.3 with the TrainJobStatus gate: rank 0
-        # sends it), else progress from rank 0's log (its `progress:` and evaluation lines): the CLI may
-        # already read pod logs, so no annotation to patch and no extra RBAC for the pods.
+        # sends it), else progress from rank 0's log: the trainer's events, which it also writes there as
+        # JSON lines (`training.events.log_line`), read back with json.loads. The CLI may already read pod
+        # logs, so no annotation to patch and no extra RBAC for the pods.
         result.progress = self._trainer_progress(job)
         master = next((p for p in result.pods if p.node_rank == 0 and p.phase in ("Running", "Succeeded")), None)
         if result.progress is None and master is not None:
-            from kubetune.training.loggers import progress_from_log
+            from kubetune.training.loggers import progress_from_events
 
-            result.progress = progress_from_log(self._tail(master.name, PROGRESS_LINES))
+            result.progress = progress_from_events(self._tail(master.name, PROGRESS_LINES))
         return result
 
     def _trainer_progress(self, job: dict) -> dict | None:

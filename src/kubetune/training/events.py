@@ -1,0 +1,174 @@
+"""The trainer's structured events, and the one fan-out that delivers them (rank 0 only).
+
+The trainer says what happened as an ``Event`` (a kind, the step, the values, the bookkeeping); everything a
+person or another program reads about a run is a rendering of those events by a ``Subscriber``:
+
+- ``events.jsonl`` in the run's output (``EventFile``): every event, one JSON object per line;
+- the human log lines (``HumanLog``): an evaluation's ``epoch E, step S: eval_loss ...``, the harness's ``step S:
+  lm_eval ...``, the checkpoint, the stop and the ``done: ...`` line (Katib's StdOut collector reads its metrics
+  from the evaluation, harness and done lines: their text is kept as it was);
+- ``history.jsonl`` and TensorBoard (``loggers``), MLflow (``tracking``), ``progress.json`` with the progress
+  line, the TrainJob's ``status.trainerStatus`` and the compact JSON lines ``kubetune status`` reads back from a
+  cluster pod's log (``loggers.ProgressLogger``).
+
+Kinds (``KINDS``): ``start`` (training begins or resumes), ``train`` (a log step's loss, learning rate and training
+metrics), ``eval`` (the run's own evaluation), ``lm_eval`` (lm-evaluation-harness's scores), ``checkpoint``,
+``stopped`` (a stop signal ended the run) and ``done`` (the artifacts are in place). ``progress`` is the progress
+renderer's own record (rates and ETA added), which travels in the log for ``kubetune status``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+log = logging.getLogger("kubetune.training.trainer")  # the logger the trainer's own lines always came from
+
+Kind = Literal["start", "train", "eval", "lm_eval", "checkpoint", "stopped", "done", "progress"]
+KINDS: tuple[Kind, ...] = ("start", "train", "eval", "lm_eval", "checkpoint", "stopped", "done", "progress")
+RECORDS: tuple[Kind, ...] = ("train", "eval", "lm_eval")  # the kinds history.jsonl, TensorBoard and MLflow keep
+EVENTS_FILE = "events.jsonl"
+# The prefix of an event's line in the log (how a cluster pod's events reach `kubetune status`: its log is the
+# only channel, read with no extra RBAC). Its JSON has no space after a name (compact separators), so Katib's
+# collector, which reads `name value` and `name=value`, finds no metric in it.
+LOG_PREFIX = "kubetune-event "
+
+
+@dataclass(frozen=True)
+class Event:
+    """One thing that happened in a run.
+
+    Attributes:
+        kind: one of ``KINDS``.
+        step: the optimizer step it happened at.
+        metrics: the values (a loss, an evaluation's scalars, the harness's scores, the final headline).
+        context: the bookkeeping (epoch, samples, training and evaluation seconds, the output's URI, a
+            checkpoint's path).
+    """
+
+    kind: Kind
+    step: int
+    metrics: dict[str, Any] = field(default_factory=dict)
+    context: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        """One line of JSON (no newline), compact; a non-finite number as JSON's extension (``NaN``)."""
+        return json.dumps(
+            {"kind": self.kind, "step": self.step, "metrics": self.metrics, "context": self.context},
+            separators=(",", ":"),
+            default=str,
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Event | None:
+        """The event of one JSON line, checked field by field (anything may have written it); None otherwise."""
+        try:
+            raw = json.loads(text)
+        except ValueError:
+            return None
+        if not isinstance(raw, dict) or raw.get("kind") not in KINDS or type(raw.get("step")) is not int:
+            return None
+        metrics, context = raw.get("metrics"), raw.get("context")
+        return cls(
+            kind=raw["kind"],
+            step=raw["step"],
+            metrics=metrics if isinstance(metrics, dict) else {},
+            context=context if isinstance(context, dict) else {},
+        )
+
+
+def log_line(event: Event) -> str:
+    """The event as a log line's message: ``LOG_PREFIX`` and its JSON."""
+    return LOG_PREFIX + event.to_json()
+
+
+def events_in_log(lines: list[str]) -> list[Event]:
+    """The events in log lines (``log_line``'s, behind any timestamp and rank), in order; other lines are skipped."""
+    found = []
+    for line in lines:
+        _, sep, rest = line.partition(LOG_PREFIX)
+        event = Event.from_json(rest) if sep else None
+        if event is not None:
+            found.append(event)
+    return found
+
+
+class Subscriber(Protocol):
+    """A rendering of the events: it gets every event, in order, and is closed once when training ends."""
+
+    def on_event(self, event: Event) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class EventBus:
+    """The fan-out from the trainer to its subscribers; empty (a no-op) on ranks other than 0."""
+
+    def __init__(self, subscribers: list[Subscriber]):
+        self.subscribers = subscribers
+        self._closed = False
+
+    def emit(self, event: Event) -> None:
+        """Deliver ``event`` to every subscriber, in order."""
+        for subscriber in self.subscribers:
+            subscriber.on_event(event)
+
+    def close(self) -> None:
+        """Close every subscriber once (the export closes them before it reads history.jsonl; so does any other
+        way training ends). The end's events (``stopped``, ``done``) still reach them after."""
+        if self._closed:
+            return
+        self._closed = True
+        for subscriber in self.subscribers:
+            subscriber.close()
+
+
+class EventFile:
+    """``events.jsonl`` beside history.jsonl: every event, one JSON object per line. A fresh run starts it
+    anew; a resumed run appends (its ``start`` event says from which step). Each line is written and closed at
+    once (a few per log step), so the end's events still reach it after the other files are closed."""
+
+    def __init__(self, out: Path, resumed: bool):
+        self.path = out / EVENTS_FILE
+        if not resumed:
+            self.path.write_text("", encoding="utf-8")
+
+    def on_event(self, event: Event) -> None:
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(event.to_json() + "\n")
+
+    def close(self) -> None:
+        pass
+
+
+class HumanLog:
+    """The run's own readable lines, rendered from its events (the text tests, docs and Katib's collector read)."""
+
+    def __init__(self, headline: tuple[str, ...]):
+        self.headline = headline  # the task's headline metrics: the evaluation line shows them after eval_loss
+
+    def on_event(self, event: Event) -> None:
+        m, step = event.metrics, event.step
+        if event.kind == "eval":
+            shown = " ".join(f"{k} {m[k]:.4f}" for k in ("eval_loss", *self.headline) if k in m)
+            log.info("epoch %d, step %d: %s", event.context["epoch"], step, shown)
+        elif event.kind == "lm_eval":
+            logging.getLogger("kubetune.training.scoring").info(
+                "step %d: lm_eval %s", step, ", ".join(f"{k} {v:.4f}" for k, v in m.items())
+            )
+        elif event.kind == "checkpoint":
+            log.info("checkpoint at step %d: %s", step, event.context["path"])
+        elif event.kind == "stopped":
+            done = "checkpoint written — run the same job again to resume" if step else "nothing trained"
+            log.warning("stopped on signal after step %d; %s", step, done)
+        elif event.kind == "done":
+            # the headline, and train_loss (a search's objective can be either: Katib reads them from this line)
+            headline = ", ".join(f"{k} {v:.4f}" for k, v in m.items())
+            c = event.context
+            log.info("done: %s, %.1f samples/s; artifacts in %s", headline, c["samples_per_s"], c["output"])
+
+    def close(self) -> None:
+        pass
