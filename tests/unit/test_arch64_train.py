@@ -19,7 +19,16 @@ from kubetune.artifacts.output import Output
 from kubetune.config import parse_spec
 from kubetune.distributed import DistEnv
 from kubetune.training.build import build_trainer
-from kubetune.training.events import EVENTS_FILE, KINDS, LOG_PREFIX, RECORDS, Event, events_in_log, log_line
+from kubetune.training.events import (
+    EVENTS_FILE,
+    KINDS,
+    LOG_EVENTS_ENV,
+    LOG_PREFIX,
+    RECORDS,
+    Event,
+    events_in_log,
+    log_line,
+)
 from kubetune.training.hooks import Hook, Metrics, Run
 from kubetune.training.loggers import progress_from_events, read_progress
 
@@ -75,6 +84,8 @@ def finished(small_csv, tmp_path_factory):
     level = root.level
     root.addHandler(handler)
     root.setLevel(logging.INFO)
+    patch = pytest.MonkeyPatch()
+    patch.setenv(LOG_EVENTS_ENV, "1")  # as a cluster pod's launcher sets it: the event lines go into the log
     try:
         trainer = build_trainer(
             spec, DistEnv(), tasks.get(spec.task), dest, torch.device("cpu"), extra_hooks=[recorder]
@@ -84,6 +95,7 @@ def finished(small_csv, tmp_path_factory):
     finally:
         root.removeHandler(handler)
         root.setLevel(level)
+        patch.undo()
     return out, recorder.seen, handler.lines, metrics, trainer.layout.epoch_steps[0]
 
 

@@ -21,11 +21,8 @@ ENVIRON_WRITERS = {
     ),
     ("kubetune/pod/launch.py", "run"): (
         "torchrun's runner takes no environment for the workers either: the pid they die with (kubetune.lifetime) "
-        "goes through this process's, the pod's main process, which runs nothing else"
-    ),
-    ("kubetune/cli/evaluate.py", "_run"): (
-        "as the launchers: torch's elastic launcher takes no environment, and `kubetune eval`'s ranks die with this "
-        "process through the pid it puts there (kubetune.lifetime)"
+        "and the switch that puts their events into the log (training.events.LOG_EVENTS_ENV) go through this "
+        "process's, the pod's main process, which runs nothing else"
     ),
     ("kubetune/training/tracking.py", "_quiet_client"): (
         "MLflow reads its HTTP retries and timeout, and whether to print a run's URL, only from the environment"
@@ -37,6 +34,10 @@ MUTABLE_GLOBALS = {
     ("kubetune/providers/base.py", "_RESOLVERS"): "the scheme registry, filled by @register as the providers import",
     ("kubetune/backends/local/runs.py", "_LOCAL_JOBS"): (
         "the jobs this process started (Popen handles): child processes belong to the process itself"
+    ),
+    ("kubetune/inference/attention.py", "WRAPPED"): (
+        "the attention implementations registered as a wrapper over another, filled as each registers (as "
+        "transformers' own ALL_ATTENTION_FUNCTIONS, which the same registration writes)"
     ),
     ("kubetune/artifacts/lock.py", "_HELD"): (
         "the outputs this process holds locked: a lock belongs to the process, and the kernel releases it when the "

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING
 
 from kubetune.errors import USER_ERROR_EXIT, KubetuneError
 from kubetune.lifetime import PARENT_PID_ENV
+from kubetune.training.events import LOG_EVENTS_ENV
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
@@ -141,6 +142,7 @@ def run(staged_spec_path: str) -> int:
         args = torchrun_args(staged_spec_path)
         args.log_dir = args.log_dir or workdir
         os.environ[PARENT_PID_ENV] = str(os.getpid())  # the workers die with this launcher (kubetune.lifetime)
+        os.environ[LOG_EVENTS_ENV] = "1"  # the workers' events go into the log, where `kubetune status` reads them
         with translated_failures():
             torchrun.run(args)
     except BaseException as e:  # noqa: BLE001 -- every way out becomes an exit code

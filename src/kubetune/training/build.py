@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 import threading
 from pathlib import Path
@@ -30,7 +31,7 @@ from kubetune.tasks.base import Prepared, Task
 from kubetune.tasks.common import load_tokenizer
 from kubetune.training import strategy as strategies
 from kubetune.training import trainer_status
-from kubetune.training.events import EventBus, EventFile, HumanLog, Subscriber
+from kubetune.training.events import LOG_EVENTS_ENV, EventBus, EventFile, HumanLog, Subscriber
 from kubetune.training.guard import FiniteGuard
 from kubetune.training.hooks import Checkpointing, Evaluation, Hook
 from kubetune.training.layout import Layout
@@ -323,7 +324,8 @@ def _events(
         if cleanup is not None:
             # last, however training ends: the final update goes after the export (loggers close before it)
             cleanup.callback(status.close)
-    progress = ProgressLogger(dest.local, total_steps, spec.training.epochs, state.global_step, status)
+    log_events = os.environ.get(LOG_EVENTS_ENV) == "1"  # a cluster pod's workers (kubetune launch)
+    progress = ProgressLogger(dest.local, total_steps, spec.training.epochs, state.global_step, status, log_events)
     writers: list[Subscriber] = [
         HumanLog(headline),
         EventFile(dest.local, resumed=found is not None),

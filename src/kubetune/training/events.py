@@ -35,6 +35,10 @@ EVENTS_FILE = "events.jsonl"
 # only channel, read with no extra RBAC). Its JSON has no space after a name (compact separators), so Katib's
 # collector, which reads `name value` and `name=value`, finds no metric in it.
 LOG_PREFIX = "kubetune-event "
+# Set (to "1") by a cluster pod's launcher (``kubetune launch``) for its workers: only there do the event lines go
+# into the log, where `kubetune status` reads them; a local run's terminal keeps the human lines alone (its status
+# reads progress.json).
+LOG_EVENTS_ENV = "KUBETUNE_LOG_EVENTS"
 
 
 @dataclass(frozen=True)

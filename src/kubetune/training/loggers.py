@@ -68,14 +68,25 @@ class ProgressLogger:
     with the same fields and the last evaluation: what ``kubetune status`` shows.
 
     The line is ``progress: step=40/200 epoch=1/3 loss=0.6931 lr=2.00e-05 samples/s=91.2
-    tokens/s=5400 eta=1m32s``. Beside it, what status needs travels as compact event lines (``events.log_line``):
-    the ``progress`` record of each log step (these fields), each evaluation's and harness's scalars, and the end
-    (``done``: the headline and the output; ``stopped``). ``progress_from_events`` folds them back into the record
-    from a cluster pod's log (its only channel, with no extra RBAC) with ``json.loads``, never from the text."""
+    tokens/s=5400 eta=1m32s``. Beside it, in a cluster pod, what status needs travels as compact event lines
+    (``events.log_line``): the ``progress`` record of each log step (these fields), each evaluation's and
+    harness's scalars, and the end (``done``: the headline and the output; ``stopped``). ``progress_from_events``
+    folds them back into the record from a cluster pod's log (its only channel, with no extra RBAC) with
+    ``json.loads``, never from the text."""
 
-    def __init__(self, out: Path, total_steps: int, epochs: int, start_step: int, status: StatusReporter | None = None):
+    def __init__(
+        self,
+        out: Path,
+        total_steps: int,
+        epochs: int,
+        start_step: int,
+        status: StatusReporter | None = None,
+        log_events: bool = False,
+    ):
         """``status``: a ``trainer_status.StatusReporter`` that gets every record written here (the
-        TrainJob's ``status.trainerStatus``), from this one at the start to the final one; or None."""
+        TrainJob's ``status.trainerStatus``), from this one at the start to the final one; or None.
+        ``log_events``: the event lines go into the log too (a cluster pod's: ``events.LOG_EVENTS_ENV``)."""
+        self.log_events = log_events
         self.path = out / PROGRESS
         self.status = status
         self.total, self.epochs = total_steps, epochs
@@ -96,11 +107,11 @@ class ProgressLogger:
         if kind == "done":
             headline = {k: metrics[k] for k in context["headline"]}
             self.finish("succeeded", metrics=headline, output=context["output"])
-            log.info("%s", log_line(Event("done", step, headline, {"output": context["output"]})))
+            self._log_event(Event("done", step, headline, {"output": context["output"]}))
             return
         if kind == "stopped":
             self.finish("stopped")
-            log.info("%s", log_line(event))
+            self._log_event(event)
             return
         if kind not in RECORDS:
             return
@@ -116,7 +127,7 @@ class ProgressLogger:
                 self.record["last_eval"] = {"step": step, **scalars}
                 self.record["phase"] = "training" if step < self.total else "finishing"
             self._write()
-            log.info("%s", log_line(Event(kind, step, scalars)))
+            self._log_event(Event(kind, step, scalars))
             return
         self._train(step, metrics, context, now)
 
@@ -136,7 +147,11 @@ class ProgressLogger:
         log.info("progress: %s", format_line(rec))
         self._write()
         shown = {k: rec[k] for k in _PROGRESS_KEYS if rec.get(k) is not None}
-        log.info("%s", log_line(Event("progress", step, context=shown)))
+        self._log_event(Event("progress", step, context=shown))
+
+    def _log_event(self, event: Event) -> None:
+        if self.log_events:
+            log.info("%s", log_line(event))
 
     def finish(self, phase: str, **extra: Any) -> None:
         self.record.update(phase=phase, updated=time.time(), **extra)
