@@ -1,6 +1,7 @@
-"""The problems between fields of different sections of a job spec (each section valid on its own), one line
-each: run by the spec's own validation (``schema.JobSpec``), and by ``load.parse_spec`` on the sections that are
-valid when others are not, so that every problem of a spec is reported at once."""
+"""The problems between sections of a job spec, each valid on its own.
+
+One line each: run by the spec's own validation (``schema.JobSpec``), and by ``load.parse_spec`` on the sections
+that are valid when others are not, so that every problem of a spec is reported at once."""
 
 from __future__ import annotations
 

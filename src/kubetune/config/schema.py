@@ -1,5 +1,6 @@
-"""The job spec: ``JobSpec``, the typed base that code annotates with, and ``spec_model()``, the model a spec
-is validated and dumped with, which the registered tasks complete.
+"""The job spec's model: the typed base ``JobSpec`` and its registered completion ``spec_model()``.
+
+Code annotates with ``JobSpec``; a spec is validated and dumped with ``spec_model()``, a subclass.
 
 ``JobSpec`` declares every common section (the data section as ``DataCommon``, the fields every task has);
 a task's own section is reached typed through ``JobSpec.section(<its model>)``. The tasks are entry points
@@ -158,9 +159,14 @@ class JobSpec(_JobTail, _JobHead):
 
     @model_validator(mode="before")
     @classmethod
-    def _data_for_task(cls, raw: Any) -> Any:
+    def _registered_only(cls, raw: Any) -> Any:
         if cls is JobSpec:  # its data field is the common base, which refuses every task's own keys
             raise TypeError("JobSpec is the typed base of a job spec: validate with parse_spec or spec_model()")
+        return raw
+
+    @model_validator(mode="before")
+    @classmethod
+    def _data_for_task(cls, raw: Any) -> Any:
         # The data section's model is the task's (DATA_SPECS): its hidden `task` tag selects it.
         if isinstance(raw, dict) and isinstance(raw.get("data"), dict):
             task = raw.get("task", default_task())

@@ -1,6 +1,8 @@
-"""The job spec's common sections: the base model, LoRA, the training recipe, the distribution (DDP | FSDP), S3,
-the experiment trackers, lm-evaluation-harness during training, and the output. Each is a model of its own;
-``schema.JobSpec`` puts them together with the task's sections.
+"""The spec's common sections: model, lora, training, distributed, s3, tracking, evaluation, output.
+
+The base model, LoRA, the training recipe, the distribution (DDP | FSDP), S3, the experiment trackers,
+lm-evaluation-harness during training, and the output: each a model of its own, which ``schema.JobSpec``
+puts together with the data section and the tasks' own sections.
 
 The key names are a public contract (docs, tools and the Kubernetes ConfigMap rely on them).
 Unknown keys are errors; every field carries help text in ``description``.
