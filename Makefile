@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install seed-cache demo test test-e2e test-all docs bench gpu-wheels gpu-check image image-test clean
+.PHONY: install seed-cache demo test typecheck test-e2e test-all docs bench gpu-wheels gpu-check image image-test clean
 
 $(BIN)/.installed: pyproject.toml requirements.txt requirements-test.txt requirements-test-nodeps.txt requirements-docs.txt
 	$(PYTHON) -m venv $(VENV)
@@ -54,7 +54,17 @@ test: install $(MLFLOW_VENV)/.installed
 	# Formatting and lint first (seconds): ruff format and ruff check, 120 columns (pyproject.toml).
 	$(BIN)/ruff format --check --quiet .
 	$(BIN)/ruff check --quiet .
+	$(MAKE) --no-print-directory typecheck
 	$(BIN)/python -m pytest -q $(PARALLEL) $(DURATIONS) $(PYTEST_ARGS)
+
+# make typecheck: mypy over src/kubetune with pyproject.toml's [tool.mypy], zero errors. Strictness: mypy's
+# defaults (the bodies of unannotated functions are not checked; a package without types is Any) plus strict
+# equality and no unused or redundant ignores everywhere; on config/ (the job spec), tasks/base.py (the task
+# seam) and training/ also every function typed in full, their bodies checked, no bare generics, no Any
+# returned and no implicit re-exports. Its cache lives in the venv (rebuilt with it, nothing in the tree):
+# cold, 70 s of CPU on the dev box; warm, 2 s.
+typecheck: install
+	$(BIN)/python -m mypy --cache-dir $(VENV)/.mypy_cache
 
 # make test-e2e: the heavier end-to-end variants (marker e2e): SIGKILL/resume matrices, world-size changes,
 # long comparisons. CI runs it after make test (.ci/run).

@@ -56,7 +56,9 @@ class DataCommon(Section):
     """The ``data`` fields every task has; each task's data model (``config.tasks.TaskEntry.data``) adds its own
     and fixes ``task`` to its name with a ``Literal``."""
 
-    task: str = Field("", exclude=True, description="(internal) the job's task, which selects the data section's model")
+    task: str = Field(
+        default="", exclude=True, description="(internal) the job's task, which selects the data section's model"
+    )
 
     train: Uri = Field(
         description="Training data: a CSV/TSV/JSONL/Parquet file (plain path or file://), a directory of "
@@ -64,41 +66,42 @@ class DataCommon(Section):
         "inside an installed Python package).",
     )
     eval: Uri | None = Field(
-        None,
+        default=None,
         description="Evaluation data, same forms as data.train. Absent: carve data.eval_fraction out of data.train.",
     )
     eval_fraction: float = Field(
-        0.1,
+        default=0.1,
         gt=0,
         lt=1,
         description="Fraction of data.train held out (stratified by label, fixed seed) when data.eval is absent.",
     )
     train_split: str = Field(
-        "train", description="Split (with optional slice, e.g. 'train[:3000]') for hf:// and directory datasets."
+        default="train",
+        description="Split (with optional slice, e.g. 'train[:3000]') for hf:// and directory datasets.",
     )
     eval_split: str = Field(
-        "validation", description="Split (with optional slice) of data.eval for hf:// and directory datasets."
+        default="validation", description="Split (with optional slice) of data.eval for hf:// and directory datasets."
     )
-    text_column: str = Field("text", description="Column holding the input text.")
+    text_column: str = Field(default="text", description="Column holding the input text.")
     max_length: int = Field(
-        128,
+        default=128,
         ge=8,
         le=32768,
         description="Token limit per example; longer texts are truncated. Batches are padded dynamically.",
     )
     max_train_samples: int | None = Field(
-        None,
+        default=None,
         ge=1,
         description="Use at most this many training rows (a seeded random subset), after the eval carve-out.",
     )
     max_eval_samples: int | None = Field(
-        None,
+        default=None,
         ge=1,
         description="Use at most this many evaluation rows (a seeded random subset). Absent: every row of "
         "data.eval, and at most 10,000 of an evaluation split carved out of data.train (said in the log).",
     )
     encoding: str = Field(
-        "auto",
+        default="auto",
         description="Text encoding of CSV/TSV/JSON(L) files. 'auto': UTF-8; "
         "a byte-order mark selects UTF-8/16/32; bytes that "
         "are not valid UTF-8 are decoded as cp1252 with a warning "
@@ -106,7 +109,7 @@ class DataCommon(Section):
         "(latin-1, cp1252, utf-16, ...) is used as given.",
     )
     max_input_mb: int | None = Field(
-        None,
+        default=None,
         ge=1,
         description="Largest data file (or directory, or dataset) read, in MiB; empty: no limit. Data is read "
         "in chunks into an Arrow cache on disk (KUBETUNE_CACHE), so memory does not grow with it; the disk "
@@ -118,7 +121,7 @@ class StreamingData(DataCommon):
     """The ``data`` fields of a task that can stream data.train (``data.streaming``: ``data/stream.py``)."""
 
     streaming: bool = Field(
-        False,
+        default=False,
         description="Stream data.train (a directory or an s3:// prefix of data files, its shards) instead of reading "
         "it whole into the cache first: for data larger than the local disk. Shards are read in listing order and "
         "tokenized as they come, each rank training on its own share; the stream's position is in every checkpoint, "
@@ -126,7 +129,7 @@ class StreamingData(DataCommon):
         "training.max_steps (the stream's length is not known in advance) and data.eval.",
     )
     shuffle_buffer: int = Field(
-        1000,
+        default=1000,
         ge=0,
         le=1_000_000,
         description="With data.streaming: rows held for a seeded shuffle of the stream (0: file order). The buffer is "

@@ -5,13 +5,18 @@ from __future__ import annotations
 import difflib
 import reprlib
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
-from kubetune.config.schema import CROSS_SEPARATOR, DATA_SPECS, JobSpec
-from kubetune.config.tasks import default_task
+from kubetune.config.base import Section
+from kubetune.config.checks import CROSS_SEPARATOR, INVALID, cross_problems
+from kubetune.config.cluster import KubernetesSpec
+from kubetune.config.schema import JobSpec, spec_model
+from kubetune.config.sections import DistributedSpec, EvaluationSpec, LoraSpec, OutputSpec, TrackingSpec, TrainSpec
+from kubetune.config.tasks import DATA_SPECS, TASK_SECTIONS, default_task
 from kubetune.errors import SpecError
 
 
@@ -56,6 +61,8 @@ def load_spec(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
     return parse_spec(raw if raw is not None else {}, overrides, source=str(path))
 
 
+_S = TypeVar("_S", bound=Section)
+
 MAX_SPEC_BYTES = 1 << 20
 # The most values a spec may hold once its aliases are expanded. A real spec has a few hundred; a
 # YAML "billion laughs" of nine aliases nested nine deep has 9⁹ (and hung `validate` at 2.7 GB).
@@ -70,8 +77,8 @@ class _SpecLoader(yaml.SafeLoader):
     """PyYAML's safe loader, plus two refusals: a key repeated in one mapping (YAML says keys are
     unique; PyYAML silently keeps the last), and aliases that expand past ``MAX_SPEC_NODES``."""
 
-    def construct_mapping(self, node, deep=False):
-        seen: dict = {}
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, yaml.Mark] = {}
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":
                 continue
@@ -88,10 +95,11 @@ class _SpecLoader(yaml.SafeLoader):
                     key_node.start_mark,
                 )
             seen[key] = key_node.start_mark
-        return super().construct_mapping(node, deep=deep)
+        mapping: dict[Any, Any] = super().construct_mapping(node, deep=deep)
+        return mapping
 
 
-def _expanded_size(node, memo: dict, active: set, depth: int = 0) -> int:
+def _expanded_size(node: yaml.Node, memo: dict[int, int], active: set[int], depth: int = 0) -> int:
     """Values in the node once aliases are expanded; shared nodes are counted once per use, each
     computed once (so a bomb is measured in microseconds)."""
     key = id(node)
@@ -192,8 +200,9 @@ def parse_spec(raw: Any, overrides: list[str] | None = None, source: str = "spec
             problems.append(str(e))
     if problems:
         raise SpecError(problems, source)
+    model = spec_model()  # before the try: no registered task is an error of its own (KubetuneError)
     try:
-        return JobSpec.model_validate(raw)
+        return model.model_validate(raw)
     except ValidationError as e:
         problems = []
         for err in e.errors():
@@ -208,22 +217,10 @@ def parse_spec(raw: Any, overrides: list[str] | None = None, source: str = "spec
         raise SpecError(problems, source) from None
 
 
-def _cross_problems_of(raw: dict) -> list[str]:
-    """``schema.cross_problems`` of the sections of ``raw`` that validate on their own."""
-    from kubetune.config.schema import (
-        INVALID,
-        TASK_SECTIONS,
-        DistributedSpec,
-        EvaluationSpec,
-        KubernetesSpec,
-        LoraSpec,
-        OutputSpec,
-        TrackingSpec,
-        TrainSpec,
-        cross_problems,
-    )
+def _cross_problems_of(raw: dict[str, Any]) -> list[str]:
+    """``checks.cross_problems`` of the sections of ``raw`` that validate on their own."""
 
-    def section(model, value):
+    def section(model: type[_S], value: Any) -> _S | None:
         try:
             return model.model_validate(value if value is not None else {})
         except (ValidationError, ValueError, TypeError):
@@ -255,7 +252,7 @@ def resolve_data_paths(spec: JobSpec, base: Path) -> JobSpec:
     and run from any directory; the working directory for a spec object from Python. Not in a pod:
     there a relative path is on the workspace claim (README, "Paths")."""
 
-    def relative(value) -> bool:
+    def relative(value: object) -> TypeGuard[str]:
         return isinstance(value, str) and bool(value) and "://" not in value and not value.startswith(("/", "~"))
 
     values = {key: getattr(spec.data, key, None) for key in ("train", "eval")}
@@ -271,7 +268,8 @@ def resolve_data_paths(spec: JobSpec, base: Path) -> JobSpec:
 
 def dump_spec(spec: JobSpec) -> str:
     """The resolved spec as YAML (defaults filled in), as written to job.yaml and the ConfigMap."""
-    return yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False)
+    text: str = yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False)
+    return text
 
 
 def _deep_copy(obj: Any, depth: int = 0) -> Any:
@@ -284,7 +282,7 @@ def _deep_copy(obj: Any, depth: int = 0) -> Any:
     return obj
 
 
-def _apply_override(raw: dict, item: str) -> None:
+def _apply_override(raw: dict[str, Any], item: str) -> None:
     key, sep, value = item.partition("=")
     if not sep or not key.strip():
         raise ValueError(f"--set {item!r}: expected KEY=VALUE with a dotted key, e.g. --set training.epochs=2")
@@ -307,7 +305,7 @@ def _apply_override(raw: dict, item: str) -> None:
     node[parts[-1]] = parsed
 
 
-def _format_error(err: dict) -> str | None:
+def _format_error(err: ErrorDetails) -> str | None:
     loc = [str(p) for p in err["loc"]]
     kind = err["type"]
     if kind == "union_tag_invalid":  # the data section of an unknown task: the `task` error says it
@@ -370,15 +368,19 @@ def _clip(text: str, limit: int) -> str:
 
 def _model_at(loc: list[str], task: str | None = None) -> type[BaseModel] | None:
     """The section model at ``loc``; under ``data``, the data model of ``task`` (default: the spec's default task)."""
-    model: type[BaseModel] | None = JobSpec
+    spec = spec_model()
+    model: type[BaseModel] = spec
     for part in loc:
-        field = model.model_fields.get(part) if model is not None else None
+        field = model.model_fields.get(part)
         if field is None:
             return None
-        if model is JobSpec and part == "data":
-            model = DATA_SPECS[task or JobSpec.model_fields["task"].default]
+        if model is spec and part == "data":
+            model = DATA_SPECS[task or default_task()]
         else:
-            model = next(iter(_submodels(field.annotation)), None)
+            sub = next(iter(_submodels(field.annotation)), None)
+            if sub is None:  # a value, not a section
+                return None
+            model = sub
     return model
 
 
@@ -408,12 +410,12 @@ def _fix_for(loc: list[str], task: str | None = None) -> str:
     return f"expected: {desc}" if desc else "see the schema in README.md"
 
 
-def json_schema() -> dict:
+def json_schema() -> dict[str, Any]:
     """The spec's JSON Schema for editors (yaml-language-server). The data section is one model per
     task, told apart by the job's top-level ``task``, which JSON Schema's discriminator cannot read
     (it wants the tag inside ``data``): there the section may be any task's (``anyOf``), and
     ``kubetune validate`` checks that it is the job's task's."""
-    schema = JobSpec.model_json_schema()
+    schema = spec_model().model_json_schema()
     data = schema["properties"]["data"]
     data.pop("discriminator", None)
     data["anyOf"] = data.pop("oneOf")
@@ -446,7 +448,7 @@ def field_reference() -> list[tuple[str, str, str, str]]:
                 walk(sub, f"{key}.")
 
     seen: set[str] = set()
-    walk(JobSpec, "")
+    walk(spec_model(), "")
     return rows
 
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 import functools
 import re
 import textwrap
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from importlib import metadata, resources
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
@@ -104,6 +104,61 @@ def entries() -> Mapping[str, TaskEntry]:
         found.setdefault(point.name, entry)  # the first on sys.path wins, as for imports
     ordered = sorted(found.items(), key=lambda item: (item[1].order, item[0]))
     return MappingProxyType(dict(ordered))
+
+
+def registered() -> Mapping[str, TaskEntry]:
+    """``entries()``, which a spec's validation needs: there must be at least one task.
+
+    Raises:
+        KubetuneError: no task is registered (kubetune is not installed, so its entry points are missing).
+    """
+    found = entries()
+    if not found:
+        raise KubetuneError(
+            f"no kubetune task is registered (entry points of {GROUP}): kubetune is not installed",
+            fix="pip install -e . (or pip install kubetune)",
+        )
+    return found
+
+
+V = TypeVar("V")
+
+
+class FromRegistry(Mapping[str, V]):
+    """A read-only mapping made from the registered tasks (``registered()``) when it is first read, not when its
+    module is imported: a checkout that is not installed imports the config, and validating a spec then says what
+    is missing.
+
+    Raises:
+        KubetuneError: on first read, when no task is registered.
+    """
+
+    def __init__(self, make: Callable[[Mapping[str, TaskEntry]], Mapping[str, V]]) -> None:
+        self._make = make
+
+    @functools.cached_property
+    def _mapping(self) -> Mapping[str, V]:
+        return MappingProxyType(dict(self._make(registered())))
+
+    def __getitem__(self, key: str) -> V:
+        return self._mapping[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._mapping)
+
+    def __len__(self) -> int:
+        return len(self._mapping)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({dict(self._mapping)!r})"
+
+
+# The data section's model per task: the spec's `task` values, and the union its `data` is validated as.
+DATA_SPECS: Mapping[str, type[DataCommon]] = FromRegistry(lambda tasks: {n: e.data for n, e in tasks.items()})
+# The tasks that have a top-level section of their own (``TaskEntry.section``), keyed by the task's name.
+TASK_SECTIONS: Mapping[str, type[Section]] = FromRegistry(
+    lambda tasks: {name: entry.section for name, entry in tasks.items() if entry.section is not None}
+)
 
 
 def default_task() -> str:
@@ -195,5 +250,5 @@ def _yaml_value(value: Any) -> str:
     """``value`` as one line of YAML (flow style)."""
     if hasattr(value, "model_dump"):
         value = value.model_dump(mode="json")
-    text = yaml.safe_dump(value, default_flow_style=True, width=float("inf"), allow_unicode=True)
+    text: str = yaml.safe_dump(value, default_flow_style=True, width=float("inf"), allow_unicode=True)
     return text.removesuffix("\n").removesuffix("\n...").strip()

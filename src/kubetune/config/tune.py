@@ -4,7 +4,7 @@ values in."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Self
 
 from pydantic import Field, model_validator
 
@@ -19,14 +19,18 @@ class ParamSpec(Section):
     type: Literal["float", "int", "choice"] = Field(
         description="float or int: a range from low to high (log: on a log scale); choice: one of values."
     )
-    low: float | None = Field(None, description="The smallest value (float, int).")
-    high: float | None = Field(None, description="The largest value (float, int).")
-    log: bool = Field(False, description="Sample on a log scale (float, int; low must be above 0).")
-    step: float | None = Field(None, gt=0, description="Only multiples of step above low (float, int; grid needs it).")
-    values: list[Scalar] | None = Field(None, min_length=1, max_length=1000, description="The choices (choice).")
+    low: float | None = Field(default=None, description="The smallest value (float, int).")
+    high: float | None = Field(default=None, description="The largest value (float, int).")
+    log: bool = Field(default=False, description="Sample on a log scale (float, int; low must be above 0).")
+    step: float | None = Field(
+        default=None, gt=0, description="Only multiples of step above low (float, int; grid needs it)."
+    )
+    values: list[Scalar] | None = Field(
+        default=None, min_length=1, max_length=1000, description="The choices (choice)."
+    )
 
     @model_validator(mode="after")
-    def _complete(self):
+    def _complete(self) -> Self:
         if self.type == "choice":
             if not self.values or self.low is not None or self.high is not None:
                 raise ValueError("a choice takes values: [...] (and no low/high)")
@@ -48,7 +52,8 @@ class ParamSpec(Section):
         if self.type == "choice":
             return list(self.values or [])
         cast = int if self.type == "int" else float
-        return [cast(self.low), cast(self.high)]
+        low, high = self._ends()
+        return [cast(low), cast(high)]
 
     def grid(self) -> list[Scalar] | None:
         """Every value a grid search tries, or None for a continuous range (no step)."""
@@ -57,18 +62,24 @@ class ParamSpec(Section):
         if self.step is None:
             return None
         cast = int if self.type == "int" else float
-        n = int((self.high - self.low) / self.step + 1e-9) + 1
-        return [cast(self.low + k * self.step) for k in range(n)]
+        low, high = self._ends()
+        n = int((high - low) / self.step + 1e-9) + 1
+        return [cast(low + k * self.step) for k in range(n)]
+
+    def _ends(self) -> tuple[float, float]:
+        """A range's low and high, which a validated range has (``_complete``)."""
+        assert self.low is not None and self.high is not None, "a choice has no ends"
+        return self.low, self.high
 
 
 class EarlyStoppingSpec(Section):
     rule: Literal["median"] = Field(
-        "median",
+        default="median",
         description="median: stop a trial whose objective at an evaluation is worse than the median of the "
         "earlier trials' at the same step (Optuna's MedianPruner, Katib's medianstop).",
     )
-    min_trials: int = Field(2, ge=1, le=1000, description="Trials that finish before any is stopped early.")
-    warmup_steps: int = Field(0, ge=0, le=MAX_SPEC_INT, description="No trial is stopped before this step.")
+    min_trials: int = Field(default=2, ge=1, le=1000, description="Trials that finish before any is stopped early.")
+    warmup_steps: int = Field(default=0, ge=0, le=MAX_SPEC_INT, description="No trial is stopped before this step.")
 
 
 class TuneSpec(Section):
@@ -81,27 +92,30 @@ class TuneSpec(Section):
         "values, e.g. {type: float, low: 1.0e-5, high: 1.0e-3, log: true}.",
     )
     objective: str = Field(
-        "eval_loss",
+        default="eval_loss",
         min_length=1,
         max_length=200,
         description="The metric to optimize: one the run reports in metrics.json (eval_loss, eval_accuracy, the "
         "task's own) or an lm-evaluation-harness score of the evaluation section (task/metric, e.g. arc_easy/acc).",
     )
     direction: Literal["minimize", "maximize"] | None = Field(
-        None, description="Default: minimize a loss or perplexity, maximize anything else."
+        default=None, description="Default: minimize a loss or perplexity, maximize anything else."
     )
     algorithm: Literal["random", "grid", "tpe", "cmaes"] = Field(
-        "tpe", description="Optuna's sampler: random, grid (every combination), tpe, cmaes (float and int only)."
+        default="tpe",
+        description="Optuna's sampler: random, grid (every combination), tpe, cmaes (float and int only).",
     )
-    trials: int = Field(10, ge=1, le=10000, description="Trials to run (a grid: at most its combinations).")
-    parallel: int = Field(1, ge=1, le=64, description="Trials at once on this machine (they share its cores).")
-    max_failed: int = Field(0, ge=0, le=10000, description="Failed trials tolerated before the search stops.")
-    seed: int = Field(0, ge=0, le=MAX_SPEC_INT, description="The sampler's seed.")
+    trials: int = Field(default=10, ge=1, le=10000, description="Trials to run (a grid: at most its combinations).")
+    parallel: int = Field(default=1, ge=1, le=64, description="Trials at once on this machine (they share its cores).")
+    max_failed: int = Field(default=0, ge=0, le=10000, description="Failed trials tolerated before the search stops.")
+    seed: int = Field(default=0, ge=0, le=MAX_SPEC_INT, description="The sampler's seed.")
     early_stopping: EarlyStoppingSpec | None = Field(
-        None, description="Stop poor trials from their evaluations during training; absent: every trial runs out."
+        default=None,
+        description="Stop poor trials from their evaluations during training; absent: every trial runs out.",
     )
 
     def minimize(self) -> bool:
+        """Whether the search minimizes its objective (``direction``, else by the objective's name)."""
         if self.direction is not None:
             return self.direction == "minimize"
         return self.objective.endswith(("loss", "perplexity"))
