@@ -107,10 +107,17 @@ def next_token_targets(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 # after the head (Gemma 2, Cohere, Granite), so the task reads their logits.
 
 
-def replaceable_head(model) -> torch.nn.Linear | None:
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside its DDP wrapper (the wrapper's ``module``), or ``model`` itself: what a task reaches into
+    (a LoRA adapter to disable, a reference attached by ``tasks.reference``), never the wrapper's own attributes."""
+    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    return inner
+
+
+def replaceable_head(model: torch.nn.Module) -> torch.nn.Linear | None:
     """The output projection of a ``PLAIN_HEAD`` causal LM under its DDP, FSDP or PEFT wrapper, when
     it is a bias-free linear layer (not LoRA-adapted: the task projects with its weight alone); else None."""
-    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    inner = unwrap(model)
     if hasattr(inner, "get_base_model"):  # PEFT passes logits_to_keep through to the base model
         inner = inner.get_base_model()
     if getattr(getattr(inner, "config", None), "model_type", None) not in PLAIN_HEAD:

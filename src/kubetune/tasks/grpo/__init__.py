@@ -224,13 +224,14 @@ def _in_image(module: str) -> bool:
 def _render_warnings(spec) -> list[str]:
     """A user's reward function must be importable in the pods: said for each module the default trainer
     image does not hold; and a reward timeout that leaves a stopped pod too little of its grace period."""
-    if spec.grpo is None:
+    own = spec.section(GRPOSpec)
+    if own is None:
         return []
     out = []
     grace = spec.kubernetes.termination_grace_period_seconds
-    if spec.grpo.reward_timeout_s > grace / 2:  # the other half: the checkpoint after the call
+    if own.reward_timeout_s > grace / 2:  # the other half: the checkpoint after the call
         out.append(
-            f"grpo.reward_timeout_s: {spec.grpo.reward_timeout_s:g} s is over half of "
+            f"grpo.reward_timeout_s: {own.reward_timeout_s:g} s is over half of "
             f"kubernetes.termination_grace_period_seconds {grace}: after a stop signal a pod waits for its running "
             "reward call, and may be killed before it writes its checkpoint — raise the grace period, or lower the "
             "timeout"
@@ -241,7 +242,7 @@ def _render_warnings(spec) -> list[str]:
         f"grpo.rewards[{i}].function: module {r.function.split(':')[0]!r} must be importable in the pods, and the "
         "trainer image holds kubetune and its dependencies only — build kubernetes.image FROM the trainer image "
         "with your module installed"
-        for i, r in enumerate(spec.grpo.rewards)
+        for i, r in enumerate(own.rewards)
         if ":" in r.function and not _in_image(r.function.split(":")[0])
     ]
 

@@ -35,6 +35,7 @@ from kubetune.tasks.common import IGNORE, head_forward, next_token_targets, repl
 from kubetune.tasks.grpo import GRPOSpec
 from kubetune.tasks.grpo import loss as grpo_loss
 from kubetune.tasks.grpo import rewards as reward_fns
+from kubetune.tasks.reference import Reference
 
 log = logging.getLogger(__name__)
 # completions.jsonl keeps the newest records up to this many (a bounded file, however long the run)
@@ -174,7 +175,7 @@ class Rollouts:
     eos_ids: list[int]
     device: torch.device = torch.device("cpu")
     lockstep: bool = False  # a sharded model: every rank's generation makes as many forwards
-    reference: torch.nn.Module | None = None  # a frozen copy (grpo.reference_copy)
+    reference: Reference | None = None  # a frozen copy (grpo.reference_copy); None: the adapter disabled
     cache: list[RolloutBatch] = field(default_factory=list)  # the generation num_iterations reuses
     cache_units: float = 0.0
     samples: collections.deque = field(default_factory=lambda: collections.deque(maxlen=MAX_SAMPLES))
@@ -434,11 +435,8 @@ class Rollouts:
 
     def reference_logps(self, model, batch: Batch, autocast) -> torch.Tensor:
         t = self.grpo.temperature
-        if self.reference is not None:
-            return completion_logps(self.reference, batch, t, autocast)[0]
-        inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-        with inner.disable_adapter():
-            return completion_logps(inner, batch, t, autocast)[0]
+        reference = self.reference or Reference.adapter()
+        return reference.run(model, lambda network: completion_logps(network, batch, t, autocast)[0])
 
     def _keep_samples(self, s: Sampled, per_fn, total, advantages, real, global_step: int) -> None:
         if self.rank != 0 or not self.grpo.log_completions:

@@ -14,7 +14,6 @@ of the completions with their rewards.
 
 from __future__ import annotations
 
-import copy
 import functools
 import json
 import logging
@@ -30,14 +29,15 @@ from kubetune.distributed import DistEnv
 from kubetune.errors import AgreedError, KubetuneError
 from kubetune.inference import kinds
 from kubetune.providers import S3Settings
-from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task
-from kubetune.tasks.causal_lm import task as causal_lm
+from kubetune.tasks import causal
+from kubetune.tasks.base import LossOutput, Prepared, Task
 from kubetune.tasks.common import load_on_node, prepare_tokenizer, prepared, target_mask, tokenize_split
-from kubetune.tasks.dpo import task as dpo
+from kubetune.tasks.grpo import GRPOSpec
 from kubetune.tasks.grpo import loss as grpo_loss
 from kubetune.tasks.grpo import rewards as reward_fns
 from kubetune.tasks.grpo.data import PromptCollate, encode_prompts, load_prompt_frames
 from kubetune.tasks.grpo.rollout import RolloutBatch, Rollouts, completion_logps, dense
+from kubetune.tasks.reference import Reference
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
     """The shared skeleton (``tasks.common``) around the task's own parts: the reward functions (a
     user's module imported now), and the rollouts that make each step of prompts the step trained on."""
-    g = spec.grpo
+    g = _own(spec)
     if g.beta and spec.lora is None and not g.reference_copy:
         raise KubetuneError(
             f"beta {g.beta} needs a reference model: a full fine-tune keeps none unless asked",
@@ -110,6 +110,12 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
     )
 
 
+def _own(spec: JobSpec) -> GRPOSpec:
+    g = spec.section(GRPOSpec)
+    assert g is not None, "a grpo spec has its grpo section (its rewards are required)"
+    return g
+
+
 def _eos_ids(model_dir, tokenizer) -> list[int]:
     """The tokens that end a completion: the tokenizer's end token and the model's generation config's."""
     from transformers import GenerationConfig
@@ -128,16 +134,14 @@ def setup(spec: JobSpec, model, data: Prepared, env: DistEnv, device, autocast, 
     weights: a checkpoint has not been loaded yet)."""
     rollouts: Rollouts = data.online
     rollouts.device, rollouts.lockstep = device, lockstep
-    if spec.grpo.beta and spec.lora is None:
+    if _own(spec).beta and spec.lora is None:
         if lockstep:
             raise KubetuneError(
                 "grpo.reference_copy keeps a whole copy of the model on every process, which a sharded model avoids",
                 field="grpo.reference_copy",
                 fix="use a lora section (the reference is the adapter disabled), or grpo.beta: 0",
             )
-        reference = copy.deepcopy(model).eval()
-        reference.requires_grad_(False)
-        rollouts.reference = reference
+        rollouts.reference = Reference.frozen_copy(model)
 
 
 # ---------------------------------------------------------------- the loss
@@ -232,7 +236,7 @@ def eval_metrics(totals: dict[str, np.ndarray], data: Prepared) -> dict:
 def export(spec: JobSpec, model, tokenizer, data: Prepared, out, metrics: dict) -> None:
     """The causal-LM task's export, and ``completions.jsonl``: the newest sampled completions (rank 0's)
     with their rewards."""
-    causal_lm.export(spec, model, tokenizer, data, out, metrics)
+    causal.export(spec, model, tokenizer, data, out, metrics)
     lines = "".join(json.dumps(r) + "\n" for r in data.online.samples)
     artifacts.write_atomic(out / "completions.jsonl", lines)
 
@@ -276,7 +280,7 @@ def _summary(m: dict) -> str:
 TASK = Task(
     load_frames=load_prompt_frames,
     prepare=prepare,
-    build_model=dpo.build_model,  # the causal-LM model with dropout off: sampling and training see one network
+    build_model=causal.build_preference_model,  # dropout off: sampling and training see one network
     loss=loss,
     eval_step=eval_step,
     eval_totals=eval_totals,
@@ -285,12 +289,8 @@ TASK = Task(
     artifact_files=("completions.jsonl",),  # what export writes beside the causal-LM task's export
     headline=("eval_reward",),
     inference=kinds.CAUSAL_LM,  # the export is a causal LM
-    present=Presentation(
-        pipeline_tag="text-generation",
+    present=causal.presentation(
         report_rows=_report_rows,
-        eval_curves=(),
-        eval_log_scale=False,
-        card_usage=causal_lm.TASK.present.card_usage,
         card_about=_card_about,
         headline=lambda m: f"mean reward {m.get('eval_reward', float('nan')):.4f}",
         summary=_summary,
