@@ -117,7 +117,7 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 def replaceable_head(model: torch.nn.Module) -> torch.nn.Linear | None:
     """The output projection of a ``PLAIN_HEAD`` causal LM under its DDP, FSDP or PEFT wrapper, when
     it is a bias-free linear layer (not LoRA-adapted: the task projects with its weight alone); else None."""
-    inner = unwrap(model)
+    inner: Any = unwrap(model)  # a transformers or PEFT model: methods nn.Module does not declare
     if hasattr(inner, "get_base_model"):  # PEFT passes logits_to_keep through to the base model
         inner = inner.get_base_model()
     if getattr(getattr(inner, "config", None), "model_type", None) not in PLAIN_HEAD:
@@ -130,7 +130,7 @@ def replaceable_head(model: torch.nn.Module) -> torch.nn.Linear | None:
 def head_forward(head: torch.nn.Linear, forward: Callable[[torch.Tensor], torch.Tensor]):
     """Inside the block, ``head`` returns ``forward(hidden states)`` instead of projecting them (inside
     the model's forward, so DDP and FSDP see its weight used where they expect)."""
-    head.forward = forward  # an instance attribute shadows the class's forward; removed below
+    setattr(head, "forward", forward)  # an instance attribute shadows the class's forward; removed below
     try:
         yield
     finally:

@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from kubetune.artifacts.presentation import Presentation
 from kubetune.config import JobSpec
 from kubetune.data import Batch
 from kubetune.data.feed import Feed
@@ -27,7 +28,7 @@ from kubetune.data.tokenize import tokenizer_fingerprint
 from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
 from kubetune.inference import kinds
-from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task
+from kubetune.tasks.base import LossOutput, Prepared, Task
 from kubetune.tasks.causal import build_model, card_usage, export
 from kubetune.tasks.causal_lm.data import collate, load_lm_frames, shard_normalizer, tokenize_frame
 from kubetune.tasks.common import load_on_node, prepare_tokenizer, prepared, tokenize_split

@@ -153,7 +153,9 @@ def setup(
     the reference is the adapter-less model, on the fly."""
     if spec.lora is not None:
         return
-    path, values, how = precompute(spec, model, (data.collate, data.collate_eval), env, device, autocast, lockstep)
+    train, held_out = data.collate, data.collate_eval
+    assert isinstance(train, PairCollate) and isinstance(held_out, PairCollate)  # prepare's (a stream needs LoRA)
+    path, values, how = precompute(spec, model, (train, held_out), env, device, autocast, lockstep)
     if env.is_main:
         log.info("dpo reference log-probabilities of %d + %d pairs %s: %s", len(values[0]), len(values[1]), how, path)
 
@@ -184,6 +186,7 @@ def pair_losses(
     chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
     beta = dpo.beta
     if dpo.loss_type == "ipo":
+        assert answer_tokens is not None, "ipo normalizes by the answers' tokens"
         n_chosen, n_rejected = answer_tokens.chunk(2)
         delta = chosen_ratio / n_chosen.clamp(min=1.0) - rejected_ratio / n_rejected.clamp(min=1.0)
         losses = (delta - 1 / (2 * beta)) ** 2

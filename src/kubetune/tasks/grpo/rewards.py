@@ -46,6 +46,7 @@ def scorers(specs: list[Reward], chat: bool = False, s3: S3Settings = S3Settings
     for i, r in enumerate(specs):
         where = f"grpo.rewards[{i}].function"
         if r.function == "model":
+            assert r.model is not None  # the section's checks require it
             fn = model_reward(r.model, f"grpo.rewards[{i}].model", chat, s3)
         else:
             fn = _builtin(r) if ":" not in r.function else _import(r.function, where)
@@ -151,6 +152,7 @@ def _builtin(r: Reward) -> Callable:
 
         return exact_match
     if r.function == "regex":
+        assert r.pattern is not None  # the section's checks require it
         rx = re.compile(r.pattern, re.DOTALL)
         match = rx.fullmatch if r.full else rx.search
         if r.share:

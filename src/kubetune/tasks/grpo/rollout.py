@@ -22,7 +22,7 @@ import json
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -35,6 +35,7 @@ from kubetune.tasks.common import IGNORE, head_forward, next_token_targets, repl
 from kubetune.tasks.grpo import GRPOSpec
 from kubetune.tasks.grpo import loss as grpo_loss
 from kubetune.tasks.grpo import rewards as reward_fns
+from kubetune.tasks.grpo.data import PromptBatch
 from kubetune.tasks.reference import Reference
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ class RolloutBatch(Batch):
 
     def state(self) -> dict:
         """Plain tensors and numbers (a checkpoint is loaded with weights_only)."""
+        assert self.advantages is not None and self.stats is not None  # a rollout's batch has both
         return {
             "input_ids": self.inputs["input_ids"].cpu(),
             "attention_mask": self.inputs["attention_mask"].cpu(),
@@ -220,11 +222,12 @@ class Rollouts:
                 ran: every rank gives the step up together, before it changed anything.
         """
         if global_step % self.repeat and self.cache:
-            return StepBatch(self.cache, step.global_count, step.indices, self.cache_units)
+            return StepBatch(cast("list[Batch]", self.cache), step.global_count, step.indices, self.cache_units)
         g = self.grpo
         self.stop = stop
         sampled = self._sample(model, step.micro, global_step)
-        real = np.concatenate([np.full(len(m.records) * g.num_generations, m.weight > 0) for m in step.micro])
+        prompts = cast("list[PromptBatch]", step.micro)  # the plan's steps of this task's prompts
+        real = np.concatenate([np.full(len(m.records or ()) * g.num_generations, m.weight > 0) for m in prompts])
         rng = checkpoint.rng_state()
         try:
             per_fn, total = self._score(sampled, global_step, stop)
@@ -272,7 +275,7 @@ class Rollouts:
         g = self.grpo
         sample = global_step is not None
         generator = None
-        if sample:  # a pure function of (seed, step, rank): a resumed run samples what this one did
+        if global_step is not None:  # a pure function of (seed, step, rank): a resumed run samples what this one did
             generator = torch.Generator(device=self.device)
             generator.manual_seed(int(np.random.SeedSequence([self.seed, global_step, self.rank]).generate_state(1)[0]))
         gens = [
@@ -504,7 +507,9 @@ class Rollouts:
                 fix=f"resume on {len(states)} processes, or from a checkpoint at a step that is a multiple of "
                 f"{self.repeat}",
             )
-        mine = states[self.rank] if self.rank < len(states) else {"cache": [], "cache_units": 0.0, "samples": []}
+        mine: dict[str, Any] = (
+            states[self.rank] if self.rank < len(states) else {"cache": [], "cache_units": 0.0, "samples": []}
+        )
         if len(states) == world_size:
             self.cache = [RolloutBatch.from_state(s, self.grpo) for s in mine["cache"]]
             self.cache_units = mine["cache_units"]

@@ -110,6 +110,11 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
     )
 
 
+def _rollouts(data: Prepared) -> Rollouts:
+    assert isinstance(data.online, Rollouts)  # prepare made them
+    return data.online
+
+
 def _own(spec: JobSpec) -> GRPOSpec:
     g = spec.section(GRPOSpec)
     assert g is not None, "a grpo spec has its grpo section (its rewards are required)"
@@ -132,7 +137,7 @@ def _eos_ids(model_dir, tokenizer) -> list[int]:
 def setup(spec: JobSpec, model, data: Prepared, env: DistEnv, device, autocast, lockstep: bool) -> None:
     """The rollouts on this rank's device; with grpo.reference_copy, the frozen reference (the base
     weights: a checkpoint has not been loaded yet)."""
-    rollouts: Rollouts = data.online
+    rollouts = _rollouts(data)
     rollouts.device, rollouts.lockstep = device, lockstep
     if _own(spec).beta and spec.lora is None:
         if lockstep:
@@ -149,6 +154,7 @@ def setup(spec: JobSpec, model, data: Prepared, env: DistEnv, device, autocast, 
 
 def _policy(model, batch: RolloutBatch, autocast):
     g = batch.grpo
+    assert g is not None and batch.advantages is not None  # a rollout's batch has both
     logps, entropy = completion_logps(model, batch, g.temperature, autocast)
     labels = batch.labels
     mask = target_mask(labels)
@@ -169,7 +175,7 @@ def _policy(model, batch: RolloutBatch, autocast):
     if g.loss_type == "bnpo":  # TRL: each micro-batch's token mean, then averaged over micro-batches
         loss_sum = loss_sum * len(labels) / st.tokens.clamp(min=1.0)
     tokens = st.tokens.clamp(min=1.0)
-    kl = [st.kl / tokens] if g.beta else []
+    kl = [st.kl / tokens] if g.beta and st.kl is not None else []  # beta: kl is there
     policy = torch.stack(
         [
             *kl,
@@ -186,6 +192,7 @@ def loss(model, batch: RolloutBatch, autocast) -> LossOutput:
     """The micro-batch's loss sum over its units, and its metrics' sums (each a value × the units, so the
     logged mean over units is the value)."""
     loss_sum, policy = _policy(model, batch, autocast)
+    assert batch.stats is not None  # a rollout's batch has them
     units = torch.tensor(batch.units, device=loss_sum.device, dtype=torch.float64)
     metrics = torch.cat([policy.detach().double(), batch.stats.to(policy.device, torch.float64)]) * units
     return LossOutput(loss_sum, units, metrics)
@@ -204,7 +211,7 @@ def eval_totals(stats: list[dict], data: Prepared, device) -> dict[str, torch.Te
     errors = [e for e in distributed.all_gather_object(next((s["error"] for s in stats if s["error"]), None)) if e]
     if errors:
         raise AgreedError(errors[0])
-    n_fn = len(data.online.scorers)
+    n_fn = len(_rollouts(data).scorers)
     totals = {
         k: torch.zeros((), device=device, dtype=torch.float64) for k in ("reward", "prompts", "tokens", "truncated")
     }
@@ -220,7 +227,7 @@ def eval_metrics(totals: dict[str, np.ndarray], data: Prepared) -> dict:
     """Means over the held-out prompts of one greedy completion each."""
     n = max(float(totals["prompts"]), 1.0)
     out = {"eval_reward": float(totals["reward"]) / n}
-    scorers = data.online.scorers
+    scorers = _rollouts(data).scorers
     if len(scorers) > 1:
         out.update({f"eval_reward_{s.label}": float(v) / n for s, v in zip(scorers, totals["rewards"])})
     out["eval_completion_length"] = float(totals["tokens"]) / n
@@ -237,7 +244,7 @@ def export(spec: JobSpec, model, tokenizer, data: Prepared, out, metrics: dict) 
     """The causal-LM task's export, and ``completions.jsonl``: the newest sampled completions (rank 0's)
     with their rewards."""
     causal.export(spec, model, tokenizer, data, out, metrics)
-    lines = "".join(json.dumps(r) + "\n" for r in data.online.samples)
+    lines = "".join(json.dumps(r) + "\n" for r in _rollouts(data).samples)
     artifacts.write_atomic(out / "completions.jsonl", lines)
 
 

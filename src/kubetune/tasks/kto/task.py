@@ -205,6 +205,7 @@ def _forward(model, batch: KTOBatch, autocast, gather: bool):
     if gather and torch.distributed.is_initialized():
         kl = distributed.all_reduce_sum(kl.clone()) / torch.distributed.get_world_size()
     kl = kl.clamp(min=0)
+    assert batch.desirable is not None  # the collate sets it
     desirable = batch.desirable.to(logps.device)
     losses, rewards = example_losses(logps, ref, desirable, kl, batch.kto)
     return losses, rewards, logps.detach(), desirable, kl

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kubetune.artifacts.presentation import Presentation
 from kubetune.config import JobSpec
 from kubetune.data import Batch
 from kubetune.data.rows import column
@@ -32,7 +33,7 @@ from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
 from kubetune.inference.seam import KSERVE, Inference
 from kubetune.providers import S3Settings
-from kubetune.tasks.base import Prepared, Presentation, Task
+from kubetune.tasks.base import Prepared, Task
 from kubetune.tasks.common import (
     export_merged,
     load_on_node,
