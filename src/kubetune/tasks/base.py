@@ -197,6 +197,16 @@ class Setup(Protocol):
         ...
 
 
+class Steps(NamedTuple):
+    """A task's training and evaluation steps, the ``Task`` fields of the same names (``common.pair_steps`` makes
+    them for a task that learns from pairs)."""
+
+    loss: Loss
+    eval_step: EvalStep
+    eval_totals: EvalTotals
+    eval_metrics: EvalMetrics
+
+
 @dataclass(frozen=True)
 class Task:
     """A task's training half; every field is a plain value or a function of the protocol above it. The task's

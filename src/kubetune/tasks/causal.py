@@ -1,8 +1,8 @@
 """The causal LM that several tasks train and export (causal-LM fine-tuning, DPO, KTO, ORPO, GRPO): the model
 built (full fine-tune, LoRA, or QLoRA: bitsandbytes 4-bit NF4 / 8-bit, GPU only, each rank loading its quantized
 copy on its own device), the preference tasks' model with every dropout off, the export (``adapter/`` and
-``model/``: the adapter merged into the base reloaded in full precision), and how the results of a task whose
-export is a causal LM read (``presentation``)."""
+``model/``: the adapter merged into the base reloaded in full precision), how the results of a task whose
+export is a causal LM read (``presentation``), and such a task's ``Task`` (``generation_task``)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ from kubetune import artifacts
 from kubetune.artifacts.presentation import Presentation
 from kubetune.config import JobSpec
 from kubetune.errors import KubetuneError
+from kubetune.inference import kinds
 from kubetune.tasks import attention
-from kubetune.tasks.base import Prepared
+from kubetune.tasks.base import Export, LoadFrames, Prepare, Prepared, Setup, Steps, Task
 from kubetune.tasks.common import attention_kwargs, load_pretrained, without_dropout
 
 log = logging.getLogger(__name__)
@@ -195,4 +196,36 @@ def presentation(
         step_plots=step_plots,
         loss_label=loss_label,
         card_metrics=card_metrics,
+    )
+
+
+def generation_task(
+    load_frames: LoadFrames,
+    prepare: Prepare,
+    steps: Steps,
+    headline: tuple[str, ...],
+    present: Presentation,
+    train_metrics: tuple[str, ...] = (),
+    setup: Setup | None = None,
+    export: Export = export,
+    artifact_files: tuple[str, ...] = (),
+) -> Task:
+    """The ``Task`` of a task that tunes the causal LM with every dropout off (``build_preference_model``) and
+    exports it as a causal LM (``export``, or the task's own that writes it and more), which ``kubetune predict``
+    and ``serve`` answer as one (``inference.kinds.CAUSAL_LM``): DPO, KTO, ORPO, GRPO."""
+    return Task(
+        load_frames=load_frames,
+        prepare=prepare,
+        build_model=build_preference_model,
+        loss=steps.loss,
+        eval_step=steps.eval_step,
+        eval_totals=steps.eval_totals,
+        eval_metrics=steps.eval_metrics,
+        export=export,
+        headline=headline,
+        present=present,
+        train_metrics=train_metrics,
+        artifact_files=artifact_files,
+        setup=setup,
+        inference=kinds.CAUSAL_LM,
     )

@@ -24,7 +24,7 @@ from kubetune.errors import KubetuneError
 from kubetune.inference.model import quiet_transformers
 from kubetune.inference.step import PLAIN_HEAD
 from kubetune.providers import S3Settings
-from kubetune.tasks.base import LossOutput, Prepared, on_node_first
+from kubetune.tasks.base import LossOutput, Prepared, Steps, on_node_first
 
 log = logging.getLogger(__name__)
 
@@ -285,7 +285,9 @@ def prepared(tokens: Tokens, **parts) -> Prepared:
 # ---- the steps of a task that learns from pairs (DPO, ORPO, reward models)
 
 
-def pair_steps(names: tuple[str, ...], pairs: Callable) -> tuple[Callable, Callable, Callable, Callable]:
+def pair_steps(
+    names: tuple[str, ...], pairs: Callable[[torch.nn.Module, Any, torch.autocast], tuple[torch.Tensor, torch.Tensor]]
+) -> Steps:
     """A pair task's ``loss``, ``eval_step``, ``eval_totals`` and ``eval_metrics`` (``Task`` fields) from ``pairs``:
     (model, batch, autocast) -> (the micro-batch's summed loss, one row per pair of the metrics ``names``). The loss
     unit is the pair; the evaluation reports means over the held-out pairs, ``eval_<name>``, with ``eval_loss``,
@@ -319,7 +321,7 @@ def pair_steps(names: tuple[str, ...], pairs: Callable) -> tuple[Callable, Calla
         out["eval_samples"] = data.eval_rows
         return out
 
-    return loss, eval_step, eval_totals, eval_metrics
+    return Steps(loss, eval_step, eval_totals, eval_metrics)
 
 
 def right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,9 +30,8 @@ from kubetune.data.feed import Feed
 from kubetune.data.rows import column
 from kubetune.data.tokenize import tokenizer_fingerprint
 from kubetune.distributed import DistEnv
-from kubetune.inference import kinds
 from kubetune.tasks import causal
-from kubetune.tasks.base import Prepared, Task
+from kubetune.tasks.base import Prepared
 from kubetune.tasks.common import IGNORE, load_on_node, pair_steps, prepare_tokenizer, prepared, tokenize_split
 from kubetune.tasks.dpo import DPOSpec
 from kubetune.tasks.logprobs import sequence_logps
@@ -221,7 +220,8 @@ def _pairs(
     return losses.sum(), stats
 
 
-loss, eval_step, eval_totals, eval_metrics = pair_steps(METRICS, _pairs)
+STEPS = pair_steps(METRICS, _pairs)
+loss, eval_step, eval_totals, eval_metrics = STEPS
 
 
 # ---------------------------------------------------------------- how the results read
@@ -260,17 +260,11 @@ def _summary(m: dict) -> str:
     )
 
 
-TASK = Task(
+TASK = causal.generation_task(
     load_frames=load_pair_frames,
     prepare=prepare,
-    build_model=causal.build_preference_model,
-    loss=loss,
-    eval_step=eval_step,
-    eval_totals=eval_totals,
-    eval_metrics=eval_metrics,
-    export=causal.export,
+    steps=STEPS,
     headline=("eval_reward_accuracy", "eval_reward_margin"),
-    inference=kinds.CAUSAL_LM,  # the export is a causal LM
     present=causal.presentation(
         report_rows=_report_rows,
         card_about=_card_about,

@@ -27,10 +27,9 @@ from kubetune.data.rows import column
 from kubetune.data.tokenize import tokenizer_fingerprint
 from kubetune.distributed import DistEnv
 from kubetune.errors import AgreedError, KubetuneError
-from kubetune.inference import kinds
 from kubetune.providers import S3Settings
 from kubetune.tasks import causal
-from kubetune.tasks.base import LossOutput, Prepared, Task
+from kubetune.tasks.base import LossOutput, Prepared, Steps
 from kubetune.tasks.common import load_on_node, prepare_tokenizer, prepared, target_mask, tokenize_split
 from kubetune.tasks.grpo import GRPOSpec
 from kubetune.tasks.grpo import loss as grpo_loss
@@ -284,18 +283,13 @@ def _summary(m: dict) -> str:
     return f"mean reward {m['eval_reward']:.4f} on {m['eval_prompts']} held-out prompts (greedy)"
 
 
-TASK = Task(
+TASK = causal.generation_task(
     load_frames=load_prompt_frames,
     prepare=prepare,
-    build_model=causal.build_preference_model,  # dropout off: sampling and training see one network
-    loss=loss,
-    eval_step=eval_step,
-    eval_totals=eval_totals,
-    eval_metrics=eval_metrics,
-    export=export,
-    artifact_files=("completions.jsonl",),  # what export writes beside the causal-LM task's export
+    steps=Steps(loss, eval_step, eval_totals, eval_metrics),
     headline=("eval_reward",),
-    inference=kinds.CAUSAL_LM,  # the export is a causal LM
+    export=export,
+    artifact_files=("completions.jsonl",),  # what export writes beside the causal-LM export
     present=causal.presentation(
         report_rows=_report_rows,
         card_about=_card_about,

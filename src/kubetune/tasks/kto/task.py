@@ -30,9 +30,8 @@ from kubetune.data.rows import column
 from kubetune.data.tokenize import tokenizer_fingerprint
 from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
-from kubetune.inference import kinds
 from kubetune.tasks import causal
-from kubetune.tasks.base import LossOutput, Prepared, Task
+from kubetune.tasks.base import LossOutput, Prepared, Steps
 from kubetune.tasks.common import IGNORE, load_on_node, prepare_tokenizer, prepared, right_pad, tokenize_split
 from kubetune.tasks.kto import KTOSpec
 from kubetune.tasks.kto.data import encode, load_frames
@@ -308,17 +307,11 @@ def _summary(m: dict) -> str:
     )
 
 
-TASK = Task(
+TASK = causal.generation_task(
     load_frames=load_frames,
     prepare=prepare,
-    build_model=causal.build_preference_model,
-    loss=loss,
-    eval_step=eval_step,
-    eval_totals=eval_totals,
-    eval_metrics=eval_metrics,
-    export=causal.export,
+    steps=Steps(loss, eval_step, eval_totals, eval_metrics),
     headline=("eval_reward_margin", "eval_kl"),
-    inference=kinds.CAUSAL_LM,
     present=causal.presentation(
         report_rows=_report_rows,
         card_about=_card_about,

@@ -26,9 +26,8 @@ from kubetune.config import JobSpec
 from kubetune.data.rows import column
 from kubetune.data.tokenize import tokenizer_fingerprint
 from kubetune.distributed import DistEnv
-from kubetune.inference import kinds
 from kubetune.tasks import causal
-from kubetune.tasks.base import Prepared, Task
+from kubetune.tasks.base import Prepared
 from kubetune.tasks.common import (
     IGNORE,
     load_on_node,
@@ -141,7 +140,8 @@ def _pairs(model, batch: PairBatch[ORPOSpec], autocast) -> tuple[torch.Tensor, t
     return total, stats
 
 
-loss, eval_step, eval_totals, eval_metrics = pair_steps(METRICS, _pairs)
+STEPS = pair_steps(METRICS, _pairs)
+loss, eval_step, eval_totals, eval_metrics = STEPS
 
 
 # ---------------------------------------------------------------- how the results read
@@ -175,17 +175,11 @@ def _summary(m: dict) -> str:
     )
 
 
-TASK = Task(
+TASK = causal.generation_task(
     load_frames=load_pair_frames,
     prepare=prepare,
-    build_model=causal.build_preference_model,  # dropout off (TRL's disable_dropout)
-    loss=loss,
-    eval_step=eval_step,
-    eval_totals=eval_totals,
-    eval_metrics=eval_metrics,
-    export=causal.export,
+    steps=STEPS,
     headline=("eval_reward_accuracy", "eval_reward_margin"),
-    inference=kinds.CAUSAL_LM,
     present=causal.presentation(
         report_rows=_report_rows,
         card_about=_card_about,
