@@ -5,14 +5,14 @@ Data: pairs of a prompt and a chosen and a rejected answer, in TRL's conventions
 they are (text), or message lists rendered with the chat template (chat; the prompt may be implicit:
 the turns chosen and rejected share), tokenized as TRL's DPOTrainer does and cached like the other
 tasks' tokens. A micro-batch is its pairs' chosen sequences, then their rejected ones; only answer
-tokens carry log-probabilities. Model: the causal-LM task's (full fine-tune, LoRA, QLoRA), with
+tokens carry log-probabilities. Model: the causal LM (``tasks.causal``: full fine-tune, LoRA, QLoRA), with
 dropout off (TRL's default, so the policy and the reference see the same network). The reference
 model is never a second copy: with LoRA it is the model with its adapter disabled, for a full
 fine-tune its log-probabilities are computed once, before training, by the model itself, and cached
 on disk keyed by the model, the data, the template and the precision (a resumed run reads them).
 Loss: sigmoid (DPO, with conservative label smoothing) or IPO, averaged over the global step's
 pairs; the rewards, their margin and the reward accuracy are logged in training and evaluation.
-Export, ``predict`` and the Hub push are the causal-LM task's.
+Export, ``predict`` and the Hub push are the causal LM's (``tasks.causal``).
 """
 
 from __future__ import annotations

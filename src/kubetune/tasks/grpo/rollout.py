@@ -106,7 +106,8 @@ def _head_as_logps(head: torch.nn.Linear, chosen: torch.Tensor, temperature: flo
     """For one forward call, the output projection returns the log-probabilities of ``chosen`` under
     softmax(logits / temperature) at the positions it is given (their entropies into ``entropy``),
     ``LOGITS_CHUNK`` positions at a time, each chunk's logits recomputed in the backward pass instead of
-    kept: the causal-LM task's chunked head (its loss in place of the projection) with GRPO's temperature."""
+    kept: the causal LM's chunked head (``tasks.logprobs``: its loss in place of the projection) with GRPO's
+    temperature."""
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         parts, ents = [], []

@@ -5,10 +5,10 @@ Data: prompts (text or chat) with any other columns, which reach the reward func
 (``data.py``). Each step of the data plan is a set of prompts; ``Rollouts`` (``rollout.py``, the
 task's ``Prepared.online``) turns it into completions sampled by the policy, rewards, advantages and
 the micro-batches trained on, and keeps them for ``num_iterations`` optimizer steps. Model: the
-causal-LM task's (full fine-tune, LoRA, QLoRA) with dropout off. Loss: TRL 1.16's (``loss.py``), its
+causal LM (``tasks.causal``: full fine-tune, LoRA, QLoRA) with dropout off. Loss: TRL 1.16's (``loss.py``), its
 four normalizations expressed as the trainer's loss units, so a global step's gradient equals TRL's
 for equal micro-batches. Evaluation: one greedy completion per held-out prompt, its mean reward.
-Export, ``predict`` and the Hub push are the causal-LM task's; ``completions.jsonl`` holds a sample
+Export, ``predict`` and the Hub push are the causal LM's (``tasks.causal``); ``completions.jsonl`` holds a sample
 of the completions with their rewards.
 """
 
@@ -240,7 +240,7 @@ def eval_metrics(totals: dict[str, np.ndarray], data: Prepared) -> dict:
 
 
 def export(spec: JobSpec, model, tokenizer, data: Prepared, out, metrics: dict) -> None:
-    """The causal-LM task's export, and ``completions.jsonl``: the newest sampled completions (rank 0's)
+    """The causal LM's export (``tasks.causal``), and ``completions.jsonl``: the newest sampled completions (rank 0's)
     with their rewards."""
     causal.export(spec, model, tokenizer, data, out, metrics)
     lines = "".join(json.dumps(r) + "\n" for r in _rollouts(data).samples)

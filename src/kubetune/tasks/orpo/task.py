@@ -10,7 +10,7 @@ ORPOTrainer): the chosen sequences' next-token NLL over every real token (prompt
 micro-batch's tokens) minus λ × log σ(log odds ratio), the odds from each answer's mean token log-probability,
 log odds = (c − r) − (log(1 − e^c) − log(1 − e^r)); both from one forward pass. Logged under TRL's names: the
 rewards (λ × the mean answer log-probabilities), their accuracy and margin, the log-probabilities, nll_loss,
-log_odds_ratio, log_odds_chosen. Export, ``predict`` and the Hub push are the causal-LM task's.
+log_odds_ratio, log_odds_chosen. Export, ``predict`` and the Hub push are the causal LM's (``tasks.causal``).
 """
 
 from __future__ import annotations
