@@ -4,14 +4,15 @@
 Data: unpaired examples read and tokenized by ``data.py`` (TRL's conventions). A micro-batch is its examples'
 prompt + completion, then the same prompts each with the previous example's completion (its KL sequences: TRL's
 rotation by one within the batch, ``(x_1, y_n), (x_2, y_1), …``), cut to ``data.max_length`` keeping their start.
-Model: the causal LM (``tasks.causal``: full fine-tune, LoRA, QLoRA) with dropout off, as DPO's. The reference (``tasks.reference``): with
-LoRA the model with its adapter disabled; for a full fine-tune a frozen copy of the base model, made before the
-first step (before a checkpoint's weights replace the base's), because the KL sequences change with each batch and
-cannot be precomputed as DPO's answers are. Loss (TRL's KTOTrainer, loss_type kto): z0 = max(0, the mean over the
-step's KL sequences, gathered over the processes in training, of log π(y'|x) − log π_ref(y'|x)) (no gradient);
-a desirable example's loss is desirable_weight × (1 − σ(β (r − z0))), an undesirable one's undesirable_weight ×
-(1 − σ(β (z0 − r))), r its completion's summed log-ratio; averaged over the step's examples. Logged under TRL's
-names: kl, the rewards (β r) and log-probabilities of the desirable and the undesirable examples, their margin.
+Model: the causal LM (``tasks.causal``: full fine-tune, LoRA, QLoRA) with dropout off, as DPO's. The reference
+(``tasks.reference``): with LoRA the model with its adapter disabled; for a full fine-tune a frozen copy of the base
+model, made before the first step (before a checkpoint's weights replace the base's), because the KL sequences
+change with each batch and cannot be precomputed as DPO's answers are. Loss (TRL's KTOTrainer, loss_type kto): z0 =
+max(0, the mean over the step's KL sequences, gathered over the processes in training, of log π(y'|x) − log
+π_ref(y'|x)) (no gradient); a desirable example's loss is desirable_weight × (1 − σ(β (r − z0))), an undesirable
+one's undesirable_weight × (1 − σ(β (z0 − r))), r its completion's summed log-ratio; averaged over the step's
+examples. Logged under TRL's names: kl, the rewards (β r) and log-probabilities of the desirable and the undesirable
+examples, their margin.
 Export, ``predict`` and the Hub push are the causal LM's (``tasks.causal``)."""
 
 from __future__ import annotations
