@@ -406,11 +406,12 @@ def test_dpo_loss_in_bf16_is_fp32s_within_rounding(tmp_path):
     from transformers import AutoTokenizer
 
     from kubetune.distributed import DistEnv
+    from kubetune.tasks import pair_batches as dpo_data
     from kubetune.tasks.common import ensure_chat_template
     from kubetune.tasks.dpo import DPOSpec, PreferenceData
-    from kubetune.tasks.dpo import data as dpo_data
     from kubetune.tasks.dpo import task as dpo
     from kubetune.tasks.pairs import pair_record
+    from kubetune.tasks.reference import reference_pass
 
     tok = AutoTokenizer.from_pretrained(TINY)
     ensure_chat_template(tok)
@@ -428,8 +429,8 @@ def test_dpo_loss_in_bf16_is_fp32s_within_rounding(tmp_path):
     results = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         autocast = torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32)
-        collate = dpo_data.Collate(ds, tok.pad_token_id, spec.max_length, DPOSpec(beta=0.1), key="")
-        collate.reference = dpo._reference_pass(reference, collate, DistEnv(), CUDA, autocast, 4, False)
+        collate = dpo_data.PairCollate(ds, tok.pad_token_id, spec.max_length, DPOSpec(beta=0.1), key="")
+        collate.reference = reference_pass(reference, collate, DistEnv(), CUDA, autocast, 4, False)
         policy.zero_grad(set_to_none=True)
         loss_sum, pairs, stats = dpo.loss(policy, collate(list(range(len(rows)))).to(CUDA), autocast)
         (loss_sum / pairs).backward()

@@ -7,9 +7,10 @@ from __future__ import annotations
 import torch
 
 from kubetune.data import Batch
-from kubetune.tasks.dpo.data import PairBatch
+from kubetune.tasks.dpo import DPOSpec
 from kubetune.tasks.grpo.data import PromptBatch
 from kubetune.tasks.grpo.rollout import RolloutBatch
+from kubetune.tasks.pair_batches import PairBatch
 
 META = torch.device("meta")
 
@@ -42,5 +43,5 @@ def test_grpo_and_dpo_batches_keep_their_own_fields_on_a_device():
     assert type(roll) is RolloutBatch and roll.units == 3.0 and roll.old_logps is None
     assert roll.advantages.device.type == "meta" and roll.ref_logps.device.type == "meta"
 
-    pair = PairBatch(**_base(), reference=torch.ones(1, 2)).to(META)
-    assert type(pair) is PairBatch and pair.reference.device.type == "meta" and pair.dpo is not None
+    pair = PairBatch(**_base(), reference=torch.ones(1, 2), settings=DPOSpec()).to(META)
+    assert type(pair) is PairBatch and pair.reference.device.type == "meta" and pair.settings is not None

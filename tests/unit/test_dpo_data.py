@@ -13,9 +13,9 @@ import pytest
 
 from kubetune.data.rows import RowSplit
 from kubetune.errors import KubetuneError
+from kubetune.tasks import pair_batches as dpo_data
 from kubetune.tasks.common import IGNORE, ensure_chat_template
 from kubetune.tasks.dpo import DPOSpec, PreferenceData
-from kubetune.tasks.dpo import data as dpo_data
 from kubetune.tasks.dpo import task as dpo
 from kubetune.tasks.pairs import load_pair_frames, with_answers
 
@@ -133,7 +133,7 @@ def test_batch_layout_labels_and_truncation(tok):
     assert tok.decode(cols["chosen_ids"][0]) == "positive" + tok.eos_token
     ds = datasets.Dataset.from_dict(cols)
     short = len(cols["prompt_ids"][1]) + 2  # the long pair keeps 2 answer tokens at this length
-    batch = dpo_data.Collate(ds, tok.pad_token_id, short, DPOSpec(), key="")([0, 1])
+    batch = dpo_data.PairCollate(ds, tok.pad_token_id, short, DPOSpec(), key="")([0, 1])
     ids, labels = batch.inputs["input_ids"], batch.labels
     assert ids.shape[0] == 4  # chosen 0, chosen 1, rejected 0, rejected 1
     for row, (pair, key) in enumerate([(0, "chosen_ids"), (1, "chosen_ids"), (0, "rejected_ids"), (1, "rejected_ids")]):

@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from kubetune.distributed import DistEnv
+from kubetune.tasks import pair_batches
 from kubetune.tasks.common import ensure_chat_template
 from kubetune.tasks.dpo import DPOSpec, PreferenceData
-from kubetune.tasks.dpo import data as dpo_data
 from kubetune.tasks.dpo import task as dpo
 from kubetune.tasks.pairs import pair_record
+from kubetune.tasks.reference import reference_pass
 
 trl = pytest.importorskip("trl")  # requirements-test.txt pins it: this skip only guards a partial install
 
@@ -110,16 +111,16 @@ def _trl(trainer):
 def _kubetune(policy, reference, tokenizer, rows, dpo_spec: DPOSpec, tmp_path):
     spec = PreferenceData(train=str(tmp_path / "pairs.jsonl"), max_length=MAX_LENGTH, eval_fraction=0.5)
     frame = pd.DataFrame({"record": [json.dumps(r) for r in (_record(r, spec) for r in rows)]})
-    cols = dpo_data.encode_pairs(frame, tokenizer, spec.max_length)
+    cols = pair_batches.encode_pairs(frame, tokenizer, spec.max_length)
     import datasets
 
     ds = datasets.Dataset.from_dict(cols)
-    collate = dpo_data.Collate(ds, tokenizer.pad_token_id, spec.max_length, dpo_spec, key="")
+    collate = pair_batches.PairCollate(ds, tokenizer.pad_token_id, spec.max_length, dpo_spec, key="")
     off = torch.autocast("cpu", enabled=False)
     batch = collate(list(range(N)))
     if reference is not None:  # full fine-tune: the reference pass, as setup() makes it
         # in batches of 4, unlike the training batch of 6
-        collate.reference = dpo._reference_pass(reference, collate, DistEnv(), torch.device("cpu"), off, 4, False)
+        collate.reference = reference_pass(reference, collate, DistEnv(), torch.device("cpu"), off, 4, False)
         batch = collate(list(range(N)))
     policy.train()
     loss_sum, pairs, stats = dpo.loss(policy, batch, off)

@@ -17,9 +17,10 @@ import torch
 
 from kubetune.tasks.common import ensure_chat_template
 from kubetune.tasks.dpo import DPOSpec
-from kubetune.tasks.dpo.data import Collate, encode_pairs
 from kubetune.tasks.orpo import ORPOData
 from kubetune.tasks.orpo import task as orpo
+from kubetune.tasks.pair_batches import PairCollate as Collate
+from kubetune.tasks.pair_batches import encode_pairs
 from kubetune.tasks.pairs import pair_record
 
 trl = pytest.importorskip("trl")  # requirements-test.txt pins it: this skip only guards a partial install

@@ -22,6 +22,7 @@ from kubetune import providers
 from kubetune.config import parse_spec
 from kubetune.data import Batch
 from kubetune.distributed import DistEnv
+from kubetune.tasks import logprobs
 from kubetune.tasks.base import evaluate
 from kubetune.tasks.causal_lm import task as causal_lm
 from kubetune.tasks.causal_lm.data import IGNORE
@@ -175,12 +176,12 @@ def test_the_chunked_target_only_loss_equals_the_full_logits_loss_and_its_gradie
         inputs = {"input_ids": ids, "attention_mask": attention}
     batch = Batch(inputs, labels)
     # chunks smaller than the targets (71 of them): several checkpointed chunks, one partial
-    monkeypatch.setattr(causal_lm, "LOSS_CHUNK", 16)
+    monkeypatch.setattr(logprobs, "LOSS_CHUNK", 16)
     # the path under test: the loss in place of the output projection, or (a model whose head cannot
     # be replaced) the target rows of the full logits, chunked
-    assert causal_lm.replaceable_head(model) is model.lm_head
+    assert logprobs.replaceable_head(model) is model.lm_head
     if not in_head:
-        monkeypatch.setattr(causal_lm, "replaceable_head", lambda model: None)
+        monkeypatch.setattr(logprobs, "replaceable_head", lambda model: None)
 
     def run(fn):
         model.zero_grad()

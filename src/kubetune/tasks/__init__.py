@@ -58,13 +58,13 @@ def for_model(path: Path) -> tuple[str, Task]:
 
     config = check_model(path)
     name = run_task(path)
-    if name in entries() and get(name).inference is not None:
+    if name is not None and name in entries() and get(name).inference is not None:
         return name, get(name)
-    inferring = [(n, get(n)) for n in names() if get(n).inference is not None]
-    for n, task in inferring:
-        if task.inference.claims(config):
+    inferring = [(n, get(n), inference) for n in names() if (inference := get(n).inference) is not None]
+    for n, task, inference in inferring:
+        if inference.claims(config):
             return n, task
-    nouns = list(dict.fromkeys(task.inference.noun for _, task in inferring))
+    nouns = list(dict.fromkeys(inference.noun for _, _, inference in inferring))
     archs = config.get("architectures") or ["?"]
     raise KubetuneError(
         f"{short(str(path / 'config.json'))} describes a {short(archs[0], 60)}, neither a {' nor a '.join(nouns)}",

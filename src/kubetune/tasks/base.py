@@ -7,12 +7,14 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from kubetune import distributed
@@ -20,26 +22,28 @@ from kubetune.artifacts.presentation import Presentation
 from kubetune.config import JobSpec
 from kubetune.data import Batch, StepBatch
 from kubetune.data.feed import Feed
-from kubetune.data.rows import agreed, column
+from kubetune.data.rows import RowSplit, agreed, column
 from kubetune.distributed import DistEnv
 from kubetune.inference.seam import Inference
 from kubetune.providers import S3Settings
+
+RowIds = npt.NDArray[np.int64]  # dataset row ids, as the data plan hands them to a collate
 
 
 @dataclass
 class Prepared:
     """A task's tokenized data, as the trainer needs it."""
 
-    train_ds: Any
+    train_ds: Any  # a datasets.Dataset (or a task's own table), indexed by row ids
     eval_ds: Any
-    collate: Callable[[np.ndarray], Batch]  # train dataset row ids -> micro-batch
-    collate_eval: Callable[[np.ndarray], Batch]  # eval dataset row ids -> micro-batch
+    collate: Callable[[RowIds], Batch]  # train dataset row ids -> micro-batch
+    collate_eval: Callable[[RowIds], Batch]  # eval dataset row ids -> micro-batch
     train_rows: int
     eval_rows: int
-    units: np.ndarray | None = None  # loss units per train example (tokens for causal-LM); None = 1 each
+    units: npt.NDArray[Any] | None = None  # loss units per train example (tokens for causal-LM); None = 1 each
     labels: list[str] = field(default_factory=list)  # class names (classification); part of the fingerprint
     dropped: dict[str, int] = field(default_factory=dict)
-    info: dict = field(default_factory=dict)  # task facts for metrics.json (e.g. the data format)
+    info: dict[str, Any] = field(default_factory=dict)  # task facts for metrics.json (e.g. the data format)
     raw: Any = None  # the task's own frames (for the baseline, the export)
     # a key of the training rows' content (their tokens' cache key): a resume on other data is refused
     content: str = ""
@@ -57,17 +61,24 @@ class Online(Protocol):
     def repeat(self) -> int:
         """Optimizer steps per step of the data plan (each plan step is trained on this many times)."""
 
-    def step(self, model: torch.nn.Module, step: StepBatch, global_step: int, autocast, stop=None) -> StepBatch:
+    def step(
+        self,
+        model: torch.nn.Module,
+        step: StepBatch,
+        global_step: int,
+        autocast: torch.autocast,
+        stop: threading.Event | None = None,
+    ) -> StepBatch:
         """Every rank, at ``global_step``: the step trained on, made from the plan's ``step`` by ``model``
         (the unwrapped model); its ``units`` is the global step's loss units over every rank. ``stop``: the
         run's stop event (a ``threading.Event``); a step whose work could outlast a stopped pod's grace
         period watches it and raises ``distributed.StepAbandoned`` on every rank together, having changed
         nothing, so the trainer checkpoints the step before."""
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """This rank's state for a checkpoint (plain tensors and values)."""
 
-    def load_state_dict(self, states: list[dict] | None, world_size: int, global_step: int) -> None:
+    def load_state_dict(self, states: list[dict[str, Any]] | None, world_size: int, global_step: int) -> None:
         """Every rank: its state from a checkpoint's (one per rank that wrote it)."""
 
 
@@ -79,24 +90,137 @@ class LossOutput(NamedTuple):
     metrics: torch.Tensor | None = None  # the sums of the task's ``train_metrics`` over the units, in order
 
 
+# ---------------------------------------------------------------- the task's functions, as the trainer calls them
+# Their parameters are positional-only: the trainer passes them in this order, and a task names its own as it likes
+# (``spec`` or ``data``, ``where`` or ``place``). A micro-batch is typed ``Any`` where the task's own ``Batch``
+# subclass comes back to it: its collate made it, the trainer hands it back unseen.
+
+
+class LoadFrames(Protocol):
+    """Read and check the tables of a data section (preflight runs it before any worker starts; ``prepare`` too)."""
+
+    def __call__(self, data: Any, seed: int, s3: S3Settings, /) -> RowSplit:
+        """``data``: the spec's data section, the task's own model (``TaskEntry.data``); ``seed``: the split's;
+        ``s3``: how s3:// data is reached. Returns the checked tables, split into train and eval."""
+        ...
+
+
+class Prepare(Protocol):
+    """The tokenized data as the trainer takes it."""
+
+    def __call__(self, spec: JobSpec, env: DistEnv, model_dir: Path, tokenizer: Any, /) -> Prepared:
+        """Every rank: the spec's data read (``load_frames``), tokenized once per node and cached, and collated."""
+        ...
+
+
+class BuildModel(Protocol):
+    """The model to train."""
+
+    def __call__(
+        self,
+        spec: JobSpec,
+        model_dir: Path,
+        data: Prepared,
+        device: torch.device,
+        dtype: torch.dtype,
+        where: torch.device | None = None,
+        /,
+    ) -> torch.nn.Module:
+        """From the base model in ``model_dir``, for training on ``device`` in compute ``dtype``; its weights on
+        ``where`` (None: ``device``; ``meta``: the modules without weights, for FSDP: rank 0 then broadcasts)."""
+        ...
+
+
+class Loss(Protocol):
+    """One micro-batch's loss."""
+
+    def __call__(self, model: torch.nn.Module, batch: Any, autocast: torch.autocast, /) -> LossOutput:
+        """``model``: as the strategy wrapped it (DDP, FSDP); ``batch``: the task's collate's, on the device."""
+        ...
+
+
+class EvalStep(Protocol):
+    """One evaluation batch's statistics (``evaluate``)."""
+
+    def __call__(self, model: torch.nn.Module, batch: Any, autocast: torch.autocast, /) -> dict[str, Any]:
+        """A dict of tensors (or numbers) that ``eval_totals`` sums."""
+        ...
+
+
+class EvalTotals(Protocol):
+    """The statistics of this rank's evaluation batches -> named float64 totals, each then summed over ranks."""
+
+    def __call__(
+        self, stats: list[dict[str, Any]], data: Prepared, device: torch.device, /
+    ) -> dict[str, torch.Tensor]: ...
+
+
+class EvalMetrics(Protocol):
+    """The totals summed over ranks -> the evaluation's metrics (``eval_*`` names)."""
+
+    def __call__(self, totals: dict[str, npt.NDArray[Any]], data: Prepared, /) -> dict[str, Any]: ...
+
+
+class Export(Protocol):
+    """Rank 0, once training is done: write the model (and what else the task exports) into the staging directory."""
+
+    def __call__(
+        self,
+        spec: JobSpec,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        data: Prepared,
+        out: Path,
+        metrics: dict[str, Any],
+        /,
+    ) -> None:
+        """``model``: unwrapped; ``out``: the staging directory; ``metrics``: metrics.json's, which it may add to."""
+        ...
+
+
+class Setup(Protocol):
+    """On every rank once the model is built, before a checkpoint is loaded (the model still holds the base
+    weights): e.g. the reference of DPO, KTO or GRPO (``tasks.reference``)."""
+
+    def __call__(
+        self,
+        spec: JobSpec,
+        model: torch.nn.Module,
+        data: Prepared,
+        env: DistEnv,
+        device: torch.device,
+        autocast: torch.autocast,
+        lockstep: bool,
+        /,
+    ) -> None:
+        """``model``: unwrapped; ``lockstep``: the model is sharded (its every forward is collective)."""
+        ...
+
+
+class Steps(NamedTuple):
+    """A task's training and evaluation steps, the ``Task`` fields of the same names (``common.pair_steps`` makes
+    them for a task that learns from pairs)."""
+
+    loss: Loss
+    eval_step: EvalStep
+    eval_totals: EvalTotals
+    eval_metrics: EvalMetrics
+
+
 @dataclass(frozen=True)
 class Task:
-    """A task's training half; every field is a plain value or function. The task's ``TaskEntry``
-    (``config.tasks``, its spec half) names it in ``runtime``; ``tasks.get(name)`` imports it."""
+    """A task's training half; every field is a plain value or a function of the protocol above it. The task's
+    ``TaskEntry`` (``config.tasks``, its spec half) names it in ``runtime``; ``tasks.get(name)`` imports it."""
 
-    # (data spec, seed, S3Settings) -> the checked tables (preflight, prepare)
-    load_frames: Callable[[Any, int, S3Settings], Any]
-    prepare: Callable[[JobSpec, DistEnv, Path, Any], Prepared]  # (spec, env, model_dir, tokenizer)
-    # (spec, model dir, data, training device, compute dtype, where the weights go: None = the device;
-    # meta = the modules without weights)
-    build_model: Callable[..., torch.nn.Module]
-    loss: Callable[[torch.nn.Module, Batch, Any], LossOutput]  # (model, micro-batch, autocast)
-    # Evaluation, run by ``evaluate`` below: one batch's statistics (a dict of tensors); the statistics
-    # of this rank's batches -> named float64 totals (each summed over ranks); the sums -> metrics.
-    eval_step: Callable[[torch.nn.Module, Batch, Any], dict]
-    eval_totals: Callable[[list[dict], Prepared, torch.device], dict[str, torch.Tensor]]
-    eval_metrics: Callable[[dict[str, np.ndarray], Prepared], dict]
-    export: Callable[[JobSpec, torch.nn.Module, Any, Prepared, Path, dict], None]  # rank 0, adds to metrics
+    load_frames: LoadFrames
+    prepare: Prepare
+    build_model: BuildModel
+    loss: Loss
+    # Evaluation, run by ``evaluate`` below: one batch's statistics; this rank's totals; the metrics.
+    eval_step: EvalStep
+    eval_totals: EvalTotals
+    eval_metrics: EvalMetrics
+    export: Export
     headline: tuple[str, ...]  # metrics for the per-epoch and final log lines
     present: Presentation  # how the results read: report, model card, summary
     # Training metrics beyond the loss: ``loss`` then returns their sums over the micro-batch's units
@@ -106,14 +230,12 @@ class Task:
     # names (e.g. GRPO's completions.jsonl): swapped in with them when a run finishes, and owned, so a run
     # that replaces this one removes them (``artifacts.output.Output.commit``).
     artifact_files: tuple[str, ...] = ()
-    # (spec, model, data, env, device, autocast, lockstep) -> None, on every rank once the model is built
-    # and before a checkpoint is loaded (the model still holds the base weights): e.g. the DPO reference.
-    setup: Callable[..., None] | None = None
+    setup: Setup | None = None
     # How its export is predicted with and served (`kubetune predict`, `kubetune serve`); None: neither.
     inference: Inference | None = None
 
 
-def rank_batches(lengths, env: DistEnv, batch_size: int, lockstep: bool) -> tuple[list[np.ndarray], int]:
+def rank_batches(lengths: npt.ArrayLike, env: DistEnv, batch_size: int, lockstep: bool) -> tuple[list[RowIds], int]:
     """This rank's share of a dataset for a pass without gradients: the rows in length order (little
     padding), each on exactly one rank, cut into batches of row ids; and, with ``lockstep`` (a sharded
     model, whose every forward is collective), how many extra forwards this rank makes so that every
@@ -127,13 +249,20 @@ def rank_batches(lengths, env: DistEnv, batch_size: int, lockstep: bool) -> tupl
 
 @torch.no_grad()
 def evaluate(
-    task: Task, model, data: Prepared, env: DistEnv, device, autocast, batch_size: int, lockstep: bool = False
-) -> dict:
+    task: Task,
+    model: torch.nn.Module,
+    data: Prepared,
+    env: DistEnv,
+    device: torch.device,
+    autocast: torch.autocast,
+    batch_size: int,
+    lockstep: bool = False,
+) -> dict[str, Any]:
     """The shared evaluation loop: the eval set split by ``rank_batches``, the task's statistics
     summed over ranks, then its metrics."""
     model.eval()
     batches, extra = rank_batches(column(data.eval_ds, "length"), env, batch_size, lockstep)
-    stats = []
+    stats: list[dict[str, Any]] = []
     for rows in batches:
         stats.append(task.eval_step(model, data.collate_eval(rows).to(device), autocast))
         if device.type == "cpu":  # the activations were host memory
@@ -144,7 +273,8 @@ def evaluate(
     # one reduction for every total: concatenated, summed over ranks, cut back into the named parts
     flat = distributed.all_reduce_sum(torch.cat([t.reshape(-1).to(torch.float64) for t in totals.values()]))
     parts = flat.cpu().numpy()
-    sums, start = {}, 0
+    sums: dict[str, npt.NDArray[Any]] = {}
+    start = 0
     for name, t in totals.items():
         sums[name] = parts[start : start + t.numel()].reshape(t.shape)
         start += t.numel()
@@ -178,7 +308,7 @@ def on_node_first(env: DistEnv, fn: Callable[[], Any]) -> Any:
     return result if env.is_local_main else fn()
 
 
-def tokenize_on_node(env: DistEnv, build) -> Any:
+def tokenize_on_node(env: DistEnv, build: Callable[[bool], Any]) -> Any:
     """Run ``build(create)`` on local rank 0 first (create=True: tokenize on a cache miss), then
     on the node's other ranks (create=False: load the cache rank 0 wrote)."""
     result = build(True) if env.is_local_main else None

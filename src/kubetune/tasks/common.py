@@ -24,7 +24,7 @@ from kubetune.errors import KubetuneError
 from kubetune.inference.model import quiet_transformers
 from kubetune.inference.step import PLAIN_HEAD
 from kubetune.providers import S3Settings
-from kubetune.tasks.base import LossOutput, Prepared, on_node_first
+from kubetune.tasks.base import LossOutput, Prepared, Steps, on_node_first
 
 log = logging.getLogger(__name__)
 
@@ -107,10 +107,17 @@ def next_token_targets(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 # after the head (Gemma 2, Cohere, Granite), so the task reads their logits.
 
 
-def replaceable_head(model) -> torch.nn.Linear | None:
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside its DDP wrapper (the wrapper's ``module``), or ``model`` itself: what a task reaches into
+    (a LoRA adapter to disable, a reference attached by ``tasks.reference``), never the wrapper's own attributes."""
+    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    return inner
+
+
+def replaceable_head(model: torch.nn.Module) -> torch.nn.Linear | None:
     """The output projection of a ``PLAIN_HEAD`` causal LM under its DDP, FSDP or PEFT wrapper, when
     it is a bias-free linear layer (not LoRA-adapted: the task projects with its weight alone); else None."""
-    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    inner: Any = unwrap(model)  # a transformers or PEFT model: methods nn.Module does not declare
     if hasattr(inner, "get_base_model"):  # PEFT passes logits_to_keep through to the base model
         inner = inner.get_base_model()
     if getattr(getattr(inner, "config", None), "model_type", None) not in PLAIN_HEAD:
@@ -123,7 +130,7 @@ def replaceable_head(model) -> torch.nn.Linear | None:
 def head_forward(head: torch.nn.Linear, forward: Callable[[torch.Tensor], torch.Tensor]):
     """Inside the block, ``head`` returns ``forward(hidden states)`` instead of projecting them (inside
     the model's forward, so DDP and FSDP see its weight used where they expect)."""
-    head.forward = forward  # an instance attribute shadows the class's forward; removed below
+    setattr(head, "forward", forward)  # an instance attribute shadows the class's forward; removed below
     try:
         yield
     finally:
@@ -278,7 +285,9 @@ def prepared(tokens: Tokens, **parts) -> Prepared:
 # ---- the steps of a task that learns from pairs (DPO, ORPO, reward models)
 
 
-def pair_steps(names: tuple[str, ...], pairs: Callable) -> tuple[Callable, Callable, Callable, Callable]:
+def pair_steps(
+    names: tuple[str, ...], pairs: Callable[[torch.nn.Module, Any, torch.autocast], tuple[torch.Tensor, torch.Tensor]]
+) -> Steps:
     """A pair task's ``loss``, ``eval_step``, ``eval_totals`` and ``eval_metrics`` (``Task`` fields) from ``pairs``:
     (model, batch, autocast) -> (the micro-batch's summed loss, one row per pair of the metrics ``names``). The loss
     unit is the pair; the evaluation reports means over the held-out pairs, ``eval_<name>``, with ``eval_loss``,
@@ -312,7 +321,7 @@ def pair_steps(names: tuple[str, ...], pairs: Callable) -> tuple[Callable, Calla
         out["eval_samples"] = data.eval_rows
         return out
 
-    return loss, eval_step, eval_totals, eval_metrics
+    return Steps(loss, eval_step, eval_totals, eval_metrics)
 
 
 def right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -99,6 +99,7 @@ class _Normalizer:
                             key, "dispreferred answer"
                         ),
                     )
+        assert self.fmt is not None and self.columns is not None  # set by the first chunk
         df = df.reindex(columns=list(dict.fromkeys([*df.columns, *self.columns])))
         self.rows += len(df)
         if self.fmt == "text":  # the text columns only: a numeric column (a margin) holds numbers, as it should
@@ -151,7 +152,7 @@ class _Normalizer:
     def _needed(self) -> dict[str, str]:
         spec = self.spec
         needed = {"chosen_column": spec.chosen_column, "rejected_column": spec.rejected_column}
-        if self.fmt == "text" or spec.prompt_column in self.columns:  # chat: the prompt may be implicit
+        if self.fmt == "text" or spec.prompt_column in (self.columns or []):  # chat: the prompt may be implicit
             needed = {"prompt_column": spec.prompt_column, **needed}
         return {**needed, **{f: getattr(spec, f) for f in self.numbers.values()}}
 
@@ -218,6 +219,7 @@ def _chat_record(row: dict, spec, source: str, i: int) -> dict | None:
     )
     if not chosen or not rejected:
         return None
+    prompt: list[dict] | None
     if chosen[0]["role"] != "assistant" or rejected[0]["role"] != "assistant":
         n = min(shared_prefix(chosen, rejected), len(chosen) - 1, len(rejected) - 1)
         prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import cast
 
 import numpy as np
 import pandas as pd
@@ -82,7 +83,7 @@ class _Normalizer:
     def __init__(self, spec: DataSpec, field_name: str, train_facts: dict | None):
         self.spec, self.field_name = spec, field_name
         self.source = getattr(spec, field_name.split(".")[1])
-        self.fmt = train_facts["format"] if train_facts else None
+        self.fmt: str | None = train_facts["format"] if train_facts else None
         self.rows = self.dropped = 0
         self.non_text: dict[str, NonText] = {}  # text column key -> what it holds when no chunk held text
 
@@ -92,7 +93,7 @@ class _Normalizer:
             "text": {"text_column": spec.text_column},
             "instruction": {"instruction_column": spec.instruction_column, "output_column": spec.output_column},
             "chat": {"messages_column": spec.messages_column},
-        }[self.fmt]
+        }[self.fmt or ""]
 
     def chunk(self, df: pd.DataFrame, start: int) -> dict[str, list]:
         spec = self.spec
@@ -157,6 +158,7 @@ def _record(row: dict, spec: DataSpec, fmt: str, source: str, i: int) -> str | N
     if fmt == "text":
         text = _text(row[spec.text_column])
         return json.dumps({"text": text}) if text else None
+    messages: list[dict] | None
     if fmt == "instruction":
         instruction, output = _text(row[spec.instruction_column]), _text(row[spec.output_column])
         if not instruction or not output:
@@ -330,11 +332,12 @@ def tokenize_frame(frame: pd.DataFrame, tokenizer, max_length: int, train_on_pro
         encoded = _encode_with_offsets(tokenizer, [text for text, _ in rendered])
         for k, (ids, offsets), (_, spans) in zip(chats, encoded, rendered):
             out[k] = _labelled(ids, offsets, spans, max_length, train_on_prompt)
+    done = cast("list[tuple[list[int], list[int], int]]", out)  # every record is a document or a chat: all set
     return {
-        "input_ids": [row[0] for row in out],
-        "labels": [row[1] for row in out],
-        "length": [len(row[0]) for row in out],
-        "n_targets": [row[2] for row in out],  # labels set beyond position 0 (a token id is never IGNORE)
+        "input_ids": [row[0] for row in done],
+        "labels": [row[1] for row in done],
+        "length": [len(row[0]) for row in done],
+        "n_targets": [row[2] for row in done],  # labels set beyond position 0 (a token id is never IGNORE)
     }
 
 

@@ -3,26 +3,23 @@
 Data: text, instruction or chat rows → token ids with response-only labels (``data.py``),
 optionally packed padding-free; model: ``AutoModelForCausalLM``, full fine-tune, LoRA, or QLoRA
 (bitsandbytes 4-bit NF4 / 8-bit, GPU only, each rank loading its quantized copy on its own
-device); loss: next-token cross-entropy summed over target tokens (the loop divides by the
-target tokens of the whole global step, so long and short examples weigh per token, as in
-Hugging Face Trainer); eval: loss and perplexity; export: ``adapter/`` and ``model/`` (the
-adapter merged into the base reloaded in full precision).
+device; ``tasks.causal``, which the preference tasks share); loss: next-token cross-entropy summed over
+target tokens (``tasks.logprobs``; the loop divides by the target tokens of the whole global step, so long
+and short examples weigh per token, as in Hugging Face Trainer); eval: loss and perplexity; export
+(``tasks.causal``): ``adapter/`` and ``model/`` (the adapter merged into the base reloaded in full precision).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import math
-import os
 
 import numpy as np
 import pandas as pd
 import torch
-import torch.nn.functional as F
 
-from kubetune import artifacts
+from kubetune.artifacts.presentation import Presentation
 from kubetune.config import JobSpec
 from kubetune.data import Batch
 from kubetune.data.feed import Feed
@@ -31,21 +28,11 @@ from kubetune.data.tokenize import tokenizer_fingerprint
 from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
 from kubetune.inference import kinds
-from kubetune.tasks import attention
-from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task
+from kubetune.tasks.base import LossOutput, Prepared, Task
+from kubetune.tasks.causal import build_model, card_usage, export
 from kubetune.tasks.causal_lm.data import collate, load_lm_frames, shard_normalizer, tokenize_frame
-from kubetune.tasks.common import (
-    attention_kwargs,
-    head_forward,
-    load_on_node,
-    load_pretrained,
-    next_token_targets,
-    prepare_tokenizer,
-    prepared,
-    replaceable_head,
-    target_mask,
-    tokenize_split,
-)
+from kubetune.tasks.common import load_on_node, prepare_tokenizer, prepared, tokenize_split
+from kubetune.tasks.logprobs import token_loss
 
 log = logging.getLogger(__name__)
 
@@ -162,208 +149,15 @@ def _with_targets(ds, dropped: dict, key: str, max_length: int):
     return ds.select(keep)
 
 
-def build_model(spec: JobSpec, model_dir, data: Prepared, device: torch.device, dtype: torch.dtype, where=None):
-    """The pretrained decoder: full fine-tune, LoRA, or QLoRA (quantized frozen base + LoRA); on
-    ``where`` (default: the training device; meta: the modules without weights)."""
-    from transformers import AutoModelForCausalLM
-
-    cfg, lora = spec.training, spec.lora
-    quant = lora.quantization if lora else None
-    kwargs: dict = {}
-    if quant:
-        kwargs = _quantized_load(quant, device, dtype)
-    elif lora is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
-        # The frozen base in half precision halves its memory; the adapters peft adds stay fp32.
-        kwargs = {"dtype": dtype}
-    else:
-        kwargs = {"dtype": torch.float32}  # full fine-tune: fp32 master weights under autocast
-    where = where or device
-    attn = attention_kwargs(device, dtype)
-    # Packed rows: each document attends to itself only, no (length)² mask. KUBETUNE_PACKED_ATTENTION=0
-    # keeps transformers' dense-mask attention (benchmarks/sft_trl.py --ablations measures both).
-    if getattr(spec.data, "packing", False) and os.environ.get("KUBETUNE_PACKED_ATTENTION", "1") != "0":
-        attn = {"attn_implementation": attention.register(fallback=attn.get("attn_implementation", "sdpa"))}
-    model = load_pretrained(AutoModelForCausalLM, model_dir, where, **kwargs, **attn)
-    model.config.use_cache = False  # no KV cache while training
-    # Non-reentrant checkpointing works under DDP and with frozen inputs (LoRA).
-    ckpt_kwargs = {"use_reentrant": False}
-    if quant and dtype == torch.float16:
-        from peft import prepare_model_for_kbit_training
-
-        model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=cfg.gradient_checkpointing, gradient_checkpointing_kwargs=ckpt_kwargs
-        )
-    elif quant:
-        # What peft's prepare_model_for_kbit_training does, less its cast of every unquantized weight
-        # to fp32 (meant for fp16 training): under bf16 autocast the frozen embeddings and norms need
-        # no upcast, and at Llama-3.2-1B size that cast alone costs 0.5 GiB (benchmarks/README.md).
-        for p in model.parameters():
-            p.requires_grad_(False)
-        if cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt_kwargs)
-            # frozen embeddings: checkpointed blocks still need an input that requires grad
-            model.enable_input_require_grads()
-    elif cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt_kwargs)
-    if lora is not None:
-        from peft import LoraConfig, TaskType, get_peft_model
-
-        model = get_peft_model(
-            model,
-            LoraConfig(
-                task_type=TaskType.CAUSAL_LM,
-                r=lora.r,
-                lora_alpha=lora.alpha,
-                lora_dropout=lora.dropout,
-                target_modules=lora.target_modules,
-            ),
-        )
-    return model if quant else model.to(where)  # a quantized model is already on its device
-
-
-def _quantized_load(quant: str, device: torch.device, dtype: torch.dtype) -> dict:
-    if device.type != "cuda":
-        raise KubetuneError(
-            f"{quant} quantization (QLoRA) needs a CUDA GPU and this worker runs on {device.type}",
-            field="lora.quantization",
-            fix="remove lora.quantization to train LoRA unquantized on CPU, or run on GPU nodes (resources.gpus)",
-        )
-    try:
-        import bitsandbytes  # noqa: F401
-    except ImportError:
-        raise KubetuneError(
-            "bitsandbytes is not installed",
-            field="lora.quantization",
-            fix="pip install bitsandbytes (the CUDA trainer image has it)",
-        ) from None
-    from transformers import BitsAndBytesConfig
-
-    compute = dtype if dtype != torch.float32 else torch.float32
-    if quant == "4bit":
-        config = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute
-        )
-    else:
-        config = BitsAndBytesConfig(load_in_8bit=True)
-    # Each rank loads its own quantized copy onto its own GPU (device_map pins every module there).
-    return {"quantization_config": config, "device_map": {"": device.index or 0}, "dtype": compute}
-
-
-# Target positions projected onto the vocabulary together: a chunk's logits, their fp32 copy and
-# softmax (about 10 bytes x LOSS_CHUNK x vocabulary) are the loss's transient peak.
-LOSS_CHUNK = 512
-
-
 def loss(model, batch: Batch, autocast) -> LossOutput:
     """Summed next-token cross-entropy over the target tokens of a micro-batch, and their count."""
-    loss_sum, count, _ = _token_loss(model, batch, autocast)
+    loss_sum, count, _ = token_loss(model, batch, autocast)
     return LossOutput(loss_sum, count)
 
 
 def eval_step(model, batch: Batch, autocast) -> dict:
-    loss_sum, count, correct = _token_loss(model, batch, autocast, count_correct=True)
+    loss_sum, count, correct = token_loss(model, batch, autocast, count_correct=True)
     return {"loss": loss_sum, "count": count, "correct": correct}
-
-
-def target_logps(model, batch: Batch, autocast) -> torch.Tensor:
-    """The log-probability (fp32) of every target token of a micro-batch (labels not IGNORE), in
-    row-major order, computed as the loss is (no full logits): what the DPO task sums per answer."""
-    nll, _, _ = _token_loss(model, batch, autocast, per_token=True)
-    return -nll
-
-
-def sequence_logps(model, batch: Batch, autocast) -> torch.Tensor:
-    """Each row's summed target-token log-probability (fp32), computed as the loss is: what the preference tasks
-    (DPO, KTO) compare between the policy and the reference. Scattered into the sequence layout and summed per row:
-    deterministic, unlike index_add on a GPU."""
-    per_token = target_logps(model, batch, autocast)
-    mask = target_mask(batch.labels)
-    dense = torch.zeros(mask.shape, dtype=per_token.dtype, device=per_token.device)
-    return dense.masked_scatter(mask, per_token).sum(dim=1)
-
-
-def _token_loss(model, batch: Batch, autocast, count_correct: bool = False, per_token: bool = False):
-    """The causal token loss, shared by training and evaluation: next-token cross-entropy summed
-    over the target tokens (labels not IGNORE), their count, and (``count_correct``, evaluation)
-    how many the argmax got right, else None.
-
-    The logits of a whole micro-batch (length x vocabulary: 4 GB in bf16 for 16k tokens and a 128k
-    vocabulary) never exist. The model keeps the final hidden states of the positions that predict
-    a target only (``logits_to_keep`` as a boolean mask, transformers' own argument), and for this
-    one call its output projection is the loss itself (``_loss_as_head``): it projects those states
-    onto the vocabulary ``LOSS_CHUNK`` positions at a time, each chunk's logits recomputed in the
-    backward pass (activation checkpointing) instead of kept. Inside the model's forward, so DDP
-    and FSDP see the projection's weight used where they expect (FSDP gathers it again before the
-    backward reaches it). Other models' loss is taken from the target rows of their logits, chunked
-    the same way. ``per_token``: the cross-entropy of each target token instead of their sum."""
-    mask, chosen, keep = next_token_targets(batch.labels)  # position t predicts token t + 1
-    head = replaceable_head(model)
-    packed = "position_ids" in batch.inputs and "attention_mask" not in batch.inputs
-    with autocast, attention.packed_call() if packed else contextlib.nullcontext():
-        if head is not None:
-            with _loss_as_head(head, chosen, count_correct, per_token) as hits:
-                total = model(**batch.inputs, logits_to_keep=keep).logits
-            correct = hits[0]
-        else:
-            total, correct = _chunked_loss(model(**batch.inputs).logits[keep], chosen, None, count_correct, per_token)
-    return total, mask.sum(), correct
-
-
-def _chunked_loss(
-    states: torch.Tensor,
-    chosen: torch.Tensor,
-    weight: torch.Tensor | None,
-    count_correct: bool,
-    per_token: bool = False,
-):
-    """Summed cross-entropy of ``states`` (logits, or hidden states that ``weight`` projects) against
-    ``chosen`` (``per_token``: each row's), ``LOSS_CHUNK`` rows at a time, and how many argmax
-    guesses are right (``count_correct``)."""
-    parts = []
-    correct = torch.zeros((), dtype=torch.long, device=states.device) if count_correct else None
-    for rows, ids in zip(states.split(LOSS_CHUNK), chosen.split(LOSS_CHUNK)):
-        if torch.is_grad_enabled():
-            part, _ = torch.utils.checkpoint.checkpoint(
-                _chunk_loss, rows, ids, weight, False, per_token, use_reentrant=False
-            )
-        else:
-            part, hits = _chunk_loss(rows, ids, weight, count_correct, per_token)
-            if count_correct:
-                correct += hits
-        parts.append(part)
-    if per_token:
-        return (torch.cat(parts) if parts else states.new_zeros(0, dtype=torch.float32)), correct
-    total = states.new_zeros((), dtype=torch.float32)
-    for part in parts:
-        total = total + part
-    return total, correct
-
-
-def _chunk_loss(
-    rows: torch.Tensor,
-    ids: torch.Tensor,
-    weight: torch.Tensor | None,
-    count_correct: bool = False,
-    per_token: bool = False,
-):
-    logits = rows if weight is None else F.linear(rows, weight)
-    hits = (logits.argmax(-1) == ids).sum() if count_correct else None
-    return F.cross_entropy(logits.float(), ids, reduction="none" if per_token else "sum"), hits
-
-
-@contextlib.contextmanager
-def _loss_as_head(head: torch.nn.Linear, chosen: torch.Tensor, count_correct: bool, per_token: bool = False):
-    """For one forward call, the output projection returns the chunked loss of the hidden states it
-    is given against ``chosen``; yields a list that then holds the count of right guesses (or None)."""
-    hits: list[torch.Tensor | None] = []
-
-    def forward(hidden: torch.Tensor) -> torch.Tensor:
-        total, correct = _chunked_loss(hidden, chosen, head.weight, count_correct, per_token)
-        hits.append(correct)
-        return total
-
-    with head_forward(head, forward):
-        yield hits
 
 
 def eval_totals(stats: list[dict], data: Prepared, device) -> dict[str, torch.Tensor]:
@@ -387,45 +181,6 @@ def eval_metrics(totals: dict[str, np.ndarray], data: Prepared) -> dict:
         "eval_tokens": int(totals["tokens"]),
         "eval_samples": data.eval_rows,
     }
-
-
-def export(spec: JobSpec, model, tokenizer, data: Prepared, out, metrics: dict) -> None:
-    """``adapter/`` for LoRA; ``model/``: the full model (LoRA merged in fp32), with the tokenizer
-    and the chat template it was trained with."""
-    from transformers import AutoModelForCausalLM
-
-    model_dir = artifacts.resolve_model(spec)
-    if spec.lora is not None:
-        artifacts.replace_dir(lambda d: (model.save_pretrained(d), tokenizer.save_pretrained(d)), out / "adapter")
-        # Merge into the base reloaded unquantized in fp32 on the CPU, not into the training copy
-        # (which may be 4-bit or bf16): the merged weights are rounded once, to the base's dtype.
-        from peft import PeftModel
-
-        base = load_pretrained(AutoModelForCausalLM, model_dir, dtype=torch.float32)
-        saved_dtype = _config_dtype(base.config)
-        merged = PeftModel.from_pretrained(base, out / "adapter").merge_and_unload()
-        merged = merged.to(saved_dtype)
-    else:
-        merged = model
-        saved_dtype = next(model.parameters()).dtype
-    merged.config.use_cache = True
-    if merged.generation_config is not None and merged.generation_config.pad_token_id is None:
-        merged.generation_config.pad_token_id = tokenizer.pad_token_id
-
-    def save(d) -> None:
-        merged.save_pretrained(d, max_shard_size=artifacts.SHARD_SIZE)  # safetensors, sharded above 5 GB
-        tokenizer.save_pretrained(d)
-
-    artifacts.replace_dir(save, out / "model")
-    metrics["exported_dtype"] = str(saved_dtype).removeprefix("torch.")
-    log.info("exported %s", "the adapter and the merged model" if spec.lora else "the model")
-
-
-def _config_dtype(config) -> torch.dtype:
-    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if isinstance(value, str):
-        value = getattr(torch, value, None)
-    return value if isinstance(value, torch.dtype) else torch.float32
 
 
 def _report_rows(m: dict) -> list[tuple[str, object]]:
@@ -466,10 +221,7 @@ TASK = Task(
         report_rows=_report_rows,
         eval_curves=("eval_perplexity",),
         eval_log_scale=True,
-        card_usage=lambda repo: [
-            f'gen = pipeline("text-generation", model="{repo}")',
-            'print(gen([{"role": "user", "content": "Hello"}], max_new_tokens=64))',
-        ],
+        card_usage=card_usage,
         card_about=lambda m: [
             f"Data format: {m.get('data_format')}; chat template: {m.get('chat_template') or 'none'}."
         ],

@@ -12,18 +12,20 @@ import html
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kubetune.artifacts.presentation import Presentation
 from kubetune.artifacts.report import fmt
 from kubetune.config import JobSpec
 from kubetune.data import Batch
 from kubetune.data.tokenize import tokenizer_fingerprint
 from kubetune.distributed import DistEnv
 from kubetune.inference import kinds
-from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task
+from kubetune.tasks.base import LossOutput, Prepared, Task
 from kubetune.tasks.classify.baseline import tfidf_baseline
 from kubetune.tasks.classify.data import collate, encode, load_frames
 from kubetune.tasks.common import export_merged, load_on_node, prepared, sequence_classifier, tokenize_split
@@ -162,7 +164,7 @@ def eval_metrics(totals: dict[str, np.ndarray], data: Prepared) -> dict:
     recall = np.divide(tp, true, out=np.zeros_like(tp), where=true > 0)
     f1 = np.divide(2 * precision * recall, precision + recall, out=np.zeros_like(tp), where=(precision + recall) > 0)
     present = (pred + true) > 0  # sklearn's macro average: classes that are true or predicted
-    metrics = {
+    metrics: dict[str, Any] = {
         "eval_loss": float(totals["loss"] / max(n, 1)),
         "eval_accuracy": float(tp.sum() / max(n, 1)),
         "eval_f1_macro": float(f1[present].mean()) if present.any() else 0.0,

@@ -50,18 +50,18 @@ class DPOSpec(Section):
     """The preference loss of task: dpo (the names of TRL's DPOConfig)."""
 
     beta: float = Field(
-        0.1,
+        default=0.1,
         gt=0,
         description="How far the policy may move from the reference model: the reward of an answer is beta × (its "
         "log-probability under the policy − under the reference). Lower: further.",
     )
     loss_type: Literal["sigmoid", "ipo"] = Field(
-        "sigmoid",
+        default="sigmoid",
         description="sigmoid: the DPO loss −log σ(beta × (chosen reward margin)); ipo: the IPO squared loss on "
         "per-token log-ratios, (margin − 1/(2·beta))².",
     )
     label_smoothing: float = Field(
-        0.0,
+        default=0.0,
         ge=0,
         lt=0.5,
         description="sigmoid only: the assumed fraction of pairs whose preference is flipped (conservative DPO): "

@@ -106,7 +106,7 @@ class GRPOSpec(Section):
         min_length=1, description="The reward functions; a completion's reward is their weighted sum."
     )
     reward_timeout_s: float = Field(
-        10.0,
+        default=10.0,
         gt=0,
         le=86400,
         description="How long one call of a reward function may take (a call scores one process's completions "
@@ -116,27 +116,33 @@ class GRPOSpec(Section):
         "Keep it well below the pods' grace period after SIGTERM (Kubernetes' default 30 s; "
         "kubernetes.termination_grace_period_seconds); raise both for slow rewards (code execution, a judge model).",
     )
-    num_generations: int = Field(8, ge=2, le=1024, description="Completions sampled per prompt (the group).")
-    max_completion_length: int = Field(256, ge=1, le=32768, description="Token limit of a completion.")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature (also used for the log-probabilities).")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: the smallest token set with this mass.")
-    top_k: int = Field(0, ge=0, description="Sample among the top_k tokens only; 0: all.")
+    num_generations: int = Field(default=8, ge=2, le=1024, description="Completions sampled per prompt (the group).")
+    max_completion_length: int = Field(default=256, ge=1, le=32768, description="Token limit of a completion.")
+    temperature: float = Field(
+        default=1.0, gt=0, description="Sampling temperature (also used for the log-probabilities)."
+    )
+    top_p: float = Field(
+        default=1.0, gt=0, le=1, description="Nucleus sampling: the smallest token set with this mass."
+    )
+    top_k: int = Field(default=0, ge=0, description="Sample among the top_k tokens only; 0: all.")
     num_iterations: int = Field(
-        1,
+        default=1,
         ge=1,
         le=64,
         description="Optimizer steps per generation (TRL's μ): each generation is trained on this many times, "
         "with the clipped ratio to the policy that sampled it.",
     )
-    epsilon: float = Field(0.2, gt=0, lt=1, description="Lower clipping bound of the importance ratio (1 − ε).")
-    epsilon_high: float | None = Field(None, gt=0, description="Upper clipping bound (1 + ε_high); absent: epsilon.")
+    epsilon: float = Field(default=0.2, gt=0, lt=1, description="Lower clipping bound of the importance ratio (1 − ε).")
+    epsilon_high: float | None = Field(
+        default=None, gt=0, description="Upper clipping bound (1 + ε_high); absent: epsilon."
+    )
     beta: float = Field(
-        0.0,
+        default=0.0,
         ge=0,
         description="Weight of the KL penalty to the reference model (k3 estimate); 0: none and no reference.",
     )
     loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = Field(
-        "dapo",
+        default="dapo",
         description="How the per-token loss is averaged: dapo (TRL's default: over the global step's completion "
         "tokens), grpo (each completion's mean, then over completions), dr_grpo (over completions × "
         "max_completion_length), bnpo (over each micro-batch's tokens).",
@@ -148,12 +154,12 @@ class GRPOSpec(Section):
         False, description="Completions that hit max_completion_length without an end token carry no loss."
     )
     reference_copy: bool = Field(
-        False,
+        default=False,
         description="Full fine-tune with beta > 0: keep a frozen copy of the base model as the reference (one "
         "more model in memory). With LoRA the reference is the model with its adapter disabled.",
     )
     log_completions: int = Field(
-        4,
+        default=4,
         ge=0,
         le=1024,
         description="Completions per generation written to completions.jsonl (rank 0's first ones, with their "
@@ -175,7 +181,12 @@ def _checks(data: PromptData, section: GRPOSpec | None) -> list[str]:
             out.append(f"{where}: model needs `model`, the reward model (a reward-model run's output, s3:// or hf://)")
         if r.function == "length" and (r.max_tokens is None or r.cache_tokens is None):
             out.append(f"{where}: length needs max_tokens and cache_tokens (the soft zone before max_tokens)")
-        elif r.function == "length" and r.cache_tokens >= r.max_tokens:
+        elif (
+            r.function == "length"
+            and r.cache_tokens is not None
+            and r.max_tokens is not None
+            and (r.cache_tokens >= r.max_tokens)
+        ):
             out.append(f"{where}: cache_tokens {r.cache_tokens} must be below max_tokens {r.max_tokens}")
         for key in ("column", "pattern", "max_tokens", "cache_tokens", "model"):
             if getattr(r, key) is not None and key not in _USES.get(r.function, ()):
@@ -224,13 +235,14 @@ def _in_image(module: str) -> bool:
 def _render_warnings(spec) -> list[str]:
     """A user's reward function must be importable in the pods: said for each module the default trainer
     image does not hold; and a reward timeout that leaves a stopped pod too little of its grace period."""
-    if spec.grpo is None:
+    own = spec.section(GRPOSpec)
+    if own is None:
         return []
     out = []
     grace = spec.kubernetes.termination_grace_period_seconds
-    if spec.grpo.reward_timeout_s > grace / 2:  # the other half: the checkpoint after the call
+    if own.reward_timeout_s > grace / 2:  # the other half: the checkpoint after the call
         out.append(
-            f"grpo.reward_timeout_s: {spec.grpo.reward_timeout_s:g} s is over half of "
+            f"grpo.reward_timeout_s: {own.reward_timeout_s:g} s is over half of "
             f"kubernetes.termination_grace_period_seconds {grace}: after a stop signal a pod waits for its running "
             "reward call, and may be killed before it writes its checkpoint — raise the grace period, or lower the "
             "timeout"
@@ -241,7 +253,7 @@ def _render_warnings(spec) -> list[str]:
         f"grpo.rewards[{i}].function: module {r.function.split(':')[0]!r} must be importable in the pods, and the "
         "trainer image holds kubetune and its dependencies only — build kubernetes.image FROM the trainer image "
         "with your module installed"
-        for i, r in enumerate(spec.grpo.rewards)
+        for i, r in enumerate(own.rewards)
         if ":" in r.function and not _in_image(r.function.split(":")[0])
     ]
 

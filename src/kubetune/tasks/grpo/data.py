@@ -165,7 +165,7 @@ class PromptCollate:
 
     def __init__(self, ds, pad_id: int):
         self.ds, self.pad_id = ds, pad_id
-        self.context = None  # set once the rollouts exist (``task.prepare``)
+        self.context: Any = None  # set once the rollouts exist (``task.prepare``)
 
     def __call__(self, indices: np.ndarray) -> PromptBatch:
         weight = 1.0

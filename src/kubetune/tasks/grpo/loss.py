@@ -204,6 +204,7 @@ def policy_loss(
     per_token = -torch.min(ratio * advantages, clipped * advantages)
     kl = None
     if beta != 0.0:
+        assert ref_logps is not None  # checked above
         log_ref_ratio = ref_logps.masked_fill(~mask, 0.0) - logps
         kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # k3: unbiased, never negative
         if use_bias_correction_kl:
@@ -213,13 +214,14 @@ def policy_loss(
 
     lengths = mask.sum(dim=1)
     tokens = lengths.sum()
+    count: int | torch.Tensor
     if loss_type == "grpo":
-        total, denominator = (per_token.sum(dim=1) / lengths.clamp(min=1)).sum(), len(per_token)
+        total, count = (per_token.sum(dim=1) / lengths.clamp(min=1)).sum(), len(per_token)
     elif loss_type == "dr_grpo":
-        total, denominator = per_token.sum(), len(per_token) * max_completion_length
+        total, count = per_token.sum(), len(per_token) * max_completion_length
     else:  # bnpo, dapo
-        total, denominator = per_token.sum(), tokens
-    denominator = torch.as_tensor(denominator if normalizer is None else normalizer, device=total.device)
+        total, count = per_token.sum(), tokens
+    denominator = torch.as_tensor(count if normalizer is None else normalizer, device=total.device)
     loss = total / denominator.to(total.dtype).clamp(min=1.0)
     return loss, _stats(ratio.detach(), advantages, lengths, kl, epsilon_low, epsilon_high)
 

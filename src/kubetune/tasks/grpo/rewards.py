@@ -46,6 +46,7 @@ def scorers(specs: list[Reward], chat: bool = False, s3: S3Settings = S3Settings
     for i, r in enumerate(specs):
         where = f"grpo.rewards[{i}].function"
         if r.function == "model":
+            assert r.model is not None  # the section's checks require it
             fn = model_reward(r.model, f"grpo.rewards[{i}].model", chat, s3)
         else:
             fn = _builtin(r) if ":" not in r.function else _import(r.function, where)
@@ -55,7 +56,7 @@ def scorers(specs: list[Reward], chat: bool = False, s3: S3Settings = S3Settings
 
 def model_reward(uri: str, where: str, chat: bool, s3: S3Settings, batch_size: int = 16) -> Callable:
     """A trained reward model (a kubetune reward-model export) as a reward function: each prompt + completion
-    tokenized as the reward model's training tokenized a pair's answer (``reward_model.task.answer_ids``), cut to its
+    tokenized as the reward model's training tokenized a pair's answer (``tasks.reward_models.answer_ids``), cut to its
     context (keeping the start), scored in batches of ``batch_size`` on the calling thread's device (the rank's GPU,
     else the CPU).
 
@@ -67,7 +68,7 @@ def model_reward(uri: str, where: str, chat: bool, s3: S3Settings, batch_size: i
     from transformers import AutoModelForSequenceClassification
 
     from kubetune.inference.model import context_length, expect, load_model, load_tokenizer, model_path
-    from kubetune.tasks.reward_model.task import INPUT, answer_ids, is_reward_model, score_ids
+    from kubetune.tasks.reward_models import INPUT, answer_ids, is_reward_model, score_ids
 
     try:
         path = model_path(uri, s3)
@@ -151,6 +152,7 @@ def _builtin(r: Reward) -> Callable:
 
         return exact_match
     if r.function == "regex":
+        assert r.pattern is not None  # the section's checks require it
         rx = re.compile(r.pattern, re.DOTALL)
         match = rx.fullmatch if r.full else rx.search
         if r.share:

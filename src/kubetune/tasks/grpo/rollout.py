@@ -22,7 +22,7 @@ import json
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -35,6 +35,8 @@ from kubetune.tasks.common import IGNORE, head_forward, next_token_targets, repl
 from kubetune.tasks.grpo import GRPOSpec
 from kubetune.tasks.grpo import loss as grpo_loss
 from kubetune.tasks.grpo import rewards as reward_fns
+from kubetune.tasks.grpo.data import PromptBatch
+from kubetune.tasks.reference import Reference
 
 log = logging.getLogger(__name__)
 # completions.jsonl keeps the newest records up to this many (a bounded file, however long the run)
@@ -56,6 +58,7 @@ class RolloutBatch(Batch):
 
     def state(self) -> dict:
         """Plain tensors and numbers (a checkpoint is loaded with weights_only)."""
+        assert self.advantages is not None and self.stats is not None  # a rollout's batch has both
         return {
             "input_ids": self.inputs["input_ids"].cpu(),
             "attention_mask": self.inputs["attention_mask"].cpu(),
@@ -103,7 +106,8 @@ def _head_as_logps(head: torch.nn.Linear, chosen: torch.Tensor, temperature: flo
     """For one forward call, the output projection returns the log-probabilities of ``chosen`` under
     softmax(logits / temperature) at the positions it is given (their entropies into ``entropy``),
     ``LOGITS_CHUNK`` positions at a time, each chunk's logits recomputed in the backward pass instead of
-    kept: the causal-LM task's chunked head (its loss in place of the projection) with GRPO's temperature."""
+    kept: the causal LM's chunked head (``tasks.logprobs``: its loss in place of the projection) with GRPO's
+    temperature."""
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         parts, ents = [], []
@@ -174,7 +178,7 @@ class Rollouts:
     eos_ids: list[int]
     device: torch.device = torch.device("cpu")
     lockstep: bool = False  # a sharded model: every rank's generation makes as many forwards
-    reference: torch.nn.Module | None = None  # a frozen copy (grpo.reference_copy)
+    reference: Reference | None = None  # a frozen copy (grpo.reference_copy); None: the adapter disabled
     cache: list[RolloutBatch] = field(default_factory=list)  # the generation num_iterations reuses
     cache_units: float = 0.0
     samples: collections.deque = field(default_factory=lambda: collections.deque(maxlen=MAX_SAMPLES))
@@ -219,11 +223,12 @@ class Rollouts:
                 ran: every rank gives the step up together, before it changed anything.
         """
         if global_step % self.repeat and self.cache:
-            return StepBatch(self.cache, step.global_count, step.indices, self.cache_units)
+            return StepBatch(cast("list[Batch]", self.cache), step.global_count, step.indices, self.cache_units)
         g = self.grpo
         self.stop = stop
         sampled = self._sample(model, step.micro, global_step)
-        real = np.concatenate([np.full(len(m.records) * g.num_generations, m.weight > 0) for m in step.micro])
+        prompts = cast("list[PromptBatch]", step.micro)  # the plan's steps of this task's prompts
+        real = np.concatenate([np.full(len(m.records or ()) * g.num_generations, m.weight > 0) for m in prompts])
         rng = checkpoint.rng_state()
         try:
             per_fn, total = self._score(sampled, global_step, stop)
@@ -271,7 +276,7 @@ class Rollouts:
         g = self.grpo
         sample = global_step is not None
         generator = None
-        if sample:  # a pure function of (seed, step, rank): a resumed run samples what this one did
+        if global_step is not None:  # a pure function of (seed, step, rank): a resumed run samples what this one did
             generator = torch.Generator(device=self.device)
             generator.manual_seed(int(np.random.SeedSequence([self.seed, global_step, self.rank]).generate_state(1)[0]))
         gens = [
@@ -434,11 +439,8 @@ class Rollouts:
 
     def reference_logps(self, model, batch: Batch, autocast) -> torch.Tensor:
         t = self.grpo.temperature
-        if self.reference is not None:
-            return completion_logps(self.reference, batch, t, autocast)[0]
-        inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-        with inner.disable_adapter():
-            return completion_logps(inner, batch, t, autocast)[0]
+        reference = self.reference or Reference.adapter()
+        return reference.run(model, lambda network: completion_logps(network, batch, t, autocast)[0])
 
     def _keep_samples(self, s: Sampled, per_fn, total, advantages, real, global_step: int) -> None:
         if self.rank != 0 or not self.grpo.log_completions:
@@ -506,7 +508,9 @@ class Rollouts:
                 fix=f"resume on {len(states)} processes, or from a checkpoint at a step that is a multiple of "
                 f"{self.repeat}",
             )
-        mine = states[self.rank] if self.rank < len(states) else {"cache": [], "cache_units": 0.0, "samples": []}
+        mine: dict[str, Any] = (
+            states[self.rank] if self.rank < len(states) else {"cache": [], "cache_units": 0.0, "samples": []}
+        )
         if len(states) == world_size:
             self.cache = [RolloutBatch.from_state(s, self.grpo) for s in mine["cache"]]
             self.cache_units = mine["cache_units"]

@@ -5,16 +5,15 @@ Data: prompts (text or chat) with any other columns, which reach the reward func
 (``data.py``). Each step of the data plan is a set of prompts; ``Rollouts`` (``rollout.py``, the
 task's ``Prepared.online``) turns it into completions sampled by the policy, rewards, advantages and
 the micro-batches trained on, and keeps them for ``num_iterations`` optimizer steps. Model: the
-causal-LM task's (full fine-tune, LoRA, QLoRA) with dropout off. Loss: TRL 1.16's (``loss.py``), its
+causal LM (``tasks.causal``: full fine-tune, LoRA, QLoRA) with dropout off. Loss: TRL 1.16's (``loss.py``), its
 four normalizations expressed as the trainer's loss units, so a global step's gradient equals TRL's
 for equal micro-batches. Evaluation: one greedy completion per held-out prompt, its mean reward.
-Export, ``predict`` and the Hub push are the causal-LM task's; ``completions.jsonl`` holds a sample
+Export, ``predict`` and the Hub push are the causal LM's (``tasks.causal``); ``completions.jsonl`` holds a sample
 of the completions with their rewards.
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 import json
 import logging
@@ -28,16 +27,16 @@ from kubetune.data.rows import column
 from kubetune.data.tokenize import tokenizer_fingerprint
 from kubetune.distributed import DistEnv
 from kubetune.errors import AgreedError, KubetuneError
-from kubetune.inference import kinds
 from kubetune.providers import S3Settings
-from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task
-from kubetune.tasks.causal_lm import task as causal_lm
+from kubetune.tasks import causal
+from kubetune.tasks.base import LossOutput, Prepared, Steps
 from kubetune.tasks.common import load_on_node, prepare_tokenizer, prepared, target_mask, tokenize_split
-from kubetune.tasks.dpo import task as dpo
+from kubetune.tasks.grpo import GRPOSpec
 from kubetune.tasks.grpo import loss as grpo_loss
 from kubetune.tasks.grpo import rewards as reward_fns
 from kubetune.tasks.grpo.data import PromptCollate, encode_prompts, load_prompt_frames
 from kubetune.tasks.grpo.rollout import RolloutBatch, Rollouts, completion_logps, dense
+from kubetune.tasks.reference import Reference
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +44,7 @@ log = logging.getLogger(__name__)
 def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
     """The shared skeleton (``tasks.common``) around the task's own parts: the reward functions (a
     user's module imported now), and the rollouts that make each step of prompts the step trained on."""
-    g = spec.grpo
+    g = _own(spec)
     if g.beta and spec.lora is None and not g.reference_copy:
         raise KubetuneError(
             f"beta {g.beta} needs a reference model: a full fine-tune keeps none unless asked",
@@ -110,6 +109,17 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
     )
 
 
+def _rollouts(data: Prepared) -> Rollouts:
+    assert isinstance(data.online, Rollouts)  # prepare made them
+    return data.online
+
+
+def _own(spec: JobSpec) -> GRPOSpec:
+    g = spec.section(GRPOSpec)
+    assert g is not None, "a grpo spec has its grpo section (its rewards are required)"
+    return g
+
+
 def _eos_ids(model_dir, tokenizer) -> list[int]:
     """The tokens that end a completion: the tokenizer's end token and the model's generation config's."""
     from transformers import GenerationConfig
@@ -126,18 +136,16 @@ def _eos_ids(model_dir, tokenizer) -> list[int]:
 def setup(spec: JobSpec, model, data: Prepared, env: DistEnv, device, autocast, lockstep: bool) -> None:
     """The rollouts on this rank's device; with grpo.reference_copy, the frozen reference (the base
     weights: a checkpoint has not been loaded yet)."""
-    rollouts: Rollouts = data.online
+    rollouts = _rollouts(data)
     rollouts.device, rollouts.lockstep = device, lockstep
-    if spec.grpo.beta and spec.lora is None:
+    if _own(spec).beta and spec.lora is None:
         if lockstep:
             raise KubetuneError(
                 "grpo.reference_copy keeps a whole copy of the model on every process, which a sharded model avoids",
                 field="grpo.reference_copy",
                 fix="use a lora section (the reference is the adapter disabled), or grpo.beta: 0",
             )
-        reference = copy.deepcopy(model).eval()
-        reference.requires_grad_(False)
-        rollouts.reference = reference
+        rollouts.reference = Reference.frozen_copy(model)
 
 
 # ---------------------------------------------------------------- the loss
@@ -145,6 +153,7 @@ def setup(spec: JobSpec, model, data: Prepared, env: DistEnv, device, autocast, 
 
 def _policy(model, batch: RolloutBatch, autocast):
     g = batch.grpo
+    assert g is not None and batch.advantages is not None  # a rollout's batch has both
     logps, entropy = completion_logps(model, batch, g.temperature, autocast)
     labels = batch.labels
     mask = target_mask(labels)
@@ -165,7 +174,7 @@ def _policy(model, batch: RolloutBatch, autocast):
     if g.loss_type == "bnpo":  # TRL: each micro-batch's token mean, then averaged over micro-batches
         loss_sum = loss_sum * len(labels) / st.tokens.clamp(min=1.0)
     tokens = st.tokens.clamp(min=1.0)
-    kl = [st.kl / tokens] if g.beta else []
+    kl = [st.kl / tokens] if g.beta and st.kl is not None else []  # beta: kl is there
     policy = torch.stack(
         [
             *kl,
@@ -182,6 +191,7 @@ def loss(model, batch: RolloutBatch, autocast) -> LossOutput:
     """The micro-batch's loss sum over its units, and its metrics' sums (each a value × the units, so the
     logged mean over units is the value)."""
     loss_sum, policy = _policy(model, batch, autocast)
+    assert batch.stats is not None  # a rollout's batch has them
     units = torch.tensor(batch.units, device=loss_sum.device, dtype=torch.float64)
     metrics = torch.cat([policy.detach().double(), batch.stats.to(policy.device, torch.float64)]) * units
     return LossOutput(loss_sum, units, metrics)
@@ -200,7 +210,7 @@ def eval_totals(stats: list[dict], data: Prepared, device) -> dict[str, torch.Te
     errors = [e for e in distributed.all_gather_object(next((s["error"] for s in stats if s["error"]), None)) if e]
     if errors:
         raise AgreedError(errors[0])
-    n_fn = len(data.online.scorers)
+    n_fn = len(_rollouts(data).scorers)
     totals = {
         k: torch.zeros((), device=device, dtype=torch.float64) for k in ("reward", "prompts", "tokens", "truncated")
     }
@@ -216,7 +226,7 @@ def eval_metrics(totals: dict[str, np.ndarray], data: Prepared) -> dict:
     """Means over the held-out prompts of one greedy completion each."""
     n = max(float(totals["prompts"]), 1.0)
     out = {"eval_reward": float(totals["reward"]) / n}
-    scorers = data.online.scorers
+    scorers = _rollouts(data).scorers
     if len(scorers) > 1:
         out.update({f"eval_reward_{s.label}": float(v) / n for s, v in zip(scorers, totals["rewards"])})
     out["eval_completion_length"] = float(totals["tokens"]) / n
@@ -230,10 +240,10 @@ def eval_metrics(totals: dict[str, np.ndarray], data: Prepared) -> dict:
 
 
 def export(spec: JobSpec, model, tokenizer, data: Prepared, out, metrics: dict) -> None:
-    """The causal-LM task's export, and ``completions.jsonl``: the newest sampled completions (rank 0's)
+    """The causal LM's export (``tasks.causal``), and ``completions.jsonl``: the newest sampled completions (rank 0's)
     with their rewards."""
-    causal_lm.export(spec, model, tokenizer, data, out, metrics)
-    lines = "".join(json.dumps(r) + "\n" for r in data.online.samples)
+    causal.export(spec, model, tokenizer, data, out, metrics)
+    lines = "".join(json.dumps(r) + "\n" for r in _rollouts(data).samples)
     artifacts.write_atomic(out / "completions.jsonl", lines)
 
 
@@ -273,24 +283,15 @@ def _summary(m: dict) -> str:
     return f"mean reward {m['eval_reward']:.4f} on {m['eval_prompts']} held-out prompts (greedy)"
 
 
-TASK = Task(
+TASK = causal.generation_task(
     load_frames=load_prompt_frames,
     prepare=prepare,
-    build_model=dpo.build_model,  # the causal-LM model with dropout off: sampling and training see one network
-    loss=loss,
-    eval_step=eval_step,
-    eval_totals=eval_totals,
-    eval_metrics=eval_metrics,
-    export=export,
-    artifact_files=("completions.jsonl",),  # what export writes beside the causal-LM task's export
+    steps=Steps(loss, eval_step, eval_totals, eval_metrics),
     headline=("eval_reward",),
-    inference=kinds.CAUSAL_LM,  # the export is a causal LM
-    present=Presentation(
-        pipeline_tag="text-generation",
+    export=export,
+    artifact_files=("completions.jsonl",),  # what export writes beside the causal-LM export
+    present=causal.presentation(
         report_rows=_report_rows,
-        eval_curves=(),
-        eval_log_scale=False,
-        card_usage=causal_lm.TASK.present.card_usage,
         card_about=_card_about,
         headline=lambda m: f"mean reward {m.get('eval_reward', float('nan')):.4f}",
         summary=_summary,

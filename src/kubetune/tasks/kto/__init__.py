@@ -58,16 +58,18 @@ class KTOSpec(Section):
     """The KTO loss (the names of TRL's KTOConfig)."""
 
     beta: float = Field(
-        0.1,
+        default=0.1,
         gt=0,
         description="How far the policy may move from the reference model: an answer's reward is beta × (its "
         "log-probability under the policy − under the reference).",
     )
     desirable_weight: float = Field(
-        1.0, gt=0, description="The weight of each desirable example's loss (raise it when they are the fewer)."
+        default=1.0, gt=0, description="The weight of each desirable example's loss (raise it when they are the fewer)."
     )
     undesirable_weight: float = Field(
-        1.0, gt=0, description="The weight of each undesirable example's loss (raise it when they are the fewer)."
+        default=1.0,
+        gt=0,
+        description="The weight of each undesirable example's loss (raise it when they are the fewer).",
     )
 
 

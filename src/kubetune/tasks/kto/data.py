@@ -134,6 +134,7 @@ class _Normalizer:
     def _records(self, row: dict, i: int) -> list[dict | None]:
         spec = self.spec
         if self.paired:  # TRL's unpair_preference_dataset: the chosen answer desirable, the rejected one not
+            assert self.fmt is not None  # set by the first chunk
             pair = pair_record(row, spec, self.fmt, self.source, i)
             if pair is None:
                 return [None]

@@ -4,19 +4,19 @@
 Data: unpaired examples read and tokenized by ``data.py`` (TRL's conventions). A micro-batch is its examples'
 prompt + completion, then the same prompts each with the previous example's completion (its KL sequences: TRL's
 rotation by one within the batch, ``(x_1, y_n), (x_2, y_1), …``), cut to ``data.max_length`` keeping their start.
-Model: the causal-LM task's (full fine-tune, LoRA, QLoRA) with dropout off, as DPO's. The reference model: with
-LoRA the model with its adapter disabled; for a full fine-tune a frozen copy of the base model, made before the
-first step (before a checkpoint's weights replace the base's), because the KL sequences change with each batch and
-cannot be precomputed as DPO's answers are. Loss (TRL's KTOTrainer, loss_type kto): z0 = max(0, the mean over the
-step's KL sequences, gathered over the processes in training, of log π(y'|x) − log π_ref(y'|x)) (no gradient);
-a desirable example's loss is desirable_weight × (1 − σ(β (r − z0))), an undesirable one's undesirable_weight ×
-(1 − σ(β (z0 − r))), r its completion's summed log-ratio; averaged over the step's examples. Logged under TRL's
-names: kl, the rewards (β r) and log-probabilities of the desirable and the undesirable examples, their margin.
-Export, ``predict`` and the Hub push are the causal-LM task's."""
+Model: the causal LM (``tasks.causal``: full fine-tune, LoRA, QLoRA) with dropout off, as DPO's. The reference
+(``tasks.reference``): with LoRA the model with its adapter disabled; for a full fine-tune a frozen copy of the base
+model, made before the first step (before a checkpoint's weights replace the base's), because the KL sequences
+change with each batch and cannot be precomputed as DPO's answers are. Loss (TRL's KTOTrainer, loss_type kto): z0 =
+max(0, the mean over the step's KL sequences, gathered over the processes in training, of log π(y'|x) − log
+π_ref(y'|x)) (no gradient); a desirable example's loss is desirable_weight × (1 − σ(β (r − z0))), an undesirable
+one's undesirable_weight × (1 − σ(β (z0 − r))), r its completion's summed log-ratio; averaged over the step's
+examples. Logged under TRL's names: kl, the rewards (β r) and log-probabilities of the desirable and the undesirable
+examples, their margin.
+Export, ``predict`` and the Hub push are the causal LM's (``tasks.causal``)."""
 
 from __future__ import annotations
 
-import copy
 import functools
 import logging
 from dataclasses import dataclass, field
@@ -31,21 +31,14 @@ from kubetune.data.rows import column
 from kubetune.data.tokenize import tokenizer_fingerprint
 from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
-from kubetune.inference import kinds
-from kubetune.tasks.base import LossOutput, Prepared, Presentation, Task
-from kubetune.tasks.causal_lm import task as causal_lm
-from kubetune.tasks.common import (
-    IGNORE,
-    load_on_node,
-    prepare_tokenizer,
-    prepared,
-    right_pad,
-    tokenize_split,
-    without_dropout,
-)
+from kubetune.tasks import causal
+from kubetune.tasks.base import LossOutput, Prepared, Steps
+from kubetune.tasks.common import IGNORE, load_on_node, prepare_tokenizer, prepared, right_pad, tokenize_split
 from kubetune.tasks.kto import KTOSpec
 from kubetune.tasks.kto.data import encode, load_frames
+from kubetune.tasks.logprobs import sequence_logps
 from kubetune.tasks.pairs import with_answers
+from kubetune.tasks.reference import Reference
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +114,7 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
     dropped = dict(frames.dropped)
     tokens.train = with_answers(tokens.train, dropped, "train_truncated", max_length)
     tokens.eval = with_answers(tokens.eval, dropped, "eval_truncated", max_length)
-    own = spec.kto or KTOSpec()
+    own = spec.section(KTOSpec) or KTOSpec()
     desirable = int(column(tokens.train, "label").sum())
     if env.is_local_main:
         lengths = column(tokens.train, "length")
@@ -152,39 +145,24 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
     return prepared(tokens, collate=collate, collate_eval=collate_eval, dropped=dropped, info=info, raw=tokenizer)
 
 
-def build_model(spec: JobSpec, model_dir, data: Prepared, device: torch.device, dtype: torch.dtype, where=None):
-    """The causal-LM task's model (full, LoRA or QLoRA) with every dropout off (TRL's disable_dropout)."""
-    return without_dropout(causal_lm.build_model(spec, model_dir, data, device, dtype, where))
-
-
 # ---------------------------------------------------------------- the reference
 
 
-def _inner(model):
-    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-
-
-def setup(spec: JobSpec, model, data: Prepared, env: DistEnv, device, autocast, lockstep: bool) -> None:
-    """Full fine-tune: a frozen copy of the base model (called before a checkpoint's weights are loaded), held
-    beside the model as a plain attribute, not a submodule, so the optimizer, DDP, checkpoints and the export never
-    see it. With LoRA the reference is the adapter-disabled model, on the fly."""
+def setup(
+    spec: JobSpec,
+    model: torch.nn.Module,
+    data: Prepared,
+    env: DistEnv,
+    device: torch.device,
+    autocast: torch.autocast,
+    lockstep: bool,
+) -> None:
+    """Full fine-tune: a frozen copy of the base model (called before a checkpoint's weights are loaded), attached
+    to the model (``tasks.reference``: the optimizer, DDP, checkpoints and the export never see it). With LoRA the
+    reference is the adapter-disabled model, on the fly."""
     if spec.lora is not None:
         return
-    inner = _inner(model)
-    reference = copy.deepcopy(inner).eval().requires_grad_(False)
-    object.__setattr__(inner, "_kubetune_reference", reference)
-
-
-def _reference(model, batch: KTOBatch, autocast) -> torch.Tensor:
-    inner = _inner(model)
-    with torch.no_grad():
-        reference = getattr(inner, "_kubetune_reference", None)
-        if reference is not None:
-            return causal_lm.sequence_logps(reference, batch, autocast)
-        if not hasattr(inner, "disable_adapter"):
-            raise RuntimeError("kto: no reference model (a full fine-tune without the setup pass)")
-        with inner.disable_adapter():
-            return causal_lm.sequence_logps(inner, batch, autocast)
+    Reference.frozen_copy(model).attach(model)
 
 
 # ---------------------------------------------------------------- the loss
@@ -217,15 +195,17 @@ def example_losses(
 def _forward(model, batch: KTOBatch, autocast, gather: bool):
     """The examples' losses and the rows of statistics (``_stats``); ``gather``: the KL estimate's mean over the
     processes (training; every rank computes as many micro-batches)."""
-    ref, ref_kl = _reference(model, batch, autocast).chunk(2)  # both halves in one forward; first: no graph is held
+    # both halves in one forward; first: no graph is held meanwhile
+    ref, ref_kl = Reference.attached(model).logps(model, batch, autocast).chunk(2)
     examples, kl_rows = _half(batch, False), _half(batch, True)
     with torch.no_grad():
-        kl_logps = causal_lm.sequence_logps(model, kl_rows, autocast)
-    logps = causal_lm.sequence_logps(model, examples, autocast)
+        kl_logps = sequence_logps(model, kl_rows, autocast)
+    logps = sequence_logps(model, examples, autocast)
     kl = (kl_logps - ref_kl).mean().detach()
     if gather and torch.distributed.is_initialized():
         kl = distributed.all_reduce_sum(kl.clone()) / torch.distributed.get_world_size()
     kl = kl.clamp(min=0)
+    assert batch.desirable is not None  # the collate sets it
     desirable = batch.desirable.to(logps.device)
     losses, rewards = example_losses(logps, ref, desirable, kl, batch.kto)
     return losses, rewards, logps.detach(), desirable, kl
@@ -328,23 +308,13 @@ def _summary(m: dict) -> str:
     )
 
 
-TASK = Task(
+TASK = causal.generation_task(
     load_frames=load_frames,
     prepare=prepare,
-    build_model=build_model,
-    loss=loss,
-    eval_step=eval_step,
-    eval_totals=eval_totals,
-    eval_metrics=eval_metrics,
-    export=causal_lm.export,
+    steps=Steps(loss, eval_step, eval_totals, eval_metrics),
     headline=("eval_reward_margin", "eval_kl"),
-    inference=kinds.CAUSAL_LM,
-    present=Presentation(
-        pipeline_tag="text-generation",
+    present=causal.presentation(
         report_rows=_report_rows,
-        eval_curves=(),
-        eval_log_scale=False,
-        card_usage=causal_lm.TASK.present.card_usage,
         card_about=_card_about,
         headline=lambda m: f"reward margin {m.get('eval_reward_margin', float('nan')):.4f}",
         summary=_summary,

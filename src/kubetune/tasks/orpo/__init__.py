@@ -48,7 +48,7 @@ class ORPOSpec(Section):
     """The ORPO loss (the names of TRL's ORPOConfig)."""
 
     beta: float = Field(
-        0.1,
+        default=0.1,
         gt=0,
         description="λ, the weight of the odds-ratio term: loss = NLL of the chosen sequence − λ × log σ(log odds "
         "ratio of chosen over rejected), the odds from the answers' mean token log-probabilities.",

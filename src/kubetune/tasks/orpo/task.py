@@ -2,14 +2,15 @@
 (``training/trainer.py``).
 
 Data: preference pairs read by ``tasks.pairs`` (text or chat, any column names) and tokenized as DPO's are
-(``tasks.dpo.data.encode_pairs``: TRL's prompt/answer split); a micro-batch is its pairs' chosen sequences, then
-their rejected ones (``tasks.dpo.data.Collate``), cut to ``data.max_length`` keeping their start. Model: the
-causal-LM task's (full fine-tune, LoRA, QLoRA) with dropout off, as DPO's. No reference model. Loss (TRL's
+(``tasks.pair_batches.encode_pairs``: TRL's prompt/answer split); a micro-batch is its pairs' chosen sequences, then
+their rejected ones (``tasks.pair_batches.PairCollate``, carrying the ``orpo:`` section), cut to ``data.max_length``
+keeping their start. Model: the causal LM (``tasks.causal``: full fine-tune, LoRA, QLoRA) with dropout off, as
+DPO's. No reference model. Loss (TRL's
 ORPOTrainer): the chosen sequences' next-token NLL over every real token (prompt and answer, averaged over the
 micro-batch's tokens) minus λ × log σ(log odds ratio), the odds from each answer's mean token log-probability,
 log odds = (c − r) − (log(1 − e^c) − log(1 − e^r)); both from one forward pass. Logged under TRL's names: the
 rewards (λ × the mean answer log-probabilities), their accuracy and margin, the log-probabilities, nll_loss,
-log_odds_ratio, log_odds_chosen. Export, ``predict`` and the Hub push are the causal-LM task's.
+log_odds_ratio, log_odds_chosen. Export, ``predict`` and the Hub push are the causal LM's (``tasks.causal``).
 """
 
 from __future__ import annotations
@@ -25,9 +26,8 @@ from kubetune.config import JobSpec
 from kubetune.data.rows import column
 from kubetune.data.tokenize import tokenizer_fingerprint
 from kubetune.distributed import DistEnv
-from kubetune.inference import kinds
-from kubetune.tasks.base import Prepared, Presentation, Task
-from kubetune.tasks.causal_lm import task as causal_lm
+from kubetune.tasks import causal
+from kubetune.tasks.base import Prepared
 from kubetune.tasks.common import (
     IGNORE,
     load_on_node,
@@ -37,10 +37,9 @@ from kubetune.tasks.common import (
     target_mask,
     tokenize_split,
 )
-from kubetune.tasks.dpo import DPOSpec
-from kubetune.tasks.dpo import task as dpo
-from kubetune.tasks.dpo.data import Collate, PairBatch, encode_pairs
+from kubetune.tasks.logprobs import target_logps
 from kubetune.tasks.orpo import ORPOSpec
+from kubetune.tasks.pair_batches import PairBatch, PairCollate, encode_pairs
 from kubetune.tasks.pairs import load_pair_frames, with_answers
 
 log = logging.getLogger(__name__)
@@ -70,7 +69,7 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
     dropped = dict(frames.dropped)
     tokens.train = with_answers(tokens.train, dropped, "train_truncated", max_length)
     tokens.eval = with_answers(tokens.eval, dropped, "eval_truncated", max_length)
-    own = spec.orpo or ORPOSpec()
+    own = spec.section(ORPOSpec) or ORPOSpec()
     if env.is_local_main:
         lengths = column(tokens.train, "length")
         log.info(
@@ -85,9 +84,7 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
             tokens.cache,
         )
     collate, collate_eval = (
-        # DPO's pair batches, their loss settings carrying λ (ORPO's beta, read by _pairs)
-        Collate(ds, tokenizer.pad_token_id, max_length, DPOSpec(beta=own.beta), "")
-        for ds in (tokens.train, tokens.eval)
+        PairCollate(ds, tokenizer.pad_token_id, max_length, own) for ds in (tokens.train, tokens.eval)
     )
     info = {"data_format": frames.format, "chat_template": template, "orpo_beta": own.beta}
     return prepared(tokens, collate=collate, collate_eval=collate_eval, dropped=dropped, info=info, raw=tokenizer)
@@ -115,7 +112,7 @@ def pair_terms(chosen: torch.Tensor, rejected: torch.Tensor, beta: float) -> tup
     return -beta * ratio, stats
 
 
-def _forward(model, batch: PairBatch, autocast):
+def _forward(model, batch: PairBatch[ORPOSpec], autocast):
     """One forward pass over the pairs: the answers' mean token log-probabilities (chosen, rejected) and the chosen
     sequences' summed NLL over every real token with their count."""
     ids, mask = batch.inputs["input_ids"], batch.inputs["attention_mask"]
@@ -123,7 +120,7 @@ def _forward(model, batch: PairBatch, autocast):
     # the targets: every real token of the chosen sequences (the NLL covers prompt and answer), the rejected
     # sequences' answers (their mean log-probability) only
     every = torch.cat([ids[:n].masked_fill(mask[:n] == 0, IGNORE), batch.labels[n:]])
-    logps = causal_lm.target_logps(model, dataclasses.replace(batch, labels=every), autocast)
+    logps = target_logps(model, dataclasses.replace(batch, labels=every), autocast)
     on = target_mask(every)
     dense = torch.zeros(on.shape, dtype=logps.dtype, device=logps.device).masked_scatter(on, logps)
     answer = target_mask(batch.labels)
@@ -131,11 +128,11 @@ def _forward(model, batch: PairBatch, autocast):
     return mean[:n], mean[n:], -dense[:n].sum(), on[:n].sum()
 
 
-def _pairs(model, batch: PairBatch, autocast) -> tuple[torch.Tensor, torch.Tensor]:
+def _pairs(model, batch: PairBatch[ORPOSpec], autocast) -> tuple[torch.Tensor, torch.Tensor]:
     """The micro-batch's summed loss (n × its token-mean NLL + the pairs' odds-ratio losses: TRL's micro-batch loss
     times n) and its per-pair statistics with nll_loss."""
     chosen, rejected, nll_sum, tokens = _forward(model, batch, autocast)
-    odds_losses, stats = pair_terms(chosen, rejected, batch.dpo.beta)
+    odds_losses, stats = pair_terms(chosen, rejected, (batch.settings or ORPOSpec()).beta)
     n = len(chosen)
     nll = nll_sum / tokens.clamp(min=1)
     total = n * nll + odds_losses.sum()
@@ -143,7 +140,8 @@ def _pairs(model, batch: PairBatch, autocast) -> tuple[torch.Tensor, torch.Tenso
     return total, stats
 
 
-loss, eval_step, eval_totals, eval_metrics = pair_steps(METRICS, _pairs)
+STEPS = pair_steps(METRICS, _pairs)
+loss, eval_step, eval_totals, eval_metrics = STEPS
 
 
 # ---------------------------------------------------------------- how the results read
@@ -177,23 +175,13 @@ def _summary(m: dict) -> str:
     )
 
 
-TASK = Task(
+TASK = causal.generation_task(
     load_frames=load_pair_frames,
     prepare=prepare,
-    build_model=dpo.build_model,  # the causal-LM task's model, dropout off (TRL's disable_dropout)
-    loss=loss,
-    eval_step=eval_step,
-    eval_totals=eval_totals,
-    eval_metrics=eval_metrics,
-    export=causal_lm.export,
+    steps=STEPS,
     headline=("eval_reward_accuracy", "eval_reward_margin"),
-    inference=kinds.CAUSAL_LM,
-    present=Presentation(
-        pipeline_tag="text-generation",
+    present=causal.presentation(
         report_rows=_report_rows,
-        eval_curves=(),
-        eval_log_scale=False,
-        card_usage=causal_lm.TASK.present.card_usage,
         card_about=_card_about,
         headline=lambda m: f"reward accuracy {m.get('eval_reward_accuracy', float('nan')):.4f}",
         summary=_summary,

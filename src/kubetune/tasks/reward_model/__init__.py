@@ -60,7 +60,7 @@ class RewardSpec(Section):
     """The reward model's loss (the names of TRL's RewardConfig)."""
 
     center_rewards_coefficient: float | None = Field(
-        None,
+        default=None,
         ge=0,
         description="Adds this × (r_chosen + r_rejected)² to each pair's loss, keeping the rewards centred on 0 "
         "(TRL's center_rewards_coefficient; 0.01 is the value its paper uses). Absent: no centring.",

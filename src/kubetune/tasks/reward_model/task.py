@@ -24,16 +24,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kubetune.artifacts.presentation import Presentation
 from kubetune.config import JobSpec
 from kubetune.data import Batch
 from kubetune.data.rows import column
 from kubetune.data.tokenize import tokenizer_fingerprint
 from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
-from kubetune.inference.model import context_length, load_model, load_tokenizer
 from kubetune.inference.seam import KSERVE, Inference
 from kubetune.providers import S3Settings
-from kubetune.tasks.base import Prepared, Presentation, Task
+from kubetune.tasks.base import Prepared, Task
 from kubetune.tasks.common import (
     export_merged,
     load_on_node,
@@ -46,7 +46,8 @@ from kubetune.tasks.common import (
     without_dropout,
 )
 from kubetune.tasks.pairs import load_pair_frames
-from kubetune.tasks.reward_model import NAME, RewardSpec
+from kubetune.tasks.reward_model import RewardSpec
+from kubetune.tasks.reward_models import INPUT, LABEL, Scorer, answer_ids, is_reward_model
 
 log = logging.getLogger(__name__)
 
@@ -54,29 +55,11 @@ log = logging.getLogger(__name__)
 # evaluation reports the same with the eval_ prefix. TRL's RewardTrainer names: accuracy (the pairwise accuracy),
 # margin (r_chosen − r_rejected), mean_reward (over both answers).
 METRICS = ("accuracy", "margin", "mean_reward")
-LABEL = "reward"  # the one output's name in the exported config (id2label)
-INPUT = "kubetune_reward_input"  # the exported config's record of how training tokenized a sequence: chat or text
 
 
 def load_frames(data, seed: int, s3: S3Settings = S3Settings()):
     """The pairs (``tasks.pairs``), each with its margin when data.margin_column is set."""
     return load_pair_frames(data, seed, s3, numbers={"margin": "margin_column"})
-
-
-def answer_ids(tokenizer, prompt, answer) -> list[int]:
-    """One (prompt, answer) sequence's token ids as TRL's RewardTrainer makes them, and as the reward model then
-    scores it (``Scorer``, GRPO's ``model`` reward): text (strings): the tokenizer on prompt + answer, the answer
-    ending with EOS where the tokenizer has one; chat (message lists; a string answer is an assistant turn): the
-    chat template on the prompt's and the answer's turns."""
-    if isinstance(prompt, str):
-        return list(tokenizer(text=prompt + with_eos(tokenizer, str(answer)))["input_ids"])
-    turns = list(answer) if isinstance(answer, list) else [{"role": "assistant", "content": str(answer)}]
-    return list(tokenizer.apply_chat_template(list(prompt) + turns, tokenize=True, return_dict=True)["input_ids"])
-
-
-def with_eos(tokenizer, text: str) -> str:
-    eos = tokenizer.eos_token
-    return text if not eos or text.endswith(eos) else text + eos
 
 
 def encode(frame, tokenizer) -> dict[str, list]:
@@ -161,7 +144,7 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
 
 
 def _own(spec: JobSpec) -> RewardSpec:
-    return getattr(spec, NAME, None) or RewardSpec()
+    return spec.section(RewardSpec) or RewardSpec()
 
 
 def _within(ds, dropped: dict, key: str, max_length: int):
@@ -238,56 +221,6 @@ def export(spec: JobSpec, model, tokenizer, data: Prepared, out, metrics: dict) 
     sequence (``INPUT``: chat or text), which ``Scorer`` repeats; ``adapter/`` for LoRA."""
     setattr(getattr(model, "config", None) or model.get_base_model().config, INPUT, data.info["data_format"])
     export_merged(spec, model, tokenizer, out)
-
-
-def is_reward_model(config: dict) -> bool:
-    """An exported reward model's config.json: one output named ``reward``, a score (problem_type regression)."""
-    labels = config.get("id2label") or {}
-    return config.get("problem_type") == "regression" and list(labels.values()) == [LABEL]
-
-
-class Scorer:
-    """A reward model's engine (`kubetune serve` over KServe's v1 and v2, `predict`): the raw score of each text,
-    tokenized as the model's training tokenized a whole sequence (its config's ``INPUT``): a chat model's text is a
-    rendered conversation (no special tokens added, as the chat template's own tokenization adds none); a text model's
-    gets EOS appended where the tokenizer has one. Batched, right-padded, cut to the model's context."""
-
-    outputs = {"score": "FP32"}
-
-    def __init__(self, path, batch_size: int = 16):
-        from transformers import AutoModelForSequenceClassification
-
-        self.tokenizer = load_tokenizer(path)
-        self.model = load_model(AutoModelForSequenceClassification, path).eval()
-        self.chat = getattr(self.model.config, INPUT, "text") == "chat"
-        self.limit = context_length(self.model.config, self.tokenizer)
-        self.batch_size = batch_size
-
-    def ids(self, text: str) -> list[int]:
-        if self.chat:
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        else:
-            ids = self.tokenizer(with_eos(self.tokenizer, text))["input_ids"]
-        return list(ids)[: self.limit]
-
-    @torch.no_grad()
-    def scores(self, texts: list[str]) -> list[float]:
-        return score_ids(self.model, [self.ids(t) for t in texts], self.batch_size)
-
-    def run(self, texts: list[str]) -> list[dict]:
-        return [{"score": s} for s in self.scores(texts)]
-
-
-@torch.no_grad()
-def score_ids(model, seqs: list[list[int]], batch_size: int = 16) -> list[float]:
-    """A reward model's score of each token id sequence, in right-padded batches (its config's pad token, which it
-    finds each row's last real token by), on the model's device."""
-    device, pad = next(model.parameters()).device, model.config.pad_token_id or 0
-    out: list[float] = []
-    for start in range(0, len(seqs), batch_size):
-        ids, mask = right_pad(seqs[start : start + batch_size], pad)
-        out += model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float().reshape(-1).tolist()
-    return out
 
 
 def predict(path: str, texts: list[str], options: dict, warn) -> list[dict]:

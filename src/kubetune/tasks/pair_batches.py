@@ -1,12 +1,13 @@
-"""DPO's data: preference pairs (read by ``tasks.pairs`` in TRL's conventions: text, or chat message lists
-with an implicit prompt) tokenized as TRL's DPOTrainer does, and the micro-batches of pairs (chosen
-sequences, then rejected ones, answer tokens labeled)."""
+"""Preference pairs as micro-batches (DPO, ORPO): each pair tokenized as TRL's DPOTrainer does
+(``encode_pairs``), and the micro-batches of pairs (``PairCollate``: the chosen sequences, then the rejected
+ones, answer tokens labeled), each carrying the task's own loss settings (``PairBatch.settings``) and, where
+the task precomputed them, the reference log-probabilities. The pairs themselves are read by ``tasks.pairs``."""
 
 from __future__ import annotations
 
 import json
-import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import pandas as pd
@@ -14,10 +15,9 @@ import torch
 
 from kubetune.data import Batch
 from kubetune.tasks.common import IGNORE
-from kubetune.tasks.dpo import DPOSpec
 from kubetune.tasks.pairs import shared_prefix
 
-log = logging.getLogger(__name__)
+S = TypeVar("S")  # a task's loss settings (its own section: DPOSpec, ORPOSpec)
 
 
 def encode_pairs(frame: pd.DataFrame, tokenizer, max_length: int) -> dict[str, list]:
@@ -53,29 +53,27 @@ def _chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = Fal
     return list(out["input_ids"])
 
 
-# ---------------------------------------------------------------- batches
-
-
 @dataclass
-class PairBatch(Batch):
+class PairBatch(Batch, Generic[S]):
     """A micro-batch of pairs: rows 0..n-1 the chosen sequences, rows n..2n-1 the rejected ones;
     labels are the answer tokens (IGNORE elsewhere)."""
 
     reference: torch.Tensor | None = None  # [pairs, 2] the reference log-probabilities, when precomputed
-    dpo: DPOSpec = field(default_factory=DPOSpec)  # the loss's settings (the trainer passes no spec to the loss)
+    settings: S | None = None  # the task's loss settings (the trainer passes no spec to the loss)
 
 
-class Collate:
-    """Dataset row ids -> a ``PairBatch``: prompt + answer cut to ``max_length`` (TRL's keep_start),
-    right-padded. ``reference``: the precomputed reference log-probabilities of every row (set by
-    ``setup`` before training; None: the reference is computed on the fly)."""
+class PairCollate(Generic[S]):
+    """Dataset row ids (of ``encode_pairs``' columns) -> a ``PairBatch``: prompt + answer cut to ``max_length``
+    (TRL's keep_start), right-padded; ``settings``: the task's loss settings, which every batch carries.
+    ``reference``: the precomputed reference log-probabilities of every row (``tasks.reference.precompute``,
+    before training; None: the task computes its reference on the fly, or has none)."""
 
-    def __init__(self, ds, pad_id: int, max_length: int, dpo: DPOSpec, key: str):
-        self.ds, self.pad_id, self.max_length, self.dpo = ds, pad_id, max_length, dpo
+    def __init__(self, ds: Any, pad_id: int, max_length: int, settings: S, key: str = ""):
+        self.ds, self.pad_id, self.max_length, self.settings = ds, pad_id, max_length, settings
         self.key = key  # what the reference log-probabilities of these rows depend on (their cache's key)
         self.reference: np.ndarray | None = None
 
-    def __call__(self, indices: np.ndarray) -> PairBatch:
+    def __call__(self, indices: np.ndarray | list[int]) -> PairBatch[S]:
         weight = 1.0
         if len(indices) == 0:  # a rank's empty share of the last step: computed, weighs nothing
             indices, weight = np.zeros(1, dtype=np.int64), 0.0
@@ -100,5 +98,5 @@ class Collate:
             weight,
             torch.as_tensor(indices, dtype=torch.long),
             ref,
-            self.dpo,
+            self.settings,
         )
