@@ -526,7 +526,7 @@ def make_reward_model(dest: Path, template: bool) -> Path:
     tok.chat_template = FALLBACK_CHAT_TEMPLATE if template else None
     config = LlamaConfig.from_pretrained(tiny, num_labels=1, id2label={0: "reward"}, label2id={"reward": 0})
     config.problem_type, config.pad_token_id = "regression", tok.pad_token_id
-    config.kubetune_reward_input = "chat" if template else "text"  # reward_model.task.INPUT
+    config.kubetune_reward_input = "chat" if template else "text"  # tasks.reward_models.INPUT
     torch.manual_seed(0)
     LlamaForSequenceClassification(config).save_pretrained(dest)
     tok.save_pretrained(dest)

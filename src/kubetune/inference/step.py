@@ -32,10 +32,6 @@ import torch
 import torch.nn.functional as F
 
 from kubetune.inference.attention import base_attention, model_attention
-from kubetune.inference.scoring import PLAIN_HEAD
-
-# Re-exported for ``tasks.common``, which imports it from here until it imports ``inference.scoring.PLAIN_HEAD``.
-__all__ = ["PLAIN_HEAD", "STEP_ATTENTION", "Packed", "SlotCache", "layout", "packed_forward", "packs", "step_attention"]
 
 STEP_ATTENTION = "kubetune_step"
 # Model types whose attention is transformers' attention interface over ``past_key_values.update``, per layer, and

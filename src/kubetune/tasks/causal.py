@@ -135,11 +135,11 @@ def export(spec: JobSpec, model, tokenizer, data: Prepared, out, metrics: dict) 
         artifacts.replace_dir(lambda d: (model.save_pretrained(d), tokenizer.save_pretrained(d)), out / "adapter")
         # Merge into the base reloaded unquantized in fp32 on the CPU, not into the training copy
         # (which may be 4-bit or bf16): the merged weights are rounded once, to the base's dtype.
-        from peft import PeftModel
+        from kubetune.inference.causal import with_adapter  # the one loader of an export's adapter
 
         base = load_pretrained(AutoModelForCausalLM, model_dir, dtype=torch.float32)
         saved_dtype = _config_dtype(base.config)
-        merged = PeftModel.from_pretrained(base, out / "adapter").merge_and_unload()
+        merged = with_adapter(base, out / "adapter", merge=True)
         merged = merged.to(saved_dtype)
     else:
         merged = model

@@ -22,7 +22,7 @@ from kubetune.data.tables import short
 from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
 from kubetune.inference.model import quiet_transformers
-from kubetune.inference.step import PLAIN_HEAD
+from kubetune.inference.scoring import PLAIN_HEAD
 from kubetune.providers import S3Settings
 from kubetune.tasks.base import LossOutput, Prepared, Steps, on_node_first
 
@@ -101,7 +101,7 @@ def next_token_targets(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 # ---- the replaceable head: a causal LM's output projection computed by the task instead
 
-# ``PLAIN_HEAD`` (inference.step, which scores served prompts the same way): causal LMs whose forward is
+# ``PLAIN_HEAD`` (inference.scoring, which scores served prompts the same way): causal LMs whose forward is
 # ``lm_head(hidden_states[logits_to_keep])`` and nothing after it, so the projection can be replaced by what the
 # task computes from the hidden states (the loss, the log-probabilities). Others scale or soft-cap their logits
 # after the head (Gemma 2, Cohere, Granite), so the task reads their logits.
