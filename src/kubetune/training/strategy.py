@@ -7,9 +7,9 @@ import contextlib
 import ctypes
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -19,11 +19,16 @@ from kubetune.config import JobSpec
 from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
 
+if TYPE_CHECKING:  # imported where used: the fsdp package is loaded only by a run that shards
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
+
 log = logging.getLogger(__name__)
 
 # make(where): the task's model with its weights on ``where`` (the meta device: the modules alone)
 MakeModel = Callable[[torch.device], torch.nn.Module]
 META = torch.device("meta")
+# sync(input_ids): the row-sparse all-reduce of a trainable input embedding (distributed.row_sparse_embedding_sync)
+EmbeddingSync = Callable[[list[torch.Tensor]], None]
 
 
 class Strategy(Protocol):
@@ -36,7 +41,7 @@ class Strategy(Protocol):
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The module the forward and backward passes run on."""
 
-    def no_sync(self, last: bool) -> contextlib.AbstractContextManager:
+    def no_sync(self, last: bool) -> contextlib.AbstractContextManager[None]:
         """Context for one micro-batch's backward: gradients are reduced only on the last."""
 
     def after_backward(self, input_ids: list[torch.Tensor]) -> None:
@@ -48,14 +53,14 @@ class Strategy(Protocol):
     def grad_norm(self) -> torch.Tensor:
         """The total gradient norm (every rank), without clipping."""
 
-    def save(self, directory: Path | None, optimizer: torch.optim.Optimizer) -> dict:
+    def save(self, directory: Path | None, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """All ranks: the model and optimizer state of a checkpoint. Returns what the writer puts
         into the checkpoint's ``state.pt``; a sharded strategy writes its shards under ``directory``."""
 
     def shard_files(self, directory: Path) -> list[Path]:
         """The files this rank wrote under ``directory`` in ``save`` (none unless sharded)."""
 
-    def load(self, directory: Path, saved: dict, optimizer: torch.optim.Optimizer) -> None:
+    def load(self, directory: Path, saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
         """All ranks: restore the model and optimizer from a checkpoint (``saved``: its ``state.pt``)."""
 
     def export_model(self) -> torch.nn.Module | None:
@@ -150,9 +155,10 @@ class DDPStrategy:
         """``bucket_view`` and ``sparse_embedding`` exist to measure them (benchmarks/step_ablation.py)."""
         self.env, self.device = env, device
         self.bucket_view, self.sparse_embedding = bucket_view, sparse_embedding
-        self.model: torch.nn.Module | None = None
+        self.model: torch.nn.Module | None = None  # set by wrap()
         self.wrapped: torch.nn.Module | None = None
-        self._embedding_sync = None
+        self._ddp: DDP | None = None  # ``wrapped`` where it is DDP (a distributed run): its no_sync
+        self._embedding_sync: EmbeddingSync | None = None
 
     def build(self, make: MakeModel) -> torch.nn.Module:
         return make(self.device)
@@ -165,47 +171,59 @@ class DDPStrategy:
             # gradient_as_bucket_view: gradients live in DDP's all-reduce buckets, saving a copy of every gradient
             # each step.
             device_ids = [self.device.index] if self.device.type == "cuda" else None
-            self.wrapped = DDP(model, device_ids=device_ids, gradient_as_bucket_view=self.bucket_view)
+            self._ddp = DDP(model, device_ids=device_ids, gradient_as_bucket_view=self.bucket_view)
+            self.wrapped = self._ddp
         else:
             self.wrapped = model
         return self.wrapped
 
-    def no_sync(self, last: bool) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext() if (last or not self.env.distributed) else self.wrapped.no_sync()
+    def _model(self) -> torch.nn.Module:
+        if self.model is None:
+            raise RuntimeError("DDPStrategy: the model is used before wrap()")
+        return self.model
+
+    def no_sync(self, last: bool) -> contextlib.AbstractContextManager[None]:
+        # _ddp is set exactly when the run is distributed; wrap() sets it
+        if last or not self.env.distributed:
+            return contextlib.nullcontext()
+        if self._ddp is None:
+            raise RuntimeError("DDPStrategy: no_sync before wrap()")
+        return self._ddp.no_sync()
 
     def after_backward(self, input_ids: list[torch.Tensor]) -> None:
         if self._embedding_sync:
             self._embedding_sync(input_ids)
 
     def clip(self, max_norm: float) -> torch.Tensor:
-        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        return torch.nn.utils.clip_grad_norm_(self._model().parameters(), max_norm)
 
     def grad_norm(self) -> torch.Tensor:
-        return torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
+        return torch.nn.utils.get_total_norm([p.grad for p in self._model().parameters() if p.grad is not None])
 
-    def save(self, directory: Path | None, optimizer: torch.optim.Optimizer) -> dict:
+    def save(self, directory: Path | None, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         if not self.is_writer:
             return {}
-        return {"model": checkpoint.trainable_state(self.model), "optimizer": optimizer.state_dict()}
+        return {"model": checkpoint.trainable_state(self._model()), "optimizer": optimizer.state_dict()}
 
     def shard_files(self, directory: Path) -> list[Path]:
         return []
 
-    def load(self, directory: Path, saved: dict, optimizer: torch.optim.Optimizer) -> None:
+    def load(self, directory: Path, saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
         if saved.get("sharded"):
             raise KubetuneError(
                 f"checkpoint {directory} was written by distributed.strategy fsdp",
                 field="distributed.strategy",
                 fix="resume it with distributed.strategy: fsdp (or auto), or pass --no-resume",
             )
-        missing = set(checkpoint.trainable_state(self.model)) - set(saved.get("model") or {})
+        model = self._model()
+        missing = set(checkpoint.trainable_state(model)) - set(saved.get("model") or {})
         if missing:
             raise KubetuneError(
                 f"checkpoint {directory} lacks {len(missing)} trainable tensors, e.g. {sorted(missing)[0]}",
                 field="output.uri",
                 fix="pass --no-resume",
             )
-        self.model.load_state_dict(saved["model"], strict=False)
+        model.load_state_dict(saved["model"], strict=False)
         optimizer.load_state_dict(saved["optimizer"])
 
     def export_model(self) -> torch.nn.Module | None:
@@ -214,6 +232,14 @@ class DDPStrategy:
     @property
     def is_writer(self) -> bool:
         return self.env.is_main
+
+
+class _ShardOptions(TypedDict, total=False):
+    """The keywords of every ``fully_shard`` call of one model (``FSDPStrategy._shard``)."""
+
+    reshard_after_forward: bool
+    offload_policy: OffloadPolicy
+    mp_policy: MixedPrecisionPolicy  # absent: fully_shard's default (no mixed precision)
 
 
 class FSDPStrategy:
@@ -249,7 +275,8 @@ class FSDPStrategy:
             )
         self.env, self.device, self.dtype = env, device, dtype
         self.reshard_after_forward, self.cpu_offload = reshard_after_forward, cpu_offload
-        self.model: torch.nn.Module | None = None
+        self.model: torch.nn.Module | None = None  # set by build()
+        self._root: FSDPModule | None = None  # the same object as ``model``, as fully_shard returns it
         self.make: MakeModel | None = None
 
     def build(self, make: MakeModel) -> torch.nn.Module:
@@ -259,7 +286,7 @@ class FSDPStrategy:
         model = meta_model(make)
         # rank 0 reads the weights (and makes the fresh head and adapters, from the same seed as DDP)
         full = make(torch.device("cpu")) if self.env.is_main else None
-        self._shard(model)
+        root = self._shard(model)
         model.to_empty(device="cpu" if self.cpu_offload else self.device)
         set_model_state_dict(
             model,
@@ -274,13 +301,14 @@ class FSDPStrategy:
             if self.env.distributed:
                 torch.distributed.broadcast(buf, 0)
         del full, source
-        self.model = model
+        self.model, self._root = model, root
         return model
 
-    def _shard(self, model: torch.nn.Module) -> None:
+    def _shard(self, model: torch.nn.Module) -> FSDPModule:
+        """Shard every transformer block, then the root; returns the root (``model`` itself, now an FSDPModule)."""
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-        kwargs = {
+        kwargs: _ShardOptions = {
             "reshard_after_forward": self.reshard_after_forward,
             "offload_policy": CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy(),
         }
@@ -289,36 +317,47 @@ class FSDPStrategy:
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
         for block in transformer_blocks(model):
             fully_shard(block, **kwargs)
-        fully_shard(model, **kwargs)
+        return fully_shard(model, **kwargs)
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return model  # sharded in build(): the hooks are on the model itself
 
+    def _model(self) -> torch.nn.Module:
+        if self.model is None:
+            raise RuntimeError("FSDPStrategy: the model is used before build()")
+        return self.model
+
     @contextlib.contextmanager
-    def no_sync(self, last: bool):
+    def no_sync(self, last: bool) -> Iterator[None]:
+        if self._root is None:
+            raise RuntimeError("FSDPStrategy: no_sync before build()")
         # Accumulate unsharded gradients locally; the last micro-batch reduce-scatters their sum once.
-        self.model.set_requires_gradient_sync(last)
+        self._root.set_requires_gradient_sync(last)
         yield
 
     def after_backward(self, input_ids: list[torch.Tensor]) -> None:
         pass
 
     def clip(self, max_norm: float) -> torch.Tensor:
-        return _full(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        return _full(torch.nn.utils.clip_grad_norm_(self._model().parameters(), max_norm))
 
     def grad_norm(self) -> torch.Tensor:
-        return _full(torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None]))
+        return _full(torch.nn.utils.get_total_norm([p.grad for p in self._model().parameters() if p.grad is not None]))
 
-    def _state(self, optimizer: torch.optim.Optimizer) -> dict:
+    def _state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
         # frozen weights (a LoRA base) are not part of the checkpoint: they come from model.uri
-        model_sd, optim_sd = get_state_dict(self.model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+        model_sd, optim_sd = get_state_dict(
+            self._model(), optimizer, options=StateDictOptions(ignore_frozen_params=True)
+        )
         return {"model": model_sd, "optimizer": optim_sd}
 
-    def save(self, directory: Path | None, optimizer: torch.optim.Optimizer) -> dict:
+    def save(self, directory: Path | None, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         import torch.distributed.checkpoint as dcp
 
+        if directory is None:  # only an unsharded strategy is given none (the trainer stages a directory for shards)
+            raise ValueError("FSDPStrategy.save writes its shards into a directory, and none was given")
         dcp.save(self._state(optimizer), checkpoint_id=directory / self.SHARDS)
         return {"sharded": "dcp"}
 
@@ -326,7 +365,7 @@ class FSDPStrategy:
         # DCP's file writer names each rank's files __<rank>_<n>.distcp; .metadata is the coordinator's
         return sorted((directory / self.SHARDS).glob(f"__{self.env.rank}_*.distcp"))
 
-    def load(self, directory: Path, saved: dict, optimizer: torch.optim.Optimizer) -> None:
+    def load(self, directory: Path, saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
@@ -339,7 +378,7 @@ class FSDPStrategy:
         state = self._state(optimizer)
         dcp.load(state, checkpoint_id=directory / self.SHARDS)
         set_state_dict(
-            self.model,
+            self._model(),
             optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optimizer"],
@@ -350,18 +389,23 @@ class FSDPStrategy:
         """Gathers the full state dict (collective) into a fresh, unsharded model on rank 0's CPU."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        sharded = self._model()
+        full = get_model_state_dict(sharded, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if not self.is_writer:
             return None
+        if self.make is None:
+            raise RuntimeError("FSDPStrategy: export_model before build()")
         model = meta_model(self.make)
         model.load_state_dict(full, assign=True)
-        buffers = dict(self.model.named_buffers())
+        buffers = dict(sharded.named_buffers())
         for name, buf in list(model.named_buffers()):
             module, _, attr = name.rpartition(".")
             owner = model.get_submodule(module) if module else model
             owner._buffers[attr] = buffers[name].detach().cpu().clone()
-        if hasattr(model, "tie_weights"):
-            model.tie_weights()  # assign=True replaced tied parameters one by one
+        # a transformers model's method (Module's own __getattr__ types any attribute as a Tensor or Module)
+        tie_weights: Callable[[], object] | None = getattr(model, "tie_weights", None)
+        if tie_weights is not None:
+            tie_weights()  # assign=True replaced tied parameters one by one
         return model.train(False)
 
     @property
@@ -424,7 +468,8 @@ def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     ]
     if not lists:
         return []
-    return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))
+    biggest = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+    return list(biggest)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
