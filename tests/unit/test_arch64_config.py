@@ -90,6 +90,19 @@ def test_section_refuses_a_model_no_task_registers():
             spec.section(model)
 
 
+def test_data_as_returns_the_data_section_as_the_task_model_or_refuses_another():
+    from kubetune.config.base import StreamingData
+    from kubetune.tasks.causal_lm import CausalLMData
+    from kubetune.tasks.dpo import PreferenceData
+
+    spec = parse_spec({**BASE, "task": "causal-lm", "data": {"train": "t.jsonl", "packing": True}})
+    data = spec.data_as(CausalLMData)
+    assert data is spec.data and data.packing
+    assert spec.data_as(StreamingData) is spec.data and spec.data_as(DataCommon) is spec.data  # its bases too
+    with pytest.raises(TypeError, match="the spec's data section is a CausalLMData, not a PreferenceData"):
+        spec.data_as(PreferenceData)
+
+
 def test_the_typed_base_alone_refuses_to_validate():
     with pytest.raises(TypeError, match="validate with parse_spec or spec_model"):
         JobSpec.model_validate(BASE)

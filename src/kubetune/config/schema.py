@@ -3,9 +3,10 @@
 Code annotates with ``JobSpec``; a spec is validated and dumped with ``spec_model()``, a subclass.
 
 ``JobSpec`` declares every common section (the data section as ``DataCommon``, the fields every task has);
-a task's own section is reached typed through ``JobSpec.section(<its model>)``. The tasks are entry points
-(``config.tasks``), read on first use, not on import: ``spec_model()`` subclasses ``JobSpec`` with the
-registered tasks' names in ``task``, their data models in ``data`` and their own sections as fields.
+a task's own section is reached typed through ``JobSpec.section(<its model>)``, its own data fields through
+``JobSpec.data_as(<its data model>)``. The tasks are entry points (``config.tasks``), read on first use, not
+on import: ``spec_model()`` subclasses ``JobSpec`` with the registered tasks' names in ``task``, their data
+models in ``data`` and their own sections as fields.
 
 The key names are a public contract (docs, tools and the Kubernetes ConfigMap rely on them).
 Unknown keys are errors; every field carries help text in ``description``.
@@ -69,10 +70,11 @@ __all__ = [
 ]
 
 # The data section as code sees it: the fields every task has. A validated spec holds its task's own model
-# (``DATA_SPECS``), a subclass, which a task's code narrows to with isinstance.
+# (``DATA_SPECS``), a subclass, which a task's code narrows to with ``JobSpec.data_as``.
 DataSpec = DataCommon
 
 S = TypeVar("S", bound=Section)
+D = TypeVar("D", bound=DataCommon)
 
 _DOC = "A job spec: the model, the data, the task, the training recipe, where it runs and what it writes."
 
@@ -138,6 +140,17 @@ class JobSpec(_JobTail, _JobHead):
                 assert value is None or isinstance(value, kind)
                 return value
         raise KeyError(f"no registered task has a section of model {kind.__name__}")
+
+    def data_as(self, kind: type[D]) -> D:
+        """This spec's data section as model ``kind`` (a task's own data model, ``TaskEntry.data``): the typed
+        way to a task's data fields (a validated spec holds its task's model).
+
+        Raises:
+            TypeError: the data section is of another model (another task's spec).
+        """
+        if not isinstance(self.data, kind):
+            raise TypeError(f"the spec's data section is a {type(self.data).__name__}, not a {kind.__name__}")
+        return self.data
 
     def __reduce__(self) -> tuple[Callable[[dict[Any, Any]], JobSpec], tuple[dict[Any, Any]]]:
         # pickle finds a class by its module and name, and spec_model()'s class is no module's attribute (it is

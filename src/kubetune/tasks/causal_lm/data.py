@@ -17,19 +17,19 @@ import numpy as np
 import pandas as pd
 import torch
 
-from kubetune.config import DataSpec
 from kubetune.data import Batch
 from kubetune.data.columns import NonText, check_table
 from kubetune.data.rows import RowSplit, read_split
 from kubetune.data.tables import short
 from kubetune.errors import KubetuneError
 from kubetune.providers import S3Settings
+from kubetune.tasks.causal_lm import CausalLMData
 from kubetune.tasks.common import IGNORE, RECORD_SCHEMA, ROLES
 
 log = logging.getLogger(__name__)
 
 
-def load_lm_frames(spec: DataSpec, seed: int, s3: S3Settings = S3Settings()) -> RowSplit:
+def load_lm_frames(spec: CausalLMData, seed: int, s3: S3Settings = S3Settings()) -> RowSplit:
     """Read, normalize and split causal-LM data in flat memory (``data.rows``; read as ``read_table``
     reads: "None" or "NA" is text; s3:// data reached with ``s3``): each row becomes a ``record``,
     JSON text of its document or messages.
@@ -58,13 +58,13 @@ def load_lm_frames(spec: DataSpec, seed: int, s3: S3Settings = S3Settings()) -> 
     )
 
 
-def shard_normalizer(spec: DataSpec):
+def shard_normalizer(spec: CausalLMData):
     """The normalizer of one streamed shard of data.train (``data.stream.Stream``): its format detected
     on its own first chunk (or data.format), its rows checked as a table's."""
     return lambda shard: _Normalizer(spec, "data.train", None)
 
 
-def detect_format(df: pd.DataFrame, spec: DataSpec) -> str:
+def detect_format(df: pd.DataFrame, spec: CausalLMData) -> str:
     if spec.format != "auto":
         return spec.format
     if spec.messages_column in df.columns:
@@ -80,7 +80,7 @@ class _Normalizer:
 
     schema = RECORD_SCHEMA
 
-    def __init__(self, spec: DataSpec, field_name: str, train_facts: dict | None):
+    def __init__(self, spec: CausalLMData, field_name: str, train_facts: dict | None):
         self.spec, self.field_name = spec, field_name
         self.source = getattr(spec, field_name.split(".")[1])
         self.fmt: str | None = train_facts["format"] if train_facts else None
@@ -153,7 +153,7 @@ def _text(value) -> str | None:
     return None
 
 
-def _record(row: dict, spec: DataSpec, fmt: str, source: str, i: int) -> str | None:
+def _record(row: dict, spec: CausalLMData, fmt: str, source: str, i: int) -> str | None:
     """One row as JSON: ``{"text": ...}`` or ``{"messages": [...]}``; None when the row is unusable."""
     if fmt == "text":
         text = _text(row[spec.text_column])
@@ -177,7 +177,7 @@ def _record(row: dict, spec: DataSpec, fmt: str, source: str, i: int) -> str | N
     return json.dumps({"messages": messages})
 
 
-def _messages(value, spec: DataSpec, source: str, i: int) -> list[dict] | None:
+def _messages(value, spec: CausalLMData, source: str, i: int) -> list[dict] | None:
     if isinstance(value, str):
         try:
             value = json.loads(value)

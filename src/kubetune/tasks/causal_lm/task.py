@@ -30,6 +30,7 @@ from kubetune.errors import KubetuneError
 from kubetune.inference import kinds
 from kubetune.tasks.base import LossOutput, Prepared, Task
 from kubetune.tasks.causal import build_model, card_usage, export
+from kubetune.tasks.causal_lm import CausalLMData
 from kubetune.tasks.causal_lm.data import collate, load_lm_frames, shard_normalizer, tokenize_frame
 from kubetune.tasks.common import load_on_node, prepare_tokenizer, prepared, tokenize_split
 from kubetune.tasks.logprobs import token_loss
@@ -45,20 +46,21 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
     """The shared skeleton (``tasks.common``) around the task's own parts: instruction and chat rows both
     render with the chat template; the tokens' mode says whether prompts carry a loss; rows left without
     a target token are dropped."""
+    data = spec.data_as(CausalLMData)
     frames = load_on_node(load_lm_frames, spec, env)
     template = prepare_tokenizer(tokenizer, chat=frames.format != "text")
-    mode = "causal-lm+prompt" if spec.data.train_on_prompt else "causal-lm"
+    mode = "causal-lm+prompt" if data.train_on_prompt else "causal-lm"
     encode = functools.partial(
-        _encode, tokenizer=tokenizer, max_length=spec.data.max_length, train_on_prompt=spec.data.train_on_prompt
+        _encode, tokenizer=tokenizer, max_length=data.max_length, train_on_prompt=data.train_on_prompt
     )
-    fingerprint = f"{mode}:{spec.data.max_length}:{tokenizer_fingerprint(tokenizer)}"
-    if spec.data.streaming:
+    fingerprint = f"{mode}:{data.max_length}:{tokenizer_fingerprint(tokenizer)}"
+    if data.streaming:
         return _prepare_stream(spec, env, tokenizer, frames, encode, fingerprint, template)
     tokens = tokenize_split(frames, env, fingerprint, encode)
     dropped = dict(frames.dropped)
     # Rows whose response lies wholly beyond data.max_length teach nothing: drop them (counted).
-    tokens.train = _with_targets(tokens.train, dropped, "train_truncated", spec.data.max_length)
-    tokens.eval = _with_targets(tokens.eval, dropped, "eval_truncated", spec.data.max_length)
+    tokens.train = _with_targets(tokens.train, dropped, "train_truncated", data.max_length)
+    tokens.eval = _with_targets(tokens.eval, dropped, "eval_truncated", data.max_length)
     train_ds, eval_ds = tokens.train, tokens.eval
     units = column(train_ds, "n_targets")  # int32: 4 bytes per row (its sums are int64)
     lengths = column(train_ds, "length")
@@ -68,7 +70,7 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
         # Per epoch, of the training data; the loop reports train_tokens over every epoch trained.
         "train_data_tokens": int(lengths.sum()),
         "train_data_target_tokens": int(units.sum()),
-        "packing": spec.data.packing,
+        "packing": data.packing,
     }
     if env.is_local_main:
         log.info(
@@ -89,7 +91,7 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
         )
     return prepared(
         tokens,
-        collate=functools.partial(collate, train_ds, pad_id=tokenizer.pad_token_id, packing=spec.data.packing),
+        collate=functools.partial(collate, train_ds, pad_id=tokenizer.pad_token_id, packing=data.packing),
         collate_eval=functools.partial(collate, eval_ds, pad_id=tokenizer.pad_token_id),
         units=units,
         dropped=dropped,
@@ -101,23 +103,24 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
 def _prepare_stream(spec: JobSpec, env: DistEnv, tokenizer, frames, encode, fingerprint: str, template):
     """data.streaming: data.train as a ``Feed`` of rank 0's listing (every rank reads it; each
     tokenizes its own rows as they come), data.eval tokenized whole as without streaming."""
+    data = spec.data_as(CausalLMData)
     feed = Feed.for_spec(
         spec,
         env,
-        normalizer=shard_normalizer(spec.data),
+        normalizer=shard_normalizer(data),
         encode=lambda rows: encode(pd.DataFrame(rows)),
-        collate=functools.partial(collate, pad_id=tokenizer.pad_token_id, packing=spec.data.packing),
+        collate=functools.partial(collate, pad_id=tokenizer.pad_token_id, packing=data.packing),
         units=lambda cols: np.asarray(cols["n_targets"], dtype=np.int64),
     )
     tokens = tokenize_split(frames, env, fingerprint, encode, train=False)
     dropped = dict(frames.dropped)
-    tokens.eval = _with_targets(tokens.eval, dropped, "eval_truncated", spec.data.max_length)
+    tokens.eval = _with_targets(tokens.eval, dropped, "eval_truncated", data.max_length)
     if env.is_local_main:
         log.info("data: %s; %d eval rows (%s format)", feed.describe(), len(tokens.eval), frames.format)
     info = {
         "data_format": frames.format,
         "chat_template": template,
-        "packing": spec.data.packing,
+        "packing": data.packing,
         "streamed_shards": len(feed.listing.shards),
     }
     return prepared(

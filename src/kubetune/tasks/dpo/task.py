@@ -33,7 +33,7 @@ from kubetune.distributed import DistEnv
 from kubetune.tasks import causal
 from kubetune.tasks.base import Prepared
 from kubetune.tasks.common import IGNORE, load_on_node, pair_steps, prepare_tokenizer, prepared, tokenize_split
-from kubetune.tasks.dpo import DPOSpec
+from kubetune.tasks.dpo import DPOSpec, PreferenceData
 from kubetune.tasks.logprobs import sequence_logps
 from kubetune.tasks.pair_batches import PairBatch, PairCollate, encode_pairs
 from kubetune.tasks.pairs import load_pair_frames, shard_normalizer, with_answers
@@ -52,14 +52,15 @@ METRICS = ("reward_accuracy", "reward_chosen", "reward_rejected", "reward_margin
 def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
     """The shared skeleton (``tasks.common``) around the task's own parts: pairs dropped whose prompt
     leaves no answer token, and micro-batches of pairs keyed for the reference's cache."""
+    data = spec.data_as(PreferenceData)
     frames = load_on_node(load_pair_frames, spec, env)
-    template = prepare_tokenizer(tokenizer, frames.format == "chat", spec.data.chat_template)
-    max_length = spec.data.max_length
+    template = prepare_tokenizer(tokenizer, frames.format == "chat", data.chat_template)
+    max_length = data.max_length
 
     encode = functools.partial(encode_pairs, tokenizer=tokenizer, max_length=max_length)
 
     fingerprint = f"dpo:{max_length}:{tokenizer_fingerprint(tokenizer)}"
-    if spec.data.streaming:
+    if data.streaming:
         return _prepare_stream(spec, env, tokenizer, frames, encode, fingerprint, template)
     tokens = tokenize_split(frames, env, fingerprint, encode)
     dropped = dict(frames.dropped)

@@ -31,7 +31,7 @@ from kubetune.providers import S3Settings
 from kubetune.tasks import causal
 from kubetune.tasks.base import LossOutput, Prepared, Steps
 from kubetune.tasks.common import load_on_node, prepare_tokenizer, prepared, target_mask, tokenize_split
-from kubetune.tasks.grpo import GRPOSpec
+from kubetune.tasks.grpo import GRPOSpec, PromptData
 from kubetune.tasks.grpo import loss as grpo_loss
 from kubetune.tasks.grpo import rewards as reward_fns
 from kubetune.tasks.grpo.data import PromptCollate, encode_prompts, load_prompt_frames
@@ -52,12 +52,13 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
             fix="add a lora section (the reference is the model with its adapter disabled), set "
             "grpo.reference_copy: true (a frozen copy of the base model in memory), or set grpo.beta: 0",
         )
+    data = spec.data_as(PromptData)
     frames = load_on_node(load_prompt_frames, spec, env)
     # a user's module is imported now, a reward model loaded, not at the first step
     scorers = reward_fns.scorers(g.rewards, chat=frames.format == "chat", s3=S3Settings.from_spec(spec))
-    template = prepare_tokenizer(tokenizer, frames.format == "chat", spec.data.chat_template)
-    encode = functools.partial(encode_prompts, tokenizer=tokenizer, max_length=spec.data.max_length)
-    fingerprint = f"grpo:{spec.data.max_length}:{tokenizer_fingerprint(tokenizer)}"
+    template = prepare_tokenizer(tokenizer, frames.format == "chat", data.chat_template)
+    encode = functools.partial(encode_prompts, tokenizer=tokenizer, max_length=data.max_length)
+    fingerprint = f"grpo:{data.max_length}:{tokenizer_fingerprint(tokenizer)}"
     tokens = tokenize_split(frames, env, fingerprint, encode)
     rollouts = Rollouts(
         grpo=g,

@@ -34,7 +34,7 @@ from kubetune.errors import KubetuneError
 from kubetune.tasks import causal
 from kubetune.tasks.base import LossOutput, Prepared, Steps
 from kubetune.tasks.common import IGNORE, load_on_node, prepare_tokenizer, prepared, right_pad, tokenize_split
-from kubetune.tasks.kto import KTOSpec
+from kubetune.tasks.kto import KTOData, KTOSpec
 from kubetune.tasks.kto.data import encode, load_frames
 from kubetune.tasks.logprobs import sequence_logps
 from kubetune.tasks.pairs import with_answers
@@ -102,9 +102,10 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
             field="training.batch_size",
             fix="set training.batch_size to 2 or more (grad_accum keeps the global batch where you want it)",
         )
+    data = spec.data_as(KTOData)
     frames = load_on_node(load_frames, spec, env)
-    template = prepare_tokenizer(tokenizer, frames.format == "chat", spec.data.chat_template)
-    max_length = spec.data.max_length
+    template = prepare_tokenizer(tokenizer, frames.format == "chat", data.chat_template)
+    max_length = data.max_length
     tokens = tokenize_split(
         frames,
         env,

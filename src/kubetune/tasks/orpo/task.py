@@ -38,7 +38,7 @@ from kubetune.tasks.common import (
     tokenize_split,
 )
 from kubetune.tasks.logprobs import target_logps
-from kubetune.tasks.orpo import ORPOSpec
+from kubetune.tasks.orpo import ORPOData, ORPOSpec
 from kubetune.tasks.pair_batches import PairBatch, PairCollate, encode_pairs
 from kubetune.tasks.pairs import load_pair_frames, with_answers
 
@@ -61,9 +61,10 @@ METRICS = (
 
 def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
     """The shared skeleton (``tasks.common``) around DPO's tokens: pairs dropped whose prompt leaves no answer token."""
+    data = spec.data_as(ORPOData)
     frames = load_on_node(load_pair_frames, spec, env)
-    template = prepare_tokenizer(tokenizer, frames.format == "chat", spec.data.chat_template)
-    max_length = spec.data.max_length
+    template = prepare_tokenizer(tokenizer, frames.format == "chat", data.chat_template)
+    max_length = data.max_length
     encode = functools.partial(encode_pairs, tokenizer=tokenizer, max_length=max_length)
     tokens = tokenize_split(frames, env, f"orpo:{max_length}:{tokenizer_fingerprint(tokenizer)}", encode)
     dropped = dict(frames.dropped)

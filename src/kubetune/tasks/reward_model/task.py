@@ -46,7 +46,7 @@ from kubetune.tasks.common import (
     without_dropout,
 )
 from kubetune.tasks.pairs import load_pair_frames
-from kubetune.tasks.reward_model import RewardSpec
+from kubetune.tasks.reward_model import RewardData, RewardSpec
 from kubetune.tasks.reward_models import INPUT, LABEL, Scorer, answer_ids, is_reward_model
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 METRICS = ("accuracy", "margin", "mean_reward")
 
 
-def load_frames(data, seed: int, s3: S3Settings = S3Settings()):
+def load_frames(data: RewardData, seed: int, s3: S3Settings = S3Settings()):
     """The pairs (``tasks.pairs``), each with its margin when data.margin_column is set."""
     return load_pair_frames(data, seed, s3, numbers={"margin": "margin_column"})
 
@@ -103,9 +103,10 @@ class Collate:
 
 def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
     """The shared skeleton (``tasks.common``) around the task's own parts: pairs over data.max_length dropped."""
+    data = spec.data_as(RewardData)
     frames = load_on_node(load_frames, spec, env)
-    template = prepare_tokenizer(tokenizer, frames.format == "chat", spec.data.chat_template)
-    max_length = spec.data.max_length
+    template = prepare_tokenizer(tokenizer, frames.format == "chat", data.chat_template)
+    max_length = data.max_length
     fingerprint = f"reward-model:{tokenizer_fingerprint(tokenizer)}"
     tokens = tokenize_split(frames, env, fingerprint, functools.partial(encode, tokenizer=tokenizer))
     dropped = dict(frames.dropped)
@@ -116,7 +117,7 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
         "data_format": frames.format,
         "chat_template": template,
         "center_rewards_coefficient": own.center_rewards_coefficient,
-        "margin_column": spec.data.margin_column,
+        "margin_column": data.margin_column,
     }
     if env.is_local_main:
         lengths = column(tokens.train, "length")
@@ -127,7 +128,7 @@ def prepare(spec: JobSpec, env: DistEnv, model_dir, tokenizer) -> Prepared:
             len(tokens.eval),
             frames.format,
             f", {template} chat template" if template else "",
-            f", margins from {spec.data.margin_column!r}" if spec.data.margin_column else "",
+            f", margins from {data.margin_column!r}" if data.margin_column else "",
             lengths.max(),
             lengths.mean(),
             tokens.cache,
