@@ -61,6 +61,7 @@ def tune(
     typer.echo(report.table(data))
     if data["best"]:
         best = data["best"]
+        assert job.tune is not None  # search.run refused a spec without one (search.require)
         typer.echo(
             f"best: trial {best['number']}, {job.tune.objective} {best['value']:.6g}; "
             f"`kubetune run {out / 'best.yaml'}` trains it again; report: {out / 'report.html'}"

@@ -263,6 +263,8 @@ def _layout(
         workers=_workers(cfg, data, device),
     )
     if streamed:  # a stream's epochs are as long as it turns out to be
+        # data.streaming needs training.max_steps (the spec's cross-checks, config.checks)
+        assert cfg.max_steps is not None
         layout.epoch_steps, layout.total_steps = stream_epochs(cfg.epochs, cfg.max_steps)
     elif token_budget:  # micro-batches by tokens: each epoch's order cuts into its own number of steps
         layout.epoch_steps, layout.total_steps = plan_epochs(

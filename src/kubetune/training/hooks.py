@@ -149,10 +149,12 @@ class Checkpointing(Hook):
 
     def on_step_end(self, run: Run) -> None:
         s, cfg = run.state, run.spec.training
+        minutes = cfg.checkpoint_minutes
         timed = (
-            bool(cfg.checkpoint_minutes)
+            minutes is not None
+            and bool(minutes)
             and run.env.is_main
-            and time.monotonic() - s.last_checkpoint_at >= 60 * cfg.checkpoint_minutes
+            and time.monotonic() - s.last_checkpoint_at >= 60 * minutes
         )
         stop, timed = distributed.any_rank(run.stop.is_set(), timed, device=run.device, group=run.control_group)
         if stop or timed or (cfg.checkpoint_every and s.global_step % cfg.checkpoint_every == 0):

@@ -6,11 +6,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from kubetune.config import JobSpec
+from kubetune.config.tune import TuneSpec
 from kubetune.errors import KubetuneError
 
 
-def require(spec: JobSpec) -> None:
-    """Raises KubetuneError when ``spec`` has no tune section."""
+def require(spec: JobSpec) -> TuneSpec:
+    """``spec``'s tune section.
+
+    Raises:
+        KubetuneError: ``spec`` has no tune section.
+    """
     if spec.tune is None:
         raise KubetuneError(
             "the spec has no tune section",
@@ -18,6 +23,7 @@ def require(spec: JobSpec) -> None:
             fix="add tune: {space: {training.learning_rate: {type: float, low: 1.0e-5, high: 1.0e-3, log: true}}, "
             "objective: eval_loss}",
         )
+    return spec.tune
 
 
 def local_output(spec: JobSpec) -> Path:
@@ -44,10 +50,10 @@ def run(spec: JobSpec) -> tuple[dict, Path]:
     """
     from kubetune.tune import devices, report, space, study
 
-    require(spec)
+    tune = require(spec)
     base = spec.model_dump(mode="json", exclude_unset=True)
     out = local_output(spec)
     gpus = devices.visible_gpus()
     space.check(spec, gpus)
     result = study.Search(base, spec, out, gpus).run()
-    return report.write(result, base, out, spec.tune.objective), out
+    return report.write(result, base, out, tune.objective), out

@@ -69,6 +69,7 @@ def check_search(spec: JobSpec) -> None:
     base = spec.model_dump(mode="json", exclude_unset=True)
     objectives = tasks.reported_metrics(spec.task)
     tune = spec.tune
+    assert tune is not None  # the callers check it first (kubetune.tune.require, render_tune)
     for path, param in tune.space.items():
         if path.split(".")[0] in ("tune", "output", "name"):
             raise KubetuneError(
@@ -94,7 +95,7 @@ def check_search(spec: JobSpec) -> None:
             field="tune.objective",
             fix="name one of those",
         )
-    if tune.early_stopping and not _evaluates_during_training(spec):
+    if tune.early_stopping and not _evaluates_during_training(spec, tune):
         raise KubetuneError(
             "tune.early_stopping stops trials from their evaluations during training, and this spec evaluates "
             "only at the end of each epoch",
@@ -118,6 +119,7 @@ def check_search(spec: JobSpec) -> None:
 
 def _check_machine(spec: JobSpec, gpus: list[str]) -> None:
     tune = spec.tune
+    assert tune is not None  # check_search refused a spec without one (its caller's check)
     if spec.distributed.nodes > 1:
         raise KubetuneError(
             "kubetune tune runs the trials on this machine, and the spec asks for several nodes",
@@ -139,13 +141,15 @@ def threads_per_trial(spec: JobSpec) -> int | None:
     trials do not each take every core (the spec's own ``distributed.threads_per_proc`` wins); None for one
     trial at a time. Set in the trial's spec: ``kubetune run`` sizes its workers' threads from it, not from
     OMP_NUM_THREADS (two trials of two threads each on 2 cores trained 18x slower, benchmarks/tune_study.py)."""
-    if spec.tune.parallel == 1 or spec.distributed.threads_per_proc:
+    tune = spec.tune
+    assert tune is not None  # a study's spec (kubetune.tune.require)
+    if tune.parallel == 1 or spec.distributed.threads_per_proc:
         return None
-    return max(1, (os.cpu_count() or 1) // (spec.tune.parallel * spec.distributed.procs_per_node))
+    return max(1, (os.cpu_count() or 1) // (tune.parallel * spec.distributed.procs_per_node))
 
 
-def _evaluates_during_training(spec: JobSpec) -> bool:
-    if "/" in spec.tune.objective:
+def _evaluates_during_training(spec: JobSpec, tune: TuneSpec) -> bool:
+    if "/" in tune.objective:
         return bool(spec.evaluation and spec.evaluation.every)
     return bool(spec.training.eval_every) or spec.training.epochs > 1
 

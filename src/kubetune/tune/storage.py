@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 from kubetune.config import JobSpec
+from kubetune.config.tune import TuneSpec
 from kubetune.errors import KubetuneError
 from kubetune.tune import space
 
@@ -101,9 +102,11 @@ def open_study(spec: JobSpec, out: Path, create: bool):
     import optuna
     import sqlalchemy.exc
 
+    tune = spec.tune
+    assert tune is not None  # a study's spec: its callers checked it has one (kubetune.tune.require)
     db = out / "study.db"
     _check_database(db)
-    direction: Literal["minimize", "maximize"] = "minimize" if spec.tune.minimize() else "maximize"
+    direction: Literal["minimize", "maximize"] = "minimize" if tune.minimize() else "maximize"
     try:
         storage = optuna.storages.RDBStorage(f"sqlite:///{db}", engine_kwargs={"connect_args": {"timeout": 60}})
         names = optuna.study.get_all_study_names(storage)
@@ -124,14 +127,14 @@ def open_study(spec: JobSpec, out: Path, create: bool):
             study = optuna.create_study(
                 storage=storage,
                 study_name=spec.name,
-                sampler=space.sampler(spec.tune),
-                pruner=space.pruner(spec.tune),
+                sampler=space.sampler(tune),
+                pruner=space.pruner(tune),
                 direction=direction,
             )
-            study.set_user_attr("objective", spec.tune.objective)
+            study.set_user_attr("objective", tune.objective)
             return study
         study = optuna.load_study(
-            study_name=spec.name, storage=storage, sampler=space.sampler(spec.tune), pruner=space.pruner(spec.tune)
+            study_name=spec.name, storage=storage, sampler=space.sampler(tune), pruner=space.pruner(tune)
         )
     except (sqlalchemy.exc.SQLAlchemyError, RuntimeError) as e:  # RuntimeError: a schema of another Optuna
         raise KubetuneError(
@@ -139,28 +142,28 @@ def open_study(spec: JobSpec, out: Path, create: bool):
             field="output.uri",
             fix="move study.db away (a new study starts), or pick a new output.uri",
         ) from None
-    _check_same_search(spec, study, out, direction)
+    _check_same_search(spec, tune, study, out, direction)
     if create and "objective" not in study.user_attrs:  # a study of an earlier version, which kept none
-        study.set_user_attr("objective", spec.tune.objective)
+        study.set_user_attr("objective", tune.objective)
     return study
 
 
-def _check_same_search(spec: JobSpec, study, out: Path, direction: str) -> None:
+def _check_same_search(spec: JobSpec, tune: TuneSpec, study, out: Path, direction: str) -> None:
     """The stored study optimizes the spec's objective in the spec's direction (a study of an earlier version kept
-    no objective: its direction is checked)."""
+    no objective: its direction is checked); ``tune`` is ``spec``'s tune section."""
     stored_direction = study.direction.name.lower()
     stored = study.user_attrs.get("objective")
-    if stored is not None and stored != spec.tune.objective:
+    if stored is not None and stored != tune.objective:
         raise KubetuneError(
             f"study {spec.name} in {out} optimizes {stored} ({stored_direction}), and tune.objective is "
-            f"{spec.tune.objective!r}: its trials' values are {stored}",
+            f"{tune.objective!r}: its trials' values are {stored}",
             field="tune.objective",
             fix=f"set tune.objective: {stored} to continue that study, or give output.uri a new directory",
         )
     if stored_direction != direction:
         raise KubetuneError(
             f"study {spec.name} in {out} is set to {stored_direction} {stored or 'its objective'}, and the spec says "
-            f"{direction} {spec.tune.objective}",
+            f"{direction} {tune.objective}",
             field="tune.direction",
             fix=f"set tune.direction: {stored_direction} to continue that study, or give output.uri a new directory",
         )

@@ -74,7 +74,9 @@ class Search:
 
     def __init__(self, base: dict, spec: JobSpec, out: Path, gpus: list[str] | None = None):
         self.base, self.spec, self.out = base, spec, out
-        self.tune: TuneSpec = spec.tune
+        tune = spec.tune
+        assert tune is not None  # kubetune.tune.run's require: a study's spec has one
+        self.tune: TuneSpec = tune
         self.parent: tuple[Any, str] | None = None  # the MLflow client and the study's run (tracking.mlflow)
         # on GPUs (``devices.visible_gpus``), each running trial's processes get devices of their own
         self.gpus = devices.GpuPool(gpus, spec.distributed.procs_per_node) if gpus else None

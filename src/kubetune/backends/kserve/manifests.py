@@ -118,6 +118,7 @@ def serving_problems(spec: JobSpec, runtime: KServeRuntime | None) -> list[str]:
         )
     if not _adapter(spec):
         return out
+    assert spec.lora is not None  # _adapter: the job has a lora section
     if runtime is not None and not runtime.adapters:
         out.append(
             f"serving.lora: adapter — the runtime serves no LoRA adapter of a {runtime.task} model (vLLM's LoRA is "
@@ -236,6 +237,7 @@ def runtime_args(spec: JobSpec, runtime: KServeRuntime) -> list[str]:
     if s.dtype is not None:
         args.append(f"--dtype={s.dtype}")
     if _adapter(spec):
+        assert spec.lora is not None  # _adapter: the job has a lora section
         rank = next(r for r in VLLM_LORA_RANKS if r >= spec.lora.r)
         args += [
             f"--model_dir={MODELS}/base",

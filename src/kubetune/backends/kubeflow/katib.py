@@ -135,6 +135,7 @@ def build_experiment(spec: JobSpec, job: dict, namespace: str, retain: bool = Fa
     from kubeflow_katib_api import models as kt
 
     tune = spec.tune
+    assert tune is not None  # render_tune refused a spec without one
     parameters = [_parameter(path, p) for path, p in tune.space.items()]
     trial_parameters = [
         kt.V1beta1TrialParameterSpec(name=param_name(path), reference=param_name(path), description=f"spec {path}")
@@ -143,7 +144,13 @@ def build_experiment(spec: JobSpec, job: dict, namespace: str, retain: bool = Fa
     stop = tune.early_stopping
     early = None
     if stop is not None:
-        every = spec.evaluation.every if "/" in tune.objective else spec.training.eval_every
+        if "/" in tune.objective:
+            # task/metric: an lm-eval objective, which space.check_search (run before this) found among the
+            # evaluation section's tasks (no registered task reports a metric with a '/')
+            assert spec.evaluation is not None
+            every = spec.evaluation.every
+        else:
+            every = spec.training.eval_every
         early = kt.V1beta1EarlyStoppingSpec(
             algorithm_name="medianstop",
             algorithm_settings=[
@@ -246,6 +253,7 @@ def trial_job(spec: JobSpec, job: dict) -> dict:
     trial["metadata"] = {k: v for k, v in trial["metadata"].items() if k in ("labels", "annotations")}
     stage = stage_dir(spec)
     own = f"{stage}/${{trialParameters.{TRIAL_NAME}}}"
+    assert spec.tune is not None  # build_experiment's spec (render_tune refused one without)
     sets = [f"{path}=${{trialParameters.{param_name(path)}}}" for path in spec.tune.space]
     sets.append(f"output.uri={Output.for_spec(spec).prefix}/trials/${{trialParameters.{TRIAL_NAME}}}")
     moved = {stage: own, f"{stage}/job.yaml": f"{own}/job.yaml"}

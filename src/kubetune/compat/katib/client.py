@@ -374,6 +374,9 @@ def _study_object(name: str, study: _Study) -> dict:
     from kubetune.backends.kubeflow.katib import parameters
 
     tune = study.spec.tune
+    # spec_from_tune writes one; only overrides that drop it (tune=null) leave none, a study tune.run refused
+    # (kubetune.tune.require) before any trial, which this cannot describe
+    assert tune is not None
     path = study.out / "tune.json"
     data = json.loads(path.read_text()) if path.is_file() else {}
     trials = data.get("trials") or []
