@@ -194,3 +194,18 @@ def test_a_spec_the_call_makes_that_is_invalid_names_every_problem_in_one_line(t
     line = str(e.value)
     assert "\n" not in line and line.startswith("tune(): "), line
     assert "training.epochs" in line and "training.batch_size" in line and "(got 0)" in line and "(got -1)" in line
+
+
+def test_overrides_that_drop_the_tune_section_are_refused_before_a_study_is_kept(tmp_path, monkeypatch):
+    """`overrides=["tune=null"]` leaves a spec without a search: refused in one line naming tune, and no study
+    is kept that get_experiment would then fail to describe (it raised an AttributeError before)."""
+    from kubetune.compat.katib import KatibClient
+
+    monkeypatch.chdir(tmp_path)
+    cl = KatibClient(backend="local")
+    with pytest.raises(RuntimeError) as e:
+        cl.tune(**_call(resources=_workers(1)["resources"]), overrides=["tune=null"])
+    line = str(e.value)
+    assert "\n" not in line and "tune" in line and "no tune section" in line, line
+    with pytest.raises(RuntimeError, match="llama"):
+        cl.get_experiment("llama")

@@ -80,10 +80,7 @@ def build_trainer(
     cfg = spec.training
     dtype = resolve_precision(cfg.precision, device)
     check_available(cfg, device)  # before the data and the model are set up
-    precision = cfg.precision if cfg.precision != "auto" else str(dtype).removeprefix("torch.")
-    log.info(
-        "job %s (%s): world size %d, device %s, precision %s", spec.name, spec.task, env.world_size, device, precision
-    )
+    _log_job(spec, env, device, dtype)
     # Found before the set-up: a checkpoint of another number of processes changes the layout.
     found, saved, grad_accum, group_unit = _start(dest, env, cfg)
     # data: read and split on every rank (cheap, deterministic); tokenize once per node
@@ -150,6 +147,14 @@ def build_trainer(
     )
     _log_plan(trainer)
     return trainer
+
+
+def _log_job(spec: JobSpec, env: DistEnv, device: torch.device, dtype: torch.dtype) -> None:
+    precision = spec.training.precision
+    precision = precision if precision != "auto" else str(dtype).removeprefix("torch.")
+    log.info(
+        "job %s (%s): world size %d, device %s, precision %s", spec.name, spec.task, env.world_size, device, precision
+    )
 
 
 def _start(

@@ -172,6 +172,7 @@ class KatibClient:
         from kubetune import tune
 
         with job_errors():
+            tune.require(spec)  # a spec whose overrides removed its tune section: refused before a study is kept
             study = _Study(tune.local_output(spec), spec)
         self._studies[name] = study  # the name tune() was given (overrides may rename the spec)
         try:
@@ -374,8 +375,7 @@ def _study_object(name: str, study: _Study) -> dict:
     from kubetune.backends.kubeflow.katib import parameters
 
     tune = study.spec.tune
-    # spec_from_tune writes one; only overrides that drop it (tune=null) leave none, a study tune.run refused
-    # (kubetune.tune.require) before any trial, which this cannot describe
+    # spec_from_tune writes one, and a spec whose overrides dropped it (tune=null) is refused before a study is kept
     assert tune is not None
     path = study.out / "tune.json"
     data = json.loads(path.read_text()) if path.is_file() else {}
