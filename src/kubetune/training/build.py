@@ -150,8 +150,8 @@ def build_trainer(
 
 
 def _log_job(spec: JobSpec, env: DistEnv, device: torch.device, dtype: torch.dtype) -> None:
-    precision = spec.training.precision
-    precision = precision if precision != "auto" else str(dtype).removeprefix("torch.")
+    chosen = spec.training.precision
+    precision = chosen if chosen != "auto" else str(dtype).removeprefix("torch.")
     log.info(
         "job %s (%s): world size %d, device %s, precision %s", spec.name, spec.task, env.world_size, device, precision
     )

@@ -84,7 +84,7 @@ def for_job(
     training state DDP would keep on every process (fp32 weights, gradients and two AdamW moments
     for what trains, the stored bytes of what is frozen) exceeds half of one device's memory (the
     GPU's, or on a CPU the host memory per process); otherwise ddp."""
-    kind = spec.distributed.strategy
+    kind: str = spec.distributed.strategy
     quantized = bool(spec.lora and spec.lora.quantization)
     if kind == "auto" and resumed:
         kind = resumed
