@@ -2,7 +2,9 @@
 built (full fine-tune, LoRA, or QLoRA: bitsandbytes 4-bit NF4 / 8-bit, GPU only, each rank loading its quantized
 copy on its own device), the preference tasks' model with every dropout off, the export (``adapter/`` and
 ``model/``: the adapter merged into the base reloaded in full precision), how the results of a task whose
-export is a causal LM read (``presentation``), and such a task's ``Task`` (``generation_task``)."""
+export is a causal LM read (``presentation``; the pieces the preference tasks share: ``pair_summary``,
+``reward_accuracy_headline``, ``REWARD_ACCURACY_PLOT``, ``REWARDS_PLOT``), and such a task's ``Task``
+(``generation_task``)."""
 
 from __future__ import annotations
 
@@ -197,6 +199,26 @@ def presentation(
         step_plots=step_plots,
         loss_label=loss_label,
         card_metrics=card_metrics,
+    )
+
+
+# The step plots several preference tasks share: the reward accuracy (DPO, ORPO) and the rewards with their
+# margin (DPO, KTO), each with its evaluations.
+REWARD_ACCURACY_PLOT = ("Reward accuracy", ("reward_accuracy", "eval_reward_accuracy"))
+REWARDS_PLOT = ("Rewards", ("reward_chosen", "reward_rejected", "reward_margin", "eval_reward_margin"))
+
+
+def reward_accuracy_headline(m: dict) -> str:
+    """The Hub commit's headline of a pairwise preference task (DPO, ORPO): the eval reward accuracy."""
+    return f"reward accuracy {m.get('eval_reward_accuracy', float('nan')):.4f}"
+
+
+def pair_summary(m: dict) -> str:
+    """The summary's first line of a pairwise preference task (DPO, ORPO): the eval reward accuracy and margin,
+    the eval loss and the held-out pairs."""
+    return (
+        f"reward accuracy {m['eval_reward_accuracy']:.4f}, margin {m['eval_reward_margin']:.4f}, "
+        f"eval loss {m['eval_loss']:.4f} on {m['eval_pairs']} held-out pairs"
     )
 
 

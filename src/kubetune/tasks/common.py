@@ -1,7 +1,9 @@
 """What the tasks share, plain functions: the attention kernel and loading a model or tokenizer, and
 the pieces several tasks use (one public module, so no task imports another's private names): the
 label mask, the replaceable output head, chat messages, the tokenizer's chat template and pad token,
-and the ``prepare`` skeleton (tables read on each node, tokenized and cached, made ``Prepared``)."""
+the state of a record normalizer (``RecordNormalizer``), the ``prepare`` skeleton (tables read on each node,
+tokenized and cached, made ``Prepared``), and the report and card lines on the data (``data_rows``,
+``data_card_line``)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from kubetune.data.columns import NonText, check_table
 from kubetune.data.rows import tokenized_rows
 from kubetune.data.tables import short
 from kubetune.distributed import DistEnv
@@ -384,3 +387,42 @@ def export_merged(spec, model, tokenizer, out: Path) -> None:
         tokenizer.save_pretrained(d)
 
     artifacts.replace_dir(save, out / "model")
+
+
+class RecordNormalizer:
+    """What the record normalizers (``data.rows.Normalizer``: causal LM, preference pairs, KTO, GRPO prompts)
+    share: the table read (``source``, the value of data.train or data.eval named by ``field_name``), its format
+    (data.train's, handed to data.eval as ``train_facts``; None: detected on the first chunk), the rows read and
+    the text columns' contents (``non_text``, by spec key), checked over the whole table by ``check_read``."""
+
+    schema = RECORD_SCHEMA
+
+    def __init__(self, spec, field_name: str, train_facts: dict | None):
+        self.spec, self.field_name = spec, field_name
+        self.source = getattr(spec, field_name.split(".")[1])
+        self.fmt: str | None = train_facts["format"] if train_facts else None
+        self.rows = 0
+        self.non_text: dict[str, NonText] = {}  # text column key -> what it holds when no chunk held text
+
+    def check_read(self, text_fix: str) -> None:
+        """``data.columns.check_table`` over what was read: some rows, text in each text column
+        (``text_fix``: the fix of one that held none, naming its key as ``{key}``)."""
+        check_table(
+            self.rows,
+            self.non_text,
+            self.spec,
+            self.source,
+            self.field_name,
+            rows_fix="point it at data with at least one row",
+            text_fix=text_fix,
+        )
+
+
+def data_rows(m: dict, no_template: str) -> list[tuple[str, object]]:
+    """The report's rows on the data: its format and its chat template (``no_template`` without one)."""
+    return [("data format", m.get("data_format")), ("chat template", m.get("chat_template") or no_template)]
+
+
+def data_card_line(m: dict) -> str:
+    """The model card's line on the data: its format and its chat template."""
+    return f"Data format: {m.get('data_format')}; chat template: {m.get('chat_template') or 'none'}."

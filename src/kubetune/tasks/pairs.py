@@ -15,12 +15,12 @@ import numpy as np
 import pandas as pd
 import pyarrow.compute as pc
 
-from kubetune.data.columns import NonText, check_table
+from kubetune.data.columns import NonText
 from kubetune.data.rows import RowSplit, read_split
 from kubetune.data.tables import short
 from kubetune.errors import KubetuneError
 from kubetune.providers import S3Settings
-from kubetune.tasks.common import RECORD_SCHEMA, as_messages, cell_messages
+from kubetune.tasks.common import RecordNormalizer, as_messages, cell_messages
 
 log = logging.getLogger(__name__)
 # The largest finite float32: a task's numbers (a reward model's margin) are float32 in its loss
@@ -67,20 +67,15 @@ def _detect_format(df: pd.DataFrame, spec) -> str:
     return "chat" if len(values) and as_messages(values.iloc[0]) is not None else "text"
 
 
-class _Normalizer:
+class _Normalizer(RecordNormalizer):
     """A preference table, chunk by chunk (``data.rows.Normalizer``): the format detected on data.train's
     first chunk, the columns checked on it, each row made a pair or dropped (and why counted)."""
 
-    schema = RECORD_SCHEMA
-
     def __init__(self, spec, field_name: str, train_facts: dict | None, numbers: dict[str, str]):
-        self.spec, self.field_name, self.numbers = spec, field_name, numbers
-        self.source = getattr(spec, field_name.split(".")[1])
-        self.fmt = train_facts["format"] if train_facts else None
+        super().__init__(spec, field_name, train_facts)
+        self.numbers = numbers
         self.columns: list | None = None  # the first chunk's: a later chunk of JSON lines may lack some
-        self.rows = 0
         self.reasons = {"missing": 0, "same": 0, "no number": 0}
-        self.non_text: dict[str, NonText] = {}
 
     def chunk(self, df: pd.DataFrame, start: int) -> dict[str, list]:
         spec = self.spec
@@ -157,15 +152,7 @@ class _Normalizer:
         return {**needed, **{f: getattr(spec, f) for f in self.numbers.values()}}
 
     def finish(self, kept: int) -> dict:
-        check_table(
-            self.rows,
-            self.non_text,
-            self.spec,
-            self.source,
-            self.field_name,
-            rows_fix="point it at data with at least one row",
-            text_fix="set data.{key} to a text column, or data.format: chat for message lists",
-        )
+        self.check_read("set data.{key} to a text column, or data.format: chat for message lists")
         n_drop = sum(self.reasons.values())
         if n_drop:
             log.warning(

@@ -18,13 +18,13 @@ import pandas as pd
 import torch
 
 from kubetune.data import Batch
-from kubetune.data.columns import NonText, check_table
+from kubetune.data.columns import NonText
 from kubetune.data.rows import RowSplit, read_split
 from kubetune.data.tables import short
 from kubetune.errors import KubetuneError
 from kubetune.providers import S3Settings
 from kubetune.tasks.causal_lm import CausalLMData
-from kubetune.tasks.common import IGNORE, RECORD_SCHEMA, ROLES
+from kubetune.tasks.common import IGNORE, ROLES, RecordNormalizer
 
 log = logging.getLogger(__name__)
 
@@ -74,18 +74,15 @@ def detect_format(df: pd.DataFrame, spec: CausalLMData) -> str:
     return "text"
 
 
-class _Normalizer:
+class _Normalizer(RecordNormalizer):
     """A causal-LM table, chunk by chunk (``data.rows.Normalizer``): the format detected on data.train's
     first chunk, the columns checked on every chunk's, each row made a record or dropped."""
 
-    schema = RECORD_SCHEMA
+    spec: CausalLMData
 
     def __init__(self, spec: CausalLMData, field_name: str, train_facts: dict | None):
-        self.spec, self.field_name = spec, field_name
-        self.source = getattr(spec, field_name.split(".")[1])
-        self.fmt: str | None = train_facts["format"] if train_facts else None
-        self.rows = self.dropped = 0
-        self.non_text: dict[str, NonText] = {}  # text column key -> what it holds when no chunk held text
+        super().__init__(spec, field_name, train_facts)
+        self.dropped = 0
 
     def _needed(self) -> dict[str, str]:
         spec = self.spec
@@ -122,15 +119,7 @@ class _Normalizer:
         return {"record": kept}
 
     def finish(self, kept: int) -> dict:
-        check_table(
-            self.rows,
-            self.non_text,
-            self.spec,
-            self.source,
-            self.field_name,
-            rows_fix="point it at data with at least one row",
-            text_fix="set data.{key} to the text column",
-        )
+        self.check_read("set data.{key} to the text column")
         if self.dropped:
             log.warning(
                 "%s: dropped %d of %d rows with a missing/empty text, instruction, output or assistant turn",

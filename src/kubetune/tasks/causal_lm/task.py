@@ -32,7 +32,7 @@ from kubetune.tasks.base import LossOutput, Prepared, Task
 from kubetune.tasks.causal import build_model, card_usage, export
 from kubetune.tasks.causal_lm import CausalLMData
 from kubetune.tasks.causal_lm.data import collate, load_lm_frames, shard_normalizer, tokenize_frame
-from kubetune.tasks.common import load_on_node, prepare_tokenizer, prepared, tokenize_split
+from kubetune.tasks.common import data_card_line, data_rows, load_on_node, prepare_tokenizer, prepared, tokenize_split
 from kubetune.tasks.logprobs import token_loss
 
 log = logging.getLogger(__name__)
@@ -191,8 +191,7 @@ def _report_rows(m: dict) -> list[tuple[str, object]]:
         ("eval perplexity", m.get("eval_perplexity")),
         ("eval next-token accuracy (target tokens)", m.get("eval_token_accuracy")),
         ("eval target tokens", m.get("eval_tokens")),
-        ("data format", m.get("data_format")),
-        ("chat template", m.get("chat_template") or "none (plain text)"),
+        *data_rows(m, "none (plain text)"),
         ("packing", m.get("packing")),
         (
             "training data tokens / with loss (one epoch)",
@@ -225,9 +224,7 @@ TASK = Task(
         eval_curves=("eval_perplexity",),
         eval_log_scale=True,
         card_usage=card_usage,
-        card_about=lambda m: [
-            f"Data format: {m.get('data_format')}; chat template: {m.get('chat_template') or 'none'}."
-        ],
+        card_about=lambda m: [data_card_line(m)],
         headline=lambda m: f"eval perplexity {m.get('eval_perplexity', float('nan')):.2f}",
         summary=_summary,
         card_metrics=("eval_perplexity", "eval_token_accuracy", "eval_loss", "train_loss"),

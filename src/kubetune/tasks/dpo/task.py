@@ -30,7 +30,7 @@ from kubetune.data.feed import Feed
 from kubetune.data.rows import column
 from kubetune.data.tokenize import tokenizer_fingerprint
 from kubetune.distributed import DistEnv
-from kubetune.tasks import causal
+from kubetune.tasks import causal, common
 from kubetune.tasks.base import Prepared
 from kubetune.tasks.common import IGNORE, load_on_node, pair_steps, prepare_tokenizer, prepared, tokenize_split
 from kubetune.tasks.dpo import DPOSpec, PreferenceData
@@ -239,8 +239,7 @@ def _report_rows(m: dict) -> list[tuple[str, object]]:
             f"{m.get('dpo_loss')}, {m.get('dpo_beta')}, {m.get('dpo_label_smoothing')}",
         ),
         ("reference model", m.get("dpo_reference")),
-        ("data format", m.get("data_format")),
-        ("chat template", m.get("chat_template") or "none (text pairs)"),
+        *common.data_rows(m, "none (text pairs)"),
     ]
 
 
@@ -250,15 +249,8 @@ def _card_about(m: dict) -> list[str]:
         f"{m.get('dpo_reference')}. On {m.get('eval_pairs')} held-out pairs the reward accuracy is "
         f"{m.get('eval_reward_accuracy', float('nan')):.4f} and the mean reward margin "
         f"{m.get('eval_reward_margin', float('nan')):.4f}.",
-        f"Data format: {m.get('data_format')}; chat template: {m.get('chat_template') or 'none'}.",
+        common.data_card_line(m),
     ]
-
-
-def _summary(m: dict) -> str:
-    return (
-        f"reward accuracy {m['eval_reward_accuracy']:.4f}, margin {m['eval_reward_margin']:.4f}, "
-        f"eval loss {m['eval_loss']:.4f} on {m['eval_pairs']} held-out pairs"
-    )
 
 
 TASK = causal.generation_task(
@@ -269,11 +261,11 @@ TASK = causal.generation_task(
     present=causal.presentation(
         report_rows=_report_rows,
         card_about=_card_about,
-        headline=lambda m: f"reward accuracy {m.get('eval_reward_accuracy', float('nan')):.4f}",
-        summary=_summary,
+        headline=causal.reward_accuracy_headline,
+        summary=causal.pair_summary,
         step_plots=(
-            ("Reward accuracy", ("reward_accuracy", "eval_reward_accuracy")),
-            ("Rewards", ("reward_chosen", "reward_rejected", "reward_margin", "eval_reward_margin")),
+            causal.REWARD_ACCURACY_PLOT,
+            causal.REWARDS_PLOT,
         ),
         loss_label="DPO loss",
     ),

@@ -15,12 +15,12 @@ import pandas as pd
 import torch
 
 from kubetune.data import Batch
-from kubetune.data.columns import NonText, check_table
+from kubetune.data.columns import NonText
 from kubetune.data.rows import RowSplit, read_split
 from kubetune.data.tables import short
 from kubetune.errors import KubetuneError
 from kubetune.providers import S3Settings
-from kubetune.tasks.common import RECORD_SCHEMA, as_messages, cell_messages
+from kubetune.tasks.common import RecordNormalizer, as_messages, cell_messages
 from kubetune.tasks.grpo import PromptData
 
 log = logging.getLogger(__name__)
@@ -56,18 +56,15 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-class _Normalizer:
+class _Normalizer(RecordNormalizer):
     """A prompt table, chunk by chunk (``data.rows.Normalizer``): the format detected on data.train's first
     chunk, the prompt column checked on it, each row made a record or dropped (an empty prompt)."""
 
-    schema = RECORD_SCHEMA
+    spec: PromptData
 
     def __init__(self, spec: PromptData, field_name: str, train_facts: dict | None):
-        self.spec, self.field_name = spec, field_name
-        self.source = getattr(spec, field_name.split(".")[1])
-        self.fmt = train_facts["format"] if train_facts else None
-        self.rows, self.missing = 0, 0
-        self.non_text: dict[str, NonText] = {}
+        super().__init__(spec, field_name, train_facts)
+        self.missing = 0
 
     def chunk(self, df: pd.DataFrame, start: int) -> dict[str, list]:
         spec, col = self.spec, self.spec.prompt_column
@@ -107,15 +104,7 @@ class _Normalizer:
         return messages
 
     def finish(self, kept: int) -> dict:
-        check_table(
-            self.rows,
-            self.non_text,
-            self.spec,
-            self.source,
-            self.field_name,
-            rows_fix="point it at data with at least one row",
-            text_fix="set data.{key} to a text column, or data.format: chat for message lists",
-        )
+        self.check_read("set data.{key} to a text column, or data.format: chat for message lists")
         if self.missing:
             log.warning(
                 "%s: dropped %d of %d rows with a missing or empty prompt", self.field_name, self.missing, self.rows

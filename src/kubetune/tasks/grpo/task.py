@@ -30,7 +30,15 @@ from kubetune.errors import AgreedError, KubetuneError
 from kubetune.providers import S3Settings
 from kubetune.tasks import causal
 from kubetune.tasks.base import LossOutput, Prepared, Steps
-from kubetune.tasks.common import load_on_node, prepare_tokenizer, prepared, target_mask, tokenize_split
+from kubetune.tasks.common import (
+    data_card_line,
+    data_rows,
+    load_on_node,
+    prepare_tokenizer,
+    prepared,
+    target_mask,
+    tokenize_split,
+)
 from kubetune.tasks.grpo import GRPOSpec, PromptData
 from kubetune.tasks.grpo import loss as grpo_loss
 from kubetune.tasks.grpo import rewards as reward_fns
@@ -266,8 +274,7 @@ def _report_rows(m: dict) -> list[tuple[str, object]]:
             f"{m.get('grpo_loss')}, {m.get('grpo_num_generations')}, {m.get('grpo_beta')}",
         ),
         ("reference model", m.get("grpo_reference") or "none (beta 0)"),
-        ("data format", m.get("data_format")),
-        ("chat template", m.get("chat_template") or "none (text prompts)"),
+        *data_rows(m, "none (text prompts)"),
     ]
 
 
@@ -276,7 +283,7 @@ def _card_about(m: dict) -> list[str]:
         f"Trained with GRPO (online RL; {m.get('grpo_loss')} loss, {m.get('grpo_num_generations')} completions per "
         f"prompt, rewards: {', '.join(m.get('grpo_rewards') or [])}). On {m.get('eval_prompts')} held-out prompts "
         f"the mean reward of a greedy completion is {m.get('eval_reward', float('nan')):.4f}.",
-        f"Data format: {m.get('data_format')}; chat template: {m.get('chat_template') or 'none'}.",
+        data_card_line(m),
     ]
 
 

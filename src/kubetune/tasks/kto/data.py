@@ -12,12 +12,12 @@ import logging
 
 import pandas as pd
 
-from kubetune.data.columns import NonText, check_table
+from kubetune.data.columns import NonText
 from kubetune.data.rows import RowSplit, read_split
 from kubetune.data.tables import short
 from kubetune.errors import KubetuneError
 from kubetune.providers import S3Settings
-from kubetune.tasks.common import RECORD_SCHEMA, as_messages, cell_messages
+from kubetune.tasks.common import RecordNormalizer, as_messages, cell_messages
 from kubetune.tasks.pairs import pair_record, shared_prefix
 
 log = logging.getLogger(__name__)
@@ -63,22 +63,16 @@ def label(value, i: int, source: str, spec) -> bool | None:
     )
 
 
-class _Normalizer:
+class _Normalizer(RecordNormalizer):
     """A KTO table, chunk by chunk (``data.rows.Normalizer``): unpaired (prompt, completion, label) or paired
     (prompt, chosen, rejected: two examples each), its format detected on data.train's first chunk."""
 
-    schema = RECORD_SCHEMA
-
     def __init__(self, spec, field_name: str, train_facts: dict | None):
-        self.spec, self.field_name = spec, field_name
-        self.source = getattr(spec, field_name.split(".")[1])
-        self.fmt = train_facts["format"] if train_facts else None
+        super().__init__(spec, field_name, train_facts)
         self.paired: bool | None = None
         self.columns: list | None = None
-        self.rows = 0
         self.dropped = 0
         self.labels = {True: 0, False: 0}
-        self.non_text: dict[str, NonText] = {}
 
     def chunk(self, df: pd.DataFrame, start: int) -> dict[str, list]:
         spec = self.spec
@@ -160,15 +154,7 @@ class _Normalizer:
         return [{"prompt": prompt, "completion": completion, "label": flag}]
 
     def finish(self, kept: int) -> dict:
-        check_table(
-            self.rows,
-            self.non_text,
-            self.spec,
-            self.source,
-            self.field_name,
-            rows_fix="point it at data with at least one row",
-            text_fix="set data.{key} to a text column, or data.format: chat for message lists",
-        )
+        self.check_read("set data.{key} to a text column, or data.format: chat for message lists")
         if self.dropped:
             log.warning(
                 "%s: dropped %d examples with a missing or empty prompt, answer or label", self.field_name, self.dropped

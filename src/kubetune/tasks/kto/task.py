@@ -31,7 +31,7 @@ from kubetune.data.rows import column
 from kubetune.data.tokenize import tokenizer_fingerprint
 from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
-from kubetune.tasks import causal
+from kubetune.tasks import causal, common
 from kubetune.tasks.base import LossOutput, Prepared, Steps
 from kubetune.tasks.common import IGNORE, load_on_node, prepare_tokenizer, prepared, right_pad, tokenize_split
 from kubetune.tasks.kto import KTOData, KTOSpec
@@ -288,8 +288,7 @@ def _report_rows(m: dict) -> list[tuple[str, object]]:
          f"{m.get('kto_beta')}, {m.get('kto_desirable_weight')} / {m.get('kto_undesirable_weight')}"),
         ("train examples desirable / undesirable", counts),
         ("reference model", m.get("kto_reference")),
-        ("data format", m.get("data_format")),
-        ("chat template", m.get("chat_template") or "none (text)"),
+        *common.data_rows(m, "none (text)"),
     ]  # fmt: skip
 
 
@@ -298,7 +297,7 @@ def _card_about(m: dict) -> list[str]:
         f"Preference-tuned with KTO (beta {m.get('kto_beta')}) on unpaired answers flagged desirable or not; the "
         f"reference model is {m.get('kto_reference')}. On {m.get('eval_examples')} held-out examples the reward "
         f"margin (desirable − undesirable) is {m.get('eval_reward_margin', float('nan')):.4f}.",
-        f"Data format: {m.get('data_format')}; chat template: {m.get('chat_template') or 'none'}.",
+        common.data_card_line(m),
     ]
 
 
@@ -320,7 +319,7 @@ TASK = causal.generation_task(
         headline=lambda m: f"reward margin {m.get('eval_reward_margin', float('nan')):.4f}",
         summary=_summary,
         step_plots=(
-            ("Rewards", ("reward_chosen", "reward_rejected", "reward_margin", "eval_reward_margin")),
+            causal.REWARDS_PLOT,
             ("KL estimate", ("kl", "eval_kl")),
         ),
         loss_label="KTO loss",

@@ -30,6 +30,8 @@ from kubetune.tasks import causal
 from kubetune.tasks.base import Prepared
 from kubetune.tasks.common import (
     IGNORE,
+    data_card_line,
+    data_rows,
     load_on_node,
     pair_steps,
     prepare_tokenizer,
@@ -156,8 +158,7 @@ def _report_rows(m: dict) -> list[tuple[str, object]]:
         ("eval NLL of the chosen sequences", m.get("eval_nll_loss")),
         ("eval pairs", m.get("eval_pairs")),
         ("orpo λ (beta)", m.get("orpo_beta")),
-        ("data format", m.get("data_format")),
-        ("chat template", m.get("chat_template") or "none (text pairs)"),
+        *data_rows(m, "none (text pairs)"),
     ]
 
 
@@ -165,15 +166,8 @@ def _card_about(m: dict) -> list[str]:
     return [
         f"Preference-tuned with ORPO (λ {m.get('orpo_beta')}; no reference model). On {m.get('eval_pairs')} held-out "
         f"pairs the chosen answer is the likelier one {m.get('eval_reward_accuracy', float('nan')):.2%} of the time.",
-        f"Data format: {m.get('data_format')}; chat template: {m.get('chat_template') or 'none'}.",
+        data_card_line(m),
     ]
-
-
-def _summary(m: dict) -> str:
-    return (
-        f"reward accuracy {m['eval_reward_accuracy']:.4f}, margin {m['eval_reward_margin']:.4f}, eval loss "
-        f"{m['eval_loss']:.4f} on {m['eval_pairs']} held-out pairs"
-    )
 
 
 TASK = causal.generation_task(
@@ -184,10 +178,10 @@ TASK = causal.generation_task(
     present=causal.presentation(
         report_rows=_report_rows,
         card_about=_card_about,
-        headline=lambda m: f"reward accuracy {m.get('eval_reward_accuracy', float('nan')):.4f}",
-        summary=_summary,
+        headline=causal.reward_accuracy_headline,
+        summary=causal.pair_summary,
         step_plots=(
-            ("Reward accuracy", ("reward_accuracy", "eval_reward_accuracy")),
+            causal.REWARD_ACCURACY_PLOT,
             ("Reward margin and log odds", ("reward_margin", "eval_reward_margin", "log_odds_chosen")),
         ),
         loss_label="ORPO loss (NLL − λ log σ(log odds))",

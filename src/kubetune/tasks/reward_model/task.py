@@ -35,6 +35,8 @@ from kubetune.inference.seam import KSERVE, Inference
 from kubetune.providers import S3Settings
 from kubetune.tasks.base import Prepared, Task
 from kubetune.tasks.common import (
+    data_card_line,
+    data_rows,
     export_merged,
     load_on_node,
     pair_steps,
@@ -249,8 +251,7 @@ def _report_rows(m: dict) -> list[tuple[str, object]]:
         ("eval pairs", m.get("eval_pairs")),
         ("center_rewards_coefficient", m.get("center_rewards_coefficient")),
         ("margin column", m.get("margin_column") or "none"),
-        ("data format", m.get("data_format")),
-        ("chat template", m.get("chat_template") or "none (text pairs)"),
+        *data_rows(m, "none (text pairs)"),
     ]
 
 
@@ -260,7 +261,7 @@ def _card_about(m: dict) -> list[str]:
         f"{m.get('eval_pairs')} held-out pairs it scores the chosen answer above the rejected one "
         f"{m.get('eval_accuracy', float('nan')):.2%} of the time, by {m.get('eval_margin', float('nan')):.4f} on "
         "average.",
-        f"Data format: {m.get('data_format')}; chat template: {m.get('chat_template') or 'none'}.",
+        data_card_line(m),
     ]
 
 
