@@ -8,7 +8,8 @@ import ast
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "kubetune"
-OWNERS = {SRC / "artifacts" / "output.py", SRC / "config" / "schema.py"}
+# config: the field's own check (sections.py) and the checks across sections (checks.py)
+OWNERS = {SRC / "artifacts" / "output.py", SRC / "config" / "sections.py", SRC / "config" / "checks.py"}
 # What taking the URI apart looks like: a method of the string, an index, a comparison, or a
 # parser it is handed to.
 PARSERS = {"parse_uri", "resolve", "parse", "Path", "urlparse", "urlsplit", "repo_id", "Location", "Output"}

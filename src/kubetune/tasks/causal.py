@@ -78,8 +78,7 @@ def build_model(spec: JobSpec, model_dir, data: Prepared, device: torch.device, 
             LoraConfig(
                 task_type=TaskType.CAUSAL_LM,
                 r=lora.r,
-                # peft annotates lora_alpha as int, yet takes a float (its scale is lora_alpha / r): lora.alpha is one
-                lora_alpha=lora.alpha,  # type: ignore[arg-type]
+                lora_alpha=lora.alpha,  # a float: peft's scale is lora_alpha / r
                 lora_dropout=lora.dropout,
                 target_modules=lora.target_modules,
             ),
