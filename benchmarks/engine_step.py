@@ -10,8 +10,8 @@ MODEL is a causal LM directory (benchmarks/README.md, "Serving": the 28M Llama o
   ``F.linear`` and with the swapped GEMM (``inference.kernels.swapped_gemm``): median of ``--rounds`` timings of
   ``--repeats`` forwards each, the two taking turns;
 - the engine alone: 16 requests of 100 greedy tokens (prompts of 6 to 9 tokens), ms per step, median of
-  ``--rounds`` runs after one warm-up run each, with the greedy head (``inference.families.greedy.GreedyHead``) on and off,
-  taking turns (on a CPU without bf16 matrix hardware the engine leaves it off; here it is forced on), and
+  ``--rounds`` runs after one warm-up run each, with the greedy head (``inference.families.greedy.GreedyHead``)
+  on and off, taking turns (on a CPU without bf16 matrix hardware the engine leaves it off; here it is forced on), and
   whether the two made the same tokens.
 """
 
@@ -38,8 +38,8 @@ def forward_ms(model, rows: int, swapped: bool, repeats: int) -> float:
 
 
 def engine_ms(model, rounds: int) -> tuple[dict[bool, list[float]], bool]:
-    from kubetune.inference.generation import Engine, Generation
     from kubetune.inference.families.greedy import GreedyHead
+    from kubetune.inference.generation import Engine, Generation
 
     out, made = {True: [], False: []}, {}
     for r in range(rounds + 1):

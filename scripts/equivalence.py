@@ -1,6 +1,7 @@
 """Bit-identical check for refactors: run the examples (the demo cut to 30 steps, the tiny causal chat
-example, the DPO example on its model and KTO on the same pairs and model, GRPO cut to 8 steps), a demo run stopped by SIGTERM after a checkpoint (kept, to
-resume later), `kubetune predict` and `kubetune serve` on each export; then compare two such captures.
+example, the DPO example on its model and KTO on the same pairs and model, GRPO cut to 8 steps), a demo
+run stopped by SIGTERM after a checkpoint (kept, to resume later), `kubetune predict` and `kubetune serve` on
+each export; then compare two such captures.
 
     python scripts/equivalence.py capture DIR            # on the code before the change (e.g. a worktree's src
                                                           # on PYTHONPATH), then on the code after it

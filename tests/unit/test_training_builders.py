@@ -16,8 +16,8 @@ from kubetune.config.load import field_reference
 from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError, SpecError
 from kubetune.training import recipe
-from kubetune.training.state import TrainState, contents
 from kubetune.training.guard import FiniteGuard
+from kubetune.training.state import TrainState, contents
 
 CPU = torch.device("cpu")
 BASE = {"name": "r", "model": {"uri": "m"}, "data": {"train": "t.csv"}, "output": {"uri": "runs/r"}}
