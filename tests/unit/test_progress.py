@@ -11,7 +11,7 @@ from kubetune.training.loggers import ProgressLogger, format_line, progress_from
 
 
 def test_the_progress_line_reads_back_what_it_says(tmp_path, caplog):
-    logger = ProgressLogger(tmp_path, total_steps=200, epochs=3, start_step=0)
+    logger = ProgressLogger(tmp_path, total_steps=200, epochs=3, start_step=0, log_events=True)  # a cluster pod's
     with caplog.at_level(logging.INFO, logger="kubetune.progress"):
         logger.on_event(Event("train", 10, {"loss": 0.69314, "lr": 2e-5}, {"epoch": 1, "samples": 320, "tokens": 9000}))
         logger.on_event(Event("train", 20, {"loss": 0.61, "lr": 1.9e-5}, {"epoch": 1, "samples": 640, "tokens": 18000}))
@@ -33,6 +33,19 @@ def test_the_progress_line_reads_back_what_it_says(tmp_path, caplog):
     assert read_progress(tmp_path)["phase"] == "succeeded"
     assert back["last_eval"] == saved["last_eval"]
     assert progress_from_events(["INFO loading the model", "progress: step=10/20", "kubetune-event {nope"]) is None
+
+
+def test_a_local_run_logs_the_human_lines_alone(tmp_path, caplog):
+    """Outside a cluster pod (no KUBETUNE_LOG_EVENTS from `kubetune launch`) the terminal gets no event lines:
+    a local run's status reads progress.json."""
+    logger = ProgressLogger(tmp_path, total_steps=20, epochs=1, start_step=0)
+    with caplog.at_level(logging.INFO, logger="kubetune.progress"):
+        logger.on_event(Event("train", 10, {"loss": 0.69, "lr": 2e-5}, {"epoch": 1, "samples": 320, "tokens": 9000}))
+        logger.on_event(Event("eval", 10, {"eval_loss": 0.58}, {}))
+    logged = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("progress: step=10/20") for line in logged)
+    assert not any("kubetune-event" in line for line in logged), logged
+    assert read_progress(tmp_path)["last_eval"] == {"step": 10, "eval_loss": 0.58}
 
 
 def test_a_resumed_run_keeps_the_last_evaluation_and_measures_its_eta_from_its_own_steps(tmp_path, monkeypatch):
