@@ -455,3 +455,35 @@ def test_serve_adapter_of_an_export_its_task_serves_merged_only_is_one_line(clas
     # the classifier's inference (kinds.TEXT_CLASSIFIER) serves no LoRA adapter: refused before anything loads
     result = CliRunner().invoke(app, ["serve", str(classifier), "--adapter"])
     assert_one_line(result, "--adapter: kubetune serve serves a text classifier export merged (its model/)")
+
+
+@pytest.mark.parametrize("kind", ["classifier", "causal"])
+def test_predict_checks_its_model_once(kind, classifier, monkeypatch):
+    """One model check per command (issue 64): `kubetune predict` finds the task (tasks.for_model, which checks the
+    model) and the task's predict takes the directory as checked; it checked three or four times before."""
+    from kubetune.inference import model as M
+
+    calls = []
+    real = M.check_model
+    monkeypatch.setattr(M, "check_model", lambda path: calls.append(path) or real(path))
+    model, extra = (classifier, []) if kind == "classifier" else (LLAMA, ["--max-new-tokens", "2"])
+    result = run_predict(str(model), "a fine car", *extra, "--json")
+    assert result.exit_code == 0, result.output
+    assert len(json.loads(result.stdout)) == 1
+    assert len(calls) == 1, calls
+
+
+@pytest.mark.parametrize("kind", ["classifier", "causal"])
+def test_serve_checks_its_model_once(kind, classifier, monkeypatch):
+    """`kubetune serve` finds the task (its one check) and builds the engine on what was checked (three checks
+    before issue 64)."""
+    from kubetune.cli.serve import _load
+    from kubetune.inference import model as M
+    from kubetune.providers import S3Settings
+
+    calls = []
+    real = M.check_model
+    monkeypatch.setattr(M, "check_model", lambda path: calls.append(path) or real(path))
+    path, engine, routes = _load(str(classifier if kind == "classifier" else LLAMA), False, S3Settings())
+    assert engine is not None and routes is not None
+    assert len(calls) == 1, calls

@@ -35,6 +35,7 @@ def generate(
     chat: bool | None = None,
     seed: int = 0,
     warn: Callable[[str], None] | None = None,
+    checked: bool = False,
 ) -> list[dict]:
     """Continue each prompt with a causal LM; returns ``[{prompt, completion}]`` in input order.
 
@@ -46,6 +47,8 @@ def generate(
             model was trained with, saved beside it); default: when the tokenizer has one.
         temperature: 0 = greedy decoding; above 0 samples (seeded by ``seed``).
         warn: called with one line when prompts were cut; default: the ``kubetune.inference.causal`` logger.
+        checked: ``uri`` is a local model directory its caller checked and found a causal LM (`kubetune predict`,
+            through ``tasks.for_model``): not checked again, a command checks its model once.
 
     Raises:
         KubetuneError: the model is not a causal LM or cannot be loaded, ``--chat`` without a chat
@@ -58,8 +61,9 @@ def generate(
         raise KubetuneError(
             f"{temperature} is not a finite number >= 0", field="--temperature", fix="pass e.g. 0 (greedy) or 0.7"
         )
-    path = M.locate(uri)
-    M.expect(path, is_causal_lm, "causal LM")  # the check (``model_path``'s), once
+    path = Path(uri) if checked else M.locate(uri)
+    if not checked:
+        M.expect(path, is_causal_lm, "causal LM")  # the check (``model_path``'s), once
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = load_tokenizer(path)
     model = load_model(AutoModelForCausalLM, path)

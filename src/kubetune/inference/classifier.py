@@ -27,9 +27,10 @@ def is_sequence_classifier(config: dict) -> bool:
     )
 
 
-def classify(uri: str, texts: list[str], batch_size: int = 32) -> list[dict]:
+def classify(uri: str, texts: list[str], batch_size: int = 32, checked: bool = False) -> list[dict]:
     """Classify ``texts``; returns ``[{text, label, score}]`` in input order. Each text is cut to
-    the model's context (its first tokens are kept).
+    the model's context (its first tokens are kept). ``checked``: ``uri`` is a local model directory its caller
+    checked and found a sequence classifier (`kubetune predict`, through ``tasks.for_model``): not checked again.
 
     Raises:
         KubetuneError: the model is not a sequence classifier or cannot be loaded.
@@ -37,8 +38,9 @@ def classify(uri: str, texts: list[str], batch_size: int = 32) -> list[dict]:
     import torch
     from transformers import AutoModelForSequenceClassification, pipeline
 
-    path = M.locate(uri)
-    M.expect(path, is_sequence_classifier, "text classifier")  # the check (``model_path``'s), once
+    path = Path(uri) if checked else M.locate(uri)
+    if not checked:
+        M.expect(path, is_sequence_classifier, "text classifier")  # the check (``model_path``'s), once
     tokenizer = load_tokenizer(path)
     model = load_model(AutoModelForSequenceClassification, path)
     check_vocab(model, tokenizer, path)

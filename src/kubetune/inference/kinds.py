@@ -20,6 +20,7 @@ def _generate(path: str, prompts: list[str], options: dict, warn) -> list[dict]:
         chat=options.get("chat"),
         seed=options.get("seed") or 0,
         warn=warn,
+        checked=True,  # the predict seam gets the directory `kubetune predict` checked (tasks.for_model)
     )
 
 
@@ -51,7 +52,7 @@ def _is_label_classifier(config: dict) -> bool:
 TEXT_CLASSIFIER = Inference(
     noun="text classifier",
     claims=_is_label_classifier,
-    predict=lambda path, texts, options, warn: classifier.classify(path, texts),
+    predict=lambda path, texts, options, warn: classifier.classify(path, texts, checked=True),
     show=lambda r: f"{r['label']}\t{r['score']:.4f}\t{r['text']}",
     serve=lambda path, adapter: classifier.Classifier(path),
     routes=KSERVE,

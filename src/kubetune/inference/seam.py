@@ -65,7 +65,8 @@ class Inference:
     noun: str  # what its exports are, in messages ("causal LM", "text classifier")
     # (a checked config.json) -> is a model that no run names the task of this task's kind
     claims: Callable[[dict], bool]
-    # `kubetune predict`: (model directory, texts, the options given by name, warn) -> JSON-able results;
+    # `kubetune predict`: (model directory, checked by `tasks.for_model`: not checked again; texts, the options given
+    # by name, warn) -> JSON-able results;
     # the option names it takes (the CLI's, without -- and with _); one result as text.
     predict: Callable[[str, list[str], dict[str, Any], Callable[[str], None]], list[dict]]
     predict_options: tuple[str, ...] = ()
