@@ -34,7 +34,7 @@ def _train(spec, stop_at_once: bool = False) -> None:
         trainer.train()
     finally:
         trainer.bar.close()
-        trainer.loggers.close()
+        trainer.events.close()
 
 
 # make test: test_records_written_after_the_checkpoint_are_left_out below (History itself); this one runs the
