@@ -62,7 +62,9 @@ class Recorder(Hook):
         self.seen.append(("artifacts", run.state.global_step))
 
 
-@pytest.fixture(scope="module")
+# session-scoped: the parallel runner may run other modules between this module's tests, which tears a module
+# fixture down and makes it again (25 s each time on 2 cores)
+@pytest.fixture(scope="session")
 def finished(small_csv, tmp_path_factory):
     out = tmp_path_factory.mktemp("arch64") / "out"
     spec = parse_spec(
