@@ -27,6 +27,7 @@ from kubetune.config.cluster import KubernetesSpec, ResourcesSpec
 from kubetune.config.sections import (
     DistributedSpec,
     EvaluationSpec,
+    FastPathSpec,
     FSDPSpec,
     LoraSpec,
     MLflowSpec,
@@ -51,6 +52,7 @@ __all__ = [
     "DataSpec",
     "DistributedSpec",
     "EvaluationSpec",
+    "FastPathSpec",
     "FSDPSpec",
     "JobSpec",
     "KubernetesSpec",

@@ -44,6 +44,30 @@ class LoraSpec(Section):
     )
 
 
+class FastPathSpec(Section):
+    """The GPU's fast path, each piece on by default where it applies (the trainer picks it; the spec stays the
+    same on a CPU, which always runs the plain PyTorch path). Set a piece to false to turn it off."""
+
+    flash_attention: bool = Field(
+        default=True,
+        description="Packed rows on a CUDA GPU run torch's flash variable-length attention "
+        "(torch.nn.attention.varlen) over the documents' boundaries built on the host; false: the "
+        "gather-and-SDPA path the CPU runs.",
+    )
+    liger: bool = Field(
+        default=True,
+        description="On a CUDA GPU with liger-kernel installed: its fused RMSNorm, SwiGLU and RoPE in "
+        "Llama-class models and its fused linear cross-entropy for the loss (the vocabulary's logits never "
+        "exist); false: the plain modules and the chunked loss.",
+    )
+    bf16_weights: bool = Field(
+        default=True,
+        description="With bf16 precision on one CUDA GPU: the model computes with bf16 weights while the "
+        "optimizer keeps fp32 master weights (FSDP2's mixed precision on one device, as under "
+        "distributed.strategy fsdp); false: fp32 weights under bf16 autocast.",
+    )
+
+
 class TrainSpec(Section):
     epochs: int = Field(default=1, ge=1, description="Passes over the training data.")
     max_steps: int | None = Field(
@@ -148,6 +172,11 @@ class TrainSpec(Section):
         default=False,
         description="torch.compile each transformer block (dynamic shapes). Pays a compile time up front "
         "(about 40 s on a CPU) for faster steps after it; see benchmarks/README.md for when it pays back.",
+    )
+    fast_path: FastPathSpec = Field(
+        default_factory=FastPathSpec,
+        description="The GPU's fast path (flash attention for packed rows, Liger-Kernel's fused ops, bf16 "
+        "compute weights): each piece on where it applies, each can be turned off.",
     )
 
 
