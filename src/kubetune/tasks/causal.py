@@ -20,7 +20,7 @@ from kubetune.artifacts.presentation import Presentation
 from kubetune.config import JobSpec
 from kubetune.errors import KubetuneError
 from kubetune.inference import kinds
-from kubetune.tasks import attention
+from kubetune.tasks import attention, fused
 from kubetune.tasks.base import Export, LoadFrames, Prepare, Prepared, Setup, Steps, Task
 from kubetune.tasks.common import attention_kwargs, load_pretrained, without_dropout
 
@@ -50,6 +50,8 @@ def build_model(spec: JobSpec, model_dir, data: Prepared, device: torch.device, 
         attn = {"attn_implementation": attention.register(fallback=attn.get("attn_implementation", "sdpa"))}
     model = load_pretrained(AutoModelForCausalLM, model_dir, where, **kwargs, **attn)
     model.config.use_cache = False  # no KV cache while training
+    # On the meta device too: FSDP builds every rank's modules there and fills the weights in later.
+    fused.patch(model, device, spec.training.fast_path.liger, quiet=where.type == "meta")
     # Non-reentrant checkpointing works under DDP and with frozen inputs (LoRA).
     ckpt_kwargs = {"use_reentrant": False}
     if quant and dtype == torch.float16:
