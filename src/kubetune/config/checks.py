@@ -72,11 +72,6 @@ def cross_problems(
         )
     if distributed is not None and distributed.strategy == "fsdp":
         # refused here rather than by every worker after start-up (strategy.for_job says the same)
-        if training is not None and training.compile:
-            out.append(
-                "training.compile under distributed.strategy fsdp is not supported yet — set training.compile: false, "
-                "or distributed.strategy: ddp"
-            )
         if lora is not None and lora.quantization:
             out.append(
                 "lora.quantization (QLoRA) under distributed.strategy fsdp is not supported yet — use "

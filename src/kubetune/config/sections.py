@@ -62,9 +62,11 @@ class FastPathSpec(Section):
     )
     bf16_weights: bool = Field(
         default=True,
-        description="With bf16 precision on one CUDA GPU: the model computes with bf16 weights while the "
-        "optimizer keeps fp32 master weights (FSDP2's mixed precision on one device, as under "
-        "distributed.strategy fsdp); false: fp32 weights under bf16 autocast.",
+        description="With bf16 precision on one CUDA GPU and distributed.strategy auto: the model computes with bf16 "
+        "weights while the optimizer keeps fp32 master weights (the fsdp strategy on a world of one: FSDP2's mixed "
+        "precision, as under fsdp on several GPUs; its checkpoints are fsdp's). Not for QLoRA, evaluation.every or "
+        "a full fine-tune that keeps a frozen copy of the model as its reference; false: fp32 weights under bf16 "
+        "autocast (ddp).",
     )
 
 
@@ -170,7 +172,8 @@ class TrainSpec(Section):
     )
     compile: bool = Field(
         default=False,
-        description="torch.compile each transformer block (dynamic shapes). Pays a compile time up front "
+        description="torch.compile each transformer block (dynamic shapes; under fsdp too, each sharded block). "
+        "Pays a compile time up front "
         "(about 40 s on a CPU) for faster steps after it; see benchmarks/README.md for when it pays back.",
     )
     fast_path: FastPathSpec = Field(
@@ -199,7 +202,9 @@ class DistributedSpec(Section):
         description="ddp: every process holds the whole model; fsdp: weights, gradients and optimizer state are "
         "sharded over the processes (FSDP2, one unit per transformer block). auto: fsdp when the job has more than "
         "one process and its full-precision training state (weights, gradients, AdamW moments) would take more "
-        "than half of one device's memory (a GPU's, or on CPU the host memory per process), else ddp.",
+        "than half of one device's memory (a GPU's, or on CPU the host memory per process); on one process, fsdp "
+        "for bf16 on a CUDA GPU (training.fast_path.bf16_weights); else ddp. A resumed run keeps the strategy of "
+        "its checkpoint.",
     )
     fsdp: FSDPSpec = Field(default_factory=FSDPSpec, description="Settings of the fsdp strategy.")
     nodes: int = Field(

@@ -195,6 +195,9 @@ def _model(
     strategies.allocator_policy(strategy.name, device)  # before the model's first allocation
     model = strategy.build(make)
     if cfg.compile:
+        # In place (nn.Module.compile), so under fsdp as well, after fully_shard: a compiled block keeps its
+        # FSDP2 hooks, which run outside the graph (torch._dynamo.config.skip_fsdp_hooks), as torchtitan's blocks
+        # compiled before sharding do.
         log.info("training.compile: compiled %d transformer blocks", strategies.compile_blocks(model))
     wrapped = strategy.wrap(model)
     # Dropout differs per rank; the stream is still a pure function of (seed, rank).

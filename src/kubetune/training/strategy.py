@@ -80,18 +80,23 @@ def for_job(
     resumed: str | None = None,
 ) -> Strategy:
     """The strategy ``distributed.strategy`` names; ``auto``: the one that wrote the checkpoint
-    this run resumes (``resumed``), else fsdp when the job has more than one process and the
-    training state DDP would keep on every process (fp32 weights, gradients and two AdamW moments
-    for what trains, the stored bytes of what is frozen) exceeds half of one device's memory (the
-    GPU's, or on a CPU the host memory per process); otherwise ddp."""
+    this run resumes (``resumed``); on one process, fsdp where ``one_process_fsdp`` says so (bf16
+    compute weights on one GPU), else ddp; on more, fsdp when the training state DDP would keep on
+    every process (fp32 weights, gradients and two AdamW moments for what trains, the stored bytes of
+    what is frozen) exceeds half of one device's memory (the GPU's, or on a CPU the host memory per
+    process); otherwise ddp."""
     kind: str = spec.distributed.strategy
     quantized = bool(spec.lora and spec.lora.quantization)
     if kind == "auto" and resumed:
         kind = resumed
         log.info("distributed.strategy auto: %s, as the checkpoint it resumes", kind)
+    elif kind == "auto" and env.world_size == 1:
+        chosen, why = one_process_fsdp(spec, env.world_size, device.type, dtype)
+        kind = "fsdp" if chosen else "ddp"
+        log.info("distributed.strategy auto: %s on one process (%s)", kind, why)
     elif kind == "auto":
         kind = "ddp"
-        if env.world_size > 1 and not quantized:
+        if not quantized:
             need, budget = ddp_bytes(meta_model(make)), device_bytes(device, env)
             if need > budget / 2:
                 kind = "fsdp"
@@ -110,15 +115,41 @@ def for_job(
             field="distributed.strategy",
             fix="use distributed.strategy: ddp (every GPU holds the quantized base, which is what QLoRA saves)",
         )
-    if spec.training.compile:
-        raise KubetuneError(
-            "training.compile under distributed.strategy fsdp is not supported yet",
-            field="training.compile",
-            fix="set training.compile: false, or distributed.strategy: ddp",
-        )
     return FSDPStrategy(
         env, device, dtype, spec.distributed.fsdp.reshard_after_forward, spec.distributed.fsdp.cpu_offload
     )
+
+
+def one_process_fsdp(spec: JobSpec, world_size: int, device_type: str, dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether ``distributed.strategy: auto`` trains a one-process run under fsdp on a world of one, and why
+    (the reason the log line gives). Yes on one CUDA GPU in bf16 with ``training.fast_path.bf16_weights``: FSDP2's
+    ``MixedPrecisionPolicy`` then computes with bf16 weights (no re-cast in every Linear, a bf16 residual stream)
+    while the optimizer steps the fp32 master weights, as under fsdp on several GPUs; a world of one gathers
+    nothing. No wherever fsdp does not apply: QLoRA's quantized base, a task that keeps a whole frozen copy of the
+    model as its reference (a full fine-tune of a task with ``fsdp_needs_lora``, or ``reference_copy``),
+    ``evaluation.every`` (the harness scores the whole model); and where nothing would change: fp32 or fp16, a
+    CPU (today's path, bit for bit), more than one process (``for_job``'s memory rule)."""
+    from kubetune.config.tasks import registered
+
+    entry = registered()[spec.task]
+    own = spec.section(entry.section) if entry.section else None  # the task's own section (None: absent)
+    reasons = [
+        (spec.distributed.strategy != "auto", f"distributed.strategy is {spec.distributed.strategy}"),
+        (world_size != 1, f"{world_size} processes"),
+        (not spec.training.fast_path.bf16_weights, "training.fast_path.bf16_weights is false"),
+        (device_type != "cuda", f"fp32 weights on {device_type}: bf16 compute weights apply on a CUDA GPU"),
+        (dtype != torch.bfloat16, f"precision {str(dtype).removeprefix('torch.')}: bf16 compute weights need bf16"),
+        (bool(spec.lora and spec.lora.quantization), "QLoRA (lora.quantization) keeps its quantized base"),
+        (
+            spec.lora is None and (entry.fsdp_needs_lora or bool(getattr(own, "reference_copy", False))),
+            f"task {spec.task}'s full fine-tune keeps a whole frozen copy of the model as its reference",
+        ),
+        (bool(spec.evaluation and spec.evaluation.every), "evaluation.every scores the whole, unsharded model"),
+    ]
+    why = next((reason for applies, reason in reasons if applies), None)
+    if why is not None:
+        return False, why
+    return True, "training.fast_path.bf16_weights: bf16 compute weights, fp32 master weights in the optimizer"
 
 
 def meta_model(make: MakeModel) -> torch.nn.Module:
@@ -266,7 +297,11 @@ class FSDPStrategy:
         dtype: torch.dtype,
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
+        mixed_precision: bool | None = None,
     ):
+        """``mixed_precision``: compute with weights in ``dtype`` and reduce gradients in fp32 (FSDP2's
+        ``MixedPrecisionPolicy``); None: on a CUDA device with a ``dtype`` other than fp32 (a test sets True on a
+        CPU, where torch computes with bf16 weights as well)."""
         if cpu_offload and device.type != "cuda":
             raise KubetuneError(
                 f"FSDP CPU offload moves GPU state to the host, and this worker trains on {device.type}",
@@ -275,6 +310,9 @@ class FSDPStrategy:
             )
         self.env, self.device, self.dtype = env, device, dtype
         self.reshard_after_forward, self.cpu_offload = reshard_after_forward, cpu_offload
+        if mixed_precision is None:
+            mixed_precision = device.type == "cuda" and dtype != torch.float32
+        self.mixed_precision = mixed_precision
         self.model: torch.nn.Module | None = None  # set by build()
         self._root: FSDPModule | None = None  # the same object as ``model``, as fully_shard returns it
         self.make: MakeModel | None = None
@@ -283,6 +321,7 @@ class FSDPStrategy:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         self.make = make
+        join_world_of_one(self.device)
         model = meta_model(make)
         # rank 0 reads the weights (and makes the fresh head and adapters, from the same seed as DDP)
         full = make(torch.device("cpu")) if self.env.is_main else None
@@ -312,7 +351,7 @@ class FSDPStrategy:
             "reshard_after_forward": self.reshard_after_forward,
             "offload_policy": CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy(),
         }
-        if self.device.type == "cuda" and self.dtype != torch.float32:
+        if self.mixed_precision:
             # compute in the autocast dtype, reduce gradients in fp32 (the sharded weights stay fp32)
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
         for block in transformer_blocks(model):
@@ -411,6 +450,21 @@ class FSDPStrategy:
     @property
     def is_writer(self) -> bool:
         return self.env.is_main
+
+
+def join_world_of_one(device: torch.device) -> bool:
+    """Make this process a process group of its own where it has none: FSDP2 shards over a device mesh, which
+    needs the default group, and a one-process run has none (``distributed.setup`` joins one for several
+    processes only). The group is in memory (a ``HashStore``: no address, no port) and has torch's default
+    backends (gloo for CPU tensors, NCCL for CUDA ones); the worker's ``distributed.teardown`` destroys it.
+    Returns whether it made one."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return False
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return True
 
 
 # glibc's M_MMAP_THRESHOLD (malloc.h); a fixed value also turns off the threshold's growth
