@@ -111,11 +111,6 @@ CASES = [
     ("nested 1000 deep", GOOD + "x: " + "{a: " * 1000 + "1" + "}" * 1000 + "\n", "nested deeper than 32 levels"),
     ("nested list 1000 deep", GOOD + "x: " + "[" * 1000 + "]" * 1000 + "\n", "nested deeper than 32 levels"),
     (
-        "fsdp with compile",
-        GOOD + "distributed: {strategy: fsdp}\ntraining: {compile: true}\n",
-        "spec: training.compile under distributed.strategy fsdp is not supported yet — set training.compile: false",
-    ),
-    (
         "fsdp with QLoRA",
         GOOD + "distributed: {strategy: fsdp}\nlora: {quantization: 4bit}\n",
         "spec: lora.quantization (QLoRA) under distributed.strategy fsdp is not supported yet",

@@ -134,7 +134,7 @@ def broadcast_object(obj):
 def any_rank(*flags: bool, device: torch.device, group: dist.ProcessGroup | None = None) -> tuple[bool, ...]:
     """For each flag: is it set on any rank? One small all-reduce, over ``group`` (``setup``'s
     control group; None: the default group, on ``device`` unless that group is gloo)."""
-    if not dist.is_initialized():
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:  # a world of one (FSDP on one GPU): no sync
         return tuple(bool(f) for f in flags)
     on_cpu = group is not None or dist.get_backend() == "gloo"
     t = torch.tensor([float(f) for f in flags], device="cpu" if on_cpu else device)
