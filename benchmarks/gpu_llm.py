@@ -69,6 +69,7 @@ SHAPES = {
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "head_dim": 16,
+        "vocab_size": 2048,  # the tiny Llama tokenizer's: the smoke's head stays small on a CPU
     },
 }
 MICRO_TOKENS, ACCUM, WARM = 8192, 4, 10
@@ -104,11 +105,11 @@ ROWS: dict[str, tuple[str, str, str, str, dict | None]] = {
 }
 
 
-def llama_config(shape: str, vocab: int | None = None):
+def llama_config(shape: str):
     from transformers import LlamaConfig
 
     fields = {k: v for k, v in json.loads(CONFIG.read_text()).items() if k != "architectures"}
-    return LlamaConfig(**{**fields, **SHAPES[shape], **({"vocab_size": vocab} if vocab else {})})
+    return LlamaConfig(**{**fields, **SHAPES[shape]})
 
 
 def make_model(dest: Path, shape: str) -> None:
@@ -148,7 +149,8 @@ def shape_of(shape: str) -> dict:
 
 def make_data(work: Path, rows: int, docs: int, seed: int = 0) -> None:
     """chat.jsonl and prompt_completion.jsonl (the same chats for kubetune and TRL), eval.jsonl, and docs.jsonl
-    (documents of about 1,024–4,096 tokens: corpus texts joined, about 2.2 tokens a word in the tiny Llama tokenizer)."""
+    (documents of about 1,024–4,096 tokens: corpus texts joined, about 2.2 tokens a word in the tiny Llama's
+    tokenizer)."""
     import pandas as pd
 
     df = pd.read_csv(corpus_path(), encoding="latin-1")
@@ -195,15 +197,12 @@ def data_stats(work: Path, data: str, limit: int = 2000) -> dict:
     }
 
 
-def plan_for(work: Path, kind: str, data: str, stats: dict, steps: int, smoke: bool, shape: str) -> Plan:
+def plan_for(work: Path, kind: str, data: str, steps: int, smoke: bool, shape: str) -> Plan:
     """What a row of ``kind`` on ``data`` and ``shape``'s model trains (smoke: a few small steps)."""
     micro, accum, pairs = (512, 2, 2) if smoke else (MICRO_TOKENS, ACCUM, 8)
-    examples = max(1, round(micro * accum / stats["mean_tokens"])) if stats else pairs * accum
     warm = 2 if smoke else WARM
     model = str(work / f"model-{shape}")
-    return Plan(
-        work, kind, data, steps, warm, micro, accum, examples, micro_pairs=pairs, bf16=not smoke, model_dir=model
-    )
+    return Plan(work, kind, data, steps, warm, micro, accum, micro_pairs=pairs, bf16=not smoke, model_dir=model)
 
 
 def mfu(res: dict, kind: str, sizes: dict, stats: dict, peak: float | None) -> float | None:
@@ -251,7 +250,8 @@ def write(out: Path, meta: dict, table: dict) -> str:
     for label, r in table.items():
         system, kind, shape, data, _ = ROWS[label]
         if "error" in r:
-            lines.append(f"| {label} | failed: {r['error'].replace('|', '/')} | | | | | | | |")
+            error = " ".join(r["error"].replace("|", "/").split())
+            lines.append(f"| {label} | failed: {error} | | | | | | | |")
             continue
         if system == "profile":
             lines.append(f"| {label} | {r['steps']} | | trace {r['trace']}, top kernels {r['table']} | | | | | |")
@@ -372,7 +372,7 @@ def bench(a: argparse.Namespace, labels: list[str]) -> None:
     table: dict = {}
     for k, label in enumerate(labels):
         _, kind, shape, data, fast = ROWS[label]
-        plan = plan_for(work, kind, data, stats[data], a.steps, a.smoke, "tiny" if a.smoke else shape)
+        plan = plan_for(work, kind, data, a.steps, a.smoke, "tiny" if a.smoke else shape)
         if a.dry_run:
             from kubetune.config import parse_spec
 

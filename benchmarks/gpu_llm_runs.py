@@ -36,7 +36,6 @@ class Plan:
     warm: int
     micro_tokens: int
     accum: int
-    examples_per_step: int  # kubetune's training.batch_size × grad_accum: examples in a step
     micro_pairs: int = 8
     bf16: bool = True
     model_dir: str = ""  # the model's directory (default: work/model)
@@ -101,12 +100,12 @@ def kubetune_spec(plan: Plan, out: Path, fast: dict[str, bool]) -> dict:
             "train": str(plan.work / f"{plan.data}.jsonl"),
             "eval": str(plan.work / "eval.jsonl"),
             "format": "chat" if plan.data == "chat" else "text",
-            "max_length": 4096,
+            "max_length": min(4096, plan.micro_tokens),  # kubetune: a micro-batch holds the longest example
             "packing": True,
             "max_tokens_per_batch": plan.micro_tokens,
         }
-        # a step is this many examples (about accum × micro_tokens tokens); the token budget cuts its micro-batches
-        training["batch_size"] = plan.examples_per_step
+        # the token budget, not the example count, cuts each micro-batch: accum × micro_tokens tokens a step
+        training.update(batch_size=1024, grad_accum=plan.accum)
     spec["training"] = training
     return spec
 
@@ -130,7 +129,8 @@ def run_kubetune(plan: Plan, out: Path, fast: dict[str, bool]) -> dict:
     m = json.loads((out / "metrics.json").read_text())
     trained = [Event.from_json(line) for line in (out / "events.jsonl").read_text().splitlines()]
     tokens = {e.step: int(e.context["tokens"]) for e in trained if e and e.kind == "train" and "tokens" in e.context}
-    rates = {e.step: e.context.get("tokens_per_s") for e in events_in_log((proc.stdout + proc.stderr).splitlines())}
+    logged = events_in_log((proc.stdout + proc.stderr).splitlines())
+    rates = {e.step: e.context.get("tokens_per_s") for e in logged if e.kind == "progress"}
     points, seconds, previous = [], 0.0, (0, 0)
     for step in sorted(tokens):
         rate = rates.get(step)
