@@ -92,7 +92,7 @@ bench: seed-cache
 gpu-wheels: install
 	$(BIN)/python scripts/gpu_wheels.py --dest gpu-wheels
 
-# On the GPU machine (its own python3; no .venv, no network): gpu-wheels/ and kubetune (--no-deps) into a
+# On the GPU machine (its own python3; no .venv, no network; 9 minutes at most): gpu-wheels/ and kubetune (--no-deps) into a
 # temporary site, then `pytest -m gpu` and benchmarks/gpu_llm.py; results.md and results.json into OUT.
 GPU_PYTHON ?= python3
 OUT        ?= gpu-results

