@@ -49,6 +49,8 @@ from kubetune.inference.attention import model_attention, wrap
 ATTENTION = "kubetune_packed"
 # The model's keyword argument that carries a packed row's host-built ``PackedLayout`` down to the attention.
 LAYOUT_KWARG = "kubetune_layout"
+# Where flash's variable-length kernel runs (its flash kernels are CUDA's); every other device gathers.
+_FLASH_DEVICES = ("cuda",)
 # The suffix of the names registered with flash attention off (training.fast_path.flash_attention: false).
 _NO_FLASH = "_gather"
 # Where a packed row's layout is kept on its ``position_ids`` tensor when it has no host-built one (``_layout``).
@@ -194,17 +196,23 @@ def _layout(position_ids: torch.Tensor | None, length: int) -> tuple[list, torch
 
 def layout_kwargs(model: torch.nn.Module, layout: Carried | None, position_ids: torch.Tensor | None) -> dict:
     """The keyword arguments that give a packed row's host-built ``layout`` to ``model`` (``LAYOUT_KWARG``):
-    none where the model's attention is not kubetune's packed one (another's would not expect it) or the layout
-    was built for other position ids than the batch's own (a replaced input)."""
+    none where the model's attention is not kubetune's packed one (another's would not expect it), the model
+    needs its mask (a sliding window: ``_mask``) or the layout was built for other position ids than the
+    batch's own (a replaced input).
+
+    With it goes an empty 4-D ``attention_mask``: transformers returns a 4-D mask as it is, instead of reading
+    the position ids for packed documents first (``find_packed_sequence_indices``: a sync in every forward);
+    ``packed_attention`` never reads it (the layout says where the documents are)."""
     config = getattr(model, "config", None)
     name = getattr(config, "_attn_implementation", None) or ""
     if (
         not isinstance(layout, PackedLayout)
         or layout.position_ids is not position_ids
         or not name.startswith(ATTENTION)
+        or getattr(config, "sliding_window", None)
     ):
         return {}
-    return {LAYOUT_KWARG: layout}
+    return {LAYOUT_KWARG: layout, "attention_mask": layout.position_ids.new_empty((1, 1, 0, 0), dtype=torch.bool)}
 
 
 def packed_attention(
@@ -225,6 +233,8 @@ def packed_attention(
     and no weights, as transformers' attention functions do. ``kwargs[LAYOUT_KWARG]``: the row's host-built
     ``PackedLayout`` (no sync), else the layout is read from ``kwargs["position_ids"]``."""
     host: PackedLayout | None = kwargs.pop(LAYOUT_KWARG, None)
+    if host is not None and attention_mask is not None and attention_mask.numel() == 0:
+        attention_mask = None  # ``layout_kwargs``' stand-in: no mask, as ``_mask`` gives a packed row
     layout = None
     plain = not any(kwargs.get(k) is not None for k in ("sliding_window", "softcap", "s_aux", "cache"))
     if plain and query.shape[0] == 1 and query.shape[2] == key.shape[2]:
@@ -294,7 +304,7 @@ def _varlen_attention(query, key, value, layout: PackedLayout, scaling) -> torch
     found = _varlen()
     dtype = _half_dtype(query)
     dim = query.shape[-1]
-    if found is None or query.device.type != "cuda" or dtype is None or dim % 8 or dim > 256:
+    if found is None or query.device.type not in _FLASH_DEVICES or dtype is None or dim % 8 or dim > 256:
         return None
     fn, causal, gqa, takes_scale = found
     if scaling is not None and not takes_scale and scaling != dim**-0.5:
