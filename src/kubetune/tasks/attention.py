@@ -264,7 +264,7 @@ def packed_attention(
         q, k, v = (t[0][:, index].transpose(0, 1) for t in (query, key, value))  # (docs, heads, n, dim)
         o = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=scaling)
         # (real tokens, heads, dim): integer indices, not a boolean mask, which reads its count back from the device
-        outputs.append(o[doc, :, slot])
+        outputs.append(o.transpose(1, 2)[doc, slot])
     return torch.cat(outputs)[back].unsqueeze(0), None
 
 
