@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 import torch
@@ -12,7 +12,26 @@ from kubetune.data.sharding import Step
 from kubetune.data.tables import read_table
 from kubetune.data.tokenize import tokenized
 
-__all__ = ["Batch", "StepBatch", "batches", "read_table", "tokenized"]
+__all__ = ["Batch", "Carried", "StepBatch", "batches", "read_table", "tokenized"]
+
+
+@dataclass
+class Carried:
+    """Tensors built on the host with a micro-batch that travel with it (a packed row's attention layout, the
+    loss's targets): ``Batch.to`` and ``pin_memory`` move every tensor among its fields, also inside lists and
+    tuples; other values (Python numbers) stay. A subclass is a plain dataclass; it pickles (DataLoader workers)."""
+
+    def moved(self, move: Callable[[torch.Tensor], torch.Tensor]) -> Carried:
+        """A copy with ``move`` applied to every tensor among the fields."""
+        return replace(self, **{f.name: _moved(getattr(self, f.name), move) for f in fields(self) if f.init})
+
+
+def _moved(value, move: Callable[[torch.Tensor], torch.Tensor]):
+    if isinstance(value, torch.Tensor):
+        return move(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_moved(v, move) for v in value)
+    return value
 
 
 @dataclass
@@ -23,6 +42,13 @@ class Batch:
     labels: torch.Tensor  # class ids (classification) or token ids with IGNORE (causal-LM)
     weight: float = 1.0  # 0.0: a rank's empty share of the last, partial step (computed, contributes nothing)
     index: torch.Tensor | None = None  # dataset row ids, for tracing; stays on the CPU
+    # Built on the host by the collate so that the step makes no device->host sync to work them out (issue 65):
+    # a packed row's attention layout (``tasks.attention.PackedLayout``) and the loss's targets
+    # (``tasks.common.Targets``). Keyword-only: the subclasses' positional fields keep their places. Each refers
+    # to the tensor it was built from (the position ids, the labels) and is used only while that is still the
+    # batch's own: moving a batch keeps shared tensors shared (``_map``), a replaced one orphans it.
+    layout: Carried | None = field(default=None, kw_only=True)
+    targets: Carried | None = field(default=None, kw_only=True)
 
     def to(self, device: torch.device) -> Batch:
         """A copy with every tensor field (and the inputs) on ``device``, the same object on the CPU. A
@@ -37,15 +63,25 @@ class Batch:
         return self._map(lambda t: t.pin_memory())
 
     def _map(self, fn) -> Batch:
-        changes = {}
+        done: dict[int, torch.Tensor] = {}
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            # once per tensor: one referred to from two fields (the labels and their targets) stays one
+            if id(t) not in done:
+                done[id(t)] = fn(t)
+            return done[id(t)]
+
+        changes: dict = {}
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name == "index":
                 continue
             if isinstance(value, torch.Tensor):
-                changes[f.name] = fn(value)
+                changes[f.name] = move(value)
             elif f.name == "inputs":
-                changes[f.name] = {k: fn(v) for k, v in value.items()}
+                changes[f.name] = {k: move(v) for k, v in value.items()}
+            elif isinstance(value, Carried):
+                changes[f.name] = value.moved(move)
         return replace(self, **changes)
 
     @property

@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from kubetune.data import Carried
 from kubetune.data.columns import NonText, check_table
 from kubetune.data.rows import tokenized_rows
 from kubetune.data.tables import short
@@ -100,6 +101,43 @@ def next_token_targets(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     mask = target_mask(labels)
     keep = torch.cat([mask, mask.new_zeros(mask.shape[0], 1)], dim=1)
     return mask, labels[:, 1:][mask], keep
+
+
+@dataclass
+class Targets(Carried):
+    """A micro-batch's loss targets as integer indices (``label_targets``), which select without reading a count
+    back from the device, unlike a boolean mask. Built on the host by a collate, they travel with the batch
+    (``Batch.targets``) for the ``labels`` they were built from.
+
+    ``positions``: the flat indices, into (rows × positions), of the positions that predict a target, row-major;
+    ``slots``: the same positions as flat indices into ``target_mask``'s (rows × (positions − 1));
+    ``ids``: the target token ids in that order; ``count``: how many (a 0-dim int64 tensor, as ``mask.sum()``)."""
+
+    labels: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    ids: torch.Tensor
+    count: torch.Tensor
+
+
+def label_targets(labels: torch.Tensor) -> Targets:
+    """The ``Targets`` of ``labels`` (rows, positions): what ``next_token_targets`` selects, as indices. Built by a
+    collate on the host; on a device its boolean selection reads the count back (a sync)."""
+    mask = target_mask(labels)
+    width = labels.shape[1]
+    slots = mask.flatten().nonzero().flatten()
+    # slot r·(width − 1) + t is position r·width + t of the row-major (rows × width) grid
+    positions = slots + torch.div(slots, max(width - 1, 1), rounding_mode="floor")
+    return Targets(labels, positions, slots, labels[:, 1:][mask], mask.sum())
+
+
+def batch_targets(batch: Any) -> Targets:
+    """The micro-batch's host-built ``Targets`` where it carries them for its own labels (``Batch.targets``), else
+    built from its labels (a batch made elsewhere, or whose labels were replaced)."""
+    carried = batch.targets
+    if isinstance(carried, Targets) and carried.labels is batch.labels:
+        return carried
+    return label_targets(batch.labels)
 
 
 # ---- the replaceable head: a causal LM's output projection computed by the task instead

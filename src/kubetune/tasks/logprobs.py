@@ -6,13 +6,14 @@ the preference tasks (DPO, KTO, ORPO: a policy and its reference compared) share
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from kubetune.data import Batch
 from kubetune.tasks import attention
-from kubetune.tasks.common import head_forward, next_token_targets, replaceable_head, target_mask
+from kubetune.tasks.common import Targets, batch_targets, head_forward, replaceable_head, unwrap
 
 # Target positions projected onto the vocabulary together: a chunk's logits, their fp32 copy and
 # softmax (about 10 bytes x LOSS_CHUNK x vocabulary) are the loss's transient peak.
@@ -22,18 +23,19 @@ LOSS_CHUNK = 512
 def target_logps(model, batch: Batch, autocast) -> torch.Tensor:
     """The log-probability (fp32) of every target token of a micro-batch (labels not IGNORE), in
     row-major order, computed as the loss is (no full logits): what the DPO task sums per answer."""
-    nll, _, _ = token_loss(model, batch, autocast, per_token=True)
+    nll, _, _ = _token_loss(model, batch, batch_targets(batch), autocast, per_token=True)
     return -nll
 
 
 def sequence_logps(model, batch: Batch, autocast) -> torch.Tensor:
     """Each row's summed target-token log-probability (fp32), computed as the loss is: what the preference tasks
-    (DPO, KTO) compare between the policy and the reference. Scattered into the sequence layout and summed per row:
-    deterministic, unlike index_add on a GPU."""
-    per_token = target_logps(model, batch, autocast)
-    mask = target_mask(batch.labels)
-    dense = torch.zeros(mask.shape, dtype=per_token.dtype, device=per_token.device)
-    return dense.masked_scatter(mask, per_token).sum(dim=1)
+    (DPO, KTO) compare between the policy and the reference. Copied into the sequence layout (rows × (positions −
+    1)) at the targets' slots and summed per row: deterministic, unlike index_add on a GPU."""
+    targets = batch_targets(batch)
+    nll, _, _ = _token_loss(model, batch, targets, autocast, per_token=True)
+    rows, width = batch.labels.shape
+    dense = torch.zeros(rows * max(width - 1, 0), dtype=nll.dtype, device=nll.device)
+    return dense.index_copy(0, targets.slots, -nll).view(rows, max(width - 1, 0)).sum(dim=1)
 
 
 def token_loss(model, batch: Batch, autocast, count_correct: bool = False, per_token: bool = False):
@@ -42,25 +44,44 @@ def token_loss(model, batch: Batch, autocast, count_correct: bool = False, per_t
     how many the argmax got right, else None.
 
     The logits of a whole micro-batch (length x vocabulary: 4 GB in bf16 for 16k tokens and a 128k
-    vocabulary) never exist. The model keeps the final hidden states of the positions that predict
-    a target only (``logits_to_keep`` as a boolean mask, transformers' own argument), and for this
-    one call its output projection is the loss itself (``_loss_as_head``): it projects those states
-    onto the vocabulary ``LOSS_CHUNK`` positions at a time, each chunk's logits recomputed in the
-    backward pass (activation checkpointing) instead of kept. Inside the model's forward, so DDP
-    and FSDP see the projection's weight used where they expect (FSDP gathers it again before the
-    backward reaches it). Other models' loss is taken from the target rows of their logits, chunked
-    the same way. ``per_token``: the cross-entropy of each target token instead of their sum."""
-    mask, chosen, keep = next_token_targets(batch.labels)  # position t predicts token t + 1
+    vocabulary) never exist. For this one call the model's output projection is the loss itself
+    (``_loss_as_head``): it takes the final hidden states of the positions that predict a target only
+    (an index selection with the batch's targets, ``tasks.common.Targets``: built on the host, no sync)
+    and projects them onto the vocabulary ``LOSS_CHUNK`` positions at a time, each chunk's logits
+    recomputed in the backward pass (activation checkpointing) instead of kept. Inside the model's
+    forward, so DDP and FSDP see the projection's weight used where they expect (FSDP gathers it again
+    before the backward reaches it). Other models' loss is taken from the target rows of their logits,
+    chunked the same way. A packed row's host-built layout goes to the model's packed attention
+    (``attention.layout_kwargs``). ``per_token``: the cross-entropy of each target token instead of their sum."""
+    return _token_loss(model, batch, batch_targets(batch), autocast, count_correct, per_token)
+
+
+def _token_loss(model, batch: Batch, targets: Targets, autocast, count_correct: bool = False, per_token: bool = False):
+    """``token_loss`` with the batch's ``targets`` given."""
     head = replaceable_head(model)
     packed = "position_ids" in batch.inputs and "attention_mask" not in batch.inputs
+    extra = attention.layout_kwargs(_attention_owner(model), batch.layout, batch.inputs.get("position_ids"))
     with autocast, attention.packed_call() if packed else contextlib.nullcontext():
         if head is not None:
-            with _loss_as_head(head, chosen, count_correct, per_token) as hits:
-                total = model(**batch.inputs, logits_to_keep=keep).logits
+            with _loss_as_head(head, targets, count_correct, per_token) as hits:
+                total = model(**batch.inputs, **extra).logits
             correct = hits[0]
         else:
-            total, correct = _chunked_loss(model(**batch.inputs).logits[keep], chosen, None, count_correct, per_token)
-    return total, mask.sum(), correct
+            logits = model(**batch.inputs, **extra).logits
+            total, correct = _chunked_loss(_select(logits, targets), targets.ids, None, count_correct, per_token)
+    return total, targets.count, correct
+
+
+def _attention_owner(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model whose config names the attention, under its DDP, FSDP or PEFT wrapper."""
+    inner: Any = unwrap(model)
+    return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+
+
+def _select(states: torch.Tensor, targets: Targets) -> torch.Tensor:
+    """The rows of ``states`` (rows, positions, features) at the positions that predict a target, (targets,
+    features), row-major: what a boolean selection with the label mask gives, without its sync."""
+    return states.flatten(0, 1).index_select(0, targets.positions)
 
 
 def _chunked_loss(
@@ -106,15 +127,25 @@ def _chunk_loss(
 
 
 @contextlib.contextmanager
-def _loss_as_head(head: torch.nn.Linear, chosen: torch.Tensor, count_correct: bool, per_token: bool = False):
-    """For one forward call, the output projection returns the chunked loss of the hidden states it
-    is given against ``chosen``; yields a list that then holds the count of right guesses (or None)."""
+def _loss_as_head(head: torch.nn.Linear, targets: Targets, count_correct: bool, per_token: bool = False):
+    """For one forward call, the output projection returns the chunked loss of the hidden states it is given (all
+    positions: the model keeps all) at the targets' positions against their ids (``head_loss``); yields a list
+    that then holds the count of right guesses (or None)."""
     hits: list[torch.Tensor | None] = []
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
-        total, correct = _chunked_loss(hidden, chosen, head.weight, count_correct, per_token)
+        total, correct = head_loss(_select(hidden, targets), targets.ids, head.weight, count_correct, per_token)
         hits.append(correct)
         return total
 
     with head_forward(head, forward):
         yield hits
+
+
+def head_loss(
+    states: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor, count_correct: bool, per_token: bool = False
+):
+    """The replaced head's loss: the hidden states of the positions that predict a target (targets × hidden)
+    projected by ``weight`` and scored against the target ``ids``: the summed cross-entropy (``per_token``: each
+    one's) and how many argmax guesses are right (``count_correct``, else None)."""
+    return _chunked_loss(states, ids, weight, count_correct, per_token)

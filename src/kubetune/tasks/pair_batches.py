@@ -14,7 +14,7 @@ import pandas as pd
 import torch
 
 from kubetune.data import Batch
-from kubetune.tasks.common import IGNORE
+from kubetune.tasks.common import IGNORE, label_targets
 from kubetune.tasks.pairs import shared_prefix
 
 S = TypeVar("S")  # a task's loss settings (its own section: DPOSpec, ORPOSpec)
@@ -99,4 +99,5 @@ class PairCollate(Generic[S]):
             torch.as_tensor(indices, dtype=torch.long),
             ref,
             self.settings,
+            targets=label_targets(labels),  # on the host: the loss then selects without a sync
         )

@@ -23,8 +23,9 @@ from kubetune.data.rows import RowSplit, read_split
 from kubetune.data.tables import short
 from kubetune.errors import KubetuneError
 from kubetune.providers import S3Settings
+from kubetune.tasks.attention import packed_layout
 from kubetune.tasks.causal_lm import CausalLMData
-from kubetune.tasks.common import IGNORE, ROLES, RecordNormalizer
+from kubetune.tasks.common import IGNORE, ROLES, RecordNormalizer, label_targets
 
 log = logging.getLogger(__name__)
 
@@ -339,6 +340,9 @@ def collate(ds, indices: np.ndarray, pad_id: int, packing: bool = False) -> Batc
     Labels are -100 on padding, on prompt tokens (set at tokenization) and, when packed, on each
     example's first token, which would otherwise be predicted from the previous example.
     An empty ``indices`` yields example 0 with ``weight`` 0, as in ``collate``.
+
+    Built here on the host, where the lengths are known, so that the step reads nothing back from the device:
+    the loss's targets (``Batch.targets``) and, packed, the row's attention layout (``Batch.layout``).
     """
     weight = 1.0
     if len(indices) == 0:
@@ -351,6 +355,7 @@ def collate(ds, indices: np.ndarray, pad_id: int, packing: bool = False) -> Batc
             "position_ids": torch.cat([torch.arange(len(seq)) for seq in ids]).unsqueeze(0),
         }
         targets = torch.tensor([-100 if j == 0 else t for seq in labels for j, t in enumerate(seq)]).unsqueeze(0)
+        layout = packed_layout([len(seq) for seq in ids if seq], inputs["position_ids"]) if any(ids) else None
     else:
         width = max(len(seq) for seq in ids)
         inputs = {
@@ -358,4 +363,6 @@ def collate(ds, indices: np.ndarray, pad_id: int, packing: bool = False) -> Batc
             "attention_mask": torch.tensor([[1] * len(seq) + [0] * (width - len(seq)) for seq in ids]),
         }
         targets = torch.tensor([seq + [-100] * (width - len(seq)) for seq in labels])
-    return Batch(inputs, targets, weight, torch.as_tensor(indices, dtype=torch.long))
+        layout = None
+    index = torch.as_tensor(indices, dtype=torch.long)
+    return Batch(inputs, targets, weight, index, layout=layout, targets=label_targets(targets))
