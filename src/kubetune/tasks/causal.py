@@ -47,7 +47,8 @@ def build_model(spec: JobSpec, model_dir, data: Prepared, device: torch.device, 
     # Packed rows: each document attends to itself only, no (length)² mask. KUBETUNE_PACKED_ATTENTION=0
     # keeps transformers' dense-mask attention (benchmarks/sft_trl.py --ablations measures both).
     if getattr(spec.data, "packing", False) and os.environ.get("KUBETUNE_PACKED_ATTENTION", "1") != "0":
-        attn = {"attn_implementation": attention.register(fallback=attn.get("attn_implementation", "sdpa"))}
+        fallback, flash = attn.get("attn_implementation", "sdpa"), spec.training.fast_path.flash_attention
+        attn = {"attn_implementation": attention.register(fallback=fallback, flash=flash)}
     model = load_pretrained(AutoModelForCausalLM, model_dir, where, **kwargs, **attn)
     model.config.use_cache = False  # no KV cache while training
     # On the meta device too: FSDP builds every rank's modules there and fills the weights in later.

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kubetune.data import Batch
-from kubetune.tasks import attention
+from kubetune.tasks import attention, fused
 from kubetune.tasks.common import Targets, batch_targets, head_forward, replaceable_head, unwrap
 
 # Target positions projected onto the vocabulary together: a chunk's logits, their fp32 copy and
@@ -130,11 +130,16 @@ def _chunk_loss(
 def _loss_as_head(head: torch.nn.Linear, targets: Targets, count_correct: bool, per_token: bool = False):
     """For one forward call, the output projection returns the chunked loss of the hidden states it is given (all
     positions: the model keeps all) at the targets' positions against their ids (``head_loss``); yields a list
-    that then holds the count of right guesses (or None)."""
+    that then holds the count of right guesses (or None). Where ``tasks.fused`` marked the head and gradients are
+    taken, the loss is Liger's fused linear cross-entropy instead."""
     hits: list[torch.Tensor | None] = []
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
-        total, correct = head_loss(_select(hidden, targets), targets.ids, head.weight, count_correct, per_token)
+        states = _select(hidden, targets)
+        if not count_correct and fused.wants_fused_loss(head):  # Liger's kernel on a GPU (training.fast_path.liger)
+            total, correct = fused.linear_cross_entropy(states, head.weight, targets.ids, per_token), None
+        else:
+            total, correct = head_loss(states, targets.ids, head.weight, count_correct, per_token)
         hits.append(correct)
         return total
 
