@@ -4,7 +4,8 @@ A checkpoint is ``<output>/checkpoints/step-NNNNNNNN/`` holding ``state.pt`` (tr
 optimizer, scheduler, grad scaler, progress, the RNG states of every rank) and ``job.yaml``; under
 a sharded strategy the weights and optimizer are every rank's DCP shards in ``shards/`` instead. It is
 built under a temporary name and renamed into place after its ``COMPLETE`` marker is written, so a
-crash mid-save leaves nothing that looks like a checkpoint. For an s3:// output the same directory
+crash mid-save leaves nothing that looks like a checkpoint; with ``training.checkpoint_async`` a background thread
+writes it (``writer``) while training goes on, the same way. For an s3:// output the same directory
 is uploaded with the storage layer's manifest, which is written last and plays the same role.
 """
 
@@ -28,6 +29,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 MARKER = "COMPLETE"
+# A key of the state a strategy's ``save`` returns under ``training.checkpoint_async``: the state is a snapshot that
+# ``CheckpointStore.save`` writes in the background, after calling this entry (a callable that returns once what the
+# ranks write themselves, a sharded strategy's shards, is written). Never written into ``state.pt``.
+PENDING = "pending"
 _NAME = re.compile(r"^step-(\d{8})$")
 _TMP = re.compile(r"^\.step-\d{8}-")  # replace_dir's temporary name for a checkpoint being written
 
@@ -72,7 +77,8 @@ def set_rng_state(state: dict) -> None:
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Only what training changes: all weights for a full fine-tune, adapter + head for LoRA."""
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items() if k in trainable}
+    # one copy into host memory (a CPU tensor cloned): the checkpoint holds it while training goes on
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items() if k in trainable}
 
 
 _TRAJECTORY = (

@@ -12,7 +12,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from kubetune.checkpoint import _NAME, _TMP, MARKER, Found, complete_steps
+from kubetune.checkpoint import _NAME, _TMP, MARKER, PENDING, Found, complete_steps
+from kubetune.checkpoint.writer import hold, writer_for
 from kubetune.config import JobSpec, dump_spec
 from kubetune.paths import replace_dir
 from kubetune.providers import S3Settings
@@ -71,18 +72,62 @@ class CheckpointStore:
         """Write checkpoint ``step`` (rank 0 only) and prune to the newest ``keep``. A copy of
         ``history.jsonl`` goes along, so a resumed run on a new machine keeps its curves.
         ``staged``: the ``staging`` directory already holding the ranks' shards, completed in place;
-        ``uploaded``: the manifest entries of the shards the ranks put into an s3:// output."""
+        ``uploaded``: the manifest entries of the shards the ranks put into an s3:// output.
+
+        A ``state`` with a ``PENDING`` entry (a strategy's save under ``training.checkpoint_async``) is a snapshot
+        handed over (nothing changes it afterwards): a background thread (``writer``) calls the entry, which returns
+        once what the ranks write into the checkpoint themselves is written (a sharded strategy's shards), then
+        writes the checkpoint, and this returns once that thread started. ``history.jsonl`` is copied now, as it
+        stands. The checkpoint in flight is waited for first, so one is written at a time and each prunes only
+        after it is complete; ``wait`` waits for it and raises its error. Returns the checkpoint's directory
+        (complete once waited for).
+        """
+        self.root.mkdir(parents=True, exist_ok=True)
+        writer = writer_for(self.root)
+        writer.wait()
+        state = dict(state)
+        pending = state.pop(PENDING, None)
+        history = self.history.read_bytes() if self.history.exists() else None
+        if pending is None:
+            return self._write(state, dump_spec(spec), step, keep, history, staged, uploaded)
+
+        def job() -> None:
+            pending()
+            self._write(state, dump_spec(spec), step, keep, history, staged, uploaded)
+
+        writer.submit(job, name=f"checkpoint-{step}")
+        return self.root / f"step-{step:08d}"
+
+    def wait(self) -> None:
+        """Until the checkpoint in flight (``save`` with ``training.checkpoint_async``) is complete.
+
+        Raises:
+            KubetuneError: the background write failed (e.g. a full disk); nothing of it looks complete.
+        """
+        writer_for(self.root).wait()
+
+    def _write(
+        self,
+        state: dict,
+        job_yaml: str,
+        step: int,
+        keep: int,
+        history: bytes | None,
+        staged: Path | None,
+        uploaded: dict | None,
+    ) -> Path:
+        """Build checkpoint ``step``, rename it into place after its marker, upload it, prune (``save``)."""
         root = self.root
-        root.mkdir(parents=True, exist_ok=True)
         final = root / f"step-{step:08d}"
 
         import torch
 
         def build(tmp: Path) -> None:
             torch.save(state, tmp / "state.pt")
-            if self.history.exists():
-                shutil.copyfile(self.history, tmp / "history.jsonl")
-            (tmp / "job.yaml").write_text(dump_spec(spec))
+            if history is not None:
+                (tmp / "history.jsonl").write_bytes(history)
+            (tmp / "job.yaml").write_text(job_yaml)
+            hold(step)
             (tmp / MARKER).write_text(json.dumps({"step": step, "fingerprint": state["fingerprint"]}) + "\n")
 
         # Steps above this one belong to an older run at the same output (e.g. after --no-resume);
@@ -105,7 +150,9 @@ class CheckpointStore:
     def clear(self) -> None:
         """Remove every checkpoint (local and remote): a finished run, or --no-resume. Only what
         kubetune wrote goes: ``step-NNNNNNNN`` directories and its own temporary ones locally, and
-        remotely exactly the objects each checkpoint's manifest lists."""
+        remotely exactly the objects each checkpoint's manifest lists. A checkpoint in flight is waited for
+        first: it would be completed after the others went."""
+        writer_for(self.root).wait()
         if self.root.is_dir():
             for entry in self.root.iterdir():
                 if _NAME.match(entry.name) or (_TMP.match(entry.name) and entry.is_dir()):

@@ -153,6 +153,13 @@ class TrainSpec(Section):
         default=None, gt=0, description="Also write a checkpoint every N minutes of training."
     )
     keep_checkpoints: int = Field(default=2, ge=1, description="How many of the newest complete checkpoints to keep.")
+    checkpoint_async: bool = Field(
+        default=True,
+        description="Write checkpoints in the background: the step waits only while the state is copied off "
+        "the device (into host memory), and the next checkpoint, a stop signal or the end of the run waits for the "
+        "one in flight; a checkpoint is still complete or absent. false: every checkpoint blocks the step until "
+        "it is written.",
+    )
     resume: Literal["auto", "never"] = Field(
         default="auto",
         description="auto: continue from the newest complete checkpoint under output.uri; "

@@ -145,7 +145,15 @@ class Evaluation(Hook):
 class Checkpointing(Hook):
     """Checkpoints: every ``training.checkpoint_every`` steps, every ``training.checkpoint_minutes`` (rank 0's
     clock), and on a stop signal, after which the run ends. Every rank agrees, at the same step, on stopping and
-    on checkpointing (one small collective per step)."""
+    on checkpointing (one small collective per step).
+
+    With ``training.checkpoint_async`` a periodic checkpoint is written in the background while the next steps
+    train; the next checkpoint waits for it (``CheckpointStore.save``, ``Strategy.save``), and so do a stop signal's
+    checkpoint, which the run ends after, and the end of training (``on_train_end``, before the export and before
+    the checkpoints are cleared): the process ends only with its checkpoints complete."""
+
+    def __init__(self) -> None:
+        self._periodic = False  # inside this hook's own save_checkpoint (one the run goes on after)
 
     def on_step_end(self, run: Run) -> None:
         s, cfg = run.state, run.spec.training
@@ -160,7 +168,29 @@ class Checkpointing(Hook):
         if stop or timed or (cfg.checkpoint_every and s.global_step % cfg.checkpoint_every == 0):
             # a checkpoint holds only weights trained on finite gradients
             run.guard.check(s.global_step, run.dest.checkpoints)
-            run.save_checkpoint()
+            self._periodic = not stop
+            try:
+                run.save_checkpoint()
+            finally:
+                self._periodic = False
             s.last_checkpoint_at = time.monotonic()
-        if stop:
+        if stop:  # its checkpoint was settled in on_save
             run.preempted()
+
+    def on_save(self, run: Run, step: int) -> None:
+        if not self._periodic:  # a stop signal's (this hook's, or the trainer's inside a step): the run ends after it
+            settle(run)
+
+    def on_train_end(self, run: Run, metrics: Metrics) -> None:
+        settle(run)
+
+
+def settle(run: Run) -> None:
+    """Every rank: until the checkpoint in flight is complete (this rank's shards; the writer: the whole checkpoint).
+
+    Raises:
+        KubetuneError: its background write failed.
+    """
+    run.strategy.wait_saved()
+    if run.strategy.is_writer:
+        run.dest.checkpoints.wait()

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from kubetune import checkpoint, distributed
+from kubetune.checkpoint.writer import snapshot
 
 if TYPE_CHECKING:
     from kubetune.data.feed import Feed
@@ -151,8 +152,9 @@ class Contents:
     parts: dict[str, Stateful]
 
     def state_dict(self) -> dict[str, Any]:
-        """Every rank, in the same order (parts gather over the ranks): the parts' entries."""
-        return {name: part.state_dict() for name, part in self.parts.items()}
+        """Every rank, in the same order (parts gather over the ranks): the parts' entries, as copies that the
+        run's next steps do not change (an asynchronous checkpoint writes them while it trains)."""
+        return {name: snapshot(part.state_dict()) for name, part in self.parts.items()}
 
     def load_state_dict(
         self, saved: dict[str, Any], strategy: Strategy, directory: Path, optimizer: torch.optim.Optimizer

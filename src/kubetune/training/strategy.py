@@ -8,6 +8,7 @@ import ctypes
 import logging
 import os
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
@@ -15,6 +16,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from kubetune import checkpoint, distributed
+from kubetune.checkpoint.writer import snapshot
 from kubetune.config import JobSpec
 from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
@@ -55,10 +57,16 @@ class Strategy(Protocol):
 
     def save(self, directory: Path | None, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """All ranks: the model and optimizer state of a checkpoint. Returns what the writer puts
-        into the checkpoint's ``state.pt``; a sharded strategy writes its shards under ``directory``."""
+        into the checkpoint's ``state.pt``; a sharded strategy writes its shards under ``directory``. Saving
+        asynchronously, the state returned is a copy the next steps do not change, with ``checkpoint.PENDING``
+        (what the writer calls before it completes the checkpoint in the background: the shards are written)."""
 
     def shard_files(self, directory: Path) -> list[Path]:
-        """The files this rank wrote under ``directory`` in ``save`` (none unless sharded)."""
+        """The files this rank wrote under ``directory`` in ``save`` (none unless sharded; none yet while they are
+        written in the background)."""
+
+    def wait_saved(self) -> None:
+        """Until this rank's part of the checkpoint in flight is written (at once unless sharded and asynchronous)."""
 
     def load(self, directory: Path, saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
         """All ranks: restore the model and optimizer from a checkpoint (``saved``: its ``state.pt``)."""
@@ -108,7 +116,7 @@ def for_job(
                 budget / 2**30,
             )
     if kind == "ddp":
-        return DDPStrategy(env, device)
+        return DDPStrategy(env, device, async_save=spec.training.checkpoint_async)
     if quantized:
         raise KubetuneError(
             "QLoRA (lora.quantization) under distributed.strategy fsdp is not supported yet",
@@ -116,7 +124,13 @@ def for_job(
             fix="use distributed.strategy: ddp (every GPU holds the quantized base, which is what QLoRA saves)",
         )
     return FSDPStrategy(
-        env, device, dtype, spec.distributed.fsdp.reshard_after_forward, spec.distributed.fsdp.cpu_offload
+        env,
+        device,
+        dtype,
+        spec.distributed.fsdp.reshard_after_forward,
+        spec.distributed.fsdp.cpu_offload,
+        # each rank uploads its own shards to an s3:// output as soon as ``save`` returns: they must be written
+        async_save=spec.training.checkpoint_async and not spec.output.uri.startswith("s3://"),
     )
 
 
@@ -182,9 +196,21 @@ class DDPStrategy:
     name = "ddp"
     sharded = False
 
-    def __init__(self, env: DistEnv, device: torch.device, *, bucket_view: bool = True, sparse_embedding: bool = True):
-        """``bucket_view`` and ``sparse_embedding`` exist to measure them (benchmarks/step_ablation.py)."""
+    def __init__(
+        self,
+        env: DistEnv,
+        device: torch.device,
+        *,
+        bucket_view: bool = True,
+        sparse_embedding: bool = True,
+        async_save: bool = False,
+    ):
+        """``bucket_view`` and ``sparse_embedding`` exist to measure them (benchmarks/step_ablation.py).
+        ``async_save``: ``save`` returns a copy of the state in host memory, which the writer writes in the
+        background while the next steps change the live one (``checkpoint.PENDING``); False: the optimizer's live
+        state, written before the next step."""
         self.env, self.device = env, device
+        self.async_save = async_save
         self.bucket_view, self.sparse_embedding = bucket_view, sparse_embedding
         self.model: torch.nn.Module | None = None  # set by wrap()
         self.wrapped: torch.nn.Module | None = None
@@ -234,10 +260,17 @@ class DDPStrategy:
     def save(self, directory: Path | None, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         if not self.is_writer:
             return {}
-        return {"model": checkpoint.trainable_state(self._model()), "optimizer": optimizer.state_dict()}
+        model = checkpoint.trainable_state(self._model())  # a copy already
+        if not self.async_save:
+            return {"model": model, "optimizer": optimizer.state_dict()}
+        # the optimizer's tensors are the live ones, which the next step updates in place
+        return {"model": model, "optimizer": snapshot(optimizer.state_dict()), checkpoint.PENDING: _nothing}
 
     def shard_files(self, directory: Path) -> list[Path]:
         return []
+
+    def wait_saved(self) -> None:
+        pass  # the writer rank's whole checkpoint is the store's (``CheckpointStore.wait``)
 
     def load(self, directory: Path, saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
         if saved.get("sharded"):
@@ -298,10 +331,12 @@ class FSDPStrategy:
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
         mixed_precision: bool | None = None,
+        async_save: bool = False,
     ):
         """``mixed_precision``: compute with weights in ``dtype`` and reduce gradients in fp32 (FSDP2's
         ``MixedPrecisionPolicy``); None: on a CUDA device with a ``dtype`` other than fp32 (a test sets True on a
-        CPU, where torch computes with bf16 weights as well)."""
+        CPU, where torch computes with bf16 weights as well). ``async_save``: ``save`` copies the shards into host
+        memory and writes them in the background (DCP's ``async_save``)."""
         if cpu_offload and device.type != "cuda":
             raise KubetuneError(
                 f"FSDP CPU offload moves GPU state to the host, and this worker trains on {device.type}",
@@ -313,6 +348,9 @@ class FSDPStrategy:
         if mixed_precision is None:
             mixed_precision = device.type == "cuda" and dtype != torch.float32
         self.mixed_precision = mixed_precision
+        self.async_save = async_save
+        self._saving: Future[Any] | None = None  # this rank's shards of the checkpoint in flight (async_save)
+        self._save_group: Any = None  # the gloo group of DCP's background collectives (made at the first save)
         self.model: torch.nn.Module | None = None  # set by build()
         self._root: FSDPModule | None = None  # the same object as ``model``, as fully_shard returns it
         self.make: MakeModel | None = None
@@ -393,16 +431,55 @@ class FSDPStrategy:
         return {"model": model_sd, "optimizer": optim_sd}
 
     def save(self, directory: Path | None, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
         if directory is None:  # only an unsharded strategy is given none (the trainer stages a directory for shards)
             raise ValueError("FSDPStrategy.save writes its shards into a directory, and none was given")
-        dcp.save(self._state(optimizer), checkpoint_id=directory / self.SHARDS)
-        return {"sharded": "dcp"}
+        self.wait_saved()
+        if not self.async_save:
+            dcp.save(self._state(optimizer), checkpoint_id=directory / self.SHARDS)
+            return {"sharded": "dcp"}
+        if self._save_group is None:
+            # DCP's background thread gathers the ranks' write results while the training thread runs the step's
+            # collectives: two threads must not share a group (their calls would pair across ranks in any order)
+            self._save_group = dist.new_group(backend="gloo")
+        # Copies every shard into host memory (DCP's default stager) before it returns; a thread writes them.
+        saving = dcp.async_save(
+            self._state(optimizer), checkpoint_id=directory / self.SHARDS, process_group=self._save_group
+        )
+        if not isinstance(saving, Future):  # an AsyncSaveResponse: only with a stager that stages in the background
+            raise RuntimeError(f"dcp.async_save returned {type(saving).__name__}, not a Future")
+        self._saving = saving
+        return {"sharded": "dcp", checkpoint.PENDING: lambda: self._written(saving, directory)}
+
+    def _written(self, saving: Future[Any], directory: Path) -> None:
+        """The writer's background thread: until DCP's save is done (every rank's shards and the metadata, which the
+        coordinator writes last), then that every file the metadata names is there: a rank that wrote to another
+        node's disk leaves a checkpoint that must not be completed."""
+        import torch.distributed.checkpoint as dcp
+
+        saving.result()
+        shards = directory / self.SHARDS
+        names = {info.relative_path for info in dcp.FileSystemReader(shards).read_metadata().storage_data.values()}
+        lost = sorted(n for n in names if not (shards / n).exists())
+        if lost:
+            raise KubetuneError(
+                f"the checkpoint shards {lost} are not in {shards}: their ranks write to another node's disk",
+                field="output.uri",
+                fix="on several nodes, put the output on storage every node shares (a ReadWriteMany PVC) or s3://",
+            )
 
     def shard_files(self, directory: Path) -> list[Path]:
+        if self.async_save:
+            return []  # still being written: the writer checks them once they are (``_written``)
         # DCP's file writer names each rank's files __<rank>_<n>.distcp; .metadata is the coordinator's
         return sorted((directory / self.SHARDS).glob(f"__{self.env.rank}_*.distcp"))
+
+    def wait_saved(self) -> None:
+        saving, self._saving = self._saving, None
+        if saving is not None:
+            saving.result()
 
     def load(self, directory: Path, saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
         import torch.distributed.checkpoint as dcp
@@ -524,6 +601,10 @@ def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
         return []
     biggest = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
     return list(biggest)
+
+
+def _nothing() -> None:
+    """The ``checkpoint.PENDING`` of a checkpoint whose whole state the writer holds: nothing to wait for."""
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
