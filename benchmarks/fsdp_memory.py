@@ -106,7 +106,7 @@ class MemoryCgroup:
             self.path.rmdir()
 
 
-# The allocator setting FSDP makes on a CPU (training.strategy.return_freed_memory), given to DDP
+# The allocator setting FSDP makes on a CPU (training.runtime.return_freed_memory), given to DDP
 # through glibc's environment so that the two are compared on the same allocator policy too.
 HEAP_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
 STRATEGIES = ("ddp", "ddp+heap", "fsdp")

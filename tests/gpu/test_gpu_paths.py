@@ -369,7 +369,7 @@ def test_compiled_blocks_equal_eager_for_packed_and_padded_batches():
     from kubetune.data import Batch
     from kubetune.tasks import attention
     from kubetune.tasks.causal_lm import task as causal_lm
-    from kubetune.training.strategy import compile_blocks
+    from kubetune.training.runtime import compile_blocks
 
     eager = _tiny(attn=attention.register())
     compiled = copy.deepcopy(eager)

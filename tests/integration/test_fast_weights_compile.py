@@ -64,7 +64,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     from kubetune.distributed import DistEnv
     from kubetune.tasks.causal_lm import task as causal_lm
-    from kubetune.training import strategy
+    from kubetune.training import runtime, strategy
 
     env = DistEnv(rank=rank, local_rank=rank, world_size=2, local_world_size=2)
     losses: dict[str, list[float]] = {}
@@ -73,7 +73,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         s = strategy.FSDPStrategy(env, torch.device("cpu"), torch.float32)
         model = s.build(_tiny)
         if mode == "compiled":  # after sharding, in place, as build._model does
-            assert strategy.compile_blocks(model, backend="aot_eager") == 2
+            assert runtime.compile_blocks(model, backend="aot_eager") == 2
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         losses[mode] = []
         for micro in _steps(rank):

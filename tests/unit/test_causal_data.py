@@ -283,7 +283,7 @@ def test_compiled_blocks_equal_eager_and_compile_once_for_all_packed_lengths(tok
 
     from kubetune.tasks import attention
     from kubetune.tasks.causal_lm import task as causal_lm
-    from kubetune.training.strategy import compile_blocks
+    from kubetune.training.runtime import compile_blocks
 
     cfg = AutoConfig.from_pretrained(TINY)
     rows = [encode_record({"text": t}, tok, 64, train_on_prompt=False) for t in PACKED_TEXTS]

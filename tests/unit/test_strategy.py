@@ -17,7 +17,7 @@ from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
 from kubetune.tasks.causal_lm import task as causal_lm
 from kubetune.tasks.classify import task as classify
-from kubetune.training import strategy
+from kubetune.training import runtime, strategy
 from kubetune.training.state import TrainState
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,9 +55,9 @@ def test_a_meta_build_has_the_modules_and_no_weights():
 
 def test_transformer_blocks_are_the_repeated_layers():
     llama = _meta_llama()
-    assert strategy.transformer_blocks(llama) == list(llama.model.layers)
+    assert runtime.transformer_blocks(llama) == list(llama.model.layers)
     lora = _meta_llama(lora__r=4)
-    blocks = strategy.transformer_blocks(lora)
+    blocks = runtime.transformer_blocks(lora)
     assert len(blocks) == 2 and all(type(b).__name__ == "LlamaDecoderLayer" for b in blocks)
 
 
@@ -169,7 +169,7 @@ def test_the_classifier_builds_on_meta_with_its_labels():
     )
     model = classify.build_model(spec, model_dir, data, torch.device("cpu"), torch.float32, META)
     assert model.config.num_labels == 3 and all(p.is_meta for p in model.parameters())
-    assert len(strategy.transformer_blocks(model)) == model.config.num_hidden_layers
+    assert len(runtime.transformer_blocks(model)) == model.config.num_hidden_layers
 
 
 def test_a_meta_build_draws_no_random_numbers():
@@ -189,14 +189,14 @@ HEAP_PROBE = """
 import sys
 import torch
 from kubetune.distributed import DistEnv
-from kubetune.training import strategy
+from kubetune.training import runtime, strategy
 
 def rss_mib():
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 
 strategy.FSDPStrategy(DistEnv(), torch.device("cpu"), torch.float32)  # its constructor changes nothing
-strategy.allocator_policy(sys.argv[1], torch.device("cpu"))  # what the trainer sets once it has chosen
+runtime.allocator_policy(sys.argv[1], torch.device("cpu"))  # what the trainer sets once it has chosen
 x = torch.ones(8 << 20, dtype=torch.uint8)  # one freed 8 MiB block: glibc's threshold grows past 4 MiB
 del x
 blocks = [torch.ones(4 << 20, dtype=torch.uint8) for _ in range(100)]

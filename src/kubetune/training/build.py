@@ -29,8 +29,8 @@ from kubetune.distributed import DistEnv
 from kubetune.errors import KubetuneError
 from kubetune.tasks.base import Prepared, Task
 from kubetune.tasks.common import load_tokenizer
+from kubetune.training import runtime, trainer_status
 from kubetune.training import strategy as strategies
-from kubetune.training import trainer_status
 from kubetune.training.events import LOG_EVENTS_ENV, EventBus, EventFile, HumanLog, Subscriber
 from kubetune.training.guard import FiniteGuard
 from kubetune.training.hooks import Checkpointing, Evaluation, Hook
@@ -192,13 +192,13 @@ def _model(
     seed_everything(cfg.seed)
     resumed = saved.get("strategy", "ddp") if saved else None
     strategy = strategy or strategies.for_job(spec, env, device, dtype, make, resumed)
-    strategies.allocator_policy(strategy.name, device)  # before the model's first allocation
+    runtime.allocator_policy(strategy.name, device)  # before the model's first allocation
     model = strategy.build(make)
     if cfg.compile:
         # In place (nn.Module.compile), so under fsdp as well, after fully_shard: a compiled block keeps its
         # FSDP2 hooks, which run outside the graph (torch._dynamo.config.skip_fsdp_hooks), as torchtitan's blocks
         # compiled before sharding do.
-        log.info("training.compile: compiled %d transformer blocks", strategies.compile_blocks(model))
+        log.info("training.compile: compiled %d transformer blocks", runtime.compile_blocks(model))
     wrapped = strategy.wrap(model)
     # Dropout differs per rank; the stream is still a pure function of (seed, rank).
     seed_everything(cfg.seed + 1000 * (env.rank + 1))
