@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import json
 import logging
+from operator import itemgetter
 from typing import cast
 
 import numpy as np
@@ -333,8 +334,8 @@ def _labelled(ids: list[int], offsets, spans, max_length: int, train_on_prompt: 
     ids = ids[:max_length]
     if train_on_prompt:
         return ids, list(ids), max(len(ids) - 1, 0)
-    starts = [start for start, _ in offsets[:max_length]]
-    if not spans or any(b < a for a, b in zip(starts, starts[1:])):
+    starts = list(map(itemgetter(0), offsets[:max_length]))
+    if not spans or starts != sorted(starts):  # sorted: a linear pass over a list already in order
         return _labelled_mask(ids, starts, spans)
     labels = [IGNORE] * len(ids)
     targets = 0
