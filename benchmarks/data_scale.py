@@ -457,7 +457,7 @@ def run_datasets(inp: Input, work: Path, timeout: float, limit_mib: float) -> Ru
     cmd = [sys.executable, str(Path(__file__).resolve()), "--datasets-child", inp.fmt, str(inp.path), str(result)]
     got = measure(cmd, base_env(work), timeout, limit_mib, {"ready": re.compile(READY)})
     w = got["watcher"]
-    run = Run(inp.fmt, inp.mb, inp.bytes, inp.rows, "datasets", 1, got["status"], total_s=got["total"])
+    run = Run(inp.fmt, inp.mb, inp.bytes, inp.rows, "datasets", 1, status=got["status"], total_s=got["total"])
     run.tree_anon_mib, run.tree_file_mib = w.tree_anon_kib / 1024, w.tree_file_kib / 1024
     run.cpu_s, run.other_cpu_s, run.marks = got["cpu"], got["other_cpu"], got["seen"]
     peaks = list(w.peak_kib.values())
