@@ -91,6 +91,8 @@ FIRST_STEP = re.compile(r"\[rank 0\] INFO progress: step=1/")
 # Where a run's time goes after its step (recorded in the JSON): the final evaluation, the end of the run.
 EVALUATED = re.compile(r"\[rank 0\] INFO epoch \d+, step \d+: eval_loss")
 DONE = re.compile(r"\[rank 0\] INFO done: ")
+# Rank 0's first line: the launcher's preflight (which reads and normalizes the data) is over, a worker is up.
+WORKER = re.compile(r"\[rank 0\] INFO ")
 READY = "DATA-SCALE-READY"  # what the datasets process prints when its tokenized dataset is ready
 
 
@@ -198,7 +200,7 @@ def _status_kib(pid: int) -> dict[str, int]:
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith(("VmHWM:", "VmRSS:", "RssAnon:")):
+                if line.startswith(("VmHWM:", "VmRSS:", "RssAnon:", "RssFile:")):
                     name, kib = line.split()[:2]
                     values[name[:-1]] = int(kib)
     except OSError:
@@ -221,12 +223,15 @@ class TreeWatcher(threading.Thread):
         # VmHWM counts (the kernel reclaims those under pressure; they are the page cache, not the process)
         self.anon_kib: dict[int, int] = {}
         self.cmdline: dict[int, str] = {}
+        # the whole tree's anonymous and file-backed resident memory, summed over its processes at each poll:
+        # the largest sums seen (KiB)
+        self.tree_anon_kib = self.tree_file_kib = 0
         self.over_limit = False
         self.done = threading.Event()
 
     def run(self) -> None:
         while not self.done.is_set():
-            resident = 0
+            resident = anon = mapped = 0
             for pid in _tree(self.root):
                 status = _status_kib(pid)
                 if "VmHWM" not in status:  # gone, or a zombie
@@ -234,11 +239,14 @@ class TreeWatcher(threading.Thread):
                 self.peak_kib[pid] = max(self.peak_kib.get(pid, 0), status["VmHWM"])
                 self.anon_kib[pid] = max(self.anon_kib.get(pid, 0), status.get("RssAnon", 0))
                 resident += status["VmRSS"]
+                anon += status.get("RssAnon", 0)
+                mapped += status.get("RssFile", 0)
                 if pid not in self.cmdline:
                     try:
                         self.cmdline[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
                     except OSError:
                         self.cmdline[pid] = ""
+            self.tree_anon_kib, self.tree_file_kib = max(self.tree_anon_kib, anon), max(self.tree_file_kib, mapped)
             if resident / 1024 > self.limit_mib and not self.over_limit:
                 self.over_limit = True
                 stop_tree(self.root)
@@ -283,8 +291,12 @@ class Run:
     rows: int
     tool: str  # kubetune | datasets
     procs: int
+    code: str = "this"  # kubetune's code: this tree's, or --before's ("before")
+    cache: str = "empty"  # the tokenization cache at the start: empty, or warm (left by the run before it)
     status: str = "ok"  # ok, timeout, over the memory limit, failed (exit code)
     one_core: bool = False  # the run's processes (and their pool) pinned to one CPU
+    tree_anon_mib: float | None = None  # the whole process tree's RssAnon, summed at each poll: the peak sum
+    tree_file_mib: float | None = None  # ... and its RssFile (memory-mapped files: Arrow, libraries)
     worker_peak_mib: float | None = None  # the largest worker's VmHWM (the datasets process itself)
     launcher_peak_mib: float | None = None  # kubetune's launcher (`kubetune run`, which reads the data too)
     worker_anon_mib: float | None = None  # the largest worker's sampled RssAnon (memory-mapped files left out)
@@ -374,20 +386,32 @@ def _cpu_times() -> tuple[float, float, float]:
     )
 
 
-def base_env(work: Path) -> dict:
+def base_env(work: Path, src: Path = SRC) -> dict:
     return {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
-        # this tree's kubetune first, in this process and in the launcher's workers
-        "PYTHONPATH": os.pathsep.join([str(SRC), *filter(None, [os.environ.get("PYTHONPATH")])]),
+        # the kubetune measured (this tree's, or --before's) first, in this process and in the launcher's workers
+        "PYTHONPATH": os.pathsep.join([str(src), *filter(None, [os.environ.get("PYTHONPATH")])]),
         "HF_DATASETS_CACHE": str(work / "hf-datasets"),
     }
 
 
-def run_kubetune(inp: Input, procs: int, work: Path, timeout: float, limit_mib: float, one_core: bool = False) -> Run:
-    out, cache = work / "out", work / "kubetune-cache"
-    env = {**base_env(work), "KUBETUNE_CACHE": str(cache)}
+def run_kubetune(
+    inp: Input,
+    procs: int,
+    work: Path,
+    timeout: float,
+    limit_mib: float,
+    one_core: bool = False,
+    src: Path = SRC,
+    cache: Path | None = None,
+) -> Run:
+    """One ``kubetune run`` of the input with the code in ``src``; with ``cache``, that tokenization cache
+    (kept: a later run reuses it), else an empty one in ``work``."""
+    out, warm = work / "out", cache is not None and cache.exists()
+    cache = cache or work / "kubetune-cache"
+    env = {**base_env(work, src), "KUBETUNE_CACHE": str(cache)}
     overrides = {
         "data.train": str(inp.path),
         "training.max_steps": 1,
@@ -404,10 +428,13 @@ def run_kubetune(inp: Input, procs: int, work: Path, timeout: float, limit_mib: 
     cmd = [sys.executable, "-m", "kubetune", "run", str(SPECS[inp.fmt])]
     for key, value in overrides.items():
         cmd += ["--set", f"{key}={value}"]
-    marks = {"data": DATA_READY, "step": FIRST_STEP, "evaluated": EVALUATED, "done": DONE}
+    marks = {"worker": WORKER, "data": DATA_READY, "step": FIRST_STEP, "evaluated": EVALUATED, "done": DONE}
     got = measure(cmd, env, timeout, limit_mib, marks, one_core)
     w = got["watcher"]
-    run = Run(inp.fmt, inp.mb, inp.bytes, inp.rows, "kubetune", procs, got["status"], one_core, total_s=got["total"])
+    run = Run(inp.fmt, inp.mb, inp.bytes, inp.rows, "kubetune", procs, total_s=got["total"])
+    run.status, run.one_core, run.cache = got["status"], one_core, "warm" if warm else "empty"
+    run.code = "this" if src == SRC else "before"
+    run.tree_anon_mib, run.tree_file_mib = w.tree_anon_kib / 1024, w.tree_file_kib / 1024
     run.cpu_s, run.other_cpu_s, run.marks = got["cpu"], got["other_cpu"], got["seen"]
     workers = w.peaks_mib("kubetune.pod.worker")
     run.worker_peak_mib = max(workers) if workers else None
@@ -430,7 +457,8 @@ def run_datasets(inp: Input, work: Path, timeout: float, limit_mib: float) -> Ru
     cmd = [sys.executable, str(Path(__file__).resolve()), "--datasets-child", inp.fmt, str(inp.path), str(result)]
     got = measure(cmd, base_env(work), timeout, limit_mib, {"ready": re.compile(READY)})
     w = got["watcher"]
-    run = Run(inp.fmt, inp.mb, inp.bytes, inp.rows, "datasets", 1, got["status"], total_s=got["total"])
+    run = Run(inp.fmt, inp.mb, inp.bytes, inp.rows, "datasets", 1, status=got["status"], total_s=got["total"])
+    run.tree_anon_mib, run.tree_file_mib = w.tree_anon_kib / 1024, w.tree_file_kib / 1024
     run.cpu_s, run.other_cpu_s, run.marks = got["cpu"], got["other_cpu"], got["seen"]
     peaks = list(w.peak_kib.values())
     own = json.loads(result.read_text())["vmhwm_mib"] if result.exists() else 0.0  # exact, read at its end
@@ -491,17 +519,19 @@ def markdown(runs: list[Run], meta: dict) -> str:
         "`python benchmarks/data_scale.py " + " ".join(meta["argv"]) + "`",
         "",
         "| input | tool | processes | peak RSS per process (MiB) | of it anonymous (MiB) | launcher peak RSS (MiB) "
-        "| tokenization pool peak RSS (MiB) | data ready (s) | time to first step (s) | total (s) "
+        "| tokenization pool peak RSS (MiB) | process tree peak, anonymous / file-backed (MiB) | data ready (s) "
+        "| rows/s per core to data ready | time to first step (s) | total (s) "
         "| CPU s: the run / other processes | status |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in runs:
         lines.append(
-            f"| {r.fmt}, {r.bytes / MIB:,.1f} MiB, {r.rows:,} rows | {r.tool} "
+            f"| {r.fmt}, {r.bytes / MIB:,.1f} MiB, {r.rows:,} rows | {_label(r)} "
             f"| {r.procs}{' (1 core)' if r.one_core else ''} "
             f"| {_fmt(r.worker_peak_mib)} "
             f"| {_fmt(r.worker_anon_mib)} | {_fmt(r.launcher_peak_mib)} | {_fmt(r.pool_peak_mib)} "
-            f"| {_fmt(r.data_ready_s, 1)} | {_fmt(r.first_step_s, 1)} "
+            f"| {_fmt(r.tree_anon_mib)} / {_fmt(r.tree_file_mib)} "
+            f"| {_fmt(r.data_ready_s, 1)} | {_fmt(per_core(r))} | {_fmt(r.first_step_s, 1)} "
             f"| {_fmt(r.total_s, 1)} | {_fmt(r.cpu_s)} / {_fmt(r.other_cpu_s)} | {r.status} |"
         )
     lines += [
@@ -514,6 +544,12 @@ def markdown(runs: list[Run], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def per_core(run: Run) -> float | None:
+    """The input's rows per second to data ready, per CPU the run could use (its processes share them)."""
+    cores = 1 if run.one_core else len(os.sched_getaffinity(0))
+    return run.rows / run.data_ready_s / cores if run.data_ready_s else None
+
+
 def ratios(runs: list[Run]) -> list[str]:
     """The issue's three ratios, each against its goal, where the runs they need finished."""
     ok = [r for r in runs if r.status == "ok"]
@@ -521,9 +557,9 @@ def ratios(runs: list[Run]) -> list[str]:
     sizes = sorted({r.mb for r in ok})
     if len(sizes) > 1:
         out.append(f"Peak RSS growth from {sizes[0]:g} to {sizes[-1]:g} MiB of input (goal: within 300 MiB):")
-        for key in sorted({(r.fmt, r.tool, r.procs, r.one_core) for r in ok}):
+        for key in sorted({(r.fmt, r.tool, r.procs, r.one_core, r.code, r.cache) for r in ok}):
             small, large = (
-                next((r for r in ok if (r.fmt, r.tool, r.procs, r.one_core, r.mb) == (*key, mb)), None)
+                next((r for r in ok if (r.fmt, r.tool, r.procs, r.one_core, r.code, r.cache, r.mb) == (*key, mb)), None)
                 for mb in (sizes[0], sizes[-1])
             )
             if small and large and small.worker_peak_mib and large.worker_peak_mib:
@@ -538,8 +574,9 @@ def ratios(runs: list[Run]) -> list[str]:
                     launcher = f", anonymous {large.worker_anon_mib - small.worker_anon_mib:+,.0f} MiB" + launcher
                 if large.pool_peak_mib:  # 1 process: its pool's processes tokenize (the small input may have none)
                     launcher += f", tokenization pool process peak {large.pool_peak_mib:,.0f} MiB"
+                core = " on 1 core" if key[3] else ""
                 out.append(
-                    f"- {key[0]}, {key[1]}, {key[2]} process(es){' on 1 core' if key[3] else ''}: {grow:+,.0f} MiB "
+                    f"- {key[0]}, {_label(large)}, {key[2]} process(es){core}: {grow:+,.0f} MiB "
                     f"per process ({goal}){launcher}"
                 )
         out.append("")
@@ -550,21 +587,25 @@ def ratios(runs: list[Run]) -> list[str]:
             ratio = r.first_step_s / ds.first_step_s
             goal = "met" if ratio <= 1 else "not met"
             core = " on 1 core" if r.one_core else ""
-            out.append(f"- {r.fmt} {r.mb:g} MiB, {r.procs} process(es){core}: {ratio:.2f} ({goal})")
+            out.append(f"- {r.fmt} {r.mb:g} MiB, {_label(r)}, {r.procs} process(es){core}: {ratio:.2f} ({goal})")
     out += ["", "kubetune, 2 processes' time to first step ÷ 1 process's (goal: at most 0.6):"]
     for r in ok:
         one = next(
             (
                 o
                 for o in ok
-                if o.tool == "kubetune" and o.procs == 1 and not o.one_core and (o.fmt, o.mb) == (r.fmt, r.mb)
+                if o.tool == "kubetune"
+                and o.procs == 1
+                and not o.one_core
+                and (o.fmt, o.mb, o.code, o.cache) == (r.fmt, r.mb, r.code, r.cache)
             ),
             None,
         )
-        if r.tool == "kubetune" and r.procs == 2 and one and r.first_step_s and one.first_step_s:
+        if r.tool == "kubetune" and r.procs == 2 and r.cache == "empty" and one and r.first_step_s and one.first_step_s:
             ratio = r.first_step_s / one.first_step_s
             goal = "met" if ratio <= 0.6 else "not met"
-            out.append(f"- {r.fmt} {r.mb:g} MiB: {ratio:.2f} ({goal})")
+            out.append(f"- {r.fmt} {r.mb:g} MiB, {_label(r)}: {ratio:.2f} ({goal})")
+    out += _paired(ok)
     # 1 process already tokenizes on every core (its pool), so 2 processes gain little over it; what
     # every core gains is measured against 1 process pinned to one CPU (--one-core)
     pinned = [r for r in ok if r.tool == "kubetune" and r.one_core and r.first_step_s]
@@ -577,12 +618,61 @@ def ratios(runs: list[Run]) -> list[str]:
         every = [
             r.first_step_s
             for r in ok
-            if r.tool == "kubetune" and not r.one_core and r.first_step_s and (r.fmt, r.mb) == (p.fmt, p.mb)
+            if r.tool == "kubetune"
+            and not r.one_core
+            and r.first_step_s
+            and (r.fmt, r.mb, r.code, r.cache) == (p.fmt, p.mb, p.code, "empty")
         ]
         if every:
             ratio = min(every) / p.first_step_s
-            out.append(f"- {p.fmt} {p.mb:g} MiB: {ratio:.2f} ({'met' if ratio <= 0.6 else 'not met'})")
+            out.append(f"- {p.fmt} {p.mb:g} MiB, {_label(p)}: {ratio:.2f} ({'met' if ratio <= 0.6 else 'not met'})")
     return out
+
+
+def _paired(ok: list[Run]) -> list[str]:
+    """This code's time to first step ÷ --before's (the same input, processes and cache), and each code's
+    runs on a warm tokenization cache ÷ its run on an empty one (--reuse)."""
+    out = []
+    for r in ok:
+        if r.tool != "kubetune" or r.code != "this" or r.one_core:
+            continue
+        old = next((o for o in ok if o.code == "before" and _same(o, r) and o.cache == r.cache), None)
+        if old and r.first_step_s and old.first_step_s:
+            if not out:
+                out += ["", "This code's time to first step ÷ --before's (lower is faster):"]
+            out.append(
+                f"- {r.fmt} {r.mb:g} MiB, {r.procs} process(es), {r.cache} cache: "
+                f"{r.first_step_s / old.first_step_s:.2f}"
+            )
+    warm = [r for r in ok if r.tool == "kubetune" and r.cache == "warm" and r.first_step_s]
+    if warm:
+        out += ["", "Time to first step on the cache a fresh run of as many or more processes left ÷ that fresh run's:"]
+    for r in warm:
+        fresh = max(
+            (
+                o
+                for o in ok
+                if o.tool == "kubetune"
+                and o.cache == "empty"
+                and o.code == r.code
+                and not o.one_core
+                and (o.fmt, o.mb) == (r.fmt, r.mb)
+                and o.first_step_s
+            ),
+            key=lambda o: o.procs,
+            default=None,
+        )
+        if fresh and fresh.first_step_s:
+            out.append(
+                f"- {r.fmt} {r.mb:g} MiB, {_label(r)}, {r.procs} process(es) after {fresh.procs}: "
+                f"{r.first_step_s / fresh.first_step_s:.2f} "
+                f"({r.first_step_s:.1f} s; data ready {_fmt(r.data_ready_s, 1)} s)"
+            )
+    return out
+
+
+def _same(a: Run, b: Run) -> bool:
+    return (a.fmt, a.mb, a.tool, a.procs, a.one_core) == (b.fmt, b.mb, b.tool, b.procs, b.one_core)
 
 
 def machine() -> dict:
@@ -614,6 +704,40 @@ def machine() -> dict:
 # ---------------------------------------------------------------- main
 
 
+def plan(args, procs: list[int]) -> list[tuple[str, int, bool, Path, str]]:
+    """The runs of one input, in order: (tool, processes, on one core, kubetune's src, the name of the
+    tokenization cache it keeps for the next runs, or "" for an empty one of its own).
+
+    With --before, every kubetune run is made with both codes, one after the other, the order swapped from
+    one run to the next (a machine that is shared changes its pace over minutes). With --reuse, after the
+    fresh runs, each code runs again on the cache its largest fresh run left: on as many processes (a second
+    run) and on 1 (another world size)."""
+    codes = [SRC] if args.before is None else [args.before / "src" if (args.before / "src").is_dir() else args.before]
+    codes += [SRC] if args.before is not None else []
+    jobs: list[tuple[str, int, bool, Path, str]] = [] if args.no_datasets else [("datasets", 1, False, SRC, "")]
+    most = max(procs)
+    turn = 0
+    for n, one_core in [(n, False) for n in procs] + ([(1, True)] if args.one_core else []):
+        for src in codes if turn % 2 == 0 else codes[::-1]:
+            keep = f"{'this' if src == SRC else 'before'}" if args.reuse and n == most and not one_core else ""
+            jobs.append(("kubetune", n, one_core, src, keep))
+        turn += 1
+    if args.reuse:
+        for n in (most, 1):
+            for src in codes if turn % 2 == 0 else codes[::-1]:
+                jobs.append(("kubetune", n, False, src, "this" if src == SRC else "before"))
+            turn += 1
+    return jobs
+
+
+def _label(run: Run) -> str:
+    """The table's name of a run's tool: kubetune's with the code and the cache it started from."""
+    if run.tool != "kubetune":
+        return run.tool
+    extra = [w for w, on in (("before", run.code == "before"), ("warm cache", run.cache == "warm")) if on]
+    return f"kubetune ({', '.join(extra)})" if extra else "kubetune"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="50,500,2000", help="input sizes in MiB, comma-separated")
@@ -642,6 +766,17 @@ def main() -> None:
         default=0.85 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
         help="a run's processes together above this are stopped (default: 85%% of this machine's memory)",
     )
+    ap.add_argument(
+        "--before",
+        type=Path,
+        help="another checkout (or its src/): every kubetune run is also made with its code, alternating, so "
+        "that before and after are measured in one run on the same machine",
+    )
+    ap.add_argument(
+        "--reuse",
+        action="store_true",
+        help="then run again on the tokenization cache the largest run left: on as many processes and on 1",
+    )
     ap.add_argument("--datasets-child", nargs=3, help=argparse.SUPPRESS)  # FMT PATH RESULT: the datasets process
     args = ap.parse_args()
     if args.datasets_child:
@@ -669,23 +804,24 @@ def main() -> None:
         for mb in sizes:
             for fmt in formats:
                 inp = make_input(fmt, mb, data_dir)
-                jobs = [] if args.no_datasets else [("datasets", 1, False)]
-                jobs += [("kubetune", n, False) for n in procs]
-                jobs += [("kubetune", 1, True)] if args.one_core else []
-                for tool, n, one_core in jobs:
-                    # every run gets empty caches and an empty output, removed after it (they grow with the input)
+                reuse = Path(tempfile.mkdtemp(prefix="kubetune-data-scale-reuse-"))  # --reuse's caches, per code
+                for tool, n, one_core, src, cache in plan(args, procs):
+                    # every run gets empty caches and an empty output, removed after it (they grow with the input),
+                    # but --reuse's, whose tokenization cache the next runs of the same code start from
                     work = Path(tempfile.mkdtemp(prefix="kubetune-data-scale-run-"))
                     try:
                         if tool == "datasets":
                             run = run_datasets(inp, work, args.timeout, limit_mib)
                         else:
-                            run = run_kubetune(inp, n, work, args.timeout, limit_mib, one_core)
+                            kept = reuse / cache if cache else None
+                            run = run_kubetune(inp, n, work, args.timeout, limit_mib, one_core, src, kept)
                     finally:
                         shutil.rmtree(work, ignore_errors=True)
                     runs.append(run)
                     save()
                     print(
-                        f"{fmt} {inp.bytes / MIB:.0f} MiB {tool} x{n}{' on 1 core' if one_core else ''}: {run.status}; "
+                        f"{fmt} {inp.bytes / MIB:.0f} MiB {_label(run)} x{n}{' on 1 core' if one_core else ''}: "
+                        f"{run.status}; "
                         f"peak {_fmt(run.worker_peak_mib)} "
                         f"MiB/process, launcher {_fmt(run.launcher_peak_mib)} MiB; data {_fmt(run.data_ready_s, 1)} s, "
                         f"first step {_fmt(run.first_step_s, 1)} s, total {_fmt(run.total_s, 1)} s",
@@ -693,6 +829,7 @@ def main() -> None:
                     )
                     if run.tail:
                         print("\n".join(run.tail[-10:]), flush=True)
+                shutil.rmtree(reuse, ignore_errors=True)
     finally:
         if args.data_dir is None and not args.keep_data:
             shutil.rmtree(data_dir, ignore_errors=True)
