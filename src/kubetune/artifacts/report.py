@@ -118,6 +118,7 @@ def write_report(spec: JobSpec, metrics: dict, out: Path, present: Presentation,
         ("train loss (last 10% of logs)", metrics.get("train_loss")),
         ("train samples/s", metrics.get("train_samples_per_second")),
         ("train runtime (s)", metrics.get("train_runtime_s")),
+        *_phase_rows(metrics.get("phases") or {}),
         ("world size", metrics.get("world_size")),
         ("optimizer steps", metrics.get("global_step")),
         ("train / eval rows", f"{_train_rows(metrics)} / {metrics.get('eval_rows')}"),
@@ -205,6 +206,20 @@ def _confusion_html(labels: list, cm: list[list[int]]) -> str:
         for i, row in enumerate(cm)
     )
     return f"<h2>Confusion matrix (rows: true, columns: predicted)</h2><table><tr><th></th>{head}</tr>{body}</table>"
+
+
+# metrics.json's ``phases`` (``training.events.phases``), as the report names them
+PHASE_ROWS = {
+    "startup_s": "start-up: process start to model built (s)",
+    "data_s": "data: reading, tokenizing, first batch (s)",
+    "training_s": "training: first step to last (s)",
+    "export_s": "export: last step to artifacts written (s)",
+    "total_s": "whole run (s)",
+}
+
+
+def _phase_rows(phases: dict) -> list[tuple[str, object]]:
+    return [(label, phases[key]) for key, label in PHASE_ROWS.items() if key in phases]
 
 
 def fmt(v) -> str:
