@@ -196,13 +196,12 @@ def process_started(pid: int | str = "self") -> float:
     import time
 
     try:
-        # field 22 (after the command's parentheses, which may hold spaces): clock ticks after boot
+        # field 22 (after the command's parentheses, which may hold spaces): clock ticks after boot; against the
+        # uptime read beside the clock (/proc/stat's boot time is whole seconds: up to one second off)
         ticks = int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19])
-        boot = next(
-            float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime ")
-        )
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        now, uptime = time.time(), float(Path("/proc/uptime").read_text().split()[0])
+        return now - uptime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
         return time.time()
 
 
