@@ -142,13 +142,15 @@ def _checked_aside(job) -> str:
         try:
             import kubetune.backends.local.launcher  # noqa: F401 -- torch, imported while the child checks
 
-            action = child.communicate()[0].strip()
+            said = child.communicate()[0].splitlines()
         finally:
             if child.poll() is None:  # interrupted while it checked
                 child.kill()
                 child.wait()
     if child.returncode == 0:
-        return action
+        for line in said[:-1]:  # anything the checks printed (a library's notice) before their answer, the last line
+            typer.echo(line)
+        return said[-1].strip() if said else ""
     if child.returncode == 130:
         raise Interrupted()
     if child.returncode != 2:  # not a user error (the child said that one): a crash, its traceback above
