@@ -165,6 +165,7 @@ def run_trl(work: Path, out: Path, a) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(work / "model")
     trainer = GRPOTrainer(model=model, reward_funcs=digits, args=args, train_dataset=ds, processing_class=tokenizer)
     result = trainer.train()
+    trainer.save_model(str(out / "model"))  # as kubetune exports its model: part of the whole process
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     return {
         "train_s": result.metrics["train_runtime"],

@@ -190,8 +190,10 @@ def _train(trainer, counts: list[int]) -> dict:
     """Train a Hugging Face ``trainer`` whose collator appends each batch's tokens to ``counts``."""
     t = time.perf_counter()
     trainer.train()
+    train_s = time.perf_counter() - t
+    trainer.save_model(str(Path(trainer.args.output_dir) / "model"))  # as kubetune exports its model
     return {
-        "train_s": time.perf_counter() - t,
+        "train_s": train_s,
         "tokens": sum(counts),
         "steps": trainer.state.global_step,
         "peak_rss_mib": peak_rss_mib(),

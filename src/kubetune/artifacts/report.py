@@ -25,10 +25,9 @@ def plot(history: list[dict], out: Path, present: Presentation, metrics: dict | 
     """Write plots/train_loss.png, plots/eval_metrics.png (the task's eval curves, if any) and one
     PNG per step plot; return their paths. Every plot spans the run from step 0 to its last step, so
     a run that evaluated once shows one labelled point where it stands, not a lone dot on a zoomed axis."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # a Figure drawn by Agg directly: pyplot (its backends and figure manager, half a second more of a short run's
+    # export) is never needed to write a PNG
+    from matplotlib.figure import Figure
 
     (out / "plots").mkdir(exist_ok=True)
     last = max((h["step"] for h in history), default=1)
@@ -36,7 +35,8 @@ def plot(history: list[dict], out: Path, present: Presentation, metrics: dict | 
     evals = [h for h in history if h["type"] == "eval"]
 
     def figure(name: str, title: str, curves: list[tuple[str, list, list, str]], ylabel: str = "", style=None) -> Path:
-        fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
+        fig = Figure(figsize=(6.4, 3.6), dpi=100)
+        ax = fig.subplots()
         for label, xs, ys, fmt in curves:
             if len(xs) == 1:  # one point: its value and step in the legend
                 label = f"{label}: {ys[0]:.4g} at step {xs[0]}"
@@ -54,7 +54,6 @@ def plot(history: list[dict], out: Path, present: Presentation, metrics: dict | 
         fig.tight_layout()
         path = out / "plots" / f"{name}.png"
         fig.savefig(path)
-        plt.close(fig)
         return path
 
     def steps(records: list[dict], key: str) -> tuple[list, list]:
@@ -118,6 +117,7 @@ def write_report(spec: JobSpec, metrics: dict, out: Path, present: Presentation,
         ("train loss (last 10% of logs)", metrics.get("train_loss")),
         ("train samples/s", metrics.get("train_samples_per_second")),
         ("train runtime (s)", metrics.get("train_runtime_s")),
+        *_phase_rows(metrics.get("phases") or {}),
         ("world size", metrics.get("world_size")),
         ("optimizer steps", metrics.get("global_step")),
         ("train / eval rows", f"{_train_rows(metrics)} / {metrics.get('eval_rows')}"),
@@ -205,6 +205,20 @@ def _confusion_html(labels: list, cm: list[list[int]]) -> str:
         for i, row in enumerate(cm)
     )
     return f"<h2>Confusion matrix (rows: true, columns: predicted)</h2><table><tr><th></th>{head}</tr>{body}</table>"
+
+
+# metrics.json's ``phases`` (``training.events.phases``), as the report names them
+PHASE_ROWS = {
+    "startup_s": "start-up: process start to model built (s)",
+    "data_s": "data: reading, tokenizing, first batch (s)",
+    "training_s": "training: first step to last (s)",
+    "export_s": "export: last step to artifacts written (s)",
+    "total_s": "whole run (s)",
+}
+
+
+def _phase_rows(phases: dict) -> list[tuple[str, object]]:
+    return [(label, phases[key]) for key, label in PHASE_ROWS.items() if key in phases]
 
 
 def fmt(v) -> str:

@@ -66,7 +66,7 @@ def run(
         )
         job = resolve_data_paths(job, spec.parent)  # relative data paths: next to the spec file
         record = backend.record_run(job)  # what `kubetune status NAME` reads from another shell
-        if preflight and _preflight(job) == "done":
+        if preflight and _checked_aside(job) == "done":
             return
         backend.run(job, local_addr=local_addr)
     except KubetuneError as e:
@@ -112,6 +112,70 @@ def _after_stop(job, started: float) -> str:
         "checkpoint": "run the same command again to resume from the last checkpoint",
         "nothing": "no checkpoint was written yet, so running the same command again starts over",
     }[state]
+
+
+def _checked_aside(job) -> str:
+    """``_preflight`` in a child process, while this one imports torch's elastic launcher (seconds, in parallel);
+    returns its plan's action. Why a child: the checks import pandas, datasets and transformers and read the whole
+    data, which this process would otherwise hold (hundreds of MB) for the whole run while it only waits for its
+    workers. The child says its own error (one line) and dies with this process however it ends.
+
+    Raises:
+        typer.Exit: the checks failed (2: a user error, said by the child; 1: a crash, its traceback above).
+    """
+    import os
+    import subprocess
+    import tempfile
+
+    from kubetune.config import dump_spec
+    from kubetune.lifetime import PARENT_PID_ENV
+
+    with tempfile.TemporaryDirectory(prefix="kubetune-preflight-") as tmp:
+        spec_file = Path(tmp) / "job.yaml"
+        spec_file.write_text(dump_spec(job))
+        child = subprocess.Popen(
+            [sys.executable, "-c", "from kubetune.cli.run import _preflight_main; _preflight_main()", str(spec_file)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, PARENT_PID_ENV: str(os.getpid())},
+        )
+        try:
+            import kubetune.backends.local.launcher  # noqa: F401 -- torch, imported while the child checks
+
+            said = child.communicate()[0].splitlines()
+        finally:
+            if child.poll() is None:  # interrupted while it checked
+                child.kill()
+                child.wait()
+    if child.returncode == 0:
+        for line in said[:-1]:  # anything the checks printed (a library's notice) before their answer, the last line
+            typer.echo(line)
+        return said[-1].strip() if said else ""
+    if child.returncode == 130:
+        raise Interrupted()
+    if child.returncode != 2:  # not a user error (the child said that one): a crash, its traceback above
+        typer.echo(f"error: the checks before the run failed with exit code {child.returncode}", err=True)
+    raise typer.Exit(2 if child.returncode == 2 else 1)
+
+
+def _preflight_main() -> None:
+    """The child of ``_checked_aside``: ``_preflight`` on the spec file in ``sys.argv[1]``; prints the action on
+    stdout and exits 0, or says the error on one line and exits 2 (130 on Ctrl-C)."""
+    import os
+
+    from kubetune.config import load_spec
+    from kubetune.lifetime import PARENT_PID_ENV, die_with_parent
+
+    die_with_parent(int(os.environ.get(PARENT_PID_ENV, 0)) or None)
+    try:
+        print(_preflight(load_spec(Path(sys.argv[1]))), flush=True)
+    except KubetuneError as e:
+        try:
+            _fail(e)
+        except typer.Exit as done:
+            sys.exit(done.exit_code)
+    except KeyboardInterrupt:
+        sys.exit(130)
 
 
 def _preflight(job) -> str:

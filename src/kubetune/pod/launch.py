@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 
 from kubetune.errors import USER_ERROR_EXIT, KubetuneError
 from kubetune.lifetime import PARENT_PID_ENV
-from kubetune.training.events import LOG_EVENTS_ENV
+from kubetune.training.events import LOG_EVENTS_ENV, RUN_STARTED_ENV, process_started
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
@@ -143,6 +143,7 @@ def run(staged_spec_path: str) -> int:
         args.log_dir = args.log_dir or workdir
         os.environ[PARENT_PID_ENV] = str(os.getpid())  # the workers die with this launcher (kubetune.lifetime)
         os.environ[LOG_EVENTS_ENV] = "1"  # the workers' events go into the log, where `kubetune status` reads them
+        os.environ[RUN_STARTED_ENV] = repr(process_started())  # the workers' phases count from the pod's start
         with translated_failures():
             torchrun.run(args)
     except BaseException as e:  # noqa: BLE001 -- every way out becomes an exit code

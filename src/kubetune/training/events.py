@@ -176,3 +176,68 @@ class HumanLog:
 
     def close(self) -> None:
         pass
+
+
+# ---- the run's phases (metrics.json's ``phases``, the report's rows) ----
+
+# Set by kubetune's launchers for their workers (``kubetune run``, ``kubetune launch``): the wall-clock time (Unix
+# seconds) the launcher's process started, so that a worker's phases count the whole run, the launcher's own
+# start-up and checks included. A worker started otherwise counts from its own process's start.
+RUN_STARTED_ENV = "KUBETUNE_RUN_STARTED"
+PHASES = ("startup_s", "data_s", "training_s", "export_s", "total_s")
+# beside them: the part of start-up before this worker's process started (the launcher's imports and checks)
+LAUNCHER_S = "launcher_s"
+
+
+def process_started(pid: int | str = "self") -> float:
+    """The wall-clock time (Unix seconds) process ``pid`` started, from Linux's ``/proc``; elsewhere (or when
+    ``/proc`` cannot be read), now."""
+    import os
+    import time
+
+    try:
+        # field 22 (after the command's parentheses, which may hold spaces): clock ticks after boot; against the
+        # uptime read beside the clock (/proc/stat's boot time is whole seconds: up to one second off)
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19])
+        now, uptime = time.time(), float(Path("/proc/uptime").read_text().split()[0])
+        return now - uptime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
+def run_started(environ: dict[str, str] | None = None) -> float:
+    """When the run started, for this process's phases: its launcher's start (``RUN_STARTED_ENV``), else this
+    process's own."""
+    import os
+
+    value = (os.environ if environ is None else environ).get(RUN_STARTED_ENV, "")
+    try:
+        return float(value)
+    except ValueError:
+        return process_started()
+
+
+def phases(marks: dict[str, float]) -> dict[str, float]:
+    """Pure: a run's phases in seconds (``PHASES``) from the wall-clock times of its milestones.
+
+    ``marks``: ``started`` (the run's process started: ``run_started``), ``built`` (the trainer was built: data
+    prepared, model loaded and wrapped, optimizer made), ``first_step`` (the first step's batch is in hand),
+    ``last_step`` (the last step ended), ``end`` (the artifacts are written); optionally ``data_start`` and
+    ``data_end`` around reading and tokenizing the data inside the build, and ``worker`` (this worker's process
+    started: ``LAUNCHER_S`` is the time before it, part of start-up). Start-up is everything before the first
+    step that is not data: imports, the process group, the output, the model; data is reading and tokenizing
+    (when marked) plus waiting for the first batch; training runs from the first step to the last (evaluations
+    and checkpoints between included); export from the last step to the end (the final evaluation, the export,
+    the report).
+    """
+    prep = marks.get("data_end", 0.0) - marks.get("data_start", 0.0) if "data_start" in marks else 0.0
+    data = prep + marks["first_step"] - marks["built"]
+    out = {
+        "startup_s": marks["built"] - marks["started"] - prep,
+        "data_s": data,
+        "training_s": marks["last_step"] - marks["first_step"],
+        "export_s": marks["end"] - marks["last_step"],
+        "total_s": marks["end"] - marks["started"],
+        **({LAUNCHER_S: marks["worker"] - marks["started"]} if "worker" in marks else {}),
+    }
+    return {k: round(max(v, 0.0), 3) for k, v in out.items()}

@@ -34,7 +34,7 @@ from kubetune.distributed import DistEnv
 from kubetune.errors import AgreedError, KubetuneError
 from kubetune.tasks import base
 from kubetune.tasks.base import Prepared, Task
-from kubetune.training.events import Event, EventBus
+from kubetune.training.events import Event, EventBus, phases, process_started, run_started
 from kubetune.training.guard import FiniteGuard, check_weights_finite
 from kubetune.training.hooks import Hook, Metrics
 from kubetune.training.layout import Layout
@@ -74,6 +74,9 @@ class Trainer:
     stop: threading.Event = field(default_factory=threading.Event)  # set by a stop signal
     trace: Trace | None = None
     t_start: float = field(default_factory=time.perf_counter)
+    # wall-clock times of the run's milestones, for its phases (``events.phases``): the builder may mark
+    # ``data_start``/``data_end``; the trainer marks the rest
+    marks: dict[str, float] = field(default_factory=dict)
     _epoch_ended: bool = False  # the running epoch's data ran out (not cut short by the step limit)
     _saved_step: int | None = None  # the step of the checkpoint this run wrote or resumed from last
     _eval_metrics: Metrics = field(default_factory=dict)  # the last evaluation's (the final metrics hold them)
@@ -83,6 +86,9 @@ class Trainer:
         # long as the trainer: a temporary one could be freed last by gloo's thread, which needs the
         # GIL for that (see worker._exit_now)
         self._tokens_seen = torch.zeros(1, dtype=torch.float64, device=self.device)
+        self.marks.setdefault("built", time.time())
+        self.marks.setdefault("worker", min(process_started(), self.marks["built"]))
+        self.marks.setdefault("started", min(run_started(), self.marks["worker"]))
 
     @property
     def cfg(self) -> TrainSpec:
@@ -111,10 +117,12 @@ class Trainer:
             for step in self.epoch_batches(epoch):
                 if s.global_step >= self.layout.total_steps:
                     break
+                self.marks.setdefault("first_step", time.time())  # its batch is in hand
                 try:
                     self.train_step(step)
                 except distributed.StepAbandoned:
                     self._stop_inside_step()
+                self.marks["last_step"] = time.time()
                 if s.global_step % self.cfg.log_every == 0 or s.global_step == self.layout.total_steps:
                     self._log_train()
                 for hook in self.hooks:  # evaluation, lm-eval scores, then the checkpoint and a stop
@@ -379,6 +387,13 @@ class Trainer:
         distributed.barrier()
         return metrics
 
+    def phases(self) -> dict[str, float]:
+        """This run's phases until now (``events.phases``; a run that trained no step: nothing in training)."""
+        marks = {**self.marks, "end": time.time()}
+        marks.setdefault("first_step", marks["built"])
+        marks.setdefault("last_step", marks["first_step"])
+        return phases(marks)
+
     def _dropped(self) -> dict[str, int]:
         """The rows left out: the data's, and a stream's rows with nothing to learn (every rank's,
         since this process started: a resumed run counts from its resume)."""
@@ -400,6 +415,7 @@ class Trainer:
             for hook in self.hooks:
                 hook.on_artifacts(self, staged)
             metrics["total_runtime_s"] = time.perf_counter() - self.t_start
+            metrics["phases"] = self.phases()
             artifacts.finish(spec, metrics, staged, out / "history.jsonl", self.task.present)
             self.dest.commit(staged, self.task.artifact_files + tasks.artifact_files(self.dest.replaced_task()))
         except (OSError, SafetensorError) as e:  # a full disk, a quota: the output keeps its previous state

@@ -19,6 +19,7 @@ from kubetune.config import JobSpec, dump_spec
 from kubetune.errors import KubetuneError
 from kubetune.lifetime import PARENT_PID_ENV
 from kubetune.pod.launch import WORKER_MODULE, Stopped, WorkerFailed, root_failure, translated_failures
+from kubetune.training.events import RUN_STARTED_ENV, process_started
 
 __all__ = [
     "SHUTDOWN_GRACE_S", "Stopped", "WorkerFailed", "launch", "launch_config", "root_failure", "run",
@@ -121,7 +122,9 @@ def run(spec: JobSpec, local_addr: str | None = None) -> dict[int, object]:
         config = launch_config(spec, run_id=run_id, local_addr=local_addr, log_dir=workdir / "elastic")
         spec_file.write_text(dump_spec(spec))
         with translated_failures():
-            return launch(config, ("-u", "-m", WORKER_MODULE, str(spec_file)), worker_env(spec))
+            # the workers' phases count from this process's start (its checks included)
+            env = {**worker_env(spec), RUN_STARTED_ENV: repr(process_started())}
+            return launch(config, ("-u", "-m", WORKER_MODULE, str(spec_file)), env)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
