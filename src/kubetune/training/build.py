@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +87,9 @@ def build_trainer(
     # data: read and split on every rank (cheap, deterministic); tokenize once per node
     model_dir = artifacts.resolve_model(spec)
     tokenizer = load_tokenizer(model_dir)
+    marks = {"data_start": time.time()}  # reading and tokenizing: the data phase of metrics.json's "phases"
     data = task.prepare(spec, env, model_dir, tokenizer)
+    marks["data_end"] = time.time()
 
     strategy, model, wrapped = _model(spec, env, task, data, model_dir, device, dtype, strategy, saved)
     layout = _layout(spec, env, data, grad_accum, group_unit, device)
@@ -118,6 +121,7 @@ def build_trainer(
         cleanup,
     )
     trainer = Trainer(
+        marks=marks,
         spec=spec,
         env=env,
         task=task,
