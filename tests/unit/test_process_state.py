@@ -39,6 +39,10 @@ MUTABLE_GLOBALS = {
         "the attention implementations registered as a wrapper over another, filled as each registers (as "
         "transformers' own ALL_ATTENTION_FUNCTIONS, which the same registration writes)"
     ),
+    ("kubetune/checkpoint/writer.py", "_WRITERS"): (
+        "the background checkpoint writer of each checkpoint directory: its thread belongs to the process, and every "
+        "CheckpointStore made for that directory must wait for the write in flight"
+    ),
     ("kubetune/artifacts/lock.py", "_HELD"): (
         "the outputs this process holds locked: a lock belongs to the process, and the kernel releases it when the "
         "process ends, however it ends"

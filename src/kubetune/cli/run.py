@@ -118,7 +118,8 @@ def _checked_aside(job) -> str:
     """``_preflight`` in a child process, while this one imports torch's elastic launcher (seconds, in parallel);
     returns its plan's action. Why a child: the checks import pandas, datasets and transformers and read the whole
     data, which this process would otherwise hold (hundreds of MB) for the whole run while it only waits for its
-    workers. The child says its own error (one line) and dies with this process however it ends.
+    workers. The child says its own error (one line, passed on through this process's stderr) and dies with this
+    process however it ends.
 
     Raises:
         typer.Exit: the checks failed (2: a user error, said by the child; 1: a crash, its traceback above).
@@ -136,17 +137,21 @@ def _checked_aside(job) -> str:
         child = subprocess.Popen(
             [sys.executable, "-c", "from kubetune.cli.run import _preflight_main; _preflight_main()", str(spec_file)],
             stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,  # said again through this process: a caller that captures it (a test) sees it
             text=True,
             env={**os.environ, PARENT_PID_ENV: str(os.getpid())},
         )
         try:
             import kubetune.backends.local.launcher  # noqa: F401 -- torch, imported while the child checks
 
-            said = child.communicate()[0].splitlines()
+            out, errors = child.communicate()
+            said = out.splitlines()
         finally:
             if child.poll() is None:  # interrupted while it checked
                 child.kill()
                 child.wait()
+    if errors.strip():
+        typer.echo(errors.rstrip("\n"), err=True)
     if child.returncode == 0:
         for line in said[:-1]:  # anything the checks printed (a library's notice) before their answer, the last line
             typer.echo(line)

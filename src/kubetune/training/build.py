@@ -85,11 +85,7 @@ def build_trainer(
     # Found before the set-up: a checkpoint of another number of processes changes the layout.
     found, saved, grad_accum, group_unit = _start(dest, env, cfg)
     # data: read and split on every rank (cheap, deterministic); tokenize once per node
-    model_dir = artifacts.resolve_model(spec)
-    tokenizer = load_tokenizer(model_dir)
-    marks = {"data_start": time.time()}  # reading and tokenizing: the data phase of metrics.json's "phases"
-    data = task.prepare(spec, env, model_dir, tokenizer)
-    marks["data_end"] = time.time()
+    model_dir, tokenizer, data, marks = _data(spec, env, task)
 
     strategy, model, wrapped = _model(spec, env, task, data, model_dir, device, dtype, strategy, saved)
     layout = _layout(spec, env, data, grad_accum, group_unit, device)
@@ -151,6 +147,17 @@ def build_trainer(
     )
     _log_plan(trainer)
     return trainer
+
+
+def _data(spec: JobSpec, env: DistEnv, task: Task) -> tuple[Path, Any, Prepared, dict[str, float]]:
+    """The base model's directory, its tokenizer and the task's data, with the wall-clock marks around reading and
+    tokenizing the data (the data phase of metrics.json's "phases"; fetching the model is start-up)."""
+    model_dir = artifacts.resolve_model(spec)
+    tokenizer = load_tokenizer(model_dir)
+    marks = {"data_start": time.time()}
+    data = task.prepare(spec, env, model_dir, tokenizer)
+    marks["data_end"] = time.time()
+    return model_dir, tokenizer, data, marks
 
 
 def _log_job(spec: JobSpec, env: DistEnv, device: torch.device, dtype: torch.dtype) -> None:

@@ -15,6 +15,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from kubetune import checkpoint, distributed
+from kubetune.artifacts.output import Output
 from kubetune.checkpoint.writer import snapshot
 from kubetune.config import JobSpec
 from kubetune.distributed import DistEnv
@@ -130,7 +131,7 @@ def for_job(
         spec.distributed.fsdp.reshard_after_forward,
         spec.distributed.fsdp.cpu_offload,
         # each rank uploads its own shards to an s3:// output as soon as ``save`` returns: they must be written
-        async_save=spec.training.checkpoint_async and not spec.output.uri.startswith("s3://"),
+        async_save=spec.training.checkpoint_async and Output.for_spec(spec).scheme != "s3",
     )
 
 
