@@ -11,7 +11,8 @@ from conftest import descendants, is_worker, start_run, tiny_spec, write_spec
 
 from kubetune.training.events import PHASES
 
-pytestmark = pytest.mark.integration
+# e2e: a whole run (20 s); tests/unit/test_startup.py covers the phases and the report rows in make test
+pytestmark = [pytest.mark.integration, pytest.mark.e2e]
 # shared libraries of what the checks before the run import (kubetune.cli.run._preflight): pandas, pyarrow, tokenizers
 CHECKS_ONLY = ("pandas/_libs", "pyarrow/lib", "tokenizers/tokenizers")
 

@@ -74,8 +74,16 @@ def _reference(records: list[dict], tok, max_length: int, train_on_prompt: bool)
     return out
 
 
-@pytest.mark.parametrize("train_on_prompt", [False, True])
-@pytest.mark.parametrize("max_length", [256, 24])
+# One case in make test (2-3 s each on 2 cores); the other three in make test-e2e.
+@pytest.mark.parametrize(
+    "max_length, train_on_prompt",
+    [
+        (256, False),
+        pytest.param(256, True, marks=pytest.mark.e2e),
+        pytest.param(24, False, marks=pytest.mark.e2e),
+        pytest.param(24, True, marks=pytest.mark.e2e),
+    ],
+)
 def test_tokenize_frame_gives_todays_tokens(tok, max_length, train_on_prompt):
     records = _records()
     frame = pd.DataFrame({"record": [json.dumps(r) for r in records]})
